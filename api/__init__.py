@@ -1,0 +1,56 @@
+"""posttrain's API types (group posttrain.io, version v1alpha1).
+
+Depends on pydantic only (plus yaml for manifests), so every component imports it
+and none imports another's internals. The CRDs in crds/ are generated from here.
+"""
+
+from .base import API_VERSION, GROUP, VERSION, ApiModel, Condition, ObjectMeta, VerifierSpec
+from .manifests import load_manifest, load_manifests, parse_resource
+from .rolloutpool import EngineArgs, RolloutPool, RolloutPoolSpec, RolloutPoolStatus
+from .sandboxtask import SandboxTask, SandboxTaskSpec, SandboxTaskStatus
+from .trainingrun import (
+    AlgorithmSpec,
+    AuditSpec,
+    CheckpointPolicy,
+    CurriculumSpec,
+    DomainSpec,
+    EvaluationSpec,
+    RolloutSource,
+    SandboxPolicy,
+    TrainerResources,
+    TrainingRun,
+    TrainingRunSpec,
+    TrainingRunStatus,
+)
+
+__all__ = [
+    "API_VERSION",
+    "GROUP",
+    "VERSION",
+    "AlgorithmSpec",
+    "ApiModel",
+    "AuditSpec",
+    "CheckpointPolicy",
+    "Condition",
+    "CurriculumSpec",
+    "DomainSpec",
+    "EngineArgs",
+    "EvaluationSpec",
+    "ObjectMeta",
+    "RolloutPool",
+    "RolloutPoolSpec",
+    "RolloutPoolStatus",
+    "RolloutSource",
+    "SandboxPolicy",
+    "SandboxTask",
+    "SandboxTaskSpec",
+    "SandboxTaskStatus",
+    "TrainerResources",
+    "TrainingRun",
+    "TrainingRunSpec",
+    "TrainingRunStatus",
+    "VerifierSpec",
+    "load_manifest",
+    "load_manifests",
+    "parse_resource",
+]

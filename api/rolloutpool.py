@@ -1,0 +1,117 @@
+"""RolloutPool: a scalable set of OpenAI-compatible inference servers (vLLM in clusters)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta
+
+PoolPhase = Literal["Pending", "Ready", "Degraded", "Updating"]
+
+
+class SpeculativeDecoding(ApiModel):
+    """vLLM speculative decoding (passed as --speculative-config)."""
+
+    method: Literal["ngram", "eagle", "eagle3", "medusa", "mtp", "draft_model"] = "ngram"
+    """Proposal method; draft_model needs draftModel."""
+    num_speculative_tokens: int = Field(default=4, ge=1, le=32)
+    """Tokens proposed per step."""
+    draft_model: str | None = None
+    """Draft model for method=draft_model/eagle."""
+
+
+class EngineArgs(ApiModel):
+    """Engine settings, mapped one-to-one onto `vllm serve` flags."""
+
+    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
+    """GPUs per replica the model is sharded over (--tensor-parallel-size)."""
+    max_model_len: int | None = Field(default=None, ge=16)
+    """Context length (--max-model-len); long-context RL raises it."""
+    enable_prefix_caching: bool = True
+    """Reuse KV cache across a group's shared prompt (--enable-prefix-caching)."""
+    enable_chunked_prefill: bool = True
+    """Interleave long prefills with decodes (--enable-chunked-prefill)."""
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    """Share of GPU memory vLLM may use (--gpu-memory-utilization)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Weights/activation dtype (--dtype)."""
+    speculative: SpeculativeDecoding | None = None
+    """Speculative decoding; off when absent."""
+    extra_args: list[str] = Field(default_factory=list)
+    """Further `vllm serve` flags, passed verbatim."""
+
+
+class WeightUpdatePolicy(ApiModel):
+    """How new policy weights published by the trainer reach the servers."""
+
+    source_uri: str | None = None
+    """Prefix where the trainer publishes weights/vNNNNNNNN (s3://...); replicas load the latest
+    before reporting ready."""
+    strategy: Literal["in_place", "rolling"] = "in_place"
+    """in_place: each replica swaps weights between decode steps (no dropped requests);
+    rolling: replace pods one at a time."""
+    poll_seconds: float = Field(default=5.0, gt=0)
+    """How often an idle replica checks for a newer version."""
+
+
+class PoolResources(ApiModel):
+    """Per-replica resources."""
+
+    gpus: int = Field(default=1, ge=0, le=16)
+    """nvidia.com/gpu per replica (>= tensorParallelSize for vLLM)."""
+    cpu: str = Field(default="4", pattern=QUANTITY)
+    memory: str = Field(default="32Gi", pattern=QUANTITY)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class RolloutPoolSpec(ApiModel):
+    """Desired state of a RolloutPool."""
+
+    model: str = Field(min_length=1)
+    """Model served at start: packaged id, s3:// URI, pvc:// path or HF-format local path."""
+    served_model_name: str | None = None
+    """Name clients use in requests; defaults to the pool name."""
+    replicas: int = Field(default=1, ge=0, le=1024)
+    """Server replicas (the scale subresource writes this)."""
+    engine: Literal["vllm", "cpu"] = "vllm"
+    """vllm on GPUs; cpu is posttrain's transformers engine (same HTTP contract) for dev."""
+    engine_args: EngineArgs = Field(default_factory=EngineArgs)
+    """Engine settings."""
+    resources: PoolResources = Field(default_factory=PoolResources)
+    """Per-replica resources."""
+    weight_update: WeightUpdatePolicy = Field(default_factory=WeightUpdatePolicy)
+    """Weight sync from the trainer."""
+    image: str | None = None
+    """Server image; defaults to the operator's configured vLLM (or posttrain) image."""
+    port: int = Field(default=8000, ge=1, le=65535)
+    """HTTP port of the OpenAI-compatible API."""
+
+
+class RolloutPoolStatus(ApiModel):
+    """Observed state of a RolloutPool."""
+
+    phase: PoolPhase | None = None
+    conditions: list[Condition] = CONDITIONS_FIELD
+    observed_generation: int | None = None
+    replicas: int = 0
+    """Pods that exist (scale subresource statusReplicasPath)."""
+    ready_replicas: int = 0
+    """Pods passing /health."""
+    selector: str | None = None
+    """Label selector of the pool's pods (scale subresource labelSelectorPath)."""
+    weight_version: int | None = None
+    """Weights version every ready replica serves."""
+    endpoint: str | None = None
+    """In-cluster base URL of the pool's Service."""
+
+
+class RolloutPool(ApiModel):
+    """A pool of inference servers the trainer samples from."""
+
+    api_version: Literal["posttrain.io/v1alpha1"] = "posttrain.io/v1alpha1"
+    kind: Literal["RolloutPool"] = "RolloutPool"
+    metadata: ObjectMeta
+    spec: RolloutPoolSpec
+    status: RolloutPoolStatus = Field(default_factory=RolloutPoolStatus)

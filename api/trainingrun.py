@@ -1,0 +1,319 @@
+"""TrainingRun: one RL post-training job (spec = the trainer's whole config).
+
+The trainer reads exactly this model, so a manifest that the apiserver accepts
+is a config the trainer can run, and a local YAML fails with the same messages.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from .base import (
+    CONDITIONS_FIELD,
+    DNS_LABEL,
+    QUANTITY,
+    ApiModel,
+    Condition,
+    ObjectMeta,
+    VerifierSpec,
+)
+
+RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+
+
+class AlgorithmSpec(ApiModel):
+    """GRPO-family objective and its hyper-parameters."""
+
+    name: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
+    """grpo: group-relative advantages with std normalisation; dapo: asymmetric clip, dynamic
+    sampling, token-level loss (arXiv:2503.14476); dr_grpo: no std normalisation
+    (arXiv:2503.20783)."""
+    group_size: int = Field(default=8, ge=2, le=512)
+    """Completions sampled per prompt; advantages are relative within a group, so >= 2."""
+    prompts_per_step: int = Field(default=8, ge=1, le=65536)
+    """Prompts per optimizer step (batch = prompts_per_step x group_size completions)."""
+    max_steps: int = Field(default=20, ge=1)
+    """Optimizer steps before the run succeeds."""
+    learning_rate: float = Field(default=1e-6, gt=0, le=1.0)
+    """AdamW learning rate. 1e-6 is the usual full-parameter RL rate for 1B+ models; tiny models
+    tolerate 1e-5..5e-5."""
+    clip_low: float = Field(default=0.2, ge=0, le=1.0)
+    """Lower PPO clip: ratio >= 1 - clip_low."""
+    clip_high: float = Field(default=0.28, ge=0, le=10.0)
+    """Upper PPO clip: ratio <= 1 + clip_high. DAPO's clip-higher (0.28) keeps exploration alive."""
+    kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of the KL penalty to the frozen reference model (0 disables it and saves memory)."""
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = "token_mean"
+    """token_mean: every token weighs the same (DAPO); sequence_mean: every completion does."""
+    dynamic_sampling: bool = True
+    """Drop groups whose rewards are all equal: they carry zero advantage, so no gradient."""
+    max_new_tokens: int = Field(default=128, ge=1, le=131072)
+    """Generation budget per completion, in tokens."""
+    temperature: float = Field(default=1.0, gt=0, le=10.0)
+    """Sampling temperature for rollouts; 1.0 keeps behaviour logprobs faithful."""
+    top_p: float = Field(default=1.0, gt=0, le=1.0)
+    """Nucleus sampling for rollouts."""
+    overlong_buffer_tokens: int = Field(default=0, ge=0)
+    """Soft overlong penalty (DAPO): within this many tokens of max_new_tokens the reward is
+    reduced linearly, down to -overlong_penalty at the limit. 0 disables it."""
+    overlong_penalty: float = Field(default=1.0, ge=0)
+    """Maximum reward reduction for an overlong completion."""
+    max_policy_lag: int = Field(default=0, ge=0, le=64)
+    """Bounded staleness k: rollouts may come from weights up to k versions old (k=0 is
+    on-policy); older batches are dropped, newer ones importance-corrected."""
+    grad_clip: float = Field(default=1.0, gt=0)
+    """Global gradient-norm clip."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Completions per forward/backward pass (gradient accumulation fills the step)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    seed: int = Field(default=0, ge=0)
+    """Seeds data order, sampling and initialisation, so a run is reproducible."""
+
+
+class DomainSpec(ApiModel):
+    """One task family with its own data, verifier and weight."""
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    """Unique within the run; used in metrics, status and storage paths."""
+    dataset: str = Field(min_length=1)
+    """Training tasks: builtin:<name>, an s3:// or file path to a JSONL task file."""
+    eval_dataset: str | None = None
+    """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
+    verifier: VerifierSpec
+    """How completions in this domain are scored."""
+    weight: float = Field(default=1.0, ge=0)
+    """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
+    strata: list[str] = Field(default_factory=list, max_length=16)
+    """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
+
+
+class CurriculumSpec(ApiModel):
+    """What to practise next."""
+
+    enabled: bool = True
+    """Off: sample domains by weight and strata uniformly."""
+    promote_at: float = Field(default=0.7, gt=0, le=1)
+    """Rolling pass rate at which a domain moves to its next harder stratum."""
+    window: int = Field(default=32, ge=1)
+    """Completions in the rolling pass-rate window."""
+    replay_fraction: float = Field(default=0.1, ge=0, lt=1)
+    """Share of each batch replayed from earlier solved tasks, against forgetting."""
+    min_domain_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Quota: every domain with weight > 0 gets at least this share of each batch."""
+
+
+class RolloutSource(ApiModel):
+    """Where the trainer samples completions from (OpenAI-compatible servers)."""
+
+    pool: str | None = Field(default=None, pattern=DNS_LABEL)
+    """A RolloutPool in the same namespace; its Service is used."""
+    endpoints: list[str] = Field(default_factory=list)
+    """Explicit base URLs (http://host:port). Local runs start their own CPU server if empty."""
+    timeout_seconds: float = Field(default=120, gt=0)
+    """Per-request timeout."""
+    max_in_flight: int = Field(default=4, ge=1)
+    """Concurrent requests per endpoint (back-pressure)."""
+
+
+class SandboxPolicy(ApiModel):
+    """How untrusted completions (code, shell) are executed for verification."""
+
+    mode: Literal["local", "runner", "task"] = "local"
+    """local: the bubblewrap executor in the trainer's pod; runner: a sandbox runner server;
+    task: one SandboxTask object per verification (slow, fully isolated pods)."""
+    runner_url: str | None = None
+    """Base URL of the sandbox runner when mode=runner."""
+    timeout_seconds: float = Field(default=10, gt=0, le=3600)
+    """Wall-clock limit per execution."""
+    memory_mb: int = Field(default=512, ge=16)
+    """Memory limit per execution."""
+    max_concurrency: int = Field(default=2, ge=1)
+    """Executions in parallel."""
+    runtime_class_name: str | None = None
+    """RuntimeClass (gvisor, kata) for SandboxTask pods when mode=task."""
+
+
+class TrainerResources(ApiModel):
+    """The trainer workload's shape."""
+
+    nodes: int = Field(default=1, ge=1, le=1024)
+    """Trainer nodes; > 1 runs a Ray cluster (head + workers) with gang semantics."""
+    gpus_per_node: int = Field(default=0, ge=0, le=16)
+    """nvidia.com/gpu per trainer pod."""
+    cpu: str = Field(default="2", pattern=QUANTITY)
+    """CPU request per trainer pod."""
+    memory: str = Field(default="8Gi", pattern=QUANTITY)
+    """Memory request and limit per trainer pod."""
+    image: str | None = None
+    """Trainer image; defaults to the operator's configured image."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Extra node selector for trainer pods (e.g. a GPU node pool)."""
+
+
+class CheckpointPolicy(ApiModel):
+    """When checkpoints are written and how many are kept."""
+
+    every_steps: int = Field(default=5, ge=1)
+    """Save after every N optimizer steps (and always at the end)."""
+    keep_last: int = Field(default=3, ge=1)
+    """Most recent checkpoints kept; older ones are deleted."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the best held-out score."""
+    storage_uri: str | None = None
+    """s3://bucket/prefix for this run's artifacts; default s3://<operator bucket>/runs/<ns>/<name>."""
+    delete_on_run_deletion: bool = False
+    """Delete checkpoints and trajectories when the TrainingRun is deleted (off: never lost)."""
+
+
+class EvaluationSpec(ApiModel):
+    """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
+
+    every_steps: int = Field(default=5, ge=1)
+    """Evaluate every N steps (and at step 0 and the end)."""
+    max_items_per_domain: int = Field(default=64, ge=1)
+    """Held-out items scored per domain and interval."""
+    regression_dataset: str | None = None
+    """General tasks scored from step 0 on, so capability drift outside the domains shows."""
+    temperature: float = Field(default=0.0, ge=0)
+    """0 = greedy decoding for evaluation."""
+
+
+class AuditSpec(ApiModel):
+    """Reward-hacking audits."""
+
+    enabled: bool = True
+    """Run the per-domain monitors (reward up while held-out flat, verifier-gaming signals)."""
+    spot_check_samples: int = Field(default=20, ge=0)
+    """Trajectories sampled into the human spot-check export at each eval."""
+
+
+class TrainingRunSpec(ApiModel):
+    """Desired state of a TrainingRun."""
+
+    # The apiserver enforces the same cross-field checks as _check below (CEL), so kubectl
+    # apply and a local run reject a bad spec with the same meaning.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.domains.exists(d, d.weight > 0)",
+                    "message": "domains: at least one domain needs weight > 0",
+                    "fieldPath": ".domains",
+                },
+                {
+                    "rule": "!has(self.sandbox) || !has(self.sandbox.mode) || "
+                    "self.sandbox.mode != 'runner' || has(self.sandbox.runnerUrl)",
+                    "message": "sandbox.runnerUrl is required when sandbox.mode is 'runner'",
+                    "fieldPath": ".sandbox",
+                },
+                {
+                    "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
+                    "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
+                    "message": "managedBy is immutable",
+                    "fieldPath": ".managedBy",
+                },
+            ]
+        }
+    )
+
+    model: str = Field(
+        min_length=1,
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self == oldSelf",
+                    "message": "model is immutable; create a new TrainingRun to train another model",
+                }
+            ]
+        },
+    )
+    """Base model: a packaged id (smollm2-135m-instruct), s3://bucket/path, pvc://claim/path or a
+    local path. Immutable."""
+    algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
+    """Objective and hyper-parameters."""
+    domains: list[DomainSpec] = Field(
+        min_length=1,
+        max_length=1000,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    """Task domains (hundreds allowed); names are unique."""
+    curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
+    """What to practise next."""
+    rollout: RolloutSource = Field(default_factory=RolloutSource)
+    """Where completions are sampled."""
+    sandbox: SandboxPolicy = Field(default_factory=SandboxPolicy)
+    """How untrusted output is executed."""
+    resources: TrainerResources = Field(default_factory=TrainerResources)
+    """Trainer pods."""
+    checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
+    """Checkpoint cadence and retention."""
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
+    """Evaluation matrix."""
+    audit: AuditSpec = Field(default_factory=AuditSpec)
+    """Reward-hacking audits."""
+    suspend: bool = False
+    """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
+    managed_by: str | None = Field(default=None, max_length=63)
+    """A controller other than posttrain owns this run (e.g. kueue.x-k8s.io/multikueue).
+    Immutable."""
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    """Fail the run after this long since it started."""
+    backoff_limit: int = Field(default=3, ge=0, le=100)
+    """Trainer restarts (from the last checkpoint) before the run fails."""
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingRunSpec:
+        names = [d.name for d in self.domains]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"domains: names must be unique, repeated: {dupes}")
+        if not any(d.weight > 0 for d in self.domains):
+            raise ValueError("domains: at least one domain needs weight > 0")
+        if self.sandbox.mode == "runner" and not self.sandbox.runner_url:
+            raise ValueError("sandbox.runnerUrl is required when sandbox.mode is 'runner'")
+        return self
+
+
+class TrainingRunStatus(ApiModel):
+    """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
+
+    phase: RunPhase | None = None
+    """Pending, Running, Suspended, Succeeded or Failed."""
+    conditions: list[Condition] = CONDITIONS_FIELD
+    """Ready, Suspended, Succeeded, Failed, with fixed reasons."""
+    observed_generation: int | None = None
+    """The spec generation the operator last acted on."""
+    step: int | None = None
+    """Last completed optimizer step."""
+    max_steps: int | None = None
+    """spec.algorithm.maxSteps, copied for the printer column."""
+    reward_mean: float | None = None
+    """Mean reward of the last step's rollouts."""
+    domain_rewards: dict[str, float] = Field(default_factory=dict)
+    """Mean reward per domain at the last step."""
+    eval_accuracy: dict[str, float] = Field(default_factory=dict)
+    """Held-out accuracy per domain at the last evaluation."""
+    last_checkpoint: str | None = None
+    """URI of the newest complete checkpoint."""
+    weight_version: int | None = None
+    """Weights version last published to the rollout servers."""
+    restarts: int = 0
+    """Trainer restarts so far (bounded by spec.backoffLimit)."""
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    message: str | None = None
+    """One line on the current state, for kubectl get -o wide."""
+
+
+class TrainingRun(ApiModel):
+    """An RL post-training run."""
+
+    api_version: Literal["posttrain.io/v1alpha1"] = "posttrain.io/v1alpha1"
+    kind: Literal["TrainingRun"] = "TrainingRun"
+    metadata: ObjectMeta
+    spec: TrainingRunSpec
+    status: TrainingRunStatus = Field(default_factory=TrainingRunStatus)

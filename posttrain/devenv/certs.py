@@ -1,0 +1,120 @@
+"""Throw-away PKI for the dev control plane: a CA, the apiserver's serving cert, an
+admin client cert in group system:masters, and the service-account signing key."""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca_cert: Path
+    serving_cert: Path
+    serving_key: Path
+    admin_cert: Path
+    admin_key: Path
+    sa_public: Path
+    sa_private: Path
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _cert(
+    subject: x509.Name,
+    public_key: ec.EllipticCurvePublicKey,
+    issuer: x509.Name,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    usages: list[x509.ObjectIdentifier] | None = None,
+    sans: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
+    now = dt.datetime.now(dt.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=7))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if usages:
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+def make_pki(directory: Path) -> Pki:
+    """Write a fresh PKI into ``directory`` (valid 7 days; never reused across runs)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "posttrain-dev-ca")])
+    ca = _cert(ca_name, ca_key.public_key(), ca_name, ca_key, ca=True)
+
+    serving_key = ec.generate_private_key(ec.SECP256R1())
+    serving = _cert(
+        x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kube-apiserver")]),
+        serving_key.public_key(),
+        ca_name,
+        ca_key,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH],
+        sans=[
+            x509.DNSName("localhost"),
+            x509.DNSName("kubernetes.default.svc"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ],
+    )
+    admin_key = ec.generate_private_key(ec.SECP256R1())
+    admin = _cert(
+        x509.Name(
+            [
+                x509.NameAttribute(NameOID.COMMON_NAME, "posttrain-admin"),
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "system:masters"),
+            ]
+        ),
+        admin_key.public_key(),
+        ca_name,
+        ca_key,
+        usages=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+    sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+
+    pki = Pki(
+        ca_cert=directory / "ca.crt",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_public=directory / "sa.pub",
+        sa_private=directory / "sa.key",
+    )
+    pem = serialization.Encoding.PEM
+    pki.ca_cert.write_bytes(ca.public_bytes(pem))
+    pki.serving_cert.write_bytes(serving.public_bytes(pem))
+    pki.serving_key.write_bytes(_pem_key(serving_key))
+    pki.admin_cert.write_bytes(admin.public_bytes(pem))
+    pki.admin_key.write_bytes(_pem_key(admin_key))
+    pki.sa_private.write_bytes(_pem_key(sa_key))
+    pki.sa_public.write_bytes(
+        sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    for key in (pki.serving_key, pki.admin_key, pki.sa_private):
+        key.chmod(0o600)
+    return pki

@@ -1,0 +1,87 @@
+"""OpenTelemetry tracing and Prometheus metrics, set up once per process.
+
+Spans are exported over OTLP when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (and the
+``otlp`` extra is installed); otherwise they stay in process, where tests read
+them through :func:`memory_exporter`. Trace context crosses HTTP hops with the
+W3C ``traceparent`` header via :func:`inject_headers` / :func:`extract_context`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_memory: InMemorySpanExporter | None = None
+
+
+def setup_tracing(service_name: str = "posttrain") -> InMemorySpanExporter:
+    """Install the global tracer provider once; returns the in-memory exporter."""
+    global _memory
+    with _lock:
+        if _memory is not None:
+            return _memory
+        provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        _memory = InMemorySpanExporter()
+        provider.add_span_processor(SimpleSpanProcessor(_memory))
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        if endpoint:
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+                from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+                provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+                log.info("exporting traces over OTLP to %s", endpoint)
+            except ImportError:
+                log.warning(
+                    "OTEL_EXPORTER_OTLP_ENDPOINT=%s is set but the exporter is not installed; "
+                    "install posttrain[otlp]",
+                    endpoint,
+                )
+        trace.set_tracer_provider(provider)
+        return _memory
+
+
+def memory_exporter() -> InMemorySpanExporter:
+    """The in-process exporter (tests read finished spans from it)."""
+    return setup_tracing()
+
+
+def get_tracer(name: str) -> trace.Tracer:
+    setup_tracing()
+    return trace.get_tracer(name)
+
+
+def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """Return ``headers`` plus the current trace context (``traceparent``)."""
+    carrier: dict[str, str] = dict(headers or {})
+    inject(carrier)
+    return carrier
+
+
+def extract_context(headers: Mapping[str, Any]) -> otel_context.Context:
+    """The trace context carried by incoming HTTP headers."""
+    return extract(dict(headers))
+
+
+def start_metrics_server(port: int) -> None:
+    """Expose this process's Prometheus metrics on ``:port/metrics`` (0 = disabled)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+        log.info("Prometheus metrics on :%d/metrics", port)

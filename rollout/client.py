@@ -1,0 +1,357 @@
+"""The trainer's client for a pool of OpenAI-compatible rollout servers.
+
+It speaks only ``/v1/completions`` with token-id prompts and ``return_tokens_as_token_ids``
+so that the exact sampled token ids and their logprobs come back -- re-tokenising text
+would silently break importance ratios -- and so that it works unchanged on vLLM.
+
+Each prompt is one HTTP request (carrying ``n``): the servers batch concurrent requests
+themselves, and per-prompt requests make balancing and retries fine-grained. A request that
+fails on one replica (connection error, timeout, 5xx) is retried with exponential backoff
+on the replica with the fewest requests in flight, excluding the one that just failed while
+another is available. ``max_in_flight`` bounds concurrent requests per endpoint; callers
+block when every endpoint is full (back-pressure instead of an unbounded queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from prometheus_client import Counter, Histogram
+
+from posttrain.rollout.protocol import (
+    WEIGHT_VERSION_HEADER,
+    Completion,
+    SamplingParams,
+    parse_token_id,
+)
+from posttrain.telemetry import get_tracer, inject_headers
+
+__all__ = ["Completion", "RolloutClient", "RolloutError", "SamplingParams"]
+
+log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+CLIENT_REQUESTS = Counter(
+    "posttrain_rollout_client_requests_total", "Rollout HTTP requests", ["endpoint", "outcome"]
+)
+CLIENT_RETRIES = Counter("posttrain_rollout_client_retries_total", "Retried rollout requests")
+CLIENT_LATENCY = Histogram(
+    "posttrain_rollout_client_request_seconds",
+    "Latency of one rollout request as the trainer sees it",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+
+
+class RolloutError(RuntimeError):
+    """A rollout request failed on every replica it was tried on."""
+
+
+class _Retryable(Exception):
+    """Connection error, timeout or 5xx: worth trying again, preferably elsewhere."""
+
+
+class _Endpoint:
+    def __init__(self, url: str, max_in_flight: int) -> None:
+        self.url = url.rstrip("/")
+        self.in_flight = 0
+        self.max_in_flight = max_in_flight
+        self.failures = 0  # consecutive; used to deprioritise a replica that keeps failing
+
+
+class RolloutClient:
+    """Sample from (and push weights to) a set of rollout servers. Thread-safe."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        max_in_flight: int = 4,
+        model: str | None = None,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("RolloutClient needs at least one endpoint URL")
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self._endpoints = [_Endpoint(url, max_in_flight) for url in endpoints]
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._model = model
+        self._slots = threading.Condition()
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(max_connections=max_in_flight * len(endpoints) + 8),
+        )
+        self._pool = ThreadPoolExecutor(
+            max_workers=max_in_flight * len(endpoints), thread_name_prefix="rollout-client"
+        )
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        """One list of ``params.n`` completions per prompt, in prompt order."""
+        params.validate()
+        with tracer.start_as_current_span("rollout.generate") as span:
+            span.set_attribute("rollout.prompts", len(prompt_token_ids))
+            span.set_attribute("rollout.n", params.n)
+            carrier = inject_headers()
+            futures = [
+                self._pool.submit(self._complete_one, index, ids, params, carrier)
+                for index, ids in enumerate(prompt_token_ids)
+            ]
+            return [f.result() for f in futures]
+
+    def _complete_one(
+        self, index: int, token_ids: list[int], params: SamplingParams, headers: dict[str, str]
+    ) -> list[Completion]:
+        body: dict[str, Any] = {
+            "prompt": token_ids,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            **params.to_request_fields(),
+        }
+        if self._model:
+            body["model"] = self._model
+        response = self._post("/v1/completions", body, headers)
+        return parse_completions(response, index, params.n)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        params: SamplingParams | None = None,
+    ) -> list[Completion]:
+        """``n`` assistant replies to a conversation (the server applies the chat template)."""
+        params = params or SamplingParams()
+        params.validate()
+        body: dict[str, Any] = {
+            "messages": messages,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            **params.to_request_fields(),
+        }
+        if self._model:
+            body["model"] = self._model
+        with tracer.start_as_current_span("rollout.chat"):
+            response = self._post("/v1/chat/completions", body, inject_headers())
+        version = int(response.get("weight_version", -1))
+        completions = []
+        for choice in sorted(response["choices"], key=lambda c: c["index"]):
+            content = (choice.get("logprobs") or {}).get("content") or []
+            token_ids = choice.get("token_ids") or [parse_token_id(c["token"]) for c in content]
+            completions.append(
+                Completion(
+                    prompt_index=0,
+                    text=choice["message"]["content"],
+                    token_ids=list(token_ids),
+                    logprobs=[float(c["logprob"]) for c in content],
+                    finish_reason=choice.get("finish_reason") or "stop",
+                    weight_version=int(choice.get("weight_version", version)),
+                )
+            )
+        return completions
+
+    # ------------------------------------------------------------------ weights / health
+
+    def load_weights(self, uri: str, version: int) -> None:
+        """Make every endpoint serve ``version``; raises RolloutError naming the failures."""
+        with tracer.start_as_current_span("rollout.load_weights") as span:
+            span.set_attribute("weights.version", version)
+            carrier = inject_headers()
+            failures: dict[str, str] = {}
+            threads = []
+
+            def load(endpoint: _Endpoint) -> None:
+                try:
+                    self._post_to(
+                        endpoint, "/v1/weights/load", {"uri": uri, "version": version}, carrier,
+                        timeout_s=max(self._timeout_s, 600.0),
+                    )
+                except Exception as exc:
+                    failures[endpoint.url] = str(exc)
+
+            for endpoint in self._endpoints:
+                thread = threading.Thread(target=load, args=(endpoint,))
+                thread.start()
+                threads.append(thread)
+            for thread in threads:
+                thread.join()
+            if failures:
+                raise RolloutError(f"loading weights v{version} from {uri} failed on {failures}")
+
+    def weight_versions(self) -> dict[str, int]:
+        """Each endpoint's served version (-1 when unreachable)."""
+        versions = {}
+        for endpoint in self._endpoints:
+            try:
+                response = self._http.get(f"{endpoint.url}/v1/weights/version", timeout=10)
+                response.raise_for_status()
+                versions[endpoint.url] = int(response.json()["weight_version"])
+            except (httpx.HTTPError, KeyError, ValueError):
+                versions[endpoint.url] = -1
+        return versions
+
+    def health(self) -> dict[str, bool]:
+        result = {}
+        for endpoint in self._endpoints:
+            try:
+                result[endpoint.url] = self._http.get(
+                    f"{endpoint.url}/health", timeout=10
+                ).status_code == 200
+            except httpx.HTTPError:
+                result[endpoint.url] = False
+        return result
+
+    def wait_healthy(self, timeout_s: float = 300.0) -> None:
+        """Block until every endpoint answers /health 200 (raises TimeoutError otherwise)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            status = self.health()
+            if all(status.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout endpoints not healthy after {timeout_s}s: {status}")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ transport
+
+    def _acquire(self, avoid: set[str]) -> _Endpoint:
+        """Block until an endpoint has a free slot; prefer least loaded, then fewest failures."""
+        with self._slots:
+            while True:
+                free = [e for e in self._endpoints if e.in_flight < e.max_in_flight]
+                preferred = [e for e in free if e.url not in avoid] or free
+                if preferred:
+                    best = min(
+                        preferred, key=lambda e: (e.failures > 0, e.in_flight, random.random())
+                    )
+                    best.in_flight += 1
+                    return best
+                self._slots.wait()
+
+    def _release(self, endpoint: _Endpoint) -> None:
+        with self._slots:
+            endpoint.in_flight -= 1
+            self._slots.notify()
+
+    def _post(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+        """POST with balancing and retries; the failed replica is avoided on the next try."""
+        avoid: set[str] = set()
+        last_error: Exception | None = None
+        for attempt in range(self._max_retries + 1):
+            endpoint = self._acquire(avoid)
+            try:
+                return self._post_to(endpoint, path, body, headers)
+            except _Retryable as exc:
+                last_error = exc
+            finally:
+                self._release(endpoint)  # before the backoff sleep: don't hold a slot idle
+            avoid.add(endpoint.url)
+            if len(avoid) == len(self._endpoints):
+                avoid = {endpoint.url}  # every replica failed once: rotate, skip the latest
+            if attempt == self._max_retries:
+                break
+            CLIENT_RETRIES.inc()
+            delay = min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
+            log.warning(
+                "rollout %s on %s failed (attempt %d/%d): %s; retrying in %.2fs",
+                path, endpoint.url, attempt + 1, self._max_retries + 1, last_error, delay,
+            )
+            time.sleep(delay)
+        raise RolloutError(
+            f"{path} failed after {self._max_retries + 1} attempts across "
+            f"{[e.url for e in self._endpoints]}: {last_error}"
+        )
+
+    def _post_to(
+        self,
+        endpoint: _Endpoint,
+        path: str,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        *,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            response = self._http.post(
+                f"{endpoint.url}{path}",
+                json=body,
+                headers=headers,
+                timeout=timeout_s or self._timeout_s,
+            )
+        except httpx.TransportError as exc:  # connect/read errors and timeouts
+            endpoint.failures += 1
+            CLIENT_REQUESTS.labels(endpoint.url, "transport_error").inc()
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+        CLIENT_LATENCY.observe(time.monotonic() - started)
+        if response.status_code >= 500:
+            endpoint.failures += 1
+            CLIENT_REQUESTS.labels(endpoint.url, "5xx").inc()
+            raise _Retryable(f"HTTP {response.status_code}: {response.text[:300]}")
+        if response.status_code >= 400:
+            CLIENT_REQUESTS.labels(endpoint.url, "4xx").inc()
+            raise RolloutError(
+                f"{endpoint.url}{path} rejected the request (HTTP {response.status_code}): "
+                f"{response.text[:500]}"
+            )
+        endpoint.failures = 0
+        CLIENT_REQUESTS.labels(endpoint.url, "ok").inc()
+        payload = response.json()
+        if "weight_version" not in payload and WEIGHT_VERSION_HEADER in response.headers:
+            payload["weight_version"] = int(response.headers[WEIGHT_VERSION_HEADER])
+        return payload
+
+
+def parse_completions(response: dict[str, Any], prompt_index: int, n: int) -> list[Completion]:
+    """Turn one ``/v1/completions`` response (one prompt, ``n`` choices) into Completions.
+
+    Token ids come from the vLLM ``token_id:N`` strings; ``weight_version`` from the choice,
+    else the body (vLLM itself reports none: -1).
+
+    >>> r = {"choices": [{"index": 0, "text": "hi", "finish_reason": "length",
+    ...      "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.5]}}],
+    ...      "weight_version": 3}
+    >>> parse_completions(r, 0, 1)[0].token_ids
+    [5]
+    """
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    if len(choices) != n:
+        raise RolloutError(f"expected {n} choices, the server returned {len(choices)}")
+    version = int(response.get("weight_version", -1))
+    completions = []
+    for choice in choices:
+        logprobs = choice.get("logprobs") or {}
+        tokens = logprobs.get("tokens")
+        if tokens is None:
+            raise RolloutError("server returned no logprobs; it must honour logprobs=0")
+        completions.append(
+            Completion(
+                prompt_index=prompt_index,
+                text=choice["text"],
+                token_ids=[parse_token_id(t) for t in tokens],
+                logprobs=[float(lp) for lp in logprobs["token_logprobs"]],
+                finish_reason=choice.get("finish_reason") or "stop",
+                weight_version=int(choice.get("weight_version", version)),
+            )
+        )
+    return completions
+

@@ -1,0 +1,531 @@
+"""OpenAI-compatible HTTP server over the CPU engine (the same contract vLLM serves).
+
+The trainer talks to rollout servers only through this contract, so the same client works
+against ``posttrain serve`` on a laptop and vLLM on GPUs. Beyond OpenAI we implement the
+vLLM extension ``return_tokens_as_token_ids`` and posttrain's weight-sync endpoints
+(``/v1/weights/load``, ``/v1/weights/version``); every completion reports the weight
+version it was sampled with (body ``weight_version`` and the ``x-weight-version`` header).
+
+The model loads in a background thread after the socket is open, so Kubernetes sees the
+pod listening immediately while ``/health`` answers 503 until the model *and* the latest
+published weights are in place (new replicas join at the latest version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from posttrain.rollout.protocol import TOKEN_ID_PREFIX, WEIGHT_VERSION_HEADER, SamplingParams
+from posttrain.telemetry import extract_context, get_tracer
+
+log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+REQUESTS = Counter(
+    "posttrain_rollout_requests_total", "HTTP requests served", ["endpoint", "status"]
+)
+REQUEST_LATENCY = Histogram(
+    "posttrain_rollout_request_latency_seconds",
+    "End-to-end latency of completion requests",
+    ["endpoint"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+WEIGHT_LOAD_SECONDS = Histogram(
+    "posttrain_rollout_weight_load_seconds", "Fetch + swap time of /v1/weights/load"
+)
+
+
+class CompletionRequest(BaseModel):
+    """``POST /v1/completions`` body (OpenAI legacy completions + vLLM extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: int | None = None
+    echo: bool = False
+    stream: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+class ChatRequest(BaseModel):
+    """``POST /v1/chat/completions`` body."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    n: int = 1
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    stream: bool = False
+    return_tokens_as_token_ids: bool = False
+
+
+class WeightLoadRequest(BaseModel):
+    uri: str = Field(min_length=1)
+    version: int = Field(ge=0)
+
+
+@dataclass
+class ServerConfig:
+    """What ``posttrain serve`` was asked to do."""
+
+    model: str
+    served_model_name: str | None = None
+    weights_uri: str | None = None
+    poll_seconds: float = 0.0  # >0: an idle replica polls weights_uri for newer versions
+    max_batch_size: int = 64
+    num_threads: int | None = None
+
+
+@dataclass
+class ServerState:
+    """Mutable state shared by the handlers and the loader thread."""
+
+    config: ServerConfig
+    engine: Any = None  # GenerationEngine once loaded (torch imported lazily)
+    ready: threading.Event = field(default_factory=threading.Event)
+    load_error: str | None = None
+    weights_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+
+class ApiError(Exception):
+    """An error to return as an OpenAI-style JSON error body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The four OpenAI prompt forms as a list of single prompts.
+
+    >>> normalize_prompts([1, 2, 3])
+    [[1, 2, 3]]
+    >>> normalize_prompts("hi")
+    ['hi']
+    """
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt is empty")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return list(prompt)  # type: ignore[arg-type]
+
+
+def normalize_stop(stop: str | list[str] | None) -> list[str]:
+    """>>> normalize_stop("\\n")
+    ['\\n']
+    """
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else [s for s in stop if s]
+
+
+def load_engine(state: ServerState) -> None:
+    """Resolve the model, start the engine, load the latest published weights; then ready."""
+    from posttrain.models import resolve_model
+    from posttrain.rollout import weights
+    from posttrain.rollout.engine import GenerationEngine
+
+    config = state.config
+    try:
+        model_dir = resolve_model(config.model)
+        engine = GenerationEngine(
+            model_dir, max_batch_size=config.max_batch_size, num_threads=config.num_threads
+        )
+        state.engine = engine
+        if config.weights_uri:
+            latest = weights.latest_version(config.weights_uri)
+            if latest is None:
+                log.info("no weights published under %s yet; serving the base model as v0",
+                         config.weights_uri)
+            else:
+                load_weights(state, config.weights_uri, latest)
+        state.ready.set()
+        log.info("ready: %s at weight version %d", state.model_name, engine.weight_version)
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.exception("model load failed; /health stays 503")
+
+
+def load_weights(state: ServerState, uri: str, version: int) -> float:
+    """Fetch version ``version`` from ``uri`` and swap it in; returns seconds taken."""
+    from posttrain.rollout import weights
+    from posttrain.rollout.engine import read_safetensors_dir
+
+    started = time.monotonic()
+    with state.weights_lock, tracer.start_as_current_span("rollout.load_weights") as span:
+        span.set_attribute("weights.uri", uri)
+        span.set_attribute("weights.version", version)
+        path, temporary = weights.fetch_weights(uri, version)
+        try:
+            state_dict = read_safetensors_dir(path)
+        finally:
+            if temporary:
+                shutil.rmtree(path, ignore_errors=True)
+        state.engine.swap_weights(state_dict, version).result()
+    elapsed = time.monotonic() - started
+    WEIGHT_LOAD_SECONDS.observe(elapsed)
+    log.info("loaded weights v%d from %s in %.2fs", version, uri, elapsed)
+    return elapsed
+
+
+def poll_weights(state: ServerState, stop: threading.Event) -> None:
+    """Pick up versions the trainer published without telling us (e.g. we were restarting)."""
+    config = state.config
+    from posttrain.rollout import weights
+
+    while not stop.wait(config.poll_seconds):
+        if not state.ready.is_set() or not config.weights_uri:
+            continue
+        try:
+            latest = weights.latest_version(config.weights_uri)
+            if latest is not None and latest > state.engine.weight_version:
+                load_weights(state, config.weights_uri, latest)
+        except Exception:
+            log.exception("polling %s for new weights failed; will retry", config.weights_uri)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app; ``state`` is filled by :func:`load_engine` (possibly later)."""
+    app = FastAPI(title="posttrain rollout server")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.message)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.ready.is_set():
+            return JSONResponse({"status": "ok", "weight_version": state.engine.weight_version})
+        detail = state.load_error or "loading model and latest weights"
+        return JSONResponse({"status": "loading", "detail": detail}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "owned_by": "posttrain",
+                    "root": state.config.model,
+                    "max_model_len": state.engine.max_positions if state.engine else None,
+                }
+            ],
+        }
+
+    @app.get("/v1/weights/version")
+    async def weight_version() -> Response:
+        engine = _engine(state)
+        return JSONResponse(
+            {"weight_version": engine.weight_version},
+            headers={WEIGHT_VERSION_HEADER: str(engine.weight_version)},
+        )
+
+    @app.post("/v1/weights/load")
+    async def weights_load(body: WeightLoadRequest, request: Request) -> Response:
+        _engine(state)
+        with tracer.start_as_current_span(
+            "rollout.weights_load", context=extract_context(request.headers)
+        ):
+            try:
+                elapsed = await asyncio.to_thread(load_weights, state, body.uri, body.version)
+            except (FileNotFoundError, ValueError, RuntimeError) as exc:
+                REQUESTS.labels("weights_load", "400").inc()
+                return _error(400, str(exc))
+        REQUESTS.labels("weights_load", "200").inc()
+        return JSONResponse(
+            {"weight_version": body.version, "load_seconds": elapsed},
+            headers={WEIGHT_VERSION_HEADER: str(body.version)},
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        started = time.monotonic()
+        engine = _engine(state)
+        if body.stream or body.echo:
+            raise ApiError(400, "stream and echo are not supported by posttrain serve")
+        prompts = normalize_prompts(body.prompt)
+        token_prompts = [
+            p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False)
+            for p in prompts
+        ]
+        params = _params(body.n, body.max_tokens, body)
+        with tracer.start_as_current_span(
+            "rollout.completions", context=extract_context(request.headers)
+        ) as span:
+            span.set_attribute("rollout.prompts", len(token_prompts))
+            span.set_attribute("rollout.n", body.n)
+            results = await _generate(engine, token_prompts, params, body.logprobs or 0)
+        choices = []
+        for prompt_index, samples in enumerate(results):
+            for sample_index, sample in enumerate(samples):
+                choices.append(
+                    {
+                        "index": prompt_index * body.n + sample_index,
+                        "text": sample.text,
+                        "finish_reason": sample.finish_reason,
+                        "token_ids": sample.token_ids,
+                        "weight_version": sample.weight_version,
+                        "logprobs": (
+                            _completion_logprobs(engine, sample, body.return_tokens_as_token_ids)
+                            if body.logprobs is not None
+                            else None
+                        ),
+                    }
+                )
+        version = min(c["weight_version"] for c in choices)
+        payload = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": choices,
+            "usage": _usage(token_prompts, results, body.n),
+            "weight_version": version,
+        }
+        REQUESTS.labels("completions", "200").inc()
+        REQUEST_LATENCY.labels("completions").observe(time.monotonic() - started)
+        return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        started = time.monotonic()
+        engine = _engine(state)
+        if body.stream:
+            raise ApiError(400, "stream is not supported by posttrain serve")
+        try:
+            prompt_ids = engine.tokenizer.apply_chat_template(
+                body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as exc:
+            raise ApiError(400, f"messages do not fit the chat template: {exc}") from exc
+        if hasattr(prompt_ids, "input_ids"):
+            prompt_ids = prompt_ids["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens or 128
+        params = _params(body.n, max_tokens, body)
+        top = body.top_logprobs if body.logprobs else 0
+        with tracer.start_as_current_span(
+            "rollout.chat_completions", context=extract_context(request.headers)
+        ):
+            (samples,) = await _generate(engine, [list(prompt_ids)], params, top)
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": sample.text},
+                "finish_reason": sample.finish_reason,
+                "token_ids": sample.token_ids,
+                "weight_version": sample.weight_version,
+                "logprobs": (
+                    _chat_logprobs(engine, sample, body.return_tokens_as_token_ids)
+                    if body.logprobs
+                    else None
+                ),
+            }
+            for i, sample in enumerate(samples)
+        ]
+        version = min(c["weight_version"] for c in choices)
+        payload = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": choices,
+            "prompt_token_ids": list(prompt_ids),
+            "usage": _usage([list(prompt_ids)], [samples], body.n),
+            "weight_version": version,
+        }
+        REQUESTS.labels("chat", "200").inc()
+        REQUEST_LATENCY.labels("chat").observe(time.monotonic() - started)
+        return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+
+    return app
+
+
+def _engine(state: ServerState) -> Any:
+    if not state.ready.is_set():
+        raise ApiError(503, state.load_error or "model is still loading; retry after /health")
+    return state.engine
+
+
+def _params(n: int, max_tokens: int, body: CompletionRequest | ChatRequest) -> SamplingParams:
+    params = SamplingParams(
+        n=n,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        stop=normalize_stop(body.stop),
+        seed=body.seed,
+    )
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return params
+
+
+async def _generate(
+    engine: Any, prompts: list[list[int]], params: SamplingParams, top_logprobs: int
+) -> list[list[Any]]:
+    try:
+        futures = [engine.submit(p, params, top_logprobs=top_logprobs) for p in prompts]
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+
+def _token_str(engine: Any, token_id: int, as_ids: bool) -> str:
+    return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else engine.tokenizer.decode([token_id])
+
+
+def _completion_logprobs(engine: Any, sample: Any, as_ids: bool) -> dict[str, Any]:
+    tokens = [_token_str(engine, t, as_ids) for t in sample.token_ids]
+    offsets, position = [], 0
+    for token in tokens:
+        offsets.append(position)
+        position += 0 if as_ids else len(token)
+    top = None
+    if sample.top_logprobs is not None:
+        top = [
+            {_token_str(engine, t, as_ids): lp for t, lp in step} for step in sample.top_logprobs
+        ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": sample.logprobs,
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(engine: Any, sample: Any, as_ids: bool) -> dict[str, Any]:
+    content = []
+    for position, (token_id, logprob) in enumerate(
+        zip(sample.token_ids, sample.logprobs, strict=True)
+    ):
+        token = _token_str(engine, token_id, as_ids)
+        top = []
+        if sample.top_logprobs is not None:
+            top = [
+                {"token": _token_str(engine, t, as_ids), "logprob": lp}
+                for t, lp in sample.top_logprobs[position]
+            ]
+        content.append(
+            {"token": token, "logprob": logprob, "bytes": list(token.encode()), "top_logprobs": top}
+        )
+    return {"content": content}
+
+
+def _usage(prompts: list[list[int]], results: list[list[Any]], n: int) -> dict[str, int]:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = sum(len(s.token_ids) for samples in results for s in samples)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
+    )
+
+
+class ServerThread:
+    """Run the server in this process on a background thread (tests, benchmarks, notebooks).
+
+    ``posttrain serve`` uses :func:`run` instead; this exists so tests drive the real HTTP
+    stack without subprocess start-up costs.
+    """
+
+    def __init__(self, config: ServerConfig, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        import socket
+
+        import uvicorn
+
+        self.state = ServerState(config)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = uvicorn.Server(
+            uvicorn.Config(create_app(self.state), log_level="warning", lifespan="off")
+        )
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+        self._loader = threading.Thread(target=load_engine, args=(self.state,), daemon=True)
+
+    def start(self, wait_ready_s: float = 300.0) -> ServerThread:
+        self._thread.start()
+        self._loader.start()
+        if not self.state.ready.wait(wait_ready_s):
+            raise TimeoutError(f"server not ready after {wait_ready_s}s: {self.state.load_error}")
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        if self.state.engine is not None:
+            self.state.engine.close()
+        self._sock.close()
+
+
+def run(config: ServerConfig, *, host: str, port: int) -> None:
+    """Serve until interrupted (``posttrain serve``)."""
+    import uvicorn
+
+    state = ServerState(config)
+    threading.Thread(target=load_engine, args=(state,), name="model-loader", daemon=True).start()
+    stop_polling = threading.Event()
+    if config.weights_uri and config.poll_seconds > 0:
+        threading.Thread(
+            target=poll_weights, args=(state, stop_polling), name="weights-poller", daemon=True
+        ).start()
+    try:
+        uvicorn.run(create_app(state), host=host, port=port, log_level="info")
+    finally:
+        stop_polling.set()
+        if state.engine is not None:
+            state.engine.close()
+
+
+__all__ = ["ServerConfig", "ServerThread", "create_app", "run"]

@@ -1,0 +1,116 @@
+"""Where published policy weights live and how a rollout server fetches them.
+
+The trainer publishes version ``N`` of the policy under ``<prefix>/vNNNNNNNN/`` (eight
+digits, see ``api.rolloutpool.WeightUpdatePolicy.source_uri``) as safetensors. A prefix is
+either a local directory / ``file://`` URI (single machine, tests) or ``s3://`` (clusters,
+through :mod:`posttrain.storage`). A ``uri`` given to ``/v1/weights/load`` may also point
+directly at one version's directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+VERSION_DIR = re.compile(r"^v(\d{8})$")
+
+
+def version_dir_name(version: int) -> str:
+    """Directory name of a published version.
+
+    >>> version_dir_name(12)
+    'v00000012'
+    """
+    if version < 0:
+        raise ValueError(f"weight versions are >= 0, got {version}")
+    return f"v{version:08d}"
+
+
+def _local_path(uri: str) -> Path:
+    return Path(uri.removeprefix("file://")).expanduser()
+
+
+def _has_weights(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def latest_version(prefix: str) -> int | None:
+    """Highest complete version published under ``prefix`` (None when nothing is there)."""
+    if prefix.startswith("s3://"):
+        return _latest_version_s3(prefix)
+    root = _local_path(prefix)
+    if not root.is_dir():
+        return None
+    versions = [
+        int(match.group(1))
+        for child in root.iterdir()
+        if (match := VERSION_DIR.match(child.name)) and _has_weights(child)
+    ]
+    return max(versions) if versions else None
+
+
+def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[Path, bool]:
+    """A local directory holding version ``version``'s safetensors.
+
+    Returns ``(path, is_temporary)``; the caller deletes temporary downloads once loaded.
+    Raises FileNotFoundError naming what was looked for, so a wrong URI is obvious.
+    """
+    if uri.startswith("s3://"):
+        return _fetch_s3(uri, version, scratch), True
+    path = _local_path(uri)
+    if _has_weights(path):
+        return path, False
+    versioned = path / version_dir_name(version)
+    if _has_weights(versioned):
+        return versioned, False
+    raise FileNotFoundError(
+        f"no *.safetensors in {path} nor in {versioned}; publish version {version} there "
+        "first (the trainer writes <prefix>/vNNNNNNNN/)"
+    )
+
+
+def _checkpoint_manager(uri: str):  # noqa: ANN202 - type lives in the optional storage pkg
+    try:
+        from posttrain.storage.checkpoints import CheckpointManager
+        from posttrain.storage.store import open_store
+    except ImportError as exc:
+        raise RuntimeError(
+            f"cannot read {uri}: posttrain.storage (checkpoints/store) is not importable ({exc})"
+        ) from exc
+    return CheckpointManager(open_store(uri))
+
+
+def _fetch_s3(uri: str, version: int, scratch: Path | None) -> Path:
+    manager = _checkpoint_manager(uri)
+    dest = Path(tempfile.mkdtemp(prefix=f"weights-{version_dir_name(version)}-", dir=scratch))
+    try:
+        manager.fetch_weights(version, dest)
+    except Exception:
+        shutil.rmtree(dest, ignore_errors=True)
+        raise
+    if not _has_weights(dest):
+        # Some layouts nest the files one level down (dest/vNNNNNNNN/...).
+        nested = dest / version_dir_name(version)
+        if _has_weights(nested):
+            return nested
+        shutil.rmtree(dest, ignore_errors=True)
+        raise FileNotFoundError(f"{uri} version {version} holds no *.safetensors")
+    return dest
+
+
+def _latest_version_s3(prefix: str) -> int | None:
+    manager = _checkpoint_manager(prefix)
+    for name in ("latest_weights_version", "latest_version", "latest"):
+        method = getattr(manager, name, None)
+        if callable(method):
+            found = method()
+            return None if found is None else int(getattr(found, "version", found))
+    raise RuntimeError(
+        "posttrain.storage.checkpoints.CheckpointManager has no latest_version(); "
+        "cannot find the newest published weights"
+    )

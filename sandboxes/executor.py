@@ -1,0 +1,712 @@
+"""Run untrusted programs (model output) in a fresh bubblewrap sandbox per execution.
+
+Why bubblewrap: it gives a new user, pid, mount, network, ipc, uts and cgroup namespace in
+~10 ms with no daemon and no root, so every execution gets a brand-new, throw-away machine
+view. Isolation layers, outermost first:
+
+* **Host uid.** When we are root, bwrap itself is started as an unprivileged host uid
+  (``100000 + slot``), so the sandbox holds no host privileges at all, cannot read root-only
+  files even if a path leaked in, and ``RLIMIT_NPROC`` really applies (the kernel exempts
+  uid 0 from it). Inside, the program runs as uid/gid 1000 ``sandbox``.
+* **Filesystem.** Only ``/usr`` (and the ``/bin``, ``/lib*`` links into it) plus a short
+  allow-list of ``/etc`` files are bound, read-only. ``/proc`` is a fresh procfs of the new
+  pid namespace and ``/dev`` a minimal devtmpfs. The working directory ``/workspace`` and
+  ``/tmp`` are size-capped tmpfs mounts, so nothing the program writes ever reaches host disk
+  and filling them ends in ``ENOSPC``.
+* **Environment.** ``--clearenv`` plus a fixed ``PATH``/``HOME``/``LANG``: no host variable
+  reaches the program.
+* **Limits.** ``prlimit`` sets address space (memory), CPU seconds, process count, file size
+  and open files before bwrap starts; a host-side wall clock kills the whole sandbox.
+* **Lifetime.** ``--unshare-pid`` + ``--die-with-parent``: when the program's main process
+  exits, or when we kill bwrap on timeout, the kernel kills every process left in the pid
+  namespace, detached or not.
+
+Files (``ExecRequest.files``) and a persistent workspace (see :mod:`snapshot`) are moved in and
+out as tar streams over inherited file descriptors, so the host never mounts or unpacks
+anything the program wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import selectors
+import shutil
+import signal
+import subprocess
+import tarfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from prometheus_client import Counter, Histogram
+
+from posttrain.telemetry import get_tracer
+
+log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+Status = Literal["ok", "error", "timeout", "killed", "oom"]
+STATUSES: tuple[str, ...] = ("ok", "error", "timeout", "killed", "oom")
+
+SANDBOX_LATENCY = Histogram(
+    "posttrain_sandbox_exec_seconds",
+    "Wall-clock time of one sandboxed execution, sandbox setup included.",
+    buckets=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+SANDBOX_EXECUTIONS = Counter(
+    "posttrain_sandbox_executions_total", "Sandboxed executions by final status.", ["status"]
+)
+
+WORKDIR = "/workspace"
+SANDBOX_UID = 1000
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+TRUNCATION_MARKER = "\n...[truncated by sandbox: {dropped} more bytes]\n"
+# Host uids handed to concurrent executions when we run as root; high enough that no real
+# account owns them, so RLIMIT_NPROC counts only sandbox processes.
+HOST_UID_BASE = 100000
+HOST_UID_SLOTS = 256
+# /etc entries a normal program needs (dynamic linker cache, alternatives symlinks for awk
+# & co, time zone, certificates). Never the whole /etc: it holds shadow files and keys.
+ETC_ALLOWLIST = (
+    "/etc/alternatives",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/localtime",
+    "/etc/nsswitch.conf",
+    "/etc/ssl/certs",
+    "/etc/ca-certificates",
+)
+ETC_NETWORK = ("/etc/resolv.conf", "/etc/hosts", "/etc/host.conf", "/etc/gai.conf")
+# How a memory exhaustion shows up once RLIMIT_AS makes malloc/mmap fail: Python raises
+# MemoryError, C++ throws bad_alloc, glibc and most tools print ENOMEM's message.
+OOM_PATTERN = re.compile(
+    r"MemoryError|std::bad_alloc|Cannot allocate memory|out of memory|memory exhausted",
+    re.IGNORECASE,
+)
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Kill the sandbox once a stream has produced this many times the kept limit: beyond that it
+# is an output flood, and draining it only burns CPU until the wall clock runs out.
+OUTPUT_FLOOD_FACTOR = 32
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself could not run (bwrap missing or refused); not the program's fault."""
+
+
+@dataclass(frozen=True)
+class ExecRequest:
+    """One execution: what to run and under which limits (the CLI and HTTP API fields)."""
+
+    command: list[str]
+    stdin: str = ""
+    files: dict[str, str] = field(default_factory=dict)
+    """Files written into /workspace before the command starts (relative path -> text)."""
+    env: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 10.0
+    memory_mb: int = 512
+    network: Literal["none", "host"] = "none"
+    cpu_time_s: int | None = None
+    """Per-process CPU seconds; default ceil(timeout_s) + 1."""
+    max_processes: int = 64
+    max_file_mb: int = 64
+    workdir_mb: int = 64
+    """Size cap of the /workspace and /tmp tmpfs mounts (each)."""
+    max_output_bytes: int = 1 << 20
+    """Bytes of stdout and of stderr kept; the rest is dropped behind a marker."""
+
+    def __post_init__(self) -> None:
+        problems = validate_request(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExecRequest:
+        """Build from JSON (HTTP body / CLI), rejecting unknown fields by name."""
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**dict(data))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_request(request: ExecRequest) -> list[str]:
+    """Every problem with a request, phrased so the caller can fix it (empty list = valid)."""
+    problems: list[str] = []
+    if not request.command or not all(isinstance(a, str) for a in request.command):
+        problems.append(f"command must be a non-empty list of strings, got {request.command!r}")
+    if not 0 < request.timeout_s <= 3600:
+        problems.append(f"timeout_s must be in (0, 3600], got {request.timeout_s}")
+    if request.memory_mb < 32:
+        problems.append(f"memory_mb must be >= 32 (an interpreter needs that), got "
+                        f"{request.memory_mb}")
+    if request.network not in ("none", "host"):
+        problems.append(f"network must be 'none' or 'host', got {request.network!r}")
+    if request.max_processes < 1 or request.max_file_mb < 1 or request.workdir_mb < 1:
+        problems.append("max_processes, max_file_mb and workdir_mb must be >= 1")
+    if request.max_output_bytes < 1:
+        problems.append(f"max_output_bytes must be >= 1, got {request.max_output_bytes}")
+    for name in request.env:
+        if not ENV_NAME.match(name):
+            problems.append(f"env name {name!r} is not a valid variable name")
+    for path in request.files:
+        try:
+            safe_relative_path(path)
+        except ValueError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+@dataclass
+class ExecResult:
+    """What happened: ``ok`` exit 0, ``error`` nonzero exit, ``timeout`` wall clock hit,
+    ``killed`` ended by a signal or a sandbox limit, ``oom`` the memory limit was hit."""
+
+    status: Status
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_ms: float
+    reason: str
+    workspace_tar: bytes | None = field(default=None, repr=False, compare=False)
+    """The /workspace contents after the run, when the caller asked to capture them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (CLI and HTTP); the workspace tar stays in process."""
+        return {
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "duration_ms": round(self.duration_ms, 3),
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ExecResult:
+        return cls(
+            status=data["status"],
+            exit_code=data["exit_code"],
+            stdout=data["stdout"],
+            stderr=data["stderr"],
+            duration_ms=float(data["duration_ms"]),
+            reason=data["reason"],
+        )
+
+
+def safe_relative_path(path: str) -> str:
+    """Normalise a workspace-relative path, refusing escapes.
+
+    >>> safe_relative_path("src/./main.py")
+    'src/main.py'
+    >>> safe_relative_path("../etc/passwd")
+    Traceback (most recent call last):
+    ...
+    ValueError: file path '../etc/passwd' must stay inside the workspace (relative, no '..')
+    """
+    norm = os.path.normpath(path)
+    if not path or os.path.isabs(path) or norm == ".." or norm.startswith("../") or norm == ".":
+        raise ValueError(f"file path {path!r} must stay inside the workspace (relative, no '..')")
+    return norm
+
+
+def files_to_tar(files: Mapping[str, str | bytes]) -> bytes:
+    """Pack ``{relative path: content}`` into an uncompressed tar (parents implied).
+
+    >>> import tarfile, io
+    >>> tarfile.open(fileobj=io.BytesIO(files_to_tar({"a/b.txt": "hi"}))).getnames()
+    ['a/b.txt']
+    """
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path, content in sorted(files.items()):
+            data = content.encode() if isinstance(content, str) else content
+            info = tarfile.TarInfo(safe_relative_path(path))
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = 0  # deterministic bytes for identical input
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def truncate_output(data: bytes, dropped: int) -> str:
+    """Decode kept bytes and append the truncation marker when something was dropped.
+
+    >>> truncate_output(b"abc", 0)
+    'abc'
+    >>> truncate_output(b"abc", 5)
+    'abc\\n...[truncated by sandbox: 5 more bytes]\\n'
+    """
+    text = data.decode("utf-8", errors="replace")
+    return text + TRUNCATION_MARKER.format(dropped=dropped) if dropped else text
+
+
+def classify_exit(exit_code: int, stderr: str) -> tuple[Status, str]:
+    """Map the program's exit status to (status, reason).
+
+    bwrap reports a signal death as 128 + signal number, like a shell. The OOM heuristic:
+    RLIMIT_AS makes allocations fail instead of invoking the kernel OOM killer, so a memory
+    hog either dies with an allocation error message (Python ``MemoryError``, ``bad_alloc``,
+    ``Cannot allocate memory``) or crashes; a nonzero exit whose stderr shows such a message
+    is reported as ``oom``.
+
+    >>> classify_exit(0, "")
+    ('ok', 'exited with code 0')
+    >>> classify_exit(1, "Traceback ...\\nMemoryError\\n")[0]
+    'oom'
+    >>> classify_exit(128 + 9, "")
+    ('killed', 'terminated by signal SIGKILL')
+    """
+    if exit_code == 0:
+        return "ok", "exited with code 0"
+    if OOM_PATTERN.search(stderr[-4096:]):
+        return "oom", f"memory limit reached (allocation failed; exit code {exit_code})"
+    if exit_code > 128:
+        try:
+            name = signal.Signals(exit_code - 128).name
+        except ValueError:
+            return "error", f"exited with code {exit_code}"
+        if name == "SIGXCPU":
+            return "killed", "CPU time limit reached (SIGXCPU)"
+        if name == "SIGXFSZ":
+            return "killed", "file size limit reached (SIGXFSZ)"
+        return "killed", f"terminated by signal {name}"
+    return "error", f"exited with code {exit_code}"
+
+
+class _UidPool:
+    """Hands each concurrent execution its own unprivileged host uid (root only), so one
+    sandbox's fork bomb cannot use up the process budget of another."""
+
+    def __init__(self, base: int, size: int) -> None:
+        self._free = list(range(base + size - 1, base - 1, -1))
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def uid(self) -> Any:
+        with self._lock:
+            if not self._free:
+                raise SandboxError(f"more than {HOST_UID_SLOTS} concurrent sandboxes")
+            uid = self._free.pop()
+        try:
+            yield uid
+        finally:
+            with self._lock:
+                self._free.append(uid)
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, rewound, for passing to bwrap."""
+    fd = os.memfd_create(name, 0)  # no MFD_CLOEXEC: the child must inherit it
+    os.write(fd, data) if len(data) < 65536 else _write_all(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _host_root_binds() -> list[str]:
+    """Bind /usr and recreate /bin, /sbin, /lib* the way the host has them (usrmerge links
+    or real directories)."""
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = f"/{name}"
+        if os.path.islink(path):
+            args += ["--symlink", os.readlink(path), path]
+        elif os.path.isdir(path):
+            args += ["--ro-bind", path, path]
+    return args
+
+
+class Executor:
+    """Runs :class:`ExecRequest` s in fresh bubblewrap sandboxes; thread-safe."""
+
+    def __init__(self, bwrap: str | None = None) -> None:
+        self.bwrap = bwrap or shutil.which("bwrap") or ""
+        self.prlimit = shutil.which("prlimit") or ""
+        if not self.bwrap:
+            raise SandboxError(
+                "bubblewrap (bwrap) is not installed; install it with "
+                "`apt-get install -y bubblewrap` (Debian/Ubuntu)"
+            )
+        if not self.prlimit:
+            raise SandboxError("prlimit is not installed; it ships in util-linux")
+        self.is_root = os.geteuid() == 0
+        self._uids = _UidPool(HOST_UID_BASE, HOST_UID_SLOTS)
+        # Non-root: RLIMIT_NPROC counts all of this user's processes, so grant the sandbox
+        # its budget on top of what the user already runs.
+        self._nproc_offset = 0 if self.is_root else _count_processes(os.getuid())
+        self._static_args = self._build_static_args()
+
+    def _build_static_args(self) -> list[str]:
+        args = [
+            "--unshare-all",
+            "--unshare-user",
+            "--disable-userns",  # no nested user namespaces: less kernel surface
+            "--die-with-parent",
+            "--new-session",  # no TIOCSTI into our terminal
+            "--uid", str(SANDBOX_UID),
+            "--gid", str(SANDBOX_UID),
+            "--hostname", "sandbox",
+            *_host_root_binds(),
+            "--proc", "/proc",
+            "--dev", "/dev",
+        ]  # fmt: skip
+        for path in ETC_ALLOWLIST:
+            if os.path.exists(path):
+                args += ["--ro-bind", path, path]
+        return args
+
+    def run(
+        self,
+        request: ExecRequest,
+        *,
+        workspace_tar: bytes | None = None,
+        capture_workspace: bool = False,
+    ) -> ExecResult:
+        """Run one request in a new sandbox and wait for it (never longer than its timeout).
+
+        ``workspace_tar`` seeds /workspace before ``request.files`` are added; with
+        ``capture_workspace`` the final /workspace comes back in ``ExecResult.workspace_tar``.
+        """
+        with tracer.start_as_current_span("sandbox.exec") as span:
+            span.set_attribute("sandbox.command", " ".join(request.command)[:200])
+            span.set_attribute("sandbox.network", request.network)
+            uid_context = self._uids.uid() if self.is_root else contextlib.nullcontext(None)
+            with uid_context as host_uid:
+                result = self._run(request, host_uid, workspace_tar, capture_workspace)
+            span.set_attribute("sandbox.status", result.status)
+            span.set_attribute("sandbox.exit_code", -1 if result.exit_code is None
+                               else result.exit_code)
+            span.set_attribute("sandbox.duration_ms", result.duration_ms)
+        SANDBOX_LATENCY.observe(result.duration_ms / 1000)
+        SANDBOX_EXECUTIONS.labels(result.status).inc()
+        log.debug("sandbox %s: %s (%.1f ms)", request.command[:1], result.reason,
+                  result.duration_ms)
+        return result
+
+    def _limits(self, request: ExecRequest) -> list[str]:
+        cpu = request.cpu_time_s or math.ceil(request.timeout_s) + 1
+        memory = request.memory_mb << 20
+        return [
+            self.prlimit,
+            f"--as={memory}",
+            f"--cpu={cpu}",
+            f"--nproc={request.max_processes + self._nproc_offset}",
+            f"--fsize={request.max_file_mb << 20}",
+            "--nofile=1024",
+            "--core=0",  # a crash dump would be a host-side file write
+            "--",
+        ]
+
+    def _run(
+        self,
+        request: ExecRequest,
+        host_uid: int | None,
+        workspace_tar: bytes | None,
+        capture_workspace: bool,
+    ) -> ExecResult:
+        fds_to_close: list[int] = []
+        try:
+            args = [*self._limits(request), self.bwrap, *self._static_args]
+            if request.network != "none":
+                args.append("--share-net")
+                args += [a for p in ETC_NETWORK if os.path.exists(p) for a in ("--ro-bind", p, p)]
+            size = str(request.workdir_mb << 20)
+            args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORKDIR]
+            for path, content in (
+                ("/etc/passwd", f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKDIR}:/bin/sh\n"
+                                "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n"),
+                ("/etc/group", f"sandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"),
+            ):
+                fd = _memfd(os.path.basename(path), content.encode())
+                fds_to_close.append(fd)
+                args += ["--ro-bind-data", str(fd), path]
+            status_read, status_write = os.pipe()
+            fds_to_close += [status_read, status_write]
+            args += ["--json-status-fd", str(status_write), "--chdir", WORKDIR, "--clearenv"]
+            env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
+                   "USER": "sandbox", **request.env}
+            for name, value in env.items():
+                args += ["--setenv", name, value]
+            args.append("--")
+
+            command = list(request.command)
+            pass_fds = [*fds_to_close[:2], status_write]
+            seed = _merge_seed(workspace_tar, request.files)
+            out_read = out_write = -1
+            if seed is not None or capture_workspace:
+                seed_fd = _memfd("workspace", seed or files_to_tar({}))
+                fds_to_close.append(seed_fd)
+                pass_fds.append(seed_fd)
+                if capture_workspace:
+                    out_read, out_write = os.pipe()
+                    fds_to_close += [out_read, out_write]
+                    pass_fds.append(out_write)
+                command = _workspace_wrapper(seed_fd, out_write, command)
+            args += command
+
+            started = time.monotonic()
+            try:
+                proc = subprocess.Popen(
+                    args,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=pass_fds,
+                    cwd="/",
+                    env={},
+                    start_new_session=True,  # our own process group, killed as one
+                    user=host_uid,
+                    group=host_uid,
+                    extra_groups=[] if host_uid is not None else None,
+                )
+            except OSError as exc:
+                raise SandboxError(f"could not start bubblewrap ({self.bwrap}): {exc}") from exc
+            # The child has its copies; closing ours lets EOF arrive when it exits.
+            for fd in pass_fds:
+                os.close(fd)
+                fds_to_close.remove(fd)
+            collected = _collect(
+                proc, request, started, status_read,
+                out_read if capture_workspace else None,
+            )
+            duration_ms = (time.monotonic() - started) * 1000
+            return _finish(request, collected, duration_ms, capture_workspace)
+        finally:
+            for fd in fds_to_close:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+def _merge_seed(workspace_tar: bytes | None, files: Mapping[str, str]) -> bytes | None:
+    """One tar with the workspace state and the request's files on top (None if neither)."""
+    if workspace_tar is None and not files:
+        return None
+    if workspace_tar is None:
+        return files_to_tar(files)
+    if not files:
+        return workspace_tar
+    merged = io.BytesIO()
+    with tarfile.open(fileobj=io.BytesIO(workspace_tar)) as base, tarfile.open(
+        fileobj=merged, mode="w", format=tarfile.PAX_FORMAT
+    ) as out:
+        overridden = {safe_relative_path(p) for p in files}
+        for member in base.getmembers():
+            if os.path.normpath(member.name) not in overridden:
+                out.addfile(member, base.extractfile(member) if member.isfile() else None)
+        with tarfile.open(fileobj=io.BytesIO(files_to_tar(files))) as extra:
+            for member in extra.getmembers():
+                out.addfile(member, extra.extractfile(member))
+    return merged.getvalue()
+
+
+def _workspace_wrapper(seed_fd: int, out_fd: int, command: list[str]) -> list[str]:
+    """Wrap ``command`` in a POSIX sh prologue that unpacks the seed tar into /workspace and,
+    when ``out_fd`` >= 0, an epilogue that streams /workspace back as a tar. The program runs
+    with both descriptors closed, so it can neither read the seed twice nor forge the output.
+    """
+    script = (
+        'seed=$1; out=$2; shift 2; '
+        # Redirections, not /dev/fd/N paths: reopening a pipe created by the host is denied.
+        'eval "tar -xf - -C /workspace --no-same-owner --no-same-permissions <&$seed" '
+        '|| { echo "sandbox: could not unpack the workspace" >&2; exit 125; }; '
+        'eval "exec $seed<&-"; '
+        'if [ "$out" -lt 0 ]; then exec "$@"; fi; '
+        'eval "\\"\\$@\\" $out>&-"; rc=$?; '
+        'eval "tar -cf - -C /workspace . >&$out" 2>/dev/null; exit $rc'
+    )
+    return ["/bin/sh", "-c", script, "sandbox-workspace", str(seed_fd), str(out_fd), *command]
+
+
+@dataclass
+class _Collected:
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    dropped: dict[str, int] = field(default_factory=lambda: {"stdout": 0, "stderr": 0})
+    status_json: bytearray = field(default_factory=bytearray)
+    workspace: bytearray = field(default_factory=bytearray)
+    timed_out: bool = False
+    flood: str | None = None
+    workspace_overflow: bool = False
+
+
+def _collect(
+    proc: subprocess.Popen[bytes],
+    request: ExecRequest,
+    started: float,
+    status_fd: int,
+    workspace_fd: int | None,
+) -> _Collected:
+    """Feed stdin and drain every pipe until the sandbox is gone or the deadline passes."""
+    got = _Collected()
+    deadline = started + request.timeout_s
+    limit = request.max_output_bytes
+    # The workspace comes back through tmpfs-bounded tar; allow a little header overhead.
+    workspace_cap = 2 * (request.workdir_mb << 20) + (1 << 20)
+    selector = selectors.DefaultSelector()
+    assert proc.stdin and proc.stdout and proc.stderr
+    stdin_data = memoryview(request.stdin.encode())
+    if stdin_data:
+        os.set_blocking(proc.stdin.fileno(), False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+    else:
+        proc.stdin.close()
+    selector.register(proc.stdout, selectors.EVENT_READ, "stdout")
+    selector.register(proc.stderr, selectors.EVENT_READ, "stderr")
+    selector.register(status_fd, selectors.EVENT_READ, "status")
+    if workspace_fd is not None:
+        selector.register(workspace_fd, selectors.EVENT_READ, "workspace")
+
+    def kill() -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    while selector.get_map():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            got.timed_out = True
+            kill()
+            break
+        for key, _ in selector.select(timeout=min(remaining, 0.5)):
+            name = key.data
+            if name == "stdin":
+                try:
+                    written = os.write(key.fd, stdin_data[:65536])
+                    stdin_data = stdin_data[written:]
+                except (BrokenPipeError, BlockingIOError) as exc:
+                    if isinstance(exc, BlockingIOError):
+                        continue
+                    stdin_data = memoryview(b"")
+                if not stdin_data:
+                    selector.unregister(key.fileobj)
+                    proc.stdin.close()
+                continue
+            chunk = os.read(key.fd, 65536)
+            if not chunk:
+                selector.unregister(key.fileobj)
+                continue
+            if name in ("stdout", "stderr"):
+                kept = getattr(got, name)
+                room = max(0, limit - len(kept))
+                kept += chunk[:room]
+                got.dropped[name] += len(chunk) - min(room, len(chunk))
+                if got.dropped[name] > OUTPUT_FLOOD_FACTOR * limit and got.flood is None:
+                    got.flood = name
+                    kill()
+            elif name == "status":
+                got.status_json += chunk
+            elif len(got.workspace) + len(chunk) <= workspace_cap:
+                got.workspace += chunk
+            else:
+                got.workspace_overflow = True
+    selector.close()
+    # After a kill the pid namespace dies with bwrap; the wait is short either way.
+    try:
+        proc.wait(timeout=max(1.0, deadline - time.monotonic() + 1.0))
+    except subprocess.TimeoutExpired:
+        kill()
+        proc.wait()
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream and not stream.closed:
+            with contextlib.suppress(OSError):
+                stream.close()
+    if not got.timed_out and got.flood is None:
+        # Drain the tail of the status pipe written just before bwrap exited.
+        with contextlib.suppress(OSError):
+            os.set_blocking(status_fd, False)
+            with contextlib.suppress(BlockingIOError):
+                while chunk := os.read(status_fd, 4096):
+                    got.status_json += chunk
+    return got
+
+
+def _program_exit_code(status_json: bytes) -> tuple[bool, int | None]:
+    """Parse bwrap's --json-status-fd stream: (sandbox started, program exit code).
+
+    >>> _program_exit_code(b'{ "child-pid": 7 }\\n{ "exit-code": 3 }\\n')
+    (True, 3)
+    >>> _program_exit_code(b"")
+    (False, None)
+    """
+    started, exit_code = False, None
+    for line in status_json.decode(errors="replace").splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            started = started or "child-pid" in record
+            if "exit-code" in record:
+                exit_code = int(record["exit-code"])
+    return started, exit_code
+
+
+def _finish(
+    request: ExecRequest, got: _Collected, duration_ms: float, capture_workspace: bool
+) -> ExecResult:
+    stdout = truncate_output(bytes(got.stdout), got.dropped["stdout"])
+    stderr = truncate_output(bytes(got.stderr), got.dropped["stderr"])
+    started, exit_code = _program_exit_code(bytes(got.status_json))
+    if got.timed_out:
+        return ExecResult("timeout", None, stdout, stderr, duration_ms,
+                          f"wall-clock limit of {request.timeout_s:g} s exceeded; "
+                          "every process in the sandbox was killed")
+    if got.flood:
+        return ExecResult("killed", None, stdout, stderr, duration_ms,
+                          f"{got.flood} exceeded {OUTPUT_FLOOD_FACTOR}x the "
+                          f"{request.max_output_bytes}-byte output limit; sandbox killed")
+    if not started:
+        raise SandboxError(f"bubblewrap could not create the sandbox: {stderr.strip()[:2000]}")
+    if exit_code is None:
+        # bwrap itself was killed from outside before reporting; treat as a kill.
+        return ExecResult("killed", None, stdout, stderr, duration_ms,
+                          "the sandbox was terminated before the program reported an exit code")
+    status, reason = classify_exit(exit_code, stderr)
+    if exit_code == 125 and "sandbox: could not unpack the workspace" in stderr:
+        raise SandboxError(f"could not seed /workspace: {stderr.strip()[:2000]}")
+    workspace: bytes | None = None
+    if capture_workspace:
+        if got.workspace_overflow:
+            reason += "; workspace too large to capture, state not saved"
+        elif got.workspace:
+            workspace = bytes(got.workspace)
+        else:
+            reason += "; the program killed the sandbox shell, workspace state not saved"
+    return ExecResult(status, exit_code, stdout, stderr, duration_ms, reason, workspace)
+
+
+def _count_processes(uid: int) -> int:
+    """How many processes ``uid`` runs now (for the non-root RLIMIT_NPROC offset)."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if entry.stat().st_uid == uid:
+                    count += 1
+    return count
+
+
+_default: Executor | None = None
+_default_lock = threading.Lock()
+
+
+def default_executor() -> Executor:
+    """A process-wide executor (building one resolves binaries and host binds once)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = Executor()
+        return _default

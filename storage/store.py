@@ -1,0 +1,744 @@
+"""Artifact stores: one small interface over MinIO/S3 and over a local directory.
+
+Everything durable in a run (checkpoints, published weights, trajectories, eval reports)
+goes through :class:`ArtifactStore`, so the same code runs against MinIO in a cluster and
+against a plain directory on a laptop or in tests. Both implementations share the
+semantics the higher layers rely on:
+
+* a put is atomic: readers see the old object, or the whole new one, never a prefix of it
+  (S3 guarantees this per object; :class:`LocalStore` writes a temp file and renames);
+* ``list(prefix)`` is a plain string-prefix match over keys, recursive, sorted;
+* deleting a missing key is not an error (as in S3);
+* ``put_file``/``get_file`` return the size and sha256 of the bytes that went through, so
+  callers get checksums without a second pass over multi-GB files.
+
+Only :class:`S3Store` talks to a network; its calls retry transient failures with bounded
+exponential backoff (:class:`~posttrain.storage.retry.RetryPolicy`) and turn the rest into
+errors that name the endpoint and bucket and never contain the secret key.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import logging
+import mimetypes
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+from urllib.parse import urlsplit
+
+import certifi
+import urllib3
+from minio import Minio
+from minio.credentials import Credentials, Provider, StaticProvider
+from minio.error import InvalidResponseError, S3Error, ServerError
+
+from posttrain.errors import UsageError
+from posttrain.storage.errors import (
+    ArtifactNotFoundError,
+    BucketNotFoundError,
+    StorageAuthError,
+    StorageError,
+    StorageUnreachableError,
+)
+from posttrain.storage.metrics import (
+    BYTES_DOWNLOADED,
+    BYTES_UPLOADED,
+    DOWNLOAD_SECONDS,
+    UPLOAD_SECONDS,
+)
+from posttrain.storage.progress import HashingReader, TransferProgress
+from posttrain.storage.retry import RetryPolicy, _short, call_with_retry
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Multipart settings for large files: 16 MiB parts, 4 in flight (64 MiB of buffers per file).
+DEFAULT_PART_SIZE = 16 * 1024 * 1024
+DEFAULT_PARALLEL_PARTS = 4
+_COPY_CHUNK = 4 * 1024 * 1024
+# Temp files LocalStore writes before renaming; never listed as keys.
+_TMP_MARKER = ".tmp-"
+
+# S3 error codes that mean "try again later" rather than "you asked for something wrong".
+_TRANSIENT_S3_CODES = frozenset({
+    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+    "XMinioServerNotInitialized", "ServerNotInitialized", "XMinioReadQuorum",
+    "XMinioWriteQuorum", "OperationTimedOut",
+})
+_AUTH_S3_CODES = frozenset({
+    "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+    "ExpiredToken", "AuthorizationHeaderMalformed", "AllAccessDisabled",
+})
+
+
+@dataclass(frozen=True)
+class Digest:
+    """Size and sha256 (hex) of the bytes one transfer moved."""
+
+    size: int
+    sha256: str
+
+
+@runtime_checkable
+class ArtifactStore(Protocol):
+    """Keys are relative, ``/``-separated paths like ``runs/ns/name/checkpoints/latest.json``."""
+
+    def put_bytes(self, key: str, data: bytes) -> Digest: ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def put_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest: ...
+
+    def get_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str = "") -> list[str]: ...
+
+    def delete(self, key: str) -> None: ...
+
+    def uri(self, key: str = "") -> str: ...
+
+    def with_retry(self, policy: RetryPolicy) -> ArtifactStore:
+        """The same store with another retry policy (a no-op for local directories)."""
+        ...
+
+
+def check_key(key: str) -> str:
+    """Validate an object key and return it; keys never escape their store.
+
+    >>> check_key("checkpoints/step-00000012/model.safetensors")
+    'checkpoints/step-00000012/model.safetensors'
+    >>> check_key("../etc/passwd")
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid storage key '../etc/passwd': use a relative path of non-empty parts, no '.' or '..'
+    """
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(
+            f"invalid storage key {key!r}: use a relative path of non-empty parts, no '.' or '..'"
+        )
+    return key
+
+
+def join_key(*parts: str) -> str:
+    """Join key fragments with single slashes, skipping empty ones.
+
+    >>> join_key("runs/ns/a/", "/checkpoints", "", "latest.json")
+    'runs/ns/a/checkpoints/latest.json'
+    """
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+
+def run_prefix(namespace: str, name: str) -> str:
+    """Where one TrainingRun keeps its artifacts inside the bucket.
+
+    >>> run_prefix("team-a", "grpo-math-1")
+    'runs/team-a/grpo-math-1'
+    """
+    for what, value in (("namespace", namespace), ("run name", name)):
+        if not _NAME_RE.match(value):
+            raise UsageError(
+                f"{what} {value!r} is not a Kubernetes name (lower-case letters, digits, '-', '.'); "
+                "use the TrainingRun's metadata.namespace and metadata.name"
+            )
+    return f"runs/{namespace}/{name}"
+
+
+# --------------------------------------------------------------------------- local
+
+
+class LocalStore:
+    """An :class:`ArtifactStore` in a local (or NFS/PVC-mounted) directory.
+
+    Writes go to a temp file in the destination directory, are fsynced, then renamed over
+    the key, so a crash never leaves a half-written object under a real key.
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put_bytes(self, key: str, data: bytes) -> Digest:
+        return self._write_atomic(self._path(key), io.BytesIO(data), None, "bytes")
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            data = self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFoundError(f"no object at {self.uri(key)}") from None
+        BYTES_DOWNLOADED.labels(store="local").inc(len(data))
+        return data
+
+    def put_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest:
+        with open(path, "rb") as src:
+            return self._write_atomic(self._path(key), src, progress, "file")
+
+    def get_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest:
+        start = time.monotonic()
+        try:
+            src = open(self._path(key), "rb")  # noqa: SIM115 - closed below
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFoundError(f"no object at {self.uri(key)}") from None
+        with src:
+            digest = _copy_to_file_atomic(src, Path(path), progress, fsync=False)
+        BYTES_DOWNLOADED.labels(store="local").inc(digest.size)
+        DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
+        return digest
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        # Walk only the deepest directory the prefix fully names, then string-match the rest.
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base_dir if base_dir else self.root
+        keys: list[str] = []
+        for dirpath, _dirnames, filenames in os.walk(start):
+            for filename in filenames:
+                if _TMP_MARKER in filename:
+                    continue
+                key = Path(dirpath, filename).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Tidy empty parent directories so listings and `ls` match the S3 view.
+        parent = path.parent
+        while parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def uri(self, key: str = "") -> str:
+        return f"file://{self.root}/{key}" if key else f"file://{self.root}"
+
+    def with_retry(self, policy: RetryPolicy) -> LocalStore:
+        return self
+
+    def _write_atomic(
+        self, dest: Path, src: io.BufferedIOBase | io.BytesIO, progress: TransferProgress | None,
+        kind: str,
+    ) -> Digest:
+        start = time.monotonic()
+        digest = _copy_to_file_atomic(src, dest, progress, fsync=True)
+        BYTES_UPLOADED.labels(store="local").inc(digest.size)
+        UPLOAD_SECONDS.labels(kind=kind).observe(time.monotonic() - start)
+        return digest
+
+
+def _copy_to_file_atomic(
+    src: io.BufferedIOBase | io.BytesIO | io.BufferedReader,
+    dest: Path,
+    progress: TransferProgress | None,
+    *,
+    fsync: bool,
+) -> Digest:
+    """Copy ``src`` into ``dest`` via a sibling temp file + rename, hashing on the way."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
+    sha = hashlib.sha256()
+    size = 0
+    try:
+        with open(tmp, "wb") as out:
+            while chunk := src.read(_COPY_CHUNK):
+                out.write(chunk)
+                sha.update(chunk)
+                size += len(chunk)
+                if progress is not None:
+                    progress.update(len(chunk))
+            if fsync:
+                out.flush()
+                os.fsync(out.fileno())
+        os.replace(tmp, dest)
+        if fsync:
+            _fsync_dir(dest.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return Digest(size=size, sha256=sha.hexdigest())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable: the directory entry lives in the parent's metadata."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- S3
+
+
+class SecretDirCredentials(Provider):
+    """Credentials read from a mounted Kubernetes Secret (files ``accesskey`` and ``secretkey``).
+
+    Re-read every ``refresh_s`` seconds, so a rotated Secret takes effect without a restart.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], refresh_s: float = 30.0) -> None:
+        self.directory = Path(directory)
+        self._refresh_s = refresh_s
+        self._cached: Credentials | None = None
+        self._read_at = 0.0
+        self.retrieve()  # fail at construction time, not on the first upload
+
+    def retrieve(self) -> Credentials:
+        now = time.monotonic()
+        if self._cached is None or now - self._read_at > self._refresh_s:
+            self._cached = Credentials(self._read("accesskey"), self._read("secretkey"))
+            self._read_at = now
+        return self._cached
+
+    def _read(self, name: str) -> str:
+        path = self.directory / name
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise UsageError(
+                f"cannot read S3 credential file {path} ({exc.strerror}); "
+                "POSTTRAIN_S3_CREDENTIALS_DIR must hold files 'accesskey' and 'secretkey' "
+                "(mount the MinIO credentials Secret there)"
+            ) from None
+        if not value:
+            raise UsageError(f"S3 credential file {path} is empty")
+        return value
+
+
+class S3Store:
+    """An :class:`ArtifactStore` in one bucket (under an optional key prefix) of MinIO/S3.
+
+    Construction checks the bucket (creating it when ``create_bucket``), so a wrong endpoint,
+    wrong credentials or a missing bucket fail at start-up with a message that names them,
+    not at the first checkpoint an hour later.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        bucket: str,
+        prefix: str = "",
+        *,
+        access_key: str | None = None,
+        secret_key: str | None = None,
+        credentials: Provider | None = None,
+        secure: bool = False,
+        ca_bundle: str | None = None,
+        region: str | None = None,
+        retry: RetryPolicy | None = None,
+        create_bucket: bool = True,
+        part_size: int = DEFAULT_PART_SIZE,
+        parallel_parts: int = DEFAULT_PARALLEL_PARTS,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 120.0,
+    ) -> None:
+        if credentials is None:
+            if not access_key or not secret_key:
+                raise UsageError(
+                    f"no credentials for S3 endpoint {endpoint}: pass access_key and secret_key, "
+                    "or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or POSTTRAIN_S3_CREDENTIALS_DIR"
+                )
+            credentials = StaticProvider(access_key, secret_key)
+        self.endpoint = endpoint
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.secure = secure
+        self._provider = credentials
+        self._retry = retry or RetryPolicy()
+        self._part_size = part_size
+        self._parallel_parts = parallel_parts
+        # Retries live in our layer (bounded, logged, counted), so urllib3's are switched off.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
+            maxsize=32,
+            cert_reqs="CERT_REQUIRED",
+            ca_certs=ca_bundle or os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            retries=False,
+        )
+        self._client = Minio(
+            endpoint, credentials=credentials, secure=secure, region=region, http_client=http
+        )
+        self._ensure_bucket(create_bucket)
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri()!r} at {self.endpoint})"
+
+    @property
+    def client(self) -> Minio:
+        """The underlying minio client (the benchmark uses it as the raw baseline)."""
+        return self._client
+
+    def with_retry(self, policy: RetryPolicy) -> S3Store:
+        clone = copy.copy(self)  # shares the client and its connection pool
+        clone._retry = policy
+        return clone
+
+    def _name(self, key: str) -> str:
+        return join_key(self.prefix, check_key(key))
+
+    def uri(self, key: str = "") -> str:
+        return "s3://" + join_key(self.bucket, self.prefix, key)
+
+    # -- operations
+
+    def put_bytes(self, key: str, data: bytes) -> Digest:
+        name = self._name(key)
+        start = time.monotonic()
+        self._call("put", key, lambda: self._client.put_object(
+            self.bucket, name, io.BytesIO(data), len(data), content_type=_content_type(key)
+        ))
+        BYTES_UPLOADED.labels(store="s3").inc(len(data))
+        UPLOAD_SECONDS.labels(kind="bytes").observe(time.monotonic() - start)
+        return Digest(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    def get_bytes(self, key: str) -> bytes:
+        name = self._name(key)
+
+        def attempt() -> bytes:
+            response = self._client.get_object(self.bucket, name)
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+
+        data = self._call("get", key, attempt)
+        BYTES_DOWNLOADED.labels(store="s3").inc(len(data))
+        return data
+
+    def put_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest:
+        name = self._name(key)
+        size = os.path.getsize(path)
+        start = time.monotonic()
+
+        def attempt() -> Digest:
+            with open(path, "rb") as fh:
+                reader = HashingReader(fh, progress)
+                try:
+                    self._client.put_object(
+                        self.bucket, name, reader, size, content_type=_content_type(key),
+                        part_size=self._part_size, num_parallel_uploads=self._parallel_parts,
+                    )
+                except BaseException:
+                    if progress is not None:
+                        progress.update(-reader.size)  # this attempt's bytes will be re-sent
+                    raise
+            return Digest(size=reader.size, sha256=reader.sha256.hexdigest())
+
+        digest = self._call("put", key, attempt)
+        BYTES_UPLOADED.labels(store="s3").inc(digest.size)
+        UPLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
+        return digest
+
+    def get_file(
+        self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
+    ) -> Digest:
+        name = self._name(key)
+        dest = Path(path)
+        start = time.monotonic()
+
+        def attempt() -> Digest:
+            response = self._client.get_object(self.bucket, name)
+            tracker = _RewindingProgress(progress)
+            try:
+                return _copy_to_file_atomic(
+                    _ResponseReader(response, tracker), dest, None, fsync=False
+                )
+            except BaseException:
+                tracker.rewind()
+                raise
+            finally:
+                response.close()
+                response.release_conn()
+
+        digest = self._call("get", key, attempt)
+        BYTES_DOWNLOADED.labels(store="s3").inc(digest.size)
+        DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
+        return digest
+
+    def exists(self, key: str) -> bool:
+        name = self._name(key)
+
+        def attempt() -> bool:
+            try:
+                self._client.stat_object(self.bucket, name)
+            except S3Error as exc:
+                if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+                    return False
+                raise
+            return True
+
+        return self._call("stat", key, attempt)
+
+    def list(self, prefix: str = "") -> list[str]:
+        full = join_key(self.prefix, prefix)
+        # join_key drops a trailing slash; keep "dir/" meaning "inside dir" (and the store prefix).
+        if full and (prefix.endswith("/") or not prefix):
+            full += "/"
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def attempt() -> list[str]:
+            objects = self._client.list_objects(self.bucket, prefix=full or None, recursive=True)
+            return sorted(obj.object_name[strip:] for obj in objects if obj.object_name)
+
+        return self._call("list", prefix, attempt)
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))
+
+    # -- plumbing
+
+    def _ensure_bucket(self, create: bool) -> None:
+        if self._call("check-bucket", "", lambda: self._client.bucket_exists(self.bucket)):
+            return
+        if not create:
+            raise BucketNotFoundError(
+                f"bucket {self.bucket!r} does not exist at S3 endpoint {self.endpoint}; create "
+                "it (for example `mc mb`), or let posttrain create it (create_bucket=True)"
+            )
+
+        def make() -> None:
+            try:
+                self._client.make_bucket(self.bucket)
+            except S3Error as exc:  # another pod created it between our check and now
+                if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                    raise
+
+        self._call("create-bucket", "", make)
+        log.info("created bucket %r at %s", self.bucket, self.endpoint)
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one S3 call with retries, translating SDK errors into actionable ones."""
+        where = self.uri(key)
+
+        def exhausted(exc: BaseException, attempts: int, elapsed: float) -> StorageError:
+            return StorageUnreachableError(
+                f"S3 endpoint {self.endpoint} is unreachable: {op} {where} failed {attempts} "
+                f"time(s) over {elapsed:.1f}s (last error: {_short(exc)}); check that MinIO is "
+                "running and that POSTTRAIN_S3_ENDPOINT/POSTTRAIN_S3_SECURE are right"
+            )
+
+        try:
+            return call_with_retry(
+                fn, policy=self._retry, is_transient=_is_transient,
+                describe=f"{op} {where}", on_exhausted=exhausted,
+            )
+        except S3Error as exc:
+            raise self._translate(exc, op, key) from None
+        except InvalidResponseError as exc:
+            raise StorageError(
+                f"S3 endpoint {self.endpoint} answered {op} {where} with a non-S3 response "
+                f"({_short(exc)}); is POSTTRAIN_S3_ENDPOINT pointing at MinIO?"
+            ) from None
+
+    def _translate(self, exc: S3Error, op: str, key: str) -> StorageError:
+        where = self.uri(key)
+        if exc.code in _AUTH_S3_CODES:
+            access_key = _access_key_of(self._provider)
+            return StorageAuthError(
+                f"S3 endpoint {self.endpoint} rejected {op} on bucket {self.bucket!r} "
+                f"({exc.code}) for access key {access_key!r}: the credentials are wrong or lack "
+                "permission on this bucket; check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the "
+                "files in POSTTRAIN_S3_CREDENTIALS_DIR"
+            )
+        if exc.code == "NoSuchBucket":
+            return BucketNotFoundError(
+                f"bucket {self.bucket!r} does not exist at S3 endpoint {self.endpoint} ({op} "
+                f"{where}); it was deleted while in use, or create it (for example `mc mb`)"
+            )
+        if exc.code in ("NoSuchKey", "NoSuchObject", "NotFound"):
+            return ArtifactNotFoundError(f"no object at {where} (endpoint {self.endpoint})")
+        return StorageError(
+            f"S3 endpoint {self.endpoint} refused {op} {where}: {exc.code}: {exc.message}"
+        )
+
+
+def _access_key_of(provider: Provider) -> str:
+    """The access key id (not secret; it names which credential was used), or '?'."""
+    try:
+        return provider.retrieve().access_key
+    except Exception:
+        return "?"
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Connection-level failures and server-side 5xx are worth retrying; everything else is not."""
+    if isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError):
+        return True
+    if isinstance(exc, socket.timeout):
+        return True
+    if isinstance(exc, ServerError):
+        return exc.status_code >= 500
+    if isinstance(exc, S3Error):
+        return exc.code in _TRANSIENT_S3_CODES
+    if isinstance(exc, InvalidResponseError):
+        return str(exc).split("Response code: ", 1)[-1][:1] == "5"
+    return False
+
+
+def _content_type(key: str) -> str:
+    """Content type from the key's suffix, so reports and plots render in the MinIO console."""
+    if key.endswith(".jsonl.zst") or key.endswith(".safetensors"):
+        return "application/octet-stream"
+    return mimetypes.guess_type(key)[0] or "application/octet-stream"
+
+
+class _RewindingProgress:
+    """Counts this attempt's bytes so a retried download does not double-count progress."""
+
+    def __init__(self, progress: TransferProgress | None) -> None:
+        self._progress = progress
+        self.done = 0
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        if self._progress is not None:
+            self._progress.update(nbytes)
+
+    def rewind(self) -> None:
+        if self._progress is not None and self.done:
+            self._progress.update(-self.done)
+        self.done = 0
+
+
+class _ResponseReader(io.RawIOBase):
+    """A urllib3 response as a file-like ``read(n)`` source that reports progress."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, progress: _RewindingProgress) -> None:
+        self._response = response
+        self._progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._response.read(size if size and size > 0 else None)
+        self._progress.update(len(data))
+        return data
+
+
+# --------------------------------------------------------------------------- open_store
+
+
+def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"{name}={value!r} is not a boolean; use true or false")
+
+
+def s3_store_from_env(
+    bucket: str,
+    prefix: str = "",
+    *,
+    env: Mapping[str, str] | None = None,
+    retry: RetryPolicy | None = None,
+    create_bucket: bool = True,
+) -> S3Store:
+    """Build an :class:`S3Store` from the environment a posttrain pod is given.
+
+    ``POSTTRAIN_S3_ENDPOINT`` (``host:port``, or a URL whose scheme sets TLS),
+    ``POSTTRAIN_S3_SECURE`` (default false: MinIO in-cluster/loopback speaks plain HTTP),
+    ``POSTTRAIN_S3_CA_BUNDLE`` (PEM file for a private CA), ``POSTTRAIN_S3_REGION``, and
+    credentials from ``POSTTRAIN_S3_CREDENTIALS_DIR`` (a mounted Secret, preferred) or
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``.
+    """
+    env = os.environ if env is None else env
+    endpoint = env.get("POSTTRAIN_S3_ENDPOINT", "").strip()
+    if not endpoint:
+        raise UsageError(
+            f"s3://{bucket} needs POSTTRAIN_S3_ENDPOINT (host:port of MinIO/S3, for example "
+            "minio.posttrain-system.svc:9000); it is not set"
+        )
+    secure = _env_flag(env, "POSTTRAIN_S3_SECURE", False)
+    if "://" in endpoint:
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise UsageError(
+                f"POSTTRAIN_S3_ENDPOINT={endpoint!r} is not host:port or an http(s) URL"
+            )
+        secure, endpoint = parts.scheme == "https", parts.netloc
+    ca_bundle = env.get("POSTTRAIN_S3_CA_BUNDLE") or None
+    if ca_bundle and not Path(ca_bundle).is_file():
+        raise UsageError(f"POSTTRAIN_S3_CA_BUNDLE={ca_bundle!r} is not a readable file")
+    credentials_dir = env.get("POSTTRAIN_S3_CREDENTIALS_DIR")
+    credentials: Provider | None = None
+    access_key = secret_key = None
+    if credentials_dir:
+        credentials = SecretDirCredentials(credentials_dir)
+    else:
+        access_key = env.get("AWS_ACCESS_KEY_ID")
+        secret_key = env.get("AWS_SECRET_ACCESS_KEY")
+    return S3Store(
+        endpoint, bucket, prefix, access_key=access_key, secret_key=secret_key,
+        credentials=credentials, secure=secure, ca_bundle=ca_bundle,
+        region=env.get("POSTTRAIN_S3_REGION") or None, retry=retry, create_bucket=create_bucket,
+    )
+
+
+def open_store(
+    uri: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    retry: RetryPolicy | None = None,
+    create_bucket: bool = True,
+) -> ArtifactStore:
+    """Open the store a URI names: ``s3://bucket/prefix``, ``file:///abs/dir`` or a plain path.
+
+    >>> open_store("/tmp/posttrain-doctest-store").uri("a/b")
+    'file:///tmp/posttrain-doctest-store/a/b'
+    """
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        if not bucket:
+            raise UsageError(f"storage URI {uri!r} has no bucket; use s3://BUCKET[/PREFIX]")
+        return s3_store_from_env(bucket, prefix, env=env, retry=retry, create_bucket=create_bucket)
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        if not path.startswith("/"):
+            raise UsageError(f"storage URI {uri!r} must be absolute: file:///ABSOLUTE/PATH")
+        return LocalStore(path)
+    if "://" in uri:
+        raise UsageError(
+            f"storage URI {uri!r} has an unsupported scheme; use s3://BUCKET[/PREFIX], "
+            "file:///ABSOLUTE/PATH or a plain directory path"
+        )
+    if not uri:
+        raise UsageError("storage URI is empty; use s3://BUCKET[/PREFIX] or a directory path")
+    return LocalStore(uri)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Builds (once per pin) kube-apiserver, etcd and the MinIO server from Go modules
+# into $POSTTRAIN_BIN_DIR (default ~/.cache/posttrain/bin) as <name>-<version>.
+# A binary already there is reused; the build is skipped entirely.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+# shellcheck source=versions.env
+source "$here/versions.env"
+bin_dir="${POSTTRAIN_BIN_DIR:-$HOME/.cache/posttrain/bin}"
+mkdir -p "$bin_dir"
+
+if ! command -v go >/dev/null 2>&1; then
+  echo "error: the Go toolchain is missing; install Go >= 1.26 (https://go.dev/doc/install) and re-run" >&2
+  exit 2
+fi
+
+build() {  # name version description command...
+  local name="$1" version="$2" what="$3"; shift 3
+  local target="$bin_dir/$name-$version"
+  if [[ -x "$target" ]]; then
+    echo "[binaries] $name $version: cached at $target"
+    return
+  fi
+  echo "[binaries] $name $version: building $what (first time only; several minutes on 2 cores)..."
+  local start=$SECONDS tmp
+  tmp="$(mktemp -d)"
+  if ! "$@" "$tmp" >"$tmp.log" 2>&1; then
+    echo "error: building $name $version failed; last lines of the log ($tmp.log):" >&2
+    tail -n 30 "$tmp.log" >&2
+    exit 1
+  fi
+  mv "$tmp/$name" "$target.partial" && mv "$target.partial" "$target"
+  rm -rf "$tmp"
+  echo "[binaries] $name $version: built in $((SECONDS - start)) s -> $target"
+}
+
+build_controlplane() {  # out_dir; builds kube-apiserver or etcd from our wrapper module
+  (cd "$here/controlplane" && go build -trimpath -ldflags="-s -w" -o "$2/$1" "./cmd/$1")
+}
+build_apiserver() { build_controlplane kube-apiserver "$1"; }
+build_etcd() { build_controlplane etcd "$1"; }
+build_minio() {
+  # MinIO (AGPL-3.0) is installed unmodified as a separate program, never linked.
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/minio/minio@$MINIO_VERSION"
+}
+
+build etcd "$ETCD_VERSION" "etcd from go.etcd.io/etcd/server/v3" build_etcd
+build kube-apiserver "$K8S_VERSION" "kube-apiserver from k8s.io/kubernetes" build_apiserver
+build minio "$MINIO_VERSION" "the MinIO server from github.com/minio/minio" build_minio

@@ -1,0 +1,210 @@
+"""Reward-hacking monitors and spot-check exports.
+
+RL optimises the verifier, not the intent behind it, so the run watches for the usual
+symptoms and writes them to ``audit/alerts.jsonl`` (and the log) instead of failing:
+
+* **reward/held-out divergence**: training reward of a domain keeps rising between two
+  evaluations while its held-out accuracy does not;
+* **verifier hack signals**: verifiers report suspicious patterns in ``details``
+  (e.g. tests edited, ``exit()`` before asserts) -- counted per domain;
+* **empty answers that pass**: a completion with no content scoring as passed means the
+  verifier accepts format without substance.
+
+A seeded sample of trajectories is exported to Markdown and JSONL for a human to read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import Counter
+
+log = logging.getLogger(__name__)
+
+HACK_ALERTS = Counter(
+    "posttrain_trainer_hack_alerts_total", "Reward-hacking alerts raised", ["kind", "domain"]
+)
+DIVERGENCE_MIN_REWARD_RISE = 0.05  # reward must rise this much between evals to count
+
+
+@dataclass(frozen=True)
+class Alert:
+    step: int
+    kind: str  # reward_heldout_divergence | hack_signal | empty_answer_passed
+    domain: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One sampled completion as the auditor sees it."""
+
+    step: int
+    domain: str
+    task_id: str
+    prompt: str
+    completion: str
+    reward: float
+    passed: bool
+    weight_version: int
+    hack_signals: tuple[str, ...] = ()
+
+
+def divergence_alerts(
+    step: int,
+    reward_at_eval: dict[str, tuple[float, float]],
+    accuracy_at_eval: dict[str, tuple[float, float]],
+    min_rise: float = DIVERGENCE_MIN_REWARD_RISE,
+) -> list[Alert]:
+    """Domains whose mean reward rose by ``min_rise`` while held-out accuracy did not rise.
+
+    Both maps give ``domain -> (value at previous eval, value now)``.
+
+    >>> [a.domain for a in divergence_alerts(5, {"m": (0.2, 0.5)}, {"m": (0.4, 0.4)})]
+    ['m']
+    >>> divergence_alerts(5, {"m": (0.2, 0.5)}, {"m": (0.4, 0.45)})
+    []
+    """
+    alerts = []
+    for domain, (reward_before, reward_now) in sorted(reward_at_eval.items()):
+        if domain not in accuracy_at_eval:
+            continue
+        acc_before, acc_now = accuracy_at_eval[domain]
+        if reward_now - reward_before >= min_rise and acc_now <= acc_before:
+            alerts.append(
+                Alert(
+                    step,
+                    "reward_heldout_divergence",
+                    domain,
+                    f"train reward {reward_before:.2f}->{reward_now:.2f} but held-out accuracy "
+                    f"{acc_before:.2f}->{acc_now:.2f}: check spot checks for verifier exploits",
+                )
+            )
+    return alerts
+
+
+def sample_alerts(step: int, trajectories: Sequence[Trajectory]) -> list[Alert]:
+    """Per-sample alerts: verifier hack signals, and empty completions that passed.
+
+    >>> t = Trajectory(1, "m", "id", "p", "  ", 1.0, True, 0)
+    >>> [a.kind for a in sample_alerts(1, [t])]
+    ['empty_answer_passed']
+    """
+    alerts = []
+    for t in trajectories:
+        for signal in t.hack_signals:
+            alerts.append(Alert(step, "hack_signal", t.domain, f"task {t.task_id}: {signal}"))
+        if t.passed and not t.completion.strip():
+            alerts.append(
+                Alert(step, "empty_answer_passed", t.domain, f"task {t.task_id} passed empty")
+            )
+    return alerts
+
+
+class Auditor:
+    """Collects alerts over a run and keeps a reservoir of trajectories for spot checks."""
+
+    def __init__(self, out_dir: Path, spot_check_samples: int, seed: int = 0) -> None:
+        self.dir = out_dir / "audit"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spot_check_samples = spot_check_samples
+        self.rng = random.Random(seed)
+        self.reservoir: list[Trajectory] = []
+        self.seen = 0
+        self.alerts: list[Alert] = []
+        self._reward_at_last_eval: dict[str, float] = {}
+        self._accuracy_at_last_eval: dict[str, float] = {}
+
+    def observe_batch(self, step: int, trajectories: Sequence[Trajectory]) -> list[Alert]:
+        """Per-sample checks plus reservoir sampling (uniform over the whole run)."""
+        for t in trajectories:
+            self.seen += 1
+            if len(self.reservoir) < self.spot_check_samples:
+                self.reservoir.append(t)
+            else:
+                j = self.rng.randrange(self.seen)
+                if j < self.spot_check_samples:
+                    self.reservoir[j] = t
+        return self._raise(sample_alerts(step, trajectories))
+
+    def observe_eval(
+        self, step: int, recent_reward: dict[str, float], accuracy: dict[str, float]
+    ) -> list[Alert]:
+        """Compare reward and held-out accuracy with their values at the previous eval."""
+        alerts: list[Alert] = []
+        if self._accuracy_at_last_eval:
+            rewards = {
+                d: (self._reward_at_last_eval[d], r)
+                for d, r in recent_reward.items()
+                if d in self._reward_at_last_eval
+            }
+            accs = {
+                d: (self._accuracy_at_last_eval[d], a)
+                for d, a in accuracy.items()
+                if d in self._accuracy_at_last_eval
+            }
+            alerts = divergence_alerts(step, rewards, accs)
+        self._reward_at_last_eval = dict(recent_reward)
+        self._accuracy_at_last_eval = dict(accuracy)
+        return self._raise(alerts)
+
+    def _raise(self, alerts: list[Alert]) -> list[Alert]:
+        if alerts:
+            with (self.dir / "alerts.jsonl").open("a") as fh:
+                for alert in alerts:
+                    fh.write(json.dumps(asdict(alert)) + "\n")
+                    HACK_ALERTS.labels(alert.kind, alert.domain).inc()
+                    log.warning("audit %s [%s]: %s", alert.kind, alert.domain, alert.message)
+        self.alerts.extend(alerts)
+        return alerts
+
+    def write_spot_checks(self) -> tuple[Path, Path]:
+        """Export the reservoir to ``spot_checks.jsonl`` and a readable ``spot_checks.md``."""
+        ordered = sorted(self.reservoir, key=lambda t: (t.step, t.domain, t.task_id))
+        jsonl = self.dir / "spot_checks.jsonl"
+        jsonl.write_text("".join(json.dumps(asdict(t)) + "\n" for t in ordered))
+        lines = ["# Spot checks", "", f"{len(ordered)} trajectories sampled uniformly", ""]
+        for t in ordered:
+            verdict = "PASS" if t.passed else "fail"
+            lines += [
+                f"## step {t.step} · {t.domain} · {verdict} · reward {t.reward:.2f}",
+                "",
+                f"**Prompt:** {t.prompt}",
+                "",
+                "```text",
+                t.completion.replace("```", "ʼʼʼ"),
+                "```",
+                "",
+            ]
+            if t.hack_signals:
+                lines += [f"**Hack signals:** {', '.join(t.hack_signals)}", ""]
+        markdown = self.dir / "spot_checks.md"
+        markdown.write_text("\n".join(lines))
+        return markdown, jsonl
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {
+            "rng": [version, list(internal), gauss],
+            "seen": self.seen,
+            "reservoir": [asdict(t) for t in self.reservoir],
+            "reward_at_last_eval": self._reward_at_last_eval,
+            "accuracy_at_last_eval": self._accuracy_at_last_eval,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        self.seen = int(state["seen"])
+        self.reservoir = [
+            Trajectory(**{**t, "hack_signals": tuple(t["hack_signals"])})
+            for t in state["reservoir"]
+        ]
+        self._reward_at_last_eval = dict(state["reward_at_last_eval"])
+        self._accuracy_at_last_eval = dict(state["accuracy_at_last_eval"])

@@ -1,0 +1,172 @@
+"""Checkpoints that resume *exactly*: weights, optimizer, RNGs, curriculum, buffered rollouts.
+
+A checkpoint directory is also a plain Hugging Face model directory (``config.json`` +
+``model.safetensors`` + tokenizer at its top level), so ``posttrain eval --model
+DIR/checkpoints/latest`` and ``posttrain serve`` load it with no conversion. Next to the
+weights sit ``optimizer.pt`` (AdamW moments), ``rng.pt`` (torch/python RNG states) and
+``trainer_state.json`` (step, weight version, curriculum and audit state, and rollouts
+that were sampled or requested but not yet trained on). Files move through the storage
+component's :class:`CheckpointManager`, which commits atomically and keeps the newest
+``keep_last`` plus the best by held-out accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.trainer.datasets import Task
+from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+
+
+@dataclass
+class TrainerState:
+    """Everything besides tensors that a resumed run needs."""
+
+    step: int
+    weight_version: int
+    curriculum: dict[str, Any]
+    audit: dict[str, Any]
+    pending_requests: list[dict[str, Any]]
+    sampled_batches: list[dict[str, Any]]
+    seed: int
+
+
+def request_to_json(request: RolloutRequest) -> dict[str, Any]:
+    return {
+        "batch_index": request.batch_index,
+        "tasks": [t.to_dict() for t in request.tasks],
+        "prompt_ids": request.prompt_ids,
+        "seed": request.seed,
+    }
+
+
+def request_from_json(data: dict[str, Any]) -> RolloutRequest:
+    return RolloutRequest(
+        batch_index=int(data["batch_index"]),
+        tasks=[Task.from_dict(t) for t in data["tasks"]],
+        prompt_ids=[list(ids) for ids in data["prompt_ids"]],
+        seed=int(data["seed"]),
+    )
+
+
+def batch_to_json(batch: RolloutBatch) -> dict[str, Any]:
+    return {
+        "request": request_to_json(batch.request),
+        "seconds": batch.seconds,
+        "error": batch.error,
+        "completions": [
+            [
+                {
+                    "prompt_index": c.prompt_index,
+                    "text": c.text,
+                    "token_ids": c.token_ids,
+                    "logprobs": c.logprobs,
+                    "finish_reason": c.finish_reason,
+                    "weight_version": c.weight_version,
+                }
+                for c in group
+            ]
+            for group in batch.completions
+        ],
+    }
+
+
+def batch_from_json(data: dict[str, Any]) -> RolloutBatch:
+    from posttrain.rollout.protocol import Completion
+
+    return RolloutBatch(
+        request=request_from_json(data["request"]),
+        completions=[[Completion(**c) for c in group] for group in data["completions"]],
+        seconds=float(data["seconds"]),
+        error=data.get("error"),
+    )
+
+
+def capture_rng() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+class Checkpointer:
+    """Writes and restores trainer checkpoints through a storage ``CheckpointManager``."""
+
+    def __init__(self, store: Any, keep_last: int, keep_best: bool) -> None:
+        from posttrain.storage.checkpoints import CheckpointManager
+
+        self.store = store
+        self.keep_best = keep_best
+        self.manager = CheckpointManager(store, "checkpoints", keep_last=keep_last)
+
+    def save(
+        self, policy: Any, state: TrainerState, eval_score: float | None = None
+    ) -> str:
+        """Commit a checkpoint of ``state.step``; returns its URI."""
+        with tempfile.TemporaryDirectory(prefix="posttrain-ckpt-") as tmp:
+            local = Path(tmp)
+            policy.save_weights(local)
+            torch.save(policy.optimizer.state_dict(), local / OPTIMIZER_FILE)
+            torch.save(capture_rng(), local / RNG_FILE)
+            (local / STATE_FILE).write_text(json.dumps(state.__dict__))
+            self.manager.save(
+                state.step,
+                local,
+                metadata={"weight_version": state.weight_version},
+                eval_score=eval_score if self.keep_best else None,
+            )
+        uri = self.store.uri(self.manager.step_prefix(state.step))
+        self._link_latest(uri)
+        return uri
+
+    def _link_latest(self, uri: str) -> None:
+        """On a local store, point ``checkpoints/latest`` at the newest checkpoint directory."""
+        if not uri.startswith("file://"):
+            return
+        target = Path(uri.removeprefix("file://"))
+        link = target.parent / "latest"
+        tmp_link = target.parent / f".latest.{os.getpid()}"
+        if tmp_link.is_symlink() or tmp_link.exists():
+            tmp_link.unlink()
+        tmp_link.symlink_to(target.name)
+        tmp_link.replace(link)  # atomic: a reader sees the old or the new target
+
+    def restore(self, policy_factory: Any, scratch: Path) -> tuple[Any, TrainerState] | None:
+        """Load the newest valid checkpoint: ``(policy, state)``, or None when there is none.
+
+        ``policy_factory(model_dir)`` builds the policy from the checkpoint's weights; the
+        optimizer moments and RNG states are restored on top.
+        """
+        dest = scratch / "resume"
+        if dest.exists():
+            shutil.rmtree(dest)
+        found = self.manager.load_latest(dest)
+        for reason in self.manager.last_refused:
+            log.warning("skipped a damaged checkpoint: %s", reason)
+        if found is None:
+            return None
+        step, _ = found
+        policy = policy_factory(dest)
+        policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+        restore_rng(torch.load(dest / RNG_FILE, weights_only=False))
+        state = TrainerState(**json.loads((dest / STATE_FILE).read_text()))
+        log.info("resumed from checkpoint step %d (weight version %d)", step, state.weight_version)
+        return policy, state

@@ -1,0 +1,251 @@
+"""Task records: loading JSONL task files and the built-in generated domains.
+
+A task is one prompt with what its verifier needs (``answer`` or ``tests``) and a
+difficulty stratum the curriculum uses. Built-in generators (``builtin:arithmetic``,
+``builtin:code``) are deterministic; their held-out split is decided by a hash of the
+task's *content*, so a held-out item can never appear in training, whatever the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UsageError
+
+# Which verifier a domain gets when neither the task nor the spec names one.
+DEFAULT_VERIFIER_BY_DOMAIN: dict[str, str] = {"arithmetic": "numeric", "code": "unit_tests"}
+# Strata are ordered easiest first; unknown names sort after these, alphabetically.
+STRATUM_ORDER: tuple[str, ...] = ("easy", "medium", "hard")
+HELD_OUT_MODULUS = 5  # one content-hash bucket in five is held out (20 %)
+BUILTIN_POOL_PER_STRATUM = 400  # training items generated per stratum (cheap, deterministic)
+BUILTIN_EVAL_PER_STRATUM = 64
+KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "unit_tests", "shell")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One prompt plus what its verifier checks against."""
+
+    domain: str
+    prompt: str
+    answer: str | None = None
+    tests: str | None = None
+    difficulty: str = "default"
+    verifier: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def task_id(self) -> str:
+        """Stable content id: same domain+prompt+answer/tests gives the same id everywhere."""
+        return content_hash(self.domain, self.prompt, self.answer or "", self.tests or "")[:16]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON record (the same shape a task file line has)."""
+        record = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
+        record.update(self.extra)
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> Task:
+        known = {"domain", "prompt", "answer", "tests", "difficulty", "verifier"}
+        extra = {k: v for k, v in record.items() if k not in known}
+        return cls(
+            domain=str(record["domain"]),
+            prompt=str(record["prompt"]),
+            answer=None if record.get("answer") is None else str(record["answer"]),
+            tests=record.get("tests"),
+            difficulty=str(record.get("difficulty", "default")),
+            verifier=record.get("verifier"),
+            extra=extra,
+        )
+
+
+def content_hash(*parts: str) -> str:
+    """sha256 of the parts joined by NUL.
+
+    >>> content_hash("a", "b")[:8]
+    'd4e9ce36'
+    """
+    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
+
+
+def is_held_out(task: Task) -> bool:
+    """True for the content-hash bucket reserved for evaluation (about 20 % of items)."""
+    return int(task.task_id, 16) % HELD_OUT_MODULUS == 0
+
+
+def stratum_sort_key(name: str) -> tuple[int, str]:
+    """Order strata easiest first: easy < medium < hard < anything else (alphabetical)."""
+    return (STRATUM_ORDER.index(name) if name in STRATUM_ORDER else len(STRATUM_ORDER), name)
+
+
+# --------------------------------------------------------------------------- JSONL files
+
+
+def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
+    """Parse one JSONL line into a Task; ``where`` is ``file:line`` for error messages."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{where}: not valid JSON ({exc.msg}); each line must be one object")
+    if not isinstance(record, dict):
+        raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    if "domain" not in record:
+        if default_domain is None:
+            raise UsageError(f'{where}: missing "domain" (e.g. "arithmetic" or "code")')
+        record["domain"] = default_domain
+    if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
+        raise UsageError(f'{where}: missing or empty "prompt" string')
+    if record.get("answer") is None and not record.get("tests"):
+        raise UsageError(f'{where}: needs "answer" (e.g. numeric) or "tests" (Python asserts)')
+    verifier = record.get("verifier")
+    if verifier is not None and verifier not in KNOWN_VERIFIERS:
+        raise UsageError(f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS}")
+    return Task.from_dict(record)
+
+
+def load_jsonl_tasks(path: str | Path, default_domain: str | None = None) -> list[Task]:
+    """Read a task file; blank lines and ``#`` comments are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"task file {str(path)!r} does not exist; pass a JSONL file path")
+    tasks = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            tasks.append(parse_task_line(line, f"{path}:{lineno}", default_domain))
+    if not tasks:
+        raise UsageError(f"task file {str(path)!r} holds no tasks")
+    return tasks
+
+
+# --------------------------------------------------------------------------- built-ins
+
+ANSWER_FORMAT = "Give only the final result on the last line as 'Answer: <number>'."
+
+
+def arithmetic_task(rng: random.Random, stratum: str) -> Task:
+    """One generated arithmetic question; the stratum sets operand sizes and operators."""
+    if stratum == "easy":  # one-digit plus two-digit additions
+        a, b = rng.randint(1, 9), rng.randint(10, 49)
+        text, value = f"{a} + {b}", a + b
+    elif stratum == "medium":  # two-digit +/- or small products
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        op = rng.choice(["+", "-", "*"])
+        if op == "*":
+            b = rng.randint(2, 9)
+        text, value = f"{a} {op} {b}", eval(f"{a} {op} {b}")  # noqa: S307 - our own digits
+    else:  # three terms, mixed operators
+        a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(10, 99)
+        op = rng.choice(["+", "-"])
+        text, value = f"{a} * {b} {op} {c}", eval(f"{a} * {b} {op} {c}")  # noqa: S307
+    prompt = f"What is {text}? {ANSWER_FORMAT}"
+    return Task(domain="arithmetic", prompt=prompt, answer=str(value), difficulty=stratum)
+
+
+# (function name, description template, body, parameter range) for generated code tasks.
+CODE_FAMILIES: dict[str, list[tuple[str, str, str]]] = {
+    "easy": [
+        ("add_k", "returns its integer argument x plus {k}", "return x + {k}"),
+        ("times_k", "returns its integer argument x multiplied by {k}", "return x * {k}"),
+        ("minus_k", "returns its integer argument x minus {k}", "return x - {k}"),
+        ("is_multiple", "returns True if x is divisible by {k}, else False", "return x % {k} == 0"),
+    ],
+    "hard": [
+        ("count_big", "returns how many items of the list xs are greater than {k}",
+         "return sum(1 for v in xs if v > {k})"),
+        ("keep_small", "returns a list of the items of xs that are less than {k}, in order",
+         "return [v for v in xs if v < {k}]"),
+        ("sum_plus", "returns the sum of the list xs plus {k}", "return sum(xs) + {k}"),
+        ("repeat_str", "returns the string s repeated {k} times", "return s * {k}"),
+    ],
+}
+CODE_FORMAT = "Reply with only the function in a ```python code block."
+
+
+def code_task(rng: random.Random, stratum: str) -> Task:
+    """One generated 'write a small function' task with asserts computed from a reference."""
+    name, description, body = rng.choice(CODE_FAMILIES[stratum])
+    k = rng.randint(2, 19)
+    if name in {"count_big", "keep_small", "sum_plus"}:
+        arg, inputs = "xs", [[rng.randint(0, 30) for _ in range(rng.randint(0, 6))] for _ in range(4)]
+    elif name == "repeat_str":
+        k = rng.randint(2, 4)
+        arg, inputs = "s", [rng.choice(["ab", "x", "", "hi!"]) for _ in range(3)]
+    else:
+        arg, inputs = "x", [rng.randint(-20, 60) for _ in range(4)]
+    reference: dict[str, Any] = {}
+    source = f"def {name}({arg}):\n    {body.format(k=k)}\n"
+    exec(source, reference)  # noqa: S102 - our own reference implementation
+    tests = "\n".join(f"assert {name}({v!r}) == {reference[name](v)!r}" for v in inputs)
+    prompt = f"Write a Python function `{name}({arg})` that {description.format(k=k)}. {CODE_FORMAT}"
+    return Task(domain="code", prompt=prompt, tests=tests + "\n", difficulty=stratum)
+
+
+BUILTIN_GENERATORS = {
+    "arithmetic": (arithmetic_task, ("easy", "medium", "hard")),
+    "code": (code_task, ("easy", "hard")),
+}
+
+
+def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> list[Task]:
+    """Deterministic items of a built-in domain; ``split`` is ``train`` or ``eval``.
+
+    Items are drawn from one fixed stream per stratum and routed to a split by content
+    hash, so the two splits are disjoint and the eval split does not depend on how many
+    training items were asked for. Duplicates are dropped.
+    """
+    if name not in BUILTIN_GENERATORS:
+        raise UsageError(
+            f"unknown built-in dataset 'builtin:{name}'; use one of "
+            + ", ".join(f"builtin:{n}" for n in BUILTIN_GENERATORS)
+        )
+    generate, strata = BUILTIN_GENERATORS[name]
+    want_held_out = split == "eval"
+    out: list[Task] = []
+    for stratum in strata:
+        rng = random.Random(f"{name}/{stratum}/{seed}")
+        seen: set[str] = set()
+        for _ in range(per_stratum * 200):  # bounded: small strata run out of unique items
+            task = generate(rng, stratum)
+            if task.task_id in seen or is_held_out(task) != want_held_out:
+                continue
+            seen.add(task.task_id)
+            out.append(task)
+            if len(seen) == per_stratum:
+                break
+    return out
+
+
+def load_tasks(source: str, domain: str, split: str = "train") -> list[Task]:
+    """Tasks for one domain from ``builtin:NAME`` or a JSONL path.
+
+    For a JSONL training file the held-out rule still applies when the spec gives no
+    separate eval file: ``split="eval"`` returns the hash-held-out items and ``train``
+    the rest, so the two never overlap.
+    """
+    if source.startswith("builtin:"):
+        per = BUILTIN_POOL_PER_STRATUM if split == "train" else BUILTIN_EVAL_PER_STRATUM
+        tasks = builtin_tasks(source.removeprefix("builtin:"), split, per)
+        return [Task(**{**asdict(t), "domain": domain}) for t in tasks]
+    tasks = load_jsonl_tasks(source, default_domain=domain)
+    return tasks
+
+
+def split_tasks(tasks: Iterable[Task], split: str) -> list[Task]:
+    """Filter tasks of one file into the train or eval side of the content-hash split."""
+    want = split == "eval"
+    return [t for t in tasks if is_held_out(t) == want]
+
+
+def group_by_stratum(tasks: Iterable[Task]) -> dict[str, list[Task]]:
+    """{stratum: tasks}, strata ordered easiest first."""
+    groups: dict[str, list[Task]] = {}
+    for task in tasks:
+        groups.setdefault(task.difficulty, []).append(task)
+    return {k: groups[k] for k in sorted(groups, key=stratum_sort_key)}

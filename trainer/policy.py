@@ -1,0 +1,191 @@
+"""The trainable policy: model, tokenizer, optimizer, and one policy-gradient step.
+
+The trainer owns tokenisation (the chat template is applied here and token ids are sent
+to the rollout server), so the ids the server samples after are exactly the ids the
+loss is computed on. The step accumulates micro-batch gradients with batch-level loss
+coefficients (see :mod:`posttrain.trainer.loss`), so ``micro_batch_size`` only trades
+memory for time and never changes the update. A non-finite loss or gradient norm skips
+the optimizer step instead of corrupting the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from posttrain.trainer.loss import LossConfig, clipped_policy_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainSample:
+    """One completion ready for the loss."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]  # from the rollout server, one per completion token
+    advantage: float
+    coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step did (``applied`` is False when it was skipped)."""
+
+    loss: float
+    grad_norm: float
+    applied: bool
+    clip_fraction: float
+    ratio_mean: float
+    kl: float  # mean per-token k3 KL to the reference (0 without one)
+    tokens: int
+    skip_reason: str = ""
+
+
+class Policy:
+    """A causal LM being trained with AdamW, plus an optional frozen reference for KL."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        learning_rate: float,
+        weight_decay: float = 0.0,
+        with_reference: bool = False,
+        seed: int = 0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.manual_seed(seed)
+        self.model_dir = Path(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.model.config.use_cache = False
+        # Dropout off: RL ratios must compare the same function the sampler ran.
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        self.reference = None
+        if with_reference:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=learning_rate, weight_decay=weight_decay
+        )
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Chat-template a user prompt into token ids ending with the assistant turn header."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def save_weights(self, dest: Path) -> Path:
+        """Write an HF directory (safetensors + config + tokenizer) servable and loadable."""
+        dest.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(dest, safe_serialization=True)
+        self.tokenizer.save_pretrained(dest)
+        return dest
+
+    def completion_logprobs(
+        self, model: torch.nn.Module, samples: Sequence[TrainSample], temperature: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs of each completion token under ``model``, aligned with a mask.
+
+        Returns ``(logp, behaviour, mask)``, each (B, L) with L the longest completion;
+        the logits are divided by ``temperature`` exactly as the sampler did.
+        """
+        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+        width = max(lengths)
+        batch = len(samples)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
+        attention = torch.zeros((batch, width), dtype=torch.long)  # (B, T)
+        for i, s in enumerate(samples):
+            ids = s.prompt_ids + s.completion_ids
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention[i, : len(ids)] = 1
+        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
+        longest = max(len(s.completion_ids) for s in samples)
+        logp = torch.zeros((batch, longest))  # (B, L)
+        behaviour = torch.zeros((batch, longest))  # (B, L)
+        mask = torch.zeros((batch, longest))  # (B, L)
+        rows = []
+        for i, s in enumerate(samples):
+            start, n = len(s.prompt_ids), len(s.completion_ids)
+            # logits at position t predict token t+1
+            step_logits = logits[i, start - 1 : start - 1 + n] / max(temperature, 1e-6)  # (n, V)
+            targets = torch.tensor(s.completion_ids)  # (n,)
+            token_logp = torch.log_softmax(step_logits.float(), dim=-1)  # (n, V)
+            picked = token_logp.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
+            rows.append(torch.nn.functional.pad(picked, (0, longest - n)))  # (L,)
+            behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
+            mask[i, :n] = 1.0
+        logp = torch.stack(rows)  # (B, L)
+        return logp, behaviour, mask
+
+    def train_step(
+        self,
+        samples: Sequence[TrainSample],
+        config: LossConfig,
+        *,
+        micro_batch_size: int,
+        grad_clip: float,
+        temperature: float,
+    ) -> StepStats:
+        """One optimizer step over ``samples`` (already filtered and with advantages)."""
+        if not samples:
+            return StepStats(0.0, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, clipped, tokens, ratio_sum, kl_sum = 0.0, 0.0, 0.0, 0.0, 0.0
+        for start in range(0, len(samples), micro_batch_size):
+            chunk = [s for s in samples[start : start + micro_batch_size] if s.completion_ids]
+            if not chunk:
+                continue
+            logp, behaviour, mask = self.completion_logprobs(self.model, chunk, temperature)
+            ref_logp = None
+            if self.reference is not None and config.kl_coef > 0:
+                with torch.no_grad():
+                    ref_logp, _, _ = self.completion_logprobs(self.reference, chunk, temperature)
+            terms = clipped_policy_loss(
+                logp,
+                behaviour,
+                torch.tensor([s.advantage for s in chunk]),  # (B,)
+                mask,
+                torch.tensor([s.coefficient for s in chunk]),  # (B,)
+                config,
+                ref_logp,
+            )
+            terms.loss.backward()
+            total_loss += float(terms.loss.detach())
+            clipped += terms.clipped_tokens
+            tokens += terms.tokens
+            ratio_sum += terms.ratio_sum
+            kl_sum += terms.kl_sum
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip))
+        stats = StepStats(
+            loss=total_loss,
+            grad_norm=grad_norm,
+            applied=True,
+            clip_fraction=clipped / max(tokens, 1.0),
+            ratio_mean=ratio_sum / max(tokens, 1.0),
+            kl=kl_sum / max(tokens, 1.0),
+            tokens=int(tokens),
+        )
+        if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
+            # Applying a NaN/inf update would silently destroy the weights; skip and say so.
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.applied = False
+            stats.skip_reason = f"non-finite loss={total_loss} grad_norm={grad_norm}"
+            log.warning("optimizer step skipped: %s", stats.skip_reason)
+            return stats
+        self.optimizer.step()
+        return stats

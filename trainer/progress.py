@@ -1,0 +1,158 @@
+"""What a person (rich), a tracing backend (OpenTelemetry) and Prometheus see of each step.
+
+One ``StepMetrics`` record per step feeds all three, so the terminal table, the span
+attributes and the gauges can never disagree. The JSONL metrics file is the source the
+plots and the report are drawn from.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opentelemetry.trace import Span
+from prometheus_client import Counter, Gauge
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from posttrain.telemetry import get_tracer
+
+tracer = get_tracer(__name__)
+
+STEP = Gauge("posttrain_trainer_step", "Last completed optimizer step")
+REWARD = Gauge("posttrain_trainer_reward_mean", "Mean reward of the last batch", ["domain"])
+LOSS = Gauge("posttrain_trainer_loss", "Policy loss of the last step")
+KL = Gauge("posttrain_trainer_kl", "Mean per-token KL to the reference at the last step")
+STEP_SECONDS = Gauge("posttrain_trainer_step_seconds", "Wall time of the last step")
+SKIPPED_STEPS = Counter(
+    "posttrain_trainer_skipped_steps_total", "Steps whose update was not applied", ["reason"]
+)
+
+
+@dataclass
+class StepMetrics:
+    """Everything measured in one step; one line of ``metrics.jsonl``."""
+
+    step: int
+    reward_mean: float
+    domain_rewards: dict[str, float]
+    domain_pass_rates: dict[str, float]
+    loss: float
+    grad_norm: float
+    kl: float
+    clip_fraction: float
+    ratio_mean: float
+    response_length: float
+    kept_groups: int
+    total_groups: int
+    weight_version: int
+    staleness: int
+    applied: bool
+    skip_reason: str
+    rollout_seconds: float
+    train_seconds: float
+    step_seconds: float
+    strata: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ProgressReporter:
+    """Rich progress bar + a per-step table row, OTel spans, gauges, and metrics.jsonl."""
+
+    def __init__(self, out_dir: Path, total_steps: int, start_step: int = 0) -> None:
+        self.metrics_path = out_dir / "metrics.jsonl"
+        self.console = Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]RL"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[summary]}"),
+            console=self.console,
+            transient=False,
+        )
+        self.task = self.progress.add_task(
+            "train", total=total_steps, completed=start_step, summary=""
+        )
+        self.history: list[StepMetrics] = []
+
+    def __enter__(self) -> ProgressReporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.progress.stop()
+
+    @contextmanager
+    def step_span(self, step: int) -> Iterator[Span]:
+        """One OpenTelemetry span per step; attributes are filled in by :meth:`record`."""
+        with tracer.start_as_current_span("trainer.step") as span:
+            span.set_attribute("step", step)
+            yield span
+
+    def record(self, metrics: StepMetrics, span: Span | None = None) -> None:
+        """Publish one step to every sink."""
+        self.history.append(metrics)
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(metrics.to_json()) + "\n")
+        STEP.set(metrics.step)
+        LOSS.set(metrics.loss)
+        KL.set(metrics.kl)
+        STEP_SECONDS.set(metrics.step_seconds)
+        REWARD.labels("all").set(metrics.reward_mean)
+        for domain, value in metrics.domain_rewards.items():
+            REWARD.labels(domain).set(value)
+        if not metrics.applied:
+            SKIPPED_STEPS.labels(metrics.skip_reason.split(" ")[0] or "unknown").inc()
+        if span is not None:
+            span.set_attribute("reward", metrics.reward_mean)
+            span.set_attribute("loss", metrics.loss)
+            span.set_attribute("kl", metrics.kl)
+            span.set_attribute("applied", metrics.applied)
+        summary = f"reward {metrics.reward_mean:.3f} loss {metrics.loss:+.4f}"
+        self.progress.update(self.task, completed=metrics.step, summary=summary)
+        self.progress.console.print(self._row_table(metrics))
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message)
+
+    @staticmethod
+    def _row_table(m: StepMetrics) -> Table:
+        table = Table(show_header=m.step <= 1, box=None, pad_edge=False)
+        columns = ["step", "reward", *[f"r:{d}" for d in m.domain_rewards], "loss", "kl",
+                   "clip", "len", "groups", "v", "secs"]
+        for name in columns:
+            table.add_column(name, justify="right", min_width=7)
+        table.add_row(
+            str(m.step),
+            f"{m.reward_mean:.3f}",
+            *[f"{v:.3f}" for v in m.domain_rewards.values()],
+            f"{m.loss:+.4f}" if m.applied else f"skip:{m.skip_reason[:8]}",
+            f"{m.kl:.4f}",
+            f"{m.clip_fraction:.3f}",
+            f"{m.response_length:.0f}",
+            f"{m.kept_groups}/{m.total_groups}",
+            str(m.weight_version),
+            f"{m.step_seconds:.0f}",
+        )
+        return table
+
+
+def load_metrics(out_dir: Path) -> list[dict[str, Any]]:
+    """Lines of ``metrics.jsonl``; a resumed run's repeated steps keep the newest line."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]

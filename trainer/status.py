@@ -1,0 +1,124 @@
+"""Progress reporting: a ``status.json`` locally, the TrainingRun ``/status`` in a cluster.
+
+The operator reconciles TrainingRuns from ``.status``; the trainer is the only one who
+knows the step, rewards and checkpoints, so it patches the status subresource itself
+(merge patch: it only touches the fields it owns, never ``conditions`` or
+``observedGeneration``, which belong to the operator). Reporting must never kill a run:
+API errors are logged and the next report retries with fresh numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+RUN_NAME_ENV = "POSTTRAIN_RUN_NAME"
+RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
+
+
+@dataclass
+class RunStatus:
+    """The trainer-owned part of ``TrainingRunStatus`` (snake_case here, camelCase on the wire)."""
+
+    phase: str = "Running"  # Pending | Running | Succeeded | Failed
+    step: int = 0
+    max_steps: int = 0
+    reward_mean: float | None = None
+    domain_rewards: dict[str, float] = field(default_factory=dict)
+    eval_accuracy: dict[str, float] = field(default_factory=dict)
+    last_checkpoint: str | None = None
+    weight_version: int | None = None
+    message: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        """camelCase, Nones dropped (a merge patch with null would *delete* the field).
+
+        >>> RunStatus(step=3, reward_mean=0.5).to_wire()["rewardMean"]
+        0.5
+        """
+        out: dict[str, Any] = {}
+        for key, value in asdict(self).items():
+            if value is None:
+                continue
+            head, *rest = key.split("_")
+            out[head + "".join(word.title() for word in rest)] = value
+        return out
+
+
+class StatusReporter(Protocol):
+    """Where the trainer's progress goes."""
+
+    def report(self, status: RunStatus) -> None: ...
+
+
+class LocalStatusReporter:
+    """Writes ``status.json`` atomically (readers never see half a file)."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.path = Path(out_dir) / "status.json"
+
+    def report(self, status: RunStatus) -> None:
+        payload = {**status.to_wire(), "updatedAt": datetime.now(UTC).isoformat()}
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1))
+        tmp.replace(self.path)
+
+
+class KubeStatusReporter:
+    """Merge-patches ``trainingruns/<name>/status`` through the Kubernetes API."""
+
+    def __init__(self, name: str, namespace: str, api: Any | None = None) -> None:
+        self.name = name
+        self.namespace = namespace
+        if api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()  # running the trainer by hand against a cluster
+            api = client.CustomObjectsApi()
+        self.api = api
+
+    def report(self, status: RunStatus) -> None:
+        from posttrain.api.base import GROUP, VERSION
+
+        try:
+            self.api.patch_namespaced_custom_object_status(
+                GROUP,
+                VERSION,
+                self.namespace,
+                "trainingruns",
+                self.name,
+                {"status": status.to_wire()},
+            )
+        except Exception as exc:  # a flaky apiserver must not stop training
+            log.warning("could not patch status of %s/%s: %s", self.namespace, self.name, exc)
+
+
+class FanOutStatusReporter:
+    """Reports to several sinks (status.json is always kept, even in a pod)."""
+
+    def __init__(self, reporters: list[StatusReporter]) -> None:
+        self.reporters = reporters
+
+    def report(self, status: RunStatus) -> None:
+        for reporter in self.reporters:
+            reporter.report(status)
+
+
+def status_reporter_from_env(out_dir: Path) -> StatusReporter:
+    """Local file always; plus the TrainingRun status when the pod's env names the run."""
+    reporters: list[StatusReporter] = [LocalStatusReporter(out_dir)]
+    name, namespace = os.environ.get(RUN_NAME_ENV), os.environ.get(RUN_NAMESPACE_ENV)
+    if name:
+        reporters.append(KubeStatusReporter(name, namespace or "default"))
+        log.info("reporting progress to TrainingRun %s/%s", namespace or "default", name)
+    return FanOutStatusReporter(reporters)
