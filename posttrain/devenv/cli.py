@@ -1,0 +1,206 @@
+"""``posttrain dev up|down|status``: the real control plane + MinIO for a person.
+
+``up`` is idempotent: a healthy environment recorded in the state file is reused;
+a stale one (dead processes) is cleaned up and started afresh. Whatever fails
+while starting is stopped again, so nothing half-started is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.errors import UsageError
+
+from .process import StartError, http_ok, pid_alive, stop_pid
+
+log = logging.getLogger(__name__)
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("POSTTRAIN_DEV_DIR", Path.home() / ".cache/posttrain/dev"))
+
+
+@dataclass
+class DevState:
+    workdir: str
+    kubeconfig: str
+    apiserver: str
+    minio_endpoint: str
+    minio_access_key: str
+    minio_secret_key: str
+    pids: list[int]
+
+    @classmethod
+    def load(cls) -> DevState | None:
+        path = state_dir() / "state.json"
+        if not path.exists():
+            return None
+        return cls(**json.loads(path.read_text()))
+
+    def save(self) -> None:
+        path = state_dir() / "state.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+        path.chmod(0o600)
+
+    def healthy(self) -> bool:
+        return all(pid_alive(p) for p in self.pids) and http_ok(
+            f"http://{self.minio_endpoint}/minio/health/live"
+        )
+
+    def env(self) -> dict[str, str]:
+        return {
+            "KUBECONFIG": self.kubeconfig,
+            "POSTTRAIN_S3_ENDPOINT": self.minio_endpoint,
+            "POSTTRAIN_S3_SECURE": "false",
+            "AWS_ACCESS_KEY_ID": self.minio_access_key,
+            "AWS_SECRET_ACCESS_KEY": self.minio_secret_key,
+        }
+
+
+def install_crds(kubeconfig: Path) -> None:
+    """Create or replace the generated CRDs (rendered from the models in this install)."""
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    from posttrain.api.crdgen import render_crds
+
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    ext = client.ApiextensionsV1Api(api)
+    for text in render_crds().values():
+        body: dict[str, Any] = yaml.safe_load(text)
+        try:
+            ext.create_custom_resource_definition(body)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            current = ext.read_custom_resource_definition(body["metadata"]["name"])
+            body["metadata"]["resourceVersion"] = current.metadata.resource_version
+            ext.replace_custom_resource_definition(body["metadata"]["name"], body)
+
+
+def dev_up(args: argparse.Namespace) -> int:
+    from .controlplane import ControlPlane
+    from .minio import MinioServer
+
+    existing = DevState.load()
+    if existing and existing.healthy():
+        print("posttrain dev environment already running")
+        _print_state(existing)
+        return 0
+    if existing:
+        log.info("previous dev environment is not healthy; cleaning it up")
+        _teardown(existing)
+    workdir = state_dir() / "env"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    cp = ControlPlane(
+        workdir=workdir / "controlplane",
+        apiserver_port=args.apiserver_port,
+        etcd_port=args.etcd_port,
+    )
+    minio = MinioServer(data_dir=workdir / "minio", port=args.minio_port)
+    try:
+        cp.start()
+        minio.start()
+        install_crds(cp.kubeconfig)
+    except (StartError, OSError) as exc:
+        minio.stop()
+        cp.stop(keep_logs=True)
+        raise UsageError(f"dev environment failed to start: {exc}") from None
+    except BaseException:
+        minio.stop()
+        cp.stop(keep_logs=True)
+        raise
+    pids = [p.pid for p in cp.processes if p.pid] + (
+        [minio.process.pid] if minio.process and minio.process.pid else []
+    )
+    state = DevState(
+        workdir=str(workdir),
+        kubeconfig=str(cp.kubeconfig),
+        apiserver=cp.server,
+        minio_endpoint=minio.endpoint,
+        minio_access_key=minio.access_key,
+        minio_secret_key=minio.secret_key,
+        pids=pids,
+    )
+    state.save()
+    print("posttrain dev environment is up")
+    _print_state(state)
+    return 0
+
+
+def _print_state(state: DevState) -> None:
+    print(f"  kube-apiserver: {state.apiserver}")
+    print(f"  kubeconfig:     {state.kubeconfig}")
+    print(f"  MinIO (S3):     http://{state.minio_endpoint}")
+    print(f"  credentials:    {state_dir() / 'state.json'} (or `posttrain dev env`)")
+    print(f"try: kubectl --kubeconfig {state.kubeconfig} get trainingruns -A")
+
+
+def _teardown(state: DevState) -> None:
+    for pid in reversed(state.pids):
+        stop_pid(pid)
+    shutil.rmtree(state.workdir, ignore_errors=True)
+    (state_dir() / "state.json").unlink(missing_ok=True)
+
+
+def dev_down(args: argparse.Namespace) -> int:
+    state = DevState.load()
+    if state is None:
+        print("no posttrain dev environment is running")
+        return 0
+    _teardown(state)
+    print("posttrain dev environment stopped and removed")
+    return 0
+
+
+def dev_status(args: argparse.Namespace) -> int:
+    state = DevState.load()
+    if state is None:
+        print("no posttrain dev environment (run `posttrain dev up`)")
+        return 1
+    healthy = state.healthy()
+    print(
+        f"posttrain dev environment: {'healthy' if healthy else 'NOT healthy (run `posttrain dev up`)'}"
+    )
+    _print_state(state)
+    return 0 if healthy else 1
+
+
+def dev_env(args: argparse.Namespace) -> int:
+    state = DevState.load()
+    if state is None:
+        raise UsageError("no posttrain dev environment is running; run `posttrain dev up` first")
+    for key, value in state.env().items():
+        print(f"export {key}={value}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    dev = sub.add_parser(
+        "dev",
+        help="start/stop a local control plane (etcd + kube-apiserver) and MinIO",
+        description="A real, local Kubernetes control plane (no kubelet) and MinIO server.",
+    )
+    dev_sub = dev.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
+    up = dev_sub.add_parser("up", help="start (or reuse) the dev environment")
+    up.add_argument("--apiserver-port", type=int, default=0, help="default: a free port")
+    up.add_argument("--etcd-port", type=int, default=0, help="default: a free port")
+    up.add_argument("--minio-port", type=int, default=0, help="default: a free port")
+    up.set_defaults(func=dev_up)
+    down = dev_sub.add_parser("down", help="stop it and delete its data")
+    down.set_defaults(func=dev_down)
+    status = dev_sub.add_parser("status", help="is it running and healthy?")
+    status.set_defaults(func=dev_status)
+    env = dev_sub.add_parser("env", help="print shell exports (KUBECONFIG, S3 endpoint/keys)")
+    env.set_defaults(func=dev_env)

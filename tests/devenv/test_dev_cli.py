@@ -1,0 +1,75 @@
+"""`posttrain dev up/down/status` as a person runs them: real processes, real ports."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.devenv.process import pid_alive
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def posttrain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain", *args],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=180,
+    )
+
+
+@pytest.mark.cluster
+def test_up_is_idempotent_and_down_stops_everything(tmp_path: Path, kubectl_bin: Path) -> None:
+    env = {"POSTTRAIN_DEV_DIR": str(tmp_path)}
+    first = posttrain("dev", "up", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "kubeconfig:" in first.stdout
+    import json
+
+    state = json.loads((tmp_path / "state.json").read_text())
+    try:
+        second = posttrain("dev", "up", env=env)
+        assert second.returncode == 0 and "already running" in second.stdout
+        assert json.loads((tmp_path / "state.json").read_text())["pids"] == state["pids"]
+        resources = subprocess.run(
+            [str(kubectl_bin), "--kubeconfig", state["kubeconfig"], "api-resources",
+             "--api-group=posttrain.io"], capture_output=True, text=True, check=True,
+        ).stdout
+        assert "trainingruns" in resources and "rolloutpools" in resources
+        exports = posttrain("dev", "env", env=env).stdout
+        assert f"export KUBECONFIG={state['kubeconfig']}" in exports
+    finally:
+        down = posttrain("dev", "down", env=env)
+    assert down.returncode == 0
+    assert not any(pid_alive(p) for p in state["pids"])
+    assert posttrain("dev", "status", env=env).returncode == 1
+
+
+@pytest.mark.cluster
+def test_port_in_use_is_reported_and_nothing_is_left_running(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = posttrain("dev", "up", "--minio-port", str(port),
+                           env={"POSTTRAIN_DEV_DIR": str(tmp_path)})
+    assert result.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
+    assert not (tmp_path / "state.json").exists()
+    # The control plane that did start before MinIO failed was stopped again.
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert leftovers.stdout.strip() == ""
+
+
+def test_missing_go_toolchain_is_explained(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "POSTTRAIN_BIN_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", str(REPO_ROOT / "tools" / "ensure-binaries.sh")],
+        capture_output=True, text=True, env=env, timeout=60,
+    )
+    assert result.returncode == 2
+    assert "the Go toolchain is missing" in result.stderr
