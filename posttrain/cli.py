@@ -21,7 +21,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "posttrain.trainer.cli",  # run, eval
     "posttrain.rollout.cli",  # serve
     "posttrain.sandboxes.cli",  # sandbox exec | serve
-    "posttrain.operator.cli",  # operator, apply/get/describe/watch
+    "posttrain.operator.cli",  # operator
+    "posttrain.ctl",  # apply, get, describe, watch, logs, report
     "posttrain.devenv.cli",  # dev up | down | status
     "posttrain.api.cli",  # crds
 )
