@@ -24,7 +24,14 @@ build() {  # name version description command...
   echo "[binaries] $name $version: building $what (first time only; several minutes on 2 cores)..."
   local start=$SECONDS tmp
   tmp="$(mktemp -d)"
-  if ! "$@" "$tmp" >"$tmp.log" 2>&1; then
+  # A heartbeat, so a long build shows progress instead of silence.
+  ( while sleep 30; do echo "[binaries] $name: still building ($((SECONDS - start)) s)..."; done ) &
+  local ticker=$!
+  local status=0
+  "$@" "$tmp" >"$tmp.log" 2>&1 || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  if [[ $status -ne 0 ]]; then
     echo "error: building $name $version failed; last lines of the log ($tmp.log):" >&2
     tail -n 30 "$tmp.log" >&2
     exit 1
