@@ -172,7 +172,10 @@ class RolloutClient:
             def load(endpoint: _Endpoint) -> None:
                 try:
                     self._post_to(
-                        endpoint, "/v1/weights/load", {"uri": uri, "version": version}, carrier,
+                        endpoint,
+                        "/v1/weights/load",
+                        {"uri": uri, "version": version},
+                        carrier,
                         timeout_s=max(self._timeout_s, 600.0),
                     )
                 except Exception as exc:
@@ -203,9 +206,9 @@ class RolloutClient:
         result = {}
         for endpoint in self._endpoints:
             try:
-                result[endpoint.url] = self._http.get(
-                    f"{endpoint.url}/health", timeout=10
-                ).status_code == 200
+                result[endpoint.url] = (
+                    self._http.get(f"{endpoint.url}/health", timeout=10).status_code == 200
+                )
             except httpx.HTTPError:
                 result[endpoint.url] = False
         return result
@@ -273,7 +276,12 @@ class RolloutClient:
             delay = min(8.0, 0.2 * 2**attempt) * (0.5 + random.random())
             log.warning(
                 "rollout %s on %s failed (attempt %d/%d): %s; retrying in %.2fs",
-                path, endpoint.url, attempt + 1, self._max_retries + 1, last_error, delay,
+                path,
+                endpoint.url,
+                attempt + 1,
+                self._max_retries + 1,
+                last_error,
+                delay,
             )
             time.sleep(delay)
         raise RolloutError(
@@ -354,4 +362,3 @@ def parse_completions(response: dict[str, Any], prompt_index: int, n: int) -> li
             )
         )
     return completions
-

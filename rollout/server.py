@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
@@ -125,7 +126,9 @@ class ApiError(Exception):
         self.message = message
 
 
-def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+def normalize_prompts(
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> list[str | list[int]]:
     """The four OpenAI prompt forms as a list of single prompts.
 
     >>> normalize_prompts([1, 2, 3])
@@ -143,7 +146,9 @@ def normalize_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> 
 
 
 def normalize_stop(stop: str | list[str] | None) -> list[str]:
-    """>>> normalize_stop("\\n")
+    """OpenAI accepts one stop string or a list; empty strings would match everywhere.
+
+    >>> normalize_stop(["\\n", ""])
     ['\\n']
     """
     if stop is None:
@@ -167,8 +172,10 @@ def load_engine(state: ServerState) -> None:
         if config.weights_uri:
             latest = weights.latest_version(config.weights_uri)
             if latest is None:
-                log.info("no weights published under %s yet; serving the base model as v0",
-                         config.weights_uri)
+                log.info(
+                    "no weights published under %s yet; serving the base model as v0",
+                    config.weights_uri,
+                )
             else:
                 load_weights(state, config.weights_uri, latest)
         state.ready.set()
@@ -223,6 +230,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.status, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # OpenAI and vLLM answer malformed bodies with 400 and an error object, not 422.
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'][1:])}: {err['msg']}" for err in exc.errors()
+        )
+        return _error(400, f"invalid request body: {problems}")
 
     @app.get("/health")
     async def health() -> Response:

@@ -14,6 +14,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[
     )
 
 
-def _checkpoint_manager(uri: str):  # noqa: ANN202 - type lives in the optional storage pkg
+def _checkpoint_manager(uri: str) -> Any:
     try:
         from posttrain.storage.checkpoints import CheckpointManager
         from posttrain.storage.store import open_store

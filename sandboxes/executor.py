@@ -42,7 +42,7 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -144,7 +144,23 @@ class ExecRequest:
 def validate_request(request: ExecRequest) -> list[str]:
     """Every problem with a request, phrased so the caller can fix it (empty list = valid)."""
     problems: list[str] = []
-    if not request.command or not all(isinstance(a, str) for a in request.command):
+    # Requests arrive as JSON from other processes: check types, not just values.
+    for name, kind in (("stdin", str), ("files", dict), ("env", dict),
+                       ("timeout_s", (int, float)), ("memory_mb", int), ("max_processes", int),
+                       ("max_file_mb", int), ("workdir_mb", int), ("max_output_bytes", int)):
+        if not isinstance(getattr(request, name), kind) or isinstance(
+            getattr(request, name), bool
+        ):
+            problems.append(f"{name} has the wrong type: {getattr(request, name)!r}")
+    if problems:
+        return problems
+    if not all(isinstance(v, str) for v in [*request.files.values(), *request.env.values()]):
+        problems.append("files and env values must be strings")
+    if (
+        not isinstance(request.command, list)
+        or not request.command
+        or not all(isinstance(a, str) for a in request.command)
+    ):
         problems.append(f"command must be a non-empty list of strings, got {request.command!r}")
     if not 0 < request.timeout_s <= 3600:
         problems.append(f"timeout_s must be in (0, 3600], got {request.timeout_s}")
@@ -293,23 +309,29 @@ class _UidPool:
         self._free = list(range(base + size - 1, base - 1, -1))
         self._lock = threading.Lock()
 
-    @contextlib.contextmanager
-    def uid(self) -> Any:
+    def acquire(self) -> int:
         with self._lock:
             if not self._free:
                 raise SandboxError(f"more than {HOST_UID_SLOTS} concurrent sandboxes")
-            uid = self._free.pop()
+            return self._free.pop()
+
+    def release(self, uid: int) -> None:
+        with self._lock:
+            self._free.append(uid)
+
+    @contextlib.contextmanager
+    def uid(self) -> Any:
+        uid = self.acquire()
         try:
             yield uid
         finally:
-            with self._lock:
-                self._free.append(uid)
+            self.release(uid)
 
 
 def _memfd(name: str, data: bytes) -> int:
     """An anonymous in-memory file holding ``data``, rewound, for passing to bwrap."""
-    fd = os.memfd_create(name, 0)  # no MFD_CLOEXEC: the child must inherit it
-    os.write(fd, data) if len(data) < 65536 else _write_all(fd, data)
+    fd = os.memfd_create(name)  # close-on-exec; Popen's pass_fds hands it to bwrap only
+    _write_all(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -336,7 +358,9 @@ def _host_root_binds() -> list[str]:
 class Executor:
     """Runs :class:`ExecRequest` s in fresh bubblewrap sandboxes; thread-safe."""
 
-    def __init__(self, bwrap: str | None = None) -> None:
+    def __init__(self, bwrap: str | None = None, warm_pool: int = 0) -> None:
+        """``warm_pool`` > 0 keeps that many sandboxes pre-started for default-shaped
+        requests (see :class:`WarmPool`); the runner server uses it, one-shot callers not."""
         self.bwrap = bwrap or shutil.which("bwrap") or ""
         self.prlimit = shutil.which("prlimit") or ""
         if not self.bwrap:
@@ -346,18 +370,28 @@ class Executor:
             )
         if not self.prlimit:
             raise SandboxError("prlimit is not installed; it ships in util-linux")
+        if not self._supports("--size"):
+            raise SandboxError(
+                f"{self.bwrap} is too old: posttrain needs bubblewrap >= 0.7 for size-capped "
+                "tmpfs (--size); Debian 12 and Ubuntu 24.04 ship new enough versions"
+            )
         self.is_root = os.geteuid() == 0
         self._uids = _UidPool(HOST_UID_BASE, HOST_UID_SLOTS)
         # Non-root: RLIMIT_NPROC counts all of this user's processes, so grant the sandbox
         # its budget on top of what the user already runs.
         self._nproc_offset = 0 if self.is_root else _count_processes(os.getuid())
         self._static_args = self._build_static_args()
+        self.pool = WarmPool(self, warm_pool) if warm_pool > 0 else None
+
+    def close(self) -> None:
+        """Stop the warm pool (its idle sandboxes are killed)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def _build_static_args(self) -> list[str]:
         args = [
             "--unshare-all",
             "--unshare-user",
-            "--disable-userns",  # no nested user namespaces: less kernel surface
             "--die-with-parent",
             "--new-session",  # no TIOCSTI into our terminal
             "--uid", str(SANDBOX_UID),
@@ -367,10 +401,22 @@ class Executor:
             "--proc", "/proc",
             "--dev", "/dev",
         ]  # fmt: skip
+        if self._supports("--disable-userns"):
+            # No nested user namespaces: less kernel surface (bubblewrap >= 0.8).
+            args.append("--disable-userns")
         for path in ETC_ALLOWLIST:
             if os.path.exists(path):
                 args += ["--ro-bind", path, path]
         return args
+
+    def _supports(self, option: str) -> bool:
+        """Whether this bwrap knows ``option`` (older distributions ship older versions)."""
+        try:
+            usage = subprocess.run([self.bwrap, "--help"], capture_output=True, text=True,
+                                   timeout=10).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return option in usage
 
     def run(
         self,
@@ -387,9 +433,18 @@ class Executor:
         with tracer.start_as_current_span("sandbox.exec") as span:
             span.set_attribute("sandbox.command", " ".join(request.command)[:200])
             span.set_attribute("sandbox.network", request.network)
-            uid_context = self._uids.uid() if self.is_root else contextlib.nullcontext(None)
-            with uid_context as host_uid:
-                result = self._run(request, host_uid, workspace_tar, capture_workspace)
+            pooled = (self.pool.take(request) if self.pool is not None and workspace_tar is None
+                      and not capture_workspace else None)
+            span.set_attribute("sandbox.warm", pooled is not None)
+            if pooled is not None:
+                try:
+                    result = self._run_pooled(pooled, request)
+                finally:
+                    pooled.release()
+            else:
+                uid_context = self._uids.uid() if self.is_root else contextlib.nullcontext(None)
+                with uid_context as host_uid:
+                    result = self._run(request, host_uid, workspace_tar, capture_workspace)
             span.set_attribute("sandbox.status", result.status)
             span.set_attribute("sandbox.exit_code", -1 if result.exit_code is None
                                else result.exit_code)
@@ -414,14 +469,14 @@ class Executor:
             "--",
         ]
 
-    def _run(
-        self,
-        request: ExecRequest,
-        host_uid: int | None,
-        workspace_tar: bytes | None,
-        capture_workspace: bool,
-    ) -> ExecResult:
-        fds_to_close: list[int] = []
+    def _spawn(
+        self, request: ExecRequest, host_uid: int | None, command: list[str],
+        inherited_fds: list[int],
+    ) -> tuple[subprocess.Popen[bytes], int]:
+        """Start bwrap for ``request``'s limits running ``command``; returns the process and
+        the read end of its --json-status-fd. ``inherited_fds`` are handed to the sandbox and
+        closed here (the child holds its copies, so EOF arrives when it exits)."""
+        owned: list[int] = []
         try:
             args = [*self._limits(request), self.bwrap, *self._static_args]
             if request.network != "none":
@@ -435,40 +490,23 @@ class Executor:
                 ("/etc/group", f"sandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"),
             ):
                 fd = _memfd(os.path.basename(path), content.encode())
-                fds_to_close.append(fd)
+                owned.append(fd)
                 args += ["--ro-bind-data", str(fd), path]
             status_read, status_write = os.pipe()
-            fds_to_close += [status_read, status_write]
+            owned.append(status_write)
             args += ["--json-status-fd", str(status_write), "--chdir", WORKDIR, "--clearenv"]
             env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
                    "USER": "sandbox", **request.env}
             for name, value in env.items():
                 args += ["--setenv", name, value]
-            args.append("--")
-
-            command = list(request.command)
-            pass_fds = [*fds_to_close[:2], status_write]
-            seed = _merge_seed(workspace_tar, request.files)
-            out_read = out_write = -1
-            if seed is not None or capture_workspace:
-                seed_fd = _memfd("workspace", seed or files_to_tar({}))
-                fds_to_close.append(seed_fd)
-                pass_fds.append(seed_fd)
-                if capture_workspace:
-                    out_read, out_write = os.pipe()
-                    fds_to_close += [out_read, out_write]
-                    pass_fds.append(out_write)
-                command = _workspace_wrapper(seed_fd, out_write, command)
-            args += command
-
-            started = time.monotonic()
+            args += ["--", *command]
             try:
                 proc = subprocess.Popen(
                     args,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
-                    pass_fds=pass_fds,
+                    pass_fds=[*owned, *inherited_fds],
                     cwd="/",
                     env={},
                     start_new_session=True,  # our own process group, killed as one
@@ -477,21 +515,188 @@ class Executor:
                     extra_groups=[] if host_uid is not None else None,
                 )
             except OSError as exc:
+                os.close(status_read)
                 raise SandboxError(f"could not start bubblewrap ({self.bwrap}): {exc}") from exc
-            # The child has its copies; closing ours lets EOF arrive when it exits.
-            for fd in pass_fds:
-                os.close(fd)
-                fds_to_close.remove(fd)
-            collected = _collect(
-                proc, request, started, status_read,
-                out_read if capture_workspace else None,
-            )
-            duration_ms = (time.monotonic() - started) * 1000
-            return _finish(request, collected, duration_ms, capture_workspace)
+            return proc, status_read
         finally:
-            for fd in fds_to_close:
+            for fd in [*owned, *inherited_fds]:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _run(
+        self,
+        request: ExecRequest,
+        host_uid: int | None,
+        workspace_tar: bytes | None,
+        capture_workspace: bool,
+    ) -> ExecResult:
+        command = list(request.command)
+        inherited: list[int] = []
+        out_read = -1
+        seed = _merge_seed(workspace_tar, request.files)
+        if seed is not None or capture_workspace:
+            seed_fd = _memfd("workspace", seed or files_to_tar({}))
+            inherited.append(seed_fd)
+            out_write = -1
+            if capture_workspace:
+                out_read, out_write = os.pipe()
+                inherited.append(out_write)
+            command = _workspace_wrapper(seed_fd, out_write, command)
+        started = time.monotonic()
+        try:
+            proc, status_read = self._spawn(request, host_uid, command, inherited)
+        except BaseException:
+            if out_read >= 0:
+                os.close(out_read)
+            raise
+        return _wait_for(proc, request, started, status_read, out_read, capture_workspace)
+
+    def _run_pooled(self, sandbox: _PooledSandbox, request: ExecRequest) -> ExecResult:
+        """Hand ``request`` to a pre-started sandbox: only the program's own start-up remains."""
+        started = time.monotonic()
+        try:
+            _write_all(sandbox.control, b"\0".join(a.encode() for a in request.command) + b"\0")
+        except BrokenPipeError:
+            pass  # the launcher died; _collect reports what happened
+        finally:
+            os.close(sandbox.control)
+        return _wait_for(sandbox.proc, request, started, sandbox.status_read, -1, False)
+
+
+def _wait_for(
+    proc: subprocess.Popen[bytes], request: ExecRequest, started: float, status_read: int,
+    out_read: int, capture_workspace: bool,
+) -> ExecResult:
+    try:
+        collected = _collect(proc, request, started, status_read,
+                             out_read if capture_workspace else None)
+        duration_ms = (time.monotonic() - started) * 1000
+        return _finish(request, collected, duration_ms, capture_workspace)
+    finally:
+        for fd in (status_read, out_read):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
+# Runs in a pre-started sandbox: block until the host sends the argv (NUL-separated, then
+# EOF) on the control descriptor, close it, and become the program. bash: `mapfile -d ''`
+# reads NUL-separated records, so any argv survives unquoted.
+_LAUNCHER = (
+    'eval "mapfile -d \'\' -u $1 argv; exec $1<&-"; '
+    '[ ${#argv[@]} -gt 0 ] || exit 126; exec "${argv[@]}"'
+)
+
+
+@dataclass
+class _PooledSandbox:
+    proc: subprocess.Popen[bytes]
+    control: int
+    status_read: int
+    release: Callable[[], None]  # frees the host uid slot
+
+
+class WarmPool:
+    """Sandboxes started ahead of time, each waiting for one command.
+
+    Why: creating the namespaces and mounts is most of a sandbox's fixed cost (~10 ms), as
+    much as starting Python itself. A pooled sandbox has paid it before the request arrives;
+    at request time we only send the argv and the program starts. Each sandbox still runs
+    exactly one program and is then destroyed, so isolation between executions is the same
+    as the cold path. Only default-shaped requests (default memory/process/file/tmpfs
+    limits, no network, no files or env, no explicit CPU limit, timeout within the pool's)
+    can use it; everything else takes the cold path.
+    """
+
+    def __init__(self, executor: Executor, size: int, shape: ExecRequest | None = None) -> None:
+        self.executor = executor
+        self.size = size
+        self.shape = shape or ExecRequest(command=["true"])
+        self._ready: list[_PooledSandbox] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._refill, name="sandbox-warm-pool",
+                                        daemon=True)
+        self._thread.start()
+
+    def fits(self, request: ExecRequest) -> bool:
+        shape = self.shape
+        return (not request.files and not request.env and request.cpu_time_s is None
+                and request.timeout_s <= shape.timeout_s and request.network == shape.network
+                and (request.memory_mb, request.max_processes, request.max_file_mb,
+                     request.workdir_mb)
+                == (shape.memory_mb, shape.max_processes, shape.max_file_mb, shape.workdir_mb))
+
+    def take(self, request: ExecRequest) -> _PooledSandbox | None:
+        """A ready sandbox for ``request``, or None (cold path) if it does not fit or none
+        is ready; taking one wakes the refiller."""
+        if not self.fits(request):
+            return None
+        with self._lock:
+            while self._ready:
+                sandbox = self._ready.pop()
+                if sandbox.proc.poll() is None:
+                    self._wake.set()
+                    return sandbox
+                self._discard(sandbox)
+        self._wake.set()
+        return None
+
+    def _start_one(self) -> _PooledSandbox:
+        executor = self.executor
+        uid = executor._uids.acquire() if executor.is_root else None
+        control_read, control_write = os.pipe()
+        try:
+            proc, status_read = executor._spawn(
+                self.shape, uid, ["bash", "-c", _LAUNCHER, "sandbox-launcher",
+                                  str(control_read)], [control_read])
+        except BaseException:
+            os.close(control_write)
+            if uid is not None:
+                executor._uids.release(uid)
+            raise
+        release = (lambda: executor._uids.release(uid)) if uid is not None else (lambda: None)
+        return _PooledSandbox(proc, control_write, status_read, release)
+
+    def _refill(self) -> None:
+        while not self._closed:
+            with self._lock:
+                missing = self.size - len(self._ready)
+            for _ in range(max(0, missing)):
+                try:
+                    sandbox = self._start_one()
+                except SandboxError as exc:
+                    log.error("warm pool could not start a sandbox: %s", exc)
+                    break
+                with self._lock:
+                    if self._closed:
+                        self._discard(sandbox)
+                        return
+                    self._ready.append(sandbox)
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+
+    @staticmethod
+    def _discard(sandbox: _PooledSandbox) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(sandbox.proc.pid, signal.SIGKILL)
+        sandbox.proc.wait()
+        for stream in (sandbox.proc.stdin, sandbox.proc.stdout, sandbox.proc.stderr):
+            if stream is not None:
+                stream.close()
+        for fd in (sandbox.control, sandbox.status_read):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        sandbox.release()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        with self._lock:
+            while self._ready:
+                self._discard(self._ready.pop())
 
 
 def _merge_seed(workspace_tar: bytes | None, files: Mapping[str, str]) -> bytes | None:
@@ -517,7 +722,7 @@ def _merge_seed(workspace_tar: bytes | None, files: Mapping[str, str]) -> bytes 
 
 
 def _workspace_wrapper(seed_fd: int, out_fd: int, command: list[str]) -> list[str]:
-    """Wrap ``command`` in a POSIX sh prologue that unpacks the seed tar into /workspace and,
+    """Wrap ``command`` in a bash prologue that unpacks the seed tar into /workspace and,
     when ``out_fd`` >= 0, an epilogue that streams /workspace back as a tar. The program runs
     with both descriptors closed, so it can neither read the seed twice nor forge the output.
     """
@@ -531,7 +736,8 @@ def _workspace_wrapper(seed_fd: int, out_fd: int, command: list[str]) -> list[st
         'eval "\\"\\$@\\" $out>&-"; rc=$?; '
         'eval "tar -cf - -C /workspace . >&$out" 2>/dev/null; exit $rc'
     )
-    return ["/bin/sh", "-c", script, "sandbox-workspace", str(seed_fd), str(out_fd), *command]
+    # bash, not dash: inherited descriptors are often >= 10, which dash cannot redirect.
+    return ["bash", "-c", script, "sandbox-workspace", str(seed_fd), str(out_fd), *command]
 
 
 @dataclass

@@ -154,8 +154,15 @@ def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) 
     """Run the runner until interrupted (uvicorn, one process, one event loop)."""
     import uvicorn
 
-    executor = default_executor()  # fail fast, before binding the port, if bwrap is missing
-    app = create_app(executor, concurrency, max_queue)
-    limits = app.state.limits
-    log.info("sandbox runner on %s:%d (concurrency %d, queue %d)", host, port, *limits)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    concurrency = concurrency or os.cpu_count() or 1
+    # Built before binding the port so a missing bwrap fails fast; one pre-started sandbox
+    # per slot keeps namespace setup off the request path.
+    executor = Executor(warm_pool=concurrency)
+    try:
+        app = create_app(executor, concurrency, max_queue)
+        limits = app.state.limits
+        log.info("sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d)",
+                 host, port, *limits, concurrency)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        executor.close()

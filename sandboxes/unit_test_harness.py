@@ -12,6 +12,7 @@ parent kills every other process before printing the one result line (prefixed w
 """
 
 import builtins
+import contextlib
 import json
 import os
 import signal
@@ -55,7 +56,7 @@ def _child(solution: str, setup: str, case_source: str, report_fd: int, timeout:
         exec(compile(case_source, "tests.py", "exec"), namespace)
         report["ok"] = True
     except BaseException as exc:  # SystemExit and KeyboardInterrupt are failures too
-        report["error"] = "%s: %s" % (type(exc).__name__, str(exc)[:500])
+        report["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
     signal.setitimer(signal.ITIMER_REAL, 0)
     after = {name: id(value) for name, value in vars(builtins).items()}
     report["builtins_modified"] = sorted(n for n in set(before) | set(after)
@@ -69,7 +70,7 @@ def _raise_timeout(signum: int, frame: object) -> None:
 
 
 def _run_case(index: int, solution: str, setup: str, case: dict, timeout: float) -> dict:
-    output_path = "/tmp/case-%d.out" % index
+    output_path = f"/tmp/case-{index}.out"
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -106,9 +107,9 @@ def _run_case(index: int, solution: str, setup: str, case: dict, timeout: float)
         result.update(passed=report["ok"], error=report["error"],
                       builtins_modified=report["builtins_modified"])
     elif status is None:
-        result["error"] = "killed after the %.1f s case time limit" % timeout
+        result["error"] = f"killed after the {timeout:.1f} s case time limit"
     else:
-        result["error"] = "process exited (status %d) before the test finished" % status
+        result["error"] = f"process exited (status {status}) before the test finished"
         result["exited_early"] = True
     try:
         with open(output_path, "rb") as handle:
@@ -128,10 +129,8 @@ def main() -> None:
         _run_case(i, solution, spec["setup"], case, float(spec["case_timeout_s"]))
         for i, case in enumerate(spec["cases"])
     ]
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(-1, signal.SIGKILL)  # every process we may signal but ourselves (and init)
-    except (ProcessLookupError, PermissionError):
-        pass
     sys.stdout.write(RESULT_MARKER + json.dumps(results) + "\n")
     sys.stdout.flush()
 

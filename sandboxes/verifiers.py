@@ -15,6 +15,7 @@ the rewarded behaviour is what the tests measure, and the audit decides what to 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import logging
 import math
@@ -292,10 +293,8 @@ def find_tool_calls(text: str) -> list[dict[str, Any]]:
         if isinstance(value, dict) and "name" in value and "arguments" in value:
             arguments = value["arguments"]
             if isinstance(arguments, str):
-                try:
+                with contextlib.suppress(json.JSONDecodeError):
                     arguments = json.loads(arguments)
-                except json.JSONDecodeError:
-                    pass
             calls.append({"name": value["name"], "arguments": arguments})
         index = text.find("{", end)
     return calls

@@ -187,37 +187,44 @@ class _CommittedSeries:
     def fetch_latest(self, dest: str | os.PathLike[str]) -> tuple[int, Manifest] | None:
         """Fetch the newest directory that verifies; None when nothing was ever committed."""
         self.last_refused = []
+        tried: set[int] = set()
         pointer = self.read_pointer()
-        candidates: list[tuple[int, str]] = []
-        if pointer is not None:
-            candidates.append(pointer)
-        tried = {n for n, _ in candidates}
-        committed = self.numbers()
-        # Pointer first (no listing needed when it is good), then the rest newest first.
-        listed = [(n, "") for n in reversed(committed) if n not in tried]
-        if not candidates and not listed:
+        if pointer is not None:  # the common case: one GET, no listing
+            tried.add(pointer[0])
+            result = self._try_fetch(pointer[0], dest, pointer[1])
+            if result is not None:
+                return pointer[0], result
+        # Pointer absent, unreadable or bad: the newest committed directory that verifies.
+        listed = [n for n in reversed(self.numbers()) if n not in tried]
+        if not tried and not listed:
             return None
-        for number, expected_sha in [*candidates, *listed]:
-            try:
-                manifest = self.fetch(number, dest, expected_sha)
-            except (CorruptArtifactError, ArtifactNotFoundError) as exc:
-                CORRUPT_ARTIFACTS.labels(kind=self.layout.kind).inc()
-                self.last_refused.append(str(exc))
-                log.error(
-                    "refusing %s %s %d: %s; falling back to the previous complete one",
-                    self.layout.kind, self.layout.number_field, number, exc,
-                )
-                continue
-            if self.last_refused:
-                log.warning(
-                    "loaded %s %s %d after refusing %d newer one(s)", self.layout.kind,
-                    self.layout.number_field, number, len(self.last_refused),
-                )
-            return number, manifest
+        for number in listed:
+            result = self._try_fetch(number, dest, "")
+            if result is not None:
+                if self.last_refused:
+                    log.warning(
+                        "loaded %s %s %d after refusing %d newer one(s)", self.layout.kind,
+                        self.layout.number_field, number, len(self.last_refused),
+                    )
+                return number, result
         raise CorruptArtifactError(
             f"no {self.layout.kind} under {self.store.uri(self.prefix)} passes verification: "
             + "; ".join(self.last_refused)
         )
+
+    def _try_fetch(self, number: int, dest: str | os.PathLike[str],
+                   expected_sha: str) -> Manifest | None:
+        """Fetch one directory; on damage, record and log why and return None."""
+        try:
+            return self.fetch(number, dest, expected_sha)
+        except (CorruptArtifactError, ArtifactNotFoundError) as exc:
+            CORRUPT_ARTIFACTS.labels(kind=self.layout.kind).inc()
+            self.last_refused.append(str(exc))
+            log.error(
+                "refusing %s %s %d: %s; falling back to the previous complete one",
+                self.layout.kind, self.layout.number_field, number, exc,
+            )
+            return None
 
     def prune(self, keep: Iterable[int], newest_committed: int) -> list[int]:
         """Delete committed directories not in ``keep`` and interrupted uploads older than

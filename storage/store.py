@@ -25,11 +25,14 @@ import io
 import logging
 import mimetypes
 import os
+import queue
 import re
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
@@ -64,7 +67,10 @@ T = TypeVar("T")
 # Multipart settings for large files: 16 MiB parts, 4 in flight (64 MiB of buffers per file).
 DEFAULT_PART_SIZE = 16 * 1024 * 1024
 DEFAULT_PARALLEL_PARTS = 4
+# Downloads of objects larger than this are split into ranges of this size, fetched in parallel.
+DEFAULT_RANGE_SIZE = 32 * 1024 * 1024
 _COPY_CHUNK = 4 * 1024 * 1024
+_STREAM_CHUNK = 1024 * 1024
 # Temp files LocalStore writes before renaming; never listed as keys.
 _TMP_MARKER = ".tmp-"
 
@@ -78,6 +84,10 @@ _AUTH_S3_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
     "ExpiredToken", "AuthorizationHeaderMalformed", "AllAccessDisabled",
 })
+
+
+class _Readable(Protocol):
+    def read(self, size: int = -1, /) -> bytes: ...
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,7 @@ def join_key(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
+_BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
@@ -208,7 +219,7 @@ class LocalStore:
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ArtifactNotFoundError(f"no object at {self.uri(key)}") from None
         with src:
-            digest = _copy_to_file_atomic(src, Path(path), progress, fsync=False)
+            digest = _write_chunks_atomic(_read_chunks(src), Path(path), progress, fsync=False)
         BYTES_DOWNLOADED.labels(store="local").inc(digest.size)
         DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
         return digest
@@ -249,45 +260,78 @@ class LocalStore:
         return self
 
     def _write_atomic(
-        self, dest: Path, src: io.BufferedIOBase | io.BytesIO, progress: TransferProgress | None,
-        kind: str,
+        self, dest: Path, src: _Readable, progress: TransferProgress | None, kind: str
     ) -> Digest:
         start = time.monotonic()
-        digest = _copy_to_file_atomic(src, dest, progress, fsync=True)
+        digest = _write_chunks_atomic(_read_chunks(src), dest, progress, fsync=True)
         BYTES_UPLOADED.labels(store="local").inc(digest.size)
         UPLOAD_SECONDS.labels(kind=kind).observe(time.monotonic() - start)
         return digest
 
 
-def _copy_to_file_atomic(
-    src: io.BufferedIOBase | io.BytesIO | io.BufferedReader,
-    dest: Path,
-    progress: TransferProgress | None,
-    *,
-    fsync: bool,
+def _read_chunks(src: _Readable, size: int = _COPY_CHUNK) -> Iterator[bytes]:
+    """``src`` as a stream of chunks of at most ``size`` bytes."""
+    while chunk := src.read(size):
+        yield chunk
+
+
+def _write_chunks_atomic(
+    chunks: Iterable[bytes], dest: Path, progress: TransferProgress | None, *, fsync: bool
 ) -> Digest:
-    """Copy ``src`` into ``dest`` via a sibling temp file + rename, hashing on the way."""
+    """Write ``chunks`` into ``dest`` via a sibling temp file + rename, hashing on the way."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
-    sha = hashlib.sha256()
+    hasher = _BackgroundHasher()
     size = 0
     try:
         with open(tmp, "wb") as out:
-            while chunk := src.read(_COPY_CHUNK):
+            for chunk in chunks:
                 out.write(chunk)
-                sha.update(chunk)
+                hasher.update(chunk)
                 size += len(chunk)
                 if progress is not None:
                     progress.update(len(chunk))
             if fsync:
                 out.flush()
                 os.fsync(out.fileno())
+        sha256 = hasher.hexdigest()
         os.replace(tmp, dest)
         if fsync:
             _fsync_dir(dest.parent)
     finally:
+        hasher.close()
         tmp.unlink(missing_ok=True)
-    return Digest(size=size, sha256=sha.hexdigest())
+    return Digest(size=size, sha256=sha256)
+
+
+class _BackgroundHasher:
+    """sha256 on a helper thread, overlapping with network receive and file writes.
+
+    hashlib releases the GIL for large buffers, so on a multi-core machine verification
+    of a multi-GB download costs almost no wall time instead of a second pass.
+    """
+
+    def __init__(self, max_pending: int = 16) -> None:
+        self._sha = hashlib.sha256()
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._run, name="sha256", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            self._sha.update(chunk)
+
+    def update(self, chunk: bytes) -> None:
+        self._queue.put(chunk)
+
+    def hexdigest(self) -> str:
+        self.close()
+        return self._sha.hexdigest()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -361,9 +405,15 @@ class S3Store:
         create_bucket: bool = True,
         part_size: int = DEFAULT_PART_SIZE,
         parallel_parts: int = DEFAULT_PARALLEL_PARTS,
+        download_range_size: int = DEFAULT_RANGE_SIZE,
         connect_timeout_s: float = 10.0,
         read_timeout_s: float = 120.0,
     ) -> None:
+        if not _BUCKET_RE.match(bucket):
+            raise UsageError(
+                f"bucket name {bucket!r} is not valid for S3: use 3-63 lower-case letters, "
+                "digits, '.' and '-', starting and ending with a letter or digit"
+            )
         if credentials is None:
             if not access_key or not secret_key:
                 raise UsageError(
@@ -379,6 +429,7 @@ class S3Store:
         self._retry = retry or RetryPolicy()
         self._part_size = part_size
         self._parallel_parts = parallel_parts
+        self._range_size = download_range_size
         # Retries live in our layer (bounded, logged, counted), so urllib3's are switched off.
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=connect_timeout_s, read=read_timeout_s),
@@ -467,28 +518,100 @@ class S3Store:
     def get_file(
         self, key: str, path: str | os.PathLike[str], *, progress: TransferProgress | None = None
     ) -> Digest:
+        """Download to ``path`` atomically; objects over ``download_range_size`` are fetched
+        as parallel ranged GETs (like multipart uploads in reverse)."""
         name = self._name(key)
         dest = Path(path)
         start = time.monotonic()
-
-        def attempt() -> Digest:
-            response = self._client.get_object(self.bucket, name)
-            tracker = _RewindingProgress(progress)
-            try:
-                return _copy_to_file_atomic(
-                    _ResponseReader(response, tracker), dest, None, fsync=False
-                )
-            except BaseException:
-                tracker.rewind()
-                raise
-            finally:
-                response.close()
-                response.release_conn()
-
-        digest = self._call("get", key, attempt)
+        stat = self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
+        size = int(stat.size or 0)
+        if size > self._range_size and self._parallel_parts > 1:
+            digest = self._get_ranges(key, name, str(stat.etag or ""), size, dest, progress)
+        else:
+            digest = self._call("get", key, lambda: self._get_stream(name, dest, progress))
         BYTES_DOWNLOADED.labels(store="s3").inc(digest.size)
         DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
         return digest
+
+    def _get_stream(self, name: str, dest: Path, progress: TransferProgress | None) -> Digest:
+        """One GET streamed to a temp file and renamed into place."""
+        response = self._client.get_object(self.bucket, name)
+        tracker = _RewindingProgress(progress)
+        try:
+            # urllib3's stream() is markedly faster than read(n) loops for large bodies.
+            return _write_chunks_atomic(
+                response.stream(_STREAM_CHUNK), dest, tracker, fsync=False  # type: ignore[arg-type]
+            )
+        except BaseException:
+            tracker.rewind()
+            raise
+        finally:
+            response.close()
+            response.release_conn()
+
+    def _get_ranges(
+        self, key: str, name: str, etag: str, size: int, dest: Path,
+        progress: TransferProgress | None,
+    ) -> Digest:
+        """Parallel ranged GETs written in place; sha256 follows right behind, in order.
+
+        Each range retries on its own. ``If-Match`` pins every range to the object version
+        that was stat'ed, so an overwrite mid-download fails instead of mixing versions.
+        """
+        ranges = [(offset, min(self._range_size, size - offset))
+                  for offset in range(0, size, self._range_size)]
+        headers = {"If-Match": f'"{etag}"'} if etag else None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}{_TMP_MARKER}{uuid.uuid4().hex[:12]}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+
+            def fetch(offset: int, length: int) -> None:
+                tracker = _RewindingProgress(progress)
+                response = self._client.get_object(
+                    self.bucket, name, offset=offset, length=length, request_headers=headers
+                )
+                try:
+                    position = offset
+                    for chunk in response.stream(_STREAM_CHUNK):
+                        _pwrite_all(fd, chunk, position)
+                        position += len(chunk)
+                        tracker.update(len(chunk))
+                    if position != offset + length:  # connection cut short: retry the range
+                        raise urllib3.exceptions.ProtocolError(
+                            f"range {offset}+{length} ended after {position - offset} bytes"
+                        )
+                except BaseException:
+                    tracker.rewind()
+                    raise
+                finally:
+                    response.close()
+                    response.release_conn()
+
+            sha = hashlib.sha256()
+            with ThreadPoolExecutor(max_workers=self._parallel_parts) as pool:
+                futures = [
+                    pool.submit(self._call, "get", key,
+                                lambda offset=offset, length=length: fetch(offset, length))
+                    for offset, length in ranges
+                ]
+                try:
+                    for future, (offset, length) in zip(futures, ranges, strict=True):
+                        future.result()
+                        _hash_range(sha, fd, offset, length)  # from the page cache
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, dest)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            tmp.unlink(missing_ok=True)
+        return Digest(size=size, sha256=sha.hexdigest())
 
     def exists(self, key: str) -> bool:
         name = self._name(key)
@@ -560,6 +683,14 @@ class S3Store:
             )
         except S3Error as exc:
             raise self._translate(exc, op, key) from None
+        except urllib3.exceptions.HTTPError as exc:
+            if not _is_tls_error(exc):
+                raise
+            raise StorageError(
+                f"TLS to S3 endpoint {self.endpoint} failed ({_short(exc)}); if MinIO uses a "
+                "private CA, point POSTTRAIN_S3_CA_BUNDLE at its PEM certificate, or set "
+                "POSTTRAIN_S3_SECURE=false if it serves plain HTTP"
+            ) from None
         except InvalidResponseError as exc:
             raise StorageError(
                 f"S3 endpoint {self.endpoint} answered {op} {where} with a non-S3 response "
@@ -597,7 +728,12 @@ def _access_key_of(provider: Provider) -> str:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    """Connection-level failures and server-side 5xx are worth retrying; everything else is not."""
+    """Connection-level failures and server-side 5xx are worth retrying; everything else is not.
+
+    TLS failures are not: a certificate that does not verify will not start verifying.
+    """
+    if _is_tls_error(exc):
+        return False
     if isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError):
         return True
     if isinstance(exc, socket.timeout):
@@ -609,6 +745,29 @@ def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, InvalidResponseError):
         return str(exc).split("Response code: ", 1)[-1][:1] == "5"
     return False
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def _hash_range(sha: hashlib._Hash, fd: int, offset: int, length: int) -> None:
+    end = offset + length
+    while offset < end:
+        data = os.pread(fd, min(_COPY_CHUNK, end - offset), offset)
+        if not data:
+            raise OSError(f"short read while hashing at offset {offset}")
+        sha.update(data)
+        offset += len(data)
+
+
+def _is_tls_error(exc: BaseException) -> bool:
+    if isinstance(exc, urllib3.exceptions.MaxRetryError):
+        exc = exc.reason or exc
+    return isinstance(exc, urllib3.exceptions.SSLError)
 
 
 def _content_type(key: str) -> str:
@@ -634,19 +793,6 @@ class _RewindingProgress:
         if self._progress is not None and self.done:
             self._progress.update(-self.done)
         self.done = 0
-
-
-class _ResponseReader(io.RawIOBase):
-    """A urllib3 response as a file-like ``read(n)`` source that reports progress."""
-
-    def __init__(self, response: urllib3.BaseHTTPResponse, progress: _RewindingProgress) -> None:
-        self._response = response
-        self._progress = progress
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._response.read(size if size and size > 0 else None)
-        self._progress.update(len(data))
-        return data
 
 
 # --------------------------------------------------------------------------- open_store

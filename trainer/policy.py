@@ -10,18 +10,26 @@ the optimizer step instead of corrupting the weights.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from posttrain.trainer.loss import LossConfig, clipped_policy_loss
 
 log = logging.getLogger(__name__)
+
+
+def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
+    """Chat-template a user prompt into token ids ending with the assistant turn header."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 @dataclass
@@ -58,7 +66,7 @@ class Policy:
         *,
         learning_rate: float,
         weight_decay: float = 0.0,
-        with_reference: bool = False,
+        reference_dir: Path | None = None,
         seed: int = 0,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -73,9 +81,12 @@ class Policy:
         for module in self.model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
+        # The KL anchor is the *base* model, also when resuming from a trained checkpoint.
         self.reference = None
-        if with_reference:
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if reference_dir is not None:
+            self.reference = AutoModelForCausalLM.from_pretrained(
+                reference_dir, dtype=torch.float32
+            ).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=learning_rate, weight_decay=weight_decay
         )
@@ -83,11 +94,7 @@ class Policy:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        """Chat-template a user prompt into token ids ending with the assistant turn header."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return chat_prompt_ids(self.tokenizer, prompt)
 
     def save_weights(self, dest: Path) -> Path:
         """Write an HF directory (safetensors + config + tokenizer) servable and loadable."""

@@ -137,7 +137,9 @@ class RolloutProducer:
         self._thread.join(timeout=5)
 
     def _wait_for_weights(self, batch_index: int) -> bool:
-        needed = batch_index - self.max_policy_lag  # steps that must be done first
+        # Batch b is trained at step b; it may be sampled by weights at most k steps older
+        # than those of step b, i.e. once steps 1 .. b-1-k are finished.
+        needed = batch_index - 1 - self.max_policy_lag
         with self._gate.cond:
             while self._gate.steps_done < needed and not self._stop.is_set():
                 self._gate.cond.wait(timeout=1.0)

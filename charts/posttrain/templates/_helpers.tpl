@@ -1,0 +1,119 @@
+{{/*
+Naming, labels and small derived values shared by every template.
+*/}}
+
+{{- define "posttrain.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name: <release>-posttrain, or the release name alone when it already says posttrain,
+truncated to 63 characters (the DNS-label limit of most names).
+*/}}
+{{- define "posttrain.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "posttrain.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "posttrain.labels" -}}
+helm.sh/chart: {{ include "posttrain.chart" . }}
+app.kubernetes.io/name: {{ include "posttrain.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: posttrain
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Selector labels of the operator pods (never change: Deployment selectors are immutable). */}}
+{{- define "posttrain.operatorSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "posttrain.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "posttrain.minioSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "posttrain.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: minio
+{{- end }}
+
+{{- define "posttrain.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "posttrain.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+An image reference from {repository, tag}; an empty tag means the chart's appVersion.
+Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
+*/}}
+{{- define "posttrain.image" -}}
+{{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{/* Name of the peering object the operator replicas share. */}}
+{{- define "posttrain.peeringName" -}}
+{{- default (include "posttrain.fullname" .) .Values.operator.peering.name }}
+{{- end }}
+
+{{/* True (non-empty) when the operator watches every namespace. */}}
+{{- define "posttrain.clusterWide" -}}
+{{- if not .Values.operator.watchNamespaces }}true{{ end }}
+{{- end }}
+
+{{- define "posttrain.minioFullname" -}}
+{{- printf "%s-minio" (include "posttrain.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* host:port (or URL) of S3: the configured endpoint, else the in-chart MinIO Service. */}}
+{{- define "posttrain.s3Endpoint" -}}
+{{- if .Values.storage.endpoint }}
+{{- .Values.storage.endpoint }}
+{{- else if .Values.minio.enabled }}
+{{- printf "%s.%s.svc:9000" (include "posttrain.minioFullname" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the S3 credentials. */}}
+{{- define "posttrain.s3SecretName" -}}
+{{- if .Values.storage.existingSecret }}
+{{- .Values.storage.existingSecret }}
+{{- else if .Values.minio.enabled }}
+{{- printf "%s-credentials" (include "posttrain.minioFullname" .) }}
+{{- end }}
+{{- end }}
+
+{{/* Fail early, with the fix, on combinations the schema cannot express. */}}
+{{- define "posttrain.validate" -}}
+{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.peering.enabled) }}
+{{- fail "operator.replicas > 1 needs operator.peering.enabled=true: without peering every replica would reconcile the same objects" }}
+{{- end }}
+{{- if not (include "posttrain.s3Endpoint" .) }}
+{{- fail "no object storage: set storage.endpoint (and storage.existingSecret) to an existing S3/MinIO, or minio.enabled=true for an evaluation install" }}
+{{- end }}
+{{- if not (include "posttrain.s3SecretName" .) }}
+{{- fail "storage.existingSecret is required with storage.endpoint: name a Secret in the release namespace holding the S3 access and secret keys" }}
+{{- end }}
+{{- end }}
+
+{{/* Namespaces the chart prepares for workloads: runNamespaces plus the watched ones, as JSON. */}}
+{{- define "posttrain.runNamespaces" -}}
+{{- concat .Values.runNamespaces .Values.operator.watchNamespaces | uniq | toJson }}
+{{- end }}

@@ -1,0 +1,130 @@
+"""OperatorConfig: every knob of the operator in one validated model.
+
+Loaded from ``POSTTRAIN_OPERATOR_*`` environment variables (what the Helm chart sets) and then
+overridden by command-line flags, so a Deployment and a developer's shell configure the same
+fields. Builders receive the config explicitly; nothing reads the environment twice.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from posttrain.errors import UsageError
+
+ENV_PREFIX = "POSTTRAIN_OPERATOR_"
+
+
+class OperatorConfig(BaseModel):
+    """What the operator needs to turn posttrain resources into pods (see docs/operator.md)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    trainer_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
+    """Image of trainer pods when a TrainingRun sets no resources.image (has posttrain[train,ray])."""
+    sandbox_image: str = "python:3.11-slim"
+    """Image of SandboxTask pods when the task sets none (the API default wins: spec.image)."""
+    sandbox_init_image: str = "busybox:1.37"
+    """Tiny image whose ``cp`` copies task files into the writable workdir before the program."""
+    rollout_cpu_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
+    """Image of RolloutPool replicas with engine=cpu (``posttrain serve``)."""
+    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    """Image of RolloutPool replicas with engine=vllm (``vllm serve``)."""
+    image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
+    """imagePullPolicy of every container the operator creates."""
+
+    s3_endpoint: str = ""
+    """host:port of the S3 API (MinIO); passed to trainer pods as POSTTRAIN_S3_ENDPOINT."""
+    s3_secure: bool = False
+    """Use HTTPS for S3 (POSTTRAIN_S3_SECURE)."""
+    s3_bucket: str = "posttrain"
+    """Bucket for run artifacts: runs default to s3://<bucket>/runs/<namespace>/<name>."""
+    s3_credentials_secret: str = "posttrain-s3"
+    """Secret (in the run's namespace) with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY keys;
+    trainer pods get them through secretKeyRef, never as literal values."""
+
+    namespaces: tuple[str, ...] = ()
+    """Namespaces to watch; empty with all_namespaces=False means just ``default``."""
+    all_namespaces: bool = False
+    """Watch the whole cluster (needs the ClusterRole bound cluster-wide)."""
+    kubeconfig: str | None = None
+    """Kubeconfig file; None = in-cluster service account, else $KUBECONFIG / ~/.kube/config."""
+
+    standalone: bool = False
+    """Run without peering (tests, single replica); replicas > 1 need peering."""
+    peering_name: str = "posttrain-operator"
+    """KopfPeering object that replicas coordinate through (only the highest priority works)."""
+    priority: int = Field(default=0, ge=0)
+    """Peering priority of this replica; give each replica a distinct value."""
+
+    worker_limit: int = Field(default=1000, ge=1)
+    """Objects processed concurrently (kopf batching.worker_limit); one worker per object."""
+    max_workers: int = Field(default=32, ge=1, le=512)
+    """Threads running the (synchronous) reconcilers; also the HTTP connection pool size."""
+    resync_seconds: float = Field(default=15.0, gt=0)
+    """Period of the level-triggered resync (TTL expiry, deadlines, missed events)."""
+    watch_server_timeout: int = Field(default=300, ge=10)
+    """Seconds the apiserver keeps a watch open before kopf re-establishes it."""
+    watch_client_timeout: int = Field(default=330, ge=10)
+    """Client-side watch timeout; slightly above the server's so the server closes first."""
+    request_timeout: float = Field(default=30.0, gt=0)
+    """Timeout of single API requests (creates, patches)."""
+    metrics_port: int = Field(default=0, ge=0, le=65535)
+    """Serve Prometheus metrics on this port; 0 = off."""
+    liveness_port: int = Field(default=0, ge=0, le=65535)
+    """kopf's /healthz liveness endpoint port; 0 = off."""
+
+    trainer_master_port: int = Field(default=29500, ge=1, le=65535)
+    """torch.distributed MASTER_PORT of trainer gangs."""
+    ray_port: int = Field(default=6379, ge=1, le=65535)
+    """Ray GCS port of the head pod when nodes > 1."""
+    shm_size: str = "8Gi"
+    """sizeLimit of the /dev/shm memory emptyDir in trainer pods (NCCL, dataloaders)."""
+    sandbox_workdir_size: str = "256Mi"
+    """sizeLimit of the writable /workspace emptyDir of sandbox pods."""
+
+    @field_validator("namespaces", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return tuple(ns for ns in (v.strip() for v in value.split(",")) if ns)
+        return value
+
+    @property
+    def watched_namespaces(self) -> tuple[str, ...]:
+        """Namespaces kopf watches (empty tuple = cluster-wide)."""
+        if self.all_namespaces:
+            return ()
+        return self.namespaces or ("default",)
+
+
+def load_config(
+    env: Mapping[str, str] | None = None, **overrides: Any
+) -> OperatorConfig:
+    """Build the config from ``POSTTRAIN_OPERATOR_<FIELD>`` variables, then ``overrides``.
+
+    Overrides that are None are ignored, so argparse defaults do not mask the environment.
+
+    >>> load_config({"POSTTRAIN_OPERATOR_NAMESPACES": "a,b"}, standalone=True).namespaces
+    ('a', 'b')
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for name in OperatorConfig.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = env[key]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return OperatorConfig(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+        )
+        raise UsageError(
+            f"invalid operator configuration ({problems}); fix the flag or the "
+            f"{ENV_PREFIX}<FIELD> environment variable"
+        ) from exc

@@ -1,0 +1,113 @@
+"""RBAC as data: the one source of truth for what the operator and the trainer may do.
+
+The Helm chart renders its ClusterRole from ``posttrain operator rbac`` and the builders use
+TRAINER_RULES for each run's Role, so permissions are never written twice. No wildcard verbs
+or resources: every entry says which resource and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from posttrain.api import GROUP
+
+Rule = dict[str, Any]
+
+READ = ["get", "list", "watch"]
+
+OPERATOR_RULES: list[Rule] = [
+    # Our resources: watch them, patch metadata (kopf's finalizer/annotations on TrainingRuns),
+    # delete finished SandboxTasks after their TTL.
+    {
+        "apiGroups": [GROUP],
+        "resources": ["trainingruns", "rolloutpools", "sandboxtasks"],
+        "verbs": [*READ, "patch", "delete"],
+    },
+    # Status is ours to write (phase, conditions, results), through merge patches.
+    {
+        "apiGroups": [GROUP],
+        "resources": ["trainingruns/status", "rolloutpools/status", "sandboxtasks/status"],
+        "verbs": ["get", "patch"],
+    },
+    # ownerReferences with blockOwnerDeletion=true require update on the owner's finalizers.
+    {
+        "apiGroups": [GROUP],
+        "resources": ["trainingruns/finalizers", "rolloutpools/finalizers",
+                      "sandboxtasks/finalizers"],
+        "verbs": ["update"],
+    },
+    # Trainer gangs and sandboxes are pods the operator creates, watches and deletes.
+    {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "create", "delete"]},
+    # Run config, head Service and pool Service, trainer ServiceAccount.
+    {
+        "apiGroups": [""],
+        "resources": ["configmaps", "services", "serviceaccounts"],
+        "verbs": ["get", "create", "patch", "delete"],
+    },
+    # Rollout replicas.
+    {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "verbs": [*READ, "create", "patch", "delete"],
+    },
+    # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
+    # so creating them is not an escalation).
+    {
+        "apiGroups": ["rbac.authorization.k8s.io"],
+        "resources": ["roles", "rolebindings"],
+        "verbs": ["get", "create", "patch"],
+    },
+    # The per-namespace default-deny policy for sandboxes.
+    {
+        "apiGroups": ["networking.k8s.io"],
+        "resources": ["networkpolicies"],
+        "verbs": ["get", "create", "patch"],
+    },
+    # Kubernetes Events on every transition (kopf posts core/v1 events).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
+    # kopf peering between replicas (HA): read and patch the peering objects.
+    {
+        "apiGroups": ["kopf.dev"],
+        "resources": ["clusterkopfpeerings", "kopfpeerings"],
+        "verbs": [*READ, "patch"],
+    },
+    # No namespaces or CRD watch: the operator watches explicit namespaces (or is cluster-wide)
+    # and kopf's CRD scanning is disabled in settings.py.
+]
+
+TRAINER_RULES: list[Rule] = [
+    # The trainer reports step/reward/checkpoint by patching its own run's status; builders
+    # add resourceNames: [<run>] so a trainer can touch only its run.
+    {"apiGroups": [GROUP], "resources": ["trainingruns/status"], "verbs": ["get", "patch"]},
+    # Reading the run itself (spec) is useful for a trainer that re-reads suspend/maxSteps.
+    {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": ["get"]},
+]
+
+
+def cluster_role(name: str = "posttrain-operator") -> dict[str, Any]:
+    """The operator's ClusterRole manifest."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "posttrain-operator"}},
+        "rules": OPERATOR_RULES,
+    }
+
+
+def rbac_yaml(name: str = "posttrain-operator") -> str:
+    """``OPERATOR_RULES`` and ``TRAINER_RULES`` as a multi-document YAML.
+
+    The first document is the operator ClusterRole; the second a ClusterRole template with
+    the trainer's rules (the operator itself creates per-run Roles from the same rules).
+    """
+    trainer = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": f"{name}-trainer-template",
+                     "labels": {"app.kubernetes.io/name": "posttrain-operator"}},
+        "rules": TRAINER_RULES,
+    }
+    return yaml.safe_dump_all([cluster_role(name), trainer], sort_keys=False)

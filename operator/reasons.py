@@ -1,0 +1,65 @@
+"""Condition types, phases and reason constants: the operator's fixed vocabulary.
+
+Reasons are CamelCase constants (metav1.Condition grammar) that machines switch on and that
+appear as Kubernetes Event reasons, so they live in one module and are never built from
+strings at the call site.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+
+class ConditionType:
+    """Condition types the operator writes."""
+
+    READY: Final = "Ready"
+    SUSPENDED: Final = "Suspended"
+    SUCCEEDED: Final = "Succeeded"
+    FAILED: Final = "Failed"
+
+
+class Reason:
+    """Condition and Event reasons, shared by all three kinds."""
+
+    # TrainingRun
+    PODS_CREATED: Final = "PodsCreated"
+    PODS_PENDING: Final = "PodsPending"
+    RUNNING: Final = "Running"
+    SUSPENDED: Final = "Suspended"
+    RESUMED: Final = "Resumed"
+    NOT_SUSPENDED: Final = "NotSuspended"
+    GANG_RESTART: Final = "GangRestart"
+    BACKOFF_LIMIT_EXCEEDED: Final = "BackoffLimitExceeded"
+    DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
+    TRAINER_SUCCEEDED: Final = "TrainerSucceeded"
+    STORAGE_DELETED: Final = "StorageDeleted"
+    STORAGE_KEPT: Final = "StorageKept"
+    # RolloutPool
+    DEPLOYMENT_CREATED: Final = "DeploymentCreated"
+    DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"
+    REPLICAS_READY: Final = "ReplicasReady"
+    REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"
+    ROLLING_UPDATE: Final = "RollingUpdate"
+    SCALED_TO_ZERO: Final = "ScaledToZero"
+    # SandboxTask
+    POD_CREATED: Final = "PodCreated"
+    POD_RUNNING: Final = "PodRunning"
+    COMPLETED: Final = "Completed"
+    PROGRAM_FAILED: Final = "ProgramFailed"
+    SANDBOX_RETRY: Final = "SandboxRetry"
+    SANDBOX_FAILED: Final = "SandboxFailed"
+    TTL_EXPIRED: Final = "TTLExpired"
+    # Any kind
+    INVALID_SPEC: Final = "InvalidSpec"
+    RECONCILE_ERROR: Final = "ReconcileError"
+
+
+class SandboxExitReason:
+    """Values of SandboxTask status.reason (why the program ended)."""
+
+    COMPLETED: Final = "Completed"
+    ERROR: Final = "Error"
+    TIMEOUT: Final = "Timeout"
+    OOM_KILLED: Final = "OOMKilled"
+    SANDBOX_FAILED: Final = "SandboxFailed"

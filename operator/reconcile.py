@@ -1,0 +1,607 @@
+"""Decision logic as pure functions: (spec, observed children, now) -> actions + status patch.
+
+Handlers feed these from the operator's caches and execute the returned plan; tests call
+them directly with hand-written observations. Every function is level-triggered: it looks
+at the whole observed state, never at "what just happened", so replaying it after an
+operator restart yields the same actions (deterministic names make creates idempotent).
+
+Status ownership: plans only ever set the operator's fields (phase, conditions,
+observedGeneration, restarts, maxSteps, startTime, completionTime, message for runs; all
+result fields for sandboxes; replica counts for pools). Trainer fields (step, rewardMean,
+domainRewards, evalAccuracy, lastCheckpoint, weightVersion) never appear in a run's patch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api.base import Condition, get_condition, set_condition
+
+from .builders import (
+    ANNOTATION_WEIGHT_VERSION,
+    LABEL_ATTEMPT,
+    LABEL_GANG,
+    LABEL_RANK,
+    sandbox_pod_name,
+)
+from .reasons import ConditionType, Reason, SandboxExitReason
+
+TERMINAL = ("Succeeded", "Failed")
+
+
+# ---------------------------------------------------------------- observations
+
+
+@dataclass(frozen=True)
+class Terminated:
+    """A container's terminated state (what the kubelet reports)."""
+
+    exit_code: int
+    reason: str = ""
+    message: str = ""
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+@dataclass(frozen=True)
+class PodView:
+    """The parts of a Pod the decisions depend on."""
+
+    name: str
+    labels: dict[str, str]
+    annotations: dict[str, str] = field(default_factory=dict)
+    phase: str = "Pending"
+    reason: str = ""
+    message: str = ""
+    deleting: bool = False
+    ready: bool = False
+    terminated: Terminated | None = None
+    start_time: datetime | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in TERMINAL
+
+
+def _time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        return value
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+
+
+def pod_view(pod: dict[str, Any]) -> PodView:
+    """Reduce a Pod manifest (as the apiserver returns it) to a PodView.
+
+    >>> pod_view({"metadata": {"name": "p"}, "status": {"phase": "Running"}}).phase
+    'Running'
+    """
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    terminated = None
+    for cs in status.get("containerStatuses") or []:
+        state = (cs.get("state") or {}).get("terminated")
+        # The main (first) container decides; init containers are ignored.
+        if state is not None:
+            terminated = Terminated(
+                exit_code=int(state.get("exitCode", 0)),
+                reason=state.get("reason") or "",
+                message=state.get("message") or "",
+                started_at=_time(state.get("startedAt")),
+                finished_at=_time(state.get("finishedAt")),
+            )
+            break
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
+    )
+    return PodView(
+        name=meta.get("name", ""),
+        labels=dict(meta.get("labels") or {}),
+        annotations=dict(meta.get("annotations") or {}),
+        phase=status.get("phase") or "Pending",
+        reason=status.get("reason") or "",
+        message=status.get("message") or "",
+        deleting=bool(meta.get("deletionTimestamp")),
+        ready=ready,
+        terminated=terminated,
+        start_time=_time(status.get("startTime")),
+    )
+
+
+@dataclass(frozen=True)
+class EventSpec:
+    """A Kubernetes Event to post on the parent: type Normal/Warning, reason, message."""
+
+    type: str
+    reason: str
+    message: str
+
+
+def _conditions_wire(conditions: list[Condition]) -> list[dict[str, Any]]:
+    return [c.to_wire() for c in conditions]
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat().replace("+00:00", "Z") if value else None
+
+
+def status_diff(current: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """Keys of ``desired`` whose value differs from ``current`` (a minimal merge patch).
+
+    >>> status_diff({"phase": "Pending", "step": 3}, {"phase": "Running"})
+    {'phase': 'Running'}
+    """
+    return {k: v for k, v in desired.items() if current.get(k) != v}
+
+
+# ---------------------------------------------------------------- SandboxTask
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one attempt produced."""
+
+    exit_code: int | None
+    reward: float | None
+    duration_ms: float | None
+    reason: str
+    sandbox_failed: bool
+    """True when the sandbox (not the program) failed: eviction, start error, lost pod."""
+
+
+# Container termination reasons that mean the program never really ran.
+_INFRA_REASONS = {"ContainerCannotRun", "StartError", "CreateContainerError", "Evicted"}
+
+
+def parse_sandbox_result(pod: PodView) -> SandboxResult:
+    """Read the result protocol from a finished sandbox pod.
+
+    The program's wrapper writes ``{"exit_code", "reward", "duration_ms", "reason"}`` to
+    /dev/termination-log; with FallbackToLogsOnError a crash leaves log text there instead,
+    so anything that is not that JSON falls back to the exit code (reward 1 on exit 0).
+
+    >>> t = Terminated(exit_code=0, message='{"exit_code": 0, "reward": 0.5, "duration_ms": 7}')
+    >>> parse_sandbox_result(PodView("p", {}, phase="Succeeded", terminated=t)).reward
+    0.5
+    """
+    if pod.reason == "DeadlineExceeded":
+        return SandboxResult(
+            exit_code=pod.terminated.exit_code if pod.terminated else None,
+            reward=0.0,
+            duration_ms=None,
+            reason=SandboxExitReason.TIMEOUT,
+            sandbox_failed=False,
+        )
+    term = pod.terminated
+    if term is None or term.reason in _INFRA_REASONS:
+        return SandboxResult(None, None, None, SandboxExitReason.SANDBOX_FAILED, True)
+    duration_ms = None
+    if term.started_at and term.finished_at:
+        duration_ms = (term.finished_at - term.started_at).total_seconds() * 1000.0
+    result: dict[str, Any] = {}
+    try:
+        parsed = json.loads(term.message) if term.message.strip().startswith("{") else {}
+        result = parsed if isinstance(parsed, dict) else {}
+    except ValueError:
+        result = {}
+    exit_code = int(result.get("exit_code", term.exit_code))
+    if term.reason == "OOMKilled":
+        reason = SandboxExitReason.OOM_KILLED
+    else:
+        reason = str(result.get("reason") or (
+            SandboxExitReason.COMPLETED if exit_code == 0 else SandboxExitReason.ERROR))
+    reward = result.get("reward")
+    if reward is None:
+        reward = 1.0 if exit_code == 0 and reason == SandboxExitReason.COMPLETED else 0.0
+    if result.get("duration_ms") is not None:
+        duration_ms = float(result["duration_ms"])
+    return SandboxResult(exit_code, float(reward), duration_ms, reason, False)
+
+
+@dataclass
+class SandboxPlan:
+    """What to do for one SandboxTask."""
+
+    create_attempt: int | None = None
+    delete_pods: list[str] = field(default_factory=list)
+    status_patch: dict[str, Any] = field(default_factory=dict)
+    events: list[EventSpec] = field(default_factory=list)
+    delete_task: bool = False
+
+
+def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> SandboxPlan:
+    """Decide the next step of a SandboxTask from its pods.
+
+    Attempts: the pod of attempt n is ``<task>-<n>``; a sandbox failure (not a program
+    failure) starts attempt n+1 while ``n < 1 + spec.retries``. Finished tasks are deleted
+    ``ttlSecondsAfterFinished`` after completionTime.
+    """
+    status = task.status
+    plan = SandboxPlan()
+    gen = task.metadata.generation
+    if status.phase in TERMINAL:
+        ttl = task.spec.ttl_seconds_after_finished
+        done_at = status.completion_time
+        if ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl):
+            plan.delete_task = True
+            plan.delete_pods = [p.name for p in pods if not p.deleting]
+            plan.events.append(EventSpec("Normal", Reason.TTL_EXPIRED,
+                                         f"deleted {ttl} s after it finished"))
+        return plan
+
+    attempts = status.attempts
+    desired: dict[str, Any] = {"observedGeneration": gen}
+    conditions = list(status.conditions)
+    if attempts == 0:
+        attempts = 1
+        plan.create_attempt = 1
+        desired.update(
+            attempts=1,
+            podName=sandbox_pod_name(task.metadata.name, 1),
+            phase="Pending",
+            startTime=_iso(status.start_time or now),
+        )
+        conditions = set_condition(conditions, ConditionType.READY, "False", Reason.POD_CREATED,
+                                   "sandbox pod created, waiting for it to start", gen)
+        plan.events.append(EventSpec("Normal", Reason.POD_CREATED,
+                                     f"created pod {desired['podName']}"))
+    else:
+        current_name = sandbox_pod_name(task.metadata.name, attempts)
+        current = next((p for p in pods if p.name == current_name), None)
+        if current is None or (current.deleting and not current.finished):
+            if current is None:
+                # Not in the cache yet, or deleted by someone: create-or-adopt is idempotent.
+                plan.create_attempt = attempts
+        elif not current.finished:
+            if current.phase == "Running" and status.phase != "Running":
+                desired["phase"] = "Running"
+                conditions = set_condition(conditions, ConditionType.READY, "True",
+                                           Reason.POD_RUNNING, "the program is running", gen)
+        else:
+            result = parse_sandbox_result(current)
+            if result.sandbox_failed and attempts < 1 + task.spec.retries:
+                attempts += 1
+                plan.create_attempt = attempts
+                desired.update(attempts=attempts,
+                               podName=sandbox_pod_name(task.metadata.name, attempts),
+                               phase="Pending")
+                why = current.reason or current.message or "the pod failed before the program ran"
+                plan.events.append(EventSpec(
+                    "Warning", Reason.SANDBOX_RETRY,
+                    f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
+                    f"({attempts}/{1 + task.spec.retries})"))
+            else:
+                _finish_sandbox(task, result, attempts, now, desired, plan)
+                conditions = _sandbox_final_conditions(conditions, desired, gen)
+    desired["conditions"] = _conditions_wire(conditions)
+    plan.status_patch = status_diff(task.status.to_wire(), desired)
+    return plan
+
+
+def _finish_sandbox(
+    task: SandboxTask,
+    result: SandboxResult,
+    attempts: int,
+    now: datetime,
+    desired: dict[str, Any],
+    plan: SandboxPlan,
+) -> None:
+    succeeded = not result.sandbox_failed and result.exit_code == 0 and (
+        result.reason == SandboxExitReason.COMPLETED)
+    desired.update(
+        phase="Succeeded" if succeeded else "Failed",
+        exitCode=result.exit_code,
+        reward=result.reward if result.reward is not None else 0.0,
+        durationMs=result.duration_ms,
+        reason=result.reason,
+        completionTime=_iso(now),
+    )
+    desired.update({k: v for k, v in desired.items() if v is not None})
+    for key in [k for k, v in desired.items() if v is None]:
+        del desired[key]
+    if succeeded:
+        plan.events.append(EventSpec("Normal", Reason.COMPLETED,
+                                     f"exit 0, reward {desired['reward']}"))
+    elif result.sandbox_failed:
+        plan.events.append(EventSpec(
+            "Warning", Reason.SANDBOX_FAILED,
+            f"the sandbox failed on all {attempts} attempt(s) (spec.retries="
+            f"{task.spec.retries}); check node capacity, the image and the RuntimeClass"))
+    else:
+        plan.events.append(EventSpec(
+            "Warning", Reason.PROGRAM_FAILED,
+            f"the program ended with {result.reason} (exit {result.exit_code})"))
+
+
+def _sandbox_final_conditions(
+    conditions: list[Condition], desired: dict[str, Any], gen: int | None
+) -> list[Condition]:
+    ok = desired["phase"] == "Succeeded"
+    reason = desired.get("reason", "")
+    if ok:
+        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True", Reason.COMPLETED,
+                                   "the program exited 0", gen)
+    else:
+        why = (Reason.SANDBOX_FAILED if reason == SandboxExitReason.SANDBOX_FAILED
+               else Reason.PROGRAM_FAILED)
+        conditions = set_condition(conditions, ConditionType.FAILED, "True", why,
+                                   f"ended with {reason} (exit {desired.get('exitCode')})", gen)
+    return set_condition(conditions, ConditionType.READY, "False",
+                         Reason.COMPLETED if ok else Reason.PROGRAM_FAILED, "finished", gen)
+
+
+# ---------------------------------------------------------------- TrainingRun
+
+
+@dataclass
+class RunPlan:
+    """What to do for one TrainingRun."""
+
+    incarnation: int
+    """Gang incarnation the pods should belong to (stored in an annotation on the run)."""
+    create_ranks: list[int] = field(default_factory=list)
+    delete_pods: list[str] = field(default_factory=list)
+    ensure_children: bool = False
+    """Create-or-adopt ConfigMap, RBAC and head Service before creating pods."""
+    status_patch: dict[str, Any] = field(default_factory=dict)
+    events: list[EventSpec] = field(default_factory=list)
+
+
+def plan_training_run(
+    run: TrainingRun, pods: list[PodView], incarnation: int, now: datetime
+) -> RunPlan:
+    """Decide the next step of a TrainingRun from its pods (gang semantics).
+
+    All pods of a gang share an incarnation. One failed pod fails the gang: every pod of it
+    is deleted and a new incarnation is created, counting one restart; more than
+    spec.backoffLimit restarts fail the run. Suspend deletes the gang and keeps the run;
+    resuming starts a new incarnation (the trainer resumes from its last checkpoint).
+    """
+    spec, status = run.spec, run.status
+    gen = run.metadata.generation
+    nodes = spec.resources.nodes
+    plan = RunPlan(incarnation=incarnation)
+    live = [p for p in pods if not p.deleting]
+    conditions = list(status.conditions)
+    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.algorithm.max_steps}
+
+    def fail(reason: str, message: str) -> None:
+        nonlocal conditions
+        desired.update(phase="Failed", message=message, completionTime=_iso(now))
+        conditions = set_condition(conditions, ConditionType.FAILED, "True", reason, message, gen)
+        conditions = set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
+        plan.delete_pods = [p.name for p in live]
+        plan.create_ranks = []
+        plan.events.append(EventSpec("Warning", reason, message))
+
+    if status.phase in TERMINAL:
+        # Finished runs keep no pods (Ray workers would otherwise block forever).
+        plan.delete_pods = [p.name for p in live if not p.finished]
+        return plan
+
+    if spec.suspend:
+        plan.delete_pods = [p.name for p in live]
+        if status.phase != "Suspended":
+            desired.update(phase="Suspended", message="suspended: trainer pods deleted")
+            plan.events.append(EventSpec("Normal", Reason.SUSPENDED,
+                                         "spec.suspend=true: deleted the trainer pods"))
+        conditions = set_condition(conditions, ConditionType.SUSPENDED, "True", Reason.SUSPENDED,
+                                   "spec.suspend is true", gen)
+        conditions = set_condition(conditions, ConditionType.READY, "False", Reason.SUSPENDED,
+                                   "suspended", gen)
+        desired["conditions"] = _conditions_wire(conditions)
+        plan.status_patch = status_diff(status.to_wire(), desired)
+        return plan
+
+    if status.phase == "Suspended":
+        plan.incarnation = incarnation = incarnation + 1
+        conditions = set_condition(conditions, ConditionType.SUSPENDED, "False", Reason.RESUMED,
+                                   "resumed from the last checkpoint", gen)
+        plan.events.append(EventSpec(
+            "Normal", Reason.RESUMED,
+            f"resumed from {status.last_checkpoint or 'the start (no checkpoint yet)'}"))
+    elif get_condition(conditions, ConditionType.SUSPENDED) is None:
+        conditions = set_condition(conditions, ConditionType.SUSPENDED, "False",
+                                   Reason.NOT_SUSPENDED, "", gen)
+
+    start = status.start_time or now
+    if status.start_time is None:
+        desired["startTime"] = _iso(now)
+    deadline = spec.active_deadline_seconds
+    if deadline is not None and now >= start + timedelta(seconds=deadline):
+        fail(Reason.DEADLINE_EXCEEDED,
+             f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
+             f"{status.last_checkpoint or 'scratch'} in a new run")
+        desired["conditions"] = _conditions_wire(conditions)
+        plan.status_patch = status_diff(status.to_wire(), desired)
+        return plan
+
+    gang = {p.labels.get(LABEL_RANK): p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)}
+    stale = [p.name for p in live if p.labels.get(LABEL_GANG) != str(incarnation)]
+    plan.delete_pods = stale
+    failed = [p for p in gang.values() if p.phase == "Failed"]
+    head = gang.get("0")
+    restarts = status.restarts
+
+    if failed:
+        restarts += 1
+        desired["restarts"] = restarts
+        why = ", ".join(f"{p.name} ({p.reason or _exit_text(p)})" for p in failed)
+        if restarts > spec.backoff_limit:
+            fail(Reason.BACKOFF_LIMIT_EXCEEDED,
+                 f"gang failed {restarts} times, more than backoffLimit={spec.backoff_limit}; "
+                 f"last failure: {why}")
+        else:
+            plan.delete_pods = stale + [p.name for p in gang.values()]
+            plan.incarnation = incarnation + 1
+            plan.create_ranks = list(range(nodes))
+            plan.ensure_children = True
+            desired.update(phase="Pending",
+                           message=f"restart {restarts}/{spec.backoff_limit} after {why}")
+            conditions = set_condition(conditions, ConditionType.READY, "False",
+                                       Reason.GANG_RESTART, desired["message"], gen)
+            plan.events.append(EventSpec(
+                "Warning", Reason.GANG_RESTART,
+                f"{why} failed: recreating all {nodes} pod(s) as gang {plan.incarnation} "
+                f"(restart {restarts} of {spec.backoff_limit})"))
+    elif head is not None and head.phase == "Succeeded":
+        message = f"trainer finished at step {status.step}" if status.step is not None else (
+            "trainer finished")
+        desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
+        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
+                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        conditions = set_condition(conditions, ConditionType.READY, "False",
+                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        plan.delete_pods = stale + [p.name for p in gang.values() if not p.finished]
+        plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
+    else:
+        missing = [r for r in range(nodes) if str(r) not in gang]
+        if missing:
+            plan.create_ranks = missing
+            plan.ensure_children = True
+        if not missing and all(p.phase == "Running" for p in gang.values()):
+            if status.phase != "Running":
+                plan.events.append(EventSpec("Normal", Reason.RUNNING,
+                                             f"all {nodes} trainer pod(s) running"))
+            desired.update(phase="Running", message=f"{nodes} trainer pod(s) running")
+            conditions = set_condition(conditions, ConditionType.READY, "True", Reason.RUNNING,
+                                       desired["message"], gen)
+        else:
+            if status.phase in (None, "Suspended"):
+                plan.events.append(EventSpec("Normal", Reason.PODS_CREATED,
+                                             f"creating gang {incarnation} of {nodes} pod(s)"))
+            pending = nodes - sum(p.phase == "Running" for p in gang.values())
+            desired.update(phase="Pending", message=f"waiting for {pending}/{nodes} pod(s)")
+            conditions = set_condition(conditions, ConditionType.READY, "False",
+                                       Reason.PODS_PENDING, desired["message"], gen)
+    desired["conditions"] = _conditions_wire(conditions)
+    plan.status_patch = status_diff(status.to_wire(), desired)
+    return plan
+
+
+def _exit_text(pod: PodView) -> str:
+    return f"exit {pod.terminated.exit_code}" if pod.terminated else "failed"
+
+
+# ---------------------------------------------------------------- RolloutPool
+
+
+@dataclass
+class PoolPlan:
+    """What to do for one RolloutPool."""
+
+    create_deployment: bool = False
+    patch_deployment: dict[str, Any] | None = None
+    status_patch: dict[str, Any] = field(default_factory=dict)
+    events: list[EventSpec] = field(default_factory=list)
+
+
+def plan_rollout_pool(
+    pool: RolloutPool,
+    desired_deployment: dict[str, Any],
+    deployment: dict[str, Any] | None,
+    pods: list[PodView],
+    selector: str,
+    endpoint: str,
+) -> PoolPlan:
+    """Converge the Deployment on the desired one and mirror its counts into the status.
+
+    Drift is detected through the template's spec-hash annotation (not a field-by-field
+    diff, which the apiserver's defaulting would always make noisy); replicas are compared
+    directly because ``kubectl scale`` changes only them.
+    """
+    from .builders import ANNOTATION_SPEC_HASH
+
+    plan = PoolPlan()
+    gen = pool.metadata.generation
+    status = pool.status
+    conditions = list(status.conditions)
+    want_replicas = pool.spec.replicas
+    if deployment is None:
+        plan.create_deployment = True
+        plan.events.append(EventSpec("Normal", Reason.DEPLOYMENT_CREATED,
+                                     f"created Deployment with {want_replicas} replica(s)"))
+        replicas = ready = updated = 0
+    else:
+        have_hash = ((deployment.get("metadata") or {}).get("annotations") or {}).get(
+            ANNOTATION_SPEC_HASH)
+        want_hash = desired_deployment["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+        patch: dict[str, Any] = {}
+        if have_hash != want_hash:
+            patch = {
+                "metadata": {"annotations": {ANNOTATION_SPEC_HASH: want_hash}},
+                "spec": {"template": desired_deployment["spec"]["template"],
+                         "replicas": want_replicas},
+            }
+            plan.events.append(EventSpec("Normal", Reason.DEPLOYMENT_UPDATED,
+                                         "server template changed: rolling update"))
+        elif (deployment.get("spec") or {}).get("replicas") != want_replicas:
+            patch = {"spec": {"replicas": want_replicas}}
+            plan.events.append(EventSpec(
+                "Normal", Reason.DEPLOYMENT_UPDATED,
+                f"scaled from {(deployment.get('spec') or {}).get('replicas')} to "
+                f"{want_replicas} replica(s)"))
+        plan.patch_deployment = patch or None
+        dstatus = deployment.get("status") or {}
+        replicas = int(dstatus.get("replicas") or 0)
+        ready = int(dstatus.get("readyReplicas") or 0)
+        updated = int(dstatus.get("updatedReplicas") or 0)
+    if want_replicas == 0:
+        phase, cond, reason = "Ready", "True", Reason.SCALED_TO_ZERO
+    elif ready >= want_replicas and updated >= want_replicas and replicas == want_replicas:
+        phase, cond, reason = "Ready", "True", Reason.REPLICAS_READY
+    elif deployment is not None and updated < replicas:
+        phase, cond, reason = "Updating", "True" if ready > 0 else "False", Reason.ROLLING_UPDATE
+    elif ready > 0:
+        phase, cond, reason = "Degraded", "True", Reason.REPLICAS_UNAVAILABLE
+    else:
+        phase, cond, reason = "Pending", "False", Reason.REPLICAS_UNAVAILABLE
+    message = f"{ready}/{want_replicas} replica(s) ready"
+    if phase != status.phase and status.phase is not None:
+        plan.events.append(EventSpec("Normal" if cond == "True" else "Warning", reason,
+                                     f"{status.phase} -> {phase}: {message}"))
+    conditions = set_condition(conditions, ConditionType.READY, cond, reason, message, gen)
+    desired: dict[str, Any] = {
+        "observedGeneration": gen,
+        "phase": phase,
+        "replicas": replicas,
+        "readyReplicas": ready,
+        "selector": selector,
+        "endpoint": endpoint,
+        "conditions": _conditions_wire(conditions),
+    }
+    version = pool_weight_version(pods)
+    if version is not None:
+        desired["weightVersion"] = version
+    plan.status_patch = status_diff(status.to_wire(), desired)
+    return plan
+
+
+def pool_weight_version(pods: list[PodView]) -> int | None:
+    """The weights version every ready replica serves: the minimum of their annotations.
+
+    Replicas announce ``posttrain.io/weight-version`` on their pod; until every ready replica
+    has announced, the pool's version is unknown (None).
+
+    >>> a = PodView("a", {}, {"posttrain.io/weight-version": "3"}, ready=True)
+    >>> b = PodView("b", {}, {"posttrain.io/weight-version": "4"}, ready=True)
+    >>> pool_weight_version([a, b])
+    3
+    """
+    ready = [p for p in pods if p.ready and not p.deleting]
+    versions = [p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]
+    if not ready or any(v is None or not v.isdigit() for v in versions):
+        return None
+    return min(int(v) for v in versions if v is not None)
+
+
+def attempt_of(pod: PodView) -> int:
+    """The attempt number a sandbox pod belongs to (0 when unlabelled)."""
+    value = pod.labels.get(LABEL_ATTEMPT, "0")
+    return int(value) if value.isdigit() else 0

@@ -1,0 +1,123 @@
+"""Run the operator: in the foreground (CLI) or in a background thread (tests, benchmarks)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+import kopf
+
+from posttrain.telemetry import start_metrics_server
+
+from .config import OperatorConfig
+from .controllers import Controller
+from .kube import KubeClient, load_credentials
+from .reconcile import EventSpec
+from .settings import build_settings
+
+log = logging.getLogger(__name__)
+
+
+def post_kopf_event(body: dict[str, Any], event: EventSpec) -> None:
+    """Post a Kubernetes Event through kopf's poster (batched, retried, rate-limited)."""
+    try:
+        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+    except LookupError:
+        # Outside kopf's context (e.g. a unit test driving the controller directly).
+        log.debug("no kopf event poster here; event %s not posted", event.reason)
+
+
+def build_memo(config: OperatorConfig) -> kopf.Memo:
+    """Credentials, the shared REST client and the controller, handed to every handler."""
+    creds = load_credentials(config.kubeconfig)
+    kube = KubeClient(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout)
+    controller = Controller(config, kube, post_kopf_event)
+    return kopf.Memo(config=config, credentials=creds, controller=controller)
+
+
+async def run_async(
+    config: OperatorConfig,
+    stop_flag: threading.Event | None = None,
+    ready_flag: threading.Event | None = None,
+    memo: kopf.Memo | None = None,
+) -> None:
+    """Run until ``stop_flag`` is set (or forever)."""
+    from .handlers import REGISTRY
+
+    memo = memo if memo is not None else build_memo(config)
+    liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
+    await kopf.operator(
+        registry=REGISTRY,
+        # Peering is configured only through settings: passing peering_name here would make
+        # peering mandatory even for --standalone.
+        settings=build_settings(config),
+        clusterwide=config.all_namespaces,
+        namespaces=list(config.watched_namespaces),
+        stop_flag=stop_flag,
+        ready_flag=ready_flag,
+        memo=memo,
+        liveness_endpoint=liveness,
+    )
+
+
+def run_forever(config: OperatorConfig) -> None:
+    """The CLI's entry: metrics server, then kopf until SIGINT/SIGTERM."""
+    start_metrics_server(config.metrics_port)
+    where = "all namespaces" if config.all_namespaces else ", ".join(config.watched_namespaces)
+    log.info("posttrain operator watching %s (%s)", where,
+             "standalone" if config.standalone else f"peering {config.peering_name}")
+    asyncio.run(run_async(config))
+
+
+class OperatorThread:
+    """The real operator in a background thread: ``with OperatorThread(config) as op: ...``.
+
+    Used by the tests (the operator in-process against the real apiserver) and the
+    benchmark; ``stop()`` then ``start()`` again simulates an operator restart.
+    """
+
+    def __init__(self, config: OperatorConfig) -> None:
+        self.config = config
+        self.memo: kopf.Memo | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+
+    @property
+    def controller(self) -> Controller:
+        assert self.memo is not None, "start() the operator first"
+        return self.memo.controller  # type: ignore[no-any-return]
+
+    def start(self, timeout_s: float = 30.0) -> OperatorThread:
+        self._stop, self._ready, self._error = threading.Event(), threading.Event(), None
+        self.memo = build_memo(self.config)
+
+        def target() -> None:
+            try:
+                asyncio.run(run_async(self.config, self._stop, self._ready, self.memo))
+            except BaseException as exc:  # surfaced by start()/stop()
+                self._error = exc
+
+        self._thread = threading.Thread(target=target, name="posttrain-operator", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"operator not ready after {timeout_s} s: {self._error!r}")
+        return self
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"operator thread still running after {timeout_s} s")
+        if self._error is not None:
+            raise RuntimeError(f"operator stopped with an error: {self._error!r}")
+
+    def __enter__(self) -> OperatorThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

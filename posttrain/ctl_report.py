@@ -1,0 +1,272 @@
+"""``posttrain report RUN_DIR``: one self-contained HTML or Markdown file per local run.
+
+The trainer already draws reward/accuracy/KL/length/loss plots from its own files
+(:mod:`posttrain.trainer.report`); this module reuses those functions and adds what a
+reader of a shared report also needs: rollout throughput, the sandbox latency
+histogram (when the run recorded latencies) and the base-vs-trained table, with every
+PNG embedded as base64 so the single file can be mailed or attached to a ticket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import io
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UsageError
+from posttrain.telemetry import get_tracer
+
+log = logging.getLogger(__name__)
+tracer = get_tracer("posttrain.ctl")
+RUN_SPEC_FILES = ("run.yaml", "run.yml", "manifest.yaml")  # where a run dir may keep its spec
+
+
+@dataclass
+class Figure:
+    """One embedded plot."""
+
+    title: str
+    png: bytes
+
+
+@dataclass
+class ReportData:
+    """Everything the report shows, gathered before any rendering."""
+
+    title: str
+    facts: list[tuple[str, str]]
+    accuracy_rows: list[tuple[str, float, float, int]]  # domain, base, trained, items
+    figures: list[Figure]
+    notes: list[str]
+
+
+def tokens_per_second(
+    metrics: Sequence[Mapping[str, Any]], group_size: int | None
+) -> list[tuple[int, float]]:
+    """(step, sampled tokens per rollout second): the recorded ``tokens_per_s`` when a
+    line has it, else mean response length x completions / rollout seconds.
+
+    >>> tokens_per_second([{"step": 1, "response_length": 40.0, "total_groups": 2,
+    ...                     "rollout_seconds": 4.0}], group_size=8)
+    [(1, 160.0)]
+    >>> tokens_per_second([{"step": 1, "tokens_per_s": 99.0}], group_size=None)
+    [(1, 99.0)]
+    """
+    points: list[tuple[int, float]] = []
+    for line in metrics:
+        if line.get("tokens_per_s") is not None:
+            points.append((int(line["step"]), float(line["tokens_per_s"])))
+        elif group_size and line.get("rollout_seconds"):
+            completions = int(line.get("total_groups", 0)) * group_size
+            tokens = float(line.get("response_length", 0.0)) * completions
+            points.append((int(line["step"]), tokens / float(line["rollout_seconds"])))
+    return points
+
+
+def sandbox_latencies_ms(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
+    """Every sandbox execution latency the run recorded (``sandbox_latency_ms`` lists).
+
+    >>> sandbox_latencies_ms([{"sandbox_latency_ms": [12.0, 30.5]}, {"step": 2}])
+    [12.0, 30.5]
+    """
+    return [float(v) for line in metrics for v in line.get("sandbox_latency_ms") or []]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers and in CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig: Any) -> bytes:
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png", dpi=100)
+    _pyplot().close(fig)
+    return buffer.getvalue()
+
+
+def plot_throughput(points: Sequence[tuple[int, float]]) -> bytes:
+    """Rollout throughput over steps, as PNG bytes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s")
+    ax.set_title("Rollout throughput (sampled tokens per rollout second)")
+    return _png(fig)
+
+
+def plot_latency_histogram(latencies_ms: Sequence[float]) -> bytes:
+    """Histogram of sandbox execution latencies, as PNG bytes."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.hist(latencies_ms, bins=min(30, max(5, len(latencies_ms) // 4)))
+    ax.set_xlabel("latency (ms)")
+    ax.set_ylabel("executions")
+    ax.set_title(f"Sandbox latency ({len(latencies_ms)} executions)")
+    return _png(fig)
+
+
+def data_uri(png: bytes) -> str:
+    """A base64 ``data:`` URI that browsers and most Markdown viewers show inline.
+
+    >>> data_uri(b"\\x89PNG")
+    'data:image/png;base64,iVBORw=='
+    """
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
+    """spec.algorithm.groupSize from --manifest or a spec file kept in the run dir."""
+    from posttrain.api import TrainingRun, load_manifest
+
+    candidates = [manifest] if manifest else [run_dir / n for n in RUN_SPEC_FILES]
+    for path in candidates:
+        if path is not None and path.is_file():
+            return int(load_manifest(path, TrainingRun).spec.algorithm.group_size)
+    return None
+
+
+def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
+    """Read the run directory and draw every figure (the trainer's plots plus ours)."""
+    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.report import comparison_rows, latest_eval_per_step, plot_run
+
+    if not run_dir.is_dir():
+        raise UsageError(f"{run_dir}: no such directory; pass the --out DIR of a local run")
+    metrics = load_metrics(run_dir)
+    if not metrics:
+        raise UsageError(
+            f"{run_dir}: no metrics.jsonl (or it is empty); pass the --out DIR of "
+            "`posttrain run --local` after at least one step"
+        )
+    notes: list[str] = []
+    figures: list[Figure] = []
+    with tracer.start_as_current_span("ctl.report.plots") as span:
+        span.set_attribute("posttrain.steps", len(metrics))
+        written = plot_run(run_dir)  # the trainer's own plots, redrawn from its files
+        figures += [Figure(_figure_title(p), p.read_bytes()) for p in written]
+        throughput = tokens_per_second(metrics, group_size_from_spec(run_dir, manifest))
+        if throughput:
+            figures.append(Figure("Rollout throughput", plot_throughput(throughput)))
+        else:
+            notes.append(
+                "Rollout throughput: not recorded (no tokens_per_s in metrics.jsonl); pass "
+                "--manifest RUN.yaml so it can be derived from groupSize and rollout time."
+            )
+        latencies = sandbox_latencies_ms(metrics)
+        if latencies:
+            figures.append(Figure("Sandbox latency", plot_latency_histogram(latencies)))
+        else:
+            notes.append("Sandbox latency: this run recorded no sandbox_latency_ms.")
+    evals = latest_eval_per_step(run_dir, "heldout")
+    rows = comparison_rows(evals[0], evals[-1]) if evals else []
+    if not evals:
+        notes.append("Held-out accuracy: no eval/heldout_step*.json in the run directory.")
+    last = metrics[-1]
+    facts = [
+        ("run directory", str(run_dir)),
+        ("steps", str(last["step"])),
+        ("final reward mean", f"{float(last['reward_mean']):.3f}"),
+        ("domains", ", ".join(sorted(last.get("domain_rewards", {}))) or "-"),
+    ]
+    if evals:
+        facts.append(
+            ("held-out accuracy", f"{evals[0].overall:.1%} (step {evals[0].step}) -> "
+             f"{evals[-1].overall:.1%} (step {evals[-1].step})")
+        )
+    return ReportData(f"posttrain report: {run_dir.name}", facts, rows, figures, notes)
+
+
+def _figure_title(path: Path) -> str:
+    """``reward_accuracy.png`` -> ``Reward accuracy``."""
+    return path.stem.replace("_", " ").capitalize()
+
+
+def render_markdown(data: ReportData) -> str:
+    """The report as Markdown with inline base64 images."""
+    lines = [f"# {data.title}", ""]
+    lines += [f"- **{key}:** {value}" for key, value in data.facts]
+    if data.accuracy_rows:
+        lines += ["", "## Held-out accuracy: base vs trained", ""]
+        lines += ["| domain | base | trained | change | items |", "| --- | ---: | ---: | ---: | ---: |"]
+        for domain, base, trained, items in data.accuracy_rows:
+            lines.append(
+                f"| {domain} | {base:.1%} | {trained:.1%} | {trained - base:+.1%} | {items} |"
+            )
+    lines += ["", "## Plots", ""]
+    for figure in data.figures:
+        lines += [f"### {figure.title}", "", f"![{figure.title}]({data_uri(figure.png)})", ""]
+    if data.notes:
+        lines += ["## Notes", "", *[f"- {note}" for note in data.notes], ""]
+    return "\n".join(lines)
+
+
+def render_html(data: ReportData) -> str:
+    """The report as one HTML page with every image embedded."""
+    esc = html.escape
+    parts = [
+        "<!doctype html>",
+        '<html><head><meta charset="utf-8">',
+        f"<title>{esc(data.title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
+        "td.n{text-align:right}img{max-width:100%}</style>",
+        "</head><body>",
+        f"<h1>{esc(data.title)}</h1>",
+        "<ul>",
+        *[f"<li><b>{esc(k)}:</b> {esc(v)}</li>" for k, v in data.facts],
+        "</ul>",
+    ]
+    if data.accuracy_rows:
+        parts += [
+            "<h2>Held-out accuracy: base vs trained</h2>",
+            "<table><tr><th>domain</th><th>base</th><th>trained</th><th>change</th>"
+            "<th>items</th></tr>",
+        ]
+        for domain, base, trained, items in data.accuracy_rows:
+            parts.append(
+                f'<tr><td>{esc(domain)}</td><td class="n">{base:.1%}</td>'
+                f'<td class="n">{trained:.1%}</td><td class="n">{trained - base:+.1%}</td>'
+                f'<td class="n">{items}</td></tr>'
+            )
+        parts.append("</table>")
+    parts.append("<h2>Plots</h2>")
+    for figure in data.figures:
+        parts += [
+            f"<h3>{esc(figure.title)}</h3>",
+            f'<img alt="{esc(figure.title)}" src="{data_uri(figure.png)}">',
+        ]
+    if data.notes:
+        parts += ["<h2>Notes</h2>", "<ul>", *[f"<li>{esc(n)}</li>" for n in data.notes], "</ul>"]
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(run_dir: Path, out: Path | None, manifest: Path | None = None) -> Path:
+    """Build the report for ``run_dir``; the suffix of ``out`` (.html/.md) picks the format."""
+    out = out or run_dir / "report.html"
+    if out.suffix not in (".html", ".htm", ".md"):
+        raise UsageError(f"--out {out}: use a .html or .md file name (the suffix picks the format)")
+    data = gather(run_dir, manifest)
+    text = render_markdown(data) if out.suffix == ".md" else render_html(data)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    log.info("wrote %s (%d plots, %d KiB)", out, len(data.figures), len(text) // 1024)
+    return out
+
+
+def report_command(args: argparse.Namespace) -> int:
+    path = write_report(args.run_dir, args.out, args.manifest)
+    print(f"wrote {path}")
+    return 0

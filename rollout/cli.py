@@ -1,0 +1,128 @@
+"""``posttrain serve`` (CPU engine) and ``posttrain rollout vllm-entry|vllm-command``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from typing import TYPE_CHECKING
+
+from posttrain.errors import UsageError
+
+if TYPE_CHECKING:
+    from posttrain.rollout.vllm import VllmServeSpec
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible rollout server on the CPU engine",
+        description="Serve a model over the OpenAI completions API with weight hot-swaps.",
+    )
+    serve.add_argument("--model", required=True, help="packaged id, local dir, file:// or s3://")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="name in /v1/models")
+    serve.add_argument(
+        "--weights-uri",
+        default=None,
+        help="prefix with published weights (<prefix>/vNNNNNNNN/); the latest loads before ready",
+    )
+    serve.add_argument(
+        "--poll-seconds", type=float, default=0.0, help="poll --weights-uri for new versions"
+    )
+    serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
+    serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
+    serve.set_defaults(func=_serve)
+
+    rollout = subparsers.add_parser("rollout", help="rollout replica helpers (vLLM)")
+    rollout_sub = rollout.add_subparsers(
+        dest="rollout_command", metavar="SUBCOMMAND", required=True
+    )
+    for name, handler, text in (
+        ("vllm-entry", _vllm_entry, "run vllm serve behind posttrain's weight-sync front door"),
+        ("vllm-command", _vllm_command, "print the vllm serve command line for engine args"),
+    ):
+        parser = rollout_sub.add_parser(name, help=text, description=text)
+        parser.add_argument("--model", required=True)
+        parser.add_argument("--port", type=int, default=8000, help="public port")
+        parser.add_argument("--internal-port", type=int, default=8001, help="vLLM's own port")
+        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--weights-uri", default=None)
+        parser.add_argument(
+            "--engine-args",
+            default="{}",
+            help='JSON of RolloutPool engineArgs, e.g. {"tensor_parallel_size": 2}',
+        )
+        parser.add_argument("--start-timeout", type=float, default=1800.0)
+        parser.set_defaults(func=handler)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from posttrain.rollout.server import ServerConfig, run
+    from posttrain.telemetry import start_metrics_server
+
+    if args.max_batch_size < 1:
+        raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    start_metrics_server(args.metrics_port)
+    run(
+        ServerConfig(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            weights_uri=args.weights_uri,
+            poll_seconds=args.poll_seconds,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.threads,
+        ),
+        host=args.host,
+        port=args.port,
+    )
+    return 0
+
+
+def _spec(args: argparse.Namespace, model: str) -> VllmServeSpec:
+    from posttrain.rollout.vllm import VllmServeSpec
+
+    try:
+        engine_args = json.loads(args.engine_args)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--engine-args is not valid JSON ({exc}): {args.engine_args!r}") from exc
+    if not isinstance(engine_args, dict):
+        raise UsageError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    try:
+        return VllmServeSpec.from_engine_args(
+            model,
+            engine_args,
+            port=args.internal_port,
+            host="127.0.0.1",
+            served_model_name=args.served_model_name,
+        )
+    except TypeError as exc:
+        raise UsageError(f"--engine-args has an unsupported key: {exc}") from exc
+
+
+def _vllm_command(args: argparse.Namespace) -> int:
+    from posttrain.rollout.vllm import build_vllm_command
+
+    print(shlex.join(build_vllm_command(_spec(args, args.model))))
+    return 0
+
+
+def _vllm_entry(args: argparse.Namespace) -> int:
+    from posttrain.models import resolve_model
+    from posttrain.rollout.vllm import run_vllm_entry, vllm_available
+
+    ok, why = vllm_available()
+    if not ok:
+        raise UsageError(f"cannot run vLLM here: {why}; use `posttrain serve` on CPU instead")
+    model_dir = resolve_model(args.model)
+    spec = _spec(args, str(model_dir))
+    if spec.served_model_name is None:
+        spec.served_model_name = args.model
+    return run_vllm_entry(
+        spec,
+        public_port=args.port,
+        weights_uri=args.weights_uri,
+        start_timeout_s=args.start_timeout,
+    )

@@ -1,0 +1,90 @@
+"""``posttrain sandbox exec|serve``: one sandboxed execution as JSON, or the runner server.
+
+Heavy imports (prometheus, OpenTelemetry, FastAPI) stay inside the handlers so the
+``posttrain`` CLI starts fast for every other command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from posttrain.errors import UsageError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sandbox = subparsers.add_parser(
+        "sandbox", help="run untrusted code in a bubblewrap sandbox, or serve a runner"
+    )
+    commands = sandbox.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND",
+                                      required=True)
+
+    run = commands.add_parser(
+        "exec",
+        help="run CMD in a fresh sandbox (stdin passed through); prints one JSON result",
+        description="Run CMD ARGS... in a fresh sandbox and print one JSON object: status "
+        "(ok|error|timeout|killed|oom), exit_code, stdout, stderr, duration_ms, reason. "
+        "Exits 0 whenever the sandbox worked, whatever the program did.",
+    )
+    run.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                     help="wall-clock limit in seconds (default 10)")
+    run.add_argument("--memory-mb", type=int, default=512, metavar="M",
+                     help="address-space limit in MiB (default 512)")
+    run.add_argument("--network", choices=("none", "host"), default="none",
+                     help="none: no network namespace access (default); host: share the host's")
+    run.add_argument("--max-output-bytes", type=int, default=1 << 20, metavar="N",
+                     help="bytes of stdout and of stderr kept before truncation (default 1 MiB)")
+    run.add_argument("--workdir-mb", type=int, default=64, metavar="M",
+                     help="size cap of the /workspace and /tmp tmpfs (default 64)")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+                     help="the program and its arguments, after --")
+    run.set_defaults(func=run_exec)
+
+    serve = commands.add_parser("serve", help="serve POST /v1/exec, /health and /metrics")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8090)
+    serve.add_argument("--concurrency", type=int, default=None,
+                       help="executions at once (default: CPU count)")
+    serve.add_argument("--max-queue", type=int, default=None,
+                       help="requests allowed to wait before 429 (default 8 per slot)")
+    serve.set_defaults(func=run_serve)
+
+
+def run_exec(args: argparse.Namespace) -> int:
+    from .executor import ExecRequest, SandboxError, default_executor
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise UsageError("no command given; use `posttrain sandbox exec [options] -- CMD ARGS`")
+    stdin = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    try:
+        request = ExecRequest(command=command, stdin=stdin, timeout_s=args.timeout,
+                              memory_mb=args.memory_mb, network=args.network,
+                              max_output_bytes=args.max_output_bytes,
+                              workdir_mb=args.workdir_mb)
+    except ValueError as exc:
+        raise UsageError(f"invalid sandbox options: {exc}") from exc
+    try:
+        result = default_executor().run(request)
+    except SandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(json.dumps(result.to_dict()) + "\n")
+    return 0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from .executor import SandboxError
+    from .runner import serve
+
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    try:
+        serve(args.host, args.port, args.concurrency, args.max_queue)
+    except SandboxError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

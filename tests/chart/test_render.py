@@ -1,0 +1,225 @@
+"""The chart without a cluster: lint, render, Kubernetes 1.36 schema validation, and the
+behaviours values switch on and off (PDB, peering, namespaced RBAC, ServiceMonitor, schema)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from posttrain.operator.config import ENV_PREFIX, OperatorConfig
+
+from .conftest import CHART_DIR, VALUES_FILES, Render, by_kind, one, run_helm
+
+K8S_VERSION = "1.36.0"
+CASES = [None, *VALUES_FILES]
+CASE_IDS = ["defaults", *(p.stem for p in VALUES_FILES)]
+# Kinds kubernetes-validate has no schema for; they are checked against the real apiserver
+# (server-side dry-run) in test_install.py, or structurally below.
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
+# OperatorConfig fields the chart sets ahead of the operator: GPU placement, pull secrets and the
+# default sandbox RuntimeClass are chart values the operator must put on the pods it creates.
+# Listed here so that a renamed field fails this test instead of being silently ignored.
+PENDING_OPERATOR_FIELDS = {
+    "log_level",
+    "image_pull_secrets",
+    "trainer_node_selector",
+    "trainer_tolerations",
+    "trainer_affinity",
+    "rollout_node_selector",
+    "rollout_tolerations",
+    "rollout_affinity",
+    "sandbox_runtime_class_name",
+}
+
+
+def values_args(case: Path | None) -> list[Path]:
+    return [case] if case else []
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_lint_strict(helm_bin: Path, case: Path | None) -> None:
+    args = ["lint", "--strict", str(CHART_DIR)]
+    if case:
+        args += ["-f", str(case)]
+    result = run_helm(helm_bin, *args)
+    assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_rendered_objects_validate_against_k8s_schemas(render: Render, case: Path | None) -> None:
+    objects = render(values_args(case), api_versions=["monitoring.coreos.com/v1"])
+    checked = []
+    for obj in objects:
+        if obj["kind"] in CUSTOM_KINDS:
+            continue
+        # strict: unknown fields are errors, as with `kubectl apply --validate=strict`.
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        checked.append(obj["kind"])
+    assert {"Deployment", "ServiceAccount", "ConfigMap", "CustomResourceDefinition"} <= set(checked)
+
+
+def test_default_install_has_every_piece(render: Render) -> None:
+    objects = render()
+    crds = {o["metadata"]["name"] for o in by_kind(objects, "CustomResourceDefinition")}
+    assert crds == {
+        "trainingruns.posttrain.io",
+        "rolloutpools.posttrain.io",
+        "sandboxtasks.posttrain.io",
+        "clusterkopfpeerings.kopf.dev",
+        "kopfpeerings.kopf.dev",
+    }
+    # The CRDs are the generated ones, byte for byte (helm adds only its Source comment).
+    for path in sorted((CHART_DIR / "crds").glob("*.yaml")):
+        generated = yaml.safe_load(path.read_text())
+        assert generated in objects, f"{path.name} not rendered unchanged"
+    assert one(objects, "ClusterKopfPeering")["metadata"]["annotations"]["helm.sh/hook"]
+    assert not by_kind(objects, "PodDisruptionBudget"), "a single replica gets no PDB"
+    assert not by_kind(objects, "ServiceMonitor"), "no ServiceMonitor unless enabled"
+    # Evaluation MinIO: pinned image, PVC kept on uninstall, generated Secret.
+    minio = one(objects, "Deployment", "-minio")
+    image = minio["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert re.fullmatch(r"quay\.io/minio/minio:RELEASE\.[0-9TZ-]+", image), image
+    assert one(objects, "PersistentVolumeClaim")["metadata"]["annotations"] == {
+        "helm.sh/resource-policy": "keep"
+    }
+    secret = one(objects, "Secret", "-minio-credentials")
+    assert set(secret["data"]) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
+def test_operator_pod_is_restricted_and_probed(render: Render) -> None:
+    deployment = one(render(), "Deployment", "-operator")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "ghcr.io/posttrain/operator:0.1.0"  # tag = appVersion
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
+    health_port = {p["name"]: p["containerPort"] for p in container["ports"]}["health"]
+    assert health_port == 8080
+    assert container["resources"]["limits"]["memory"]
+    env_names = {e["name"] for e in container["env"]}
+    assert "POD_ID" in env_names, "Kopf's peering identity must be the pod name"
+    assert "posttrain operator" in container["args"][0]
+
+
+def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
+    data = one(render(), "ConfigMap", "-operator")["data"]
+    set_fields = {k.removeprefix(ENV_PREFIX).lower() for k in data if k.startswith(ENV_PREFIX)}
+    unknown = set_fields - set(OperatorConfig.model_fields) - PENDING_OPERATOR_FIELDS
+    assert not unknown, f"the chart sets variables OperatorConfig does not read: {unknown}"
+    # The values the operator does read load into a valid config.
+    known = {
+        k.removeprefix(ENV_PREFIX).lower(): v
+        for k, v in data.items()
+        if k.startswith(ENV_PREFIX)
+        and k.removeprefix(ENV_PREFIX).lower() in OperatorConfig.model_fields
+    }
+    config = OperatorConfig(**known)
+    assert config.all_namespaces and config.liveness_port == 8080
+    assert config.s3_endpoint == "rel-posttrain-minio.posttrain-system.svc:9000"
+    assert config.trainer_image == "ghcr.io/posttrain/trainer:0.1.0"
+    assert config.vllm_image == "ghcr.io/posttrain/rollout:0.1.0"
+
+
+def test_production_values(render: Render) -> None:
+    production = next(p for p in VALUES_FILES if p.stem == "production")
+    objects = render([production], api_versions=["monitoring.coreos.com/v1"])
+    deployment = one(objects, "Deployment", "-operator")
+    assert deployment["spec"]["replicas"] == 3
+    assert one(objects, "PodDisruptionBudget")["spec"]["minAvailable"] == 2
+    assert one(objects, "ServiceMonitor")["spec"]["endpoints"][0]["interval"] == "15s"
+    assert not [o for o in objects if "minio" in o["metadata"]["name"]]
+    data = one(objects, "ConfigMap", "-operator")["data"]
+    assert data["POSTTRAIN_OPERATOR_NAMESPACES"] == "ml-team-a,ml-team-b"
+    assert data["POSTTRAIN_OPERATOR_S3_CREDENTIALS_SECRET"] == "posttrain-s3"
+    assert yaml.safe_load(data["POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
+    assert data["POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME"] == "gvisor"
+    # Namespaced mode: Roles only in the watched namespaces, nothing namespaced cluster-wide.
+    roles = by_kind(objects, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team-a", "ml-team-b"]
+    assert not by_kind(objects, "ClusterRole"), "namespaced mode needs no ClusterRole today"
+    peerings = by_kind(objects, "KopfPeering")
+    assert {p["metadata"]["namespace"] for p in peerings} == {"ml-team-a", "ml-team-b"}
+    deny = [o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"].endswith("deny")]
+    assert {o["metadata"]["namespace"] for o in deny} == {"ml-team-a", "ml-team-b"}
+
+
+def test_service_monitor_needs_prometheus_operator(render: Render) -> None:
+    sets = {"metrics.serviceMonitor.enabled": "true"}
+    assert not by_kind(render(sets=sets), "ServiceMonitor")
+    assert by_kind(render(sets=sets, api_versions=["monitoring.coreos.com/v1"]), "ServiceMonitor")
+
+
+def test_peering_off_removes_its_crds_and_rules(render: Render) -> None:
+    objects = render(sets={"operator.peering.enabled": "false"})
+    assert not [o for o in objects if "kopf" in str(o.get("apiVersion", "")) + o["metadata"]["name"]]
+    rules = one(objects, "ClusterRole")["rules"]
+    assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
+    data = one(objects, "ConfigMap", "-operator")["data"]
+    assert data["POSTTRAIN_OPERATOR_STANDALONE"] == "true"
+
+
+def test_no_wildcards_in_any_rule(render: Render) -> None:
+    for case in CASES:
+        for role in [o for o in render(values_args(case)) if o["kind"] in ("Role", "ClusterRole")]:
+            for rule in role["rules"]:
+                flat = rule["apiGroups"] + rule["resources"] + rule["verbs"]
+                assert "*" not in flat, f"wildcard in {role['metadata']['name']}: {rule}"
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        ({"operator.replicas": "0"}, "at '/operator/replicas': minimum: got 0, want 1"),
+        ({"operator.logLevel": "LOUD"}, "at '/operator/logLevel': value must be one of"),
+        ({"operator.replicaCount": "2"}, "additional properties 'replicaCount' not allowed"),
+        ({"storage.bucket": "Bad_Bucket"}, "at '/storage/bucket'"),
+        ({"operator.watchNamespaces[0]": "Not-A-Namespace"}, "at '/operator/watchNamespaces/0'"),
+        # Cross-field checks the schema cannot express fail in the templates, with the fix.
+        (
+            {"operator.replicas": "2", "operator.peering.enabled": "false"},
+            "operator.replicas > 1 needs operator.peering.enabled=true",
+        ),
+        ({"minio.enabled": "false"}, "no object storage: set storage.endpoint"),
+        (
+            {"minio.enabled": "false", "storage.endpoint": "minio.example:9000"},
+            "storage.existingSecret is required with storage.endpoint",
+        ),
+    ],
+)
+def test_bad_values_are_rejected_with_a_clear_error(
+    helm_bin: Path, sets: dict[str, str], message: str
+) -> None:
+    args = ["template", "rel", str(CHART_DIR)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={value}"]
+    result = run_helm(helm_bin, *args, check=False)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def _names(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
+    return {(o["kind"], o["metadata"]["name"]) for o in objects}
+
+
+def test_run_namespaces_get_credentials_and_sandbox_deny(render: Render) -> None:
+    evaluation = next(p for p in VALUES_FILES if p.stem == "evaluation")
+    objects = render([evaluation])
+    secrets = by_kind(objects, "Secret")
+    assert {s["metadata"]["namespace"] for s in secrets} == {"posttrain-system", "posttrain-demo"}
+    # One generated password, the same in every copy.
+    assert len({s["data"]["AWS_SECRET_ACCESS_KEY"] for s in secrets}) == 1
+    assert not by_kind(objects, "NetworkPolicy")  # networkPolicy.enabled=false
+    assert ("Service", "rel-posttrain-operator-metrics") not in _names(objects)

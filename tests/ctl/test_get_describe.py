@@ -1,0 +1,109 @@
+"""``posttrain get`` / ``describe`` against the real apiserver, and the kubectl experience:
+the same progress in ``kubectl get tr``, conditions and events in ``kubectl describe tr``."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+CliRunner = Any
+
+PROGRESS = dict(
+    phase="Running", step=2, max_steps=3, reward_mean=0.4375,
+    domain_rewards={"arith": 0.625, "code": 0.25}, eval_accuracy={"arith": 0.5, "code": 0.125},
+    last_checkpoint="s3://posttrain/runs/demo/checkpoints/step-000002", weight_version=2,
+)
+
+
+def row_of(output: str, name: str) -> list[str]:
+    """The whitespace-split table row that starts with ``name``."""
+    return next(line.split() for line in output.splitlines() if line.split()[:1] == [name])
+
+
+def test_get_shows_the_trainers_progress(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("demo")
+    kube.create_run("fresh")
+    kube.report_progress("demo", **PROGRESS)
+
+    result = kcli("get", "tr")
+    assert result.code == 0, result.err
+    header = result.out.splitlines()[0].split()
+    assert header[:4] == ["NAME", "PHASE", "STEP", "REWARD"]
+    assert row_of(result.out, "demo")[:9] == [
+        "demo", "Running", "2/3", "0.438", "arith=0.62", "code=0.25", "arith=0.50", "code=0.12",
+        "…uns/demo/checkpoints/step-000002",
+    ]
+    assert row_of(result.out, "fresh")[:4] == ["fresh", "-", "-", "-"]  # not reconciled yet
+
+    single = kcli("get", "trainingrun", "demo", "-o", "json")
+    assert json.loads(single.out)["status"]["domainRewards"] == {"arith": 0.625, "code": 0.25}
+    listed = kcli("get", "all", "-o", "yaml")
+    assert "kind: List" in listed.out and "name: fresh" in listed.out
+
+
+def test_kubectl_get_and_posttrain_get_agree(kcli: CliRunner, kube: Any, kubectl: Any) -> None:
+    kube.create_run("demo")
+    kube.report_progress("demo", **PROGRESS)
+    ours = row_of(kcli("get", "tr").out, "demo")
+    theirs = row_of(
+        kubectl("get", "tr", "-n", kube.namespace, "-o", "wide").stdout, "demo"
+    )  # NAME PHASE STEP MAX REWARD AGE CHECKPOINT MESSAGE
+    assert theirs[1] == ours[1] == "Running"
+    step, max_steps = ours[2].split("/")
+    assert (theirs[2], theirs[3]) == (step, max_steps)
+    assert float(theirs[4]) == pytest.approx(float(ours[3]), abs=6e-4)  # ours is rounded to 3 digits
+    assert theirs[6].endswith("step-000002") and ours[8].endswith("step-000002")
+
+
+def test_get_errors_have_exit_codes(kcli: CliRunner, kube: Any) -> None:
+    missing = kcli("get", "tr", "nope")
+    assert missing.code == 1 and "'nope'" in missing.err and "not found" in missing.err
+    bad_kind = kcli("get", "widgets")
+    assert bad_kind.code == 2 and "unknown resource type 'widgets'" in bad_kind.err
+    empty = kcli("get", "rp")
+    assert empty.code == 0 and "No resources found" in empty.err
+
+
+def test_describe_explains_conditions_events_and_children(
+    kcli: CliRunner, kube: Any, kubectl: Any
+) -> None:
+    from kubernetes import client
+
+    run = kube.create_run("demo")
+    kube.report_progress("demo", **{**PROGRESS, "phase": "Failed"})
+    kube.patch_status("demo", {"conditions": [
+        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+         "message": "trainer exited 137 (OOMKilled) 4 times; raise spec.resources.memory",
+         "lastTransitionTime": "2026-01-01T00:00:00Z"},
+        {"type": "Ready", "status": "False", "reason": "TrainerFailed", "message": "",
+         "lastTransitionTime": "2026-01-01T00:00:00Z"},
+    ]})
+    kube.post_event(run, "TrainerRestarted", "trainer pod demo-g1-0 OOMKilled; restart 1 of 3",
+                    type_="Warning")
+    kube.core.create_namespaced_pod(kube.namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name="demo-g1-0", labels={
+            "posttrain.io/run": "demo", "posttrain.io/component": "trainer"}),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
+    ))
+
+    result = kcli("describe", "tr", "demo")
+    assert result.code == 0, result.err
+    out = result.out
+    assert "Model:        smollm2-135m-instruct" in out
+    assert "arith" in out and "numeric" in out  # domains with weights and verifiers
+    assert "Step:         2/3" in out
+    assert "BackoffLimitExceeded" in out and "raise spec.resources.memory" in out
+    assert "TrainerRestarted" in out and "posttrain-operator" in out
+    assert "Pod   demo-g1-0  Pending (not scheduled)" in out
+
+    described = kubectl("describe", "tr", "demo", "-n", kube.namespace).stdout
+    assert "BackoffLimitExceeded" in described  # kubectl shows the same conditions...
+    assert "TrainerRestarted" in described  # ...and the same events
+
+
+def test_describe_missing_run_is_exit_1(kcli: CliRunner, kube: Any) -> None:
+    result = kcli("describe", "tr", "ghost")
+    assert result.code == 1 and "not found" in result.err

@@ -1,0 +1,111 @@
+"""``posttrain report``: HTML and Markdown with every plot embedded, from a run directory
+written with the trainer's own record types (StepMetrics, EvalResult/save_eval)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
+from posttrain.trainer.progress import StepMetrics
+
+CliRunner = Any
+DOMAINS = ("arith", "code")
+
+
+def write_run_dir(out: Path, steps: int = 4, latencies: bool = True) -> None:
+    """What ``posttrain run --local --out`` leaves behind: metrics.jsonl and eval/*.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "metrics.jsonl").open("w") as fh:
+        for step in range(1, steps + 1):
+            line = StepMetrics(
+                step=step, reward_mean=0.1 * step,
+                domain_rewards={"arith": 0.15 * step, "code": 0.05 * step},
+                domain_pass_rates={"arith": 0.15 * step, "code": 0.05 * step},
+                loss=-0.01 * step, grad_norm=0.5, kl=0.001 * step, clip_fraction=0.02,
+                ratio_mean=1.0, response_length=40.0 + step, kept_groups=3, total_groups=4,
+                weight_version=step, staleness=0, applied=True, skip_reason="",
+                rollout_seconds=2.0, train_seconds=1.0, step_seconds=3.2,
+            ).to_json()
+            if latencies:
+                line["sandbox_latency_ms"] = [20.0 + step + i for i in range(10)]
+            fh.write(json.dumps(line) + "\n")
+    for step, passed in ((0, 1), (steps, 3)):
+        items = [
+            EvalItem(f"{d}-{i}", d, f"q{i}", "1", "1" if i < passed else "0", i < passed,
+                     float(i < passed))
+            for d in DOMAINS for i in range(4)
+        ]
+        accuracy = {d: passed / 4 for d in DOMAINS}
+        save_eval(EvalResult(step, "heldout", accuracy, {d: 4 for d in DOMAINS}, 1.0, items), out)
+
+
+def embedded_pngs(text: str) -> list[bytes]:
+    """Decode every base64 PNG data URI in the report."""
+    return [base64.b64decode(m) for m in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", text)]
+
+
+def assert_real_pngs(images: list[bytes], expected: int) -> None:
+    from PIL import Image
+
+    assert len(images) == expected
+    for png in images:
+        assert png.startswith(b"\x89PNG\r\n\x1a\n")
+        with Image.open(io.BytesIO(png)) as image:
+            image.verify()  # a complete, decodable PNG
+            assert image.size[0] >= 300
+
+
+def test_html_report_embeds_every_plot(cli: CliRunner, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir)
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(yaml.safe_dump({
+        "apiVersion": "posttrain.io/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "r"},
+        "spec": {"model": "m", "algorithm": {"groupSize": 8},
+                 "domains": [{"name": "arith", "dataset": "builtin:arithmetic",
+                              "verifier": {"kind": "numeric"}}]},
+    }))
+    out = tmp_path / "report.html"
+    result = cli("report", str(run_dir), "--out", str(out), "--manifest", str(manifest))
+    assert result.code == 0, result.err
+    html = out.read_text()
+    assert html.startswith("<!doctype html>")
+    # the trainer's four plots, plus throughput and the sandbox latency histogram
+    assert_real_pngs(embedded_pngs(html), expected=6)
+    for title in ("Reward accuracy", "Kl", "Response length", "Rollout throughput",
+                  "Sandbox latency"):
+        assert f"<h3>{title}</h3>" in html
+    assert "25.0%</td>" in html and "75.0%</td>" in html and "+50.0%" in html  # base -> trained
+    assert "src=\"plots/" not in html and "<img" in html  # self-contained
+
+
+def test_markdown_report_without_latencies_or_group_size(cli: CliRunner, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir, latencies=False)
+    out = tmp_path / "report.md"
+    result = cli("report", str(run_dir), "--out", str(out))
+    assert result.code == 0, result.err
+    text = out.read_text()
+    assert "| arith | 25.0% | 75.0% | +50.0% | 4 |" in text
+    assert_real_pngs(embedded_pngs(text), expected=4)  # the trainer's plots only
+    assert "Sandbox latency: this run recorded no sandbox_latency_ms." in text
+    assert "Rollout throughput: not recorded" in text
+
+
+def test_report_input_errors_are_exit_2(cli: CliRunner, tmp_path: Path) -> None:
+    assert cli("report", str(tmp_path / "missing")).code == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = cli("report", str(empty))
+    assert result.code == 2 and "no metrics.jsonl" in result.err
+    write_run_dir(tmp_path / "run")
+    wrong = cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "r.pdf"))
+    assert wrong.code == 2 and ".html or .md" in wrong.err
+

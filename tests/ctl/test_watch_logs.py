@@ -1,0 +1,114 @@
+"""``posttrain watch`` fed by the watch API while a thread reports steps like the trainer,
+and ``posttrain logs`` when there is no pod (or no log) to read yet."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+CliRunner = Any
+
+
+def report_steps_in_background(kube: Any, name: str, final_phase: str) -> threading.Thread:
+    """Report steps 1..3 (as the trainer does), then the final phase, 0.3 s apart."""
+
+    def work() -> None:
+        for step in (1, 2, 3):
+            time.sleep(0.3)
+            kube.report_progress(
+                name, phase="Running", step=step, max_steps=3, reward_mean=0.1 * step,
+                domain_rewards={"arith": 0.2 * step, "code": 0.05 * step},
+                eval_accuracy={"arith": 0.25 * step} if step == 3 else {},
+                last_checkpoint=f"s3://b/runs/{name}/checkpoints/step-{step:06d}",
+            )
+        time.sleep(0.3)
+        if final_phase == "Failed":
+            kube.patch_status(name, {"phase": "Failed", "conditions": [
+                {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
+                 "message": "trainer failed 4 times", "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            ]})
+        else:
+            kube.report_progress(name, phase=final_phase, step=3, max_steps=3, reward_mean=0.3)
+
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_watch_prints_each_step_and_exits_0_on_success(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("demo")
+    writer = report_steps_in_background(kube, "demo", "Succeeded")
+    started = time.monotonic()
+    result = kcli("watch", "tr", "demo", "--timeout", "60")
+    writer.join(timeout=10)
+    assert result.code == 0, result.err
+    assert time.monotonic() - started < 30  # pushed by the watch, not a slow poll
+    lines = result.out.splitlines()
+    assert lines[0].split()[:5] == ["STEP", "PHASE", "REWARD", "r:arith", "r:code"]
+    steps = [line.split()[:5] for line in lines[1:] if line.split()[:1] != ["trainingrun"]]
+    assert ["1/3", "Running", "0.100", "0.200", "0.050"] in steps
+    assert ["2/3", "Running", "0.200", "0.400", "0.100"] in steps
+    assert ["3/3", "Running", "0.300", "0.600", "0.150"] in steps
+    assert steps[-1][:2] == ["3/3", "Succeeded"]
+    assert "trainingrun demo Succeeded at step 3/3" in result.out
+    assert "arith=0.75" in result.out  # eval accuracy reported at step 3
+
+
+def test_watch_exits_1_on_failure_with_the_reason(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("doomed")
+    writer = report_steps_in_background(kube, "doomed", "Failed")
+    result = kcli("watch", "tr", "doomed", "--timeout", "60")
+    writer.join(timeout=10)
+    assert result.code == 1
+    assert "BackoffLimitExceeded: trainer failed 4 times" in result.err
+    assert "posttrain logs tr doomed" in result.err
+
+
+def test_watch_times_out_with_exit_1(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("idle")
+    started = time.monotonic()
+    result = kcli("watch", "tr", "idle", "--timeout", "2")
+    assert result.code == 1
+    assert "timed out after 2s" in result.err and "still Pending" in result.err
+    assert time.monotonic() - started < 10
+
+
+def test_watch_of_a_finished_run_returns_at_once(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("done")
+    kube.report_progress("done", phase="Succeeded", step=3, max_steps=3, reward_mean=0.5)
+    result = kcli("watch", "tr", "done", "--timeout", "30")
+    assert result.code == 0 and "Succeeded at step 3/3" in result.out
+
+
+def test_watch_and_logs_reject_other_kinds(kcli: CliRunner, kube: Any) -> None:
+    assert kcli("watch", "rp", "x").code == 2
+    assert kcli("logs", "st", "x").code == 2
+    assert kcli("watch", "tr", "x", "--timeout", "0").code == 2
+
+
+def test_logs_without_a_pod_says_why(kcli: CliRunner, kube: Any) -> None:
+    kube.create_run("waiting")
+    result = kcli("logs", "tr", "waiting")
+    assert result.code == 1
+    assert "no trainer pod yet: the run is Pending; see posttrain describe tr waiting" in result.err
+    missing = kcli("logs", "tr", "ghost")
+    assert missing.code == 1 and "not found" in missing.err
+
+
+def test_logs_of_an_unscheduled_pod_says_it_has_no_logs_yet(kcli: CliRunner, kube: Any) -> None:
+    from kubernetes import client
+
+    kube.create_run("queued")
+    kube.core.create_namespaced_pod(kube.namespace, client.V1Pod(
+        metadata=client.V1ObjectMeta(name="queued-g1-0", labels={
+            "posttrain.io/run": "queued", "posttrain.io/component": "trainer",
+            "posttrain.io/rank": "0", "posttrain.io/gang": "1"}),
+        spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
+    ))  # no kubelet in the test cluster: it stays Pending, unscheduled
+    result = kcli("logs", "tr", "queued")
+    assert result.code == 1
+    assert "trainer pod queued-g1-0 has no logs yet: Pending (not scheduled)" in result.err

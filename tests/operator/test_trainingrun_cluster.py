@@ -1,0 +1,189 @@
+"""TrainingRun against the real apiserver with the operator in-process."""
+
+from __future__ import annotations
+
+import pytest
+
+from posttrain.operator.kube import KubeClient, KubeError, resource_path
+from posttrain.operator.runtime import OperatorThread
+
+from .conftest import (
+    cr_path,
+    create_cr,
+    get_cr,
+    list_pods,
+    set_pod_running,
+    set_pod_terminated,
+    wait_for,
+)
+
+pytestmark = pytest.mark.cluster
+
+
+def run_body(name: str, **spec: object) -> dict[str, object]:
+    return {
+        "kind": "TrainingRun",
+        "metadata": {"name": name},
+        "spec": {
+            "model": "smollm2-135m-instruct",
+            "domains": [{"name": "math", "dataset": "builtin:arith",
+                         "verifier": {"kind": "numeric"}}],
+            **spec,
+        },
+    }
+
+
+def run_status(kube: KubeClient, namespace: str, name: str) -> dict[str, object]:
+    body = get_cr(kube, "trainingruns", namespace, name)
+    assert body is not None
+    return body.get("status") or {}
+
+
+def wait_phase(kube: KubeClient, namespace: str, name: str, phase: str) -> dict[str, object]:
+    return wait_for(lambda: (s := run_status(kube, namespace, name)).get("phase") == phase and s,
+                    what=f"{name} phase {phase}")
+
+
+def pod_names(kube: KubeClient, namespace: str) -> list[str]:
+    return sorted(p["metadata"]["name"] for p in list_pods(kube, namespace)
+                  if not p["metadata"].get("deletionTimestamp"))
+
+
+def as_trainer(namespace: str, run: str) -> dict[str, str]:
+    """Impersonate the run's trainer ServiceAccount (checks the Role really is that narrow)."""
+    return {"Impersonate-User": f"system:serviceaccount:{namespace}:{run}-trainer"}
+
+
+def test_single_node_run_children_status_split_and_success(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    run = create_cr(kube, "trainingruns", namespace, run_body(
+        "r1", resources={"gpusPerNode": 2, "cpu": "4", "memory": "16Gi"},
+        algorithm={"maxSteps": 7}))
+    pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r1-g0-0"), what="trainer pod")
+    owner = pod["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"]) == ("TrainingRun", run["metadata"]["uid"])
+    main = pod["spec"]["containers"][0]
+    assert main["command"] == ["posttrain", "run", "/etc/posttrain/run.yaml", "--out",
+                               "/workspace"]
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    env = {e["name"]: e for e in main["env"]}
+    assert env["WORLD_SIZE"]["value"] == "1" and env["RANK"]["value"] == "0"
+    assert env["POSTTRAIN_RUN_NAME"]["value"] == "r1"
+    assert env["POSTTRAIN_RUN_NAMESPACE"]["value"] == namespace
+    assert "value" not in env["AWS_SECRET_ACCESS_KEY"]
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "posttrain-s3"
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert pod["spec"]["serviceAccountName"] == "r1-trainer"
+    config_map = kube.get("v1", "ConfigMap", namespace, "r1-config")
+    assert config_map is not None and "maxSteps: 7" in config_map["data"]["run.yaml"]
+    assert f"s3://posttrain/runs/{namespace}/r1" in config_map["data"]["run.yaml"]
+    role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
+    assert role is not None
+    assert {r["resources"][0] for r in role["rules"]} == {"trainingruns/status", "trainingruns"}
+    assert all(r["resourceNames"] == ["r1"] for r in role["rules"])
+    # No cleanup needed -> no finalizer.
+    assert not get_cr(kube, "trainingruns", namespace, "r1")["metadata"].get("finalizers")
+
+    status = wait_phase(kube, namespace, "r1", "Pending")
+    assert status["maxSteps"] == 7 and status["restarts"] == 0
+    set_pod_running(kube, namespace, "r1-g0-0")
+    wait_phase(kube, namespace, "r1", "Running")
+
+    # The trainer reports progress through its own narrow identity...
+    progress = {"status": {"step": 5, "rewardMean": 0.4, "lastCheckpoint": "s3://b/ckpt/5"}}
+    kube.request("PATCH", cr_path("trainingruns", namespace, "r1") + "/status", progress,
+                 content_type="application/merge-patch+json", headers=as_trainer(namespace, "r1"))
+    # ...and cannot touch another run or the spec of its own.
+    create_cr(kube, "trainingruns", namespace, run_body("other", suspend=True))
+    with pytest.raises(KubeError, match="403"):
+        kube.request("PATCH", cr_path("trainingruns", namespace, "other") + "/status", progress,
+                     content_type="application/merge-patch+json",
+                     headers=as_trainer(namespace, "r1"))
+    with pytest.raises(KubeError, match="403"):
+        kube.request("PATCH", cr_path("trainingruns", namespace, "r1"),
+                     {"spec": {"suspend": True}}, content_type="application/merge-patch+json",
+                     headers=as_trainer(namespace, "r1"))
+
+    set_pod_terminated(kube, namespace, "r1-g0-0", 0)
+    status = wait_phase(kube, namespace, "r1", "Succeeded")
+    # The operator's patches never clobber the trainer's fields.
+    assert (status["step"], status["rewardMean"], status["lastCheckpoint"]) == (
+        5, 0.4, "s3://b/ckpt/5")
+    assert status["completionTime"] and status["startTime"]
+    succeeded = next(c for c in status["conditions"] if c["type"] == "Succeeded")
+    assert (succeeded["status"], succeeded["reason"]) == ("True", "TrainerSucceeded")
+
+
+def test_gang_restart_then_backoff_limit(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    create_cr(kube, "trainingruns", namespace,
+              run_body("g", resources={"nodes": 2}, backoffLimit=1))
+    wait_for(lambda: pod_names(kube, namespace) == ["g-g0-0", "g-g0-1"], what="gang 0")
+    head = kube.get("v1", "Service", namespace, "g-head")
+    assert head is not None and head["spec"]["clusterIP"] == "None"
+    worker = kube.get("v1", "Pod", namespace, "g-g0-1")["spec"]["containers"][0]
+    assert worker["command"][:2] == ["ray", "start"]
+    assert {e["name"]: e.get("value") for e in worker["env"]}["MASTER_ADDR"] == (
+        f"g-head.{namespace}.svc")
+    for name in ("g-g0-0", "g-g0-1"):
+        set_pod_running(kube, namespace, name)
+    wait_phase(kube, namespace, "g", "Running")
+
+    # One worker fails: the whole gang is replaced, one restart counted.
+    set_pod_terminated(kube, namespace, "g-g0-1", 137, reason="Error")
+    wait_for(lambda: pod_names(kube, namespace) == ["g-g1-0", "g-g1-1"], what="gang 1")
+    status = wait_for(lambda: (s := run_status(kube, namespace, "g")).get("restarts") == 1 and s,
+                      what="restarts == 1")
+    assert status["phase"] == "Pending"
+
+    # Failing again exceeds backoffLimit=1: Failed, pods gone, a condition says why.
+    set_pod_terminated(kube, namespace, "g-g1-0", 1)
+    status = wait_phase(kube, namespace, "g", "Failed")
+    assert status["restarts"] == 2
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded"
+    assert "backoffLimit=1" in failed["message"]
+    wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted")
+    events = kube.request("GET", resource_path("v1", "events", namespace)
+                          + "?fieldSelector=involvedObject.name=g")[1]["items"]
+    assert {"GangRestart", "BackoffLimitExceeded"} <= {e["reason"] for e in events}
+
+
+def test_suspend_and_resume(operator: OperatorThread, kube: KubeClient, namespace: str) -> None:
+    create_cr(kube, "trainingruns", namespace, run_body("s"))
+    wait_for(lambda: pod_names(kube, namespace) == ["s-g0-0"], what="first pod")
+    set_pod_running(kube, namespace, "s-g0-0")
+    wait_phase(kube, namespace, "s", "Running")
+    kube.patch(cr_path("trainingruns", namespace, "s") + "/status",
+               {"status": {"lastCheckpoint": "s3://b/ckpt/10"}})
+
+    kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": True}})
+    status = wait_phase(kube, namespace, "s", "Suspended")
+    wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted on suspend")
+    suspended = next(c for c in status["conditions"] if c["type"] == "Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("True", "Suspended")
+    assert get_cr(kube, "trainingruns", namespace, "s") is not None
+
+    kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": False}})
+    # A new incarnation: never confused with a still-terminating pod of the old one.
+    wait_for(lambda: pod_names(kube, namespace) == ["s-g1-0"], what="pod after resume")
+    status = wait_phase(kube, namespace, "s", "Pending")
+    suspended = next(c for c in status["conditions"] if c["type"] == "Suspended")
+    assert (suspended["status"], suspended["reason"]) == ("False", "Resumed")
+    assert status["restarts"] == 0  # suspending is not a failure
+    assert status["lastCheckpoint"] == "s3://b/ckpt/10"
+
+
+def test_active_deadline_fails_the_run(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    create_cr(kube, "trainingruns", namespace, run_body("d", activeDeadlineSeconds=2))
+    wait_for(lambda: pod_names(kube, namespace) == ["d-g0-0"], what="pod")
+    assert kube.get("v1", "Pod", namespace, "d-g0-0")["spec"]["activeDeadlineSeconds"] == 2
+    status = wait_phase(kube, namespace, "d", "Failed")
+    failed = next(c for c in status["conditions"] if c["type"] == "Failed")
+    assert failed["reason"] == "DeadlineExceeded"
+    wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted at the deadline")

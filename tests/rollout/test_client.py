@@ -1,0 +1,173 @@
+"""RolloutClient against real servers: balancing, retries across replicas, weights, tracing."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import REGISTRY
+
+from posttrain.rollout.client import RolloutClient, RolloutError
+from posttrain.rollout.protocol import SamplingParams
+from posttrain.rollout.server import ServerConfig, ServerThread
+from posttrain.telemetry import get_tracer, memory_exporter
+
+
+@pytest.fixture(scope="module")
+def two_servers(tiny_model_dir: Path) -> Iterator[list[ServerThread]]:
+    servers = [
+        ServerThread(ServerConfig(model=str(tiny_model_dir), num_threads=1)).start()
+        for _ in range(2)
+    ]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def served_requests(url: str) -> float:
+    """posttrain_rollout_requests_total{endpoint="completions"} scraped from one server.
+
+    In-process servers share one registry, so the tests that need per-replica counts use
+    subprocess servers; this helper is for those.
+    """
+    text = httpx.get(f"{url}/metrics").text
+    match = re.search(
+        r'posttrain_rollout_requests_total\{endpoint="completions",status="200"\} (\S+)', text
+    )
+    return float(match.group(1)) if match else 0.0
+
+
+def test_generate_returns_n_completions_per_prompt_in_order(two_servers: list[ServerThread]) -> None:
+    token_prompts = [[1, 2, 3], [9906], [4, 5], [6, 7, 8, 9], [10]]
+    with RolloutClient([s.url for s in two_servers]) as client:
+        results = client.generate(token_prompts, SamplingParams(n=3, max_tokens=6, seed=2))
+        again = client.generate(token_prompts, SamplingParams(n=3, max_tokens=6, seed=2))
+    assert len(results) == len(token_prompts)
+    for index, completions in enumerate(results):
+        assert len(completions) == 3
+        for completion in completions:
+            assert completion.prompt_index == index
+            assert len(completion.token_ids) == len(completion.logprobs) == 6
+            assert completion.finish_reason == "length"
+            assert completion.weight_version == 0
+    # Seeded sampling is reproducible whichever replica served each prompt.
+    assert [[c.token_ids for c in r] for r in results] == [[c.token_ids for c in r] for r in again]
+
+
+def test_token_ids_round_trip_with_text(two_servers: list[ServerThread]) -> None:
+    tokenizer = two_servers[0].state.engine.tokenizer
+    with RolloutClient([two_servers[0].url]) as client:
+        (completions,) = client.generate([[1, 2]], SamplingParams(max_tokens=8, temperature=0))
+    assert tokenizer.decode(completions[0].token_ids, skip_special_tokens=True) == (
+        completions[0].text
+    )
+
+
+@pytest.mark.slow
+def test_balancing_and_failover_when_a_replica_dies(serve_process: type) -> None:
+    replicas = [serve_process(), serve_process()]  # start both, then wait: parallel imports
+    for replica in replicas:
+        replica.wait_ready()
+    retries_before = REGISTRY.get_sample_value("posttrain_rollout_client_retries_total") or 0
+    prompts = [[i + 1, i + 2] for i in range(16)]
+    params = SamplingParams(n=1, max_tokens=48, seed=0)
+    results: list = []
+    with RolloutClient([r.url for r in replicas], max_in_flight=4, max_retries=4) as client:
+        warm = client.generate(prompts[:8], SamplingParams(max_tokens=2))
+        assert len(warm) == 8
+        counts = [served_requests(r.url) for r in replicas]
+        assert all(c >= 2 for c in counts), f"load not balanced: {counts}"
+
+        worker = threading.Thread(target=lambda: results.extend(client.generate(prompts, params)))
+        worker.start()
+        time.sleep(1.0)  # mid-batch: both replicas hold in-flight requests
+        replicas[0].kill()
+        worker.join(timeout=300)
+        assert not worker.is_alive()
+        assert client.health() == {replicas[0].url: False, replicas[1].url: True}
+    retries = REGISTRY.get_sample_value("posttrain_rollout_client_retries_total") or 0
+    assert retries > retries_before, "the killed replica's requests must have been retried"
+    assert len(results) == len(prompts)
+    for index, (completion,) in enumerate(results):
+        assert completion.prompt_index == index
+        assert len(completion.token_ids) == 48
+
+
+def test_exhausted_retries_raise_with_endpoints_named() -> None:
+    dead = "http://127.0.0.1:9"  # discard port: connection refused
+    with RolloutClient([dead], max_retries=1, timeout_s=5) as client:
+        with pytest.raises(RolloutError, match=r"failed after 2 attempts.*127\.0\.0\.1:9"):
+            client.generate([[1]], SamplingParams(max_tokens=1))
+
+
+def test_back_pressure_bounds_in_flight(two_servers: list[ServerThread]) -> None:
+    client = RolloutClient([two_servers[0].url], max_in_flight=2)
+    peak = 0
+    stop = threading.Event()
+
+    def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, client._endpoints[0].in_flight)
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        client.generate([[i + 1] for i in range(8)], SamplingParams(max_tokens=20))
+    finally:
+        stop.set()
+        watcher.join()
+        client.close()
+    assert 1 <= peak <= 2
+
+
+def test_load_weights_versions_and_failures(
+    tiny_model_dir: Path, tmp_path: Path, publish_weights: Callable[[Path, int, float], Path]
+) -> None:
+    publish_weights(tmp_path, 1, 0.3)
+    servers = [
+        ServerThread(ServerConfig(model=str(tiny_model_dir), num_threads=1)).start()
+        for _ in range(2)
+    ]
+    try:
+        with RolloutClient([s.url for s in servers]) as client:
+            before = client.generate([[1, 2]], SamplingParams(max_tokens=8, seed=1))
+            started = time.monotonic()
+            client.load_weights(str(tmp_path), 1)
+            assert time.monotonic() - started < 60
+            assert client.weight_versions() == {s.url: 1 for s in servers}
+            after = client.generate([[1, 2]], SamplingParams(max_tokens=8, seed=1))
+            assert after[0][0].weight_version == 1
+            assert after[0][0].token_ids != before[0][0].token_ids
+            with pytest.raises(RolloutError, match="v00000005"):
+                client.load_weights(str(tmp_path), 5)
+            assert client.weight_versions() == {s.url: 1 for s in servers}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_chat_and_trace_context_propagation(two_servers: list[ServerThread]) -> None:
+    exporter = memory_exporter()
+    exporter.clear()
+    with RolloutClient([two_servers[0].url]) as client:
+        with get_tracer("test").start_as_current_span("trainer.step") as parent:
+            replies = client.chat(
+                [{"role": "user", "content": "Say hi"}], SamplingParams(n=2, max_tokens=5, seed=0)
+            )
+            client.generate([[1, 2]], SamplingParams(max_tokens=2))
+        trace_id = parent.get_span_context().trace_id
+    assert len(replies) == 2
+    assert all(len(r.token_ids) == len(r.logprobs) == 5 for r in replies)
+    server_spans = [
+        s for s in exporter.get_finished_spans()
+        if s.name in {"rollout.chat_completions", "rollout.completions"}
+    ]  # fmt: skip
+    assert {s.name for s in server_spans} == {"rollout.chat_completions", "rollout.completions"}
+    assert all(s.context.trace_id == trace_id for s in server_spans)

@@ -1,0 +1,188 @@
+"""vLLM command line, the front door's version bookkeeping, and (on GPUs) real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+from pathlib import Path
+
+import httpx
+import pytest
+
+from posttrain.api.rolloutpool import EngineArgs, SpeculativeDecoding
+from posttrain.rollout.server import ServerConfig, ServerThread
+from posttrain.rollout.vllm import (
+    WORKER_EXTENSION,
+    AsyncReadWriteLock,
+    VllmFrontDoor,
+    VllmServeSpec,
+    build_vllm_command,
+    vllm_available,
+)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_command_maps_every_engine_arg() -> None:
+    engine_args = EngineArgs(
+        tensor_parallel_size=4,
+        max_model_len=32768,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=True,
+        gpu_memory_utilization=0.85,
+        dtype="bfloat16",
+        speculative=SpeculativeDecoding(
+            method="draft_model", num_speculative_tokens=5, draft_model="/models/draft"
+        ),
+        extra_args=["--max-num-seqs", "512"],
+    )
+    spec = VllmServeSpec.from_engine_args(
+        "/models/policy", engine_args, port=8001, served_model_name="policy"
+    )
+    argv = build_vllm_command(spec)
+    assert argv[:3] == ["vllm", "serve", "/models/policy"]
+    assert flag(argv, "--port") == "8001"
+    assert flag(argv, "--served-model-name") == "policy"
+    assert flag(argv, "--tensor-parallel-size") == "4"
+    assert flag(argv, "--max-model-len") == "32768"
+    assert flag(argv, "--gpu-memory-utilization") == "0.85"
+    assert flag(argv, "--dtype") == "bfloat16"
+    assert "--no-enable-prefix-caching" in argv
+    assert "--enable-chunked-prefill" in argv
+    assert json.loads(flag(argv, "--speculative-config")) == {
+        "method": "draft_model",
+        "num_speculative_tokens": 5,
+        "model": "/models/draft",
+    }
+    assert flag(argv, "--worker-extension-cls") == WORKER_EXTENSION
+    assert argv[-2:] == ["--max-num-seqs", "512"]
+
+
+def test_command_defaults_and_optional_flags() -> None:
+    argv = build_vllm_command({"model": "m", "worker_extension": False})
+    assert "--max-model-len" not in argv
+    assert "--speculative-config" not in argv
+    assert "--worker-extension-cls" not in argv
+    assert "--enable-prefix-caching" in argv
+    assert shlex.split(shlex.join(argv)) == argv
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        build_vllm_command({"model": "m", "tensor_parallel_size": 0})
+
+
+def test_cli_prints_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from posttrain.cli import main
+
+    code = main(
+        ["rollout", "vllm-command", "--model", "/m", "--engine-args", '{"max_model_len": 4096}']
+    )
+    assert code == 0
+    assert "--max-model-len 4096" in capsys.readouterr().out
+    assert main(["rollout", "vllm-command", "--model", "/m", "--engine-args", "[1]"]) == 2
+
+
+def test_rw_lock_drains_readers_and_blocks_new_ones() -> None:
+    async def scenario() -> list[str]:
+        lock, events = AsyncReadWriteLock(), []
+        await lock.acquire_read()
+
+        async def writer() -> None:
+            await lock.acquire_write()
+            events.append("write")
+            await lock.release_write()
+
+        async def late_reader() -> None:
+            await asyncio.sleep(0.01)
+            await lock.acquire_read()
+            events.append("late-read")
+            await lock.release_read()
+
+        tasks = [asyncio.create_task(writer()), asyncio.create_task(late_reader())]
+        await asyncio.sleep(0.05)
+        events.append("first-read-done")
+        await lock.release_read()
+        await asyncio.gather(*tasks)
+        return events
+
+    assert asyncio.run(scenario()) == ["first-read-done", "write", "late-read"]
+
+
+def test_front_door_proxies_and_stamps_versions(tiny_model_dir: Path) -> None:
+    """The front door in front of an OpenAI-compatible upstream (our CPU server here)."""
+    from fastapi.testclient import TestClient
+
+    upstream = ServerThread(ServerConfig(model=str(tiny_model_dir), num_threads=1)).start()
+    try:
+        door = VllmFrontDoor(upstream.url, weights_uri=None, scratch_dir="/tmp")
+        with TestClient(door.create_app()) as client:
+            assert client.get("/health").status_code == 503
+            door.ready, door.version = True, 6
+            response = client.post(
+                "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "n": 2}
+            )
+            assert response.status_code == 200
+            assert response.headers["x-weight-version"] == "6"
+            assert response.json()["weight_version"] == 6
+            assert all(c["weight_version"] == 6 for c in response.json()["choices"])
+            assert client.get("/v1/models").json()["data"][0]["object"] == "model"
+            assert client.get("/v1/weights/version").json() == {"weight_version": 6}
+    finally:
+        upstream.stop()
+
+
+_AVAILABLE, _WHY = vllm_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _AVAILABLE, reason=f"needs real vLLM: {_WHY}")
+def test_real_vllm_reloads_weights(
+    tmp_path: Path, tiny_model_dir: Path, publish_weights: object
+) -> None:  # pragma: no cover - runs on GPU machines only
+    import socket
+    import subprocess
+    import time
+
+    from posttrain.models import resolve_model
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    publish_weights(tmp_path, 1, 0.0)
+    model = resolve_model("smollm2-135m-instruct")
+    process = subprocess.Popen(
+        ["posttrain", "rollout", "vllm-entry", "--model", str(model), "--port", str(port),
+         "--internal-port", str(port + 1), "--engine-args",
+         '{"gpu_memory_utilization": 0.3, "max_model_len": 2048}'],
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(3)
+        body = {"prompt": [1, 2, 3], "max_tokens": 8, "temperature": 0, "logprobs": 0,
+                "return_tokens_as_token_ids": True}  # fmt: skip
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert first["weight_version"] == 0
+        assert first["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+        # Reload the same weights: version moves, greedy output stays identical.
+        weights_dir = tmp_path / "same"
+        weights_dir.mkdir()
+        for item in model.glob("*.safetensors"):
+            (weights_dir / item.name).symlink_to(item)
+        loaded = httpx.post(
+            f"{url}/v1/weights/load", json={"uri": str(weights_dir), "version": 2}, timeout=600
+        )
+        assert loaded.status_code == 200, loaded.text
+        second = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert second["weight_version"] == 2
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

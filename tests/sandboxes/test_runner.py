@@ -1,0 +1,151 @@
+"""The runner server over real HTTP (uvicorn), its client, back-pressure, tracing, metrics,
+and the ``posttrain sandbox exec`` JSON contract through a subprocess."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from posttrain.sandboxes.client import SandboxClient, SandboxUnavailable
+from posttrain.sandboxes.executor import Executor
+from posttrain.sandboxes.runner import create_app
+from posttrain.sandboxes.verifiers import verify
+from posttrain.telemetry import get_tracer, inject_headers, memory_exporter
+
+
+@contextlib.contextmanager
+def running_server(concurrency: int, max_queue: int) -> Iterator[str]:
+    """A real uvicorn server on a free port, in a thread; yields its base URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    executor = Executor(warm_pool=concurrency)  # as `posttrain sandbox serve` runs it
+    app = create_app(executor, concurrency=concurrency, max_queue=max_queue)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "runner did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        executor.close()
+
+
+@pytest.fixture(scope="module")
+def runner_url() -> Iterator[str]:
+    with running_server(concurrency=2, max_queue=16) as url:
+        yield url
+
+
+def test_hundred_concurrent_executions_all_return(runner_url: str) -> None:
+    with SandboxClient(runner_url, retries=20, backoff_s=0.05) as client:
+        with ThreadPoolExecutor(max_workers=100) as pool:
+            results = list(pool.map(
+                lambda i: client.exec(["python3", "-c", f"print({i} * 2)"]), range(100)))
+        assert [r.status for r in results] == ["ok"] * 100
+        assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(100)]
+        assert client.health()["running"] == 0
+
+
+def test_metrics_and_trace_context(runner_url: str) -> None:
+    tracer = get_tracer("test")
+    with tracer.start_as_current_span("trainer.step") as parent:
+        response = httpx.post(f"{runner_url}/v1/exec", headers=inject_headers(),
+                              json={"command": ["sh", "-c", "exit 7"]}, timeout=30)
+    assert response.status_code == 200
+    assert response.json()["status"] == "error" and response.json()["exit_code"] == 7
+    trace_id = parent.get_span_context().trace_id
+    spans = {s.name: s for s in memory_exporter().get_finished_spans()
+             if s.context.trace_id == trace_id}
+    assert {"sandbox.runner.exec", "sandbox.exec"} <= set(spans)
+    assert spans["sandbox.exec"].attributes["sandbox.exit_code"] == 7
+    assert spans["sandbox.exec"].attributes["sandbox.status"] == "error"
+    metrics = httpx.get(f"{runner_url}/metrics").text
+    assert "posttrain_sandbox_exec_seconds_bucket" in metrics
+    assert 'posttrain_sandbox_executions_total{status="error"}' in metrics
+    assert "posttrain_sandbox_runner_queue_depth" in metrics
+
+
+def test_bad_requests_get_422_with_the_reason(runner_url: str) -> None:
+    response = httpx.post(f"{runner_url}/v1/exec", json={"command": "ls", "timeout_s": 5})
+    assert response.status_code == 422
+    assert "command must be a non-empty list" in response.json()["error"]
+
+
+def test_full_queue_answers_429_and_client_reports_it() -> None:
+    with running_server(concurrency=1, max_queue=0) as url, ThreadPoolExecutor(2) as pool:
+        slow = pool.submit(httpx.post, f"{url}/v1/exec",
+                           json={"command": ["sleep", "1"]}, timeout=30)
+        time.sleep(0.3)
+        refused = httpx.post(f"{url}/v1/exec", json={"command": ["true"]}, timeout=30)
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        with pytest.raises(SandboxUnavailable, match="HTTP 429"):
+            SandboxClient(url, retries=0).exec(["true"])
+        assert slow.result().json()["status"] == "ok"
+
+
+def test_client_retries_connection_errors_then_explains() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    started = time.monotonic()
+    with pytest.raises(SandboxUnavailable, match=r"failed 3 times.*ConnectError"):
+        SandboxClient(dead, retries=2, backoff_s=0.05).exec(["true"])
+    assert time.monotonic() - started >= 0.15  # it backed off between attempts
+
+
+def test_verifier_runs_through_the_runner(runner_url: str) -> None:
+    with SandboxClient(runner_url) as client:
+        result = verify("unit_tests", "```python\ndef sq(x):\n    return x * x\n```",
+                        {"tests": "from solution import sq\nassert sq(3) == 9\nassert sq(2) == 5"},
+                        executor=client)
+    assert result.reward == 0.5
+
+
+def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "posttrain", "sandbox", "exec", *args],
+                          input=stdin, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_prints_exactly_one_json_object() -> None:
+    done = cli("--timeout", "5", "--", "python3", "-c",
+               "import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hello")
+    assert done.returncode == 0, done.stderr  # the sandbox worked; the program failed
+    assert len(done.stdout.strip().splitlines()) == 1
+    payload = json.loads(done.stdout)
+    assert set(payload) == {"status", "exit_code", "stdout", "stderr", "duration_ms", "reason"}
+    assert payload["status"] == "error" and payload["exit_code"] == 3
+    assert payload["stdout"] == "HELLO\n" and isinstance(payload["duration_ms"], float)
+
+    timed_out = json.loads(cli("--timeout", "0.5", "--", "sleep", "10").stdout)
+    assert timed_out["status"] == "timeout" and timed_out["exit_code"] is None
+    oom = json.loads(cli("--memory-mb", "128", "--", "python3", "-c",
+                         "x = bytearray(1 << 30)").stdout)
+    assert oom["status"] == "oom"
+    flood = json.loads(cli("--max-output-bytes", "100", "--", "python3", "-c",
+                           "print('y' * 1000)").stdout)
+    assert flood["status"] == "ok" and "[truncated by sandbox: 901 more bytes]" in flood["stdout"]
+
+
+def test_cli_usage_errors_exit_2() -> None:
+    missing = cli()
+    assert missing.returncode == 2 and "no command given" in missing.stderr
+    bad = cli("--memory-mb", "4", "--", "true")
+    assert bad.returncode == 2 and "memory_mb must be >= 32" in bad.stderr

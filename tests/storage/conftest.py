@@ -1,0 +1,98 @@
+"""Fixtures for storage tests: a real MinIO server (no fakes) and a store per backend.
+
+Tests marked ``minio`` skip, with the reason, when the MinIO binary has not been built
+(``bash tools/ensure-binaries.sh``); the fixtures never start a Go build themselves.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.devenv.binaries import bin_dir, pinned_versions
+from posttrain.devenv.minio import MinioServer
+from posttrain.storage.retry import RetryPolicy
+from posttrain.storage.store import ArtifactStore, LocalStore, S3Store
+
+# Short backoff so tests that hit a dead endpoint finish in seconds.
+FAST_RETRY = RetryPolicy(max_attempts=3, initial_delay_s=0.05, max_delay_s=0.2, max_elapsed_s=5)
+
+
+def minio_binary() -> Path:
+    return bin_dir() / f"minio-{pinned_versions()['MINIO_VERSION']}"
+
+
+def require_minio_binary() -> None:
+    if not minio_binary().exists():
+        pytest.skip(f"MinIO is not built at {minio_binary()}; run `bash tools/ensure-binaries.sh`")
+
+
+@pytest.fixture
+def minio_binary_path() -> Path:
+    """The built MinIO binary (tests that run it with unusual flags, such as TLS)."""
+    require_minio_binary()
+    return minio_binary()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[MinioServer]:
+    """One MinIO for the session; tests isolate themselves with a bucket each."""
+    require_minio_binary()
+    server = MinioServer().start()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def own_s3_server() -> Iterator[MinioServer]:
+    """A MinIO this test may stop and restart (outage tests)."""
+    require_minio_binary()
+    server = MinioServer().start()
+    yield server
+    server.destroy()
+
+
+def make_s3_store(
+    server: MinioServer, bucket: str | None = None, prefix: str = "", **kwargs: Any
+) -> S3Store:
+    """An S3Store on ``server`` in a fresh bucket (unless one is named)."""
+    return S3Store(
+        server.endpoint,
+        bucket or f"t-{uuid.uuid4().hex[:12]}",
+        prefix,
+        access_key=server.access_key,
+        secret_key=server.secret_key,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def fast_retry() -> RetryPolicy:
+    return FAST_RETRY
+
+
+@pytest.fixture
+def s3_store_factory() -> Callable[..., S3Store]:
+    """``make_s3_store`` for tests that need several stores or unusual options."""
+    return make_s3_store
+
+
+@pytest.fixture
+def s3_store(s3_server: MinioServer) -> S3Store:
+    return make_s3_store(s3_server, retry=FAST_RETRY)
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.minio)])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    """The same assertions run against LocalStore and S3Store on a real MinIO."""
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    server = request.getfixturevalue("s3_server")
+    # Small parts so multi-MiB test files exercise the parallel multipart path.
+    return make_s3_store(
+        server, retry=FAST_RETRY, part_size=5 * 1024 * 1024, download_range_size=5 * 1024 * 1024
+    )

@@ -1,0 +1,96 @@
+"""From a sampled batch to loss inputs: score, group advantages, filter, coefficients.
+
+The glue between the rollout, reward, advantage and loss stages, written as one pure
+function of its inputs so the loop stays short and this part is testable by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from posttrain.trainer.advantages import compute_advantages
+from posttrain.trainer.audit import Trajectory
+from posttrain.trainer.loss import LossConfig, normalised_domain_weights, sequence_coefficients
+from posttrain.trainer.policy import TrainSample
+from posttrain.trainer.rewards import ScoredSample
+from posttrain.trainer.rollouts import RolloutBatch
+
+
+@dataclass
+class PreparedBatch:
+    """Loss inputs plus the per-domain statistics the step reports."""
+
+    samples: list[TrainSample]
+    domain_rewards: dict[str, float]
+    domain_pass_rates: dict[str, float]
+    group_pass_rates: list[float]  # one per prompt, for the curriculum
+    reward_mean: float
+    response_length: float
+    kept_groups: int
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def prepare_batch(
+    batch: RolloutBatch,
+    scored: Sequence[Sequence[ScoredSample]],  # scored[i][j]: sample j of prompt i
+    *,
+    algorithm: str,
+    dynamic_sampling: bool,
+    domain_weights: dict[str, float],
+    loss_config: LossConfig,
+    step: int,
+) -> PreparedBatch:
+    """Advantages per group, drop no-signal groups, attach normalisation coefficients."""
+    tasks = batch.request.tasks
+    rewards = [[s.reward for s in group] for group in scored]
+    groups = compute_advantages(rewards, algorithm=algorithm, dynamic_sampling=dynamic_sampling)
+    kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
+    for i, group in enumerate(groups):
+        if group.kept:
+            kept += [(i, j, a) for j, a in enumerate(group.advantages)]
+    completions = batch.completions
+    lengths = [len(completions[i][j].token_ids) for i, j, _ in kept]
+    weights = normalised_domain_weights([tasks[i].domain for i, _, _ in kept], domain_weights) \
+        if kept else []
+    coefficients = sequence_coefficients(
+        lengths, weights, loss_config.aggregation, loss_config.max_new_tokens
+    )
+    samples = [
+        TrainSample(
+            prompt_ids=batch.request.prompt_ids[i],
+            completion_ids=list(completions[i][j].token_ids),
+            behaviour_logprobs=list(completions[i][j].logprobs),
+            advantage=advantage,
+            coefficient=coefficient,
+        )
+        for (i, j, advantage), coefficient in zip(kept, coefficients, strict=True)
+    ]
+    by_domain_reward: dict[str, list[float]] = {}
+    by_domain_pass: dict[str, list[float]] = {}
+    trajectories = []
+    for i, group in enumerate(scored):
+        domain = tasks[i].domain
+        for j, s in enumerate(group):
+            by_domain_reward.setdefault(domain, []).append(s.reward)
+            by_domain_pass.setdefault(domain, []).append(float(s.passed))
+            c = completions[i][j]
+            trajectories.append(
+                Trajectory(step, domain, tasks[i].task_id, tasks[i].prompt, c.text, s.reward,
+                           s.passed, c.weight_version, tuple(s.hack_signals))
+            )
+    all_rewards = [r for group in rewards for r in group]
+    return PreparedBatch(
+        samples=samples,
+        domain_rewards={d: _mean(v) for d, v in sorted(by_domain_reward.items())},
+        domain_pass_rates={d: _mean(v) for d, v in sorted(by_domain_pass.items())},
+        group_pass_rates=[_mean([float(s.passed) for s in group]) for group in scored],
+        reward_mean=_mean(all_rewards),
+        response_length=_mean([len(c.token_ids) for g in completions for c in g]),
+        kept_groups=sum(g.kept for g in groups),
+        trajectories=trajectories,
+    )

@@ -1,0 +1,178 @@
+"""``posttrain run`` (train from a TrainingRun manifest) and ``posttrain eval`` (score a model).
+
+torch and transformers are imported inside the handlers: ``posttrain --help`` and the
+operator image must not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from posttrain.errors import UsageError
+
+log = logging.getLogger(__name__)
+
+ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"  # comma-separated URLs, set by the operator
+
+
+def register(subparsers: Any) -> None:
+    run = subparsers.add_parser(
+        "run",
+        help="run RL post-training from a TrainingRun manifest",
+        description="Train with RL from verifiable rewards. With --local a CPU rollout server "
+        "is started as a child process; otherwise the manifest's rollout endpoints are used. "
+        "A run resumes from the newest checkpoint under --out (or checkpoint.storageUri).",
+    )
+    run.add_argument("manifest", type=Path, help="TrainingRun YAML, e.g. examples/local-demo.yaml")
+    run.add_argument("--local", action="store_true", help="start a local CPU rollout server")
+    run.add_argument("--out", type=Path, default=Path("runs/local"), help="output directory")
+    run.add_argument("--max-steps", type=int, default=None, help="override algorithm.maxSteps")
+    run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
+    run.set_defaults(func=run_command)
+
+    ev = subparsers.add_parser(
+        "eval",
+        help="score a model or checkpoint on a JSONL task file",
+        description='Tasks: one JSON object per line, {"domain": "arithmetic", "prompt": ..., '
+        '"answer": ...} or {"domain": "code", "prompt": ..., "tests": "assert ..."}; optional '
+        '"verifier" (default: arithmetic->numeric, code->unit_tests).',
+    )
+    ev.add_argument("--model", required=True, help="packaged id, checkpoint dir or s3:// URI")
+    ev.add_argument("--tasks", required=True, type=Path, help="JSONL task file")
+    ev.add_argument("--out", type=Path, default=None, help="write results JSON here")
+    ev.add_argument("--server", default=None,
+                    help="use this running rollout server URL instead of starting one")
+    ev.add_argument("--max-new-tokens", type=int, default=128)
+    ev.add_argument("--temperature", type=float, default=0.0)
+    ev.set_defaults(func=eval_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from posttrain.api import TrainingRun, load_manifest
+    from posttrain.telemetry import start_metrics_server
+    from posttrain.trainer.distributed import launch_if_distributed
+
+    run = load_manifest(args.manifest, TrainingRun)
+    spec = run.spec
+    if args.max_steps is not None:
+        if args.max_steps < 1:
+            raise UsageError(f"--max-steps must be >= 1, got {args.max_steps}")
+        spec.algorithm.max_steps = args.max_steps
+    start_metrics_server(args.metrics_port)
+    if launch_if_distributed(run, args.out):
+        return 0
+    from posttrain.models import resolve_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.status import status_reporter_from_env
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    resolve_model(spec.model)  # fail fast on a bad model reference, before any server starts
+    reporter = status_reporter_from_env(args.out)
+    max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
+    if args.local:
+        with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
+            client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
+                                   max_in_flight=max_in_flight)
+            result = train(spec, args.out, client, reporter=reporter)
+            client.close()
+    else:
+        endpoints = _endpoints(spec)
+        client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
+                               max_in_flight=max_in_flight)
+        _require_healthy(client, endpoints)
+        result = train(spec, args.out, client, reporter=reporter)
+        client.close()
+    _print_summary(result)
+    return 0
+
+
+def _endpoints(spec: Any) -> list[str]:
+    from_env = [u for u in os.environ.get(ENDPOINTS_ENV, "").split(",") if u.strip()]
+    endpoints = list(spec.rollout.endpoints) or from_env
+    if not endpoints:
+        raise UsageError(
+            "no rollout endpoints: set spec.rollout.endpoints, or $POSTTRAIN_ROLLOUT_ENDPOINTS, "
+            "or pass --local to start a CPU rollout server"
+        )
+    return endpoints
+
+
+def _require_healthy(client: Any, endpoints: list[str]) -> None:
+    health = client.health()
+    down = [url for url, ok in health.items() if not ok]
+    if down:
+        raise UsageError(
+            f"rollout server(s) unreachable: {', '.join(down)}; start one with "
+            "`posttrain serve --model MODEL --port PORT` or fix the URL"
+        )
+
+
+def _print_summary(result: Any) -> None:
+    base, final = result.base_eval, result.final_eval
+    print(f"\nrun finished: {result.steps_done} steps in {result.wall_seconds:.0f}s; "
+          f"outputs in {result.out_dir}")
+    if base is not None and final is not None:
+        print("held-out accuracy (base -> trained):")
+        for domain in final.accuracy:
+            before = base.accuracy.get(domain, float("nan"))
+            print(f"  {domain:<12} {before:6.1%} -> {final.accuracy[domain]:6.1%}  "
+                  f"({final.counts[domain]} items)")
+        print(f"  {'all':<12} {base.overall:6.1%} -> {final.overall:6.1%}")
+    if result.last_checkpoint:
+        print(f"latest checkpoint: {result.last_checkpoint}")
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from posttrain.models import resolve_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.datasets import DEFAULT_VERIFIER_BY_DOMAIN, load_jsonl_tasks
+    from posttrain.trainer.evaluate import evaluate_tasks
+    from posttrain.trainer.policy import chat_prompt_ids
+    from posttrain.trainer.server_process import LocalRolloutServer
+
+    tasks = load_jsonl_tasks(args.tasks)
+    for task in tasks:
+        if task.verifier is None and task.domain not in DEFAULT_VERIFIER_BY_DOMAIN:
+            raise UsageError(
+                f"{args.tasks}: unknown domain {task.domain!r} with no \"verifier\" key; use "
+                f"{' or '.join(DEFAULT_VERIFIER_BY_DOMAIN)} or add e.g. \"verifier\": \"exact\""
+            )
+    model_dir = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def encode(prompt: str) -> list[int]:
+        return chat_prompt_ids(tokenizer, prompt)
+
+    def score(client: Any) -> Any:
+        return evaluate_tasks(client, encode, tasks, {}, step=0, split="eval",
+                              max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+
+    if args.server:
+        client = RolloutClient([args.server], timeout_s=600, max_in_flight=8)
+        _require_healthy(client, [args.server])
+        result = score(client)
+    else:
+        log_path = (args.out.parent if args.out else Path(".")) / "eval-rollout-server.log"
+        with LocalRolloutServer(str(model_dir), log_path) as server:
+            client = RolloutClient([server.url], timeout_s=600, max_in_flight=8)
+            result = score(client)
+    client.close()
+    for domain, accuracy in result.accuracy.items():
+        print(f"{domain:<12} {accuracy:6.1%}  ({result.counts[domain]} items)")
+    print(f"{'all':<12} {result.overall:6.1%}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"model": args.model, "tasks": str(args.tasks), **result.to_json()}
+        args.out.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0

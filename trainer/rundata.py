@@ -1,0 +1,113 @@
+"""Turning a TrainingRun spec into the objects the loop uses (data, verifiers, sampling).
+
+Kept out of :mod:`posttrain.trainer.loop` so the loop reads as the algorithm only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.errors import UsageError
+from posttrain.trainer.curriculum import Curriculum, DomainPool
+from posttrain.trainer.datasets import (
+    Task,
+    group_by_stratum,
+    load_jsonl_tasks,
+    load_tasks,
+    split_tasks,
+)
+from posttrain.trainer.loss import LossConfig
+
+VerifierSpecs = dict[str, tuple[str | None, dict[str, Any]]]
+
+
+@dataclass
+class RunData:
+    """Training pools, held-out and regression items, and each domain's verifier."""
+
+    curriculum: Curriculum
+    heldout: list[Task]
+    regression: list[Task]
+    verifiers: VerifierSpecs
+    domain_weights: dict[str, float]
+
+
+def balanced_subset(tasks: list[Task], limit: int) -> list[Task]:
+    """Up to ``limit`` tasks taken round-robin across strata (so eval covers every level).
+
+    >>> ts = [Task("d", f"p{i}", "1", difficulty=s) for i, s in enumerate("aabbb")]
+    >>> [t.prompt for t in balanced_subset(ts, 3)]
+    ['p0', 'p2', 'p1']
+    """
+    strata = list(group_by_stratum(tasks).values())
+    out: list[Task] = []
+    depth = 0
+    while len(out) < limit and any(depth < len(s) for s in strata):
+        out += [s[depth] for s in strata if depth < len(s)][: limit - len(out)]
+        depth += 1
+    return out
+
+
+def domain_tasks(name: str, dataset: str, eval_dataset: str | None) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) tasks of one domain; never overlapping.
+
+    Built-ins split by content hash; a JSONL file without an eval file is split the same
+    way; with an eval file, any training item that also appears there is removed.
+    """
+    if dataset.startswith("builtin:"):
+        train = load_tasks(dataset, name, "train")
+        held = load_tasks(eval_dataset, name, "eval") if eval_dataset else load_tasks(
+            dataset, name, "eval"
+        )
+    elif eval_dataset:
+        held = load_tasks(eval_dataset, name, "eval")
+        held_ids = {t.task_id for t in held}
+        train = [t for t in load_tasks(dataset, name, "train") if t.task_id not in held_ids]
+    else:
+        everything = load_tasks(dataset, name, "train")
+        train, held = split_tasks(everything, "train"), split_tasks(everything, "eval")
+    if not train:
+        raise UsageError(f"domain {name!r}: dataset {dataset!r} yields no training items")
+    return train, held
+
+
+def build_run_data(spec: Any) -> RunData:
+    """Load every domain of ``spec`` (a TrainingRunSpec) and build the curriculum."""
+    pools, heldout, verifiers, weights = [], [], {}, {}
+    limit = spec.evaluation.max_items_per_domain
+    for domain in spec.domains:
+        train, held = domain_tasks(domain.name, domain.dataset, domain.eval_dataset)
+        try:
+            pools.append(DomainPool.from_tasks(domain.name, train, domain.weight, domain.strata))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+        heldout += balanced_subset(held, limit)
+        verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
+        weights[domain.name] = domain.weight
+    regression: list[Task] = []
+    if spec.evaluation.regression_dataset:
+        regression = load_jsonl_tasks(spec.evaluation.regression_dataset)
+    curriculum_spec = spec.curriculum
+    curriculum = Curriculum(
+        [p for p in pools if p.weight > 0],
+        enabled=curriculum_spec.enabled,
+        promote_at=curriculum_spec.promote_at,
+        window=curriculum_spec.window,
+        replay_fraction=curriculum_spec.replay_fraction,
+        min_domain_fraction=curriculum_spec.min_domain_fraction,
+        seed=spec.algorithm.seed,
+    )
+    return RunData(curriculum, heldout, regression, verifiers, weights)
+
+
+def loss_config(algorithm: Any) -> LossConfig:
+    """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation)."""
+    aggregation = "constant" if algorithm.name == "dr_grpo" else algorithm.loss_aggregation
+    return LossConfig(
+        clip_low=algorithm.clip_low,
+        clip_high=algorithm.clip_high,
+        kl_coef=algorithm.kl_coef,
+        aggregation=aggregation,
+        max_new_tokens=algorithm.max_new_tokens,
+    )
