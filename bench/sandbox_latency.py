@@ -3,6 +3,7 @@
 Modes, all running the same trivial snippet with the same interpreter:
   bare     subprocess.run(python3 -c ...)            the floor: no isolation at all
   library  Executor().run(...) in this process       a cold sandbox (namespaces built per call)
+  warm     Executor(warm_pool=N).run(...)            a pre-started sandbox, in process
   runner   POST /v1/exec to `posttrain sandbox serve` the production path: HTTP + a sandbox
                                                      from the warm pool (built ahead of time)
   cli      `posttrain sandbox exec -- python3 -c ...` one-shot CLI (pays Python start-up)
@@ -34,7 +35,11 @@ PYTHON = shutil.which("python3", path=SANDBOX_PATH) or "python3"
 
 
 def percentile(samples: list[float], q: float) -> float:
-    """Nearest-rank percentile. >>> percentile([1, 2, 3, 4], 0.5) -> 2"""
+    """Nearest-rank percentile.
+
+    >>> percentile([4.0, 1.0, 3.0, 2.0], 0.5)
+    2.0
+    """
     ordered = sorted(samples)
     return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered)) - 1))]
 
@@ -110,6 +115,11 @@ def main() -> None:
     def library() -> None:
         assert executor.run(request).status == "ok"
 
+    pooled = Executor(warm_pool=args.concurrency)
+
+    def warm() -> None:
+        assert pooled.run(request).status == "ok"
+
     server, url = start_runner(args.runner_concurrency)
     client = SandboxClient(url, retries=10, backoff_s=0.02)
 
@@ -121,11 +131,13 @@ def main() -> None:
                         "python3", "-c", SNIPPET], check=True, capture_output=True)
 
     try:
-        latency = interleaved({"bare": bare, "library": library, "runner": runner, "cli": cli},
-                              args.n, {"cli": max(1, args.n // args.cli_n)})
+        latency = interleaved({"bare": bare, "library": library, "warm": warm, "runner": runner,
+                               "cli": cli}, args.n, {"cli": max(1, args.n // args.cli_n)})
         rates = {name: throughput(call, args.total, args.concurrency)
-                 for name, call in (("bare", bare), ("library", library), ("runner", runner))}
+                 for name, call in (("bare", bare), ("library", library), ("warm", warm),
+                                    ("runner", runner))}
     finally:
+        pooled.close()
         client.close()
         server.terminate()
         server.wait(timeout=10)

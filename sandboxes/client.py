@@ -39,6 +39,7 @@ class SandboxClient:
         *,
         retries: int = 4,
         backoff_s: float = 0.2,
+        max_backoff_s: float = 2.0,
         timeout_margin_s: float = 30.0,
     ) -> None:
         """``timeout_margin_s`` is added to each execution's own timeout for the HTTP read
@@ -46,6 +47,7 @@ class SandboxClient:
         self.url = url.rstrip("/")
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.timeout_margin_s = timeout_margin_s
         self._http = httpx.Client(base_url=self.url)
 
@@ -78,7 +80,7 @@ class SandboxClient:
                                                headers=inject_headers(), timeout=timeout)
                 except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
                     last_problem = f"{type(exc).__name__}: {exc}"
-                    wait = self.backoff_s * 2**attempt
+                    wait = self._backoff(attempt)
                 else:
                     if response.status_code == 200:
                         return ExecResult.from_dict(response.json())
@@ -90,7 +92,7 @@ class SandboxClient:
                     last_problem = f"HTTP {response.status_code}: {response.text[:200]}"
                     retry_after = response.headers.get("Retry-After", "")
                     wait = (float(retry_after) if retry_after.replace(".", "", 1).isdigit()
-                            else self.backoff_s * 2**attempt)
+                            else self._backoff(attempt))
                 if attempt < self.retries:
                     log.debug("runner attempt %d failed (%s); retrying in %.2f s",
                               attempt + 1, last_problem, wait)
@@ -99,6 +101,10 @@ class SandboxClient:
             f"sandbox runner {self.url} failed {self.retries + 1} times; last: {last_problem}. "
             "Is `posttrain sandbox serve` running there?"
         )
+
+    def _backoff(self, attempt: int) -> float:
+        """Exponential, capped: 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, ... seconds by default."""
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
     def health(self) -> dict[str, Any]:
         response = self._http.get("/health", timeout=5.0)

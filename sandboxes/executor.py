@@ -15,8 +15,9 @@ view. Isolation layers, outermost first:
   and filling them ends in ``ENOSPC``.
 * **Environment.** ``--clearenv`` plus a fixed ``PATH``/``HOME``/``LANG``: no host variable
   reaches the program.
-* **Limits.** ``prlimit`` sets address space (memory), CPU seconds, process count, file size
-  and open files before bwrap starts; a host-side wall clock kills the whole sandbox.
+* **Limits.** ``prlimit`` (run after ``setpriv`` dropped to the host uid) sets address space
+  (memory), CPU seconds, process count, file size and open files before bwrap starts; a
+  host-side wall clock kills the whole sandbox.
 * **Lifetime.** ``--unshare-pid`` + ``--die-with-parent``: when the program's main process
   exits, or when we kill bwrap on timeout, the kernel kills every process left in the pid
   namespace, detached or not.
@@ -28,6 +29,7 @@ anything the program wrote.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -42,13 +44,16 @@ import subprocess
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import Counter, Histogram
 
 from posttrain.telemetry import get_tracer
+
+if TYPE_CHECKING:
+    from .warm_pool import PooledSandbox, WarmPool
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -368,8 +373,10 @@ class Executor:
                 "bubblewrap (bwrap) is not installed; install it with "
                 "`apt-get install -y bubblewrap` (Debian/Ubuntu)"
             )
-        if not self.prlimit:
-            raise SandboxError("prlimit is not installed; it ships in util-linux")
+        self.setpriv = shutil.which("setpriv") or ""
+        if not self.prlimit or not self.setpriv:
+            raise SandboxError("prlimit and setpriv are needed; they ship in util-linux "
+                               "(`apt-get install -y util-linux`)")
         if not self._supports("--size"):
             raise SandboxError(
                 f"{self.bwrap} is too old: posttrain needs bubblewrap >= 0.7 for size-capped "
@@ -381,7 +388,11 @@ class Executor:
         # its budget on top of what the user already runs.
         self._nproc_offset = 0 if self.is_root else _count_processes(os.getuid())
         self._static_args = self._build_static_args()
-        self.pool = WarmPool(self, warm_pool) if warm_pool > 0 else None
+        self.pool: WarmPool | None = None
+        if warm_pool > 0:
+            from .warm_pool import WarmPool  # imports this module: import it late
+
+            self.pool = WarmPool(self, warm_pool)
 
     def close(self) -> None:
         """Stop the warm pool (its idle sandboxes are killed)."""
@@ -445,15 +456,66 @@ class Executor:
                 uid_context = self._uids.uid() if self.is_root else contextlib.nullcontext(None)
                 with uid_context as host_uid:
                     result = self._run(request, host_uid, workspace_tar, capture_workspace)
-            span.set_attribute("sandbox.status", result.status)
-            span.set_attribute("sandbox.exit_code", -1 if result.exit_code is None
-                               else result.exit_code)
-            span.set_attribute("sandbox.duration_ms", result.duration_ms)
+            self._record(span, request, result)
+        return result
+
+    async def run_async(self, request: ExecRequest) -> ExecResult:
+        """:meth:`run` for an event loop (the runner): waits on loop readers instead of
+        blocking a thread. Workspaces are not supported here (use :meth:`run`)."""
+        with tracer.start_as_current_span("sandbox.exec") as span:
+            span.set_attribute("sandbox.command", " ".join(request.command)[:200])
+            span.set_attribute("sandbox.network", request.network)
+            pooled = self.pool.take(request) if self.pool is not None else None
+            span.set_attribute("sandbox.warm", pooled is not None)
+            if pooled is not None:
+                try:
+                    started = self._dispatch(pooled, request)
+                    collected = await _collect_async(pooled.proc, request, started,
+                                                     pooled.status_read)
+                finally:
+                    os.close(pooled.status_read)
+                    pooled.release()
+            else:
+                host_uid = self._uids.acquire() if self.is_root else None
+                try:
+                    command, inherited = list(request.command), []
+                    if request.files:
+                        seed_fd = _memfd("workspace", files_to_tar(request.files))
+                        inherited.append(seed_fd)
+                        command = _workspace_wrapper(seed_fd, -1, command)
+                    started = time.monotonic()
+                    proc, status_read = self._spawn(request, host_uid, command, inherited)
+                    try:
+                        collected = await _collect_async(proc, request, started, status_read)
+                    finally:
+                        os.close(status_read)
+                finally:
+                    if host_uid is not None:
+                        self._uids.release(host_uid)
+            result = _finish(request, collected, (time.monotonic() - started) * 1000, False)
+            self._record(span, request, result)
+        return result
+
+    @staticmethod
+    def _record(span: Any, request: ExecRequest, result: ExecResult) -> None:
+        span.set_attribute("sandbox.status", result.status)
+        span.set_attribute("sandbox.exit_code", -1 if result.exit_code is None
+                           else result.exit_code)
+        span.set_attribute("sandbox.duration_ms", result.duration_ms)
         SANDBOX_LATENCY.observe(result.duration_ms / 1000)
         SANDBOX_EXECUTIONS.labels(result.status).inc()
         log.debug("sandbox %s: %s (%.1f ms)", request.command[:1], result.reason,
                   result.duration_ms)
-        return result
+
+    def _drop_to(self, host_uid: int | None) -> list[str]:
+        """The ``setpriv`` prefix that switches to the unprivileged host uid.
+
+        Not ``Popen(user=...)``: that rules out vfork, and forking a runner-sized Python
+        process holds the GIL for ~13 ms per sandbox; vfork + setpriv costs ~0.2 ms here."""
+        if host_uid is None:
+            return []
+        uid = str(host_uid)
+        return [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups"]
 
     def _limits(self, request: ExecRequest) -> list[str]:
         cpu = request.cpu_time_s or math.ceil(request.timeout_s) + 1
@@ -461,7 +523,9 @@ class Executor:
         return [
             self.prlimit,
             f"--as={memory}",
-            f"--cpu={cpu}",
+            # soft:hard one second apart, so the program gets SIGXCPU (reported as the CPU
+            # limit) before the kernel's SIGKILL at the hard limit.
+            f"--cpu={cpu}:{cpu + 1}",
             f"--nproc={request.max_processes + self._nproc_offset}",
             f"--fsize={request.max_file_mb << 20}",
             "--nofile=1024",
@@ -478,7 +542,8 @@ class Executor:
         closed here (the child holds its copies, so EOF arrives when it exits)."""
         owned: list[int] = []
         try:
-            args = [*self._limits(request), self.bwrap, *self._static_args]
+            args = [*self._drop_to(host_uid), *self._limits(request), self.bwrap,
+                    *self._static_args]
             if request.network != "none":
                 args.append("--share-net")
                 args += [a for p in ETC_NETWORK if os.path.exists(p) for a in ("--ro-bind", p, p)]
@@ -510,9 +575,6 @@ class Executor:
                     cwd="/",
                     env={},
                     start_new_session=True,  # our own process group, killed as one
-                    user=host_uid,
-                    group=host_uid,
-                    extra_groups=[] if host_uid is not None else None,
                 )
             except OSError as exc:
                 os.close(status_read)
@@ -551,16 +613,22 @@ class Executor:
             raise
         return _wait_for(proc, request, started, status_read, out_read, capture_workspace)
 
-    def _run_pooled(self, sandbox: _PooledSandbox, request: ExecRequest) -> ExecResult:
+    def _run_pooled(self, sandbox: PooledSandbox, request: ExecRequest) -> ExecResult:
         """Hand ``request`` to a pre-started sandbox: only the program's own start-up remains."""
+        started = self._dispatch(sandbox, request)
+        return _wait_for(sandbox.proc, request, started, sandbox.status_read, -1, False)
+
+    @staticmethod
+    def _dispatch(sandbox: PooledSandbox, request: ExecRequest) -> float:
+        """Send the argv to a pooled sandbox's launcher; returns the start time."""
         started = time.monotonic()
         try:
             _write_all(sandbox.control, b"\0".join(a.encode() for a in request.command) + b"\0")
         except BrokenPipeError:
-            pass  # the launcher died; _collect reports what happened
+            pass  # the launcher died; collecting reports what happened
         finally:
             os.close(sandbox.control)
-        return _wait_for(sandbox.proc, request, started, sandbox.status_read, -1, False)
+        return started
 
 
 def _wait_for(
@@ -577,126 +645,6 @@ def _wait_for(
             if fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-
-
-# Runs in a pre-started sandbox: block until the host sends the argv (NUL-separated, then
-# EOF) on the control descriptor, close it, and become the program. bash: `mapfile -d ''`
-# reads NUL-separated records, so any argv survives unquoted.
-_LAUNCHER = (
-    'eval "mapfile -d \'\' -u $1 argv; exec $1<&-"; '
-    '[ ${#argv[@]} -gt 0 ] || exit 126; exec "${argv[@]}"'
-)
-
-
-@dataclass
-class _PooledSandbox:
-    proc: subprocess.Popen[bytes]
-    control: int
-    status_read: int
-    release: Callable[[], None]  # frees the host uid slot
-
-
-class WarmPool:
-    """Sandboxes started ahead of time, each waiting for one command.
-
-    Why: creating the namespaces and mounts is most of a sandbox's fixed cost (~10 ms), as
-    much as starting Python itself. A pooled sandbox has paid it before the request arrives;
-    at request time we only send the argv and the program starts. Each sandbox still runs
-    exactly one program and is then destroyed, so isolation between executions is the same
-    as the cold path. Only default-shaped requests (default memory/process/file/tmpfs
-    limits, no network, no files or env, no explicit CPU limit, timeout within the pool's)
-    can use it; everything else takes the cold path.
-    """
-
-    def __init__(self, executor: Executor, size: int, shape: ExecRequest | None = None) -> None:
-        self.executor = executor
-        self.size = size
-        self.shape = shape or ExecRequest(command=["true"])
-        self._ready: list[_PooledSandbox] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._closed = False
-        self._thread = threading.Thread(target=self._refill, name="sandbox-warm-pool",
-                                        daemon=True)
-        self._thread.start()
-
-    def fits(self, request: ExecRequest) -> bool:
-        shape = self.shape
-        return (not request.files and not request.env and request.cpu_time_s is None
-                and request.timeout_s <= shape.timeout_s and request.network == shape.network
-                and (request.memory_mb, request.max_processes, request.max_file_mb,
-                     request.workdir_mb)
-                == (shape.memory_mb, shape.max_processes, shape.max_file_mb, shape.workdir_mb))
-
-    def take(self, request: ExecRequest) -> _PooledSandbox | None:
-        """A ready sandbox for ``request``, or None (cold path) if it does not fit or none
-        is ready; taking one wakes the refiller."""
-        if not self.fits(request):
-            return None
-        with self._lock:
-            while self._ready:
-                sandbox = self._ready.pop()
-                if sandbox.proc.poll() is None:
-                    self._wake.set()
-                    return sandbox
-                self._discard(sandbox)
-        self._wake.set()
-        return None
-
-    def _start_one(self) -> _PooledSandbox:
-        executor = self.executor
-        uid = executor._uids.acquire() if executor.is_root else None
-        control_read, control_write = os.pipe()
-        try:
-            proc, status_read = executor._spawn(
-                self.shape, uid, ["bash", "-c", _LAUNCHER, "sandbox-launcher",
-                                  str(control_read)], [control_read])
-        except BaseException:
-            os.close(control_write)
-            if uid is not None:
-                executor._uids.release(uid)
-            raise
-        release = (lambda: executor._uids.release(uid)) if uid is not None else (lambda: None)
-        return _PooledSandbox(proc, control_write, status_read, release)
-
-    def _refill(self) -> None:
-        while not self._closed:
-            with self._lock:
-                missing = self.size - len(self._ready)
-            for _ in range(max(0, missing)):
-                try:
-                    sandbox = self._start_one()
-                except SandboxError as exc:
-                    log.error("warm pool could not start a sandbox: %s", exc)
-                    break
-                with self._lock:
-                    if self._closed:
-                        self._discard(sandbox)
-                        return
-                    self._ready.append(sandbox)
-            self._wake.wait(timeout=1.0)
-            self._wake.clear()
-
-    @staticmethod
-    def _discard(sandbox: _PooledSandbox) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(sandbox.proc.pid, signal.SIGKILL)
-        sandbox.proc.wait()
-        for stream in (sandbox.proc.stdin, sandbox.proc.stdout, sandbox.proc.stderr):
-            if stream is not None:
-                stream.close()
-        for fd in (sandbox.control, sandbox.status_read):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        sandbox.release()
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake.set()
-        self._thread.join(timeout=10)
-        with self._lock:
-            while self._ready:
-                self._discard(self._ready.pop())
 
 
 def _merge_seed(workspace_tar: bytes | None, files: Mapping[str, str]) -> bytes | None:
@@ -750,6 +698,28 @@ class _Collected:
     timed_out: bool = False
     flood: str | None = None
     workspace_overflow: bool = False
+    returncode: int | None = None
+
+    def feed(self, name: str, chunk: bytes, request: ExecRequest) -> bool:
+        """Keep what fits of one chunk from stream ``name``; True = kill the sandbox now
+        (an output flood)."""
+        if name in ("stdout", "stderr"):
+            kept = getattr(self, name)
+            room = max(0, request.max_output_bytes - len(kept))
+            kept += chunk[:room]
+            self.dropped[name] += len(chunk) - min(room, len(chunk))
+            if (self.flood is None
+                    and self.dropped[name] > OUTPUT_FLOOD_FACTOR * request.max_output_bytes):
+                self.flood = name
+                return True
+        elif name == "status":
+            self.status_json += chunk
+        # The workspace comes back as a tar of a tmpfs-bounded tree; allow header overhead.
+        elif len(self.workspace) + len(chunk) <= 2 * (request.workdir_mb << 20) + (1 << 20):
+            self.workspace += chunk
+        else:
+            self.workspace_overflow = True
+        return False
 
 
 def _collect(
@@ -762,9 +732,6 @@ def _collect(
     """Feed stdin and drain every pipe until the sandbox is gone or the deadline passes."""
     got = _Collected()
     deadline = started + request.timeout_s
-    limit = request.max_output_bytes
-    # The workspace comes back through tmpfs-bounded tar; allow a little header overhead.
-    workspace_cap = 2 * (request.workdir_mb << 20) + (1 << 20)
     selector = selectors.DefaultSelector()
     assert proc.stdin and proc.stdout and proc.stderr
     stdin_data = memoryview(request.stdin.encode())
@@ -779,15 +746,11 @@ def _collect(
     if workspace_fd is not None:
         selector.register(workspace_fd, selectors.EVENT_READ, "workspace")
 
-    def kill() -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
     while selector.get_map():
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             got.timed_out = True
-            kill()
+            _kill(proc)
             break
         for key, _ in selector.select(timeout=min(remaining, 0.5)):
             name = key.data
@@ -806,28 +769,29 @@ def _collect(
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 selector.unregister(key.fileobj)
-                continue
-            if name in ("stdout", "stderr"):
-                kept = getattr(got, name)
-                room = max(0, limit - len(kept))
-                kept += chunk[:room]
-                got.dropped[name] += len(chunk) - min(room, len(chunk))
-                if got.dropped[name] > OUTPUT_FLOOD_FACTOR * limit and got.flood is None:
-                    got.flood = name
-                    kill()
-            elif name == "status":
-                got.status_json += chunk
-            elif len(got.workspace) + len(chunk) <= workspace_cap:
-                got.workspace += chunk
-            else:
-                got.workspace_overflow = True
+            elif got.feed(name, chunk, request):
+                _kill(proc)
     selector.close()
     # After a kill the pid namespace dies with bwrap; the wait is short either way.
     try:
         proc.wait(timeout=max(1.0, deadline - time.monotonic() + 1.0))
     except subprocess.TimeoutExpired:
-        kill()
+        _kill(proc)
         proc.wait()
+    _close_out(proc, got, status_fd)
+    return got
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL bwrap's process group; pid 1 of the sandbox dies with it, and with pid 1
+    every process in the sandbox."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _close_out(proc: subprocess.Popen[bytes], got: _Collected, status_fd: int) -> None:
+    """After bwrap exited: record its exit status, close our pipe ends, read the status tail."""
+    got.returncode = proc.returncode
     for stream in (proc.stdin, proc.stdout, proc.stderr):
         if stream and not stream.closed:
             with contextlib.suppress(OSError):
@@ -839,6 +803,76 @@ def _collect(
             with contextlib.suppress(BlockingIOError):
                 while chunk := os.read(status_fd, 4096):
                     got.status_json += chunk
+
+
+async def _collect_async(
+    proc: subprocess.Popen[bytes], request: ExecRequest, started: float, status_fd: int
+) -> _Collected:
+    """:func:`_collect` for an event loop: the same bookkeeping, driven by loop readers, so a
+    server needs no thread (and no GIL hand-off) per execution."""
+    loop = asyncio.get_running_loop()
+    got = _Collected()
+    deadline = started + request.timeout_s
+    all_closed: asyncio.Future[None] = loop.create_future()
+    assert proc.stdin and proc.stdout and proc.stderr
+    readers = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
+               status_fd: "status"}
+    stdin_fd = proc.stdin.fileno()
+    stdin_data = memoryview(request.stdin.encode())
+
+    def on_readable(fd: int) -> None:
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            loop.remove_reader(fd)
+            del readers[fd]
+            if not readers and not all_closed.done():
+                all_closed.set_result(None)
+        elif got.feed(readers[fd], chunk, request):
+            _kill(proc)
+
+    def on_writable() -> None:
+        nonlocal stdin_data
+        try:
+            stdin_data = stdin_data[os.write(stdin_fd, stdin_data[:65536]):]
+        except BlockingIOError:
+            return
+        except BrokenPipeError:
+            stdin_data = memoryview(b"")
+        if not stdin_data:
+            loop.remove_writer(stdin_fd)
+            proc.stdin.close()  # type: ignore[union-attr]
+
+    if stdin_data:
+        os.set_blocking(stdin_fd, False)
+        loop.add_writer(stdin_fd, on_writable)
+    else:
+        proc.stdin.close()
+    for fd in readers:
+        loop.add_reader(fd, on_readable, fd)
+    try:
+        try:
+            await asyncio.wait_for(asyncio.shield(all_closed),
+                                   max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            got.timed_out = True
+            _kill(proc)
+        finally:
+            for fd in list(readers):
+                loop.remove_reader(fd)
+            if not proc.stdin.closed:
+                loop.remove_writer(stdin_fd)
+        # Pipes close as bwrap exits; its exit status follows within moments.
+        while proc.poll() is None:
+            if time.monotonic() > deadline + 1.0:
+                _kill(proc)
+            await asyncio.sleep(0.0005)
+    except asyncio.CancelledError:
+        # The caller went away (client disconnect, shutdown): the sandbox must not outlive it.
+        _kill(proc)
+        proc.wait()
+        _close_out(proc, got, status_fd)
+        raise
+    _close_out(proc, got, status_fd)
     return got
 
 
@@ -877,6 +911,12 @@ def _finish(
     if not started:
         raise SandboxError(f"bubblewrap could not create the sandbox: {stderr.strip()[:2000]}")
     if exit_code is None:
+        setup_error = re.search(r"^bwrap: (.*)$", stderr, re.MULTILINE)
+        if setup_error and got.returncode == 1:
+            # bwrap could not exec the command (not found, not executable): the caller's
+            # mistake, reported like a shell would (127).
+            return ExecResult("error", 127, stdout, stderr, duration_ms,
+                              f"could not start the program: {setup_error.group(1)}")
         # bwrap itself was killed from outside before reporting; treat as a kill.
         return ExecResult("killed", None, stdout, stderr, duration_ms,
                           "the sandbox was terminated before the program reported an exit code")

@@ -13,12 +13,8 @@ in a bounded queue; when the queue is full the server answers 429 with ``Retry-A
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import contextvars
 import logging
 import os
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,14 +67,8 @@ def create_app(
     concurrency = concurrency or os.cpu_count() or 1
     max_queue = 8 * concurrency if max_queue is None else max_queue
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        app.state.pool.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="posttrain sandbox runner", lifespan=lifespan)
+    app = FastAPI(title="posttrain sandbox runner")
     app.state.executor = executor
-    app.state.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sandbox")
     app.state.gate = None
     app.state.limits = (concurrency, max_queue)
 
@@ -132,11 +122,9 @@ def create_app(
             current.running += 1
             IN_FLIGHT.set(current.running)
             try:
-                # copy_context: the executor's span becomes a child of this one in the worker.
-                context = contextvars.copy_context()
-                result = await asyncio.get_running_loop().run_in_executor(
-                    app.state.pool, context.run, get_executor().run, request
-                )
+                # In the event loop, not a thread: no hand-off per execution, and the
+                # executor's span is a child of this one without context copying.
+                result = await get_executor().run_async(request)
             except SandboxError as exc:
                 log.error("sandbox failure: %s", exc)
                 return JSONResponse({"error": f"sandbox failure: {exc}"}, status_code=500)

@@ -125,6 +125,10 @@ def main() -> None:
         spec = json.load(handle)
     with open("solution.py") as handle:
         solution = handle.read()
+    # The solution runs in the same workspace: do not leave the tests lying around for it.
+    for name in ("cases.json", "harness.py"):
+        with contextlib.suppress(OSError):
+            os.unlink(name)
     results = [
         _run_case(i, solution, spec["setup"], case, float(spec["case_timeout_s"]))
         for i, case in enumerate(spec["cases"])

@@ -44,6 +44,17 @@ def host_processes_matching(needle: str) -> list[int]:
     return found
 
 
+def gone_soon(needle: str, within_s: float = 3.0) -> bool:
+    """Whether no host process matches ``needle`` within ``within_s`` (the kernel tears a
+    pid namespace down asynchronously after its init dies)."""
+    deadline = time.monotonic() + within_s
+    while host_processes_matching(needle):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def sandbox_uid_processes() -> list[int]:
     """Host processes still running under a sandbox host uid."""
     pids = []
@@ -160,10 +171,7 @@ def test_detached_children_die_with_the_sandbox(executor: Executor) -> None:
     assert result.status == "ok" and result.stdout == "spawned\n"
     timed_out = run(executor, ["sh", "-c", f"setsid sleep {marker}2 & sleep 100"], timeout_s=1.0)
     assert timed_out.status == "timeout"
-    deadline = time.monotonic() + 2.0
-    while host_processes_matching(f"sleep {marker}") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert host_processes_matching(f"sleep {marker}") == []
+    assert gone_soon(f"sleep {marker}")
 
 
 def test_signals_cannot_reach_the_host(executor: Executor) -> None:
@@ -200,6 +208,14 @@ def test_file_size_limit_kills_large_writes(executor: Executor) -> None:
     assert result.status == "killed" and "file size limit" in result.reason
 
 
+def test_cpu_limit_and_missing_command_are_named(executor: Executor) -> None:
+    spin = run(executor, ["python3", "-c", "while True: pass"], timeout_s=20.0, cpu_time_s=1)
+    assert spin.status == "killed" and spin.reason == "CPU time limit reached (SIGXCPU)"
+    missing = run(executor, ["no-such-program"])
+    assert (missing.status, missing.exit_code) == ("error", 127)
+    assert "could not start the program" in missing.reason and "no-such-program" in missing.reason
+
+
 def test_rejects_invalid_requests_with_actionable_messages() -> None:
     with pytest.raises(ValueError, match="command must be a non-empty list"):
         ExecRequest(command=[])
@@ -223,9 +239,29 @@ def test_warm_pool_sandboxes_are_single_use_and_contained() -> None:
         assert second.status == "ok" and second.stdout.split()[0] != "left-behind"
         argv = run(pooled, ["python3", "-c", "import sys; print(sys.argv[1:])", "a b", "", "c\nd"])
         assert argv.stdout == "['a b', '', 'c\\nd']\n"
-        deadline = time.monotonic() + 2.0
-        while host_processes_matching(f"sleep {marker}") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert host_processes_matching(f"sleep {marker}") == []
+        assert gone_soon(f"sleep {marker}")
     finally:
         pooled.close()
+
+
+def test_async_run_matches_sync_and_cancellation_kills_the_sandbox(executor: Executor) -> None:
+    import asyncio
+
+    async def scenario() -> tuple[ExecResult, ExecResult]:
+        fast = await executor.run_async(ExecRequest(
+            command=["sh", "-c", "cat; cat data.txt; exit 2"], stdin="in\n",
+            files={"data.txt": "file\n"}))
+        slow = await executor.run_async(ExecRequest(command=["sleep", "30"], timeout_s=0.3))
+        marker = f"{int(uuid.uuid4().int % 10**6) + 8000000}"
+        task = asyncio.ensure_future(executor.run_async(ExecRequest(
+            command=["sh", "-c", f"sleep {marker}"], timeout_s=30)))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert gone_soon(f"sleep {marker}")
+        return fast, slow
+
+    fast, slow = asyncio.run(scenario())
+    assert (fast.status, fast.exit_code, fast.stdout) == ("error", 2, "in\nfile\n")
+    assert slow.status == "timeout"

@@ -136,12 +136,11 @@ def test_cli_prints_exactly_one_json_object() -> None:
 
     timed_out = json.loads(cli("--timeout", "0.5", "--", "sleep", "10").stdout)
     assert timed_out["status"] == "timeout" and timed_out["exit_code"] is None
-    oom = json.loads(cli("--memory-mb", "128", "--", "python3", "-c",
-                         "x = bytearray(1 << 30)").stdout)
-    assert oom["status"] == "oom"
-    flood = json.loads(cli("--max-output-bytes", "100", "--", "python3", "-c",
-                           "print('y' * 1000)").stdout)
-    assert flood["status"] == "ok" and "[truncated by sandbox: 901 more bytes]" in flood["stdout"]
+    truncated = json.loads(cli("--max-output-bytes", "100", "--memory-mb", "128", "--",
+                               "python3", "-c", "print('y' * 1000); x = bytearray(1 << 30)")
+                           .stdout)
+    assert truncated["status"] == "oom"
+    assert "[truncated by sandbox: 901 more bytes]" in truncated["stdout"]
 
 
 def test_cli_usage_errors_exit_2() -> None:
@@ -149,3 +148,23 @@ def test_cli_usage_errors_exit_2() -> None:
     assert missing.returncode == 2 and "no command given" in missing.stderr
     bad = cli("--memory-mb", "4", "--", "true")
     assert bad.returncode == 2 and "memory_mb must be >= 32" in bad.stderr
+
+
+def test_serve_command_runs_a_warm_runner() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "posttrain", "sandbox", "serve",
+                               "--host", "127.0.0.1", "--port", str(port), "--concurrency", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        client = SandboxClient(f"http://127.0.0.1:{port}", retries=100, backoff_s=0.1,
+                               max_backoff_s=0.2)
+        # The retries cover the server's start-up (connection refused until it listens).
+        result = client.exec(["sh", "-c", "echo served; exit 5"])
+        assert (result.status, result.exit_code, result.stdout) == ("error", 5, "served\n")
+        assert client.health()["concurrency"] == 1
+    finally:
+        server.terminate()
+        _, stderr = server.communicate(timeout=30)
+    assert "sandbox runner on 127.0.0.1" in stderr

@@ -128,6 +128,11 @@ def test_unit_tests_flag_exit_and_builtin_tampering(executor: Executor) -> None:
     assert tampered.reward == 1.0  # the tests passed, but the audit sees how
     assert {"tampers_builtins", "builtins_modified"} <= set(tampered.details["hack_signals"])
 
+    peek = verify("unit_tests", "```python\nimport os\nFILES = sorted(os.listdir('.'))\n```",
+                  {"tests": "from solution import FILES\nassert FILES == ['solution.py']"},
+                  executor=executor)
+    assert peek.reward == 1.0  # the tests are gone from the workspace before the solution runs
+
     empty = verify("unit_tests", "", {"tests": "assert True"}, executor=executor)
     assert "empty_answer" in empty.details["hack_signals"]
 
