@@ -283,24 +283,26 @@ def read_documents(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def prepare_for_apply(
-    doc: dict[str, Any], label: str, namespace: str, explicit_namespace: bool
+    doc: dict[str, Any], label: str, namespace_flag: str | None
 ) -> tuple[Kind, dict[str, Any]]:
     """Validate one document and return the body to apply (what the user wrote, no status).
 
     The user's own fields are sent rather than the model's dump with defaults filled in,
     so the ``posttrain`` field manager owns only what the user set (as kubectl does) and
-    the apiserver's schema defaulting stays the single source of defaults.
+    the apiserver's schema defaulting stays the single source of defaults. The namespace is
+    the document's, else -n; with neither it is left for the kubeconfig context to fill.
     """
     parse_resource(doc, label)  # raises UsageError naming every bad field
     kind = kind_by_name(doc["kind"])
     meta = dict(doc.get("metadata") or {})
     declared = meta.get("namespace")
-    if declared and explicit_namespace and declared != namespace:
+    if declared and namespace_flag and declared != namespace_flag:
         raise UsageError(
-            f"{label}: metadata.namespace is {declared!r} but -n says {namespace!r}; "
+            f"{label}: metadata.namespace is {declared!r} but -n says {namespace_flag!r}; "
             "drop one of them"
         )
-    meta["namespace"] = declared or namespace
+    if declared or namespace_flag:
+        meta["namespace"] = declared or namespace_flag
     body = {k: v for k, v in doc.items() if k != "status"}
     body["metadata"] = meta
     return kind, body
@@ -308,19 +310,21 @@ def prepare_for_apply(
 
 @exits_1_on_failure
 def apply_command(args: argparse.Namespace) -> int:
-    """Validate everything first; apply only when every document is valid."""
+    """Validate everything before connecting; apply only when every document is valid."""
     files = manifest_files(args.filename)
     documents = [item for source in files for item in read_documents(source)]
-    cluster = cluster_from_args(args)
     problems: list[str] = []
     prepared: list[tuple[Kind, dict[str, Any]]] = []
     for label, doc in documents:
         try:
-            prepared.append(prepare_for_apply(doc, label, cluster.namespace, bool(args.namespace)))
+            prepared.append(prepare_for_apply(doc, label, args.namespace))
         except UsageError as exc:
             problems.append(str(exc))
     if problems:
         raise UsageError("\n".join(problems) + "\nnothing was applied")
+    cluster = cluster_from_args(args)
+    for _, body in prepared:
+        body["metadata"].setdefault("namespace", cluster.namespace)
     failures = 0
     for kind, body in prepared:
         try:
@@ -331,14 +335,16 @@ def apply_command(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def apply_one(cluster: Cluster, kind: Kind, body: dict[str, Any], dry_run: bool, force: bool) -> str:
+def apply_one(
+    cluster: Cluster, kind: Kind, body: dict[str, Any], dry_run: bool, force: bool
+) -> str:
     """Server-side apply one object; returns kubectl's ``kind.group/name created|configured``."""
     name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
     with tracer.start_as_current_span("ctl.apply") as span:
         span.set_attribute("posttrain.kind", kind.kind)
         span.set_attribute("posttrain.name", name)
         span.set_attribute("posttrain.namespace", namespace)
-        before = _existing_version(cluster, kind, name, namespace)
+        before = _live_object(cluster, kind, name, namespace)
         try:
             after = cluster.custom.patch_namespaced_custom_object(
                 GROUP,
@@ -367,7 +373,7 @@ def apply_one(cluster: Cluster, kind: Kind, body: dict[str, Any], dry_run: bool,
             raise api_failure(exc, f"{kind.qualified}/{name}") from None
         if before is None:
             verb = "created"
-        elif after["metadata"]["resourceVersion"] == before:
+        elif user_content(after) == user_content(before):
             verb = "unchanged"
         else:
             verb = "configured"
@@ -375,12 +381,12 @@ def apply_one(cluster: Cluster, kind: Kind, body: dict[str, Any], dry_run: bool,
     return f"{kind.qualified}/{name} {verb}" + (" (server dry run)" if dry_run else "")
 
 
-def _existing_version(cluster: Cluster, kind: Kind, name: str, namespace: str) -> str | None:
-    """resourceVersion of the live object, None when it does not exist yet."""
+def _live_object(cluster: Cluster, kind: Kind, name: str, namespace: str) -> dict[str, Any] | None:
+    """The object as it is now, None when it does not exist yet."""
     from kubernetes.client.rest import ApiException
 
     try:
-        live = cluster.custom.get_namespaced_custom_object(
+        return cluster.custom.get_namespaced_custom_object(  # type: ignore[no-any-return]
             GROUP, VERSION, namespace, kind.plural, name
         )
     except ApiException as exc:
@@ -389,7 +395,17 @@ def _existing_version(cluster: Cluster, kind: Kind, name: str, namespace: str) -
         raise api_failure(exc, f"{kind.qualified}/{name}") from None
     except Exception as exc:
         raise api_failure(exc, f"{kind.qualified}/{name}") from None
-    return str(live["metadata"]["resourceVersion"])
+
+
+def user_content(obj: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """What an apply can change: spec, labels, annotations. Compared rather than the
+    resourceVersion because a server dry run never moves the resourceVersion.
+
+    >>> user_content({"spec": {"a": 1}, "metadata": {"resourceVersion": "7"}})
+    ({'a': 1}, {}, {})
+    """
+    meta = obj.get("metadata", {})
+    return obj.get("spec"), meta.get("labels") or {}, meta.get("annotations") or {}
 
 
 # ----------------------------------------------------------------------------- get
@@ -415,15 +431,28 @@ def get_command(args: argparse.Namespace) -> int:
 
 
 def serialize(objects: dict[str, list[dict[str, Any]]], single: bool, output: str) -> str:
-    """JSON/YAML like kubectl: the object itself for one name, else a v1 List."""
-    items = [obj for group in objects.values() for obj in group]
+    """JSON/YAML like kubectl: the object itself for one name, else a v1 List; managedFields
+    are left out (as kubectl does) because they bury the spec under bookkeeping."""
+    items = [without_managed_fields(obj) for group in objects.values() for obj in group]
     document: Any = items[0] if single else {"apiVersion": "v1", "kind": "List", "items": items}
     if output == "json":
         return json.dumps(document, indent=2, sort_keys=False)
     return yaml.safe_dump(document, sort_keys=False).rstrip()
 
 
-def print_tables(objects: dict[str, list[dict[str, Any]]], all_namespaces: bool, namespace: str) -> None:
+def without_managed_fields(obj: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``obj`` without metadata.managedFields.
+
+    >>> without_managed_fields({"metadata": {"name": "a", "managedFields": []}})
+    {'metadata': {'name': 'a'}}
+    """
+    meta = {k: v for k, v in obj.get("metadata", {}).items() if k != "managedFields"}
+    return {**obj, "metadata": meta}
+
+
+def print_tables(
+    objects: dict[str, list[dict[str, Any]]], all_namespaces: bool, namespace: str
+) -> None:
     console = make_console()
     now = datetime.now(UTC)
     printed = False
@@ -460,12 +489,14 @@ def describe_command(args: argparse.Namespace) -> int:
 def describe_lines(cluster: Cluster, kind: Kind, obj: dict[str, Any], now: datetime) -> list[str]:
     """Every section of ``describe`` for one object, as text lines."""
     meta, spec, status = obj["metadata"], obj.get("spec", {}), obj.get("status") or {}
+    created = meta.get("creationTimestamp")
     lines = [
         f"Name:         {meta['name']}",
         f"Namespace:    {meta.get('namespace', '')}",
         f"Kind:         {kind.kind} ({API_VERSION})",
-        f"Created:      {meta.get('creationTimestamp')} ({format_age(meta.get('creationTimestamp'), now)} ago)",
-        f"Generation:   {meta.get('generation')} (observed: {status.get('observedGeneration', '-')})",
+        f"Created:      {created} ({format_age(created, now)} ago)",
+        f"Generation:   {meta.get('generation')} "
+        f"(observed: {status.get('observedGeneration', '-')})",
     ]
     if kind is TRAINING_RUN:
         lines += ["", "Spec:", *indent(describe_run_spec(spec))]
@@ -494,9 +525,17 @@ def object_events(cluster: Cluster, kind: Kind, obj: dict[str, Any]) -> list[dic
         )
     except Exception as exc:
         raise api_failure(exc, f"events of {kind.singular} {meta['name']!r}") from None
+    if result.status >= 400:  # an unparsed response is not raised as an ApiException
+        raise CommandFailed(
+            f"events of {kind.singular} {meta['name']!r}: the apiserver said {result.status} "
+            f"{result.reason}"
+        )
+    # Plain dicts (camelCase, as kubectl -o json shows them) feed the pure renderers.
     events = json.loads(result.data).get("items", [])
     uid = meta.get("uid")
-    return [e for e in events if not e["involvedObject"].get("uid") or e["involvedObject"]["uid"] == uid]
+    return [
+        e for e in events if not e["involvedObject"].get("uid") or e["involvedObject"]["uid"] == uid
+    ]
 
 
 def children_of(

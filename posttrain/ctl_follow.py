@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from rich.console import Console
@@ -126,7 +126,9 @@ def run_events(
                 if event["type"] == "ERROR":
                     if obj.get("code") == 410:
                         break  # history compacted: re-read below
-                    raise CommandFailed(f"watch of trainingrun {name!r} failed: {obj.get('message')}")
+                    raise CommandFailed(
+                        f"watch of trainingrun {name!r} failed: {obj.get('message')}"
+                    )
                 resource_version = obj["metadata"]["resourceVersion"]
                 yield event["type"], obj
                 if deadline is not None and time.monotonic() >= deadline:
@@ -148,7 +150,6 @@ def watch_run(
     name: str,
     timeout_s: float | None,
     console: Console,
-    on_status: Callable[[Mapping[str, Any]], None] | None = None,
 ) -> int:
     """Show the run's progress until it ends; 0 Succeeded, 1 Failed/deleted/timed out."""
     obj = cluster.get(TRAINING_RUN, name)
@@ -164,8 +165,6 @@ def watch_run(
                 return fail(f"trainingrun {name!r} was deleted while watching")
             status = current.get("status") or {}
             view.update(status)
-            if on_status is not None:
-                on_status(status)
             phase = status.get("phase")
             if phase in TERMINAL_PHASES:
                 span.set_attribute("posttrain.phase", phase)
@@ -197,9 +196,7 @@ def finish_message(name: str, status: Mapping[str, Any]) -> int:
             f"checkpoint {status.get('lastCheckpoint') or '-'}"
         )
         return 0
-    failed = next(
-        (c for c in status.get("conditions", []) if c.get("type") == "Failed"), None
-    )
+    failed = next((c for c in status.get("conditions", []) if c.get("type") == "Failed"), None)
     why = f"{failed.get('reason')}: {failed.get('message')}" if failed else status.get("message")
     return fail(
         f"trainingrun {name} Failed at step {format_step(status)}"
@@ -304,7 +301,6 @@ def stream_trainer_logs(
     finally:
         response.release_conn()
     return 0
-
 
 
 def container_started(pod: Any, container: str) -> bool:

@@ -9,6 +9,7 @@ client; there is no cache or second source of truth between the user and the api
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,9 +227,10 @@ def api_failure(exc: Exception, what: str) -> Exception:
         return CommandFailed(f"{what}: the apiserver said {exc.status} {server_message(exc)}")
     if isinstance(exc, CommandFailed | UsageError):
         return exc
+    reason = getattr(exc, "reason", None) or exc  # urllib3's MaxRetryError wraps the cause
     return CommandFailed(
-        f"{what}: cannot reach the apiserver ({type(exc).__name__}: {exc}); is the cluster "
-        "running? (`posttrain dev status`, or check --kubeconfig)"
+        f"{what}: cannot reach the apiserver ({reason}); is the cluster running? "
+        "(`posttrain dev status`, or check --kubeconfig / --context)"
     )
 
 
@@ -247,9 +249,11 @@ def server_message(exc: Any) -> str:
 
 
 def connect(kubeconfig: str | None, namespace: str | None, context: str | None = None) -> Cluster:
-    """Log in with the resolved kubeconfig; the namespace is -n, else the context's, else default."""
+    """Log in with the resolved kubeconfig; namespace: -n, else the context's, else default."""
     from kubernetes import config
 
+    # urllib3 logs a warning per connection retry; the one error message below says it all.
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     path = find_kubeconfig(kubeconfig)
     try:
         api_client = config.new_client_from_config(config_file=str(path), context=context)

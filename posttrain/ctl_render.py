@@ -62,6 +62,16 @@ def format_number(value: float | int | None, digits: int = 3) -> str:
     return f"{float(value):.{digits}f}"
 
 
+def format_float(value: float | int | None, digits: int = 3) -> str:
+    """A measured value (reward, accuracy) always with ``digits`` decimals; JSON turns 1.0
+    into 1 on the way through the apiserver, and a reward of 1 should still read 1.000.
+
+    >>> format_float(1), format_float(None)
+    ('1.000', '-')
+    """
+    return MISSING if value is None else f"{float(value):.{digits}f}"
+
+
 def format_domains(values: Mapping[str, float] | None, limit: int = MAX_DOMAINS_SHOWN) -> str:
     """``name=value`` per domain (sorted), the first ``limit`` of them.
 
@@ -121,7 +131,7 @@ def run_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
         _meta(obj).get("name", MISSING),
         status.get("phase") or MISSING,
         format_step(status),
-        format_number(status.get("rewardMean")),
+        format_float(status.get("rewardMean")),
         format_domains(status.get("domainRewards")),
         format_domains(status.get("evalAccuracy")),
         short_uri(status.get("lastCheckpoint"), keep=32),
@@ -153,7 +163,7 @@ def task_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
     return [
         _meta(obj).get("name", MISSING),
         status.get("phase") or MISSING,
-        format_number(status.get("reward")),
+        format_float(status.get("reward")),
         MISSING if duration_ms is None else f"{float(duration_ms) / 1000:.2f}s",
         format_number(status.get("exitCode")),
         status.get("reason") or MISSING,
@@ -222,7 +232,8 @@ def describe_run_spec(spec: Mapping[str, Any]) -> list[str]:
         + (
             f"pool {rollout['pool']}"
             if rollout.get("pool")
-            else ", ".join(rollout.get("endpoints", [])) or "local CPU server"
+            else ", ".join(rollout.get("endpoints", []))
+            or "none set (a local run starts a CPU server)"
         ),
         f"Sandbox:      {spec.get('sandbox', {}).get('mode', 'local')}",
         f"Trainer:      {resources.get('nodes', 1)} node(s) x "
@@ -250,9 +261,9 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
     lines = [
         f"Phase:        {status.get('phase') or 'unknown (the operator has not seen it yet)'}",
         f"Step:         {format_step(status)}",
-        f"Reward mean:  {format_number(status.get('rewardMean'))}",
+        f"Reward mean:  {format_float(status.get('rewardMean'))}",
         f"Checkpoint:   {status.get('lastCheckpoint') or MISSING}",
-        f"Weights:      {MISSING if status.get('weightVersion') is None else status['weightVersion']}",
+        f"Weights:      {format_number(status.get('weightVersion'))}",
         f"Restarts:     {status.get('restarts', 0)}",
     ]
     if status.get("message"):
@@ -264,15 +275,17 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
             rows.append(
                 [
                     name,
-                    format_number(status.get("domainRewards", {}).get(name)),
-                    format_number(status.get("evalAccuracy", {}).get(name)),
+                    format_float(status.get("domainRewards", {}).get(name)),
+                    format_float(status.get("evalAccuracy", {}).get(name)),
                 ]
             )
         lines += ["Per domain:", *aligned(rows)]
     return lines
 
 
-def describe_conditions(conditions: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[str]:
+def describe_conditions(
+    conditions: Sequence[Mapping[str, Any]], now: datetime | None = None
+) -> list[str]:
     """Conditions with reason, age and message (the why of the current phase)."""
     if not conditions:
         return ["  <none> (the operator has not reconciled this object yet)"]
@@ -301,16 +314,20 @@ def event_time(event: Mapping[str, Any]) -> str | None:
     )
 
 
-def describe_events(events: Sequence[Mapping[str, Any]], now: datetime | None = None, limit: int = 15) -> list[str]:
+def describe_events(
+    events: Sequence[Mapping[str, Any]], now: datetime | None = None, limit: int = 15
+) -> list[str]:
     """The newest ``limit`` Events, oldest first (reading order), like kubectl describe."""
     if not events:
         return ["  <none>"]
     ordered = sorted(events, key=lambda e: event_time(e) or "")[-limit:]
     rows = [["TYPE", "REASON", "AGE", "FROM", "MESSAGE"]]
     for event in ordered:
-        source = (event.get("source") or {}).get("component") or event.get(
-            "reportingComponent"
-        ) or MISSING
+        source = (
+            (event.get("source") or {}).get("component")
+            or event.get("reportingComponent")
+            or MISSING
+        )
         count = event.get("count") or 1
         age = format_age(event_time(event), now) + (f" (x{count})" if count > 1 else "")
         rows.append(
@@ -346,8 +363,8 @@ def watch_row(status: Mapping[str, Any], domains: Sequence[str]) -> list[str]:
     return [
         format_step(status),
         status.get("phase") or MISSING,
-        format_number(status.get("rewardMean")),
-        *[format_number(rewards.get(d)) for d in domains],
+        format_float(status.get("rewardMean")),
+        *[format_float(rewards.get(d)) for d in domains],
         format_domains(status.get("evalAccuracy")),
         short_uri(status.get("lastCheckpoint"), keep=32),
     ]

@@ -79,7 +79,13 @@ def sandbox_latencies_ms(metrics: Sequence[Mapping[str, Any]]) -> list[float]:
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # matplotlib ships with the train extra, not the base install
+        raise UsageError(
+            "posttrain report draws plots with matplotlib, which is not installed; "
+            "install it with: pip install 'posttrain[train]'"
+        ) from None
 
     matplotlib.use("Agg")  # no display on servers and in CI
     import matplotlib.pyplot as plt
@@ -98,9 +104,12 @@ def _png(fig: Any) -> bytes:
 def plot_throughput(points: Sequence[tuple[int, float]]) -> bytes:
     """Rollout throughput over steps, as PNG bytes."""
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.plot([s for s, _ in points], [v for _, v in points], marker="o")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("tokens / s")
     ax.set_title("Rollout throughput (sampled tokens per rollout second)")
     return _png(fig)
@@ -150,6 +159,7 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
             f"{run_dir}: no metrics.jsonl (or it is empty); pass the --out DIR of "
             "`posttrain run --local` after at least one step"
         )
+    _pyplot()  # fail with the install hint before any work
     notes: list[str] = []
     figures: list[Figure] = []
     with tracer.start_as_current_span("ctl.report.plots") as span:
@@ -182,15 +192,30 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     ]
     if evals:
         facts.append(
-            ("held-out accuracy", f"{evals[0].overall:.1%} (step {evals[0].step}) -> "
-             f"{evals[-1].overall:.1%} (step {evals[-1].step})")
+            (
+                "held-out accuracy",
+                f"{evals[0].overall:.1%} (step {evals[0].step}) -> "
+                f"{evals[-1].overall:.1%} (step {evals[-1].step})",
+            )
         )
     return ReportData(f"posttrain report: {run_dir.name}", facts, rows, figures, notes)
 
 
+TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.report.plot_run
+    "reward_accuracy": "Reward and held-out accuracy per domain",
+    "kl": "KL to the reference model",
+    "response_length": "Response length",
+    "loss": "Policy loss",
+}
+
+
 def _figure_title(path: Path) -> str:
-    """``reward_accuracy.png`` -> ``Reward accuracy``."""
-    return path.stem.replace("_", " ").capitalize()
+    """A heading for one of the trainer's PNGs; unknown ones get their file name.
+
+    >>> _figure_title(Path("plots/kl.png")), _figure_title(Path("plots/grad_norm.png"))
+    ('KL to the reference model', 'Grad norm')
+    """
+    return TRAINER_PLOT_TITLES.get(path.stem, path.stem.replace("_", " ").capitalize())
 
 
 def render_markdown(data: ReportData) -> str:
@@ -199,7 +224,10 @@ def render_markdown(data: ReportData) -> str:
     lines += [f"- **{key}:** {value}" for key, value in data.facts]
     if data.accuracy_rows:
         lines += ["", "## Held-out accuracy: base vs trained", ""]
-        lines += ["| domain | base | trained | change | items |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "| domain | base | trained | change | items |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
         for domain, base, trained, items in data.accuracy_rows:
             lines.append(
                 f"| {domain} | {base:.1%} | {trained:.1%} | {trained - base:+.1%} | {items} |"

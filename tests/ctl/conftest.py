@@ -6,10 +6,15 @@ Test modules are imported with importlib (no package), so helpers are fixtures h
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -63,8 +68,12 @@ def run_manifest(
             "model": "smollm2-135m-instruct",
             "algorithm": {"name": "grpo", "groupSize": 4, "maxSteps": max_steps},
             "domains": [
-                {"name": d, "dataset": f"builtin:{d}", "verifier": {"kind": "numeric"},
-                 "weight": float(i + 1)}
+                {
+                    "name": d,
+                    "dataset": f"builtin:{d}",
+                    "verifier": {"kind": "numeric"},
+                    "weight": float(i + 1),
+                }
                 for i, d in enumerate(domains)
             ],
         },
@@ -112,7 +121,9 @@ class Kube:
             GROUP, VERSION, self.namespace, "trainingruns", name, {"status": status}
         )
 
-    def post_event(self, run: dict[str, Any], reason: str, message: str, type_: str = "Normal") -> None:
+    def post_event(
+        self, run: dict[str, Any], reason: str, message: str, type_: str = "Normal"
+    ) -> None:
         """A core/v1 Event about the run, shaped like the ones Kopf posts for the operator."""
         from datetime import UTC, datetime
 
@@ -125,12 +136,19 @@ class Kube:
             client.CoreV1Event(
                 metadata=client.V1ObjectMeta(generate_name=f"{meta['name']}."),
                 involved_object=client.V1ObjectReference(
-                    api_version=f"{GROUP}/{VERSION}", kind="TrainingRun", name=meta["name"],
-                    namespace=self.namespace, uid=meta["uid"],
+                    api_version=f"{GROUP}/{VERSION}",
+                    kind="TrainingRun",
+                    name=meta["name"],
+                    namespace=self.namespace,
+                    uid=meta["uid"],
                 ),
-                reason=reason, message=message, type=type_,
+                reason=reason,
+                message=message,
+                type=type_,
                 source=client.V1EventSource(component="posttrain-operator"),
-                first_timestamp=now, last_timestamp=now, count=1,
+                first_timestamp=now,
+                last_timestamp=now,
+                count=1,
             ),
         )
 
@@ -138,3 +156,85 @@ class Kube:
 @pytest.fixture
 def kube(kube_api: Any, namespace: str, crds_installed: None) -> Kube:
     return Kube(kube_api, namespace)
+
+
+class FakeKubelet:
+    """The kubelet's log endpoint, so ``posttrain logs`` reads through the real apiserver.
+
+    The test cluster has no kubelet; the apiserver proxies ``pods/log`` to the node's
+    kubelet over HTTPS, so this serves ``/containerLogs/<ns>/<pod>/<container>`` on
+    loopback behind a Node object that points at it. ``follow=true`` streams the lines
+    with a pause between them (the apiserver passes each chunk straight through).
+    """
+
+    def __init__(self, workdir: Path) -> None:
+        from posttrain.devenv.certs import make_pki
+
+        self.logs: dict[tuple[str, str, str], list[str]] = {}
+        self.requests: list[str] = []
+        kubelet = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                url = urlparse(self.path)
+                kubelet.requests.append(self.path)
+                parts = url.path.strip("/").split("/")
+                lines = kubelet.logs.get(tuple(parts[1:4]))  # type: ignore[arg-type]
+                if parts[0] != "containerLogs" or lines is None:
+                    self.send_error(404, "no such container")
+                    return
+                query = parse_qs(url.query)
+                if "tailLines" in query:
+                    lines = lines[-int(query["tailLines"][0]) :]
+                follow = query.get("follow") == ["true"]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.end_headers()
+                for line in lines:
+                    self.wfile.write(line.encode() + b"\n")
+                    self.wfile.flush()
+                    if follow:
+                        time.sleep(0.2)
+
+            def log_message(self, *args: Any) -> None:  # keep pytest output clean
+                pass
+
+        pki = make_pki(workdir)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(pki.serving_cert, pki.serving_key)
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="session")
+def fake_kubelet_node(
+    kube_api: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, FakeKubelet]]:
+    """(node name, FakeKubelet): a Node whose kubelet endpoint is the fake one."""
+    import uuid
+
+    from kubernetes import client
+
+    kubelet = FakeKubelet(tmp_path_factory.mktemp("kubelet-pki"))
+    core = client.CoreV1Api(kube_api)
+    name = f"fake-node-{uuid.uuid4().hex[:6]}"
+    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=name)))
+    core.patch_node_status(
+        name,
+        {
+            "status": {
+                "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet.port}},
+            }
+        },
+    )
+    yield name, kubelet
+    core.delete_node(name)
+    kubelet.stop()

@@ -12,9 +12,14 @@ pytestmark = pytest.mark.cluster
 CliRunner = Any
 
 PROGRESS = dict(
-    phase="Running", step=2, max_steps=3, reward_mean=0.4375,
-    domain_rewards={"arith": 0.625, "code": 0.25}, eval_accuracy={"arith": 0.5, "code": 0.125},
-    last_checkpoint="s3://posttrain/runs/demo/checkpoints/step-000002", weight_version=2,
+    phase="Running",
+    step=2,
+    max_steps=3,
+    reward_mean=0.4375,
+    domain_rewards={"arith": 0.625, "code": 0.25},
+    eval_accuracy={"arith": 0.5, "code": 0.125},
+    last_checkpoint="s3://posttrain/runs/demo/checkpoints/step-000002",
+    weight_version=2,
 )
 
 
@@ -33,7 +38,14 @@ def test_get_shows_the_trainers_progress(kcli: CliRunner, kube: Any) -> None:
     header = result.out.splitlines()[0].split()
     assert header[:4] == ["NAME", "PHASE", "STEP", "REWARD"]
     assert row_of(result.out, "demo")[:9] == [
-        "demo", "Running", "2/3", "0.438", "arith=0.62", "code=0.25", "arith=0.50", "code=0.12",
+        "demo",
+        "Running",
+        "2/3",
+        "0.438",
+        "arith=0.62",
+        "code=0.25",
+        "arith=0.50",
+        "code=0.12",
         "…uns/demo/checkpoints/step-000002",
     ]
     assert row_of(result.out, "fresh")[:4] == ["fresh", "-", "-", "-"]  # not reconciled yet
@@ -54,7 +66,9 @@ def test_kubectl_get_and_posttrain_get_agree(kcli: CliRunner, kube: Any, kubectl
     assert theirs[1] == ours[1] == "Running"
     step, max_steps = ours[2].split("/")
     assert (theirs[2], theirs[3]) == (step, max_steps)
-    assert float(theirs[4]) == pytest.approx(float(ours[3]), abs=6e-4)  # ours is rounded to 3 digits
+    assert float(theirs[4]) == pytest.approx(
+        float(ours[3]), abs=6e-4
+    )  # ours is rounded to 3 digits
     assert theirs[6].endswith("step-000002") and ours[8].endswith("step-000002")
 
 
@@ -74,20 +88,41 @@ def test_describe_explains_conditions_events_and_children(
 
     run = kube.create_run("demo")
     kube.report_progress("demo", **{**PROGRESS, "phase": "Failed"})
-    kube.patch_status("demo", {"conditions": [
-        {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-         "message": "trainer exited 137 (OOMKilled) 4 times; raise spec.resources.memory",
-         "lastTransitionTime": "2026-01-01T00:00:00Z"},
-        {"type": "Ready", "status": "False", "reason": "TrainerFailed", "message": "",
-         "lastTransitionTime": "2026-01-01T00:00:00Z"},
-    ]})
-    kube.post_event(run, "TrainerRestarted", "trainer pod demo-g1-0 OOMKilled; restart 1 of 3",
-                    type_="Warning")
-    kube.core.create_namespaced_pod(kube.namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name="demo-g1-0", labels={
-            "posttrain.io/run": "demo", "posttrain.io/component": "trainer"}),
-        spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
-    ))
+    kube.patch_status(
+        "demo",
+        {
+            "conditions": [
+                {
+                    "type": "Failed",
+                    "status": "True",
+                    "reason": "BackoffLimitExceeded",
+                    "message": "trainer exited 137 (OOMKilled) 4 times; "
+                    "raise spec.resources.memory",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                },
+                {
+                    "type": "Ready",
+                    "status": "False",
+                    "reason": "TrainerFailed",
+                    "message": "",
+                    "lastTransitionTime": "2026-01-01T00:00:00Z",
+                },
+            ]
+        },
+    )
+    kube.post_event(
+        run, "TrainerRestarted", "trainer pod demo-g1-0 OOMKilled; restart 1 of 3", type_="Warning"
+    )
+    kube.core.create_namespaced_pod(
+        kube.namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(
+                name="demo-g1-0",
+                labels={"posttrain.io/run": "demo", "posttrain.io/component": "trainer"},
+            ),
+            spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
+        ),
+    )
 
     result = kcli("describe", "tr", "demo")
     assert result.code == 0, result.err
@@ -107,3 +142,94 @@ def test_describe_explains_conditions_events_and_children(
 def test_describe_missing_run_is_exit_1(kcli: CliRunner, kube: Any) -> None:
     result = kcli("describe", "tr", "ghost")
     assert result.code == 1 and "not found" in result.err
+
+
+def test_get_pools_and_tasks_and_all_namespaces(kcli: CliRunner, kube: Any) -> None:
+    from posttrain.api.base import GROUP, VERSION
+
+    def create(plural: str, body: dict[str, Any], status: dict[str, Any]) -> None:
+        kube.custom.create_namespaced_custom_object(GROUP, VERSION, kube.namespace, plural, body)
+        kube.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, kube.namespace, plural, body["metadata"]["name"], {"status": status}
+        )
+
+    create(
+        "rolloutpools",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "RolloutPool",
+            "metadata": {"name": "pool"},
+            "spec": {"model": "smollm2-135m-instruct", "replicas": 3, "engine": "cpu"},
+        },
+        {"phase": "Degraded", "readyReplicas": 2, "replicas": 3, "weightVersion": 7},
+    )
+    create(
+        "sandboxtasks",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SandboxTask",
+            "metadata": {"name": "task"},
+            "spec": {"command": ["python3", "-c", "print(1)"]},
+        },
+        {
+            "phase": "Succeeded",
+            "reward": 1.0,
+            "durationMs": 1234.0,
+            "exitCode": 0,
+            "reason": "Completed",
+            "attempts": 1,
+        },
+    )
+
+    pools = kcli("get", "rp")
+    assert row_of(pools.out, "pool")[:6] == [
+        "pool",
+        "Degraded",
+        "2/3",
+        "smollm2-135m-instruct",
+        "cpu",
+        "v7",
+    ]
+    tasks = kcli("get", "st")
+    assert row_of(tasks.out, "task")[:7] == [
+        "task",
+        "Succeeded",
+        "1.000",
+        "1.23s",
+        "0",
+        "Completed",
+        "1",
+    ]
+    everything = kcli("get", "all", "-A")
+    assert "rolloutpool.posttrain.io" in everything.out
+    assert "sandboxtask.posttrain.io" in everything.out
+    assert row_of(everything.out, kube.namespace)[:2] == [kube.namespace, "pool"]
+
+    described = kcli("describe", "rp", "pool")
+    assert described.code == 0 and "readyReplicas: 2" in described.out
+
+
+def test_watch_live_table_on_a_terminal(kube: Any, kubeconfig: Any) -> None:
+    """On a terminal watch redraws one rich Live table instead of appending lines."""
+    import io
+
+    from rich.console import Console
+
+    from posttrain.ctl_follow import watch_run
+    from posttrain.ctl_kube import connect
+
+    kube.create_run("live")
+    kube.report_progress(
+        "live",
+        phase="Succeeded",
+        step=3,
+        max_steps=3,
+        reward_mean=0.75,
+        domain_rewards={"arith": 0.5, "code": 1.0},
+    )
+    console = Console(file=io.StringIO(), force_terminal=True, width=120, record=True)
+    code = watch_run(connect(str(kubeconfig), kube.namespace), "live", 30, console)
+    assert code == 0
+    screen = console.export_text()
+    assert "r:arith" in screen and "r:code" in screen
+    assert "3/3" in screen and "Succeeded" in screen and "0.750" in screen

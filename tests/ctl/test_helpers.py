@@ -8,6 +8,7 @@ import importlib
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -17,8 +18,14 @@ from posttrain.errors import UsageError
 
 
 @pytest.mark.parametrize(
-    "module", ["posttrain.ctl_render", "posttrain.ctl_report", "posttrain.ctl_kube",
-               "posttrain.ctl_follow"]
+    "module",
+    [
+        "posttrain.ctl_render",
+        "posttrain.ctl_report",
+        "posttrain.ctl_kube",
+        "posttrain.ctl_follow",
+        "posttrain.ctl",
+    ],
 )
 def test_worked_examples_in_docstrings(module: str) -> None:
     result = doctest.testmod(importlib.import_module(module))
@@ -66,3 +73,22 @@ def test_logs_pick_rank_0_of_the_newest_gang() -> None:
     pods = [pod("r-g1-0", "1", "0"), pod("r-g2-1", "2", "1"), pod("r-g2-0", "2", "0")]
     assert pick_trainer_pod(pods).metadata.name == "r-g2-0"
     assert pick_trainer_pod([]) is None
+
+
+def test_unreachable_apiserver_is_exit_1_with_a_next_step(cli: Any, tmp_path: Path) -> None:
+    """Port 1 on loopback refuses connections: the error says so and what to check."""
+    dead = tmp_path / "kubeconfig"
+    dead.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: x\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: x, context: {cluster: c, user: u, namespace: team-a}}]\n"
+    )
+    result = cli("get", "tr", "--kubeconfig", str(dead))
+    assert result.code == 1
+    assert "cannot reach the apiserver" in result.err and "Connection refused" in result.err
+    assert "posttrain dev status" in result.err
+    from posttrain.ctl_kube import connect
+
+    assert connect(str(dead), None).namespace == "team-a"  # the context's namespace
+    assert connect(str(dead), "other").namespace == "other"  # -n wins

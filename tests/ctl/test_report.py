@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
@@ -25,22 +26,42 @@ def write_run_dir(out: Path, steps: int = 4, latencies: bool = True) -> None:
     with (out / "metrics.jsonl").open("w") as fh:
         for step in range(1, steps + 1):
             line = StepMetrics(
-                step=step, reward_mean=0.1 * step,
+                step=step,
+                reward_mean=0.1 * step,
                 domain_rewards={"arith": 0.15 * step, "code": 0.05 * step},
                 domain_pass_rates={"arith": 0.15 * step, "code": 0.05 * step},
-                loss=-0.01 * step, grad_norm=0.5, kl=0.001 * step, clip_fraction=0.02,
-                ratio_mean=1.0, response_length=40.0 + step, kept_groups=3, total_groups=4,
-                weight_version=step, staleness=0, applied=True, skip_reason="",
-                rollout_seconds=2.0, train_seconds=1.0, step_seconds=3.2,
+                loss=-0.01 * step,
+                grad_norm=0.5,
+                kl=0.001 * step,
+                clip_fraction=0.02,
+                ratio_mean=1.0,
+                response_length=40.0 + step,
+                kept_groups=3,
+                total_groups=4,
+                weight_version=step,
+                staleness=0,
+                applied=True,
+                skip_reason="",
+                rollout_seconds=2.0,
+                train_seconds=1.0,
+                step_seconds=3.2,
             ).to_json()
             if latencies:
                 line["sandbox_latency_ms"] = [20.0 + step + i for i in range(10)]
             fh.write(json.dumps(line) + "\n")
     for step, passed in ((0, 1), (steps, 3)):
         items = [
-            EvalItem(f"{d}-{i}", d, f"q{i}", "1", "1" if i < passed else "0", i < passed,
-                     float(i < passed))
-            for d in DOMAINS for i in range(4)
+            EvalItem(
+                f"{d}-{i}",
+                d,
+                f"q{i}",
+                "1",
+                "1" if i < passed else "0",
+                i < passed,
+                float(i < passed),
+            )
+            for d in DOMAINS
+            for i in range(4)
         ]
         accuracy = {d: passed / 4 for d in DOMAINS}
         save_eval(EvalResult(step, "heldout", accuracy, {d: 4 for d in DOMAINS}, 1.0, items), out)
@@ -48,7 +69,9 @@ def write_run_dir(out: Path, steps: int = 4, latencies: bool = True) -> None:
 
 def embedded_pngs(text: str) -> list[bytes]:
     """Decode every base64 PNG data URI in the report."""
-    return [base64.b64decode(m) for m in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", text)]
+    return [
+        base64.b64decode(m) for m in re.findall(r"data:image/png;base64,([A-Za-z0-9+/=]+)", text)
+    ]
 
 
 def assert_real_pngs(images: list[bytes], expected: int) -> None:
@@ -66,12 +89,26 @@ def test_html_report_embeds_every_plot(cli: CliRunner, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     write_run_dir(run_dir)
     manifest = tmp_path / "run.yaml"
-    manifest.write_text(yaml.safe_dump({
-        "apiVersion": "posttrain.io/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "r"},
-        "spec": {"model": "m", "algorithm": {"groupSize": 8},
-                 "domains": [{"name": "arith", "dataset": "builtin:arithmetic",
-                              "verifier": {"kind": "numeric"}}]},
-    }))
+    manifest.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "posttrain.io/v1alpha1",
+                "kind": "TrainingRun",
+                "metadata": {"name": "r"},
+                "spec": {
+                    "model": "m",
+                    "algorithm": {"groupSize": 8},
+                    "domains": [
+                        {
+                            "name": "arith",
+                            "dataset": "builtin:arithmetic",
+                            "verifier": {"kind": "numeric"},
+                        }
+                    ],
+                },
+            }
+        )
+    )
     out = tmp_path / "report.html"
     result = cli("report", str(run_dir), "--out", str(out), "--manifest", str(manifest))
     assert result.code == 0, result.err
@@ -79,11 +116,17 @@ def test_html_report_embeds_every_plot(cli: CliRunner, tmp_path: Path) -> None:
     assert html.startswith("<!doctype html>")
     # the trainer's four plots, plus throughput and the sandbox latency histogram
     assert_real_pngs(embedded_pngs(html), expected=6)
-    for title in ("Reward accuracy", "Kl", "Response length", "Rollout throughput",
-                  "Sandbox latency"):
+    for title in (
+        "Reward and held-out accuracy per domain",
+        "KL to the reference model",
+        "Response length",
+        "Policy loss",
+        "Rollout throughput",
+        "Sandbox latency",
+    ):
         assert f"<h3>{title}</h3>" in html
     assert "25.0%</td>" in html and "75.0%</td>" in html and "+50.0%" in html  # base -> trained
-    assert "src=\"plots/" not in html and "<img" in html  # self-contained
+    assert 'src="plots/' not in html and "<img" in html  # self-contained
 
 
 def test_markdown_report_without_latencies_or_group_size(cli: CliRunner, tmp_path: Path) -> None:
@@ -109,3 +152,51 @@ def test_report_input_errors_are_exit_2(cli: CliRunner, tmp_path: Path) -> None:
     wrong = cli("report", str(tmp_path / "run"), "--out", str(tmp_path / "r.pdf"))
     assert wrong.code == 2 and ".html or .md" in wrong.err
 
+
+@pytest.mark.slow
+def test_report_from_a_real_local_run(cli: CliRunner, tmp_path: Path) -> None:
+    """`posttrain run --local` (2 steps, tiny model), then `posttrain report` on its --out."""
+    from posttrain.models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "tiny")
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "posttrain.io/v1alpha1",
+                "kind": "TrainingRun",
+                "metadata": {"name": "t"},
+                "spec": {
+                    "model": str(model),
+                    "algorithm": {
+                        "groupSize": 2,
+                        "promptsPerStep": 2,
+                        "maxSteps": 2,
+                        "maxNewTokens": 8,
+                        "learningRate": 1e-5,
+                        "dynamicSampling": False,
+                    },
+                    "domains": [
+                        {
+                            "name": "arithmetic",
+                            "dataset": "builtin:arithmetic",
+                            "verifier": {"kind": "numeric"},
+                        }
+                    ],
+                    "evaluation": {"everySteps": 1, "maxItemsPerDomain": 4},
+                    "checkpoint": {"everySteps": 1},
+                },
+            }
+        )
+    )
+    out = tmp_path / "out"
+    trained = cli("run", str(manifest), "--local", "--out", str(out))
+    assert trained.code == 0, trained.err[-2000:]
+
+    report = tmp_path / "report.html"
+    result = cli("report", str(out), "--out", str(report), "--manifest", str(manifest))
+    assert result.code == 0, result.err
+    html = report.read_text()
+    assert_real_pngs(embedded_pngs(html), expected=5)  # trainer's 4 + derived throughput
+    assert "<h3>Rollout throughput</h3>" in html
+    assert "| arithmetic |" not in html and "<td>arithmetic</td>" in html

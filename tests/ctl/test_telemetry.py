@@ -59,9 +59,7 @@ def test_sandbox_execution_span_and_metrics(spans: Any) -> None:
 
 
 @pytest.mark.slow
-def test_rollout_request_carries_trace_context_client_to_server(
-    spans: Any, tmp_path: Path
-) -> None:
+def test_rollout_request_carries_trace_context_client_to_server(spans: Any, tmp_path: Path) -> None:
     import torch
 
     from posttrain.models import make_tiny_model
@@ -73,7 +71,7 @@ def test_rollout_request_carries_trace_context_client_to_server(
     server = ServerThread(ServerConfig(model=str(make_tiny_model(tmp_path / "tiny")))).start()
     client = RolloutClient([server.url], timeout_s=60)
     served_before = sample(
-        "posttrain_rollout_requests_total", {"endpoint": "/v1/completions", "status": "200"}
+        "posttrain_rollout_requests_total", {"endpoint": "completions", "status": "200"}
     )
     try:
         with get_tracer("test").start_as_current_span("trainer.step") as step_span:
@@ -95,9 +93,10 @@ def test_rollout_request_carries_trace_context_client_to_server(
     assert dict(server_span.attributes)["rollout.prompts"] == 1
     assert dict(server_span.attributes)["rollout.n"] == 2
     assert dict(client_span.attributes)["rollout.n"] == 2
-    assert sample(
-        "posttrain_rollout_requests_total", {"endpoint": "/v1/completions", "status": "200"}
-    ) == served_before + 1
+    assert (
+        sample("posttrain_rollout_requests_total", {"endpoint": "completions", "status": "200"})
+        == served_before + 1
+    )
     assert sample("posttrain_rollout_client_request_seconds_count") >= 1
 
 
@@ -115,8 +114,13 @@ def test_reconcile_span_metrics_and_what_the_user_sees(
     reconciles_before = sample("posttrain_operator_reconciles_total", {"kind": "TrainingRun"})
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump(kube.run_manifest("traced")))
-    config = OperatorConfig(kubeconfig=str(kubeconfig), namespaces=(kube.namespace,),
-                            standalone=True, resync_seconds=1.0, s3_endpoint="127.0.0.1:9000")
+    config = OperatorConfig(
+        kubeconfig=str(kubeconfig),
+        namespaces=(kube.namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint="127.0.0.1:9000",
+    )
     with OperatorThread(config):
         assert kcli("apply", "-f", str(manifest)).code == 0
         deadline = time.monotonic() + 30
@@ -128,13 +132,19 @@ def test_reconcile_span_metrics_and_what_the_user_sees(
         described = kcli("describe", "tr", "traced")
     assert status.get("phase"), f"the operator never set a phase: {status}"
 
-    reconciles = [s for s in finished(spans, "reconcile TrainingRun")
-                  if dict(s.attributes).get("posttrain.object") == "traced"]
+    reconciles = [
+        s
+        for s in finished(spans, "reconcile TrainingRun")
+        if dict(s.attributes).get("posttrain.object") == "traced"
+    ]
     assert reconciles, "no reconcile span for the run"
     assert dict(reconciles[0].attributes)["k8s.namespace.name"] == kube.namespace
-    assert sample("posttrain_operator_reconciles_total", {"kind": "TrainingRun"}) > reconciles_before
-    assert sample("posttrain_operator_reconcile_duration_seconds_count",
-                  {"kind": "TrainingRun"}) >= 1
+    assert (
+        sample("posttrain_operator_reconciles_total", {"kind": "TrainingRun"}) > reconciles_before
+    )
+    assert (
+        sample("posttrain_operator_reconcile_duration_seconds_count", {"kind": "TrainingRun"}) >= 1
+    )
 
     condition = status["conditions"][0]
     assert described.code == 0, described.err

@@ -20,17 +20,32 @@ def report_steps_in_background(kube: Any, name: str, final_phase: str) -> thread
         for step in (1, 2, 3):
             time.sleep(0.3)
             kube.report_progress(
-                name, phase="Running", step=step, max_steps=3, reward_mean=0.1 * step,
+                name,
+                phase="Running",
+                step=step,
+                max_steps=3,
+                reward_mean=0.1 * step,
                 domain_rewards={"arith": 0.2 * step, "code": 0.05 * step},
                 eval_accuracy={"arith": 0.25 * step} if step == 3 else {},
                 last_checkpoint=f"s3://b/runs/{name}/checkpoints/step-{step:06d}",
             )
         time.sleep(0.3)
         if final_phase == "Failed":
-            kube.patch_status(name, {"phase": "Failed", "conditions": [
-                {"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded",
-                 "message": "trainer failed 4 times", "lastTransitionTime": "2026-01-01T00:00:00Z"}
-            ]})
+            kube.patch_status(
+                name,
+                {
+                    "phase": "Failed",
+                    "conditions": [
+                        {
+                            "type": "Failed",
+                            "status": "True",
+                            "reason": "BackoffLimitExceeded",
+                            "message": "trainer failed 4 times",
+                            "lastTransitionTime": "2026-01-01T00:00:00Z",
+                        }
+                    ],
+                },
+            )
         else:
             kube.report_progress(name, phase=final_phase, step=3, max_steps=3, reward_mean=0.3)
 
@@ -103,12 +118,86 @@ def test_logs_of_an_unscheduled_pod_says_it_has_no_logs_yet(kcli: CliRunner, kub
     from kubernetes import client
 
     kube.create_run("queued")
-    kube.core.create_namespaced_pod(kube.namespace, client.V1Pod(
-        metadata=client.V1ObjectMeta(name="queued-g1-0", labels={
-            "posttrain.io/run": "queued", "posttrain.io/component": "trainer",
-            "posttrain.io/rank": "0", "posttrain.io/gang": "1"}),
-        spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
-    ))  # no kubelet in the test cluster: it stays Pending, unscheduled
+    kube.core.create_namespaced_pod(
+        kube.namespace,
+        client.V1Pod(
+            metadata=client.V1ObjectMeta(
+                name="queued-g1-0",
+                labels={
+                    "posttrain.io/run": "queued",
+                    "posttrain.io/component": "trainer",
+                    "posttrain.io/rank": "0",
+                    "posttrain.io/gang": "1",
+                },
+            ),
+            spec=client.V1PodSpec(containers=[client.V1Container(name="trainer", image="busybox")]),
+        ),
+    )  # no kubelet in the test cluster: it stays Pending, unscheduled
     result = kcli("logs", "tr", "queued")
     assert result.code == 1
     assert "trainer pod queued-g1-0 has no logs yet: Pending (not scheduled)" in result.err
+
+
+def test_logs_stream_through_the_apiserver_from_the_trainer_pod(
+    kcli: CliRunner, kube: Any, fake_kubelet_node: Any
+) -> None:
+    """Rank 0 of the newest gang is read, through pods/log, and -f streams to the end."""
+    from kubernetes import client
+
+    node, kubelet = fake_kubelet_node
+    kube.create_run("talky")
+    for gang, rank in (("1", "0"), ("2", "1"), ("2", "0")):
+        pod_name = f"talky-g{gang}-{rank}"
+        kube.core.create_namespaced_pod(
+            kube.namespace,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(
+                    name=pod_name,
+                    labels={
+                        "posttrain.io/run": "talky",
+                        "posttrain.io/component": "trainer",
+                        "posttrain.io/rank": rank,
+                        "posttrain.io/gang": gang,
+                    },
+                ),
+                spec=client.V1PodSpec(
+                    node_name=node,
+                    containers=[client.V1Container(name="trainer", image="posttrain")],
+                ),
+            ),
+        )
+        kube.core.patch_namespaced_pod_status(
+            pod_name,
+            kube.namespace,
+            {
+                "status": {
+                    "phase": "Running",
+                    "containerStatuses": [
+                        {
+                            "name": "trainer",
+                            "image": "posttrain",
+                            "imageID": "",
+                            "ready": True,
+                            "restartCount": 0,
+                            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+                        }
+                    ],
+                }
+            },
+        )
+        kubelet.logs[(kube.namespace, pod_name, "trainer")] = [
+            f"{pod_name} step {i}" for i in range(1, 4)
+        ]
+
+    printed = kcli("logs", "tr", "talky")
+    assert printed.code == 0, printed.err
+    assert printed.out.splitlines() == [f"talky-g2-0 step {i}" for i in range(1, 4)]
+    assert "# pod talky-g2-0 (Running), container trainer" in printed.err
+
+    followed = kcli("logs", "tr", "talky", "-f", "--tail", "2")
+    assert followed.code == 0, followed.err
+    assert followed.out.splitlines() == ["talky-g2-0 step 2", "talky-g2-0 step 3"]
+    assert any("follow=true" in r and "tailLines=2" in r for r in kubelet.requests)
+
+    wrong = kcli("logs", "tr", "talky", "-c", "sidecar")
+    assert wrong.code == 2 and "has containers ['trainer']" in wrong.err
