@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import resource
 import shutil
 import statistics
 import struct
@@ -43,10 +44,20 @@ def write_safetensors_like(path: Path, size_bytes: int) -> None:
     Random bytes, so neither MinIO nor anything on the way can compress or dedupe them.
     """
     payload = size_bytes - 1024
-    header = json.dumps({
-        "__metadata__": {"format": "pt"},
-        "model.weight": {"dtype": "F32", "shape": [payload // 4], "data_offsets": [0, payload]},
-    }).encode().ljust(1024 - 8, b" ")
+    header = (
+        json.dumps(
+            {
+                "__metadata__": {"format": "pt"},
+                "model.weight": {
+                    "dtype": "F32",
+                    "shape": [payload // 4],
+                    "data_offsets": [0, payload],
+                },
+            }
+        )
+        .encode()
+        .ljust(1024 - 8, b" ")
+    )
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(header)) + header)
         left = payload
@@ -65,10 +76,27 @@ def make_checkpoint_dir(root: Path, size_bytes: int) -> Path:
     return ckpt
 
 
-def timed(fn: Callable[[], object]) -> float:
+def process_cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system, all threads) used so far by ``pid`` (None: this process)."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(fn: Callable[[], object], server_pid: int | None) -> tuple[float, float, float]:
+    """(wall s, client CPU s, MinIO CPU s) of one call.
+
+    CPU seconds are reported beside wall time because on a shared machine wall time
+    swings with the neighbours' load, while CPU cost per transfer does not.
+    """
+    client, server = process_cpu_s(None), process_cpu_s(server_pid) if server_pid else 0.0
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    server_used = process_cpu_s(server_pid) - server if server_pid else float("nan")
+    return wall, process_cpu_s(None) - client, server_used
 
 
 def run(args: argparse.Namespace) -> None:
@@ -82,22 +110,36 @@ def run(args: argparse.Namespace) -> None:
         server = MinioServer(data_dir=work / "minio").start()
         endpoint, access_key, secret_key = server.endpoint, server.access_key, server.secret_key
     try:
-        store = S3Store(endpoint, args.bucket or f"bench-{uuid.uuid4().hex[:8]}", "bench",
-                        access_key=access_key, secret_key=secret_key, secure=args.secure)
+        store = S3Store(
+            endpoint,
+            args.bucket or f"bench-{uuid.uuid4().hex[:8]}",
+            "bench",
+            access_key=access_key,
+            secret_key=secret_key,
+            secure=args.secure,
+        )
         client, bucket = store.client, store.bucket
         size = int(args.size_gb * 1e9)
         ckpt = make_checkpoint_dir(work, size)
         files = sorted(p for p in ckpt.iterdir())
         total = sum(p.stat().st_size for p in files)
-        print(f"checkpoint: {len(files)} files, {total / MB:.0f} MB in {work}; MinIO at "
-              f"{endpoint}; {args.repeats} repeats, median reported; {os.cpu_count()} CPUs, "
-              f"load average {os.getloadavg()[0]:.1f} at start")
+        print(
+            f"checkpoint: {len(files)} files, {total / MB:.0f} MB in {work}; MinIO at "
+            f"{endpoint}; {args.repeats} repeats, median reported; {os.cpu_count()} CPUs, "
+            f"load average {os.getloadavg()[0]:.1f} at start"
+        )
 
         def raw_save(part_size: int, parallel: int) -> Callable[[], None]:
             def go() -> None:
                 for p in files:
-                    client.fput_object(bucket, f"bench/raw/{p.name}", str(p),
-                                       part_size=part_size, num_parallel_uploads=parallel)
+                    client.fput_object(
+                        bucket,
+                        f"bench/raw/{p.name}",
+                        str(p),
+                        part_size=part_size,
+                        num_parallel_uploads=parallel,
+                    )
+
             return go
 
         def raw_load() -> None:
@@ -115,28 +157,52 @@ def run(args: argparse.Namespace) -> None:
         def ours_load() -> None:
             manager.load_latest(work / "ours-dest")
 
-        results: dict[str, list[float]] = {name: [] for name in (
-            "raw save (SDK defaults)", "raw save (our part size)", "ours save",
-            "raw load (fget_object)", "ours load (verified)")}
+        server_pid = server.process.pid if server is not None and server.process else None
+        results: dict[str, list[tuple[float, float, float]]] = {
+            name: []
+            for name in (
+                "raw save (SDK defaults)",
+                "raw save (our part size)",
+                "ours save",
+                "raw load (fget_object)",
+                "ours load (verified)",
+            )
+        }
         for _ in range(args.repeats):
             # Interleaved so drift (page cache, MinIO compaction) hits every variant alike.
-            results["raw save (SDK defaults)"].append(timed(raw_save(0, 3)))
+            results["raw save (SDK defaults)"].append(timed(raw_save(0, 3), server_pid))
             results["raw save (our part size)"].append(
-                timed(raw_save(DEFAULT_PART_SIZE, DEFAULT_PARALLEL_PARTS)))
-            results["ours save"].append(timed(ours_save))
-            results["raw load (fget_object)"].append(timed(raw_load))
-            results["ours load (verified)"].append(timed(ours_load))
+                timed(raw_save(DEFAULT_PART_SIZE, DEFAULT_PARALLEL_PARTS), server_pid)
+            )
+            results["ours save"].append(timed(ours_save, server_pid))
+            results["raw load (fget_object)"].append(timed(raw_load, server_pid))
+            results["ours load (verified)"].append(timed(ours_load, server_pid))
 
-        rate = {name: total / MB / statistics.median(times) for name, times in results.items()}
-        print("\n| transfer | median s | MB/s |\n|---|---|---|")
-        for name, times in results.items():
-            print(f"| {name} | {statistics.median(times):.2f} | {rate[name]:.0f} |")
+        def median(name: str, column: int) -> float:
+            return statistics.median(sample[column] for sample in results[name])
+
+        rate = {name: total / MB / median(name, 0) for name in results}
+        print("\n| transfer | median wall s | MB/s | client CPU s | MinIO CPU s |")
+        print("|---|---|---|---|---|")
+        for name in results:
+            print(
+                f"| {name} | {median(name, 0):.2f} | {rate[name]:.0f} | "
+                f"{median(name, 1):.2f} | {median(name, 2):.2f} |"
+            )
         save_vs_default = rate["ours save"] / rate["raw save (SDK defaults)"]
         save_vs_tuned = rate["ours save"] / rate["raw save (our part size)"]
         load_ratio = rate["ours load (verified)"] / rate["raw load (fget_object)"]
-        print(f"\nsave ratio ours/raw: {save_vs_default:.2f}x vs SDK defaults, "
-              f"{save_vs_tuned:.2f}x vs same part size (goal >= 0.8x)")
-        print(f"load ratio ours/raw: {load_ratio:.2f}x (goal >= 0.8x)")
+        print(
+            f"\nsave throughput ours/raw: {save_vs_default:.2f}x vs SDK defaults, "
+            f"{save_vs_tuned:.2f}x vs same part size (goal >= 0.8x)"
+        )
+        print(f"load throughput ours/raw: {load_ratio:.2f}x (goal >= 0.8x)")
+        for kind, ours, raw in (
+            ("save", "ours save", "raw save (our part size)"),
+            ("load", "ours load (verified)", "raw load (fget_object)"),
+        ):
+            cost = (median(ours, 1) + median(ours, 2)) / (median(raw, 1) + median(raw, 2))
+            print(f"{kind} CPU cost ours/raw (client + MinIO): {cost:.2f}x")
         print(f"load average {os.getloadavg()[0]:.1f} at end")
     finally:
         if server is not None:
@@ -146,8 +212,12 @@ def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gb", type=float, default=0.54,
-                        help="checkpoint size in GB (0.54 = SmolLM2-135M in fp32)")
+    parser.add_argument(
+        "--size-gb",
+        type=float,
+        default=0.54,
+        help="checkpoint size in GB (0.54 = SmolLM2-135M in fp32)",
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--endpoint", help="existing MinIO host:port (default: start one)")
     parser.add_argument("--access-key", default=os.environ.get("AWS_ACCESS_KEY_ID"))
@@ -155,8 +225,10 @@ def main() -> None:
     parser.add_argument("--bucket", help="bucket to use (default: a fresh one)")
     parser.add_argument("--secure", action="store_true", help="TLS to --endpoint")
     parser.add_argument("--work-dir", help="where to write the synthetic checkpoint")
-    logging.basicConfig(level=logging.INFO if os.environ.get("BENCH_VERBOSE") else logging.WARNING,
-                        format="%(relativeCreated)d %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if os.environ.get("BENCH_VERBOSE") else logging.WARNING,
+        format="%(relativeCreated)d %(name)s: %(message)s",
+    )
     run(parser.parse_args())
 
 

@@ -75,7 +75,9 @@ def baseline_generate(model_dir: Path, prompts: list[list[int]], max_tokens: int
         elapsed = time.perf_counter() - started
     generated = 0
     for row in out[:, width:].tolist():  # (B, T) -> count up to and including EOS
-        generated += row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        generated += (
+            row.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in row else len(row)
+        )
     print(f"  model.generate: {generated} tokens in {elapsed:.2f}s")
     return generated / elapsed
 
@@ -138,7 +140,9 @@ def main() -> int:
     port = free_port()
     server = start_server(str(model_dir), port, args.threads, str(prefix))
     try:
-        with RolloutClient([f"http://127.0.0.1:{port}"], max_in_flight=len(prompts)) as client:
+        with RolloutClient(
+            [f"http://127.0.0.1:{port}"], max_in_flight=len(prompts), timeout_s=1800
+        ) as client:
             client.wait_healthy(300)
             ours = http_generate(client, prompts, args.max_tokens)
     finally:
@@ -154,7 +158,7 @@ def main() -> int:
     servers = [start_server(str(model_dir), p, threads_each, str(prefix)) for p in ports]
     try:
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        with RolloutClient(urls) as client:
+        with RolloutClient(urls, timeout_s=1800) as client:
             client.wait_healthy(300)
             publish_s, load_s, total_s = [], [], []
             for version in range(1, args.updates + 1):

@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "posttrain.ctl",  # apply, get, describe, watch, logs, report
     "posttrain.devenv.cli",  # dev up | down | status
     "posttrain.api.cli",  # crds
+    "posttrain.storage.cli",  # storage checkpoints | spot-check
 )
 
 

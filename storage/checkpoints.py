@@ -102,7 +102,7 @@ class _CommittedSeries:
         """Committed numbers (directories with a manifest), ascending."""
         found = []
         for key in self.store.list(self.prefix + "/"):
-            parts = key[len(self.prefix) + 1:].split("/")
+            parts = key[len(self.prefix) + 1 :].split("/")
             if len(parts) == 2 and parts[1] == MANIFEST_NAME:
                 number = self.layout.parse_number(parts[0])
                 if number is not None:
@@ -113,14 +113,15 @@ class _CommittedSeries:
         """Directories holding files but no manifest: interrupted uploads (or one in flight)."""
         seen: dict[int, bool] = {}
         for key in self.store.list(self.prefix + "/"):
-            parts = key[len(self.prefix) + 1:].split("/")
+            parts = key[len(self.prefix) + 1 :].split("/")
             number = self.layout.parse_number(parts[0]) if len(parts) >= 2 else None
             if number is not None:
                 seen[number] = seen.get(number, False) or parts[1:] == [MANIFEST_NAME]
         return sorted(n for n, committed in seen.items() if not committed)
 
-    def commit(self, number: int, local_dir: str | os.PathLike[str],
-               metadata: dict[str, Any]) -> Manifest:
+    def commit(
+        self, number: int, local_dir: str | os.PathLike[str], metadata: dict[str, Any]
+    ) -> Manifest:
         """Upload + manifest, then move the pointer (a single put) to this directory."""
         manifest = upload_dir(self.store, self.dir_key(number), local_dir, metadata=metadata)
         pointer = {
@@ -142,12 +143,15 @@ class _CommittedSeries:
         except (ValueError, KeyError, TypeError) as exc:
             log.warning(
                 "%s is unreadable (%s); finding the newest %s by listing manifests instead",
-                self.store.uri(self.pointer_key), exc, self.layout.kind,
+                self.store.uri(self.pointer_key),
+                exc,
+                self.layout.kind,
             )
             return None
 
-    def fetch(self, number: int, dest: str | os.PathLike[str],
-              expected_manifest_sha256: str = "") -> Manifest:
+    def fetch(
+        self, number: int, dest: str | os.PathLike[str], expected_manifest_sha256: str = ""
+    ) -> Manifest:
         """Download + verify into a staging directory, then swap it in place of ``dest``.
 
         ``dest`` is replaced only by a fully verified copy, so a corrupt download never
@@ -203,8 +207,11 @@ class _CommittedSeries:
             if result is not None:
                 if self.last_refused:
                     log.warning(
-                        "loaded %s %s %d after refusing %d newer one(s)", self.layout.kind,
-                        self.layout.number_field, number, len(self.last_refused),
+                        "loaded %s %s %d after refusing %d newer one(s)",
+                        self.layout.kind,
+                        self.layout.number_field,
+                        number,
+                        len(self.last_refused),
                     )
                 return number, result
         raise CorruptArtifactError(
@@ -212,8 +219,9 @@ class _CommittedSeries:
             + "; ".join(self.last_refused)
         )
 
-    def _try_fetch(self, number: int, dest: str | os.PathLike[str],
-                   expected_sha: str) -> Manifest | None:
+    def _try_fetch(
+        self, number: int, dest: str | os.PathLike[str], expected_sha: str
+    ) -> Manifest | None:
         """Fetch one directory; on damage, record and log why and return None."""
         try:
             return self.fetch(number, dest, expected_sha)
@@ -222,7 +230,10 @@ class _CommittedSeries:
             self.last_refused.append(str(exc))
             log.error(
                 "refusing %s %s %d: %s; falling back to the previous complete one",
-                self.layout.kind, self.layout.number_field, number, exc,
+                self.layout.kind,
+                self.layout.number_field,
+                number,
+                exc,
             )
             return None
 
@@ -278,8 +289,9 @@ class CheckpointManager:
         higher_is_better: bool = True,
     ) -> None:
         if keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1 (the newest checkpoint is always kept), "
-                             f"got {keep_last}")
+            raise ValueError(
+                f"keep_last must be >= 1 (the newest checkpoint is always kept), got {keep_last}"
+            )
         self._series = _CommittedSeries(store, prefix, _CHECKPOINTS)
         self.keep_last = keep_last
         self.higher_is_better = higher_is_better
@@ -317,8 +329,10 @@ class CheckpointManager:
             removed = self._apply_retention(step)
             span.set_attribute("checkpoint.pruned", len(removed))
             log.info(
-                "checkpoint step %d saved to %s in %.1fs%s", step,
-                self.store.uri(self.step_prefix(step)), time.monotonic() - start,
+                "checkpoint step %d saved to %s in %.1fs%s",
+                step,
+                self.store.uri(self.step_prefix(step)),
+                time.monotonic() - start,
                 f"; pruned steps {removed}" if removed else "",
             )
             return manifest
@@ -369,8 +383,9 @@ class CheckpointManager:
     def _apply_retention(self, just_saved: int) -> list[int]:
         steps = self.list_steps()
         scores = {s: sc for s in steps if (sc := self._score(s)) is not None}
-        keep = select_retained(steps, scores, self.keep_last,
-                               higher_is_better=self.higher_is_better)
+        keep = select_retained(
+            steps, scores, self.keep_last, higher_is_better=self.higher_is_better
+        )
         keep.add(just_saved)  # latest.json points here, whatever its number
         removed = self._series.prune(keep, newest_committed=max(steps, default=just_saved))
         for step in removed:
@@ -387,7 +402,9 @@ class WeightRegistry:
     ``keep_last`` versions are retained so a slow server can finish downloading.
     """
 
-    def __init__(self, store: ArtifactStore, prefix: str = "weights", *, keep_last: int = 3) -> None:
+    def __init__(
+        self, store: ArtifactStore, prefix: str = "weights", *, keep_last: int = 3
+    ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self._series = _CommittedSeries(store, prefix, _WEIGHTS)
@@ -397,16 +414,23 @@ class WeightRegistry:
     def last_refused(self) -> list[str]:
         return self._series.last_refused
 
-    def publish(self, version: int, local_dir: str | os.PathLike[str],
-                metadata: dict[str, Any] | None = None) -> Manifest:
+    def publish(
+        self,
+        version: int,
+        local_dir: str | os.PathLike[str],
+        metadata: dict[str, Any] | None = None,
+    ) -> Manifest:
         with tracer.start_as_current_span("weights.publish") as span:
             span.set_attribute("weights.version", version)
-            manifest = self._series.commit(version, local_dir, {**(metadata or {}),
-                                                                 "version": version})
+            manifest = self._series.commit(
+                version, local_dir, {**(metadata or {}), "version": version}
+            )
             span.set_attribute("storage.bytes", manifest.total_bytes)
             versions = self._series.numbers()
-            self._series.prune({*versions[-self.keep_last:], version},
-                               newest_committed=max(versions, default=version))
+            self._series.prune(
+                {*versions[-self.keep_last :], version},
+                newest_committed=max(versions, default=version),
+            )
             return manifest
 
     def latest_version(self) -> int | None:
@@ -419,8 +443,9 @@ class WeightRegistry:
     def versions(self) -> list[int]:
         return self._series.numbers()
 
-    def fetch(self, version: int | Literal["latest"],
-              dest: str | os.PathLike[str]) -> tuple[int, Manifest]:
+    def fetch(
+        self, version: int | Literal["latest"], dest: str | os.PathLike[str]
+    ) -> tuple[int, Manifest]:
         """Fetch and verify a version (``"latest"``: the newest that verifies) into ``dest``."""
         with tracer.start_as_current_span("weights.fetch") as span:
             if version == "latest":
@@ -437,13 +462,24 @@ class WeightRegistry:
             return result
 
 
-def publish_weights(store: ArtifactStore, version: int, local_dir: str | os.PathLike[str], *,
-                    prefix: str = "weights", metadata: dict[str, Any] | None = None) -> Manifest:
+def publish_weights(
+    store: ArtifactStore,
+    version: int,
+    local_dir: str | os.PathLike[str],
+    *,
+    prefix: str = "weights",
+    metadata: dict[str, Any] | None = None,
+) -> Manifest:
     """Publish one weight version (see :class:`WeightRegistry`)."""
     return WeightRegistry(store, prefix).publish(version, local_dir, metadata)
 
 
-def fetch_weights(store: ArtifactStore, version: int | Literal["latest"],
-                  dest: str | os.PathLike[str], *, prefix: str = "weights") -> tuple[int, Manifest]:
+def fetch_weights(
+    store: ArtifactStore,
+    version: int | Literal["latest"],
+    dest: str | os.PathLike[str],
+    *,
+    prefix: str = "weights",
+) -> tuple[int, Manifest]:
     """Fetch one weight version, or the newest that verifies (see :class:`WeightRegistry`)."""
     return WeightRegistry(store, prefix).fetch(version, dest)

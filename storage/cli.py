@@ -39,8 +39,12 @@ def register(subparsers: Any) -> None:
     spot.add_argument("uri", help=_URI_HELP)
     spot.add_argument("--n", type=int, default=20, help="records to sample (default 20)")
     spot.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    spot.add_argument("--out", type=Path, default=Path("spot-check.md"),
-                      help="output file: .md for Markdown, anything else for JSONL")
+    spot.add_argument(
+        "--out",
+        type=Path,
+        default=Path("spot-check.md"),
+        help="output file: .md for Markdown, anything else for JSONL",
+    )
     spot.set_defaults(func=_spot_check)
 
 
@@ -59,8 +63,10 @@ def _list_checkpoints(args: argparse.Namespace) -> int:
             assert manifest is not None  # list_steps only returns committed steps
             score = manifest.metadata.get("eval_score")
             marker = "  <- latest" if step == latest else ""
-            print(f"{step:>10}  {format_bytes(manifest.total_bytes):>10}  "
-                  f"{'-' if score is None else f'{score:.4g}':>10}  {manifest.created}{marker}")
+            print(
+                f"{step:>10}  {format_bytes(manifest.total_bytes):>10}  "
+                f"{'-' if score is None else f'{score:.4g}':>10}  {manifest.created}{marker}"
+            )
     except StorageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

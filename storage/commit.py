@@ -84,8 +84,9 @@ class Manifest:
             if body.get("format") != MANIFEST_FORMAT:
                 raise ValueError(f"format is {body.get('format')!r}, expected {MANIFEST_FORMAT!r}")
             files = tuple(
-                ManifestFile(path=check_key(str(f["path"])), size=int(f["size"]),
-                             sha256=str(f["sha256"]))
+                ManifestFile(
+                    path=check_key(str(f["path"])), size=int(f["size"]), sha256=str(f["sha256"])
+                )
                 for f in body["files"]
             )
             metadata = body.get("metadata") or {}
@@ -146,6 +147,13 @@ def upload_dir(
         raise ValueError(
             f"{root} contains {MANIFEST_NAME}, which is reserved for the commit record; rename it"
         )
+    try:  # fail before moving gigabytes, not at the commit point
+        json.dumps(metadata or {})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"metadata for {store.uri(prefix)} is not JSON-serialisable ({exc}); pass plain "
+            "numbers, strings, lists and dicts"
+        ) from None
     sizes = {rel: path.stat().st_size for rel, path in files}
     total = sum(sizes.values())
     target = store.uri(prefix)
@@ -175,23 +183,28 @@ def upload_dir(
             file_workers,
         )
         manifest = Manifest(
-            files=tuple(ManifestFile(rel, digests[rel].size, digests[rel].sha256)
-                        for rel, _ in files),
+            files=tuple(
+                ManifestFile(rel, digests[rel].size, digests[rel].sha256) for rel, _ in files
+            ),
             metadata=dict(metadata or {}),
             created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         )
         store.put_bytes(manifest_key(prefix), manifest.to_json())  # the commit point
-        stale = previous - {join_key(prefix, f.path) for f in manifest.files} - {
-            manifest_key(prefix)
-        }
+        stale = (
+            previous - {join_key(prefix, f.path) for f in manifest.files} - {manifest_key(prefix)}
+        )
         for key in sorted(stale):
             store.delete(key)
         progress.finish()
         elapsed = time.monotonic() - start
         UPLOAD_SECONDS.labels(kind="dir").observe(elapsed)
         log.info(
-            "committed %s: %d files, %s in %.1fs (%s/s)", target, len(files), format_bytes(total),
-            elapsed, format_bytes(total / max(elapsed, 1e-9)),
+            "committed %s: %d files, %s in %.1fs (%s/s)",
+            target,
+            len(files),
+            format_bytes(total),
+            elapsed,
+            format_bytes(total / max(elapsed, 1e-9)),
         )
         return manifest
 
@@ -248,15 +261,16 @@ def download_dir(
                 )
 
         ordered = sorted(manifest.files, key=lambda f: -f.size)
-        _run_parallel(
-            [(f.path, lambda f=f: fetch(f)) for f in ordered], file_workers
-        )
+        _run_parallel([(f.path, lambda f=f: fetch(f)) for f in ordered], file_workers)
         progress.finish()
         elapsed = time.monotonic() - start
         DOWNLOAD_SECONDS.labels(kind="dir").observe(elapsed)
         log.info(
-            "fetched and verified %s: %d files, %s in %.1fs", source, len(manifest.files),
-            format_bytes(manifest.total_bytes), elapsed,
+            "fetched and verified %s: %d files, %s in %.1fs",
+            source,
+            len(manifest.files),
+            format_bytes(manifest.total_bytes),
+            elapsed,
         )
         return manifest
 

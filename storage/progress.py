@@ -71,8 +71,11 @@ class TransferProgress:
         elapsed = max(now - self._start, 1e-9)
         log.info(
             "%s: %s / %s (%.0f%%) at %s/s",
-            self.label, format_bytes(done), format_bytes(self.total_bytes),
-            100.0 * done / max(self.total_bytes, 1), format_bytes(done / elapsed),
+            self.label,
+            format_bytes(done),
+            format_bytes(self.total_bytes),
+            100.0 * done / max(self.total_bytes, 1),
+            format_bytes(done / elapsed),
         )
 
 

@@ -41,6 +41,7 @@ def upload_reports(
             keys.append(key)
         span.set_attribute("storage.files", len(keys))
         span.set_attribute("storage.bytes", total)
-    log.info("uploaded %d report file(s) to %s", len(keys),
-             store.uri(join_key(run_prefix, REPORTS_DIR)))
+    log.info(
+        "uploaded %d report file(s) to %s", len(keys), store.uri(join_key(run_prefix, REPORTS_DIR))
+    )
     return keys

@@ -80,7 +80,12 @@ def call_with_retry(
             STORAGE_RETRIES.labels(operation=describe.split(" ", 1)[0]).inc()
             log.warning(
                 "%s failed (attempt %d/%d, %.1fs elapsed): %s; retrying in %.1fs",
-                describe, attempt, policy.max_attempts, elapsed, _short(exc), delay,
+                describe,
+                attempt,
+                policy.max_attempts,
+                elapsed,
+                _short(exc),
+                delay,
             )
             time.sleep(delay)
 

@@ -100,13 +100,16 @@ def encode_record(record: dict[str, Any]) -> str:
         raise TypeError(f"a trajectory record must be a dict, got {type(record).__name__}")
     missing = [name for name in REQUIRED_FIELDS if name not in record]
     if missing:
-        raise ValueError(f"trajectory record lacks required field(s) {missing}; "
-                         f"it has {sorted(record)}")
+        raise ValueError(
+            f"trajectory record lacks required field(s) {missing}; it has {sorted(record)}"
+        )
     try:
         return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"trajectory record is not JSON-serialisable ({exc}); convert tensors "
-                         "with .tolist() and numbers with float()/int()") from None
+        raise ValueError(
+            f"trajectory record is not JSON-serialisable ({exc}); convert tensors "
+            "with .tolist() and numbers with float()/int()"
+        ) from None
 
 
 def default_writer_id() -> str:
@@ -232,7 +235,9 @@ class TrajectoryWriter:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
         self.close()
@@ -266,7 +271,10 @@ class TrajectoryWriter:
     def _drain(self, *, blocking: bool) -> bool:
         """Upload spooled chunks oldest first; True when the spool is empty afterwards."""
         if not self._drain_lock.acquire(blocking=blocking):
-            return False  # another drain pass is running; it will pick up our chunk
+            # A pass is running and may have listed the spool before our chunk was sealed:
+            # ask the drain thread for another pass right after it.
+            self._wake.set()
+            return False
         try:
             chunks = self.spooled_chunks()
             if not chunks:
@@ -290,7 +298,8 @@ class TrajectoryWriter:
             if self._storage_down_since is not None:
                 log.info(
                     "trajectory storage %s is back after %.0fs; spool drained",
-                    self._store.uri(self.prefix), time.monotonic() - self._storage_down_since,
+                    self._store.uri(self.prefix),
+                    time.monotonic() - self._storage_down_since,
                 )
                 self._storage_down_since = None
             return True
@@ -303,7 +312,11 @@ class TrajectoryWriter:
             self._storage_down_since = time.monotonic()
             log.warning(
                 "trajectory upload failed, keeping %d chunk(s) spooled in %s and retrying every "
-                "%.0fs: %s", pending, self.spool_dir, self._drain_interval_s, exc,
+                "%.0fs: %s",
+                pending,
+                self.spool_dir,
+                self._drain_interval_s,
+                exc,
             )
         else:
             log.debug("trajectory storage still down (%d chunks spooled): %s", pending, exc)
@@ -317,8 +330,9 @@ class TrajectoryWriter:
             try:
                 self._drain(blocking=True)
             except Exception:  # keep the thread alive: the spool must keep draining
-                log.exception("trajectory drain pass failed; retrying in %.0fs",
-                              self._drain_interval_s)
+                log.exception(
+                    "trajectory drain pass failed; retrying in %.0fs", self._drain_interval_s
+                )
 
     # -- restart safety
 
@@ -340,8 +354,11 @@ class TrajectoryWriter:
         try:
             uploaded = self._store.list(join_key(self.prefix, f"part-{self.writer_id}-"))
         except StorageError as exc:
-            log.warning("cannot list %s to resume chunk numbering (%s); using the local spool "
-                        "state", self._store.uri(self.prefix), exc)
+            log.warning(
+                "cannot list %s to resume chunk numbering (%s); using the local spool state",
+                self._store.uri(self.prefix),
+                exc,
+            )
             uploaded = []
         for key in uploaded:
             parsed = parse_chunk_name(key.rsplit("/", 1)[-1])
@@ -450,12 +467,17 @@ def _summarise_numbers(values: Sequence[float]) -> str:
 
 def render_markdown(records: list[dict[str, Any]], *, source: str, seed: int) -> str:
     """Readable report of sampled trajectories (token ids and logprobs summarised)."""
-    lines = [f"# Trajectory spot check\n\n{len(records)} records sampled from `{source}` "
-             f"(seed {seed}).\n"]
+    lines = [
+        f"# Trajectory spot check\n\n{len(records)} records sampled from `{source}` "
+        f"(seed {seed}).\n"
+    ]
     shown = {"prompt", "completion", "verifier", "token_ids", "logprobs"}
     for number, record in enumerate(records, 1):
-        facts = ", ".join(f"{k}={record[k]}" for k in ("domain", "reward", "step",
-                                                       "weight_version") if k in record)
+        facts = ", ".join(
+            f"{k}={record[k]}"
+            for k in ("domain", "reward", "step", "weight_version")
+            if k in record
+        )
         lines.append(f"## {number}. {facts}\n")
         lines.append(f"**Prompt**\n\n{_fence(str(record.get('prompt', '')))}\n")
         lines.append(f"**Completion**\n\n{_fence(str(record.get('completion', '')))}\n")
@@ -466,8 +488,11 @@ def render_markdown(records: list[dict[str, Any]], *, source: str, seed: int) ->
             lines.append(f"- token_ids: {len(record['token_ids'])} tokens")
         if "logprobs" in record:
             lines.append(f"- logprobs: {_summarise_numbers(record['logprobs'])}")
-        extra = {k: v for k, v in record.items()
-                 if k not in shown and k not in ("domain", "reward", "step", "weight_version")}
+        extra = {
+            k: v
+            for k, v in record.items()
+            if k not in shown and k not in ("domain", "reward", "step", "weight_version")
+        }
         if extra:
             lines.append(f"- other fields: `{json.dumps(extra, ensure_ascii=False)[:500]}`")
         lines.append("")

@@ -60,7 +60,7 @@ class MinioServer:
                 "--quiet",
             ],
             log_path=self.data_dir / "minio.log",
-            ready=lambda: http_ok(f"{self.url}/minio/health/ready"),
+            ready=self._serving,
             env={
                 "MINIO_ROOT_USER": self.access_key,
                 "MINIO_ROOT_PASSWORD": self.secret_key,
@@ -71,6 +71,17 @@ class MinioServer:
         self.process.start(timeout_s)
         log.info("MinIO ready at %s (data %s)", self.url, self.data_dir)
         return self
+
+    def _serving(self) -> bool:
+        """Ready means an S3 call succeeds: /minio/health/ready can pass while the object
+        layer still answers "Server not initialized"."""
+        if not http_ok(f"{self.url}/minio/health/ready"):
+            return False
+        try:
+            self.client().list_buckets()
+        except Exception:
+            return False
+        return True
 
     def stop(self) -> None:
         """Stop the server but keep its data (a restart on the same port serves it again)."""

@@ -4,7 +4,6 @@ cluster tests) talking to the session control plane from tests/conftest.py."""
 from __future__ import annotations
 
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -75,26 +74,12 @@ def helm(helm_bin: Path, kubeconfig: Path) -> Helm:
     return _helm
 
 
-PEERING_CRDS = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
-
-
 @pytest.fixture
-def release(helm: Helm, kubectl: Any, namespace: str) -> Iterator[str]:
-    """A unique release name in the per-test namespace, uninstalled afterwards if still there.
-
-    The Kopf peering CRDs are cluster-wide and owned by one release at a time, so teardown
-    waits until this release's copies are gone before the next test installs its own.
-    """
+def release(helm: Helm, namespace: str) -> Iterator[str]:
+    """A unique release name in the per-test namespace, uninstalled afterwards if still there."""
     name = f"pt-{uuid.uuid4().hex[:6]}"
     yield name
     helm("uninstall", name, "--namespace", namespace, "--wait", check=False)
-    deadline = time.monotonic() + 60
-    for crd in PEERING_CRDS:
-        while time.monotonic() < deadline:
-            got = kubectl("get", "crd", crd, "-o", "jsonpath={.metadata.annotations}", check=False)
-            if got.returncode != 0 or name not in got.stdout:
-                break
-            time.sleep(0.2)
 
 
 def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:

@@ -110,17 +110,25 @@ def write_token_kubeconfig(kubectl: Any, admin_kubeconfig: Path, namespace: str,
     return path
 
 
-def wait_exists(kubectl: Any, *args: str, timeout_s: float = 60.0) -> dict[str, Any]:
+def rbac_denials(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Log lines where the apiserver refused the operator for lack of permission."""
+    return [r.getMessage() for r in caplog.records if "forbidden: User" in r.getMessage()]
+
+
+def wait_exists(kubectl: Any, caplog: pytest.LogCaptureFixture, *args: str,
+                timeout_s: float = 60.0) -> dict[str, Any]:
+    """The object, once it exists; fails at once (with the reason) when RBAC denied something."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = kubectl("get", *args, "-o", "json", check=False)
         if result.returncode == 0:
             return json.loads(result.stdout)  # type: ignore[no-any-return]
+        denied = rbac_denials(caplog)
+        assert not denied, f"RBAC denied the operator: {denied[:3]}"
         assert time.monotonic() < deadline, f"{args} not created within {timeout_s} s"
         time.sleep(0.2)
 
 
-@pytest.mark.slow
 def test_operator_runs_on_its_service_account_token(
     helm: Helm, kubectl: Any, kubeconfig: Path, namespace: str, release: str, tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
@@ -152,15 +160,15 @@ def test_operator_runs_on_its_service_account_token(
     with OperatorThread(config):
         for example in sorted((REPO_ROOT / "examples").glob("*.yaml")):
             kubectl("apply", "-n", namespace, "-f", str(example))
-        wait_exists(kubectl, "pod", "add-two-numbers-1", "-n", namespace)  # SandboxTask
-        wait_exists(kubectl, "deployment", "smollm2-pool", "-n", namespace)  # RolloutPool
-        wait_exists(kubectl, "service", "smollm2-pool", "-n", namespace)
-        wait_exists(kubectl, "pod", "arith-code-g0-0", "-n", namespace)  # TrainingRun
+        wait_exists(kubectl, caplog, "pod", "add-two-numbers-1", "-n", namespace)  # SandboxTask
+        wait_exists(kubectl, caplog, "deployment", "smollm2-pool", "-n", namespace)  # RolloutPool
+        wait_exists(kubectl, caplog, "service", "smollm2-pool", "-n", namespace)
+        wait_exists(kubectl, caplog, "pod", "arith-code-g0-0", "-n", namespace)  # TrainingRun
         # The per-run trainer Role is an RBAC object the operator itself creates: only allowed
         # because the operator holds every permission it grants.
-        role = wait_exists(kubectl, "role", "arith-code-trainer", "-n", namespace)
+        role = wait_exists(kubectl, caplog, "role", "arith-code-trainer", "-n", namespace)
         assert role["rules"][0]["resourceNames"] == ["arith-code"]
-        peering = wait_exists(kubectl, "kopfpeering", full, "-n", namespace)
+        peering = wait_exists(kubectl, caplog, "kopfpeering", full, "-n", namespace)
         assert [p["priority"] for p in peering.get("status", {}).values()] == [5], peering
 
     trainer = f"system:serviceaccount:{namespace}:arith-code-trainer"
@@ -168,5 +176,4 @@ def test_operator_runs_on_its_service_account_token(
                  namespace)
     assert not can_i(kubectl, trainer, "patch", "trainingruns.posttrain.io/other-run", "status",
                      namespace)
-    denied = [r.getMessage() for r in caplog.records if "forbidden: User" in r.getMessage()]
-    assert not denied, f"RBAC denied the operator: {denied[:3]}"
+    assert not rbac_denials(caplog), f"RBAC denied the operator: {rbac_denials(caplog)[:3]}"

@@ -13,7 +13,7 @@ import yaml
 
 from posttrain.operator.config import ENV_PREFIX, OperatorConfig
 
-from .conftest import CHART_DIR, VALUES_FILES, Render, by_kind, one, run_helm
+from .conftest import CHART_DIR, REPO_ROOT, VALUES_FILES, Render, by_kind, one, run_helm
 
 K8S_VERSION = "1.36.0"
 CASES = [None, *VALUES_FILES]
@@ -73,11 +73,12 @@ def test_default_install_has_every_piece(render: Render) -> None:
         "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev",
     }
-    # The CRDs are the generated ones, byte for byte (helm adds only its Source comment).
+    # The CRDs are the files in crds/, unchanged (Helm never templates that directory).
     for path in sorted((CHART_DIR / "crds").glob("*.yaml")):
-        generated = yaml.safe_load(path.read_text())
-        assert generated in objects, f"{path.name} not rendered unchanged"
-    assert one(objects, "ClusterKopfPeering")["metadata"]["annotations"]["helm.sh/hook"]
+        for crd in yaml.safe_load_all(path.read_text()):
+            if crd:
+                assert crd in objects, f"{path.name}: {crd['metadata']['name']} changed"
+    assert one(objects, "ClusterKopfPeering")["metadata"]["name"] == "rel-posttrain"
     assert not by_kind(objects, "PodDisruptionBudget"), "a single replica gets no PDB"
     assert not by_kind(objects, "ServiceMonitor"), "no ServiceMonitor unless enabled"
     # Evaluation MinIO: pinned image, PVC kept on uninstall, generated Secret.
@@ -162,9 +163,17 @@ def test_service_monitor_needs_prometheus_operator(render: Render) -> None:
     assert by_kind(render(sets=sets, api_versions=["monitoring.coreos.com/v1"]), "ServiceMonitor")
 
 
-def test_peering_off_removes_its_crds_and_rules(render: Render) -> None:
+def test_chart_peering_crds_are_the_operators_copy() -> None:
+    """crds/kopf-peering.yaml (the operator's) is shipped unchanged in the chart."""
+    chart_copy = CHART_DIR / "crds" / "kopf-peering.yaml"
+    assert chart_copy.read_text() == (REPO_ROOT / "crds" / "kopf-peering.yaml").read_text(), (
+        "cp crds/kopf-peering.yaml charts/posttrain/crds/"
+    )
+
+
+def test_peering_off_removes_its_object_and_rules(render: Render) -> None:
     objects = render(sets={"operator.peering.enabled": "false"})
-    assert not [o for o in objects if "kopf" in str(o.get("apiVersion", "")) + o["metadata"]["name"]]
+    assert not [o for o in objects if o["apiVersion"] == "kopf.dev/v1"]
     rules = one(objects, "ClusterRole")["rules"]
     assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
     data = one(objects, "ConfigMap", "-operator")["data"]

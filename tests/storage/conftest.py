@@ -1,7 +1,7 @@
 """Fixtures for storage tests: a real MinIO server (no fakes) and a store per backend.
 
-Tests marked ``minio`` skip, with the reason, when the MinIO binary has not been built
-(``bash tools/ensure-binaries.sh``); the fixtures never start a Go build themselves.
+A missing MinIO binary is built (``tools/ensure-binaries.sh`` via ``go_binary``), never
+skipped: storage is only tested against the real server.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.devenv.binaries import bin_dir, pinned_versions
+from posttrain.devenv.binaries import go_binary
 from posttrain.devenv.minio import MinioServer
 from posttrain.storage.retry import RetryPolicy
 from posttrain.storage.store import ArtifactStore, LocalStore, S3Store
@@ -22,35 +22,21 @@ from posttrain.storage.store import ArtifactStore, LocalStore, S3Store
 FAST_RETRY = RetryPolicy(max_attempts=3, initial_delay_s=0.05, max_delay_s=0.2, max_elapsed_s=5)
 
 
-def minio_binary() -> Path:
-    return bin_dir() / f"minio-{pinned_versions()['MINIO_VERSION']}"
-
-
-def require_minio_binary() -> None:
-    if not minio_binary().exists():
-        pytest.skip(f"MinIO is not built at {minio_binary()}; run `bash tools/ensure-binaries.sh`")
-
-
 @pytest.fixture
 def minio_binary_path() -> Path:
     """The built MinIO binary (tests that run it with unusual flags, such as TLS)."""
-    require_minio_binary()
-    return minio_binary()
+    return go_binary("minio")
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[MinioServer]:
-    """One MinIO for the session; tests isolate themselves with a bucket each."""
-    require_minio_binary()
-    server = MinioServer().start()
-    yield server
-    server.destroy()
+def s3_server(minio_server: MinioServer) -> MinioServer:
+    """The session MinIO; tests isolate themselves with a bucket each."""
+    return minio_server
 
 
 @pytest.fixture
 def own_s3_server() -> Iterator[MinioServer]:
     """A MinIO this test may stop and restart (outage tests)."""
-    require_minio_binary()
     server = MinioServer().start()
     yield server
     server.destroy()

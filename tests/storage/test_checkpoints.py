@@ -184,8 +184,13 @@ def test_weights_publish_and_fetch(store: ArtifactStore, tmp_path: Path) -> None
     with pytest.raises(ArtifactNotFoundError, match="no weights published"):
         registry.fetch("latest", tmp_path / "w")
     for version in (1, 2, 3):
-        publish_weights(store, version, make_checkpoint(tmp_path, version, size=10),
-                        prefix="runs/ns/a/weights", metadata={"trainer_step": version * 10})
+        publish_weights(
+            store,
+            version,
+            make_checkpoint(tmp_path, version, size=10),
+            prefix="runs/ns/a/weights",
+            metadata={"trainer_step": version * 10},
+        )
     assert registry.latest_version() == 3
     assert registry.versions() == [1, 2, 3]  # publish_weights uses the default keep_last=3
     registry.publish(4, make_checkpoint(tmp_path, 4, size=10))

@@ -45,8 +45,9 @@ def test_checkpoints_and_spot_check_commands(
         for i in range(30):
             writer.append({"prompt": f"q{i}", "completion": f"a{i}", "reward": 1.0})
     out_file = tmp_path / "sample.md"
-    assert run_cli(["storage", "spot-check", str(run.root), "--n", "4", "--out",
-                    str(out_file)]) == 0
+    assert (
+        run_cli(["storage", "spot-check", str(run.root), "--n", "4", "--out", str(out_file)]) == 0
+    )
     assert out_file.read_text().count("\n## ") == 4
     with pytest.raises(UsageError, match="--n must be at least 1"):
         run_cli(["storage", "spot-check", str(run.root), "--n", "0"])
@@ -66,9 +67,7 @@ def test_cli_reports_storage_errors_without_traceback(
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.minio)])
-def run_store(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> ArtifactStore:
+def run_store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
     if request.param == "local":
         return LocalStore(tmp_path / "bucket")
     server: MinioServer = request.getfixturevalue("s3_server")

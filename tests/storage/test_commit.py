@@ -72,9 +72,7 @@ def test_upload_writes_manifest_last_and_download_verifies(
 
     stored = json.loads(store.get_bytes("ckpt/step-1/manifest.json"))
     assert stored["format"] == "posttrain.manifest/v1"
-    assert {f["path"]: f["size"] for f in stored["files"]} == {
-        k: len(v) for k, v in files.items()
-    }
+    assert {f["path"]: f["size"] for f in stored["files"]} == {k: len(v) for k, v in files.items()}
 
     fetched = download_dir(store, "ckpt/step-1", tmp_path / "dst")
     assert fetched == manifest
@@ -88,8 +86,12 @@ def test_upload_writes_manifest_last_and_download_verifies(
 def test_interrupted_upload_is_invisible(store: ArtifactStore, tmp_path: Path) -> None:
     make_tree(tmp_path / "src")
     with pytest.raises(KeyboardInterrupt):
-        upload_dir(RecordingStore(store, fail_after_files=2), "ckpt/step-2",  # type: ignore[arg-type]
-                   tmp_path / "src", file_workers=1)
+        upload_dir(
+            RecordingStore(store, fail_after_files=2),
+            "ckpt/step-2",  # type: ignore[arg-type]
+            tmp_path / "src",
+            file_workers=1,
+        )
     assert store.list("ckpt/step-2/")  # some files did land...
     assert read_manifest(store, "ckpt/step-2") is None  # ...but nothing was committed
     with pytest.raises(ArtifactNotFoundError, match=r"no manifest\.json"):
@@ -141,8 +143,12 @@ def test_damaged_directory_is_refused_naming_the_file(
         assert not (tmp_path / "dst" / "model.safetensors").exists()
 
 
-def test_manifest_name_is_reserved(store: ArtifactStore, tmp_path: Path) -> None:
+def test_bad_input_is_refused_before_any_upload(store: ArtifactStore, tmp_path: Path) -> None:
     (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "weights.bin").write_bytes(b"w")
+    with pytest.raises(ValueError, match="not JSON-serialisable"):
+        upload_dir(store, "x", tmp_path / "src", metadata={"lr": object()})
     (tmp_path / "src" / MANIFEST_NAME).write_text("{}")
     with pytest.raises(ValueError, match="reserved"):
         upload_dir(store, "x", tmp_path / "src")
+    assert store.list("x/") == []

@@ -135,8 +135,13 @@ def test_wrong_credentials_name_endpoint_and_bucket_but_never_the_secret(
     secret = "definitely-not-the-secret-9f3a"
     bucket = f"t-{uuid.uuid4().hex[:12]}"
     with pytest.raises(StorageAuthError) as info:
-        S3Store(s3_server.endpoint, bucket, access_key=s3_server.access_key, secret_key=secret,
-                retry=FAST_RETRY)
+        S3Store(
+            s3_server.endpoint,
+            bucket,
+            access_key=s3_server.access_key,
+            secret_key=secret,
+            retry=FAST_RETRY,
+        )
     message = str(info.value)
     assert s3_server.endpoint in message and bucket in message
     assert secret not in message and secret not in repr(info.value)
@@ -158,8 +163,13 @@ def test_unreachable_endpoint_fails_fast_and_names_it() -> None:
     endpoint = f"127.0.0.1:{free_port()}"  # nothing listens here
     started = time.monotonic()
     with pytest.raises(StorageUnreachableError) as info:
-        S3Store(endpoint, "bucket", access_key="k", secret_key="secret-value-xyz",
-                retry=RetryPolicy(max_attempts=3, initial_delay_s=0.05, max_elapsed_s=5))
+        S3Store(
+            endpoint,
+            "bucket",
+            access_key="k",
+            secret_key="secret-value-xyz",
+            retry=RetryPolicy(max_attempts=3, initial_delay_s=0.05, max_elapsed_s=5),
+        )
     assert time.monotonic() - started < 5
     assert endpoint in str(info.value) and "3 time(s)" in str(info.value)
     assert "secret-value-xyz" not in str(info.value)
@@ -191,8 +201,10 @@ def test_open_store_reads_endpoint_and_credentials_from_env(
     creds.mkdir()
     (creds / "accesskey").write_text(s3_server.access_key)
     (creds / "secretkey").write_text(s3_server.secret_key)
-    env = {"POSTTRAIN_S3_ENDPOINT": f"http://{s3_server.endpoint}",
-           "POSTTRAIN_S3_CREDENTIALS_DIR": str(creds)}
+    env = {
+        "POSTTRAIN_S3_ENDPOINT": f"http://{s3_server.endpoint}",
+        "POSTTRAIN_S3_CREDENTIALS_DIR": str(creds),
+    }
     again = open_store(f"s3://{bucket}/runs/ns/a", env=env)
     assert again.get_bytes("k") == b"v"
 
@@ -212,11 +224,22 @@ def test_open_store_local_uris_and_usage_errors(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="AWS_ACCESS_KEY_ID"):
         open_store("s3://bucket", env={"POSTTRAIN_S3_ENDPOINT": "127.0.0.1:1"})
     with pytest.raises(UsageError, match="accesskey"):
-        open_store("s3://b", env={"POSTTRAIN_S3_ENDPOINT": "127.0.0.1:1",
-                                  "POSTTRAIN_S3_CREDENTIALS_DIR": str(tmp_path / "none")})
+        open_store(
+            "s3://b",
+            env={
+                "POSTTRAIN_S3_ENDPOINT": "127.0.0.1:1",
+                "POSTTRAIN_S3_CREDENTIALS_DIR": str(tmp_path / "none"),
+            },
+        )
     with pytest.raises(UsageError, match="bucket name 'B' is not valid"):
-        open_store("s3://B/x", env={"POSTTRAIN_S3_ENDPOINT": "h:1", "AWS_ACCESS_KEY_ID": "k",
-                                    "AWS_SECRET_ACCESS_KEY": "s"})
+        open_store(
+            "s3://B/x",
+            env={
+                "POSTTRAIN_S3_ENDPOINT": "h:1",
+                "AWS_ACCESS_KEY_ID": "k",
+                "AWS_SECRET_ACCESS_KEY": "s",
+            },
+        )
     with pytest.raises(UsageError, match="POSTTRAIN_S3_SECURE"):
         open_store("s3://b", env={"POSTTRAIN_S3_ENDPOINT": "h:1", "POSTTRAIN_S3_SECURE": "maybe"})
 
@@ -252,19 +275,35 @@ def test_tls_with_a_private_ca_bundle(tmp_path: Path, minio_binary_path: Path) -
     context = ssl.create_default_context(cafile=str(pki.ca_cert))
     server = ManagedProcess(
         name="minio-tls",
-        command=[str(minio_binary_path), "server", str(tmp_path / "data"), "--address", endpoint,
-                 "--console-address", f"127.0.0.1:{free_port()}", "--certs-dir", str(certs),
-                 "--quiet"],
+        command=[
+            str(minio_binary_path),
+            "server",
+            str(tmp_path / "data"),
+            "--address",
+            endpoint,
+            "--console-address",
+            f"127.0.0.1:{free_port()}",
+            "--certs-dir",
+            str(certs),
+            "--quiet",
+        ],
         log_path=tmp_path / "minio.log",
         ready=lambda: http_ok(f"https://{endpoint}/minio/health/ready", context),
-        env={"MINIO_ROOT_USER": "tlsuser", "MINIO_ROOT_PASSWORD": "tls-secret-123",
-             "MINIO_BROWSER": "off"},
+        env={
+            "MINIO_ROOT_USER": "tlsuser",
+            "MINIO_ROOT_PASSWORD": "tls-secret-123",
+            "MINIO_BROWSER": "off",
+        },
     )
     server.start(60)
     try:
-        env = {"POSTTRAIN_S3_ENDPOINT": endpoint, "POSTTRAIN_S3_SECURE": "true",
-               "POSTTRAIN_S3_CA_BUNDLE": str(pki.ca_cert), "AWS_ACCESS_KEY_ID": "tlsuser",
-               "AWS_SECRET_ACCESS_KEY": "tls-secret-123"}
+        env = {
+            "POSTTRAIN_S3_ENDPOINT": endpoint,
+            "POSTTRAIN_S3_SECURE": "true",
+            "POSTTRAIN_S3_CA_BUNDLE": str(pki.ca_cert),
+            "AWS_ACCESS_KEY_ID": "tlsuser",
+            "AWS_SECRET_ACCESS_KEY": "tls-secret-123",
+        }
         store = open_store("s3://tls-bucket/runs", env=env)
         assert isinstance(store, S3Store) and store.secure
         store.put_bytes("k", b"over tls")

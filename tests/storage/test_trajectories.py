@@ -51,28 +51,35 @@ def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None
 
 
 def test_records_round_trip_in_compressed_chunks(store: ArtifactStore, tmp_path: Path) -> None:
-    with TrajectoryWriter(store, "runs/ns/a/trajectories", tmp_path / "spool", flush_every=10,
-                          writer_id="trainer-0") as writer:
+    with TrajectoryWriter(
+        store, "runs/ns/a/trajectories", tmp_path / "spool", flush_every=10, writer_id="trainer-0"
+    ) as writer:
         for i in range(25):
             writer.append(record(i))
     keys = list_chunks(store, "runs/ns/a/trajectories")
-    assert keys == [f"runs/ns/a/trajectories/part-trainer-0-{seq:08d}.jsonl.zst"
-                    for seq in range(3)]
+    assert keys == [
+        f"runs/ns/a/trajectories/part-trainer-0-{seq:08d}.jsonl.zst" for seq in range(3)
+    ]
     first = store.get_bytes(keys[0])
     assert first[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
     lines = zstandard.ZstdDecompressor().decompress(first).decode().splitlines()
     assert len(lines) == 10 and json.loads(lines[0]) == record(0)
-    assert list(read_trajectories(store, "runs/ns/a/trajectories")) == [record(i) for i in range(25)]
+    assert list(read_trajectories(store, "runs/ns/a/trajectories")) == [
+        record(i) for i in range(25)
+    ]
     assert writer.spooled_chunks() == []
-    assert REGISTRY.get_sample_value("posttrain_trajectory_spooled_chunks",
-                                     {"writer": "trainer-0"}) == 0
+    assert (
+        REGISTRY.get_sample_value("posttrain_trajectory_spooled_chunks", {"writer": "trainer-0"})
+        == 0
+    )
 
 
 def test_restarted_writer_continues_numbering(store: ArtifactStore, tmp_path: Path) -> None:
     for attempt in range(2):
         # A rescheduled pod: same writer id, fresh (emptyDir) spool directory.
-        with TrajectoryWriter(store, "traj", tmp_path / f"spool-{attempt}", flush_every=4,
-                              writer_id="w") as writer:
+        with TrajectoryWriter(
+            store, "traj", tmp_path / f"spool-{attempt}", flush_every=4, writer_id="w"
+        ) as writer:
             for i in range(attempt * 10, attempt * 10 + 10):
                 writer.append(record(i))
     assert [k.rsplit("-", 1)[-1] for k in list_chunks(store, "traj")] == [
@@ -82,8 +89,9 @@ def test_restarted_writer_continues_numbering(store: ArtifactStore, tmp_path: Pa
 
 
 def test_invalid_records_are_rejected_at_append(tmp_path: Path) -> None:
-    with TrajectoryWriter(LocalStore(tmp_path / "s"), "t", tmp_path / "spool",
-                          writer_id="w") as writer:
+    with TrajectoryWriter(
+        LocalStore(tmp_path / "s"), "t", tmp_path / "spool", writer_id="w"
+    ) as writer:
         with pytest.raises(ValueError, match=r"lacks required field\(s\) \['reward'\]"):
             writer.append({"prompt": "p", "completion": "c"})
         with pytest.raises(ValueError, match="not JSON-serialisable"):
@@ -132,8 +140,9 @@ def test_outage_spools_chunks_and_drains_them_after_restart(
     own_s3_server: MinioServer, tmp_path: Path, s3_store_factory: Callable[..., S3Store]
 ) -> None:
     store = s3_store_factory(own_s3_server)
-    writer = TrajectoryWriter(store, "traj", tmp_path / "spool", flush_every=5, writer_id="w",
-                              drain_interval_s=0.2)
+    writer = TrajectoryWriter(
+        store, "traj", tmp_path / "spool", flush_every=5, writer_id="w", drain_interval_s=0.2
+    )
     for i in range(10):
         writer.append(record(i))
     assert writer.spooled_chunks() == []
@@ -169,7 +178,13 @@ def test_spool_left_by_a_failed_close_is_uploaded_by_the_next_writer(
 
     own_s3_server.start()
     # A restarted process on the same spool dir uploads the leftovers before anything new.
-    with TrajectoryWriter(store, "traj", tmp_path / "spool", flush_every=3, writer_id="w",
-                          upload_retry=RetryPolicy(max_attempts=5, initial_delay_s=0.1)) as again:
+    with TrajectoryWriter(
+        store,
+        "traj",
+        tmp_path / "spool",
+        flush_every=3,
+        writer_id="w",
+        upload_retry=RetryPolicy(max_attempts=5, initial_delay_s=0.1),
+    ) as again:
         again.append(record(7))
     assert ids(read_trajectories(store, "traj")) == list(range(8))

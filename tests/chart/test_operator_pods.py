@@ -1,0 +1,173 @@
+"""The operator container exactly as the chart's Deployment starts it (its command, its
+ConfigMap environment, the pod name as POD_ID, a ServiceAccount token), run as two processes
+against the real apiserver: the liveness endpoint the probes hit answers, and two replicas
+peer so that exactly one reconciles and the standby takes over when the active one stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.devenv.process import free_port
+
+from .conftest import CHART_DIR, REPO_ROOT, Helm
+from .test_rbac_cluster import write_token_kubeconfig
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+# What Kopf logs when a peered operator starts and stops working.
+RESUMED, PAUSED = "Resuming operations", "Pausing operations"
+
+
+def is_working(log: str) -> bool:
+    """Whether Kopf's last peering transition in ``log`` was a resume.
+
+    >>> is_working("Resuming operations ... Pausing operations in favour of ...")
+    False
+    """
+    return log.rfind(RESUMED) > log.rfind(PAUSED)
+
+
+def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def healthz(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+class OperatorPod:
+    """One replica: the Deployment's command in a subprocess with the pod's environment."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], log: Path) -> None:
+        self.name, self.log = name, log
+        self.health_port = free_port()
+        env = {**env, "POD_ID": name, "POSTTRAIN_OPERATOR_LIVENESS_PORT": str(self.health_port)}
+        self.process = subprocess.Popen(
+            command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def stop(self) -> None:
+        """SIGTERM, as the kubelet sends; Kopf removes its keep-alive on the way out."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+@pytest.fixture
+def operator_pods(
+    helm: Helm, kubectl: Any, kubeconfig: Path, namespace: str, release: str, tmp_path: Path
+) -> Iterator[Callable[[str], OperatorPod]]:
+    helm(
+        "install", release, str(CHART_DIR), "--namespace", namespace,
+        "--set", f"operator.watchNamespaces={{{namespace}}}", "--set", "operator.replicas=2",
+    )
+    full = f"{release}-posttrain"
+    deployment = json.loads(
+        kubectl("get", "deployment", f"{full}-operator", "-n", namespace, "-o", "json").stdout
+    )
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = json.loads(
+        kubectl("get", "configmap", f"{full}-operator", "-n", namespace, "-o", "json").stdout
+    )["data"]
+    credentials = tmp_path / "s3"
+    credentials.mkdir()
+    (credentials / "accesskey").write_text("posttrain")
+    (credentials / "secretkey").write_text("not-used-here")
+    env = {
+        # The image's PATH: posttrain and python from this venv.
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        **config,
+        "POSTTRAIN_OPERATOR_KUBECONFIG": str(
+            write_token_kubeconfig(kubectl, kubeconfig, namespace, full, tmp_path / "token")
+        ),
+        "POSTTRAIN_OPERATOR_METRICS_PORT": "0",
+        "POSTTRAIN_S3_CREDENTIALS_DIR": str(credentials),
+    }
+    command = [*container["command"], *container["args"]]
+    pods: list[OperatorPod] = []
+
+    def start(name: str) -> OperatorPod:
+        pod = OperatorPod(name, command, env, tmp_path / f"{name}.log")
+        pods.append(pod)
+        return pod
+
+    yield start
+    for pod in pods:
+        pod.stop()
+
+
+def test_two_replicas_one_active_then_failover(
+    operator_pods: Callable[[str], OperatorPod], kubectl: Any, namespace: str, release: str
+) -> None:
+    first, second = operator_pods(f"{release}-op-a"), operator_pods(f"{release}-op-b")
+    for pod in (first, second):
+        wait_until(lambda pod=pod: healthz(pod.health_port), f"{pod.name} /healthz")
+
+    def peers() -> dict[str, Any]:
+        result = kubectl("get", "kopfpeering", f"{release}-posttrain", "-n", namespace,
+                         "-o", "jsonpath={.status}", check=False)
+        return json.loads(result.stdout or "{}") if result.returncode == 0 else {}
+
+    both = wait_until(lambda: len(peers()) == 2 and peers(), "both keep-alives")
+    assert set(both) == {first.name, second.name}, "the pod name is the peering identity"
+    priorities = {name: peer["priority"] for name, peer in both.items()}
+    assert len(set(priorities.values())) == 2, f"replicas drew equal priorities: {priorities}"
+    active, standby = sorted((first, second), key=lambda p: priorities[p.name], reverse=True)
+    # Kopf starts each replica paused and resumes it when its first peering read shows no
+    # higher peer, so a replica that read before the other's first keep-alive works for a
+    # moment (seen here: ~0.2 s) and then pauses. Wait for that to settle.
+    wait_until(lambda: is_working(active.output()), "the active replica to resume")
+    wait_until(lambda: not is_working(standby.output()), "the standby to pause")
+
+    kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "sandbox-task.yaml"))
+
+    def task_pods() -> list[str]:
+        return kubectl("get", "pods", "-n", namespace, "-l", "posttrain.io/task=add-two-numbers",
+                       "-o", "name").stdout.split()
+
+    wait_until(task_pods, "the SandboxTask's pod")
+    # Not asserted: which replica created it. A watch the standby opened in its start-up window
+    # can still deliver an event after Kopf paused it (seen in 2 of ~8 runs; reported to the
+    # operator's owner); the deterministic child names keep that harmless: exactly one pod.
+    assert not is_working(standby.output())
+    assert task_pods() == ["pod/add-two-numbers-1"]
+
+    active.stop()
+    wait_until(lambda: is_working(standby.output()), "the standby to take over",
+               timeout_s=90)
+    kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "rollout-pool.yaml"))
+    wait_until(
+        lambda: kubectl("get", "deployment", "smollm2-pool", "-n", namespace,
+                        check=False).returncode == 0,
+        "the new active replica to reconcile a new RolloutPool",
+    )
