@@ -118,6 +118,26 @@ def _resources(
     return {"requests": dict(limits), "limits": limits}
 
 
+def _schedule(
+    pod_spec: dict[str, Any],
+    config: OperatorConfig,
+    default_selector: dict[str, str],
+    selector: dict[str, str],
+    tolerations: list[dict[str, Any]],
+    affinity: dict[str, Any],
+) -> None:
+    """Placement from the operator's defaults, the resource's nodeSelector winning per key."""
+    merged = {**default_selector, **selector}
+    if merged:
+        pod_spec["nodeSelector"] = merged
+    if tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in tolerations]
+    if affinity:
+        pod_spec["affinity"] = dict(affinity)
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
+
+
 # ---------------------------------------------------------------- TrainingRun
 
 
@@ -333,8 +353,8 @@ def build_trainer_pod(
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
-    if res.node_selector:
-        pod_spec["nodeSelector"] = dict(res.node_selector)
+    _schedule(pod_spec, config, config.trainer_node_selector, res.node_selector,
+              config.trainer_tolerations, config.trainer_affinity)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
     return {
@@ -440,8 +460,8 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     if gpus:
         pod_spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
         container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    if spec.resources.node_selector:
-        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    _schedule(pod_spec, config, config.rollout_node_selector, spec.resources.node_selector,
+              config.rollout_tolerations, config.rollout_affinity)
     template = {"metadata": {"labels": {**MANAGED_BY, **labels}}, "spec": pod_spec}
     return {
         "apiVersion": "apps/v1",
@@ -609,8 +629,11 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
-    if spec.runtime_class_name:
-        pod_spec["runtimeClassName"] = spec.runtime_class_name
+    runtime_class = spec.runtime_class_name or config.sandbox_runtime_class_name
+    if runtime_class:
+        pod_spec["runtimeClassName"] = runtime_class
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

@@ -7,11 +7,19 @@ fields. Builders receive the config explicitly; nothing reads the environment tw
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from posttrain.errors import UsageError
 
@@ -35,6 +43,25 @@ class OperatorConfig(BaseModel):
     """Image of RolloutPool replicas with engine=vllm (``vllm serve``)."""
     image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
     """imagePullPolicy of every container the operator creates."""
+    image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)
+    """imagePullSecrets of every pod the operator creates, e.g. [{"name": "regcred"}]."""
+
+    trainer_node_selector: dict[str, str] = Field(default_factory=dict)
+    """nodeSelector of trainer pods (a run's resources.nodeSelector is merged over it)."""
+    trainer_tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Tolerations of trainer pods (e.g. for tainted GPU nodes)."""
+    trainer_affinity: dict[str, Any] = Field(default_factory=dict)
+    """Affinity of trainer pods."""
+    rollout_node_selector: dict[str, str] = Field(default_factory=dict)
+    """nodeSelector of rollout replicas (a pool's resources.nodeSelector is merged over it)."""
+    rollout_tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    """Tolerations of rollout replicas."""
+    rollout_affinity: dict[str, Any] = Field(default_factory=dict)
+    """Affinity of rollout replicas."""
+    sandbox_runtime_class_name: str | None = None
+    """RuntimeClass (gvisor, kata) of sandbox pods whose task sets none; None = the default."""
+    log_level: str = Field(default="INFO", pattern="^(DEBUG|INFO|WARNING|ERROR)$")
+    """Log level of the operator process."""
 
     s3_endpoint: str = ""
     """host:port of the S3 API (MinIO); passed to trainer pods as POSTTRAIN_S3_ENDPOINT."""
@@ -92,6 +119,31 @@ class OperatorConfig(BaseModel):
         if isinstance(value, str):
             return tuple(ns for ns in (v.strip() for v in value.split(",")) if ns)
         return value
+
+    @field_validator(
+        "image_pull_secrets", "trainer_node_selector", "trainer_tolerations", "trainer_affinity",
+        "rollout_node_selector", "rollout_tolerations", "rollout_affinity", mode="before")
+    @classmethod
+    def _json(cls, value: Any, info: ValidationInfo) -> Any:
+        """Structured fields arrive from the environment as JSON ("null" = unset)."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except ValueError as exc:
+                raise ValueError(f"{info.field_name} must be JSON, got {value!r}") from exc
+        if value is None:
+            return cls.model_fields[info.field_name].default_factory()  # type: ignore[misc]
+        return value
+
+    @field_validator("sandbox_runtime_class_name", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return value or None
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
 
     @property
     def watched_namespaces(self) -> tuple[str, ...]:

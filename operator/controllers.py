@@ -77,7 +77,12 @@ class Store:
         owner = (meta.get("labels") or {}).get(self._owner_label)
         return (meta.get("namespace", ""), owner) if owner else None
 
-    def put(self, body: Body) -> None:
+    def put(self, body: Body) -> bool:
+        """Store ``body``; False when the cache already had this version or a newer one.
+
+        A False return is how the watch echo of the operator's own write is recognised (the
+        write's response was stored first), so that echo costs no reconcile.
+        """
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         with self._lock:
@@ -85,12 +90,13 @@ class Store:
             if old is not None:
                 old_rv, new_rv = _rv(old), _rv(body)
                 same = (old.get("metadata") or {}).get("uid") == meta.get("uid")
-                if same and old_rv is not None and new_rv is not None and new_rv < old_rv:
-                    return
+                if same and old_rv is not None and new_rv is not None and new_rv <= old_rv:
+                    return False
             self._items[key] = body
             owner = self._owner_key(body)
             if owner:
                 self._by_owner.setdefault(owner, set()).add(key[1])
+            return True
 
     def remove(self, namespace: str, name: str) -> None:
         with self._lock:
@@ -191,12 +197,13 @@ class Controller:
 
     # ------------------------------------------------------------ watch intake
 
-    def observe(self, store: Store, event_type: str | None, body: Body) -> None:
+    def observe(self, store: Store, event_type: str | None, body: Body) -> bool:
+        """Apply a watch event to ``store``; False when it told the cache nothing new."""
         meta = body.get("metadata") or {}
         if event_type == "DELETED":
             store.remove(meta.get("namespace", ""), meta.get("name", ""))
-        else:
-            store.put(body)
+            return True
+        return store.put(body)
 
     # ------------------------------------------------------------ SandboxTask
 
@@ -356,15 +363,16 @@ class Controller:
         labels = meta.get("labels") or {}
         namespace = meta.get("namespace", "")
         component = labels.get(b.LABEL_COMPONENT)
+        # An unchanged pod (the echo of our own create) needs no reconcile of its owner.
         if component == b.COMPONENT_SANDBOX and b.LABEL_TASK in labels:
-            self.observe(self.sandbox_pods, event_type, body)
-            self.reconcile_task(namespace, labels[b.LABEL_TASK])
+            if self.observe(self.sandbox_pods, event_type, body):
+                self.reconcile_task(namespace, labels[b.LABEL_TASK])
         elif component == b.COMPONENT_TRAINER and b.LABEL_RUN in labels:
-            self.observe(self.trainer_pods, event_type, body)
-            self.reconcile_run(namespace, labels[b.LABEL_RUN])
-        elif component == b.COMPONENT_ROLLOUT and b.LABEL_POOL in labels:
-            self.observe(self.rollout_pods, event_type, body)
-            self.reconcile_pool(namespace, labels[b.LABEL_POOL])
+            if self.observe(self.trainer_pods, event_type, body):
+                self.reconcile_run(namespace, labels[b.LABEL_RUN])
+        elif component == b.COMPONENT_ROLLOUT and b.LABEL_POOL in labels:  # noqa: SIM102
+            if self.observe(self.rollout_pods, event_type, body):
+                self.reconcile_pool(namespace, labels[b.LABEL_POOL])
 
     def resync(self) -> None:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety

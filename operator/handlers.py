@@ -73,22 +73,22 @@ async def _resync_forever(controller: Controller, period: float) -> None:
 def sandbox_task_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
     controller = _controller(memo)
-    controller.observe(controller.tasks, event.get("type"), event["object"])
+    changed = controller.observe(controller.tasks, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
         controller.forget("SandboxTask", namespace, name)
-        return
-    controller.reconcile_task(namespace, name)
+    elif changed:  # not the echo of our own status patch
+        controller.reconcile_task(namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
 def training_run_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
     controller = _controller(memo)
-    controller.observe(controller.runs, event.get("type"), event["object"])
+    changed = controller.observe(controller.runs, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
         controller.forget("TrainingRun", namespace, name)
-        return
-    controller.reconcile_run(namespace, name)
+    elif changed:  # not the echo of our own status patch
+        controller.reconcile_run(namespace, name)
 
 
 def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
@@ -105,11 +105,11 @@ def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
 def rollout_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
     controller = _controller(memo)
-    controller.observe(controller.pools, event.get("type"), event["object"])
+    changed = controller.observe(controller.pools, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
         controller.forget("RolloutPool", namespace, name)
-        return
-    controller.reconcile_pool(namespace, name)
+    elif changed:  # not the echo of our own status patch
+        controller.reconcile_pool(namespace, name)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT},
@@ -117,9 +117,9 @@ def rollout_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: st
 def deployment_event(event: kopf.RawEvent, memo: Any, namespace: str, **_: Any) -> None:
     controller = _controller(memo)
     body = event["object"]
-    controller.observe(controller.deployments, event.get("type"), body)
+    changed = controller.observe(controller.deployments, event.get("type"), body)
     pool = ((body.get("metadata") or {}).get("labels") or {}).get("posttrain.io/pool")
-    if pool:
+    if pool and changed:
         controller.reconcile_pool(namespace, pool)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,7 +111,16 @@ PLURALS = {
 class KubeClient:
     """Thread-safe pooled client; one instance shared by all reconciler threads."""
 
-    def __init__(self, creds: Credentials, pool_size: int = 32, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        creds: Credentials,
+        pool_size: int = 32,
+        timeout: float = 30.0,
+        reload: Callable[[], Credentials] | None = None,
+    ) -> None:
+        """``reload`` re-reads credentials after a 401: in-cluster service-account tokens are
+        rotated by the kubelet (bound tokens expire), and a long-running operator must follow."""
+        self._reload = reload
         context = ssl.create_default_context(cafile=creds.ca_path)
         if creds.insecure:
             context.check_hostname = False
@@ -146,6 +156,12 @@ class KubeClient:
         if body is not None:
             all_headers["Content-Type"] = content_type
         response = self._http.request(method, path, json=body, headers=all_headers)
+        if response.status_code == 401 and self._reload is not None:
+            fresh = self._reload()
+            if fresh.token:
+                self._http.headers["Authorization"] = f"Bearer {fresh.token}"
+                log.info("API token rejected (401); retrying with re-read credentials")
+                response = self._http.request(method, path, json=body, headers=all_headers)
         if response.status_code not in ok:
             raise KubeError(response.status_code, method, path, response.text)
         try:

@@ -18,13 +18,11 @@ Rule = dict[str, Any]
 READ = ["get", "list", "watch"]
 
 OPERATOR_RULES: list[Rule] = [
-    # Our resources: watch them, patch metadata (kopf's finalizer/annotations on TrainingRuns),
-    # delete finished SandboxTasks after their TTL.
-    {
-        "apiGroups": [GROUP],
-        "resources": ["trainingruns", "rolloutpools", "sandboxtasks"],
-        "verbs": [*READ, "patch", "delete"],
-    },
+    # Our resources: watch all three; patch TrainingRun metadata (kopf's finalizer and
+    # annotations, the gang incarnation); delete finished SandboxTasks after their TTL.
+    {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
+    {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
+    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "delete"]},
     # Status is ours to write (phase, conditions, results), through merge patches.
     {
         "apiGroups": [GROUP],

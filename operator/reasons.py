@@ -43,7 +43,6 @@ class Reason:
     ROLLING_UPDATE: Final = "RollingUpdate"
     SCALED_TO_ZERO: Final = "ScaledToZero"
     # SandboxTask
-    POD_CREATED: Final = "PodCreated"
     POD_RUNNING: Final = "PodRunning"
     COMPLETED: Final = "Completed"
     PROGRAM_FAILED: Final = "ProgramFailed"

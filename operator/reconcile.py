@@ -235,50 +235,44 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
                                          f"deleted {ttl} s after it finished"))
         return plan
 
-    attempts = status.attempts
-    desired: dict[str, Any] = {"observedGeneration": gen}
+    # Attempt 1 is implied: its pod is created without a status write, so a burst of tasks
+    # costs one pod create each; attempts/podName are written with the first transition.
+    attempts = max(status.attempts, 1)
+    current_name = sandbox_pod_name(task.metadata.name, attempts)
+    desired: dict[str, Any] = {"observedGeneration": gen, "attempts": attempts,
+                               "podName": current_name}
     conditions = list(status.conditions)
-    if attempts == 0:
-        attempts = 1
-        plan.create_attempt = 1
-        desired.update(
-            attempts=1,
-            podName=sandbox_pod_name(task.metadata.name, 1),
-            phase="Pending",
-            startTime=_iso(status.start_time or now),
-        )
-        conditions = set_condition(conditions, ConditionType.READY, "False", Reason.POD_CREATED,
-                                   "sandbox pod created, waiting for it to start", gen)
-        plan.events.append(EventSpec("Normal", Reason.POD_CREATED,
-                                     f"created pod {desired['podName']}"))
+    current = next((p for p in pods if p.name == current_name), None)
+    if current is None:
+        # New task, cache lag, or deleted by someone: create-or-adopt is idempotent.
+        plan.create_attempt = attempts
+        if status.attempts == 0:
+            return plan  # nothing to record yet
+    elif not current.finished:
+        if current.phase == "Running" and status.phase != "Running":
+            desired.update(phase="Running", startTime=_iso(
+                status.start_time or current.start_time or now))
+            conditions = set_condition(conditions, ConditionType.READY, "True",
+                                       Reason.POD_RUNNING, "the program is running", gen)
+        elif status.attempts == 0:
+            return plan  # created, not started: still nothing to record
     else:
-        current_name = sandbox_pod_name(task.metadata.name, attempts)
-        current = next((p for p in pods if p.name == current_name), None)
-        if current is None or (current.deleting and not current.finished):
-            if current is None:
-                # Not in the cache yet, or deleted by someone: create-or-adopt is idempotent.
-                plan.create_attempt = attempts
-        elif not current.finished:
-            if current.phase == "Running" and status.phase != "Running":
-                desired["phase"] = "Running"
-                conditions = set_condition(conditions, ConditionType.READY, "True",
-                                           Reason.POD_RUNNING, "the program is running", gen)
+        result = parse_sandbox_result(current)
+        if result.sandbox_failed and attempts < 1 + task.spec.retries:
+            attempts += 1
+            plan.create_attempt = attempts
+            desired.update(attempts=attempts,
+                           podName=sandbox_pod_name(task.metadata.name, attempts),
+                           phase="Pending")
+            why = current.reason or current.message or "the pod failed before the program ran"
+            plan.events.append(EventSpec(
+                "Warning", Reason.SANDBOX_RETRY,
+                f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
+                f"({attempts}/{1 + task.spec.retries})"))
         else:
-            result = parse_sandbox_result(current)
-            if result.sandbox_failed and attempts < 1 + task.spec.retries:
-                attempts += 1
-                plan.create_attempt = attempts
-                desired.update(attempts=attempts,
-                               podName=sandbox_pod_name(task.metadata.name, attempts),
-                               phase="Pending")
-                why = current.reason or current.message or "the pod failed before the program ran"
-                plan.events.append(EventSpec(
-                    "Warning", Reason.SANDBOX_RETRY,
-                    f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
-                    f"({attempts}/{1 + task.spec.retries})"))
-            else:
-                _finish_sandbox(task, result, attempts, now, desired, plan)
-                conditions = _sandbox_final_conditions(conditions, desired, gen)
+            desired["startTime"] = _iso(status.start_time or current.start_time or now)
+            _finish_sandbox(task, result, attempts, now, desired, plan)
+            conditions = _sandbox_final_conditions(conditions, desired, gen)
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(task.status.to_wire(), desired)
     return plan
@@ -302,9 +296,8 @@ def _finish_sandbox(
         reason=result.reason,
         completionTime=_iso(now),
     )
-    desired.update({k: v for k, v in desired.items() if v is not None})
     for key in [k for k, v in desired.items() if v is None]:
-        del desired[key]
+        del desired[key]  # e.g. no duration known: leave the field unset, not null
     if succeeded:
         plan.events.append(EventSpec("Normal", Reason.COMPLETED,
                                      f"exit 0, reward {desired['reward']}"))

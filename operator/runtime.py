@@ -32,7 +32,8 @@ def post_kopf_event(body: dict[str, Any], event: EventSpec) -> None:
 def build_memo(config: OperatorConfig) -> kopf.Memo:
     """Credentials, the shared REST client and the controller, handed to every handler."""
     creds = load_credentials(config.kubeconfig)
-    kube = KubeClient(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout)
+    kube = KubeClient(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout,
+                      reload=lambda: load_credentials(config.kubeconfig))
     controller = Controller(config, kube, post_kopf_event)
     return kopf.Memo(config=config, credentials=creds, controller=controller)
 
@@ -64,6 +65,7 @@ async def run_async(
 
 def run_forever(config: OperatorConfig) -> None:
     """The CLI's entry: metrics server, then kopf until SIGINT/SIGTERM."""
+    logging.getLogger().setLevel(config.log_level)
     start_metrics_server(config.metrics_port)
     where = "all namespaces" if config.all_namespaces else ", ".join(config.watched_namespaces)
     log.info("posttrain operator watching %s (%s)", where,

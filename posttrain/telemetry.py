@@ -8,22 +8,51 @@ W3C ``traceparent`` header via :func:`inject_headers` / :func:`extract_context`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
+
+# Long-running processes (the operator) finish a span per reconcile: keep only the newest.
+MEMORY_SPAN_LIMIT = 10_000
+
+
+class InMemorySpanExporter(SpanExporter):
+    """Keeps the newest ``limit`` finished spans in process (tests and debugging read them)."""
+
+    def __init__(self, limit: int = MEMORY_SPAN_LIMIT) -> None:
+        self._spans: collections.deque[ReadableSpan] = collections.deque(maxlen=limit)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self._lock:
+            self._spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def get_finished_spans(self) -> tuple[ReadableSpan, ...]:
+        with self._lock:
+            return tuple(self._spans)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._spans.clear()
+
+    def shutdown(self) -> None:
+        self.clear()
+
+
 _memory: InMemorySpanExporter | None = None
 
 

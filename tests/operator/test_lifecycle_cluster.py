@@ -9,7 +9,6 @@ from posttrain.devenv.minio import MinioServer
 from posttrain.operator import builders
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient
-from posttrain.operator.metrics import CHILDREN_ADOPTED
 from posttrain.operator.runtime import OperatorThread
 from posttrain.storage.store import open_store
 
@@ -28,9 +27,8 @@ def test_restarted_operator_adopts_instead_of_duplicating(
 ) -> None:
     # A previous operator crashed right after creating a pod, before patching the status.
     crashed = create_cr(kube, "sandboxtasks", namespace, task_body("crashed"))
-    kube.create_or_adopt(builders.build_sandbox_pod(
+    _, orphan = kube.create_or_adopt(builders.build_sandbox_pod(
         SandboxTask.model_validate(crashed), operator_config, attempt=1))
-    adopted_before = CHILDREN_ADOPTED.labels("SandboxTask", "Pod")._value.get()
 
     op = OperatorThread(operator_config).start()
     try:
@@ -43,18 +41,21 @@ def test_restarted_operator_adopts_instead_of_duplicating(
     op = OperatorThread(operator_config).start()
     try:
         wait_for(lambda: len(list_pods(kube, namespace)) == 21, what="21 pods")
-        for i in range(20):
-            wait_for(lambda i=i: (get_cr(kube, "sandboxtasks", namespace, f"burst-{i}")
-                                  .get("status") or {}).get("attempts") == 1,
-                     what=f"burst-{i} counted")
-        status = wait_for(lambda: get_cr(kube, "sandboxtasks", namespace, "crashed").get("status"),
-                          what="crashed task status")
-        assert (status["attempts"], status["podName"]) == (1, "crashed-1")
+        for pod in list_pods(kube, namespace):
+            set_pod_terminated(kube, namespace, pod["metadata"]["name"], 0)
+        for name in ["crashed", *(f"burst-{i}" for i in range(20))]:
+            status = wait_for(lambda name=name: (get_cr(kube, "sandboxtasks", namespace, name)
+                                                 .get("status") or {}).get("phase") == "Succeeded"
+                              and get_cr(kube, "sandboxtasks", namespace, name)["status"],
+                              what=f"{name} Succeeded")
+            assert (status["attempts"], status["podName"]) == (1, f"{name}-1")
     finally:
         op.stop()
     names = sorted(p["metadata"]["name"] for p in list_pods(kube, namespace))
     assert names == sorted(["crashed-1", *(f"burst-{i}-1" for i in range(20))])
-    assert CHILDREN_ADOPTED.labels("SandboxTask", "Pod")._value.get() >= adopted_before + 1
+    # The crashed operator's pod was adopted (same object), not replaced.
+    assert kube.get("v1", "Pod", namespace, "crashed-1")["metadata"]["uid"] == (
+        orphan["metadata"]["uid"])
 
 
 @pytest.mark.minio

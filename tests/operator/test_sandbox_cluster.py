@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from prometheus_client import REGISTRY
 
 from posttrain.operator.builders import SANDBOX_NETWORK_POLICY
 from posttrain.operator.kube import KubeClient, resource_path
 from posttrain.operator.runtime import OperatorThread
+from posttrain.telemetry import memory_exporter
 
 from .conftest import (
     create_cr,
@@ -21,6 +23,10 @@ from .conftest import (
 )
 
 pytestmark = pytest.mark.cluster
+
+
+def task_status(kube: KubeClient, namespace: str, name: str) -> dict[str, object]:
+    return (get_cr(kube, "sandboxtasks", namespace, name) or {}).get("status") or {}
 
 
 def task_body(name: str, **spec: object) -> dict[str, object]:
@@ -57,21 +63,32 @@ def test_task_creates_isolated_pod_and_reads_result(
     assert get_cr(kube, "sandboxtasks", namespace, "t1")["metadata"].get("finalizers") is None
 
     set_pod_running(kube, namespace, "t1-1")
-    wait_for(lambda: get_cr(kube, "sandboxtasks", namespace, "t1")["status"].get("phase")
+    wait_for(lambda: task_status(kube, namespace, "t1").get("phase")
              == "Running", what="phase Running")
     result = {"exit_code": 0, "reward": 0.75, "duration_ms": 123.0, "reason": "Completed"}
     set_pod_terminated(kube, namespace, "t1-1", 0, json.dumps(result))
     status = wait_for(
-        lambda: (s := get_cr(kube, "sandboxtasks", namespace, "t1")["status"]).get("phase")
+        lambda: (s := task_status(kube, namespace, "t1")).get("phase")
         == "Succeeded" and s, what="phase Succeeded")
     assert status["reward"] == 0.75
     assert status["durationMs"] == 123.0
     assert status["exitCode"] == 0
     assert status["podName"] == "t1-1"
     assert status["attempts"] == 1
-    events = kube.request("GET", resource_path("v1", "events", namespace)
-                          + "?fieldSelector=involvedObject.name=t1")[1]["items"]
-    assert {"PodCreated", "Completed"} <= {e["reason"] for e in events}
+    events = wait_for(lambda: kube.request("GET", resource_path("v1", "events", namespace)
+                      + "?fieldSelector=involvedObject.name=t1")[1]["items"], what="events")
+    wait_for(lambda: "Completed" in {e["reason"] for e in kube.request(
+        "GET", resource_path("v1", "events", namespace)
+        + "?fieldSelector=involvedObject.name=t1")[1]["items"]}, what="Completed event")
+    assert all(e["source"]["component"] == "posttrain-operator" for e in events)
+    # One span per reconcile, and the Prometheus counters moved.
+    spans = [sp for sp in memory_exporter().get_finished_spans()
+             if sp.name == "reconcile SandboxTask" and sp.attributes.get("posttrain.object") == "t1"]
+    assert spans and spans[0].attributes["k8s.namespace.name"] == namespace
+    assert REGISTRY.get_sample_value("posttrain_operator_reconciles_total",
+                                     {"kind": "SandboxTask"}) >= 3
+    assert REGISTRY.get_sample_value("posttrain_operator_children_created_total",
+                                     {"parent": "SandboxTask", "child": "Pod"}) >= 1
 
 
 def test_sandbox_failure_retries_then_fails(
@@ -82,11 +99,11 @@ def test_sandbox_failure_retries_then_fails(
     set_pod_evicted(kube, namespace, "t2-1")
     wait_for(lambda: kube.get("v1", "Pod", namespace, "t2-2"), what="retry pod t2-2")
     # The pod is created before the status patch that counts it.
-    wait_for(lambda: get_cr(kube, "sandboxtasks", namespace, "t2")["status"]["attempts"] == 2,
+    wait_for(lambda: task_status(kube, namespace, "t2")["attempts"] == 2,
              what="attempts == 2")
     set_pod_evicted(kube, namespace, "t2-2")
     status = wait_for(
-        lambda: (s := get_cr(kube, "sandboxtasks", namespace, "t2")["status"]).get("phase")
+        lambda: (s := task_status(kube, namespace, "t2")).get("phase")
         == "Failed" and s, what="phase Failed")
     assert status["reason"] == "SandboxFailed"
     assert status["attempts"] == 2
@@ -103,7 +120,7 @@ def test_program_failure_is_not_retried_and_scores_zero(
     # FallbackToLogsOnError: a crash leaves log text, not JSON; the exit code decides.
     set_pod_terminated(kube, namespace, "t3-1", 1, "Traceback: ZeroDivisionError")
     status = wait_for(
-        lambda: (s := get_cr(kube, "sandboxtasks", namespace, "t3")["status"]).get("phase")
+        lambda: (s := task_status(kube, namespace, "t3")).get("phase")
         == "Failed" and s, what="phase Failed")
     assert (status["exitCode"], status["reward"], status["reason"]) == (1, 0.0, "Error")
     assert status["attempts"] == 1

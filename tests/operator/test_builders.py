@@ -1,0 +1,256 @@
+"""Builders are pure: check every security- and scheduling-relevant field without a cluster."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.errors import UsageError
+from posttrain.operator import builders as b
+from posttrain.operator.config import OperatorConfig, load_config
+from posttrain.operator.rbac import OPERATOR_RULES, TRAINER_RULES, rbac_yaml
+
+CONFIG = OperatorConfig(s3_endpoint="minio.storage:9000", s3_credentials_secret="s3-creds",
+                        trainer_image="trainer:1", vllm_image="vllm:1", rollout_cpu_image="cpu:1")
+
+
+def make_run(**spec: Any) -> TrainingRun:
+    return TrainingRun.model_validate({
+        "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-run", "generation": 1},
+        "spec": {"model": "smollm2-135m-instruct",
+                 "domains": [{"name": "math", "dataset": "builtin:arith",
+                              "verifier": {"kind": "numeric"}}], **spec},
+    })
+
+
+def make_task(**spec: Any) -> SandboxTask:
+    return SandboxTask.model_validate({
+        "metadata": {"name": "t", "namespace": "ml", "uid": "uid-task"},
+        "spec": {"command": ["python", "main.py"], **spec},
+    })
+
+
+def make_pool(**spec: Any) -> RolloutPool:
+    return RolloutPool.model_validate({
+        "metadata": {"name": "pool", "namespace": "ml", "uid": "uid-pool"},
+        "spec": {"model": "Qwen/Qwen3-0.6B", **spec},
+    })
+
+
+def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in container["env"]}
+
+
+def test_sandbox_pod_is_locked_down() -> None:
+    pod = b.build_sandbox_pod(make_task(runtimeClassName="gvisor", timeoutSeconds=30), CONFIG, 2)
+    assert pod["metadata"]["name"] == "t-2"
+    assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-task"
+    spec = pod["spec"]
+    assert spec["runtimeClassName"] == "gvisor"
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["enableServiceLinks"] is False
+    assert spec["restartPolicy"] == "Never"
+    assert spec["activeDeadlineSeconds"] == 30
+    (main,) = spec["containers"]
+    sc = main["securityContext"]
+    assert sc == {
+        "runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534,
+        "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "privileged": False,
+        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    res = main["resources"]
+    assert res["requests"] == res["limits"] == {"cpu": "1", "memory": "512Mi",
+                                                 "ephemeral-storage": "1Gi"}
+    assert main["terminationMessagePath"] == "/dev/termination-log"
+    assert main["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    workdir = next(v for v in spec["volumes"] if v["name"] == "workdir")
+    assert workdir["emptyDir"]["sizeLimit"] == CONFIG.sandbox_workdir_size
+    assert pod["metadata"]["labels"][b.LABEL_SANDBOX_NETWORK] == "none"
+    assert "initContainers" not in spec  # no files, nothing to copy
+
+
+def test_sandbox_files_travel_in_annotations_and_init_copy() -> None:
+    task = make_task(files={"main.py": "print(1)", "tests/test_a.py": "def test(): pass"},
+                     stdin="5\n", network="egress")
+    pod = b.build_sandbox_pod(task, CONFIG, 1)
+    annotations = pod["metadata"]["annotations"]
+    assert sorted(annotations.values()) == ["5\n", "def test(): pass", "print(1)"]
+    items = next(v for v in pod["spec"]["volumes"] if v["name"] == "files")["downwardAPI"]["items"]
+    assert sorted(i["path"] for i in items) == [".stdin", "main.py", "tests/test_a.py"]
+    (init,) = pod["spec"]["initContainers"]
+    assert init["command"][:2] == ["cp", "-rL"]
+    assert "/sandbox/files/tests" in init["command"] and "/sandbox/files/main.py" in init["command"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True
+    # stdin is redirected from the copied file, the program's argv kept verbatim.
+    assert pod["spec"]["containers"][0]["command"][-2:] == ["python", "main.py"]
+    assert "< /workspace/.stdin" in pod["spec"]["containers"][0]["command"][2]
+    assert pod["metadata"]["labels"][b.LABEL_SANDBOX_NETWORK] == "egress"
+
+
+@pytest.mark.parametrize("bad", ["/etc/passwd", "../escape.py", "a/../../b", ".hidden", "a//b"])
+def test_sandbox_rejects_unsafe_file_names(bad: str) -> None:
+    with pytest.raises(b.BuildError, match="plain relative path"):
+        b.build_sandbox_pod(make_task(files={bad: "x"}), CONFIG, 1)
+
+
+def test_network_policy_denies_all_for_sandboxes_only() -> None:
+    policy = b.build_sandbox_network_policy("ml")
+    assert policy["metadata"]["name"] == b.SANDBOX_NETWORK_POLICY
+    assert "ownerReferences" not in policy["metadata"]  # shared by all tasks of the namespace
+    assert policy["spec"]["podSelector"]["matchLabels"] == {
+        b.LABEL_COMPONENT: "sandbox", b.LABEL_SANDBOX_NETWORK: "none"}
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert "egress" not in policy["spec"] and "ingress" not in policy["spec"]
+
+
+def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
+    run = make_run(resources={"gpusPerNode": 8, "cpu": "32", "memory": "200Gi",
+                              "nodeSelector": {"pool": "h100"}}, activeDeadlineSeconds=3600)
+    pod = b.build_trainer_pod(run, CONFIG, incarnation=3, rank=0)
+    assert pod["metadata"]["name"] == "demo-g3-0"
+    (main,) = pod["spec"]["containers"]
+    assert main["image"] == "trainer:1"
+    assert main["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert main["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    env = env_of(main)
+    assert {k: env[k]["value"] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")} == {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "1", "RANK": "0"}
+    assert env["POSTTRAIN_S3_ENDPOINT"]["value"] == "minio.storage:9000"
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert env[key] == {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-creds",
+                                                                         "key": key}}}
+    shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": CONFIG.shm_size}
+    assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert pod["spec"]["activeDeadlineSeconds"] == 3600
+    assert pod["spec"]["restartPolicy"] == "Never"
+
+
+def test_cpu_trainer_has_no_gpu_resource() -> None:
+    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    assert "nvidia.com/gpu" not in pod["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_multi_node_gang_head_and_workers() -> None:
+    run = make_run(resources={"nodes": 3})
+    gang = b.build_trainer_gang(run, CONFIG, incarnation=0)
+    assert [p["metadata"]["name"] for p in gang] == ["demo-g0-0", "demo-g0-1", "demo-g0-2"]
+    head, worker = gang[0]["spec"]["containers"][0], gang[2]["spec"]["containers"][0]
+    assert head["command"][:2] == ["sh", "-c"] and "ray start --head" in head["command"][2]
+    assert worker["command"] == ["ray", "start", "--address=demo-head.ml.svc:6379", "--block"]
+    assert env_of(worker)["RANK"]["value"] == "2"
+    assert env_of(worker)["WORLD_SIZE"]["value"] == "3"
+    assert env_of(worker)["MASTER_ADDR"]["value"] == "demo-head.ml.svc"
+    service = b.build_head_service(run, CONFIG)
+    assert service["spec"]["selector"][b.LABEL_RANK] == "0"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+
+
+def test_run_config_map_renders_spec_with_default_storage() -> None:
+    cm = b.build_run_config_map(make_run(algorithm={"maxSteps": 9}), CONFIG)
+    body = yaml.safe_load(cm["data"]["run.yaml"])
+    assert body["kind"] == "TrainingRun"
+    assert body["spec"]["algorithm"]["maxSteps"] == 9
+    assert body["spec"]["checkpoint"]["storageUri"] == "s3://posttrain/runs/ml/demo"
+    # It round-trips through the API model the trainer uses.
+    assert TrainingRun.model_validate(body).spec.algorithm.max_steps == 9
+
+
+def test_trainer_rbac_is_narrow() -> None:
+    sa, role, binding = b.build_trainer_rbac(make_run())
+    assert sa["metadata"]["name"] == "demo-trainer"
+    assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
+    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
+    assert verbs == {"get", "patch"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-trainer",
+                                    "namespace": "ml"}]
+
+
+def test_vllm_deployment_flags_and_rollout_strategy() -> None:
+    pool = make_pool(replicas=2, engineArgs={"tensorParallelSize": 2, "maxModelLen": 4096,
+                                             "speculative": {"method": "ngram"}},
+                     resources={"gpus": 2})
+    dep = b.build_rollout_deployment(pool, CONFIG)
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    (server,) = dep["spec"]["template"]["spec"]["containers"]
+    cmd = server["command"]
+    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    assert cmd[cmd.index("--served-model-name") + 1] == "pool"
+    assert "--speculative-config" in cmd
+    assert server["image"] == "vllm:1"
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert dep["spec"]["selector"]["matchLabels"] == b.pool_selector("pool")
+    assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_POOL] == "pool"
+
+
+def test_spec_hash_changes_with_template_not_replicas() -> None:
+    one = b.build_rollout_deployment(make_pool(replicas=1), CONFIG)
+    three = b.build_rollout_deployment(make_pool(replicas=3), CONFIG)
+    other = b.build_rollout_deployment(make_pool(replicas=1, port=9000), CONFIG)
+    key = b.ANNOTATION_SPEC_HASH
+    assert one["metadata"]["annotations"][key] == three["metadata"]["annotations"][key]
+    assert one["metadata"]["annotations"][key] != other["metadata"]["annotations"][key]
+
+
+def test_rollout_service_targets_the_pool() -> None:
+    svc = b.build_rollout_service(make_pool(port=8123))
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 8123, "targetPort": "http"}]
+    assert svc["spec"]["selector"] == b.pool_selector("pool")
+
+
+def test_rbac_rules_have_no_wildcards_and_cover_kopf() -> None:
+    for rule in OPERATOR_RULES + TRAINER_RULES:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"]
+        assert "*" not in rule["apiGroups"]
+    resources = {r for rule in OPERATOR_RULES for r in rule["resources"]}
+    assert {"events", "clusterkopfpeerings", "kopfpeerings", "pods", "deployments",
+            "sandboxtasks/status"} <= resources
+    docs = list(yaml.safe_load_all(rbac_yaml()))
+    assert docs[0]["kind"] == "ClusterRole" and docs[0]["rules"] == OPERATOR_RULES
+    assert docs[1]["rules"] == TRAINER_RULES
+
+
+def test_config_from_env_and_bad_values() -> None:
+    config = load_config({"POSTTRAIN_OPERATOR_NAMESPACES": "a, b",
+                          "POSTTRAIN_OPERATOR_MAX_WORKERS": "8"}, standalone=True, priority=None)
+    assert config.namespaces == ("a", "b") and config.max_workers == 8 and config.standalone
+    assert load_config({}).watched_namespaces == ("default",)
+    assert load_config({}, all_namespaces=True).watched_namespaces == ()
+    with pytest.raises(UsageError, match="POSTTRAIN_OPERATOR_"):
+        load_config({"POSTTRAIN_OPERATOR_MAX_WORKERS": "zero"})
+
+
+def test_chart_style_environment_reaches_the_pods() -> None:
+    """The Helm chart passes structured values as JSON env vars (see operator-configmap)."""
+    config = load_config({
+        "POSTTRAIN_OPERATOR_IMAGE_PULL_SECRETS": '[{"name": "regcred"}]',
+        "POSTTRAIN_OPERATOR_TRAINER_NODE_SELECTOR": '{"pool": "gpu", "zone": "a"}',
+        "POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS":
+            '[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+        "POSTTRAIN_OPERATOR_TRAINER_AFFINITY": "null",
+        "POSTTRAIN_OPERATOR_ROLLOUT_TOLERATIONS": "[]",
+        "POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME": "gvisor",
+        "POSTTRAIN_OPERATOR_LOG_LEVEL": "debug",
+    })
+    assert config.trainer_affinity == {} and config.log_level == "DEBUG"
+    pod = b.build_trainer_pod(make_run(resources={"nodeSelector": {"zone": "b"}}), config, 0, 0)
+    assert pod["spec"]["nodeSelector"] == {"pool": "gpu", "zone": "b"}  # the run wins per key
+    assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert "affinity" not in pod["spec"]
+    sandbox = b.build_sandbox_pod(make_task(), config, 1)
+    assert sandbox["spec"]["runtimeClassName"] == "gvisor"
+    assert sandbox["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert b.build_sandbox_pod(make_task(runtimeClassName="kata"), config, 1)["spec"][
+        "runtimeClassName"] == "kata"
+    dep = b.build_rollout_deployment(make_pool(), config)
+    assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    with pytest.raises(UsageError, match="must be JSON"):
+        load_config({"POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS": "[oops"})
