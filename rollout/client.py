@@ -61,7 +61,17 @@ class _Endpoint:
         self.url = url.rstrip("/")
         self.in_flight = 0
         self.max_in_flight = max_in_flight
-        self.failures = 0  # consecutive; used to deprioritise a replica that keeps failing
+        self.failures = 0  # consecutive
+        self.cooldown_until = 0.0  # monotonic time before which new requests skip this one
+        self.last_picked = 0  # pick counter value when last chosen (round-robin tie-break)
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        self.cooldown_until = time.monotonic() + min(30.0, 0.5 * 2 ** (self.failures - 1))
+
+    def record_success(self) -> None:
+        self.failures = 0
+        self.cooldown_until = 0.0
 
 
 class RolloutClient:
@@ -85,6 +95,7 @@ class RolloutClient:
         self._max_retries = max_retries
         self._model = model
         self._slots = threading.Condition()
+        self._picks = 0
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
             limits=httpx.Limits(max_connections=max_in_flight * len(endpoints) + 8),
@@ -237,18 +248,32 @@ class RolloutClient:
     # ------------------------------------------------------------------ transport
 
     def _acquire(self, avoid: set[str]) -> _Endpoint:
-        """Block until an endpoint has a free slot; prefer least loaded, then fewest failures."""
+        """Block until an eligible endpoint has a free slot; take the least loaded.
+
+        Eligible: not in ``avoid`` (it just failed this request) and not cooling down after
+        failures. A retry therefore waits for a slot on a healthy replica instead of going
+        straight back to a dead one; a cooled-down replica gets traffic again as a probe.
+        Only when nothing is eligible do we fall back to the rest.
+        """
         with self._slots:
             while True:
-                free = [e for e in self._endpoints if e.in_flight < e.max_in_flight]
-                preferred = [e for e in free if e.url not in avoid] or free
-                if preferred:
-                    best = min(
-                        preferred, key=lambda e: (e.failures > 0, e.in_flight, random.random())
+                now = time.monotonic()
+                eligible = [
+                    e for e in self._endpoints if e.url not in avoid and e.cooldown_until <= now
+                ]
+                if not eligible:
+                    eligible = [e for e in self._endpoints if e.url not in avoid] or list(
+                        self._endpoints
                     )
+                free = [e for e in eligible if e.in_flight < e.max_in_flight]
+                if free:
+                    # Least in flight; ties go round-robin (least recently picked).
+                    best = min(free, key=lambda e: (e.in_flight, e.last_picked))
+                    self._picks += 1
+                    best.last_picked = self._picks
                     best.in_flight += 1
                     return best
-                self._slots.wait()
+                self._slots.wait(timeout=0.5)  # also re-checks as cooldowns expire
 
     def _release(self, endpoint: _Endpoint) -> None:
         with self._slots:
@@ -307,12 +332,12 @@ class RolloutClient:
                 timeout=timeout_s or self._timeout_s,
             )
         except httpx.TransportError as exc:  # connect/read errors and timeouts
-            endpoint.failures += 1
+            endpoint.record_failure()
             CLIENT_REQUESTS.labels(endpoint.url, "transport_error").inc()
             raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
         CLIENT_LATENCY.observe(time.monotonic() - started)
         if response.status_code >= 500:
-            endpoint.failures += 1
+            endpoint.record_failure()
             CLIENT_REQUESTS.labels(endpoint.url, "5xx").inc()
             raise _Retryable(f"HTTP {response.status_code}: {response.text[:300]}")
         if response.status_code >= 400:
@@ -321,7 +346,7 @@ class RolloutClient:
                 f"{endpoint.url}{path} rejected the request (HTTP {response.status_code}): "
                 f"{response.text[:500]}"
             )
-        endpoint.failures = 0
+        endpoint.record_success()
         CLIENT_REQUESTS.labels(endpoint.url, "ok").inc()
         payload = response.json()
         if "weight_version" not in payload and WEIGHT_VERSION_HEADER in response.headers:

@@ -113,6 +113,19 @@ class _Batch:
     last_logits: torch.Tensor  # (B, V) logits that the next token is sampled from
 
 
+def default_num_threads() -> int:
+    """``POSTTRAIN_NUM_THREADS``, else ``OMP_NUM_THREADS``, else every core.
+
+    Intra-op threads beyond the core count only add contention; operators pin replicas by
+    setting one of the variables to the pod's CPU limit.
+    """
+    for variable in ("POSTTRAIN_NUM_THREADS", "OMP_NUM_THREADS"):
+        value = os.environ.get(variable, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return os.cpu_count() or 1
+
+
 def sample_seed(seed: int, sample_index: int) -> int:
     """Mix a request seed and sample index into a generator seed (distinct per sample).
 
@@ -161,9 +174,7 @@ class GenerationEngine:
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        threads = (
-            num_threads or int(os.environ.get("POSTTRAIN_NUM_THREADS", 0)) or (os.cpu_count() or 1)
-        )
+        threads = num_threads or default_num_threads()
         torch.set_num_threads(threads)
         self.model_dir = Path(model_dir)
         self.max_batch_size = max_batch_size
@@ -200,6 +211,8 @@ class GenerationEngine:
         self, prompt_ids: list[int], params: SamplingParams, *, top_logprobs: int = 0
     ) -> concurrent.futures.Future[list[SampleOutput]]:
         """Queue one prompt; the future resolves to its ``n`` samples."""
+        if self._stopping.is_set():
+            raise RuntimeError("rollout engine is shut down")
         params.validate()
         if not 0 <= top_logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {top_logprobs}")
@@ -242,6 +255,7 @@ class GenerationEngine:
         self.swap_weights(state_dict, version).result()
 
     def close(self) -> None:
+        """Stop after the current decode step; unfinished requests fail with RuntimeError."""
         self._stopping.set()
         self._queue.put(None)
         self._thread.join(timeout=30)
@@ -269,7 +283,8 @@ class GenerationEngine:
                     idle = batch is None and not waiting and pending_swap is None
                     item = self._queue.get(block=idle)
                     if item is None:
-                        return
+                        self._stopping.set()
+                        break
                     if isinstance(item, _WeightSwap):
                         pending_swap = item
                     else:
@@ -278,6 +293,8 @@ class GenerationEngine:
                         break
             except queue.Empty:
                 pass
+            if self._stopping.is_set():
+                break
             if pending_swap is not None and batch is None:
                 # Requests queued behind the swap are sampled with the new weights.
                 self._apply_swap(pending_swap)
@@ -298,17 +315,29 @@ class GenerationEngine:
                     if not seq.request.future.done():
                         seq.request.future.set_exception(exc)
                 batch = None
+            self.active_sequences = len(batch.rows) if batch else 0
             elapsed = time.monotonic() - window_started
             if elapsed > 1.0:
                 TOKENS_PER_SECOND.set(window_tokens / elapsed)
                 window_started, window_tokens = time.monotonic(), 0
         RUNNING_SEQUENCES.set(0)
+        # Shutting down: fail whatever is left so HTTP handlers return instead of hanging.
+        leftovers = [seq.request for seq in batch.rows] if batch else []
+        for request in leftovers + waiting:
+            if not request.future.done():
+                request.future.set_exception(RuntimeError("rollout engine is shutting down"))
+        if pending_swap is not None and not pending_swap.done.done():
+            pending_swap.done.set_exception(RuntimeError("rollout engine is shutting down"))
 
     def _admit(self, batch: _Batch | None, waiting: list[_Request]) -> _Batch | None:
         """Prefill as many waiting requests as fit and merge them into the running batch."""
         admitted: list[_Request] = []
         rows = len(batch.rows) if batch else 0
         while waiting:
+            if waiting[0].future.cancelled():  # the client went away while queued
+                waiting.pop(0)
+                QUEUE_DEPTH.dec()
+                continue
             needed = waiting[0].params.n
             # A request larger than the whole batch still runs, just alone.
             if rows + needed > self.max_batch_size and rows > 0:
@@ -399,6 +428,8 @@ class GenerationEngine:
             zip(tokens.tolist(), token_logprobs.tolist(), strict=True)
         ):
             seq = batch.rows[row]
+            if seq.request.future.cancelled():
+                continue  # client disconnected: stop spending compute on it
             self._append(seq, token, logprob)
             if seq.finish_reason is None:
                 keep.append(row)

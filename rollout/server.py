@@ -43,6 +43,10 @@ REQUEST_LATENCY = Histogram(
     ["endpoint"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
+CANCELLED_REQUESTS = Counter(
+    "posttrain_rollout_cancelled_requests_total", "Requests cancelled by client disconnects"
+)
+DISCONNECT_POLL_S = 0.5
 WEIGHT_LOAD_SECONDS = Histogram(
     "posttrain_rollout_weight_load_seconds", "Fetch + swap time of /v1/weights/load"
 )
@@ -307,7 +311,7 @@ def create_app(state: ServerState) -> FastAPI:
         ) as span:
             span.set_attribute("rollout.prompts", len(token_prompts))
             span.set_attribute("rollout.n", body.n)
-            results = await _generate(engine, token_prompts, params, body.logprobs or 0)
+            results = await _generate(engine, token_prompts, params, body.logprobs or 0, request)
         choices = []
         for prompt_index, samples in enumerate(results):
             for sample_index, sample in enumerate(samples):
@@ -359,7 +363,7 @@ def create_app(state: ServerState) -> FastAPI:
         with tracer.start_as_current_span(
             "rollout.chat_completions", context=extract_context(request.headers)
         ):
-            (samples,) = await _generate(engine, [list(prompt_ids)], params, top)
+            (samples,) = await _generate(engine, [list(prompt_ids)], params, top, request)
         choices = [
             {
                 "index": i,
@@ -416,13 +420,37 @@ def _params(n: int, max_tokens: int, body: CompletionRequest | ChatRequest) -> S
 
 
 async def _generate(
-    engine: Any, prompts: list[list[int]], params: SamplingParams, top_logprobs: int
+    engine: Any,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    top_logprobs: int,
+    request: Request,
 ) -> list[list[Any]]:
+    """Submit every prompt and wait; cancel them in the engine if the client disconnects.
+
+    Without this, a client that timed out and retried elsewhere would leave its abandoned
+    request decoding here, and under load the retries compound.
+    """
     try:
         futures = [engine.submit(p, params, top_logprobs=top_logprobs) for p in prompts]
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
-    return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+    gathered = asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+    while True:
+        done, _ = await asyncio.wait({gathered}, timeout=DISCONNECT_POLL_S)
+        if done:
+            try:
+                return list(gathered.result())
+            except RuntimeError as exc:  # engine shutting down
+                raise ApiError(503, str(exc)) from exc
+        if await request.is_disconnected():
+            for future in futures:
+                future.cancel()
+            gathered.cancel()
+            # Mark the outcome as seen so asyncio does not log "exception never retrieved".
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
+            CANCELLED_REQUESTS.inc()
+            raise ApiError(499, "client disconnected; request cancelled")
 
 
 def _token_str(engine: Any, token_id: int, as_ids: bool) -> str:
@@ -536,7 +564,15 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
             target=poll_weights, args=(state, stop_polling), name="weights-poller", daemon=True
         ).start()
     try:
-        uvicorn.run(create_app(state), host=host, port=port, log_level="info")
+        # Short graceful shutdown: in-flight requests are failed by engine.close() anyway,
+        # and Kubernetes should not wait the full termination grace period.
+        uvicorn.run(
+            create_app(state),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+        )
     finally:
         stop_polling.set()
         if state.engine is not None:

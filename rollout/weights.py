@@ -19,6 +19,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 VERSION_DIR = re.compile(r"^v(\d{8})$")
+MANIFEST_NAME = "manifest.json"  # written last by posttrain.storage when a version commits
 
 
 def version_dir_name(version: int) -> str:
@@ -47,18 +48,24 @@ def latest_version(prefix: str) -> int | None:
     root = _local_path(prefix)
     if not root.is_dir():
         return None
-    versions = [
-        int(match.group(1))
+    candidates = {
+        int(match.group(1)): child
         for child in root.iterdir()
         if (match := VERSION_DIR.match(child.name)) and _has_weights(child)
-    ]
+    }
+    # posttrain.storage commits a version by writing manifest.json last; when any version
+    # has one, only committed versions count (the others are uploads still in progress).
+    committed = {v for v, d in candidates.items() if (d / MANIFEST_NAME).is_file()}
+    versions = committed or set(candidates)
     return max(versions) if versions else None
 
 
 def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[Path, bool]:
     """A local directory holding version ``version``'s safetensors.
 
-    Returns ``(path, is_temporary)``; the caller deletes temporary downloads once loaded.
+    Local prefixes are read in place; ``s3://`` is downloaded and verified through
+    ``posttrain.storage.checkpoints.WeightRegistry``. Returns ``(path, is_temporary)``; the
+    caller deletes temporary downloads once loaded.
     Raises FileNotFoundError naming what was looked for, so a wrong URI is obvious.
     """
     if uri.startswith("s3://"):
@@ -75,43 +82,42 @@ def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[
     )
 
 
-def _checkpoint_manager(uri: str) -> Any:
+def _registry(uri: str) -> Any:
+    """``posttrain.storage``'s WeightRegistry for a weights prefix URI.
+
+    The trainer hands us ``store.uri("weights")`` (e.g. ``s3://bucket/runs/a/weights``): the
+    last path component is the registry prefix inside the store rooted one level up.
+    """
     try:
-        from posttrain.storage.checkpoints import CheckpointManager
+        from posttrain.storage.checkpoints import WeightRegistry
         from posttrain.storage.store import open_store
     except ImportError as exc:
         raise RuntimeError(
-            f"cannot read {uri}: posttrain.storage (checkpoints/store) is not importable ({exc})"
+            f"cannot read {uri}: posttrain.storage is not importable ({exc})"
         ) from exc
-    return CheckpointManager(open_store(uri))
+    root, _, name = uri.rstrip("/").rpartition("/")
+    if root.endswith(":/") or root.endswith(":"):  # "s3://bucket" has no prefix component
+        root, name = uri.rstrip("/"), ""
+    if not name:
+        raise ValueError(f"{uri} names no weights prefix; use s3://BUCKET/PREFIX/weights")
+    return WeightRegistry(open_store(root), name)
 
 
 def _fetch_s3(uri: str, version: int, scratch: Path | None) -> Path:
-    manager = _checkpoint_manager(uri)
+    """Download + verify (manifest digests) one version into a fresh temporary directory."""
+    # WeightRegistry.fetch swaps a verified copy in place of dest, so dest may pre-exist.
     dest = Path(tempfile.mkdtemp(prefix=f"weights-{version_dir_name(version)}-", dir=scratch))
     try:
-        manager.fetch_weights(version, dest)
+        _registry(uri).fetch(version, dest)
     except Exception:
         shutil.rmtree(dest, ignore_errors=True)
         raise
     if not _has_weights(dest):
-        # Some layouts nest the files one level down (dest/vNNNNNNNN/...).
-        nested = dest / version_dir_name(version)
-        if _has_weights(nested):
-            return nested
         shutil.rmtree(dest, ignore_errors=True)
         raise FileNotFoundError(f"{uri} version {version} holds no *.safetensors")
     return dest
 
 
 def _latest_version_s3(prefix: str) -> int | None:
-    manager = _checkpoint_manager(prefix)
-    for name in ("latest_weights_version", "latest_version", "latest"):
-        method = getattr(manager, name, None)
-        if callable(method):
-            found = method()
-            return None if found is None else int(getattr(found, "version", found))
-    raise RuntimeError(
-        "posttrain.storage.checkpoints.CheckpointManager has no latest_version(); "
-        "cannot find the newest published weights"
-    )
+    found = _registry(prefix).latest_version()
+    return None if found is None else int(found)

@@ -18,9 +18,6 @@ from safetensors.torch import load_file, save_file
 from posttrain.models import make_tiny_model
 from posttrain.rollout.weights import version_dir_name
 
-# Two cores on CI: keep torch from oversubscribing when servers run in parallel.
-torch.set_num_threads(1)
-
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

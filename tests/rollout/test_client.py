@@ -42,7 +42,19 @@ def served_requests(url: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_generate_returns_n_completions_per_prompt_in_order(two_servers: list[ServerThread]) -> None:
+def running_sequences(url: str) -> float:
+    """posttrain_rollout_running_sequences scraped from one server (0 when unreachable)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    match = re.search(r"^posttrain_rollout_running_sequences (\S+)", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_generate_returns_n_completions_per_prompt_in_order(
+    two_servers: list[ServerThread],
+) -> None:
     token_prompts = [[1, 2, 3], [9906], [4, 5], [6, 7, 8, 9], [10]]
     with RolloutClient([s.url for s in two_servers]) as client:
         results = client.generate(token_prompts, SamplingParams(n=3, max_tokens=6, seed=2))
@@ -75,7 +87,7 @@ def test_balancing_and_failover_when_a_replica_dies(serve_process: type) -> None
         replica.wait_ready()
     retries_before = REGISTRY.get_sample_value("posttrain_rollout_client_retries_total") or 0
     prompts = [[i + 1, i + 2] for i in range(16)]
-    params = SamplingParams(n=1, max_tokens=48, seed=0)
+    params = SamplingParams(n=1, max_tokens=300, seed=0)
     results: list = []
     with RolloutClient([r.url for r in replicas], max_in_flight=4, max_retries=4) as client:
         warm = client.generate(prompts[:8], SamplingParams(max_tokens=2))
@@ -85,8 +97,10 @@ def test_balancing_and_failover_when_a_replica_dies(serve_process: type) -> None
 
         worker = threading.Thread(target=lambda: results.extend(client.generate(prompts, params)))
         worker.start()
-        time.sleep(1.0)  # mid-batch: both replicas hold in-flight requests
-        replicas[0].kill()
+        deadline = time.monotonic() + 60
+        while running_sequences(replicas[0].url) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        replicas[0].kill()  # mid-batch: it holds in-flight requests right now
         worker.join(timeout=300)
         assert not worker.is_alive()
         assert client.health() == {replicas[0].url: False, replicas[1].url: True}
@@ -95,14 +109,16 @@ def test_balancing_and_failover_when_a_replica_dies(serve_process: type) -> None
     assert len(results) == len(prompts)
     for index, (completion,) in enumerate(results):
         assert completion.prompt_index == index
-        assert len(completion.token_ids) == 48
+        assert len(completion.token_ids) == 300
 
 
 def test_exhausted_retries_raise_with_endpoints_named() -> None:
     dead = "http://127.0.0.1:9"  # discard port: connection refused
-    with RolloutClient([dead], max_retries=1, timeout_s=5) as client:
-        with pytest.raises(RolloutError, match=r"failed after 2 attempts.*127\.0\.0\.1:9"):
-            client.generate([[1]], SamplingParams(max_tokens=1))
+    with (
+        RolloutClient([dead], max_retries=1, timeout_s=5) as client,
+        pytest.raises(RolloutError, match=r"failed after 2 attempts.*127\.0\.0\.1:9"),
+    ):
+        client.generate([[1]], SamplingParams(max_tokens=1))
 
 
 def test_back_pressure_bounds_in_flight(two_servers: list[ServerThread]) -> None:

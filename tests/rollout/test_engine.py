@@ -68,8 +68,12 @@ def test_seed_determinism_independent_of_batch(tiny_engine: GenerationEngine) ->
     alone = tiny_engine.generate([prompts(tiny_engine)[1]], params)
     assert [[s.token_ids for s in r] for r in batch] == [[s.token_ids for s in r] for r in again]
     assert [s.token_ids for s in alone[0]] == [s.token_ids for s in batch[1]]
-    other_seed = tiny_engine.generate(prompts(tiny_engine), SamplingParams(n=2, max_tokens=12, seed=7))
-    assert [[s.token_ids for s in r] for r in other_seed] != [[s.token_ids for s in r] for r in batch]
+    other_seed = tiny_engine.generate(
+        prompts(tiny_engine), SamplingParams(n=2, max_tokens=12, seed=7)
+    )
+    assert [[s.token_ids for s in r] for r in other_seed] != [
+        [s.token_ids for s in r] for r in batch
+    ]
 
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
@@ -110,14 +114,16 @@ def test_stop_strings(tiny_engine: GenerationEngine) -> None:
 
 
 def test_continuous_batching_admits_mid_batch(tiny_engine: GenerationEngine) -> None:
-    long_params = SamplingParams(n=2, max_tokens=120, seed=5)
+    long_params = SamplingParams(n=2, max_tokens=400, seed=5)
     short_params = SamplingParams(n=1, max_tokens=10, seed=6)
     p_long, p_short = prompts(tiny_engine)[1], prompts(tiny_engine)[0]
     solo_long = tiny_engine.generate([p_long], long_params)[0]
     solo_short = tiny_engine.generate([p_short], short_params)[0]
     before = tiny_engine.midbatch_admissions
     long_future = tiny_engine.submit(p_long, long_params)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while tiny_engine.active_sequences == 0 and time.monotonic() < deadline:
+        time.sleep(0.002)  # join only once the long request is decoding
     short_future = tiny_engine.submit(p_short, short_params)
     short = short_future.result(timeout=60)
     assert not long_future.done(), "short request should finish while the long one decodes"
@@ -156,7 +162,9 @@ def test_weight_swap_changes_outputs_and_waits_for_inflight(
         eng.close()
 
 
-def test_mismatched_weights_are_refused(tiny_engine: GenerationEngine, tiny_model_dir: Path) -> None:
+def test_mismatched_weights_are_refused(
+    tiny_engine: GenerationEngine, tiny_model_dir: Path
+) -> None:
     state = read_safetensors_dir(tiny_model_dir)
     state.pop(next(iter(state)))
     with pytest.raises(ValueError, match="missing"):

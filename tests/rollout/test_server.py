@@ -216,3 +216,20 @@ def test_new_replica_starts_at_latest_published_version(
         assert health["weight_version"] == 3
     finally:
         thread.stop()
+
+
+def test_client_disconnect_cancels_the_request(server: ServerThread) -> None:
+    engine = server.state.engine
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}/v1/completions",
+            json={"prompt": [1, 2], "max_tokens": 1500},
+            timeout=1.0,
+        )
+    deadline = time.monotonic() + 20
+    while engine.active_sequences and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.active_sequences == 0, "abandoned request still decoding"
+    # The server keeps serving normally afterwards.
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": [1], "max_tokens": 2})
+    assert ok.status_code == 200
