@@ -186,6 +186,23 @@ def dev_env(args: argparse.Namespace) -> int:
     return 0
 
 
+def dev_agent(args: argparse.Namespace) -> int:
+    """Run the local node agent (a development aid) against the dev control plane."""
+    from .nodeagent import NodeAgent
+
+    state = DevState.load()
+    kubeconfig = args.kubeconfig or (state.kubeconfig if state else None)
+    if kubeconfig is None:
+        raise UsageError("no dev environment: run `posttrain dev up` first or pass --kubeconfig")
+    agent = NodeAgent.from_kubeconfig(Path(kubeconfig))
+    print(f"node agent running pods of {kubeconfig} as local processes (Ctrl-C stops it)")
+    try:
+        agent.run_forever()
+    except KeyboardInterrupt:
+        agent.stop()
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     dev = sub.add_parser(
         "dev",
@@ -204,3 +221,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status.set_defaults(func=dev_status)
     env = dev_sub.add_parser("env", help="print shell exports (KUBECONFIG, S3 endpoint/keys)")
     env.set_defaults(func=dev_env)
+    agent = dev_sub.add_parser(
+        "agent",
+        help="run pods as local processes (development aid: no containers, no kubelet)",
+    )
+    agent.add_argument("--kubeconfig", default=None, help="default: the dev environment's")
+    agent.set_defaults(func=dev_agent)

@@ -1,0 +1,342 @@
+"""How the local node agent turns a pod's container into a host process (dev aid).
+
+Pure pieces of :mod:`posttrain.devenv.nodeagent`'s "kubelet": the container's environment
+(``$(VAR)`` expansion, downward-API values, Secret data), the bubblewrap argv that shows the
+process its volumes at their mount paths, executable resolution (``python``/``posttrain`` ->
+the project's venv), process-group termination, httpGet probes, termination messages and
+the pod/container status fragments the agent patches. Nothing here talks to the apiserver.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import shutil
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+Manifest = dict[str, Any]
+
+DEFAULT_TERMINATION_PATH = "/dev/termination-log"
+# The kubelet caps termination messages at 4 KiB; the same cap keeps status patches small.
+MAX_TERMINATION_MESSAGE = 4096
+# FallbackToLogsOnError uses the tail of the log (the kubelet takes 80 lines).
+FALLBACK_LOG_LINES = 80
+# Commands that must run the checked-out project, not whatever an image would have held.
+INTERPRETER_COMMANDS = frozenset({"posttrain", "python", "python3"})
+
+
+class PodSpecError(ValueError):
+    """The pod asks for something the local agent cannot provide; the pod is marked Failed."""
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def expand_references(text: str, env: Mapping[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined names are replaced, ``$$`` escapes.
+
+    >>> expand_references("$(A)-$(B)-$$(A)", {"A": "1"})
+    '1-$(B)-$(A)'
+    """
+
+    def replace(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)", replace, text)
+
+
+def field_ref_value(pod: Manifest, field_path: str) -> str:
+    """The downward-API value of ``field_path`` for ``pod``.
+
+    >>> field_ref_value({"metadata": {"annotations": {"a.b/c": "x"}}}, "metadata.annotations['a.b/c']")
+    'x'
+    >>> field_ref_value({"metadata": {"name": "p"}}, "metadata.name")
+    'p'
+    """
+    meta = pod.get("metadata") or {}
+    keyed = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", field_path)
+    if keyed:
+        return str((meta.get(keyed.group(1)) or {}).get(keyed.group(2), ""))
+    simple = {
+        "metadata.name": meta.get("name"),
+        "metadata.namespace": meta.get("namespace"),
+        "metadata.uid": meta.get("uid"),
+        "spec.nodeName": (pod.get("spec") or {}).get("nodeName"),
+        "spec.serviceAccountName": (pod.get("spec") or {}).get("serviceAccountName"),
+        "status.podIP": (pod.get("status") or {}).get("podIP"),
+        "status.hostIP": (pod.get("status") or {}).get("hostIP"),
+    }
+    if field_path in simple:
+        return str(simple[field_path] or "")
+    if field_path in ("metadata.labels", "metadata.annotations"):
+        items = meta.get(field_path.split(".")[1]) or {}
+        return "\n".join(f'{k}="{v}"' for k, v in sorted(items.items()))
+    raise PodSpecError(
+        f"fieldRef {field_path!r} is not supported by the local node agent; "
+        f"use one of {sorted(simple)} or metadata.labels/annotations['key']"
+    )
+
+
+def decode_secret_data(secret: Manifest) -> dict[str, str]:
+    """A Secret's ``data`` (base64) merged over its ``stringData``, decoded.
+
+    >>> decode_secret_data({"data": {"k": "aGk="}})
+    {'k': 'hi'}
+    """
+    decoded = dict(secret.get("stringData") or {})
+    for key, value in (secret.get("data") or {}).items():
+        decoded[key] = base64.b64decode(value).decode()
+    return decoded
+
+
+@dataclass
+class ContainerResult:
+    exit_code: int
+    reason: str
+    message: str
+    started_at: str
+    finished_at: str
+
+
+def existing_ancestors(target: str) -> set[str]:
+    """Host directories above a mount path that does not exist yet (all of them up to /).
+
+    >>> sorted(existing_ancestors("/etc/no-such-dir/x"))
+    ['/', '/etc']
+    """
+    if os.path.lexists(target):
+        return set()
+    ancestors = [str(p) for p in Path(target).parents]
+    first = next(i for i, p in enumerate(ancestors) if os.path.isdir(p))
+    return set(ancestors[first:])
+
+
+def host_view_binds(targets: Iterable[str]) -> list[str]:
+    """bwrap args rebuilding the host filesystem on bwrap's empty tmpfs root.
+
+    Host entries are bound one by one; a directory that must receive a new mount point
+    (``/`` for ``/workspace``, ``/etc`` for ``/etc/posttrain``) is recreated on tmpfs and its
+    entries bound inside it, so mount points are made in the sandbox, never on the host.
+    /dev and /proc are fresh (``--dev``, ``--proc``).
+    """
+    exploded = {"/"}
+    for target in targets:
+        if not target.startswith(("/dev/", "/proc/")):
+            exploded |= existing_ancestors(target)
+    args: list[str] = []
+
+    def visit(directory: str) -> None:
+        for entry in sorted(os.listdir(directory)):
+            path = os.path.join(directory, entry)
+            if path in ("/dev", "/proc"):
+                continue
+            if os.path.islink(path):
+                args.extend(["--symlink", os.readlink(path), path])
+            elif path in exploded and os.path.isdir(path):
+                args.extend(["--perms", "0755", "--dir", path])
+                visit(path)
+            else:
+                args.extend(["--bind", path, path])
+
+    visit("/")
+    return args
+
+
+def bwrap_prefix(mounts: Sequence[tuple[str, str, bool]]) -> list[str]:
+    """The bwrap argv (without the trailing ``--``) giving a process the pod's filesystem view.
+
+    ``mounts`` are (host source, mount path, read-only). Missing parent directories are made
+    world-traversable (0755): bwrap would create them 0700, which a dropped-to user cannot
+    enter. Nothing is created on the host (see :func:`host_view_binds`).
+    """
+    # Resolve symlinked parents (/var/run -> /run) so mount points are made in the real
+    # directory, which host_view_binds recreates on tmpfs, not through a link into the host.
+    mounts = [
+        (source, target if target.startswith(("/dev/", "/proc/")) else os.path.realpath(target), ro)
+        for source, target, ro in mounts
+    ]
+    args = [
+        "bwrap",
+        *host_view_binds(target for _, target, _ in mounts),
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--die-with-parent",
+    ]
+    made: set[str] = set()
+    for source, target, read_only in mounts:
+        parents = [str(p) for p in reversed(Path(target).parents) if str(p) != "/"]
+        if os.path.isdir(source):
+            parents.append(target)
+        for parent in parents:
+            on_fresh_fs = parent.startswith(("/dev/", "/proc/"))
+            if parent not in made and not on_fresh_fs and not os.path.exists(parent):
+                args += ["--perms", "0755", "--dir", parent]
+                made.add(parent)
+        args += ["--ro-bind" if read_only else "--bind", source, target]
+    return args
+
+
+def write_projection(target: Path, data: Mapping[str, str], items: list[Manifest] | None) -> None:
+    """Write ``data`` as files (all keys, or only ``items`` key -> path) under ``target``."""
+    selected = (
+        {item["key"]: item["path"] for item in items} if items else {key: key for key in data}
+    )
+    for key, relative in selected.items():
+        if key not in data:
+            raise PodSpecError(f"volume item key {key!r} not found (keys: {sorted(data)})")
+        path = target / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(data[key])
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    os.chown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            os.chown(os.path.join(dirpath, name), uid, gid)
+
+
+def run_as_user(pod_spec: Manifest, container: Manifest) -> tuple[int, int] | None:
+    """(uid, gid) to drop to, container securityContext over the pod's; None = run as we are.
+
+    Only root can switch users, so an unprivileged agent runs every pod as itself.
+
+    >>> run_as_user({"securityContext": {"runAsUser": 7}}, {}) == ((7, 7) if os.geteuid() == 0
+    ...                                                              else None)
+    True
+    """
+    if os.geteuid() != 0:
+        return None
+    pod_ctx = pod_spec.get("securityContext") or {}
+    ctx = container.get("securityContext") or {}
+    uid = ctx.get("runAsUser", pod_ctx.get("runAsUser"))
+    if uid is None:
+        return None
+    gid = ctx.get("runAsGroup", pod_ctx.get("runAsGroup", uid))
+    return int(uid), int(gid)
+
+
+def resolve_executable(command: str, path: str, python_bin_dir: Path) -> str:
+    """Map a container's ``command[0]`` to a host executable.
+
+    ``posttrain``/``python``/``python3`` (bare or under /usr/bin, /usr/local/bin) run the
+    project's venv, so pods execute the checked-out code; anything else is looked up on PATH.
+    """
+    base = os.path.basename(command)
+    if base in INTERPRETER_COMMANDS and (command == base or command.startswith(("/usr/", "/bin/"))):
+        candidate = python_bin_dir / base
+        if candidate.exists():
+            return str(candidate)
+    if "/" in command:
+        return command
+    found = shutil.which(command, path=path)
+    if found is None:
+        raise PodSpecError(
+            f"executable {command!r} not found on PATH {path}; install it on this "
+            "host (the local agent runs commands on the host, not in the image)"
+        )
+    return found
+
+
+def kill_process_group(process: subprocess.Popen[bytes] | None, grace_seconds: float) -> None:
+    """SIGTERM the process's group, SIGKILL it after ``grace_seconds``, reap the leader."""
+    if process is None or process.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def http_probe(probe: Manifest, container: Manifest, pod_ip: str) -> bool:
+    """One httpGet probe against the pod IP; exec/tcp probes count as passing (not run here)."""
+    get = probe.get("httpGet")
+    if get is None:
+        return True
+    port = get.get("port")
+    if isinstance(port, str) and not port.isdigit():
+        named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
+        if port not in named:
+            return False
+        port = named[port]
+    url = f"{get.get('scheme', 'HTTP').lower()}://{pod_ip}:{port}{get.get('path', '/')}"
+    timeout = float(probe.get("timeoutSeconds", 1))
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return 200 <= int(response.status) < 400
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def read_termination_message(
+    termination_file: Path, log_path: Path, exit_code: int, policy: str
+) -> str:
+    """The container's termination message, or the log's tail under FallbackToLogsOnError."""
+    message = termination_file.read_text(errors="replace") if termination_file.exists() else ""
+    if not message and exit_code != 0 and policy == "FallbackToLogsOnError":
+        lines = log_path.read_text(errors="replace").splitlines()[-FALLBACK_LOG_LINES:]
+        message = "\n".join(lines)
+    return message[-MAX_TERMINATION_MESSAGE:]
+
+
+def pod_conditions(ready: bool) -> list[Manifest]:
+    now = now_rfc3339()
+    flag = "True" if ready else "False"
+    return [
+        {"type": "PodScheduled", "status": "True", "lastTransitionTime": now},
+        {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+        {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
+        {"type": "Ready", "status": flag, "lastTransitionTime": now},
+    ]
+
+
+def _container_status(container: Manifest, ready: bool, state: Manifest) -> Manifest:
+    return {
+        "name": container["name"],
+        "image": container.get("image", ""),
+        "imageID": "",
+        "ready": ready,
+        "restartCount": 0,
+        "started": "running" in state,
+        "state": state,
+    }
+
+
+def running_status(container: Manifest, started: str, ready: bool) -> Manifest:
+    return _container_status(container, ready, {"running": {"startedAt": started}})
+
+
+def waiting_status(container: Manifest, reason: str) -> Manifest:
+    return _container_status(container, False, {"waiting": {"reason": reason}})
+
+
+def terminated_status(container: Manifest, result: ContainerResult) -> Manifest:
+    terminated = {
+        "exitCode": result.exit_code,
+        "reason": result.reason,
+        "startedAt": result.started_at,
+        "finishedAt": result.finished_at,
+    }
+    if result.message:
+        terminated["message"] = result.message
+    return _container_status(container, False, {"terminated": terminated})
