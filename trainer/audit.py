@@ -56,6 +56,11 @@ class Trajectory:
     hack_signals: tuple[str, ...] = ()
 
 
+def trajectory_record(t: Trajectory) -> dict[str, Any]:
+    """The storage record (``posttrain.storage.trajectories``) of one trajectory."""
+    return {**asdict(t), "hack_signals": list(t.hack_signals)}
+
+
 def divergence_alerts(
     step: int,
     reward_at_eval: dict[str, tuple[float, float]],
@@ -170,6 +175,7 @@ class Auditor:
         jsonl = self.dir / "spot_checks.jsonl"
         jsonl.write_text("".join(json.dumps(asdict(t)) + "\n" for t in ordered))
         lines = ["# Spot checks", "", f"{len(ordered)} trajectories sampled uniformly", ""]
+        fence = "````"  # longer than any ``` a completion may contain
         for t in ordered:
             verdict = "PASS" if t.passed else "fail"
             lines += [
@@ -177,9 +183,9 @@ class Auditor:
                 "",
                 f"**Prompt:** {t.prompt}",
                 "",
-                "```text",
-                t.completion.replace("```", "ʼʼʼ"),
-                "```",
+                f"{fence}text",
+                t.completion,
+                fence,
                 "",
             ]
             if t.hack_signals:

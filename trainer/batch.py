@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from posttrain.trainer.advantages import compute_advantages
 from posttrain.trainer.audit import Trajectory
 from posttrain.trainer.loss import LossConfig, normalised_domain_weights, sequence_coefficients
 from posttrain.trainer.policy import TrainSample
-from posttrain.trainer.rewards import ScoredSample
+from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
 from posttrain.trainer.rollouts import RolloutBatch
 
 
@@ -29,6 +30,33 @@ class PreparedBatch:
     response_length: float
     kept_groups: int
     trajectories: list[Trajectory] = field(default_factory=list)
+
+
+def score_batch(
+    batch: RolloutBatch,
+    verifiers: dict[str, tuple[str | None, dict[str, Any]]],
+    algorithm: Any,  # AlgorithmSpec
+    *,
+    max_concurrency: int,
+    verify: VerifyFn | None = None,
+) -> list[list[ScoredSample]]:
+    """Score every completion of the batch; ``result[i][j]`` is sample j of prompt i."""
+    flat = [(task, c) for task, group in zip(batch.request.tasks, batch.completions, strict=True)
+            for c in group]
+    scored = score_samples(
+        [c.text for _, c in flat],
+        [len(c.token_ids) for _, c in flat],
+        [task for task, _ in flat],
+        verifiers,
+        max_new_tokens=algorithm.max_new_tokens,
+        overlong_buffer=algorithm.overlong_buffer_tokens,
+        overlong_penalty_value=algorithm.overlong_penalty,
+        max_concurrency=max_concurrency,
+        verify=verify,
+    )
+    sizes = [len(group) for group in batch.completions]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [scored[start : start + size] for start, size in zip(starts, sizes, strict=True)]
 
 
 def _mean(values: Sequence[float]) -> float:

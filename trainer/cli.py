@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +60,10 @@ def run_command(args: argparse.Namespace) -> int:
     from posttrain.telemetry import start_metrics_server
     from posttrain.trainer.distributed import launch_if_distributed
 
+    # SIGTERM (kubectl delete, Ctrl-C in a wrapper) must unwind the `with` blocks so the
+    # child rollout server is stopped and never outlives us.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     run = load_manifest(args.manifest, TrainingRun)
     spec = run.spec
     if args.max_steps is not None:
@@ -133,6 +139,8 @@ def _print_summary(result: Any) -> None:
 def eval_command(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
     from posttrain.models import resolve_model
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.datasets import DEFAULT_VERIFIER_BY_DOMAIN, load_jsonl_tasks
@@ -162,7 +170,8 @@ def eval_command(args: argparse.Namespace) -> int:
         _require_healthy(client, [args.server])
         result = score(client)
     else:
-        log_path = (args.out.parent if args.out else Path(".")) / "eval-rollout-server.log"
+        log_dir = args.out.parent if args.out else Path(tempfile.gettempdir())
+        log_path = log_dir / "eval-rollout-server.log"
         with LocalRolloutServer(str(model_dir), log_path) as server:
             client = RolloutClient([server.url], timeout_s=600, max_in_flight=8)
             result = score(client)

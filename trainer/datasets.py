@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 import random
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -42,8 +43,9 @@ class Task:
 
     @property
     def task_id(self) -> str:
-        """Stable content id: same domain+prompt+answer/tests gives the same id everywhere."""
-        return content_hash(self.domain, self.prompt, self.answer or "", self.tests or "")[:16]
+        """Stable id of the *question* (domain + prompt): the unit of the held-out split, so
+        one prompt can never sit on both sides even with different tests or answers."""
+        return content_hash(self.domain, self.prompt)[:16]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON record (the same shape a task file line has)."""
@@ -70,7 +72,7 @@ def content_hash(*parts: str) -> str:
     """sha256 of the parts joined by NUL.
 
     >>> content_hash("a", "b")[:8]
-    'd4e9ce36'
+    '59b271ae'
     """
     return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
@@ -93,7 +95,9 @@ def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{where}: not valid JSON ({exc.msg}); each line must be one object")
+        raise UsageError(
+            f"{where}: not valid JSON ({exc.msg}); each line must be one object"
+        ) from None
     if not isinstance(record, dict):
         raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "domain" not in record:
@@ -126,24 +130,24 @@ def load_jsonl_tasks(path: str | Path, default_domain: str | None = None) -> lis
 
 # --------------------------------------------------------------------------- built-ins
 
+OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 ANSWER_FORMAT = "Give only the final result on the last line as 'Answer: <number>'."
 
 
 def arithmetic_task(rng: random.Random, stratum: str) -> Task:
     """One generated arithmetic question; the stratum sets operand sizes and operators."""
-    if stratum == "easy":  # one-digit plus two-digit additions
+    if stratum == "easy":  # one-digit additions
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        text, value = f"{a} + {b}", a + b
+    elif stratum == "medium":  # one-digit plus two-digit additions
         a, b = rng.randint(1, 9), rng.randint(10, 49)
         text, value = f"{a} + {b}", a + b
-    elif stratum == "medium":  # two-digit +/- or small products
+    else:  # two-digit +/-, or a two-digit times a one-digit number
         a, b = rng.randint(10, 99), rng.randint(10, 99)
         op = rng.choice(["+", "-", "*"])
         if op == "*":
             b = rng.randint(2, 9)
-        text, value = f"{a} {op} {b}", eval(f"{a} {op} {b}")  # noqa: S307 - our own digits
-    else:  # three terms, mixed operators
-        a, b, c = rng.randint(10, 99), rng.randint(2, 9), rng.randint(10, 99)
-        op = rng.choice(["+", "-"])
-        text, value = f"{a} * {b} {op} {c}", eval(f"{a} * {b} {op} {c}")  # noqa: S307
+        text, value = f"{a} {op} {b}", OPS[op](a, b)
     prompt = f"What is {text}? {ANSWER_FORMAT}"
     return Task(domain="arithmetic", prompt=prompt, answer=str(value), difficulty=stratum)
 
@@ -171,7 +175,7 @@ CODE_FORMAT = "Reply with only the function in a ```python code block."
 def code_task(rng: random.Random, stratum: str) -> Task:
     """One generated 'write a small function' task with asserts computed from a reference."""
     name, description, body = rng.choice(CODE_FAMILIES[stratum])
-    k = rng.randint(2, 19)
+    k = rng.randint(2, 49)
     if name in {"count_big", "keep_small", "sum_plus"}:
         arg, inputs = "xs", [[rng.randint(0, 30) for _ in range(rng.randint(0, 6))] for _ in range(4)]
     elif name == "repeat_str":
@@ -181,7 +185,7 @@ def code_task(rng: random.Random, stratum: str) -> Task:
         arg, inputs = "x", [rng.randint(-20, 60) for _ in range(4)]
     reference: dict[str, Any] = {}
     source = f"def {name}({arg}):\n    {body.format(k=k)}\n"
-    exec(source, reference)  # noqa: S102 - our own reference implementation
+    exec(source, reference)  # our own reference implementation, never model output
     tests = "\n".join(f"assert {name}({v!r}) == {reference[name](v)!r}" for v in inputs)
     prompt = f"Write a Python function `{name}({arg})` that {description.format(k=k)}. {CODE_FORMAT}"
     return Task(domain="code", prompt=prompt, tests=tests + "\n", difficulty=stratum)

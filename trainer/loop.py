@@ -9,14 +9,15 @@ server or a pool of vLLM servers in a cluster.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from posttrain.trainer.audit import Auditor
-from posttrain.trainer.batch import prepare_batch
+from posttrain.trainer.audit import Auditor, trajectory_record
+from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.checkpoint import (
     Checkpointer,
     TrainerState,
@@ -25,11 +26,12 @@ from posttrain.trainer.checkpoint import (
     request_from_json,
     request_to_json,
 )
+from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.policy import Policy
 from posttrain.trainer.progress import ProgressReporter, StepMetrics
 from posttrain.trainer.report import plot_run, write_report
-from posttrain.trainer.rewards import VerifyFn, score_samples
+from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
 from posttrain.trainer.rundata import build_run_data, loss_config
 from posttrain.trainer.status import LocalStatusReporter, RunStatus, StatusReporter
@@ -55,22 +57,29 @@ def train(
     reporter: StatusReporter | None = None,
     stop_after_step: int | None = None,  # simulate an interruption (tests)
     verify: VerifyFn | None = None,
+    dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
 ) -> RunResult:
     from posttrain.models import resolve_model
     from posttrain.rollout.protocol import SamplingParams
     from posttrain.storage.checkpoints import WeightRegistry
     from posttrain.storage.store import open_store
+    from posttrain.storage.trajectories import TrajectoryWriter
 
     started = time.monotonic()
     algo, evaluation = spec.algorithm, spec.evaluation
     out_dir.mkdir(parents=True, exist_ok=True)
     reporter = reporter or LocalStatusReporter(out_dir)
-    data = build_run_data(spec)
+    dist = dist or DistContext()
+    data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompt stream
+    prompts_per_rank = max(1, algo.prompts_per_step // dist.world_size)
     store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
     checkpointer = Checkpointer(store, spec.checkpoint.keep_last, spec.checkpoint.keep_best)
     weights = WeightRegistry(store, "weights", keep_last=2)
     base_dir = resolve_model(spec.model)
     scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
+    # Every scored sample goes to durable storage for later analysis and audits.
+    trajectories = TrajectoryWriter(store, "trajectories", out_dir / "spool",
+                                    writer_id=f"rank{dist.rank}")
 
     def make_policy(model_dir: Path) -> Policy:
         return Policy(model_dir, learning_rate=algo.learning_rate, weight_decay=algo.weight_decay,
@@ -88,7 +97,8 @@ def train(
         auditor.load_state_dict(state.audit)
         pending = [request_from_json(r) for r in state.pending_requests]
         sampled = [batch_from_json(b) for b in state.sampled_batches]
-        _publish(policy, weights, store.uri("weights"), version, client, scratch)  # server must sample from it
+        if dist.is_main:  # the server restarted with the base model: give it our weights
+            _publish(policy, weights, store.uri("weights"), version, client, scratch)
     config = loss_config(algo)
     sampling = SamplingParams(n=algo.group_size, max_tokens=algo.max_new_tokens,
                               temperature=algo.temperature, top_p=algo.top_p)
@@ -115,7 +125,7 @@ def train(
 
     status = RunStatus(phase="Running", step=step, max_steps=algo.max_steps,
                        weight_version=version)
-    base_eval = run_eval(0) if step == 0 else None
+    base_eval = run_eval(0) if step == 0 and dist.is_main else None
     final_eval, last_checkpoint = base_eval, None
     with ProgressReporter(out_dir, algo.max_steps, start_step=step) as progress:
         while step < algo.max_steps and (stop_after_step is None or step < stop_after_step):
@@ -125,7 +135,7 @@ def train(
                 # 1. choose prompts for every batch allowed to be in flight (curriculum)
                 while submitted < min(step + algo.max_policy_lag, algo.max_steps):
                     submitted += 1
-                    tasks = data.curriculum.next_prompts(algo.prompts_per_step)
+                    tasks = data.curriculum.next_prompts(prompts_per_rank)
                     producer.submit(RolloutRequest(submitted, tasks,
                                                    [policy.encode_prompt(t.prompt) for t in tasks],
                                                    seed=algo.seed * 1_000_003 + submitted))
@@ -133,18 +143,11 @@ def train(
                 batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
                 if batch.error:
                     raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
+                staleness = version - batch.weight_version  # versions behind, before this step
                 stale = is_too_stale(batch, version, algo.max_policy_lag)
                 # 3. rewards: verifiers + overlong penalty
-                flat = [(t, c) for t, g in zip(batch.request.tasks, batch.completions,
-                                               strict=True) for c in g]
-                scored_flat = score_samples(
-                    [c.text for _, c in flat], [len(c.token_ids) for _, c in flat],
-                    [t for t, _ in flat], data.verifiers, max_new_tokens=algo.max_new_tokens,
-                    overlong_buffer=algo.overlong_buffer_tokens,
-                    overlong_penalty_value=algo.overlong_penalty,
-                    max_concurrency=spec.sandbox.max_concurrency, verify=verify)
-                scored = [scored_flat[i : i + algo.group_size]
-                          for i in range(0, len(scored_flat), algo.group_size)]
+                scored = score_batch(batch, data.verifiers, algo,
+                                     max_concurrency=spec.sandbox.max_concurrency, verify=verify)
                 # 4. group advantages + dynamic sampling + loss coefficients
                 prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                          dynamic_sampling=algo.dynamic_sampling,
@@ -154,16 +157,20 @@ def train(
                                            strict=True):
                     data.curriculum.observe(task, pass_rate, step)
                 auditor.observe_batch(step, prepared.trajectories)
+                for trajectory in prepared.trajectories:
+                    trajectories.append(trajectory_record(trajectory))
                 # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
                 rollout_seconds, train_started = batch.seconds, time.monotonic()
                 samples = [] if stale else prepared.samples
                 stats = policy.train_step(samples, config, micro_batch_size=algo.micro_batch_size,
-                                          grad_clip=algo.grad_clip, temperature=algo.temperature)
+                                          grad_clip=algo.grad_clip, temperature=algo.temperature,
+                                          world_size=dist.world_size)
                 if stale:
                     stats.skip_reason = f"stale batch (v{batch.weight_version} < v{version})"
                 # 6. publish the new weights so the server samples from them
                 if stats.applied:
                     version += 1
+                if stats.applied and dist.is_main:
                     _publish(policy, weights, store.uri("weights"), version, client, scratch)
                 producer.step_finished(step)
                 metrics = StepMetrics(
@@ -173,7 +180,7 @@ def train(
                     grad_norm=stats.grad_norm, kl=stats.kl, clip_fraction=stats.clip_fraction,
                     ratio_mean=stats.ratio_mean, response_length=prepared.response_length,
                     kept_groups=prepared.kept_groups, total_groups=len(batch.completions),
-                    weight_version=version, staleness=version - batch.weight_version,
+                    weight_version=version, staleness=staleness,
                     applied=stats.applied, skip_reason=stats.skip_reason,
                     rollout_seconds=rollout_seconds,
                     train_seconds=time.monotonic() - train_started,
@@ -182,11 +189,12 @@ def train(
                 progress.record(metrics, span)
             # 7. evaluate and checkpoint at their intervals
             last = step == algo.max_steps
-            if step % evaluation.every_steps == 0 or last:
+            if dist.is_main and (step % evaluation.every_steps == 0 or last):
                 final_eval = run_eval(step)
                 auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
                 status.eval_accuracy = final_eval.accuracy
-            if step % spec.checkpoint.every_steps == 0 or last or step == stop_after_step:
+            if dist.is_main and (step % spec.checkpoint.every_steps == 0 or last
+                                 or step == stop_after_step):
                 waiting, done = producer.buffered()
                 state = TrainerState(step, version, data.curriculum.state_dict(),
                                      auditor.state_dict(), [request_to_json(r) for r in waiting],
@@ -198,6 +206,8 @@ def train(
             status.reward_mean, status.domain_rewards = metrics.reward_mean, metrics.domain_rewards
             reporter.report(status)
     producer.close()
+    trajectories.close()
+    shutil.rmtree(scratch, ignore_errors=True)
     auditor.write_spot_checks()
     plot_run(out_dir)
     finished = step >= algo.max_steps

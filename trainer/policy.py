@@ -147,9 +147,14 @@ class Policy:
         micro_batch_size: int,
         grad_clip: float,
         temperature: float,
+        world_size: int = 1,
     ) -> StepStats:
-        """One optimizer step over ``samples`` (already filtered and with advantages)."""
-        if not samples:
+        """One optimizer step over ``samples`` (already filtered and with advantages).
+
+        With ``world_size > 1`` gradients are averaged across ranks before clipping (every
+        rank joins the collective even with no samples, or the others would hang).
+        """
+        if not samples and world_size <= 1:
             return StepStats(0.0, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, clipped, tokens, ratio_sum, kl_sum = 0.0, 0.0, 0.0, 0.0, 0.0
@@ -177,6 +182,10 @@ class Policy:
             tokens += terms.tokens
             ratio_sum += terms.ratio_sum
             kl_sum += terms.kl_sum
+        if world_size > 1:
+            from posttrain.trainer.distributed import all_reduce_gradients
+
+            all_reduce_gradients(self.model.parameters(), world_size)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip))
         stats = StepStats(
             loss=total_loss,

@@ -72,7 +72,7 @@ def domain_tasks(name: str, dataset: str, eval_dataset: str | None) -> tuple[lis
     return train, held
 
 
-def build_run_data(spec: Any) -> RunData:
+def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
     """Load every domain of ``spec`` (a TrainingRunSpec) and build the curriculum."""
     pools, heldout, verifiers, weights = [], [], {}, {}
     limit = spec.evaluation.max_items_per_domain
@@ -96,7 +96,7 @@ def build_run_data(spec: Any) -> RunData:
         window=curriculum_spec.window,
         replay_fraction=curriculum_spec.replay_fraction,
         min_domain_fraction=curriculum_spec.min_domain_fraction,
-        seed=spec.algorithm.seed,
+        seed=spec.algorithm.seed + seed_offset,
     )
     return RunData(curriculum, heldout, regression, verifiers, weights)
 

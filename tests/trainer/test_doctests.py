@@ -1,0 +1,18 @@
+"""The worked examples in the trainer's docstrings are executed, so they cannot go stale."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["advantages", "audit", "curriculum", "datasets", "evaluate", "loss", "rewards",
+           "rollouts", "rundata", "status"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(f"posttrain.trainer.{name}")
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,100 @@
+"""The RL loop end to end on a tiny model, over real HTTP to a real rollout server process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.api import TrainingRunSpec
+from posttrain.rollout.client import RolloutClient
+from posttrain.trainer.loop import train
+from posttrain.trainer.progress import load_metrics
+from posttrain.trainer.server_process import LocalRolloutServer
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def tiny_spec(model: Path, **algorithm: Any) -> TrainingRunSpec:
+    return TrainingRunSpec.model_validate(
+        {
+            "model": str(model),
+            "algorithm": {"groupSize": 4, "promptsPerStep": 3, "maxSteps": 2,
+                          "learningRate": 1e-3, "maxNewTokens": 6, "microBatchSize": 4,
+                          "dynamicSampling": False, "seed": 3, **algorithm},
+            "domains": [
+                {"name": "arithmetic", "dataset": "builtin:arithmetic",
+                 "verifier": {"kind": "numeric"}},
+                {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}},
+            ],
+            "curriculum": {"window": 4, "minDomainFraction": 0.3},
+            "evaluation": {"everySteps": 2, "maxItemsPerDomain": 3},
+            "checkpoint": {"everySteps": 1, "keepLast": 2},
+            "audit": {"spotCheckSamples": 5},
+        }
+    )
+
+
+def run_with_server(spec: TrainingRunSpec, out: Path, **kwargs: Any) -> Any:
+    with LocalRolloutServer(spec.model, out / "server.log") as server:
+        client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
+        try:
+            return train(spec, out, client, **kwargs)
+        finally:
+            client.close()
+
+
+@pytest.mark.slow  # three server starts; ~2 min on an idle machine
+def test_interrupted_run_resumes_exactly(tiny_model: Path, tmp_path: Path) -> None:
+    """Stop after step 1, restart (new server process too): step 2 equals an unbroken run."""
+    spec = tiny_spec(tiny_model)
+    straight = run_with_server(spec, tmp_path / "straight")
+    assert straight.steps_done == 2
+
+    broken = tmp_path / "broken"
+    first = run_with_server(spec, broken, stop_after_step=1)
+    assert first.steps_done == 1
+    resumed = run_with_server(spec, broken)
+    assert resumed.steps_done == 2 and resumed.base_eval is None  # base eval not redone
+
+    a, b = load_metrics(tmp_path / "straight"), load_metrics(broken)
+    assert [m["step"] for m in b] == [1, 2]
+    for key in ("reward_mean", "loss", "grad_norm", "response_length", "weight_version"):
+        assert b[1][key] == pytest.approx(a[1][key], rel=1e-5, abs=1e-7), key
+    assert b[1]["domain_rewards"] == a[1]["domain_rewards"]
+    weights_a = load_file(tmp_path / "straight/checkpoints/latest/model.safetensors")
+    weights_b = load_file(broken / "checkpoints/latest/model.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-6, atol=1e-7)
+
+    # the outputs a person looks at are all there
+    for rel in ("metrics.jsonl", "report.md", "status.json", "plots/reward_accuracy.png",
+                "eval/heldout_step0000.json", "eval/heldout_step0002.json",
+                "audit/spot_checks.md", "checkpoints/latest/config.json"):
+        assert (tmp_path / "straight" / rel).is_file(), rel
+    status = json.loads((tmp_path / "straight/status.json").read_text())
+    assert status["phase"] == "Succeeded" and status["step"] == 2
+    assert set(status["evalAccuracy"]) == {"arithmetic", "code"}
+
+
+@pytest.mark.slow
+def test_bounded_staleness_prefetches_and_stays_within_lag(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    spec = tiny_spec(tiny_model, maxPolicyLag=1, maxSteps=3)
+    result = run_with_server(spec, tmp_path / "async")
+    metrics = load_metrics(tmp_path / "async")
+    assert result.steps_done == 3
+    assert all(0 <= m["staleness"] <= 1 for m in metrics)
+    # every applied step published a new version the server then sampled from
+    assert metrics[-1]["weight_version"] == sum(m["applied"] for m in metrics)
