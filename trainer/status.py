@@ -19,6 +19,9 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+# Shows in managedFields who owns step/rewardMean/...: the operator owns phase and conditions.
+FIELD_MANAGER = "posttrain-trainer"
+
 RUN_NAME_ENV = "POSTTRAIN_RUN_NAME"
 RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
 
@@ -98,6 +101,7 @@ class KubeStatusReporter:
                 "trainingruns",
                 self.name,
                 {"status": status.to_wire()},
+                field_manager=FIELD_MANAGER,
             )
         except Exception as exc:  # a flaky apiserver must not stop training
             log.warning("could not patch status of %s/%s: %s", self.namespace, self.name, exc)

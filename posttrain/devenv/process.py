@@ -20,6 +20,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,27 @@ class ManagedProcess:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout=1)
         self.pid = None
+
+
+def wait_for(
+    predicate: Callable[[], Any],
+    timeout_s: float = 30.0,
+    what: str = "condition",
+    interval_s: float = 0.1,
+) -> Any:
+    """Poll until ``predicate()`` is truthy and return its value; fail naming ``what``.
+
+    >>> wait_for(lambda: 42, what="the answer")
+    42
+    """
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
 
 
 def pid_alive(pid: int) -> bool:

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.devenv.process import free_port
+from posttrain.devenv.process import free_port, wait_for
 
 from .conftest import CHART_DIR, REPO_ROOT, Helm
 from .test_rbac_cluster import write_token_kubeconfig
@@ -39,13 +38,7 @@ def is_working(log: str) -> bool:
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+    return wait_for(predicate, timeout_s, what, interval_s=0.2)
 
 
 def healthz(port: int) -> bool:
@@ -64,7 +57,10 @@ class OperatorPod:
         self.health_port = free_port()
         env = {**env, "POD_ID": name, "POSTTRAIN_OPERATOR_LIVENESS_PORT": str(self.health_port)}
         self.process = subprocess.Popen(
-            command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            command,
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -87,8 +83,15 @@ def operator_pods(
     helm: Helm, kubectl: Any, kubeconfig: Path, namespace: str, release: str, tmp_path: Path
 ) -> Iterator[Callable[[str], OperatorPod]]:
     helm(
-        "install", release, str(CHART_DIR), "--namespace", namespace,
-        "--set", f"operator.watchNamespaces={{{namespace}}}", "--set", "operator.replicas=2",
+        "install",
+        release,
+        str(CHART_DIR),
+        "--namespace",
+        namespace,
+        "--set",
+        f"operator.watchNamespaces={{{namespace}}}",
+        "--set",
+        "operator.replicas=2",
     )
     full = f"{release}-posttrain"
     deployment = json.loads(
@@ -134,8 +137,16 @@ def test_two_replicas_one_active_then_failover(
         wait_until(lambda pod=pod: healthz(pod.health_port), f"{pod.name} /healthz")
 
     def peers() -> dict[str, Any]:
-        result = kubectl("get", "kopfpeering", f"{release}-posttrain", "-n", namespace,
-                         "-o", "jsonpath={.status}", check=False)
+        result = kubectl(
+            "get",
+            "kopfpeering",
+            f"{release}-posttrain",
+            "-n",
+            namespace,
+            "-o",
+            "jsonpath={.status}",
+            check=False,
+        )
         return json.loads(result.stdout or "{}") if result.returncode == 0 else {}
 
     both = wait_until(lambda: len(peers()) == 2 and peers(), "both keep-alives")
@@ -152,8 +163,9 @@ def test_two_replicas_one_active_then_failover(
     kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "sandbox-task.yaml"))
 
     def task_pods() -> list[str]:
-        return kubectl("get", "pods", "-n", namespace, "-l", "posttrain.io/task=add-two-numbers",
-                       "-o", "name").stdout.split()
+        return kubectl(
+            "get", "pods", "-n", namespace, "-l", "posttrain.io/task=add-two-numbers", "-o", "name"
+        ).stdout.split()
 
     wait_until(task_pods, "the SandboxTask's pod")
     # Not asserted: which replica created it. A watch the standby opened in its start-up window
@@ -163,11 +175,12 @@ def test_two_replicas_one_active_then_failover(
     assert task_pods() == ["pod/add-two-numbers-1"]
 
     active.stop()
-    wait_until(lambda: is_working(standby.output()), "the standby to take over",
-               timeout_s=90)
+    wait_until(lambda: is_working(standby.output()), "the standby to take over", timeout_s=90)
     kubectl("apply", "-n", namespace, "-f", str(REPO_ROOT / "examples" / "rollout-pool.yaml"))
     wait_until(
-        lambda: kubectl("get", "deployment", "smollm2-pool", "-n", namespace,
-                        check=False).returncode == 0,
+        lambda: (
+            kubectl("get", "deployment", "smollm2-pool", "-n", namespace, check=False).returncode
+            == 0
+        ),
         "the new active replica to reconcile a new RolloutPool",
     )

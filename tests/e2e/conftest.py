@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from posttrain.devenv.nodeagent import NodeAgent
+from posttrain.devenv.process import wait_for as wait_for  # re-exported for the tests here
 
 
 @pytest.fixture
@@ -24,15 +24,3 @@ def agent(kube_api: Any, namespace: str, tmp_path: Path) -> Iterator[NodeAgent]:
     ).start()
     yield node_agent
     node_agent.stop()
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
-    """Poll until ``predicate()`` is truthy; return its value or fail with ``what``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")

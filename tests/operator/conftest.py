@@ -3,14 +3,14 @@ and a "test kubelet" that moves pods through their lifecycle by patching pod sta
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from posttrain.devenv.process import wait_for as wait_for  # re-exported for the tests here
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient, load_credentials, resource_path
 from posttrain.operator.runtime import OperatorThread
@@ -45,25 +45,13 @@ def kube(kubeconfig: Path) -> Iterator[KubeClient]:
     client.close()
 
 
-def wait_for(
-    predicate: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition"
-) -> Any:
-    """Poll until ``predicate()`` is truthy; return its value or fail with ``what``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
-
-
 def cr_path(plural: str, namespace: str, name: str = "") -> str:
     return resource_path(GV, plural, namespace, name)
 
 
-def create_cr(kube: KubeClient, plural: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+def create_cr(
+    kube: KubeClient, plural: str, namespace: str, body: dict[str, Any]
+) -> dict[str, Any]:
     body = {"apiVersion": GV, **body}
     body["metadata"] = {**body["metadata"], "namespace": namespace}
     return kube.request("POST", cr_path(plural, namespace), body)[1]
@@ -91,10 +79,16 @@ def set_pod_running(kube: KubeClient, namespace: str, name: str, ready: bool = T
         "phase": "Running",
         "startTime": _now(),
         "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-        "containerStatuses": [{
-            "name": "main", "ready": ready, "restartCount": 0, "image": "x", "imageID": "",
-            "state": {"running": {"startedAt": _now()}},
-        }],
+        "containerStatuses": [
+            {
+                "name": "main",
+                "ready": ready,
+                "restartCount": 0,
+                "image": "x",
+                "imageID": "",
+                "state": {"running": {"startedAt": _now()}},
+            }
+        ],
     }
     kube.patch(resource_path("v1", "pods", namespace, name), {"status": status}, "status")
 
@@ -117,16 +111,25 @@ def set_pod_terminated(
     }
     status = {
         "phase": "Succeeded" if exit_code == 0 else "Failed",
-        "containerStatuses": [{
-            "name": "main", "ready": False, "restartCount": 0, "image": "x", "imageID": "",
-            "state": {"terminated": terminated},
-        }],
+        "containerStatuses": [
+            {
+                "name": "main",
+                "ready": False,
+                "restartCount": 0,
+                "image": "x",
+                "imageID": "",
+                "state": {"terminated": terminated},
+            }
+        ],
     }
     kube.patch(resource_path("v1", "pods", namespace, name), {"status": status}, "status")
 
 
 def set_pod_evicted(kube: KubeClient, namespace: str, name: str) -> None:
     """Play the kubelet: the sandbox itself failed (evicted before the program ran)."""
-    status = {"phase": "Failed", "reason": "Evicted",
-              "message": "The node was low on resource: memory."}
+    status = {
+        "phase": "Failed",
+        "reason": "Evicted",
+        "message": "The node was low on resource: memory.",
+    }
     kube.patch(resource_path("v1", "pods", namespace, name), {"status": status}, "status")

@@ -12,6 +12,7 @@ import zstandard
 from prometheus_client import REGISTRY
 
 from posttrain.devenv.minio import MinioServer
+from posttrain.devenv.process import wait_for
 from posttrain.storage.errors import CorruptArtifactError, SpoolNotDrainedError
 from posttrain.storage.retry import RetryPolicy
 from posttrain.storage.store import ArtifactStore, LocalStore, S3Store
@@ -40,14 +41,6 @@ def record(i: int) -> dict[str, object]:
 
 def ids(records: object) -> list[int]:
     return [r["id"] for r in records]  # type: ignore[attr-defined]
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def test_records_round_trip_in_compressed_chunks(store: ArtifactStore, tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ class _RecordingCustomObjectsApi:
         self.calls: list[tuple[Any, ...]] = []
         self.fail = fail
 
-    def patch_namespaced_custom_object_status(self, *args: Any) -> None:
+    def patch_namespaced_custom_object_status(self, *args: Any, **kwargs: Any) -> None:
+        assert kwargs == {"field_manager": "posttrain-trainer"}
         self.calls.append(args)
         if self.fail:
             raise RuntimeError("apiserver unavailable")
