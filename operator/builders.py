@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -281,7 +282,11 @@ def _s3_env(config: OperatorConfig) -> list[dict[str, Any]]:
 
 
 def build_trainer_pod(
-    run: TrainingRun, config: OperatorConfig, incarnation: int, rank: int
+    run: TrainingRun,
+    config: OperatorConfig,
+    incarnation: int,
+    rank: int,
+    rollout_endpoints: Sequence[str] = (),
 ) -> Manifest:
     """One pod of the trainer gang (rank 0 trains; ranks > 0 are Ray workers).
 
@@ -316,6 +321,9 @@ def build_trainer_pod(
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
         *_s3_env(config),
     ]
+    if rollout_endpoints and not run.spec.rollout.endpoints:
+        # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
+        env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
     if nodes > 1:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
@@ -394,6 +402,10 @@ def selector_string(labels: dict[str, str]) -> str:
     'a=1,b=2'
     """
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+# Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
+ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
 
 
 def pool_endpoint(pool: RolloutPool) -> str:

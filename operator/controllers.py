@@ -297,11 +297,29 @@ class Controller:
                 body = updated
             if plan.ensure_children:
                 self._ensure_run_children(run)
+            endpoints = self._rollout_endpoints(run) if plan.create_ranks else []
             for rank in plan.create_ranks:
-                manifest = b.build_trainer_pod(run, self.config, plan.incarnation, rank)
+                manifest = b.build_trainer_pod(
+                    run, self.config, plan.incarnation, rank, rollout_endpoints=endpoints
+                )
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+
+    def _rollout_endpoints(self, run: TrainingRun) -> list[str]:
+        """The Service URL of spec.rollout.pool, when the pool exists (else none: the trainer
+        then fails with a message that names the missing endpoints)."""
+        pool_name = run.spec.rollout.pool
+        if not pool_name or run.spec.rollout.endpoints:
+            return []
+        body = self.pools.get(run.metadata.namespace, pool_name) or self.kube.get(
+            API_VERSION, "RolloutPool", run.metadata.namespace, pool_name
+        )
+        if body is None:
+            log.warning("TrainingRun %s/%s: RolloutPool %r not found",
+                        run.metadata.namespace, run.metadata.name, pool_name)
+            return []
+        return [b.pool_endpoint(RolloutPool.model_validate(body))]
 
     def _ensure_run_children(self, run: TrainingRun) -> None:
         """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""

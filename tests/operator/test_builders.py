@@ -13,31 +13,46 @@ from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig, load_config
 from posttrain.operator.rbac import OPERATOR_RULES, TRAINER_RULES, rbac_yaml
 
-CONFIG = OperatorConfig(s3_endpoint="minio.storage:9000", s3_credentials_secret="s3-creds",
-                        trainer_image="trainer:1", vllm_image="vllm:1", rollout_cpu_image="cpu:1")
+CONFIG = OperatorConfig(
+    s3_endpoint="minio.storage:9000",
+    s3_credentials_secret="s3-creds",
+    trainer_image="trainer:1",
+    vllm_image="vllm:1",
+    rollout_cpu_image="cpu:1",
+)
 
 
 def make_run(**spec: Any) -> TrainingRun:
-    return TrainingRun.model_validate({
-        "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-run", "generation": 1},
-        "spec": {"model": "smollm2-135m-instruct",
-                 "domains": [{"name": "math", "dataset": "builtin:arith",
-                              "verifier": {"kind": "numeric"}}], **spec},
-    })
+    return TrainingRun.model_validate(
+        {
+            "metadata": {"name": "demo", "namespace": "ml", "uid": "uid-run", "generation": 1},
+            "spec": {
+                "model": "smollm2-135m-instruct",
+                "domains": [
+                    {"name": "math", "dataset": "builtin:arith", "verifier": {"kind": "numeric"}}
+                ],
+                **spec,
+            },
+        }
+    )
 
 
 def make_task(**spec: Any) -> SandboxTask:
-    return SandboxTask.model_validate({
-        "metadata": {"name": "t", "namespace": "ml", "uid": "uid-task"},
-        "spec": {"command": ["python", "main.py"], **spec},
-    })
+    return SandboxTask.model_validate(
+        {
+            "metadata": {"name": "t", "namespace": "ml", "uid": "uid-task"},
+            "spec": {"command": ["python", "main.py"], **spec},
+        }
+    )
 
 
 def make_pool(**spec: Any) -> RolloutPool:
-    return RolloutPool.model_validate({
-        "metadata": {"name": "pool", "namespace": "ml", "uid": "uid-pool"},
-        "spec": {"model": "Qwen/Qwen3-0.6B", **spec},
-    })
+    return RolloutPool.model_validate(
+        {
+            "metadata": {"name": "pool", "namespace": "ml", "uid": "uid-pool"},
+            "spec": {"model": "Qwen/Qwen3-0.6B", **spec},
+        }
+    )
 
 
 def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -57,13 +72,21 @@ def test_sandbox_pod_is_locked_down() -> None:
     (main,) = spec["containers"]
     sc = main["securityContext"]
     assert sc == {
-        "runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534,
-        "readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False, "privileged": False,
-        "capabilities": {"drop": ["ALL"]}, "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsNonRoot": True,
+        "runAsUser": 65534,
+        "runAsGroup": 65534,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
     res = main["resources"]
-    assert res["requests"] == res["limits"] == {"cpu": "1", "memory": "512Mi",
-                                                 "ephemeral-storage": "1Gi"}
+    assert (
+        res["requests"]
+        == res["limits"]
+        == {"cpu": "1", "memory": "512Mi", "ephemeral-storage": "1Gi"}
+    )
     assert main["terminationMessagePath"] == "/dev/termination-log"
     assert main["terminationMessagePolicy"] == "FallbackToLogsOnError"
     workdir = next(v for v in spec["volumes"] if v["name"] == "workdir")
@@ -73,8 +96,11 @@ def test_sandbox_pod_is_locked_down() -> None:
 
 
 def test_sandbox_files_travel_in_annotations_and_init_copy() -> None:
-    task = make_task(files={"main.py": "print(1)", "tests/test_a.py": "def test(): pass"},
-                     stdin="5\n", network="egress")
+    task = make_task(
+        files={"main.py": "print(1)", "tests/test_a.py": "def test(): pass"},
+        stdin="5\n",
+        network="egress",
+    )
     pod = b.build_sandbox_pod(task, CONFIG, 1)
     annotations = pod["metadata"]["annotations"]
     assert sorted(annotations.values()) == ["5\n", "def test(): pass", "print(1)"]
@@ -101,14 +127,23 @@ def test_network_policy_denies_all_for_sandboxes_only() -> None:
     assert policy["metadata"]["name"] == b.SANDBOX_NETWORK_POLICY
     assert "ownerReferences" not in policy["metadata"]  # shared by all tasks of the namespace
     assert policy["spec"]["podSelector"]["matchLabels"] == {
-        b.LABEL_COMPONENT: "sandbox", b.LABEL_SANDBOX_NETWORK: "none"}
+        b.LABEL_COMPONENT: "sandbox",
+        b.LABEL_SANDBOX_NETWORK: "none",
+    }
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert "egress" not in policy["spec"] and "ingress" not in policy["spec"]
 
 
 def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
-    run = make_run(resources={"gpusPerNode": 8, "cpu": "32", "memory": "200Gi",
-                              "nodeSelector": {"pool": "h100"}}, activeDeadlineSeconds=3600)
+    run = make_run(
+        resources={
+            "gpusPerNode": 8,
+            "cpu": "32",
+            "memory": "200Gi",
+            "nodeSelector": {"pool": "h100"},
+        },
+        activeDeadlineSeconds=3600,
+    )
     pod = b.build_trainer_pod(run, CONFIG, incarnation=3, rank=0)
     assert pod["metadata"]["name"] == "demo-g3-0"
     (main,) = pod["spec"]["containers"]
@@ -117,11 +152,17 @@ def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
     assert main["resources"]["requests"]["nvidia.com/gpu"] == "8"
     env = env_of(main)
     assert {k: env[k]["value"] for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")} == {
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "WORLD_SIZE": "1", "RANK": "0"}
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "WORLD_SIZE": "1",
+        "RANK": "0",
+    }
     assert env["POSTTRAIN_S3_ENDPOINT"]["value"] == "minio.storage:9000"
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        assert env[key] == {"name": key, "valueFrom": {"secretKeyRef": {"name": "s3-creds",
-                                                                         "key": key}}}
+        assert env[key] == {
+            "name": key,
+            "valueFrom": {"secretKeyRef": {"name": "s3-creds", "key": key}},
+        }
     shm = next(v for v in pod["spec"]["volumes"] if v["name"] == "dshm")
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": CONFIG.shm_size}
     assert pod["spec"]["nodeSelector"] == {"pool": "h100"}
@@ -165,14 +206,21 @@ def test_trainer_rbac_is_narrow() -> None:
     assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
     verbs = {v for rule in role["rules"] for v in rule["verbs"]}
     assert verbs == {"get", "patch"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-trainer",
-                                    "namespace": "ml"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "ml"}
+    ]
 
 
 def test_vllm_deployment_flags_and_rollout_strategy() -> None:
-    pool = make_pool(replicas=2, engineArgs={"tensorParallelSize": 2, "maxModelLen": 4096,
-                                             "speculative": {"method": "ngram"}},
-                     resources={"gpus": 2})
+    pool = make_pool(
+        replicas=2,
+        engineArgs={
+            "tensorParallelSize": 2,
+            "maxModelLen": 4096,
+            "speculative": {"method": "ngram"},
+        },
+        resources={"gpus": 2},
+    )
     dep = b.build_rollout_deployment(pool, CONFIG)
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
@@ -210,16 +258,25 @@ def test_rbac_rules_have_no_wildcards_and_cover_kopf() -> None:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "*" not in rule["apiGroups"]
     resources = {r for rule in OPERATOR_RULES for r in rule["resources"]}
-    assert {"events", "clusterkopfpeerings", "kopfpeerings", "pods", "deployments",
-            "sandboxtasks/status"} <= resources
+    assert {
+        "events",
+        "clusterkopfpeerings",
+        "kopfpeerings",
+        "pods",
+        "deployments",
+        "sandboxtasks/status",
+    } <= resources
     docs = list(yaml.safe_load_all(rbac_yaml()))
     assert docs[0]["kind"] == "ClusterRole" and docs[0]["rules"] == OPERATOR_RULES
     assert docs[1]["rules"] == TRAINER_RULES
 
 
 def test_config_from_env_and_bad_values() -> None:
-    config = load_config({"POSTTRAIN_OPERATOR_NAMESPACES": "a, b",
-                          "POSTTRAIN_OPERATOR_MAX_WORKERS": "8"}, standalone=True, priority=None)
+    config = load_config(
+        {"POSTTRAIN_OPERATOR_NAMESPACES": "a, b", "POSTTRAIN_OPERATOR_MAX_WORKERS": "8"},
+        standalone=True,
+        priority=None,
+    )
     assert config.namespaces == ("a", "b") and config.max_workers == 8 and config.standalone
     assert load_config({}).watched_namespaces == ("default",)
     assert load_config({}, all_namespaces=True).watched_namespaces == ()
@@ -229,16 +286,17 @@ def test_config_from_env_and_bad_values() -> None:
 
 def test_chart_style_environment_reaches_the_pods() -> None:
     """The Helm chart passes structured values as JSON env vars (see operator-configmap)."""
-    config = load_config({
-        "POSTTRAIN_OPERATOR_IMAGE_PULL_SECRETS": '[{"name": "regcred"}]',
-        "POSTTRAIN_OPERATOR_TRAINER_NODE_SELECTOR": '{"pool": "gpu", "zone": "a"}',
-        "POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS":
-            '[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
-        "POSTTRAIN_OPERATOR_TRAINER_AFFINITY": "null",
-        "POSTTRAIN_OPERATOR_ROLLOUT_TOLERATIONS": "[]",
-        "POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME": "gvisor",
-        "POSTTRAIN_OPERATOR_LOG_LEVEL": "debug",
-    })
+    config = load_config(
+        {
+            "POSTTRAIN_OPERATOR_IMAGE_PULL_SECRETS": '[{"name": "regcred"}]',
+            "POSTTRAIN_OPERATOR_TRAINER_NODE_SELECTOR": '{"pool": "gpu", "zone": "a"}',
+            "POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS": '[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]',
+            "POSTTRAIN_OPERATOR_TRAINER_AFFINITY": "null",
+            "POSTTRAIN_OPERATOR_ROLLOUT_TOLERATIONS": "[]",
+            "POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME": "gvisor",
+            "POSTTRAIN_OPERATOR_LOG_LEVEL": "debug",
+        }
+    )
     assert config.trainer_affinity == {} and config.log_level == "DEBUG"
     pod = b.build_trainer_pod(make_run(resources={"nodeSelector": {"zone": "b"}}), config, 0, 0)
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu", "zone": "b"}  # the run wins per key
@@ -248,9 +306,32 @@ def test_chart_style_environment_reaches_the_pods() -> None:
     sandbox = b.build_sandbox_pod(make_task(), config, 1)
     assert sandbox["spec"]["runtimeClassName"] == "gvisor"
     assert sandbox["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
-    assert b.build_sandbox_pod(make_task(runtimeClassName="kata"), config, 1)["spec"][
-        "runtimeClassName"] == "kata"
+    assert (
+        b.build_sandbox_pod(make_task(runtimeClassName="kata"), config, 1)["spec"][
+            "runtimeClassName"
+        ]
+        == "kata"
+    )
     dep = b.build_rollout_deployment(make_pool(), config)
     assert dep["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     with pytest.raises(UsageError, match="must be JSON"):
         load_config({"POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS": "[oops"})
+
+
+def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -> None:
+    pool_url = b.pool_endpoint(make_pool(port=8001))
+    assert pool_url == "http://pool.ml.svc:8001"
+    pod = b.build_trainer_pod(
+        make_run(rollout={"pool": "pool"}), CONFIG, 0, 0, rollout_endpoints=[pool_url]
+    )
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env[b.ROLLOUT_ENDPOINTS_ENV] == pool_url
+    explicit = b.build_trainer_pod(
+        make_run(rollout={"pool": "pool", "endpoints": ["http://10.0.0.9:8000"]}),
+        CONFIG,
+        0,
+        0,
+        rollout_endpoints=[pool_url],
+    )
+    names = {e["name"] for e in explicit["spec"]["containers"][0]["env"]}
+    assert b.ROLLOUT_ENDPOINTS_ENV not in names

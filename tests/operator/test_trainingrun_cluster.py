@@ -187,3 +187,16 @@ def test_active_deadline_fails_the_run(
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "DeadlineExceeded"
     wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted at the deadline")
+
+
+def test_trainer_pod_is_pointed_at_its_rollout_pool(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    create_cr(kube, "rolloutpools", namespace, {
+        "kind": "RolloutPool", "metadata": {"name": "gen"},
+        "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "port": 8011},
+    })
+    create_cr(kube, "trainingruns", namespace, run_body("r-pool", rollout={"pool": "gen"}))
+    pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r-pool-g0-0"), what="trainer pod")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["POSTTRAIN_ROLLOUT_ENDPOINTS"] == f"http://gen.{namespace}.svc:8011"
