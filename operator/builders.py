@@ -440,12 +440,16 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     name = pool.metadata.name
     labels = pool_selector(name)
     image = spec.image or (config.rollout_cpu_image if spec.engine == "cpu" else config.vllm_image)
+    # Trainers publish weights to S3 and ask every replica to load them (POST
+    # /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
+    # even when they do not poll a weight source themselves.
     env: list[dict[str, Any]] = [{"name": "POSTTRAIN_POOL_NAME", "value": name}]
+    if config.s3_endpoint:
+        env += _s3_env(config)
     if spec.weight_update.source_uri:
         env += [
             {"name": "POSTTRAIN_WEIGHTS_URI", "value": spec.weight_update.source_uri},
             {"name": "POSTTRAIN_WEIGHTS_POLL_SECONDS", "value": str(spec.weight_update.poll_seconds)},
-            *_s3_env(config),
         ]
     gpus = spec.resources.gpus if spec.engine == "vllm" else 0
     container: dict[str, Any] = {

@@ -200,6 +200,9 @@ def train(
                                      auditor.state_dict(), [request_to_json(r) for r in waiting],
                                      [batch_to_json(b) for b in done], algo.seed)
                 score = final_eval.overall if final_eval and final_eval.step == step else None
+                # Trajectories up to this step become durable before the checkpoint that covers
+                # them: a resumed run re-samples only what no checkpoint covers (none lost).
+                trajectories.flush()
                 last_checkpoint = checkpointer.save(policy, state, eval_score=score)
                 status.last_checkpoint = last_checkpoint
             status.step, status.weight_version = step, version

@@ -1,13 +1,21 @@
 """The whole system on the dev control plane: operator + node agent + MinIO + a cpu pool.
 
-A two-step TrainingRun really trains: the operator creates the trainer pod, the node agent
-runs `posttrain run` with the checked-out code, the trainer samples from a cpu-engine
-RolloutPool (a Deployment the agent's stand-in turned into a pod), writes checkpoints to
-MinIO and patches its own TrainingRun status with its ServiceAccount token.
+A TrainingRun really trains: the operator creates the trainer pod, the node agent runs
+`posttrain run` with the checked-out code, the trainer samples from a cpu-engine RolloutPool
+(a Deployment the agent's stand-in turned into a pod), writes checkpoints and trajectories to
+MinIO and patches its own TrainingRun status with its ServiceAccount token. Killing the
+operator and the trainer mid-run resumes from the last checkpoint, with no duplicate pods and
+no lost or duplicated trajectories.
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import re
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,31 +24,93 @@ import pytest
 from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.nodeagent import NodeAgent
 from posttrain.devenv.process import free_port
+from posttrain.storage.store import S3Store
+from posttrain.storage.trajectories import read_trajectories
 
 from .conftest import wait_for
 
 pytestmark = [pytest.mark.cluster, pytest.mark.minio, pytest.mark.slow]
 
 GROUP, VERSION = "posttrain.io", "v1alpha1"
+PROMPTS, GROUP_SIZE = 2, 2
 
 
-def test_tiny_training_run_trains_end_to_end(
+@dataclass
+class Cluster:
+    """One namespace wired like a real install: S3 Secret, operator config, a ready cpu pool."""
+
+    namespace: str
+    custom: Any
+    core: Any
+    config: Any  # posttrain.operator.config.OperatorConfig
+    endpoint: str  # the pool pod's URL (no cluster DNS here)
+    bucket: str
+
+    def create(self, plural: str, body: dict[str, Any]) -> None:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", **body}
+        self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, body)
+
+    def status(self, plural: str, name: str) -> dict[str, Any]:
+        obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
+        return obj.get("status") or {}
+
+    def run_body(self, name: str, max_steps: int, backoff_limit: int) -> dict[str, Any]:
+        return {
+            "kind": "TrainingRun",
+            "metadata": {"name": name},
+            "spec": {
+                "model": "smollm2-135m-instruct",
+                "algorithm": {
+                    "groupSize": GROUP_SIZE,
+                    "promptsPerStep": PROMPTS,
+                    "maxSteps": max_steps,
+                    "maxNewTokens": 16,
+                    "microBatchSize": 4,
+                    "dynamicSampling": False,  # every sample is kept, so counts are exact
+                },
+                "domains": [
+                    {
+                        "name": "arithmetic",
+                        "dataset": "builtin:arithmetic",
+                        "verifier": {"kind": "numeric"},
+                    }
+                ],
+                "rollout": {"endpoints": [self.endpoint], "timeoutSeconds": 300},
+                "resources": {"cpu": "1", "memory": "4Gi", "gpusPerNode": 0},
+                "checkpoint": {"everySteps": 1, "keepLast": 1},
+                "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
+                "backoffLimit": backoff_limit,
+            },
+        }
+
+    def wait_finished(self, name: str) -> dict[str, Any]:
+        return wait_for(
+            lambda: (
+                (s := self.status("trainingruns", name)).get("phase") in ("Succeeded", "Failed")
+                and s
+            ),
+            600,
+            f"TrainingRun {name} finished",
+        )
+
+
+@pytest.fixture
+def cluster(
     crds_installed: None,
     kube_api: Any,
     kubeconfig: Path,
     minio_server: MinioServer,
     agent: NodeAgent,
     namespace: str,
-) -> None:
+) -> Iterator[Cluster]:
     from kubernetes import client
 
     from posttrain.operator.config import OperatorConfig
     from posttrain.operator.runtime import OperatorThread
 
     core = client.CoreV1Api(kube_api)
-    custom = client.CustomObjectsApi(kube_api)
     env = minio_server.env()
-    # The credentials Secret the operator's trainer pods read (OperatorConfig.s3_credentials_secret).
+    # The credentials Secret the trainer pods read (OperatorConfig.s3_credentials_secret).
     core.create_namespaced_secret(
         namespace,
         {
@@ -56,18 +126,10 @@ def test_tiny_training_run_trains_end_to_end(
         s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
         s3_bucket=f"e2e-{namespace}",
     )
-
-    def create(plural: str, body: dict[str, Any]) -> None:
-        body = {"apiVersion": f"{GROUP}/{VERSION}", **body}
-        custom.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, body)
-
-    def status(plural: str, name: str) -> dict[str, Any]:
-        obj = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, plural, name)
-        return obj.get("status") or {}
-
+    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, "", config.s3_bucket)
     operator = OperatorThread(config).start()
     try:
-        create(
+        c.create(
             "rolloutpools",
             {
                 "kind": "RolloutPool",
@@ -81,60 +143,114 @@ def test_tiny_training_run_trains_end_to_end(
                 },
             },
         )
-        wait_for(lambda: status("rolloutpools", "pool").get("phase") == "Ready", 180, "pool Ready")
+        wait_for(lambda: c.status("rolloutpools", "pool").get("phase") == "Ready", 180, "pool")
         pool_pod = core.read_namespaced_pod("pool-0", namespace)
-        port = status("rolloutpools", "pool")["endpoint"].rsplit(":", 1)[1]
-        # No cluster DNS here: the run samples from the pool's pod IP directly.
-        endpoint = f"http://{pool_pod.status.pod_ip}:{port}"
-        create(
-            "trainingruns",
-            {
-                "kind": "TrainingRun",
-                "metadata": {"name": "tiny"},
-                "spec": {
-                    "model": "smollm2-135m-instruct",
-                    "algorithm": {
-                        "groupSize": 2,
-                        "promptsPerStep": 2,
-                        "maxSteps": 2,
-                        "maxNewTokens": 16,
-                        "microBatchSize": 4,
-                    },
-                    "domains": [
-                        {
-                            "name": "arithmetic",
-                            "dataset": "builtin:arithmetic",
-                            "verifier": {"kind": "numeric"},
-                        }
-                    ],
-                    "rollout": {"endpoints": [endpoint], "timeoutSeconds": 300},
-                    "resources": {"cpu": "1", "memory": "4Gi", "gpusPerNode": 0},
-                    "checkpoint": {"everySteps": 1, "keepLast": 1},
-                    "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
-                    "backoffLimit": 0,
-                },
-            },
-        )
-        final = wait_for(
-            lambda: (
-                (s := status("trainingruns", "tiny")).get("phase") in ("Succeeded", "Failed") and s
-            ),
-            420,
-            "TrainingRun finished",
-        )
+        port = c.status("rolloutpools", "pool")["endpoint"].rsplit(":", 1)[1]
+        c.endpoint = f"http://{pool_pod.status.pod_ip}:{port}"
+    finally:
+        operator.stop()  # each test runs (and kills) its own operator
+    yield c
+
+
+def run_operator(c: Cluster) -> Any:
+    from posttrain.operator.runtime import OperatorThread
+
+    return OperatorThread(c.config).start()
+
+
+def trajectory_steps(minio_server: MinioServer, c: Cluster, run: str) -> collections.Counter[int]:
+    store = S3Store(
+        minio_server.endpoint,
+        c.bucket,
+        f"runs/{c.namespace}/{run}",
+        access_key=minio_server.access_key,
+        secret_key=minio_server.secret_key,
+    )
+    return collections.Counter(r["step"] for r in read_trajectories(store, "trajectories"))
+
+
+def test_tiny_training_run_trains_end_to_end(
+    cluster: Cluster, minio_server: MinioServer, agent: NodeAgent
+) -> None:
+    operator = run_operator(cluster)
+    try:
+        cluster.create("trainingruns", cluster.run_body("tiny", max_steps=2, backoff_limit=0))
+        final = cluster.wait_finished("tiny")
     finally:
         operator.stop()
-    trainer_log = agent.log_path(namespace, "tiny-g0-0").read_text()
-    assert final["phase"] == "Succeeded", trainer_log[-3000:]
+    trainer_log = agent.log_path(cluster.namespace, "tiny-g0-0").read_text()
+    pool_log = agent.log_path(cluster.namespace, "pool-0").read_text()
+    assert final["phase"] == "Succeeded", trainer_log[-2000:] + "\n--- pool:\n" + pool_log[-3000:]
     # Written by the trainer itself (ServiceAccount token), not by the operator.
-    bucket = f"e2e-{namespace}"
-    checkpoint = f"s3://{bucket}/runs/{namespace}/tiny/checkpoints/step-00000002"
-    assert final["lastCheckpoint"] == checkpoint
+    prefix = f"runs/{cluster.namespace}/tiny"
+    assert final["lastCheckpoint"] == f"s3://{cluster.bucket}/{prefix}/checkpoints/step-00000002"
     assert final["evalAccuracy"].keys() == {"arithmetic"}
     stored = {
         obj.object_name
         for obj in minio_server.client().list_objects(
-            bucket, prefix=f"runs/{namespace}/tiny/checkpoints/step-00000002/", recursive=True
+            cluster.bucket, prefix=f"{prefix}/checkpoints/step-00000002/", recursive=True
         )
     }
     assert any(name.endswith(".safetensors") for name in stored), sorted(stored)
+    assert trajectory_steps(minio_server, cluster, "tiny") == {1: 4, 2: 4}
+
+
+def test_killing_operator_and_trainer_mid_run_resumes_from_the_last_checkpoint(
+    cluster: Cluster, minio_server: MinioServer, agent: NodeAgent
+) -> None:
+    name, steps = "resume", 4
+    operator = run_operator(cluster)
+    try:
+        cluster.create("trainingruns", cluster.run_body(name, max_steps=steps, backoff_limit=2))
+        # The trainer reports a step after that step's checkpoint is committed.
+        wait_for(
+            lambda: (cluster.status("trainingruns", name).get("step") or 0) >= 2,
+            420,
+            "step 2 reported",
+        )
+    finally:
+        operator.stop()
+    checkpointed = cluster.status("trainingruns", name)["step"]
+    first = cluster.core.read_namespaced_pod(f"{name}-g0-0", cluster.namespace)
+    runner = agent.runners[first.metadata.uid]
+    assert runner.pid is not None
+    os.killpg(runner.pid, signal.SIGKILL)  # the trainer dies with its node process group
+    wait_for(
+        lambda: (
+            cluster.core.read_namespaced_pod(f"{name}-g0-0", cluster.namespace).status.phase
+            == "Failed"
+        ),
+        60,
+        "killed trainer pod Failed",
+    )
+
+    operator = run_operator(cluster)  # a fresh operator: state only from the apiserver
+    try:
+        final = cluster.wait_finished(name)
+    finally:
+        operator.stop()
+    log = agent.log_path(cluster.namespace, f"{name}-g1-0").read_text()
+    assert final["phase"] == "Succeeded", log[-3000:]
+    assert final["step"] == steps and final["restarts"] == 1
+    resumed = re.search(r"resumed from checkpoint step (\d+)", log)
+    assert resumed is not None, log[-3000:]
+    assert checkpointed <= int(resumed.group(1)) < steps
+
+    def trainer_pods() -> list[Any]:
+        return cluster.core.list_namespaced_pod(
+            cluster.namespace, label_selector=f"posttrain.io/run={name}"
+        ).items
+
+    # The trainer reports Succeeded just before its process exits; then no pod is left running.
+    wait_for(
+        lambda: not any(p.status.phase == "Running" for p in trainer_pods()),
+        60,
+        "trainer pods finished",
+    )
+    names = sorted(p.metadata.name for p in trainer_pods())
+    assert len(names) == len(set(names)) and set(names) <= {f"{name}-g0-0", f"{name}-g1-0"}
+    # Every step's trajectories exactly once: the ones the checkpoint covered were flushed
+    # before it, the interrupted step's were re-sampled after the resume.
+    assert trajectory_steps(minio_server, cluster, name) == {
+        s: PROMPTS * GROUP_SIZE for s in range(1, steps + 1)
+    }
