@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from posttrain.devenv.process import free_port
 from posttrain.models import resolve_model
 from posttrain.rollout.client import RolloutClient, SamplingParams
 from posttrain.rollout.weights import version_dir_name
@@ -89,12 +89,6 @@ def start_server(model: str, port: int, threads: int, weights_uri: str) -> subpr
          "--port", str(port), "--threads", str(threads), "--weights-uri", weights_uri],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_generate(client: RolloutClient, prompts: list[list[int]], max_tokens: int) -> float:

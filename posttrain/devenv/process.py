@@ -26,7 +26,15 @@ log = logging.getLogger(__name__)
 
 
 class StartError(RuntimeError):
-    """A server did not come up; the message names it, the cause and its log."""
+    """A server did not come up; the message names it, the cause and its log.
+
+    ``exit_code`` is the server's own exit code when it died while starting, None when it
+    was still running but not ready in time (and has been stopped).
+    """
+
+    def __init__(self, message: str, exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def free_port() -> int:
@@ -85,7 +93,8 @@ class ManagedProcess:
             if self.popen.poll() is not None:
                 raise StartError(
                     f"{self.name} exited with code {self.popen.returncode} while starting; "
-                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+                    f"last lines of {self.log_path}:\n{tail(self.log_path)}",
+                    exit_code=self.popen.returncode,
                 )
             if self.ready():
                 log.info("%s is ready (pid %d)", self.name, self.pid)

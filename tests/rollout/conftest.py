@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from posttrain.devenv.process import free_port
 from posttrain.models import make_tiny_model
 from posttrain.rollout.weights import version_dir_name
 
@@ -49,12 +49,6 @@ def publish_weights(tiny_model_dir: Path) -> Callable[[Path, int, float], Path]:
         return publish_perturbed(tiny_model_dir, prefix, version, scale)
 
     return publish
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServeProcess:

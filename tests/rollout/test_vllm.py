@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from posttrain.api.rolloutpool import EngineArgs, SpeculativeDecoding
+from posttrain.devenv.process import free_port
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.rollout.vllm import (
     WORKER_EXTENSION,
@@ -140,15 +141,12 @@ _AVAILABLE, _WHY = vllm_available()
 def test_real_vllm_reloads_weights(
     tmp_path: Path, tiny_model_dir: Path, publish_weights: object
 ) -> None:  # pragma: no cover - runs on GPU machines only
-    import socket
     import subprocess
     import time
 
     from posttrain.models import resolve_model
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     publish_weights(tmp_path, 1, 0.0)
     model = resolve_model("smollm2-135m-instruct")
     process = subprocess.Popen(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from posttrain.cli import main
+from posttrain.devenv.process import free_port
 from posttrain.trainer.audit import Auditor, Trajectory
 from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
 from posttrain.trainer.progress import ProgressReporter, StepMetrics
@@ -122,9 +122,7 @@ def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["eval", "--model", str(tmp_path / "nope"), "--tasks", str(tasks)]) == 2
     assert "cannot resolve model" in capsys.readouterr().err
 
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
     assert main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks),
                  "--server", dead]) == 2
     assert "unreachable" in capsys.readouterr().err
@@ -141,9 +139,7 @@ def _all_reduce_worker(rank: int, port: int, results: Any) -> None:
 
 
 def test_gradients_are_averaged_across_ranks() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(_all_reduce_worker, args=(port, results), nprocs=2, join=True)
