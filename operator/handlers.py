@@ -69,26 +69,33 @@ async def _resync_forever(controller: Controller, period: float) -> None:
             log.exception("resync failed; retrying in %.1f s", period)
 
 
+def _on_resource_event(
+    kind: str, event: kopf.RawEvent, memo: Any, namespace: str, name: str
+) -> None:
+    """Cache the object; reconcile it unless the event is the echo of our own status patch."""
+    controller = _controller(memo)
+    store, reconcile = {
+        "SandboxTask": (controller.tasks, controller.reconcile_task),
+        "TrainingRun": (controller.runs, controller.reconcile_run),
+        "RolloutPool": (controller.pools, controller.reconcile_pool),
+    }[kind]
+    changed = controller.observe(store, event.get("type"), event["object"])
+    if event.get("type") == "DELETED":
+        controller.forget(kind, namespace, name)
+    elif changed:
+        reconcile(namespace, name)
+
+
 @kopf.on.event(GROUP, VERSION, "sandboxtasks", registry=REGISTRY)
 def sandbox_task_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
-    controller = _controller(memo)
-    changed = controller.observe(controller.tasks, event.get("type"), event["object"])
-    if event.get("type") == "DELETED":
-        controller.forget("SandboxTask", namespace, name)
-    elif changed:  # not the echo of our own status patch
-        controller.reconcile_task(namespace, name)
+    _on_resource_event("SandboxTask", event, memo, namespace, name)
 
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
 def training_run_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
-    controller = _controller(memo)
-    changed = controller.observe(controller.runs, event.get("type"), event["object"])
-    if event.get("type") == "DELETED":
-        controller.forget("TrainingRun", namespace, name)
-    elif changed:  # not the echo of our own status patch
-        controller.reconcile_run(namespace, name)
+    _on_resource_event("TrainingRun", event, memo, namespace, name)
 
 
 def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
@@ -104,12 +111,7 @@ def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
 @kopf.on.event(GROUP, VERSION, "rolloutpools", registry=REGISTRY)
 def rollout_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
                        **_: Any) -> None:
-    controller = _controller(memo)
-    changed = controller.observe(controller.pools, event.get("type"), event["object"])
-    if event.get("type") == "DELETED":
-        controller.forget("RolloutPool", namespace, name)
-    elif changed:  # not the echo of our own status patch
-        controller.reconcile_pool(namespace, name)
+    _on_resource_event("RolloutPool", event, memo, namespace, name)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT},
