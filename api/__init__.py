@@ -8,6 +8,7 @@ from .base import API_VERSION, GROUP, VERSION, ApiModel, Condition, ObjectMeta, 
 from .manifests import load_manifest, load_manifests, parse_resource
 from .rolloutpool import EngineArgs, RolloutPool, RolloutPoolSpec, RolloutPoolStatus
 from .sandboxtask import SandboxTask, SandboxTaskSpec, SandboxTaskStatus
+from .sandboxwarmpool import SandboxWarmPool, SandboxWarmPoolSpec, SandboxWarmPoolStatus
 from .trainingrun import (
     AlgorithmSpec,
     AuditSpec,
@@ -45,6 +46,9 @@ __all__ = [
     "SandboxTask",
     "SandboxTaskSpec",
     "SandboxTaskStatus",
+    "SandboxWarmPool",
+    "SandboxWarmPoolSpec",
+    "SandboxWarmPoolStatus",
     "TrainerResources",
     "TrainingRun",
     "TrainingRunSpec",

@@ -13,13 +13,15 @@ from posttrain.errors import UsageError
 
 from .rolloutpool import RolloutPool
 from .sandboxtask import SandboxTask
+from .sandboxwarmpool import SandboxWarmPool
 from .trainingrun import TrainingRun
 
-Resource = TrainingRun | RolloutPool | SandboxTask
+Resource = TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool
 KINDS: dict[str, type[BaseModel]] = {
     "TrainingRun": TrainingRun,
     "RolloutPool": RolloutPool,
     "SandboxTask": SandboxTask,
+    "SandboxWarmPool": SandboxWarmPool,
 }
 
 

@@ -7,7 +7,15 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta, VerifierSpec
+from .base import (
+    CONDITIONS_FIELD,
+    DNS_LABEL,
+    QUANTITY,
+    ApiModel,
+    Condition,
+    ObjectMeta,
+    VerifierSpec,
+)
 
 TaskPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
 
@@ -54,9 +62,19 @@ class SandboxTaskSpec(ApiModel):
     retries: int = Field(default=0, ge=0, le=10)
     """Attempts after the first when the sandbox itself fails (not when the program fails)."""
     snapshot: bool = False
-    """Tar the workdir to object storage after the run, for replay and rollback."""
+    """Tar the workdir to object storage after the run (status.snapshotUri), for replay and
+    rollback."""
+    restore_from: str | None = Field(
+        default=None, pattern=r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]/.+", max_length=1024
+    )
+    """s3:// URI of a workdir snapshot (another task's status.snapshotUri) unpacked into the
+    workdir before the program starts (spec.files are written over it): failure replay."""
     runtime_class_name: str | None = None
     """RuntimeClass for stronger isolation (gvisor, kata)."""
+    warm_pool_ref: str | None = Field(default=None, pattern=DNS_LABEL, max_length=63)
+    """Name of a SandboxWarmPool in this namespace: the first attempt claims one of its idle
+    ready pods when the pool's image, resources, network and runtimeClassName equal this
+    task's; otherwise (pool empty, missing or different) a cold pod is created."""
     ttl_seconds_after_finished: int | None = Field(default=3600, ge=0)
     """Delete the finished task (and its pod) after this long; absent = keep."""
 
@@ -81,8 +99,12 @@ class SandboxTaskStatus(ApiModel):
     duration_ms: float | None = None
     logs_uri: str | None = None
     """Where stdout/stderr were stored (s3://...)."""
+    snapshot_uri: str | None = None
+    """Where the workdir tar was stored when spec.snapshot (s3://...); restoreFrom takes it."""
     reason: str | None = None
     """Why the sandbox ended: Completed, Timeout, OOMKilled, Error, ..."""
+    warm_pool: str | None = None
+    """The SandboxWarmPool whose idle pod ran this task; absent = a cold pod."""
     start_time: datetime | None = None
     completion_time: datetime | None = None
 

@@ -303,6 +303,12 @@ class TrainingRunStatus(ApiModel):
     """Weights version last published to the rollout servers."""
     restarts: int = 0
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
+    ray_cluster: str | None = None
+    """The KubeRay RayCluster of the current gang (multi-node runs when KubeRay is installed)."""
+    ray_cluster_state: str | None = None
+    """That RayCluster's status.state as KubeRay reports it (ready, failed, suspended)."""
+    available_workers: int | None = None
+    """Ray worker pods available in that RayCluster (of spec.resources.nodes - 1)."""
     start_time: datetime | None = None
     completion_time: datetime | None = None
     message: str | None = None

@@ -12,6 +12,8 @@ import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -41,6 +43,9 @@ ANNOTATION_INCARNATION = "posttrain.io/incarnation"
 ANNOTATION_SPEC_HASH = "posttrain.io/spec-hash"
 ANNOTATION_FILE_PREFIX = "posttrain.io/file."
 ANNOTATION_WEIGHT_VERSION = "posttrain.io/weight-version"
+# Where a sandbox pod's entrypoint stores its artifacts (read back when the pod finishes).
+ANNOTATION_LOGS_URI = "posttrain.io/logs-uri"
+ANNOTATION_SNAPSHOT_URI = "posttrain.io/snapshot-uri"
 
 RUN_CONFIG_PATH = "/etc/posttrain/run.yaml"
 RUN_CONFIG_KEY = "run.yaml"
@@ -48,6 +53,8 @@ SANDBOX_WORKDIR = "/workspace"
 SANDBOX_FILES_DIR = "/sandbox/files"
 SANDBOX_STDIN_FILE = ".stdin"
 SANDBOX_NETWORK_POLICY = "posttrain-sandbox-default-deny"
+SANDBOX_ENTRYPOINT_DIR = "/sandbox/entrypoint"
+SANDBOX_ENTRYPOINT_KEY = "entrypoint.py"
 NOBODY_UID = 65534
 
 
@@ -287,17 +294,19 @@ def build_trainer_pod(
     incarnation: int,
     rank: int,
     rollout_endpoints: Sequence[str] = (),
+    head_host: str | None = None,
 ) -> Manifest:
     """One pod of the trainer gang (rank 0 trains; ranks > 0 are Ray workers).
 
     Pods rather than a batch/v1 Job: restarts, gang restarts and suspend are counted by the
     operator against spec.backoffLimit, and a Job's own backoff would count them twice.
     restartPolicy Never: a failed pod is a gang failure the operator handles as a whole.
+    ``head_host`` replaces the head Service's DNS name (the RayCluster path uses KubeRay's).
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
     res = run.spec.resources
-    head = f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
+    head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
     master_addr = head if nodes > 1 else "127.0.0.1"
     train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
     if nodes == 1:
@@ -380,12 +389,140 @@ def build_trainer_gang(run: TrainingRun, config: OperatorConfig, incarnation: in
     ]
 
 
-def build_trainer_children(run: TrainingRun, config: OperatorConfig) -> list[Manifest]:
-    """The run's long-lived children, created before the first gang (order matters for RBAC)."""
+def build_trainer_children(
+    run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
+) -> list[Manifest]:
+    """The run's long-lived children, created before the first gang (order matters for RBAC).
+
+    With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
+    """
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
-    if run.spec.resources.nodes > 1:
+    if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
     return children
+
+
+# ---------------------------------------------------------------- TrainingRun on KubeRay
+
+RAY_API_VERSION = "ray.io/v1"
+RAY_CLUSTER_PLURAL = "rayclusters"
+# KubeRay leaves container commands alone with this annotation (it still exports its own
+# `ray start` line as KUBERAY_GEN_RAY_START_CMD): ours starts Ray and then the trainer.
+RAY_OVERWRITE_CMD_ANNOTATION = "ray.io/overwrite-container-cmd"
+RAY_WORKER_GROUP = "workers"
+# KubeRay labels every pod it creates with its node type (head / worker).
+RAY_NODE_TYPE_LABEL = "ray.io/node-type"
+# Workers pin their raylet to this port so a tcpSocket probe can check it.
+RAY_WORKER_RAYLET_PORT = 6380
+
+
+def _ray_probes(port: int) -> dict[str, Any]:
+    """readiness + liveness as tcpSocket checks of a Ray port.
+
+    Ours on purpose: KubeRay injects probes only into containers without any, and its probes
+    query the Ray dashboard agent, which the trainer image's plain ``ray`` (not
+    ``ray[default]``) does not run; with restartPolicy Never a failing liveness probe would
+    turn into a gang restart.
+    """
+    check = {"tcpSocket": {"port": port}}
+    return {
+        "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {**check, "initialDelaySeconds": 30, "periodSeconds": 10,
+                          "failureThreshold": 12},
+    }
+
+
+def ray_cluster_name(run_name: str, incarnation: int) -> str:
+    """``<run>-g<incarnation>``: a recreated cluster never collides with a terminating one.
+
+    >>> ray_cluster_name("demo", 3)
+    'demo-g3'
+    """
+    return f"{run_name}-g{incarnation}"
+
+
+def ray_head_host(run: TrainingRun, incarnation: int) -> str:
+    """DNS name of the head Service KubeRay creates for the cluster (``<cluster>-head-svc``).
+
+    >>> ray_head_host(_example_run(), 1)
+    'demo-g1-head-svc.ns.svc'
+    """
+    cluster = ray_cluster_name(run.metadata.name, incarnation)
+    return f"{cluster}-head-svc.{run.metadata.namespace}.svc"
+
+
+def _pod_template(pod: Manifest, drop_env: tuple[str, ...] = ()) -> Manifest:
+    """A trainer pod manifest turned into a RayCluster group template.
+
+    Labels stay (KubeRay copies them onto the pods, so the operator's pod watch sees them);
+    name, owner and the headless-Service hostname go (KubeRay names and owns its pods).
+    """
+    spec = json.loads(json.dumps(pod["spec"]))  # deep copy
+    spec.pop("hostname", None)
+    spec.pop("subdomain", None)
+    container = spec["containers"][0]
+    container["env"] = [e for e in container["env"] if e["name"] not in drop_env]
+    return {"metadata": {"labels": dict(pod["metadata"]["labels"])}, "spec": spec}
+
+
+def build_ray_cluster(
+    run: TrainingRun,
+    config: OperatorConfig,
+    incarnation: int,
+    rollout_endpoints: Sequence[str] = (),
+) -> Manifest:
+    """One KubeRay RayCluster for a multi-node gang: a head group that runs Ray's GCS and then
+    the trainer, and one worker group of ``nodes - 1`` Ray workers.
+
+    The pods are today's trainer pods (image, env, S3 secret refs, resources, GPUs, /dev/shm,
+    run.yaml, ServiceAccount, placement, restartPolicy Never), so the two paths differ only in
+    who creates the pods. Workers share one template, so they carry no per-pod RANK: Ray
+    assigns ranks to the trainer's actors. Autoscaling is off: a gang has a fixed size.
+    """
+    nodes = run.spec.resources.nodes
+    if nodes < 2:
+        raise BuildError(f"a RayCluster is only built for nodes > 1, got nodes={nodes}")
+    host = ray_head_host(run, incarnation)
+    head_pod = build_trainer_pod(run, config, incarnation, 0, rollout_endpoints, head_host=host)
+    worker_pod = build_trainer_pod(run, config, incarnation, 1, rollout_endpoints, head_host=host)
+    head = _pod_template(head_pod)
+    # KubeRay's head Service exposes the head container's ports: GCS and torch.distributed.
+    head["spec"]["containers"][0]["ports"] = [
+        {"name": "gcs-server", "containerPort": config.ray_port},
+        {"name": "dist", "containerPort": config.trainer_master_port},
+    ]
+    head["spec"]["containers"][0].update(_ray_probes(config.ray_port))
+    worker = _pod_template(worker_pod, drop_env=("RANK",))
+    worker["metadata"]["labels"].pop(LABEL_RANK, None)
+    worker_container = worker["spec"]["containers"][0]
+    worker_container["command"] = [*worker_container["command"],
+                                   f"--node-manager-port={RAY_WORKER_RAYLET_PORT}"]
+    worker_container.update(_ray_probes(RAY_WORKER_RAYLET_PORT))
+    workers = nodes - 1
+    labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name,
+              LABEL_GANG: str(incarnation)}
+    return {
+        "apiVersion": RAY_API_VERSION,
+        "kind": "RayCluster",
+        "metadata": child_metadata(
+            run, ray_cluster_name(run.metadata.name, incarnation), labels,
+            annotations={RAY_OVERWRITE_CMD_ANNOTATION: "true"},
+        ),
+        "spec": {
+            "enableInTreeAutoscaling": False,
+            "headGroupSpec": {"rayStartParams": {}, "template": head},
+            "workerGroupSpecs": [
+                {
+                    "groupName": RAY_WORKER_GROUP,
+                    "replicas": workers,
+                    "minReplicas": workers,
+                    "maxReplicas": workers,
+                    "rayStartParams": {},
+                    "template": worker,
+                }
+            ],
+        },
+    }
 
 
 # ---------------------------------------------------------------- RolloutPool
@@ -418,8 +555,11 @@ def rollout_command(pool: RolloutPool) -> list[str]:
     spec = pool.spec
     served = spec.served_model_name or pool.metadata.name
     if spec.engine == "cpu":
+        # Bind the pod IP, not 0.0.0.0: probes and the Service reach the pod IP either way, and
+        # on a node whose pods share the host network (the dev node agent) replicas then do
+        # not fight over one port.
         return [
-            "posttrain", "serve", "--model", spec.model, "--host", "0.0.0.0",
+            "posttrain", "serve", "--model", spec.model, "--host", "$(POD_IP)",
             "--port", str(spec.port), "--served-model-name", served,
         ]  # fmt: skip
     from posttrain.rollout.vllm import VllmServeSpec, build_vllm_command
@@ -443,7 +583,10 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     # Trainers publish weights to S3 and ask every replica to load them (POST
     # /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
     # even when they do not poll a weight source themselves.
-    env: list[dict[str, Any]] = [{"name": "POSTTRAIN_POOL_NAME", "value": name}]
+    env: list[dict[str, Any]] = [
+        {"name": "POSTTRAIN_POOL_NAME", "value": name},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
     if config.s3_endpoint:
         env += _s3_env(config)
     if spec.weight_update.source_uri:
@@ -538,7 +681,86 @@ def _check_file_name(name: str) -> str:
     return name
 
 
-def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -> Manifest:
+@dataclass(frozen=True)
+class SandboxArtifacts:
+    """Where one sandbox attempt stores its artifacts: s3:// URIs for the status and the
+    presigned URLs (one object each, short-lived) the pod's entrypoint uses instead of
+    credentials."""
+
+    logs_uri: str
+    logs_url: str
+    snapshot_uri: str | None = None
+    snapshot_url: str | None = None
+    restore_url: str | None = None
+
+
+def sandbox_artifact_key(prefix: str, task: SandboxTask, attempt: int, name: str) -> str:
+    """Object key of one attempt's artifact: ``<prefix>/<ns>/<task>/<attempt>/<name>``.
+
+    The namespace comes first, so restoreFrom can be limited to the task's own namespace.
+
+    >>> t = SandboxTask.model_validate({"metadata": {"name": "t", "namespace": "ns"},
+    ...                                 "spec": {"command": ["true"]}})
+    >>> sandbox_artifact_key("sandboxes", t, 2, "logs.txt")
+    'sandboxes/ns/t/2/logs.txt'
+    """
+    parts = [prefix.strip("/"), task.metadata.namespace, task.metadata.name, str(attempt), name]
+    return "/".join(p for p in parts if p)
+
+
+def sandbox_entrypoint_source() -> str:
+    """The stdlib-only entrypoint shipped into storing sandbox pods."""
+    from posttrain.sandboxes import task_entrypoint
+
+    return Path(task_entrypoint.__file__).read_text()
+
+
+def sandbox_entrypoint_config_map_name() -> str:
+    """``posttrain-sandbox-entrypoint-<hash>``: a new operator version with a changed
+    entrypoint gets a new ConfigMap, never mutating the one running pods mount."""
+    return f"posttrain-sandbox-entrypoint-{spec_hash(sandbox_entrypoint_source())[:10]}"
+
+
+def build_sandbox_entrypoint_config_map(namespace: str) -> Manifest:
+    """One ConfigMap per namespace with the entrypoint (no owner: shared by all tasks)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": sandbox_entrypoint_config_map_name(), "namespace": namespace,
+                     "labels": {**MANAGED_BY, LABEL_COMPONENT: COMPONENT_SANDBOX}},
+        "data": {SANDBOX_ENTRYPOINT_KEY: sandbox_entrypoint_source()},
+    }
+
+
+def _store_artifacts(
+    task: SandboxTask,
+    command: list[str],
+    env: list[dict[str, Any]],
+    annotations: dict[str, str],
+    artifacts: SandboxArtifacts,
+) -> list[str]:
+    """Wrap ``command`` in the entrypoint and hand it the presigned URLs; returns the argv."""
+    env += [
+        {"name": "POSTTRAIN_SANDBOX_WORKDIR", "value": SANDBOX_WORKDIR},
+        {"name": "POSTTRAIN_SANDBOX_TIMEOUT", "value": str(task.spec.timeout_seconds)},
+        {"name": "POSTTRAIN_SANDBOX_LOGS_URL", "value": artifacts.logs_url},
+    ]
+    annotations[ANNOTATION_LOGS_URI] = artifacts.logs_uri
+    if artifacts.snapshot_url and artifacts.snapshot_uri:
+        env.append({"name": "POSTTRAIN_SANDBOX_SNAPSHOT_URL", "value": artifacts.snapshot_url})
+        annotations[ANNOTATION_SNAPSHOT_URI] = artifacts.snapshot_uri
+    if artifacts.restore_url:
+        env.append({"name": "POSTTRAIN_SANDBOX_RESTORE_URL", "value": artifacts.restore_url})
+    entrypoint = f"{SANDBOX_ENTRYPOINT_DIR}/{SANDBOX_ENTRYPOINT_KEY}"
+    return ["python3", entrypoint, "--", *command]
+
+
+def build_sandbox_pod(
+    task: SandboxTask,
+    config: OperatorConfig,
+    attempt: int,
+    artifacts: SandboxArtifacts | None = None,
+) -> Manifest:
     """An isolated, Guaranteed-QoS pod for one attempt of ``task``.
 
     Files travel in pod annotations and reach the program through a downward-API volume
@@ -546,6 +768,10 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
     burst of tasks costs one create per task. The program ends by writing a JSON result
     {"exit_code", "reward", "duration_ms", "reason"} to /dev/termination-log; without one
     the operator scores by exit code.
+
+    With ``artifacts`` the program runs under the stdlib-only entrypoint
+    (sandboxes/task_entrypoint.py, mounted from a shared ConfigMap) that restores, keeps the
+    log, snapshots and uploads through presigned URLs: the pod holds no S3 credentials.
     """
     spec = task.spec
     name = task.metadata.name
@@ -577,6 +803,14 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
     }
     res = spec.resources
     workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": SANDBOX_WORKDIR},
+        {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
+        {"name": "POSTTRAIN_SANDBOX_TASK", "value": name},
+        {"name": "POSTTRAIN_SANDBOX_ATTEMPT", "value": str(attempt)},
+    ]
+    if artifacts is not None:
+        command = _store_artifacts(task, command, env, annotations, artifacts)
     containers = [
         {
             "name": "sandbox",
@@ -584,12 +818,7 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
             "imagePullPolicy": config.image_pull_policy,
             "command": command,
             "workingDir": SANDBOX_WORKDIR,
-            "env": [
-                {"name": "HOME", "value": SANDBOX_WORKDIR},
-                {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
-                {"name": "POSTTRAIN_SANDBOX_TASK", "value": name},
-                {"name": "POSTTRAIN_SANDBOX_ATTEMPT", "value": str(attempt)},
-            ],
+            "env": env,
             "resources": _resources(res.cpu, res.memory, ephemeral_storage=res.ephemeral_storage),
             "securityContext": restricted,
             "terminationMessagePath": "/dev/termination-log",
@@ -645,6 +874,15 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
+    if artifacts is not None:
+        containers[0]["volumeMounts"].append(
+            {"name": "entrypoint", "mountPath": SANDBOX_ENTRYPOINT_DIR, "readOnly": True})
+        volumes.append({"name": "entrypoint", "configMap": {
+            "name": sandbox_entrypoint_config_map_name(), "defaultMode": 0o444}})
+        # The program keeps its full timeoutSeconds (the entrypoint enforces it); the pod's
+        # deadline leaves the entrypoint time to upload after a timeout.
+        pod_spec["activeDeadlineSeconds"] = (
+            spec.timeout_seconds + config.sandbox_upload_grace_seconds)
     runtime_class = spec.runtime_class_name or config.sandbox_runtime_class_name
     if runtime_class:
         pod_spec["runtimeClassName"] = runtime_class
@@ -658,13 +896,16 @@ def build_sandbox_pod(task: SandboxTask, config: OperatorConfig, attempt: int) -
     }
 
 
-def build_sandbox_network_policy(namespace: str) -> Manifest:
+def build_sandbox_network_policy(
+    namespace: str, egress: Sequence[dict[str, Any]] = ()
+) -> Manifest:
     """One default-deny NetworkPolicy per namespace for every sandbox pod with network=none.
 
     It selects by label, so it is created once per namespace (not per task) and has no
-    owner: it outlives any single task.
+    owner: it outlives any single task. ``egress`` (OperatorConfig.sandbox_artifacts_egress)
+    is the one exception: the object store the entrypoint uploads artifacts to.
     """
-    return {
+    policy: Manifest = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": {
@@ -680,6 +921,9 @@ def build_sandbox_network_policy(namespace: str) -> Manifest:
             "policyTypes": ["Ingress", "Egress"],
         },
     }
+    if egress:
+        policy["spec"]["egress"] = [dict(rule) for rule in egress]
+    return policy
 
 
 def _example_run() -> TrainingRun:

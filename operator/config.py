@@ -108,10 +108,27 @@ class OperatorConfig(BaseModel):
     """torch.distributed MASTER_PORT of trainer gangs."""
     ray_port: int = Field(default=6379, ge=1, le=65535)
     """Ray GCS port of the head pod when nodes > 1."""
+    kuberay: bool = True
+    """Run multi-node TrainingRuns as a KubeRay RayCluster when the rayclusters.ray.io CRD is
+    installed (checked through API discovery); False = always plain head + worker pods."""
+    kuberay_discovery_seconds: float = Field(default=60.0, gt=0)
+    """How long the answer "is KubeRay installed?" is cached before discovery is asked again."""
     shm_size: str = "8Gi"
     """sizeLimit of the /dev/shm memory emptyDir in trainer pods (NCCL, dataloaders)."""
     sandbox_workdir_size: str = "256Mi"
     """sizeLimit of the writable /workspace emptyDir of sandbox pods."""
+    sandbox_artifacts_uri: str = Field(default="", pattern=r"^(s3://[a-z0-9][a-z0-9.-]+[a-z0-9](/.*)?)?$")
+    """s3://bucket/prefix where sandbox pods store their full log (status.logsUri) and, with
+    spec.snapshot, a workdir tar (status.snapshotUri), through presigned URLs the operator
+    signs with its own S3 credentials (POSTTRAIN_S3_* / AWS_* in its environment). Empty =
+    off: no logsUri, and tasks asking for snapshot or restoreFrom fail as InvalidSpec."""
+    sandbox_artifacts_egress: list[dict[str, Any]] = Field(default_factory=list)
+    """NetworkPolicy egress rules added to the sandbox default-deny policy so sandbox pods can
+    reach the object store (and DNS) and nothing else, e.g. [{"to": [{"namespaceSelector":
+    ..., "podSelector": {"matchLabels": {"app": "minio"}}}], "ports": [{"port": 9000}]}]."""
+    sandbox_upload_grace_seconds: int = Field(default=30, ge=1, le=3600)
+    """Added to a storing pod's activeDeadlineSeconds: the program keeps its full
+    timeoutSeconds and the entrypoint still has this long to upload after a timeout."""
 
     @field_validator("namespaces", mode="before")
     @classmethod
@@ -122,7 +139,8 @@ class OperatorConfig(BaseModel):
 
     @field_validator(
         "image_pull_secrets", "trainer_node_selector", "trainer_tolerations", "trainer_affinity",
-        "rollout_node_selector", "rollout_tolerations", "rollout_affinity", mode="before")
+        "rollout_node_selector", "rollout_tolerations", "rollout_affinity",
+        "sandbox_artifacts_egress", mode="before")
     @classmethod
     def _json(cls, value: Any, info: ValidationInfo) -> Any:
         """Structured fields arrive from the environment as JSON ("null" = unset)."""

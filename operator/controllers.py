@@ -11,38 +11,55 @@ event can arrive on two threads at once); different objects run in parallel.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
-from typing import Any
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import urllib3
+from minio.error import MinioException
 from pydantic import ValidationError
 
-from posttrain.api import API_VERSION, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import API_VERSION, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun
+from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 
 from . import builders as b
+from . import warmpool as wp
 from .config import OperatorConfig
-from .kube import KubeClient, KubeError
+from .kube import KubeClient, KubeError, resource_path
 from .metrics import (
     CHILDREN_ADOPTED,
     CHILDREN_CREATED,
     RECONCILE_ERRORS,
     RECONCILE_SECONDS,
     RECONCILES,
+    SANDBOX_ARTIFACT_URLS,
+    WARM_POOL_CLAIM_CONFLICTS,
+    WARM_POOL_CLAIM_SECONDS,
+    WARM_POOL_CLAIMS,
 )
 from .reasons import ConditionType, Reason
 from .reconcile import (
     EventSpec,
+    PodView,
+    RayClusterView,
+    SandboxPlan,
     plan_rollout_pool,
     plan_sandbox,
     plan_training_run,
     pod_view,
+    ray_cluster_view,
 )
+
+if TYPE_CHECKING:
+    from posttrain.storage.store import S3Store
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -50,6 +67,24 @@ tracer = get_tracer(__name__)
 Body = dict[str, Any]
 Key = tuple[str, str]
 EventPoster = Callable[[Body, EventSpec], None]
+
+# Idle pods a claim tries before giving up on the pool (each 409 means another claim or
+# a status update won that pod; the next idle pod is tried).
+MAX_CLAIM_TRIES = 8
+
+
+def _claimable(pod: Body, want_hash: str) -> bool:
+    """wp.is_claimable on the raw body: cheap enough to scan a whole pool per claim."""
+    meta = pod.get("metadata") or {}
+    status = pod.get("status") or {}
+    return (
+        b.LABEL_TASK not in (meta.get("labels") or {})
+        and not meta.get("deletionTimestamp")
+        and status.get("phase") == "Running"
+        and (meta.get("annotations") or {}).get(b.ANNOTATION_SPEC_HASH) == want_hash
+        and any(c.get("type") == "Ready" and c.get("status") == "True"
+                for c in status.get("conditions") or [])
+    )
 
 
 def _rv(body: Body) -> int | None:
@@ -121,6 +156,17 @@ class Store:
             return list(self._items)
 
 
+def _nodes(run: Body | None) -> int:
+    """spec.resources.nodes of a raw TrainingRun body (1 when unset or unknown).
+
+    >>> _nodes({"spec": {"resources": {"nodes": 4}}}), _nodes(None)
+    (4, 1)
+    """
+    resources = ((run or {}).get("spec") or {}).get("resources") or {}
+    value = resources.get("nodes", 1)
+    return value if isinstance(value, int) else 1
+
+
 def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
@@ -138,10 +184,22 @@ class Controller:
         self.trainer_pods = Store(b.LABEL_RUN)
         self.rollout_pods = Store(b.LABEL_POOL)
         self.sandbox_pods = Store(b.LABEL_TASK)
+        self.warm_pools = Store()
+        self.warm_pods = Store(wp.LABEL_WARM_POOL)
+        # Idle pods a claim is patching right now (so two threads never try the same one,
+        # and the pool never deletes one mid-claim); refills waiting to run, coalesced.
+        self._claiming: set[Key] = set()
+        self._claim_lock = threading.Lock()
+        self._refills_pending: set[Key] = set()
         self.deployments = Store(b.LABEL_POOL)
+        self.ray_clusters = Store(b.LABEL_RUN)
+        self._kuberay_lock = threading.Lock()
+        self._kuberay_installed = False
+        self._kuberay_checked_at = float("-inf")
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._policy_namespaces: set[str] = set()
+        self._artifacts: S3Store | None = None  # of sandbox_artifacts_uri, opened on first use
         self._ensured: set[tuple[str, str, str]] = set()
 
     # ------------------------------------------------------------ plumbing
@@ -226,11 +284,23 @@ class Controller:
                 self.kube.delete(API_VERSION, "SandboxTask", namespace, name)
                 self._emit(body, plan.events)
                 return
+            # Warm pods were started without the artifact entrypoint: snapshot/restore go cold.
+            needs_entrypoint = task.spec.snapshot or task.spec.restore_from is not None
+            if plan.create_attempt == 1 and task.spec.warm_pool_ref and not needs_entrypoint:
+                try:
+                    claimed = self._claim_warm_pod(task, body)
+                except b.BuildError as exc:
+                    self._invalid(self.tasks, body, exc, terminal_phase="Failed")
+                    return
+                if claimed is not None:
+                    plan = self._plan_claimed(task, claimed)
             if plan.create_attempt is not None:
                 if task.spec.network == "none":
                     self._ensure_network_policy(namespace)
                 try:
-                    manifest = b.build_sandbox_pod(task, self.config, plan.create_attempt)
+                    artifacts = self._sandbox_artifacts(task, plan.create_attempt)
+                    manifest = b.build_sandbox_pod(task, self.config, plan.create_attempt,
+                                                   artifacts=artifacts)
                 except b.BuildError as exc:
                     self._invalid(self.tasks, body, exc, terminal_phase="Failed")
                     return
@@ -241,11 +311,246 @@ class Controller:
             self._emit(body, plan.events)
 
     def _ensure_network_policy(self, namespace: str) -> None:
-        """The namespace's default-deny policy, created once per operator process."""
+        """The namespace's default-deny policy, created once per operator process (its one
+        egress exception, the artifact store, follows the operator's configuration)."""
         if namespace in self._policy_namespaces:
             return
-        self.kube.create_or_adopt(b.build_sandbox_network_policy(namespace))
+        egress = self.config.sandbox_artifacts_egress if self.config.sandbox_artifacts_uri else []
+        manifest = b.build_sandbox_network_policy(namespace, egress)
+        _, existing = self.kube.create_or_adopt(manifest)
+        if (existing.get("spec") or {}).get("egress") != manifest["spec"].get("egress"):
+            self.kube.patch(manifest, {"spec": {"egress": manifest["spec"].get("egress")}})
         self._policy_namespaces.add(namespace)
+
+    def _artifact_store(self) -> S3Store:
+        """The S3 store of sandbox_artifacts_uri's bucket, opened once (with the operator's own
+        credentials from its environment, like delete_run_storage)."""
+        if self._artifacts is None:
+            from posttrain.storage.store import s3_store_from_env
+
+            bucket = self.config.sandbox_artifacts_uri[len("s3://"):].partition("/")[0]
+            self._artifacts = s3_store_from_env(bucket, create_bucket=True)
+        return self._artifacts
+
+    def _sandbox_artifacts(self, task: SandboxTask, attempt: int) -> b.SandboxArtifacts | None:
+        """Presigned URLs for this attempt's log (always), snapshot (spec.snapshot) and the
+        snapshot to restore (spec.restoreFrom); None when artifact storage is off.
+
+        Each URL is good for one object and expires after the task's deadline plus an hour
+        (scheduling, image pulls). restoreFrom must name an object under this namespace's
+        prefix: the operator's credentials can read more than a task may.
+        """
+        spec = task.spec
+        uri = self.config.sandbox_artifacts_uri
+        if not uri:
+            if spec.snapshot or spec.restore_from:
+                raise b.BuildError(
+                    "spec.snapshot / spec.restoreFrom need sandbox artifact storage, which this "
+                    "operator has not got: set POSTTRAIN_OPERATOR_SANDBOX_ARTIFACTS_URI "
+                    "(s3://bucket/prefix) or drop those fields")
+            return None
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        namespace_prefix = "/".join(p for p in (prefix.strip("/"), task.metadata.namespace) if p)
+        if spec.restore_from and not spec.restore_from.startswith(
+                f"s3://{bucket}/{namespace_prefix}/"):
+            raise b.BuildError(
+                f"spec.restoreFrom {spec.restore_from!r} is not a sandbox snapshot of this "
+                f"namespace; use a status.snapshotUri under s3://{bucket}/{namespace_prefix}/")
+        expires = timedelta(seconds=min(
+            spec.timeout_seconds + self.config.sandbox_upload_grace_seconds + 3600,
+            7 * 24 * 3600))  # S3's longest presigned lifetime
+        self._ensure_entrypoint(task.metadata.namespace)
+        try:
+            client = self._artifact_store().client
+            logs_key = b.sandbox_artifact_key(prefix, task, attempt, "logs.txt")
+            artifacts = b.SandboxArtifacts(
+                logs_uri=f"s3://{bucket}/{logs_key}",
+                logs_url=client.presigned_put_object(bucket, logs_key, expires=expires))
+            if spec.snapshot:
+                key = b.sandbox_artifact_key(prefix, task, attempt, "snapshot.tar")
+                artifacts = replace(
+                    artifacts, snapshot_uri=f"s3://{bucket}/{key}",
+                    snapshot_url=client.presigned_put_object(bucket, key, expires=expires))
+            if spec.restore_from:
+                key = spec.restore_from[len(f"s3://{bucket}/"):]
+                artifacts = replace(artifacts, restore_url=client.presigned_get_object(
+                    bucket, key, expires=expires))
+        except (MinioException, urllib3.exceptions.HTTPError, UsageError, OSError) as exc:
+            if spec.snapshot or spec.restore_from:
+                raise  # retried by the next event or resync; the task needs the store
+            log.warning("SandboxTask %s/%s runs without a stored log: cannot sign URLs "
+                        "for %s (%s)", task.metadata.namespace, task.metadata.name, uri, exc)
+            return None
+        SANDBOX_ARTIFACT_URLS.inc()
+        return artifacts
+
+    def _ensure_entrypoint(self, namespace: str) -> None:
+        """The namespace's entrypoint ConfigMap, created once per operator process."""
+        key = ("ConfigMap", namespace, b.sandbox_entrypoint_config_map_name())
+        if key in self._ensured:
+            return
+        self.kube.create_or_adopt(b.build_sandbox_entrypoint_config_map(namespace))
+        self._ensured.add(key)
+
+    # ------------------------------------------------------------ SandboxWarmPool
+
+    def _claim_warm_pod(self, task: SandboxTask, body: Body) -> Body | None:
+        """Adopt an idle ready pod of spec.warmPoolRef for attempt 1; None = go cold.
+
+        The claim is one merge patch with the pod's resourceVersion as a precondition: if the
+        pod changed since the cache saw it (another claim, a deletion) the apiserver answers
+        409 and the next idle pod is tried, so a pod is never handed to two tasks.
+        """
+        namespace, ref = task.metadata.namespace, task.spec.warm_pool_ref or ""
+        if task.status.warm_pool:
+            return None  # claimed once already (that pod is gone): retry cold, never twice
+        pool_body = self.warm_pools.get(namespace, ref)
+        if pool_body is None:
+            WARM_POOL_CLAIMS.labels("missing").inc()
+            self._emit(body, [EventSpec(
+                "Warning", Reason.WARM_POOL_NOT_FOUND,
+                f"spec.warmPoolRef {ref!r}: no SandboxWarmPool of that name in {namespace}; "
+                "started a cold pod (create the pool or fix the name)")])
+            return None
+        pool = SandboxWarmPool.model_validate(pool_body)
+        mismatch = wp.claim_mismatch(task, pool, self.config)
+        if mismatch:
+            WARM_POOL_CLAIMS.labels("mismatch").inc()
+            self._emit(body, [EventSpec(
+                "Warning", Reason.WARM_POOL_MISMATCH,
+                f"SandboxWarmPool {ref} cannot serve this task ({mismatch}); started a cold "
+                "pod (make the task's image/resources/network/runtimeClassName match)")])
+            return None
+        want_hash = wp.template_hash(wp.pool_template(pool, self.config))
+        started = time.perf_counter()
+        tried: set[str] = set()
+        for _ in range(MAX_CLAIM_TRIES):
+            pod = self._reserve_idle_pod(namespace, ref, want_hash, tried)
+            if pod is None:
+                break
+            pod_name = pod["metadata"]["name"]
+            tried.add(pod_name)
+            try:
+                claimed = self.kube.patch(resource_path("v1", "pods", namespace, pod_name),
+                                          wp.build_claim_patch(task, pod, _now()))
+            except KubeError as exc:
+                if exc.status not in (404, 409):
+                    raise
+                WARM_POOL_CLAIM_CONFLICTS.inc()
+                continue
+            finally:
+                with self._claim_lock:
+                    self._claiming.discard((namespace, pod_name))
+            WARM_POOL_CLAIMS.labels("claimed").inc()
+            WARM_POOL_CLAIM_SECONDS.observe(time.perf_counter() - started)
+            self.sandbox_pods.put(claimed)
+            self.warm_pods.put(claimed)
+            self._request_refill(namespace, ref)
+            return claimed
+        WARM_POOL_CLAIMS.labels("empty").inc()
+        return None
+
+    def _reserve_idle_pod(self, namespace: str, pool: str, want_hash: str,
+                          skip: set[str]) -> Body | None:
+        with self._claim_lock:
+            for pod in self.warm_pods.children(namespace, pool):
+                name = pod["metadata"]["name"]
+                if name in skip or (namespace, name) in self._claiming:
+                    continue
+                if _claimable(pod, want_hash):
+                    self._claiming.add((namespace, name))
+                    return pod
+        return None
+
+    def _plan_claimed(self, task: SandboxTask, claimed: Body) -> SandboxPlan:
+        """Re-plan with the claimed pod: it is already running, so the task is Running now
+        (one status write records the claim, the pod and the start)."""
+        namespace, name = task.metadata.namespace, task.metadata.name
+        pods = [pod_view(p) for p in self.sandbox_pods.children(namespace, name)]
+        plan = plan_sandbox(task, pods, _now())
+        plan.status_patch["warmPool"] = task.spec.warm_pool_ref
+        if "startTime" in plan.status_patch:
+            plan.status_patch["startTime"] = _now().isoformat().replace("+00:00", "Z")
+        log.debug("SandboxTask %s/%s claimed warm pod %s", namespace, name,
+                  claimed["metadata"]["name"])
+        return plan
+
+    def _request_refill(self, namespace: str, pool: str) -> None:
+        """Reconcile the pool soon, off the claiming thread; a burst of claims coalesces into
+        one pending refill per pool."""
+        key = (namespace, pool)
+        with self._claim_lock:
+            if key in self._refills_pending:
+                return
+            self._refills_pending.add(key)
+
+        def refill() -> None:
+            with self._claim_lock:
+                self._refills_pending.discard(key)
+            try:
+                self.reconcile_warm_pool(namespace, pool)
+            except (KubeError, OSError, httpx.HTTPError) as exc:
+                log.warning("refill of SandboxWarmPool %s/%s failed: %s (resync retries)",
+                            namespace, pool, exc)
+
+        context = contextvars.copy_context()  # kopf's event poster lives in context variables
+        threading.Thread(target=context.run, args=(refill,), name=f"refill-{pool}",
+                         daemon=True).start()
+
+    def reconcile_warm_pool(self, namespace: str, name: str) -> None:
+        body = self.warm_pools.get(namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        with self._reconciling("SandboxWarmPool", namespace, name):
+            body = self.warm_pools.get(namespace, name) or body
+            try:
+                pool = SandboxWarmPool.model_validate(body)
+            except ValidationError as exc:
+                self._invalid(self.warm_pools, body, exc, terminal_phase=None)
+                return
+            want_hash = wp.template_hash(wp.pool_template(pool, self.config))
+            pods = [pod_view(p) for p in self.warm_pods.children(namespace, name)]
+            with self._claim_lock:
+                reserved = frozenset(n for ns, n in self._claiming if ns == namespace)
+            plan = wp.plan_warm_pool(pool, pods, want_hash, reserved)
+            for pod_name in plan.delete_pods:
+                self._delete_idle_pod(namespace, pod_name)
+            if plan.create and pool.spec.network == "none":
+                self._ensure_network_policy(namespace)
+            manifest = wp.build_warm_pod(pool, self.config) if plan.create else None
+            for _ in range(plan.create):
+                assert manifest is not None
+                created = self.kube.request("POST", self.kube.path_of(manifest), manifest)[1]
+                CHILDREN_CREATED.labels("SandboxWarmPool", "Pod").inc()
+                self.warm_pods.put(created)
+            self._patch_status(self.warm_pools, body, plan.status_patch)
+            self._emit(body, plan.events)
+
+    def _delete_idle_pod(self, namespace: str, name: str) -> None:
+        """Delete an idle pod only if it is still the version the cache saw: a pod claimed
+        in the meantime (new resourceVersion) is refused with 409 and kept."""
+        pod = self.warm_pods.get(namespace, name)
+        rv = ((pod or {}).get("metadata") or {}).get("resourceVersion")
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1",
+                                "propagationPolicy": "Background"}
+        if rv:
+            body["preconditions"] = {"resourceVersion": rv}
+        status, _ = self.kube.request("DELETE", resource_path("v1", "pods", namespace, name),
+                                      body, ok=(200, 202, 404, 409))
+        if status == 409:
+            log.info("idle pod %s/%s changed before its deletion (claimed?); kept", namespace,
+                     name)
+
+    def warm_pool_deleted(self, namespace: str, name: str) -> None:
+        """Delete the idle pods of a deleted pool (the garbage collector does the same
+        through ownerReferences where kube-controller-manager runs); claimed pods belong to
+        their tasks and stay."""
+        for pod in self.warm_pods.children(namespace, name):
+            meta = pod["metadata"]
+            if b.LABEL_TASK not in (meta.get("labels") or {}) and not meta.get(
+                    "deletionTimestamp"):
+                self._delete_idle_pod(namespace, meta["name"])
+        self.forget("SandboxWarmPool", namespace, name)
 
     def _invalid(self, store: Store, body: Body, exc: Exception, terminal_phase: str | None) -> None:
         """A spec the builders cannot turn into children: say so on the object, don't retry."""
@@ -281,10 +586,14 @@ class Controller:
             annotations = run.metadata.annotations
             incarnation = int(annotations.get(b.ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
-            plan = plan_training_run(run, pods, incarnation, _now())
+            clusters = self._ray_clusters_of(run, pods)
+            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters)
             for pod in plan.delete_pods:
                 self.kube.delete("v1", "Pod", namespace, pod)
                 self.trainer_pods.remove(namespace, pod)
+            for cluster in plan.delete_ray_clusters:
+                self.kube.delete(b.RAY_API_VERSION, "RayCluster", namespace, cluster)
+                self.ray_clusters.remove(namespace, cluster)
             if plan.incarnation != incarnation:
                 # Persist the new incarnation before its pods exist, so a restarted operator
                 # continues this gang instead of recreating the old one.
@@ -296,8 +605,11 @@ class Controller:
                 self.runs.put(updated)
                 body = updated
             if plan.ensure_children:
-                self._ensure_run_children(run)
-            endpoints = self._rollout_endpoints(run) if plan.create_ranks else []
+                self._ensure_run_children(run, ray_cluster=clusters is not None)
+            creates = plan.create_ranks or plan.create_ray_cluster
+            endpoints = self._rollout_endpoints(run) if creates else []
+            if plan.create_ray_cluster:
+                self._create_ray_cluster(run, plan.incarnation, endpoints)
             for rank in plan.create_ranks:
                 manifest = b.build_trainer_pod(
                     run, self.config, plan.incarnation, rank, rollout_endpoints=endpoints
@@ -305,6 +617,101 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+
+    def kuberay_installed(self) -> bool:
+        """Whether the apiserver serves rayclusters.ray.io, asked through API discovery at most
+        once per ``kuberay_discovery_seconds`` (KubeRay installed later is picked up then)."""
+        if not self.config.kuberay:
+            return False
+        with self._kuberay_lock:
+            fresh = time.monotonic() - self._kuberay_checked_at
+            if fresh < self.config.kuberay_discovery_seconds:
+                return self._kuberay_installed
+        try:
+            installed = self.kube.serves(b.RAY_API_VERSION, b.RAY_CLUSTER_PLURAL)
+        except (KubeError, httpx.HTTPError) as exc:
+            log.warning("API discovery of %s failed (%s); keeping the last answer",
+                        b.RAY_API_VERSION, exc)
+            installed = self._kuberay_installed
+        with self._kuberay_lock:
+            if installed != self._kuberay_installed:
+                log.info("KubeRay RayCluster CRD %s: multi-node runs use %s",
+                         "found" if installed else "not found",
+                         "RayClusters" if installed else "plain head + worker pods")
+            self._kuberay_installed = installed
+            self._kuberay_checked_at = time.monotonic()
+        return installed
+
+    def _forget_kuberay(self) -> None:
+        """Ask discovery again at the next use (e.g. the CRD was removed under us)."""
+        with self._kuberay_lock:
+            self._kuberay_checked_at = float("-inf")
+
+    def _ray_clusters_of(
+        self, run: TrainingRun, pods: list[PodView]
+    ) -> list[RayClusterView] | None:
+        """The run's RayClusters when its gang is (or is about to be) a RayCluster, else None.
+
+        A run keeps the path its live gang is on: RayClusters already exist -> KubeRay; plain
+        trainer pods (no ``ray.io/node-type`` label, which KubeRay puts on its pods) are
+        running -> pods, even if KubeRay was installed meanwhile. Only a gang started from
+        nothing (new run, resume) follows discovery.
+        """
+        if run.spec.resources.nodes < 2:
+            return None
+        namespace, name = run.metadata.namespace, run.metadata.name
+        clusters = [ray_cluster_view(c) for c in self.ray_clusters.children(namespace, name)]
+        if clusters:
+            return clusters
+        live = [p for p in pods if not p.deleting]
+        if any(b.RAY_NODE_TYPE_LABEL not in p.labels for p in live):
+            return None
+        if live or self.kuberay_installed():
+            return []
+        return None
+
+    def _create_ray_cluster(self, run: TrainingRun, incarnation: int,
+                            endpoints: list[str]) -> None:
+        manifest = b.build_ray_cluster(run, self.config, incarnation, rollout_endpoints=endpoints)
+        try:
+            self.ray_clusters.put(self._create("TrainingRun", manifest))
+        except KubeError as exc:
+            if exc.status == 404:
+                self._forget_kuberay()  # the CRD went away: rediscover before the next try
+            raise
+
+    def refresh_ray_clusters(self) -> None:
+        """Re-list the RayClusters of namespaces with multi-node runs (resync safety net).
+
+        The kopf watch only serves RayClusters when the CRD existed at operator start; with
+        KubeRay installed later this list keeps the cache right, one LIST per namespace.
+        """
+        namespaces = sorted({
+            ns for ns, name in self.runs.snapshot_keys() if _nodes(self.runs.get(ns, name)) > 1
+        })
+        if not namespaces or not self.kuberay_installed():
+            return
+        selector = f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}"
+        for namespace in namespaces:
+            try:
+                items = self.kube.list(b.RAY_API_VERSION, "RayCluster", namespace, selector)
+            except (KubeError, httpx.HTTPError) as exc:
+                log.warning("listing RayClusters in %s failed: %s", namespace, exc)
+                continue
+            seen = set()
+            for item in items:
+                self.ray_clusters.put(item)
+                seen.add(item["metadata"]["name"])
+            for ns, name in self.ray_clusters.snapshot_keys():
+                if ns == namespace and name not in seen:
+                    self.ray_clusters.remove(ns, name)
+
+    def on_ray_cluster(self, event_type: str | None, body: Body) -> None:
+        """A labelled RayCluster changed (KubeRay wrote its status): reconcile its run."""
+        meta = body.get("metadata") or {}
+        run = (meta.get("labels") or {}).get(b.LABEL_RUN)
+        if run and self.observe(self.ray_clusters, event_type, body):
+            self.reconcile_run(meta.get("namespace", ""), run)
 
     def _rollout_endpoints(self, run: TrainingRun) -> list[str]:
         """The Service URL of spec.rollout.pool, when the pool exists (else none: the trainer
@@ -321,9 +728,9 @@ class Controller:
             return []
         return [b.pool_endpoint(RolloutPool.model_validate(body))]
 
-    def _ensure_run_children(self, run: TrainingRun) -> None:
+    def _ensure_run_children(self, run: TrainingRun, ray_cluster: bool = False) -> None:
         """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""
-        for manifest in b.build_trainer_children(run, self.config):
+        for manifest in b.build_trainer_children(run, self.config, ray_cluster=ray_cluster):
             obj = self._create("TrainingRun", manifest)
             if manifest["kind"] == "ConfigMap" and obj.get("data") != manifest["data"]:
                 # The spec changed since the ConfigMap was made: new pods get the new config.
@@ -377,15 +784,33 @@ class Controller:
 
     def on_pod(self, event_type: str | None, body: Body) -> None:
         """A labelled pod changed: update the right cache and reconcile its owner."""
+        for work in self.route_pod(event_type, body):
+            work()
+
+    def route_pod(self, event_type: str | None, body: Body) -> list[Callable[[], None]]:
+        """Cache a pod event; return the reconciles it calls for (none for the echo of our
+        own write). Split from on_pod so the async watch handler caches inline and spends a
+        thread only on real work."""
+        meta = body.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        if labels.get(b.LABEL_COMPONENT) != b.COMPONENT_SANDBOX:
+            return [lambda: self._on_other_pod(event_type, body)]
+        namespace = meta.get("namespace", "")
+        work: list[Callable[[], None]] = []
+        pool, task = labels.get(wp.LABEL_WARM_POOL), labels.get(b.LABEL_TASK)
+        if pool and self.observe(self.warm_pods, event_type, body):
+            work.append(lambda: self.reconcile_warm_pool(namespace, pool))
+        if task and self.observe(self.sandbox_pods, event_type, body):
+            work.append(lambda: self.reconcile_task(namespace, task))
+        return work
+
+    def _on_other_pod(self, event_type: str | None, body: Body) -> None:
         meta = body.get("metadata") or {}
         labels = meta.get("labels") or {}
         namespace = meta.get("namespace", "")
         component = labels.get(b.LABEL_COMPONENT)
         # An unchanged pod (the echo of our own create) needs no reconcile of its owner.
-        if component == b.COMPONENT_SANDBOX and b.LABEL_TASK in labels:
-            if self.observe(self.sandbox_pods, event_type, body):
-                self.reconcile_task(namespace, labels[b.LABEL_TASK])
-        elif component == b.COMPONENT_TRAINER and b.LABEL_RUN in labels:
+        if component == b.COMPONENT_TRAINER and b.LABEL_RUN in labels:
             if self.observe(self.trainer_pods, event_type, body):
                 self.reconcile_run(namespace, labels[b.LABEL_RUN])
         elif component == b.COMPONENT_ROLLOUT and b.LABEL_POOL in labels:  # noqa: SIM102
@@ -395,10 +820,12 @@ class Controller:
     def resync(self) -> None:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
+        self.refresh_ray_clusters()
         for store, reconcile in (
             (self.runs, self.reconcile_run),
             (self.pools, self.reconcile_pool),
             (self.tasks, self.reconcile_task),
+            (self.warm_pools, self.reconcile_warm_pool),
         ):
             for namespace, name in store.snapshot_keys():
                 try:

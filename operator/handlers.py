@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import kopf
 
 from posttrain.api import GROUP, VERSION
 
-from .builders import COMPONENT_ROLLOUT, LABEL_COMPONENT
+from .builders import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
 from .controllers import Controller
 
 log = logging.getLogger(__name__)
@@ -86,10 +87,38 @@ def _on_resource_event(
         reconcile(namespace, name)
 
 
+async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
+    """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
+
+    The SandboxTask, SandboxWarmPool and sandbox-pod handlers are async so that caching an
+    event, and dropping the echo of our own write, happens on the event loop: in a burst
+    half of all events are such echoes, and a thread hop each cost more than the work.
+    """
+    context = contextvars.copy_context()
+    await asyncio.get_running_loop().run_in_executor(
+        getattr(memo, "executor", None), context.run, work)
+
+
 @kopf.on.event(GROUP, VERSION, "sandboxtasks", registry=REGISTRY)
-def sandbox_task_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
-                       **_: Any) -> None:
-    _on_resource_event("SandboxTask", event, memo, namespace, name)
+async def sandbox_task_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
+                             **_: Any) -> None:
+    controller = _controller(memo)
+    changed = controller.observe(controller.tasks, event.get("type"), event["object"])
+    if event.get("type") == "DELETED":
+        controller.forget("SandboxTask", namespace, name)
+    elif changed:
+        await _in_thread(memo, lambda: controller.reconcile_task(namespace, name))
+
+
+@kopf.on.event(GROUP, VERSION, "sandboxwarmpools", registry=REGISTRY)
+async def sandbox_warm_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
+                                  **_: Any) -> None:
+    controller = _controller(memo)
+    changed = controller.observe(controller.warm_pools, event.get("type"), event["object"])
+    if event.get("type") == "DELETED":
+        await _in_thread(memo, lambda: controller.warm_pool_deleted(namespace, name))
+    elif changed:
+        await _in_thread(memo, lambda: controller.reconcile_warm_pool(namespace, name))
 
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
@@ -125,6 +154,15 @@ def deployment_event(event: kopf.RawEvent, memo: Any, namespace: str, **_: Any) 
         controller.reconcile_pool(namespace, pool)
 
 
+@kopf.on.event("ray.io", "v1", "rayclusters", labels={LABEL_COMPONENT: COMPONENT_TRAINER},
+               registry=REGISTRY)
+def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    """KubeRay's RayClusters of multi-node runs. Served only when the CRD exists at start-up
+    (kopf warns "Unresolved resources" otherwise); the resync's re-list covers the rest."""
+    _controller(memo).on_ray_cluster(event.get("type"), event["object"])
+
+
 @kopf.on.event("", "v1", "pods", labels={LABEL_COMPONENT: kopf.PRESENT}, registry=REGISTRY)
-def pod_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    _controller(memo).on_pod(event.get("type"), event["object"])
+async def pod_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    for work in _controller(memo).route_pod(event.get("type"), event["object"]):
+        await _in_thread(memo, work)

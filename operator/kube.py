@@ -13,6 +13,7 @@ import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 from kopf import ConnectionInfo
@@ -105,6 +106,8 @@ PLURALS = {
     "TrainingRun": "trainingruns",
     "RolloutPool": "rolloutpools",
     "SandboxTask": "sandboxtasks",
+    "SandboxWarmPool": "sandboxwarmpools",
+    "RayCluster": "rayclusters",
 }
 
 
@@ -203,6 +206,31 @@ class KubeClient:
         body = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
         status, _ = self.request("DELETE", path, body, ok=(200, 202, 404))
         return status != 404
+
+    def serves(self, api_version: str, plural: str) -> bool:
+        """Whether the apiserver serves ``plural`` in ``api_version`` (API discovery).
+
+        Discovery is readable by every authenticated user (system:discovery), so this needs no
+        RBAC on CustomResourceDefinitions. A group that is not installed answers 404.
+        """
+        base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+        status, data = self.request("GET", base, ok=(200, 404))
+        if status == 404:
+            return False
+        return any(r.get("name") == plural for r in data.get("resources") or [])
+
+    def list(self, api_version: str, kind: str, namespace: str,
+             label_selector: str = "") -> list[dict[str, Any]]:
+        """Objects of ``kind`` in ``namespace`` (optionally filtered by a label selector)."""
+        path = resource_path(api_version, PLURALS[kind], namespace)
+        if label_selector:
+            path += "?" + urlencode({"labelSelector": label_selector})
+        items: list[dict[str, Any]] = self.request("GET", path)[1].get("items") or []
+        for item in items:
+            # List items carry no apiVersion/kind; the cache and the builders expect them.
+            item.setdefault("apiVersion", api_version)
+            item.setdefault("kind", kind)
+        return items
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         status, data = self.request(

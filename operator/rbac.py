@@ -23,21 +23,24 @@ OPERATOR_RULES: list[Rule] = [
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
     {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "delete"]},
+    {"apiGroups": [GROUP], "resources": ["sandboxwarmpools"], "verbs": READ},
     # Status is ours to write (phase, conditions, results), through merge patches.
     {
         "apiGroups": [GROUP],
-        "resources": ["trainingruns/status", "rolloutpools/status", "sandboxtasks/status"],
+        "resources": ["trainingruns/status", "rolloutpools/status", "sandboxtasks/status",
+                      "sandboxwarmpools/status"],
         "verbs": ["get", "patch"],
     },
     # ownerReferences with blockOwnerDeletion=true require update on the owner's finalizers.
     {
         "apiGroups": [GROUP],
         "resources": ["trainingruns/finalizers", "rolloutpools/finalizers",
-                      "sandboxtasks/finalizers"],
+                      "sandboxtasks/finalizers", "sandboxwarmpools/finalizers"],
         "verbs": ["update"],
     },
-    # Trainer gangs and sandboxes are pods the operator creates, watches and deletes.
-    {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "create", "delete"]},
+    # Trainer gangs and sandboxes are pods the operator creates, watches and deletes; patch
+    # is the SandboxWarmPool claim (labels, owner, claim annotation, activeDeadlineSeconds).
+    {"apiGroups": [""], "resources": ["pods"], "verbs": [*READ, "create", "patch", "delete"]},
     # Run config, head Service and pool Service, trainer ServiceAccount.
     {
         "apiGroups": [""],
@@ -50,6 +53,9 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["deployments"],
         "verbs": [*READ, "create", "patch", "delete"],
     },
+    # Multi-node runs as KubeRay RayClusters (only used when that CRD is installed; whether it
+    # is, is asked through API discovery, which needs no rule).
+    {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": [*READ, "create", "delete"]},
     # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
     # so creating them is not an escalation).
     {

@@ -35,6 +35,8 @@ class Reason:
     TRAINER_SUCCEEDED: Final = "TrainerSucceeded"
     STORAGE_DELETED: Final = "StorageDeleted"
     STORAGE_KEPT: Final = "StorageKept"
+    RAY_CLUSTER_CREATED: Final = "RayClusterCreated"
+    RAY_CLUSTER_PENDING: Final = "RayClusterPending"
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"
@@ -49,6 +51,13 @@ class Reason:
     SANDBOX_RETRY: Final = "SandboxRetry"
     SANDBOX_FAILED: Final = "SandboxFailed"
     TTL_EXPIRED: Final = "TTLExpired"
+    WARM_POOL_NOT_FOUND: Final = "WarmPoolNotFound"
+    WARM_POOL_MISMATCH: Final = "WarmPoolMismatch"
+    # SandboxWarmPool
+    WARM_PODS_CREATED: Final = "WarmPodsCreated"
+    WARM_PODS_DELETED: Final = "WarmPodsDeleted"
+    WARM_POOL_READY: Final = "IdlePodsReady"
+    WARM_POOL_FILLING: Final = "IdlePodsStarting"
     # Any kind
     INVALID_SPEC: Final = "InvalidSpec"
     RECONCILE_ERROR: Final = "ReconcileError"

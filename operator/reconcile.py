@@ -6,7 +6,8 @@ at the whole observed state, never at "what just happened", so replaying it afte
 operator restart yields the same actions (deterministic names make creates idempotent).
 
 Status ownership: plans only ever set the operator's fields (phase, conditions,
-observedGeneration, restarts, maxSteps, startTime, completionTime, message for runs; all
+observedGeneration, restarts, maxSteps, startTime, completionTime, message, rayCluster,
+rayClusterState, availableWorkers for runs; all
 result fields for sandboxes; replica counts for pools). Trainer fields (step, rewardMean,
 domainRewards, evalAccuracy, lastCheckpoint, weightVersion) never appear in a run's patch.
 """
@@ -22,10 +23,13 @@ from posttrain.api import RolloutPool, SandboxTask, TrainingRun
 from posttrain.api.base import Condition, get_condition, set_condition
 
 from .builders import (
+    ANNOTATION_LOGS_URI,
+    ANNOTATION_SNAPSHOT_URI,
     ANNOTATION_WEIGHT_VERSION,
     LABEL_ATTEMPT,
     LABEL_GANG,
     LABEL_RANK,
+    ray_cluster_name,
     sandbox_pod_name,
 )
 from .reasons import ConditionType, Reason, SandboxExitReason
@@ -115,6 +119,48 @@ def pod_view(pod: dict[str, Any]) -> PodView:
 
 
 @dataclass(frozen=True)
+class RayClusterView:
+    """The parts of a KubeRay RayCluster the TrainingRun decisions depend on."""
+
+    name: str
+    labels: dict[str, str]
+    state: str = ""
+    """status.state: "" until KubeRay has looked at it, then ready / failed / suspended."""
+    reason: str = ""
+    available_workers: int = 0
+    desired_workers: int = 0
+    deleting: bool = False
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "failed"
+
+
+def ray_cluster_view(body: dict[str, Any]) -> RayClusterView:
+    """Reduce a RayCluster (as the apiserver returns it) to a RayClusterView.
+
+    >>> ray_cluster_view({"metadata": {"name": "r-g0"}, "status": {"state": "ready",
+    ...                   "availableWorkerReplicas": 3}}).available_workers
+    3
+    """
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    groups = (body.get("spec") or {}).get("workerGroupSpecs") or []
+    desired = status.get("desiredWorkerReplicas")
+    if desired is None:
+        desired = sum(int(g.get("replicas") or 0) for g in groups)
+    return RayClusterView(
+        name=meta.get("name", ""),
+        labels=dict(meta.get("labels") or {}),
+        state=str(status.get("state") or ""),
+        reason=str(status.get("reason") or ""),
+        available_workers=int(status.get("availableWorkerReplicas") or 0),
+        desired_workers=int(desired),
+        deleting=bool(meta.get("deletionTimestamp")),
+    )
+
+
+@dataclass(frozen=True)
 class EventSpec:
     """A Kubernetes Event to post on the parent: type Normal/Warning, reason, message."""
 
@@ -153,6 +199,10 @@ class SandboxResult:
     reason: str
     sandbox_failed: bool
     """True when the sandbox (not the program) failed: eviction, start error, lost pod."""
+    logs_uri: str | None = None
+    """Where the entrypoint stored the full log (only when it says the upload worked)."""
+    snapshot_uri: str | None = None
+    """Where the entrypoint stored the workdir tar (spec.snapshot)."""
 
 
 # Container termination reasons that mean the program never really ran.
@@ -201,7 +251,13 @@ def parse_sandbox_result(pod: PodView) -> SandboxResult:
         reward = 1.0 if exit_code == 0 and reason == SandboxExitReason.COMPLETED else 0.0
     if result.get("duration_ms") is not None:
         duration_ms = float(result["duration_ms"])
-    return SandboxResult(exit_code, float(reward), duration_ms, reason, False)
+    # The pod's annotations say where its entrypoint was told to store; its result says
+    # whether that worked.
+    logs_uri = pod.annotations.get(ANNOTATION_LOGS_URI) if result.get("logs_uploaded") else None
+    snapshot_uri = (pod.annotations.get(ANNOTATION_SNAPSHOT_URI)
+                    if result.get("snapshot_uploaded") else None)
+    return SandboxResult(exit_code, float(reward), duration_ms, reason, False,
+                         logs_uri=logs_uri, snapshot_uri=snapshot_uri)
 
 
 @dataclass
@@ -243,6 +299,12 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
                                "podName": current_name}
     conditions = list(status.conditions)
     current = next((p for p in pods if p.name == current_name), None)
+    if current is None:
+        # A pod claimed from a SandboxWarmPool keeps its generated name; its attempt label
+        # says which attempt it serves.
+        current = next((p for p in pods if attempt_of(p) == attempts and not p.deleting), None)
+        if current is not None:
+            desired["podName"] = current_name = current.name
     if current is None:
         # New task, cache lag, or deleted by someone: create-or-adopt is idempotent.
         plan.create_attempt = attempts
@@ -295,6 +357,8 @@ def _finish_sandbox(
         durationMs=result.duration_ms,
         reason=result.reason,
         completionTime=_iso(now),
+        logsUri=result.logs_uri,
+        snapshotUri=result.snapshot_uri,
     )
     for key in [k for k, v in desired.items() if v is None]:
         del desired[key]  # e.g. no duration known: leave the field unset, not null
@@ -342,12 +406,19 @@ class RunPlan:
     delete_pods: list[str] = field(default_factory=list)
     ensure_children: bool = False
     """Create-or-adopt ConfigMap, RBAC and head Service before creating pods."""
+    create_ray_cluster: bool = False
+    """Create the RayCluster of ``incarnation`` (KubeRay path only)."""
+    delete_ray_clusters: list[str] = field(default_factory=list)
     status_patch: dict[str, Any] = field(default_factory=dict)
     events: list[EventSpec] = field(default_factory=list)
 
 
 def plan_training_run(
-    run: TrainingRun, pods: list[PodView], incarnation: int, now: datetime
+    run: TrainingRun,
+    pods: list[PodView],
+    incarnation: int,
+    now: datetime,
+    ray_clusters: list[RayClusterView] | None = None,
 ) -> RunPlan:
     """Decide the next step of a TrainingRun from its pods (gang semantics).
 
@@ -355,12 +426,19 @@ def plan_training_run(
     is deleted and a new incarnation is created, counting one restart; more than
     spec.backoffLimit restarts fail the run. Suspend deletes the gang and keeps the run;
     resuming starts a new incarnation (the trainer resumes from its last checkpoint).
+
+    ``ray_clusters`` (a list, possibly empty) selects the KubeRay path for a multi-node run:
+    the gang is one RayCluster ``<run>-g<incarnation>`` whose pods KubeRay creates; a
+    RayCluster in state ``failed`` or any failed pod of it is a gang failure, with the same
+    backoffLimit accounting. None = the plain pod path.
     """
     spec, status = run.spec, run.status
     gen = run.metadata.generation
     nodes = spec.resources.nodes
     plan = RunPlan(incarnation=incarnation)
     live = [p for p in pods if not p.deleting]
+    live_clusters = [c for c in ray_clusters or [] if not c.deleting]
+    kuberay = ray_clusters is not None
     conditions = list(status.conditions)
     desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.algorithm.max_steps}
 
@@ -370,16 +448,23 @@ def plan_training_run(
         conditions = set_condition(conditions, ConditionType.FAILED, "True", reason, message, gen)
         conditions = set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
         plan.delete_pods = [p.name for p in live]
+        plan.delete_ray_clusters = [c.name for c in live_clusters]
         plan.create_ranks = []
+        plan.create_ray_cluster = False
         plan.events.append(EventSpec("Warning", reason, message))
 
     if status.phase in TERMINAL:
         # Finished runs keep no pods (Ray workers would otherwise block forever).
         plan.delete_pods = [p.name for p in live if not p.finished]
+        plan.delete_ray_clusters = [c.name for c in live_clusters]
         return plan
 
     if spec.suspend:
         plan.delete_pods = [p.name for p in live]
+        plan.delete_ray_clusters = [c.name for c in live_clusters]
+        if status.ray_cluster is not None:
+            # JSON merge patch: null removes the mirrored RayCluster fields with the cluster.
+            desired.update(rayCluster=None, rayClusterState=None, availableWorkers=None)
         if status.phase != "Suspended":
             desired.update(phase="Suspended", message="suspended: trainer pods deleted")
             plan.events.append(EventSpec("Normal", Reason.SUSPENDED,
@@ -411,6 +496,15 @@ def plan_training_run(
         fail(Reason.DEADLINE_EXCEEDED,
              f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
              f"{status.last_checkpoint or 'scratch'} in a new run")
+        desired["conditions"] = _conditions_wire(conditions)
+        plan.status_patch = status_diff(status.to_wire(), desired)
+        return plan
+
+    if kuberay:
+        conditions, failure = _plan_ray_cluster_gang(
+            run, live, live_clusters, plan, desired, conditions, now)
+        if failure is not None:
+            fail(*failure)
         desired["conditions"] = _conditions_wire(conditions)
         plan.status_patch = status_diff(status.to_wire(), desired)
         return plan
@@ -476,6 +570,103 @@ def plan_training_run(
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _plan_ray_cluster_gang(
+    run: TrainingRun,
+    live: list[PodView],
+    clusters: list[RayClusterView],
+    plan: RunPlan,
+    desired: dict[str, Any],
+    conditions: list[Condition],
+    now: datetime,
+) -> tuple[list[Condition], tuple[str, str] | None]:
+    """The gang part of :func:`plan_training_run` when the gang is a KubeRay RayCluster.
+
+    Returns the new conditions and, when the run must fail, (reason, message). The pods are
+    KubeRay's (they carry our labels from the templates): a failed one fails the gang at once,
+    before KubeRay deletes and replaces it, and the head pod succeeding is the trainer
+    finishing. ``status.rayCluster``, ``rayClusterState`` and ``availableWorkers`` mirror the
+    cluster so ``kubectl get tr`` shows what KubeRay is doing.
+    """
+    spec, status = run.spec, run.status
+    gen = run.metadata.generation
+    incarnation = plan.incarnation
+    workers = spec.resources.nodes - 1
+    name = ray_cluster_name(run.metadata.name, incarnation)
+    current = next((c for c in clusters if c.name == name), None)
+    gang = [p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)]
+    plan.delete_ray_clusters = [c.name for c in clusters if c.name != name]
+    plan.delete_pods = [p.name for p in live if p.labels.get(LABEL_GANG) != str(incarnation)]
+    head = next((p for p in gang if p.labels.get(LABEL_RANK) == "0"), None)
+    failed = [f"{p.name} ({p.reason or _exit_text(p)})" for p in gang if p.phase == "Failed"]
+    if current is not None and current.failed:
+        failed.insert(0, f"RayCluster {name} failed ({current.reason or 'no reason given'})")
+    desired.update(rayCluster=name, rayClusterState=current.state if current else None,
+                   availableWorkers=current.available_workers if current else 0)
+    if desired["rayClusterState"] is None:
+        del desired["rayClusterState"]
+
+    if failed:
+        restarts = status.restarts + 1
+        desired["restarts"] = restarts
+        why = ", ".join(failed)
+        if restarts > spec.backoff_limit:
+            return conditions, (
+                Reason.BACKOFF_LIMIT_EXCEEDED,
+                f"gang failed {restarts} times, more than backoffLimit={spec.backoff_limit}; "
+                f"last failure: {why}")
+        plan.delete_ray_clusters.append(name)
+        plan.delete_pods += [p.name for p in gang]
+        plan.incarnation = incarnation + 1
+        plan.create_ray_cluster = True
+        plan.ensure_children = True
+        new_name = ray_cluster_name(run.metadata.name, plan.incarnation)
+        desired.update(phase="Pending", rayCluster=new_name, availableWorkers=0,
+                       message=f"restart {restarts}/{spec.backoff_limit} after {why}")
+        desired.pop("rayClusterState", None)
+        conditions = set_condition(conditions, ConditionType.READY, "False",
+                                   Reason.GANG_RESTART, desired["message"], gen)
+        plan.events.append(EventSpec(
+            "Warning", Reason.GANG_RESTART,
+            f"{why}: recreating the RayCluster as {new_name} "
+            f"(restart {restarts} of {spec.backoff_limit})"))
+    elif head is not None and head.phase == "Succeeded":
+        message = f"trainer finished at step {status.step}" if status.step is not None else (
+            "trainer finished")
+        desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
+        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
+                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        conditions = set_condition(conditions, ConditionType.READY, "False",
+                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        plan.delete_ray_clusters.append(name)
+        plan.delete_pods += [p.name for p in gang if not p.finished]
+        plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
+    elif current is None:
+        plan.create_ray_cluster = True
+        plan.ensure_children = True
+        if status.phase in (None, "Suspended"):
+            plan.events.append(EventSpec(
+                "Normal", Reason.RAY_CLUSTER_CREATED,
+                f"creating RayCluster {name}: a head and {workers} worker(s)"))
+        desired.update(phase="Pending", message=f"waiting for RayCluster {name}")
+        conditions = set_condition(conditions, ConditionType.READY, "False",
+                                   Reason.RAY_CLUSTER_PENDING, desired["message"], gen)
+    elif current.state == "ready":
+        message = (f"RayCluster {name} ready: {current.available_workers}/{workers} "
+                   "worker(s) available")
+        if status.phase != "Running":
+            plan.events.append(EventSpec("Normal", Reason.RUNNING, message))
+        desired.update(phase="Running", message=message)
+        conditions = set_condition(conditions, ConditionType.READY, "True", Reason.RUNNING,
+                                   message, gen)
+    else:
+        desired.update(phase="Pending", message=(
+            f"waiting for RayCluster {name} (state {current.state or 'not reported yet'}, "
+            f"{current.available_workers}/{workers} worker(s) available)"))
+        conditions = set_condition(conditions, ConditionType.READY, "False",
+                                   Reason.RAY_CLUSTER_PENDING, desired["message"], gen)
+    return conditions, None
 
 
 def _exit_text(pod: PodView) -> str:

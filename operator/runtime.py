@@ -15,7 +15,7 @@ from .config import OperatorConfig
 from .controllers import Controller
 from .kube import KubeClient, load_credentials
 from .reconcile import EventSpec
-from .settings import build_settings
+from .settings import build_settings, quiet_per_request_logs
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,17 @@ async def run_async(
     from .handlers import REGISTRY
 
     memo = memo if memo is not None else build_memo(config)
+    if config.log_level != "DEBUG":
+        quiet_per_request_logs()
     liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
+    settings = build_settings(config)
+    # The async handlers run their blocking reconciles on kopf's own pool (max_workers).
+    memo.executor = settings.execution.executor
     await kopf.operator(
         registry=REGISTRY,
         # Peering is configured only through settings: passing peering_name here would make
         # peering mandatory even for --standalone.
-        settings=build_settings(config),
+        settings=settings,
         clusterwide=config.all_namespaces,
         namespaces=list(config.watched_namespaces),
         stop_flag=stop_flag,

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,7 @@ def register(subparsers: Any) -> None:
 def run_command(args: argparse.Namespace) -> int:
     from posttrain.api import TrainingRun, load_manifest
     from posttrain.telemetry import start_metrics_server
-    from posttrain.trainer.distributed import launch_if_distributed
+    from posttrain.trainer.distributed import launch_if_distributed, wanted_nodes
 
     # SIGTERM (kubectl delete, Ctrl-C in a wrapper) must unwind the `with` blocks so the
     # child rollout server is stopped and never outlives us.
@@ -70,8 +71,16 @@ def run_command(args: argparse.Namespace) -> int:
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1, got {args.max_steps}")
         spec.algorithm.max_steps = args.max_steps
+    if args.local and (wanted_nodes(run) > 1 or os.environ.get("RAY_ADDRESS")):
+        raise UsageError(
+            f"--local starts one CPU rollout server for a single-node run, but this run wants "
+            f"{wanted_nodes(run)} nodes (spec.resources.nodes / $POSTTRAIN_NODES / $RAY_ADDRESS "
+            "set); drop --local and set $POSTTRAIN_ROLLOUT_ENDPOINTS, or use nodes: 1"
+        )
     start_metrics_server(args.metrics_port)
-    if launch_if_distributed(run, args.out):
+    distributed = launch_if_distributed(run, args.out)
+    if distributed is not None:  # rank 0's result of a multi-node run on Ray
+        _print_summary(distributed)
         return 0
     from posttrain.models import resolve_model
     from posttrain.rollout.client import RolloutClient
@@ -91,9 +100,10 @@ def run_command(args: argparse.Namespace) -> int:
             client.close()
     else:
         endpoints = _endpoints(spec)
+        log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
         client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
                                max_in_flight=max_in_flight)
-        _require_healthy(client, endpoints)
+        _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
         result = train(spec, args.out, client, reporter=reporter)
         client.close()
     _print_summary(result)
@@ -111,14 +121,28 @@ def _endpoints(spec: Any) -> list[str]:
     return endpoints
 
 
-def _require_healthy(client: Any, endpoints: list[str]) -> None:
-    health = client.health()
-    down = [url for url, ok in health.items() if not ok]
-    if down:
-        raise UsageError(
-            f"rollout server(s) unreachable: {', '.join(down)}; start one with "
-            "`posttrain serve --model MODEL --port PORT` or fix the URL"
-        )
+def _require_healthy(client: Any, endpoints: list[str], timeout_s: float) -> None:
+    """Wait for every rollout endpoint to answer /health, then fail with a clear error.
+
+    In a cluster the pool and the run are often applied together and the pool needs minutes
+    to load its model, so a trainer pod waits (logging) rather than failing at once.
+    """
+    deadline = time.monotonic() + timeout_s
+    next_log = 0.0
+    while True:
+        down = [url for url, ok in client.health().items() if not ok]
+        if not down:
+            return
+        if time.monotonic() >= deadline:
+            raise UsageError(
+                f"rollout server(s) unreachable after {timeout_s:.0f} s: {', '.join(down)}; "
+                "start one with `posttrain serve --model MODEL --port PORT`, check the "
+                "RolloutPool's pods, or fix the URL"
+            )
+        if time.monotonic() >= next_log:
+            log.info("waiting for rollout server(s) %s (up to %.0f s)", ", ".join(down), timeout_s)
+            next_log = time.monotonic() + 15
+        time.sleep(1.0)
 
 
 def _print_summary(result: Any) -> None:

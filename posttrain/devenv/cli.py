@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,9 @@ class DevState:
             "POSTTRAIN_S3_SECURE": "false",
             "AWS_ACCESS_KEY_ID": self.minio_access_key,
             "AWS_SECRET_ACCESS_KEY": self.minio_secret_key,
+            # What `posttrain operator` reads (OperatorConfig): pods it creates get this
+            # endpoint, and keys from the Secret that `dev up` creates.
+            "POSTTRAIN_OPERATOR_S3_ENDPOINT": self.minio_endpoint,
         }
 
 
@@ -86,6 +90,31 @@ def install_crds(kubeconfig: Path) -> None:
             current = ext.read_custom_resource_definition(body["metadata"]["name"])
             body["metadata"]["resourceVersion"] = current.metadata.resource_version
             ext.replace_custom_resource_definition(body["metadata"]["name"], body)
+
+
+def ensure_s3_secret(kubeconfig: Path, access_key: str, secret_key: str) -> None:
+    """The ``posttrain-s3`` Secret in ``default``: the keys the operator gives trainer pods.
+
+    Created or updated in place, so ``dev up`` stays idempotent and a restarted MinIO with
+    new keys is picked up.
+    """
+    from kubernetes import client, config
+    from kubernetes.client.rest import ApiException
+
+    from posttrain.operator.config import OperatorConfig
+
+    core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
+    name = OperatorConfig.model_fields["s3_credentials_secret"].default
+    body = {
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "posttrain-dev"}},
+        "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
+    }
+    try:
+        core.create_namespaced_secret("default", body)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise
+        core.replace_namespaced_secret(name, "default", body)
 
 
 def dev_up(args: argparse.Namespace) -> int:
@@ -113,6 +142,7 @@ def dev_up(args: argparse.Namespace) -> int:
         cp.start()
         minio.start()
         install_crds(cp.kubeconfig)
+        ensure_s3_secret(cp.kubeconfig, minio.access_key, minio.secret_key)
     except (StartError, OSError) as exc:
         minio.stop()
         cp.stop(keep_logs=True)
@@ -194,8 +224,14 @@ def dev_agent(args: argparse.Namespace) -> int:
     kubeconfig = args.kubeconfig or (state.kubeconfig if state else None)
     if kubeconfig is None:
         raise UsageError("no dev environment: run `posttrain dev up` first or pass --kubeconfig")
-    agent = NodeAgent.from_kubeconfig(Path(kubeconfig))
+    # Inside the dev environment's directory, so `posttrain dev down` removes pod dirs and logs.
+    workdir = Path(state.workdir) / "nodeagent" if state else state_dir() / "nodeagent"
+    agent = NodeAgent.from_kubeconfig(Path(kubeconfig), workdir=workdir)
     print(f"node agent running pods of {kubeconfig} as local processes (Ctrl-C stops it)")
+    print(f"  pod logs: {workdir}/<namespace>_<pod>.log")
+    # SIGTERM (kill, a supervisor) stops the pods too: their processes live in their own
+    # sessions and would otherwise outlive the agent.
+    signal.signal(signal.SIGTERM, lambda signum, frame: agent.request_stop())
     try:
         agent.run_forever()
     except KeyboardInterrupt:

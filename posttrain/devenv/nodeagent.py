@@ -29,6 +29,7 @@ with ``setpriv``; as another user it runs everything as that user.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import logging
@@ -57,6 +58,7 @@ from .podprocess import (
     decode_secret_data,
     expand_references,
     field_ref_value,
+    hosts_file_text,
     http_probe,
     kill_process_group,
     now_rfc3339,
@@ -65,6 +67,7 @@ from .podprocess import (
     resolve_executable,
     run_as_user,
     running_status,
+    service_host_entries,
     terminated_status,
     waiting_status,
     write_projection,
@@ -90,6 +93,17 @@ DEFAULT_NODE_NAME = "posttrain-local"
 # Dev runs want quick teardown; a 30 s default grace would make every test wait.
 MAX_GRACE_SECONDS = 5.0
 HEARTBEAT_SECONDS = 10.0
+
+
+@functools.cache
+def host_hosts_text() -> str:
+    """The host's /etc/hosts, the base of every pod's (pods share the host network)."""
+    try:
+        return Path("/etc/hosts").read_text()
+    except OSError:
+        return "127.0.0.1 localhost\n"
+
+
 TEMPLATE_HASH_ANNOTATION = "posttrain.io/devenv-template-hash"
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Tokens are requested for an hour and rewritten at half-life, as the kubelet does.
@@ -185,6 +199,19 @@ class Cluster:
             d
             for ns in namespaces
             for d in self._json(self.apps.list_namespaced_deployment(ns, _preload_content=False))[
+                "items"
+            ]
+        ]
+
+    def list_services(self, namespaces: Sequence[str] | None) -> list[Manifest]:
+        if namespaces is None:
+            return self._json(self.core.list_service_for_all_namespaces(_preload_content=False))[
+                "items"
+            ]
+        return [
+            svc
+            for ns in namespaces
+            for svc in self._json(self.core.list_namespaced_service(ns, _preload_content=False))[
                 "items"
             ]
         ]
@@ -323,6 +350,23 @@ class PodRunner:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process else None
+
+    @property
+    def hosts_path(self) -> Path:
+        return self.pod_dir / "hosts"
+
+    def update_hosts(self, service_lines: list[str]) -> None:
+        """(Re)write the pod's /etc/hosts when its namespace's Services changed.
+
+        Written in place (same inode), not renamed: the file is bind-mounted into the
+        running process's view, and a rename would leave the mount on the old file.
+        """
+        text = hosts_file_text(host_hosts_text(), self.name, self.pod_ip, service_lines)
+        self.pod_dir.mkdir(parents=True, exist_ok=True)
+        if self.hosts_path.exists() and self.hosts_path.read_text() == text:
+            return
+        with open(self.hosts_path, "w") as hosts:
+            hosts.write(text)
 
     def start(self) -> PodRunner:
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.name}", daemon=True)
@@ -580,6 +624,9 @@ class PodRunner:
         mounts.append((str(termination_file), termination_path, False))
         if self.service_account_dir is not None:
             mounts.append((str(self.service_account_dir), SERVICE_ACCOUNT_MOUNT, True))
+        if not self.hosts_path.exists():
+            self.update_hosts([])
+        mounts.append((str(self.hosts_path), "/etc/hosts", True))
         bwrap = bwrap_prefix(mounts)
         work_dir = container.get("workingDir") or str(self.pod_dir / "cwd")
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)
@@ -947,6 +994,7 @@ class NodeAgent:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_heartbeat = 0.0
+        self._stop_requested = threading.Event()
 
     def start(self) -> NodeAgent:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -980,12 +1028,17 @@ class NodeAgent:
         return cls(config.new_client_from_config(config_file=str(kubeconfig)), **kwargs)
 
     def run_forever(self) -> None:
+        """Run until :meth:`request_stop` (e.g. from a signal handler), then stop every pod."""
         self.start()
         try:
-            while not self._stop.wait(1.0):
+            while not self._stop_requested.wait(1.0):
                 pass
         finally:
             self.stop()
+
+    def request_stop(self) -> None:
+        """Ask :meth:`run_forever` to return; safe to call from a signal handler."""
+        self._stop_requested.set()
 
     def runner(self, namespace: str, name: str) -> PodRunner | None:
         """The live runner of pod ``namespace/name`` (its process, pod dir, readiness)."""
@@ -1014,6 +1067,20 @@ class NodeAgent:
         pods = self.cluster.list_pods(self.namespaces)
         self._sync_pods(pods)
         self.deployments.sync(self.cluster.list_deployments(self.namespaces), pods)
+        self._sync_service_names(self.cluster.list_services(self.namespaces), pods)
+
+    def _sync_service_names(self, services: list[Manifest], pods: list[Manifest]) -> None:
+        """Point every running pod's /etc/hosts at the ready pods of its namespace's Services."""
+        with self._lock:
+            runners = list(self.runners.values())
+        by_namespace: dict[str, list[str]] = {}
+        for runner in runners:
+            if runner.namespace not in by_namespace:
+                in_namespace = [
+                    s for s in services if s["metadata"]["namespace"] == runner.namespace
+                ]
+                by_namespace[runner.namespace] = service_host_entries(in_namespace, pods)
+            runner.update_hosts(by_namespace[runner.namespace])
 
     def _sync_pods(self, pods: list[Manifest]) -> None:
         seen: set[str] = set()

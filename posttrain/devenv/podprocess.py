@@ -154,6 +154,91 @@ def host_view_binds(targets: Iterable[str]) -> list[str]:
     return args
 
 
+def service_host_entries(services: Iterable[Manifest], pods: Iterable[Manifest]) -> list[str]:
+    """``/etc/hosts`` lines resolving each Service's DNS names to its ready pods' IPs.
+
+    The stand-in for cluster DNS + kube-proxy: names map straight to pod IPs, so only
+    Services whose ports all equal their target ports are resolvable (a client connects to
+    the Service port on the pod); the others are left out rather than resolved wrongly.
+    Named target ports are looked up in the pods' container ports.
+
+    >>> svc = {"metadata": {"name": "pool", "namespace": "ns"},
+    ...        "spec": {"selector": {"app": "p"}, "ports": [{"port": 8000, "targetPort": "http"}]}}
+    >>> pod = {"metadata": {"labels": {"app": "p"}, "namespace": "ns"},
+    ...        "spec": {"containers": [{"ports": [{"name": "http", "containerPort": 8000}]}]},
+    ...        "status": {"podIP": "127.0.0.5", "conditions": [{"type": "Ready", "status": "True"}]}}
+    >>> service_host_entries([svc], [pod])
+    ['127.0.0.5 pool.ns.svc.cluster.local pool.ns.svc pool.ns']
+    >>> svc["spec"]["ports"][0]["targetPort"] = 9000  # port != targetPort: not resolvable here
+    >>> service_host_entries([svc], [pod])
+    []
+    """
+    pods = list(pods)
+    lines: list[str] = []
+    for service in services:
+        meta, spec = service["metadata"], service.get("spec") or {}
+        selector = spec.get("selector") or {}
+        if not selector:
+            continue  # no selector: endpoints are managed by hand, nothing to map
+        namespace = meta["namespace"]
+        ready = [
+            pod
+            for pod in pods
+            if pod["metadata"].get("namespace") == namespace
+            and selector.items() <= (pod["metadata"].get("labels") or {}).items()
+            and (pod.get("status") or {}).get("podIP")
+            and any(
+                c.get("type") == "Ready" and c.get("status") == "True"
+                for c in (pod.get("status") or {}).get("conditions") or []
+            )
+        ]
+        if not ready or not all(
+            _target_port_matches(port, ready[0]) for port in spec.get("ports") or []
+        ):
+            continue
+        name = meta["name"]
+        names = f"{name}.{namespace}.svc.cluster.local {name}.{namespace}.svc {name}.{namespace}"
+        lines += [f"{ip} {names}" for ip in sorted({p["status"]["podIP"] for p in ready})]
+    return lines
+
+
+def _target_port_matches(port: Manifest, pod: Manifest) -> bool:
+    target = port.get("targetPort", port["port"])
+    if isinstance(target, str) and not target.isdigit():
+        numbers = [
+            p.get("containerPort")
+            for c in pod["spec"].get("containers") or []
+            for p in c.get("ports") or []
+            if p.get("name") == target
+        ]
+        return numbers == [port["port"]]
+    return int(target) == int(port["port"])
+
+
+def hosts_file_text(base: str, pod_name: str, pod_ip: str, service_lines: Iterable[str]) -> str:
+    r"""A pod's ``/etc/hosts``: the host's file, the pod's own name, then its namespace's Services.
+
+    Short names (``pool``) resolve only inside the pod's namespace, as with cluster DNS search
+    domains, so callers pass only that namespace's Service lines.
+
+    >>> print(hosts_file_text("127.0.0.1 localhost\n", "p-0", "127.0.0.2",
+    ...                       ["127.0.0.3 pool.ns.svc.cluster.local pool.ns.svc pool.ns"]), end="")
+    127.0.0.1 localhost
+    # posttrain node agent: pod and Services (rewritten in place while the pod runs)
+    127.0.0.2 p-0
+    127.0.0.3 pool.ns.svc.cluster.local pool.ns.svc pool.ns pool
+    """
+    lines = [
+        base.rstrip("\n"),
+        "# posttrain node agent: pod and Services (rewritten in place while the pod runs)",
+        f"{pod_ip} {pod_name}",
+    ]
+    for line in service_lines:
+        short = line.split()[-1].split(".")[0]
+        lines.append(f"{line} {short}")
+    return "\n".join(lines) + "\n"
+
+
 def bwrap_prefix(mounts: Sequence[tuple[str, str, bool]]) -> list[str]:
     """The bwrap argv (without the trailing ``--``) giving a process the pod's filesystem view.
 

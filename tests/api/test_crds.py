@@ -80,8 +80,8 @@ def test_apiserver_accepts_examples_and_prints_columns(
     assert pools[0].split()[:4] == ["NAME", "READY", "DESIRED", "VERSION"]
     # Ready and Version are empty until the operator reports; Desired comes from the spec.
     desired_at = pools[0].index("DESIRED")
-    assert pools[1].startswith("smollm2-pool")
-    assert pools[1][desired_at:].split()[0] == "2"
+    desired = {row.split()[0]: row[desired_at:].split()[0] for row in pools[1:]}
+    assert desired == {"dev-pool": "1", "smollm2-pool": "2"}
     tasks = kubectl("get", "st", "-n", namespace).stdout
     assert tasks.split()[:4] == ["NAME", "PHASE", "REWARD", "DURATION-MS"]
     everything = kubectl("get", "posttrain", "-n", namespace, "-o", "name").stdout.split()

@@ -42,6 +42,16 @@ def test_up_is_idempotent_and_down_stops_everything(tmp_path: Path, kubectl_bin:
         assert "trainingruns" in resources and "rolloutpools" in resources
         exports = posttrain("dev", "env", env=env).stdout
         assert f"export KUBECONFIG={state['kubeconfig']}" in exports
+        assert f"export POSTTRAIN_OPERATOR_S3_ENDPOINT={state['minio_endpoint']}" in exports
+        # The Secret the operator hands trainer pods, with the MinIO keys of this environment.
+        key = subprocess.run(
+            [str(kubectl_bin), "--kubeconfig", state["kubeconfig"], "get", "secret",
+             "posttrain-s3", "-n", "default", "-o", "jsonpath={.data.AWS_ACCESS_KEY_ID}"],
+            capture_output=True, text=True, check=True,
+        ).stdout
+        import base64
+
+        assert base64.b64decode(key).decode() == state["minio_access_key"]
     finally:
         down = posttrain("dev", "down", env=env)
     assert down.returncode == 0

@@ -43,7 +43,6 @@ class Cluster:
     custom: Any
     core: Any
     config: Any  # posttrain.operator.config.OperatorConfig
-    endpoint: str  # the pool pod's URL (no cluster DNS here)
     bucket: str
 
     def create(self, plural: str, body: dict[str, Any]) -> None:
@@ -75,7 +74,8 @@ class Cluster:
                         "verifier": {"kind": "numeric"},
                     }
                 ],
-                "rollout": {"endpoints": [self.endpoint], "timeoutSeconds": 300},
+                # The pool's Service URL; the node agent's per-pod /etc/hosts resolves it.
+                "rollout": {"pool": "pool", "timeoutSeconds": 300},
                 "resources": {"cpu": "1", "memory": "4Gi", "gpusPerNode": 0},
                 "checkpoint": {"everySteps": 1, "keepLast": 1},
                 "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
@@ -126,7 +126,7 @@ def cluster(
         s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
         s3_bucket=f"e2e-{namespace}",
     )
-    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, "", config.s3_bucket)
+    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, config.s3_bucket)
     operator = OperatorThread(config).start()
     try:
         c.create(
@@ -144,9 +144,6 @@ def cluster(
             },
         )
         wait_for(lambda: c.status("rolloutpools", "pool").get("phase") == "Ready", 180, "pool")
-        pool_pod = core.read_namespaced_pod("pool-0", namespace)
-        port = c.status("rolloutpools", "pool")["endpoint"].rsplit(":", 1)[1]
-        c.endpoint = f"http://{pool_pod.status.pod_ip}:{port}"
     finally:
         operator.stop()  # each test runs (and kills) its own operator
     yield c

@@ -238,6 +238,17 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_POOL] == "pool"
 
 
+def test_cpu_pool_binds_its_pod_ip_so_replicas_sharing_a_host_network_coexist() -> None:
+    dep = b.build_rollout_deployment(make_pool(engine="cpu", port=8123), CONFIG)
+    (server,) = dep["spec"]["template"]["spec"]["containers"]
+    cmd = server["command"]
+    assert cmd[:2] == ["posttrain", "serve"]
+    assert cmd[cmd.index("--host") + 1] == "$(POD_IP)"
+    assert cmd[cmd.index("--port") + 1] == "8123"
+    pod_ip = next(e for e in server["env"] if e["name"] == "POD_IP")
+    assert pod_ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
 def test_spec_hash_changes_with_template_not_replicas() -> None:
     one = b.build_rollout_deployment(make_pool(replicas=1), CONFIG)
     three = b.build_rollout_deployment(make_pool(replicas=3), CONFIG)

@@ -99,7 +99,7 @@ def test_sandbox_failure_retries_then_fails(
     set_pod_evicted(kube, namespace, "t2-1")
     wait_for(lambda: kube.get("v1", "Pod", namespace, "t2-2"), what="retry pod t2-2")
     # The pod is created before the status patch that counts it.
-    wait_for(lambda: task_status(kube, namespace, "t2")["attempts"] == 2,
+    wait_for(lambda: task_status(kube, namespace, "t2").get("attempts") == 2,
              what="attempts == 2")
     set_pod_evicted(kube, namespace, "t2-2")
     status = wait_for(

@@ -1,0 +1,312 @@
+"""SandboxWarmPool: pure builders and decisions (no apiserver calls; controllers.py executes).
+
+A pool keeps ``spec.replicas`` *idle* sandbox pods: restricted exactly like a cold sandbox
+pod, running the waiting entrypoint (warm_entrypoint.py) with no activeDeadlineSeconds. A
+SandboxTask with ``spec.warmPoolRef`` claims one with a single merge patch carrying the
+pod's resourceVersion as a precondition (the apiserver answers 409 to the loser of a race,
+so no pod is ever claimed twice). The patch
+
+- labels the pod with the task (``posttrain.io/task``, attempt 1): the pod leaves the pool's
+  idle set and becomes the task's child in every cache and selector;
+- replaces the pool's ownerReference with the task's, so GC follows the task, not the pool;
+- writes the task (command, files, stdin) into the ``posttrain.io/claim`` annotation, which
+  the entrypoint reads through a downward-API file and then ``exec``s;
+- sets activeDeadlineSeconds to the pod's age + the task's timeout (the kubelet enforces it
+  exactly as for a cold pod; Kubernetes allows adding it to a running pod).
+
+The pool then sees one idle pod fewer and creates a replacement.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from posttrain.api import SandboxTask, SandboxWarmPool
+from posttrain.api.base import set_condition
+
+from .builders import (
+    ANNOTATION_SPEC_HASH,
+    COMPONENT_SANDBOX,
+    LABEL_ATTEMPT,
+    LABEL_COMPONENT,
+    LABEL_SANDBOX_NETWORK,
+    LABEL_TASK,
+    NOBODY_UID,
+    SANDBOX_WORKDIR,
+    _check_file_name,
+    _resources,
+    child_metadata,
+    owner_reference,
+    spec_hash,
+)
+from .config import OperatorConfig
+from .reasons import ConditionType, Reason
+from .reconcile import EventSpec, PodView, status_diff
+
+Manifest = dict[str, Any]
+
+LABEL_WARM_POOL = "posttrain.io/warm-pool"
+ANNOTATION_CLAIM = "posttrain.io/claim"
+CLAIM_DIR = "/sandbox/claim"
+CLAIM_FILE = "task.json"
+ENTRYPOINT_SOURCE = (Path(__file__).parent / "warm_entrypoint.py").read_text()
+
+# The same restricted container context as a cold sandbox pod (test_warmpool checks they
+# stay equal): a pooled pod runs the same untrusted code.
+RESTRICTED_CONTAINER = {
+    "runAsNonRoot": True,
+    "runAsUser": NOBODY_UID,
+    "runAsGroup": NOBODY_UID,
+    "readOnlyRootFilesystem": True,
+    "allowPrivilegeEscalation": False,
+    "privileged": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
+def idle_selector(pool_name: str) -> str:
+    """Label selector of a pool's idle pods (status.selector, for scale and HPA).
+
+    >>> idle_selector("py")
+    'posttrain.io/warm-pool=py,!posttrain.io/task'
+    """
+    return f"{LABEL_WARM_POOL}={pool_name},!{LABEL_TASK}"
+
+
+def pod_template(image: str, cpu: str, memory: str, ephemeral_storage: str, network: str,
+                 runtime_class: str | None) -> dict[str, Any]:
+    """The fields that decide whether a pooled pod can serve a task (compared on claim)."""
+    return {"image": image, "cpu": cpu, "memory": memory, "ephemeralStorage": ephemeral_storage,
+            "network": network, "runtimeClassName": runtime_class}
+
+
+def pool_template(pool: SandboxWarmPool, config: OperatorConfig) -> dict[str, Any]:
+    spec = pool.spec
+    return pod_template(spec.image, spec.resources.cpu, spec.resources.memory,
+                        spec.resources.ephemeral_storage, spec.network,
+                        spec.runtime_class_name or config.sandbox_runtime_class_name)
+
+
+def task_template(task: SandboxTask, config: OperatorConfig) -> dict[str, Any]:
+    spec = task.spec
+    return pod_template(spec.image or config.sandbox_image, spec.resources.cpu,
+                        spec.resources.memory, spec.resources.ephemeral_storage, spec.network,
+                        spec.runtime_class_name or config.sandbox_runtime_class_name)
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    """Short stable hash of a template (stored on each pooled pod; stale pods are replaced).
+
+    >>> len(template_hash(pod_template("img", "1", "512Mi", "1Gi", "none", None)))
+    16
+    """
+    return spec_hash(template)
+
+
+def claim_mismatch(task: SandboxTask, pool: SandboxWarmPool, config: OperatorConfig) -> str:
+    """Why ``task`` cannot run in one of ``pool``'s pods ("" when it can).
+
+    A pooled pod is never weaker than what the task asked for: every isolation and size
+    field must be equal, and features only the cold entrypoint has need a cold pod.
+    """
+    if task.spec.snapshot or getattr(task.spec, "restore_from", None):
+        return "spec.snapshot and spec.restoreFrom need a cold pod"
+    want, have = task_template(task, config), pool_template(pool, config)
+    diffs = [f"{k} {want[k]!r} != {have[k]!r}" for k in want if want[k] != have[k]]
+    return "; ".join(diffs)
+
+
+def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
+    """One idle pod of ``pool`` (generateName: pooled pods are fungible)."""
+    spec = pool.spec
+    template = pool_template(pool, config)
+    workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
+    container = {
+        "name": "sandbox",
+        "image": spec.image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": ["python3", "-c", ENTRYPOINT_SOURCE],
+        "workingDir": SANDBOX_WORKDIR,
+        "env": [
+            {"name": "HOME", "value": SANDBOX_WORKDIR},
+            {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
+            {"name": "POSTTRAIN_WORKDIR", "value": SANDBOX_WORKDIR},
+            {"name": "POSTTRAIN_CLAIM_FILE", "value": f"{CLAIM_DIR}/{CLAIM_FILE}"},
+        ],
+        "resources": _resources(spec.resources.cpu, spec.resources.memory,
+                                ephemeral_storage=spec.resources.ephemeral_storage),
+        "securityContext": dict(RESTRICTED_CONTAINER),
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [workdir_mount,
+                         {"name": "claim", "mountPath": CLAIM_DIR, "readOnly": True}],
+    }
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 1,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": NOBODY_UID,
+            "runAsGroup": NOBODY_UID,
+            "fsGroup": NOBODY_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "workdir", "emptyDir": {"sizeLimit": config.sandbox_workdir_size}},
+            {"name": "claim", "downwardAPI": {"items": [{
+                "path": CLAIM_FILE,
+                "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_CLAIM}']"}}]}},
+        ],
+    }
+    if template["runtimeClassName"]:
+        pod_spec["runtimeClassName"] = template["runtimeClassName"]
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
+    labels = {
+        LABEL_COMPONENT: COMPONENT_SANDBOX,
+        LABEL_WARM_POOL: pool.metadata.name,
+        LABEL_SANDBOX_NETWORK: spec.network,
+    }
+    metadata = child_metadata(pool, "", labels, {ANNOTATION_SPEC_HASH: template_hash(template)})
+    del metadata["name"]
+    metadata["generateName"] = f"{pool.metadata.name}-"
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}
+
+
+def claim_payload(task: SandboxTask) -> str:
+    """The task as the entrypoint reads it (files checked like a cold pod's).
+
+    >>> t = SandboxTask.model_validate({"metadata": {"name": "t"},
+    ...                                 "spec": {"command": ["python", "-c", "1"]}})
+    >>> claim_payload(t)
+    '{"task": "t", "command": ["python", "-c", "1"], "files": {}}'
+    """
+    for name in task.spec.files:
+        _check_file_name(name)
+    payload: dict[str, Any] = {"task": task.metadata.name, "command": list(task.spec.command),
+                               "files": dict(task.spec.files)}
+    if task.spec.stdin is not None:
+        payload["stdin"] = task.spec.stdin
+    return json.dumps(payload)
+
+
+def pod_age_seconds(pod: Manifest, now: datetime) -> int:
+    """Whole seconds since the pod started (activeDeadlineSeconds counts from startTime)."""
+    started = (pod.get("status") or {}).get("startTime")
+    if not started:
+        return 0
+    start = datetime.fromisoformat(str(started).replace("Z", "+00:00"))
+    return max(0, math.ceil((now - start).total_seconds()))
+
+
+def build_claim_patch(task: SandboxTask, pod: Manifest, now: datetime) -> Manifest:
+    """The merge patch that hands ``pod`` to ``task`` (atomic through resourceVersion)."""
+    meta = pod["metadata"]
+    return {
+        "metadata": {
+            "resourceVersion": meta["resourceVersion"],
+            "labels": {LABEL_TASK: task.metadata.name, LABEL_ATTEMPT: "1"},
+            "annotations": {ANNOTATION_CLAIM: claim_payload(task)},
+            "ownerReferences": [owner_reference(task)],
+        },
+        "spec": {"activeDeadlineSeconds": pod_age_seconds(pod, now)
+                 + task.spec.timeout_seconds},
+    }
+
+
+def is_idle(pod: PodView) -> bool:
+    """Unclaimed, alive, not being deleted."""
+    return LABEL_TASK not in pod.labels and not pod.deleting and not pod.finished
+
+
+def is_claimable(pod: PodView, want_hash: str) -> bool:
+    """Idle, running, ready and built from the pool's current template."""
+    return (is_idle(pod) and pod.phase == "Running" and pod.ready
+            and pod.annotations.get(ANNOTATION_SPEC_HASH) == want_hash)
+
+
+@dataclass
+class WarmPoolPlan:
+    """What to do for one SandboxWarmPool."""
+
+    create: int = 0
+    delete_pods: list[str] = field(default_factory=list)
+    status_patch: dict[str, Any] = field(default_factory=dict)
+    events: list[EventSpec] = field(default_factory=list)
+
+
+def plan_warm_pool(pool: SandboxWarmPool, pods: list[PodView], want_hash: str,
+                   reserved: frozenset[str] = frozenset()) -> WarmPoolPlan:
+    """Keep ``spec.replicas`` idle pods of the current template; mirror counts into status.
+
+    Idle pods that finished (crashed before a claim) or carry an old template hash are
+    replaced; on scale-down the pods least likely to be claimed soon go first (not ready,
+    then newest). ``reserved`` are idle pods a claim is patching right now: never deleted.
+
+    >>> from posttrain.api import SandboxWarmPool
+    >>> pool = SandboxWarmPool.model_validate({"metadata": {"name": "p"}, "spec": {"replicas": 2}})
+    >>> plan_warm_pool(pool, [], "h").create
+    2
+    """
+    plan = WarmPoolPlan()
+    name = pool.metadata.name
+    want = pool.spec.replicas
+    live = [p for p in pods if not p.deleting]
+    claimed = sum(1 for p in live if LABEL_TASK in p.labels)
+    broken = [p for p in live if LABEL_TASK not in p.labels and p.finished]
+    stale = [p for p in live if is_idle(p) and p.annotations.get(ANNOTATION_SPEC_HASH) != want_hash
+             and p.name not in reserved]
+    idle = [p for p in live if is_idle(p) and p not in stale]
+    plan.delete_pods = [p.name for p in broken + stale]
+    if len(idle) > want:
+        # Not-ready first, then by name descending (generated suffixes are random, so this is
+        # just a deterministic order); reserved pods are about to be claimed.
+        candidates = sorted((p for p in idle if p.name not in reserved),
+                            key=lambda p: (p.ready, p.name))
+        extra = candidates[: len(idle) - want]
+        plan.delete_pods += [p.name for p in extra]
+        idle = [p for p in idle if p not in extra]
+    plan.create = max(0, want - len(idle))
+    ready = sum(1 for p in idle if p.phase == "Running" and p.ready)
+    if plan.create:
+        plan.events.append(EventSpec("Normal", Reason.WARM_PODS_CREATED,
+                                     f"creating {plan.create} idle pod(s) ({len(idle)}/{want})"))
+    removed = len(plan.delete_pods)
+    if removed:
+        why = []
+        if broken:
+            why.append(f"{len(broken)} ended unclaimed")
+        if stale:
+            why.append(f"{len(stale)} from an old template")
+        if removed - len(broken) - len(stale):
+            why.append(f"{removed - len(broken) - len(stale)} above spec.replicas")
+        plan.events.append(EventSpec("Normal", Reason.WARM_PODS_DELETED,
+                                     f"deleting {removed} pod(s): {', '.join(why)}"))
+    gen = pool.metadata.generation
+    status = pool.status
+    if ready >= want:
+        cond, reason, message = "True", Reason.WARM_POOL_READY, f"{ready}/{want} idle pod(s) ready"
+    else:
+        cond, reason, message = ("False", Reason.WARM_POOL_FILLING,
+                                 f"{ready}/{want} idle pod(s) ready; the rest are starting")
+    conditions = set_condition(list(status.conditions), ConditionType.READY, cond, reason,
+                               message, gen)
+    desired = {
+        "observedGeneration": gen,
+        "replicas": len(idle) + plan.create,
+        "readyReplicas": ready,
+        "claimed": claimed,
+        "selector": idle_selector(name),
+        "conditions": [c.to_wire() for c in conditions],
+    }
+    plan.status_patch = status_diff(status.to_wire(), desired)
+    return plan
