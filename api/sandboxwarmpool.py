@@ -38,7 +38,7 @@ class SandboxWarmPoolStatus(ApiModel):
     """Observed state of a SandboxWarmPool."""
 
     replicas: int = 0
-    """Idle pods that exist (ready or still starting)."""
+    """Idle pods that exist or are being created (ready or still starting)."""
     ready_replicas: int = 0
     """Idle pods that are running and ready to be claimed."""
     claimed: int = 0

@@ -115,8 +115,11 @@ def claim_mismatch(task: SandboxTask, pool: SandboxWarmPool, config: OperatorCon
     A pooled pod is never weaker than what the task asked for: every isolation and size
     field must be equal, and features only the cold entrypoint has need a cold pod.
     """
-    if task.spec.snapshot or getattr(task.spec, "restore_from", None):
+    if task.spec.snapshot or task.spec.restore_from:
         return "spec.snapshot and spec.restoreFrom need a cold pod"
+    if getattr(config, "sandbox_artifacts_uri", ""):
+        # Log upload runs in the cold pod's entrypoint; a pooled pod would lose status.logsUri.
+        return "the operator stores sandbox logs (sandbox_artifacts_uri), which needs a cold pod"
     want, have = task_template(task, config), pool_template(pool, config)
     diffs = [f"{k} {want[k]!r} != {have[k]!r}" for k in want if want[k] != have[k]]
     return "; ".join(diffs)

@@ -19,7 +19,7 @@ import json
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +41,18 @@ class Alert:
     message: str
 
 
+LOGPROB_DECIMALS = 4  # see round_logprobs
+
+
 @dataclass(frozen=True)
 class Trajectory:
-    """One sampled completion as the auditor sees it."""
+    """One sampled completion as the auditor and the trajectory log see it.
+
+    The token ids are exactly what the rollout server sampled and the trainer trained on;
+    ``completion_logprobs[i]`` is the behaviour policy's log-prob of
+    ``completion_token_ids[i]`` as sampled (rounded, see :func:`round_logprobs`).
+    ``advantage`` is None when dynamic sampling dropped the group (not trained on).
+    """
 
     step: int
     domain: str
@@ -54,11 +63,94 @@ class Trajectory:
     passed: bool
     weight_version: int
     hack_signals: tuple[str, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    completion_token_ids: tuple[int, ...] = ()
+    completion_logprobs: tuple[float, ...] = ()
+    advantage: float | None = None
+    finish_reason: str = ""
+    verifier: dict[str, Any] = field(default_factory=dict)  # kind, reward parts, details
+
+
+def round_logprobs(
+    logprobs: Sequence[float], decimals: int = LOGPROB_DECIMALS
+) -> tuple[float, ...]:
+    """Log-probs rounded to ``decimals`` places, the bulk of a record made ~3x shorter.
+
+    Why 4 places: a log-prob only enters the loss through the importance ratio
+    ``exp(logp - behaviour)``, so an absolute error of at most 5e-5 is a relative ratio
+    error of at most 5e-5 -- far below the clip range (0.2) and below the usual
+    sampler/trainer numeric mismatch (~1e-3 in bf16). Absolute, not significant, digits
+    for the same reason. ``-0.0`` is written as ``0.0``.
+
+    >>> round_logprobs([-0.123456789, -2.5e-06, -17.000049])
+    (-0.1235, 0.0, -17.0)
+    """
+    return tuple(round(float(v), decimals) + 0.0 for v in logprobs)
 
 
 def trajectory_record(t: Trajectory) -> dict[str, Any]:
-    """The storage record (``posttrain.storage.trajectories``) of one trajectory."""
-    return {**asdict(t), "hack_signals": list(t.hack_signals)}
+    """The storage record (``posttrain.storage.trajectories``) of one trajectory.
+
+    >>> r = trajectory_record(Trajectory(1, "m", "id", "1+1?", "2", 1.0, True, 0,
+    ...                                  completion_token_ids=(17,), completion_logprobs=(-0.5,)))
+    >>> r["completion_token_ids"], r["completion_logprobs"], r["hack_signals"]
+    ([17], [-0.5], [])
+    """
+    record = asdict(t)
+    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids",
+                 "completion_logprobs"):
+        record[name] = list(record[name])
+    return record
+
+
+def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
+    """Inverse of :func:`trajectory_record`; records written before a field existed get its
+    default (older checkpoints and trajectory logs stay readable)."""
+    known = {f.name for f in fields(Trajectory)}
+    values = {k: v for k, v in record.items() if k in known}
+    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids",
+                 "completion_logprobs"):
+        if name in values:
+            values[name] = tuple(values[name])
+    return Trajectory(**values)
+
+
+def verifier_record(
+    kind: str, verifier_reward: float, overlong_penalty: float, details: dict[str, Any]
+) -> dict[str, Any]:
+    """The ``verifier`` field of a trajectory record: which verifier, its score, the length
+    penalty the trainer added, and the verifier's own details (test results, stderr tail),
+    minus ``hack_signals``, which the record carries at top level.
+
+    >>> verifier_record("numeric", 1.0, -0.5, {"parsed": 7.0, "hack_signals": []})
+    {'kind': 'numeric', 'reward': 1.0, 'overlong_penalty': -0.5, 'details': {'parsed': 7.0}}
+    """
+    return {
+        "kind": kind,
+        "reward": verifier_reward,
+        "overlong_penalty": overlong_penalty,
+        "details": {k: v for k, v in details.items() if k != "hack_signals"},
+    }
+
+
+def verifier_summary(verifier: dict[str, Any]) -> str:
+    """One line for the spot-check Markdown.
+
+    >>> verifier_summary({"kind": "unit_tests", "reward": 0.5, "overlong_penalty": 0.0,
+    ...                   "details": {"tests_passed": 1, "tests_total": 2}})
+    'unit_tests, score 0.50, 1/2 tests passed'
+    """
+    parts = [str(verifier.get("kind", "?")), f"score {float(verifier.get('reward', 0.0)):.2f}"]
+    if verifier.get("overlong_penalty"):
+        parts.append(f"overlong penalty {float(verifier['overlong_penalty']):.2f}")
+    details = verifier.get("details", {})
+    for done, total, noun in (("tests_passed", "tests_total", "tests"),
+                              ("checks_passed", "checks_total", "checks")):
+        if total in details:
+            parts.append(f"{details.get(done, 0)}/{details[total]} {noun} passed")
+    if "error" in details:
+        parts.append(f"error: {str(details['error'])[:200]}")
+    return ", ".join(parts)
 
 
 def divergence_alerts(
@@ -173,7 +265,7 @@ class Auditor:
         """Export the reservoir to ``spot_checks.jsonl`` and a readable ``spot_checks.md``."""
         ordered = sorted(self.reservoir, key=lambda t: (t.step, t.domain, t.task_id))
         jsonl = self.dir / "spot_checks.jsonl"
-        jsonl.write_text("".join(json.dumps(asdict(t)) + "\n" for t in ordered))
+        jsonl.write_text("".join(json.dumps(trajectory_record(t)) + "\n" for t in ordered))
         lines = ["# Spot checks", "", f"{len(ordered)} trajectories sampled uniformly", ""]
         fence = "````"  # longer than any ``` a completion may contain
         for t in ordered:
@@ -188,6 +280,8 @@ class Auditor:
                 fence,
                 "",
             ]
+            if t.verifier:
+                lines += [f"**Verifier:** {verifier_summary(t.verifier)}", ""]
             if t.hack_signals:
                 lines += [f"**Hack signals:** {', '.join(t.hack_signals)}", ""]
         markdown = self.dir / "spot_checks.md"
@@ -199,7 +293,7 @@ class Auditor:
         return {
             "rng": [version, list(internal), gauss],
             "seen": self.seen,
-            "reservoir": [asdict(t) for t in self.reservoir],
+            "reservoir": [trajectory_record(t) for t in self.reservoir],
             "reward_at_last_eval": self._reward_at_last_eval,
             "accuracy_at_last_eval": self._accuracy_at_last_eval,
         }
@@ -208,9 +302,6 @@ class Auditor:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.seen = int(state["seen"])
-        self.reservoir = [
-            Trajectory(**{**t, "hack_signals": tuple(t["hack_signals"])})
-            for t in state["reservoir"]
-        ]
+        self.reservoir = [trajectory_from_record(t) for t in state["reservoir"]]
         self._reward_at_last_eval = dict(state["reward_at_last_eval"])
         self._accuracy_at_last_eval = dict(state["accuracy_at_last_eval"])

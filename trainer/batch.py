@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.trainer.advantages import compute_advantages
-from posttrain.trainer.audit import Trajectory
+from posttrain.trainer.audit import Trajectory, round_logprobs, verifier_record
 from posttrain.trainer.loss import LossConfig, normalised_domain_weights, sequence_coefficients
 from posttrain.trainer.policy import TrainSample
 from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
@@ -103,13 +103,23 @@ def prepare_batch(
     trajectories = []
     for i, group in enumerate(scored):
         domain = tasks[i].domain
+        prompt_ids = tuple(batch.request.prompt_ids[i])
         for j, s in enumerate(group):
             by_domain_reward.setdefault(domain, []).append(s.reward)
             by_domain_pass.setdefault(domain, []).append(float(s.passed))
             c = completions[i][j]
             trajectories.append(
-                Trajectory(step, domain, tasks[i].task_id, tasks[i].prompt, c.text, s.reward,
-                           s.passed, c.weight_version, tuple(s.hack_signals))
+                Trajectory(
+                    step, domain, tasks[i].task_id, tasks[i].prompt, c.text, s.reward,
+                    s.passed, c.weight_version, tuple(s.hack_signals),
+                    prompt_token_ids=prompt_ids,
+                    completion_token_ids=tuple(c.token_ids),
+                    completion_logprobs=round_logprobs(c.logprobs),
+                    advantage=groups[i].advantages[j] if groups[i].kept else None,
+                    finish_reason=c.finish_reason,
+                    verifier=verifier_record(s.verifier, s.verifier_reward, s.overlong_penalty,
+                                             s.details),
+                )
             )
     all_rewards = [r for group in rewards for r in group]
     return PreparedBatch(

@@ -134,8 +134,9 @@ def _require_healthy(client: Any, endpoints: list[str], timeout_s: float) -> Non
         if not down:
             return
         if time.monotonic() >= deadline:
+            waited = f" after {timeout_s:.0f} s" if timeout_s > 0 else ""
             raise UsageError(
-                f"rollout server(s) unreachable after {timeout_s:.0f} s: {', '.join(down)}; "
+                f"rollout server(s) unreachable{waited}: {', '.join(down)}; "
                 "start one with `posttrain serve --model MODEL --port PORT`, check the "
                 "RolloutPool's pods, or fix the URL"
             )
@@ -191,7 +192,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
     if args.server:
         client = RolloutClient([args.server], timeout_s=600, max_in_flight=8)
-        _require_healthy(client, [args.server])
+        _require_healthy(client, [args.server], timeout_s=0)  # a named server: no waiting
         result = score(client)
     else:
         log_dir = args.out.parent if args.out else Path(tempfile.gettempdir())

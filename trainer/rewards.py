@@ -31,6 +31,7 @@ class ScoredSample:
     passed: bool
     hack_signals: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
+    verifier: str = ""  # which verifier scored it (numeric, unit_tests, ...)
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -112,6 +113,7 @@ def score_samples(
             passed=passed,
             hack_signals=signals,
             details=details if isinstance(details, dict) else {},
+            verifier=kind,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:

@@ -70,6 +70,7 @@ def test_default_install_has_every_piece(render: Render) -> None:
         "trainingruns.posttrain.io",
         "rolloutpools.posttrain.io",
         "sandboxtasks.posttrain.io",
+        "sandboxwarmpools.posttrain.io",
         "clusterkopfpeerings.kopf.dev",
         "kopfpeerings.kopf.dev",
     }
@@ -132,6 +133,38 @@ def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
     assert config.s3_endpoint == "rel-posttrain-minio.posttrain-system.svc:9000"
     assert config.trainer_image == "ghcr.io/posttrain/trainer:0.1.0"
     assert config.vllm_image == "ghcr.io/posttrain/rollout:0.1.0"
+    assert config.kuberay and config.sandbox_artifacts_uri == ""
+    assert config.sandbox_artifacts_egress == []
+
+
+def test_sandbox_artifacts_and_kuberay_values_reach_the_operator(
+    render: Render, tmp_path: Path
+) -> None:
+    values = tmp_path / "artifacts.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "trainer": {"kuberay": False},
+                "sandbox": {
+                    "artifactsUri": "s3://posttrain/sandbox",
+                    "artifactsEgress": [
+                        {"to": [{"podSelector": {"matchLabels": {"app": "minio"}}}],
+                         "ports": [{"port": 9000}]}
+                    ],
+                },
+            }
+        )
+    )
+    data = one(render([values]), "ConfigMap", "-operator")["data"]
+    known = {
+        k.removeprefix(ENV_PREFIX).lower(): v
+        for k, v in data.items()
+        if k.startswith(ENV_PREFIX)
+        and k.removeprefix(ENV_PREFIX).lower() in OperatorConfig.model_fields
+    }
+    config = OperatorConfig(**known)
+    assert config.sandbox_artifacts_uri == "s3://posttrain/sandbox" and not config.kuberay
+    assert config.sandbox_artifacts_egress[0]["ports"] == [{"port": 9000}]
 
 
 def test_production_values(render: Render) -> None:

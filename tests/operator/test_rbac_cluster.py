@@ -19,7 +19,7 @@ from posttrain.operator.kube import KubeClient, load_credentials, resource_path
 from posttrain.operator.rbac import cluster_role
 from posttrain.operator.runtime import OperatorThread
 
-from .conftest import create_cr, get_cr, set_pod_terminated, wait_for
+from .conftest import create_cr, get_cr, list_pods, set_pod_running, set_pod_terminated, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -84,6 +84,22 @@ def test_operator_works_with_exactly_its_rbac(
             wait_for(lambda: (get_cr(kube, "rolloutpools", namespace, "p").get("status") or {})
                      .get("selector"), what="pool status")
             wait_for(lambda: kube.get("v1", "Service", namespace, "p"), what="pool Service")
+            # SandboxWarmPool: pool pods, pool status, and the claim (a pod patch).
+            wait_for(lambda: kube.request("GET", "/apis/posttrain.io/v1alpha1/sandboxwarmpools",
+                                          ok=(200, 404))[0] == 200, what="warm-pool CRD served")
+            create_cr(kube, "sandboxwarmpools", namespace, {
+                "kind": "SandboxWarmPool", "metadata": {"name": "warm"},
+                "spec": {"replicas": 1}})
+            idle = wait_for(lambda: list_pods(kube, namespace, "posttrain.io/warm-pool=warm"),
+                            what="idle warm pod")
+            set_pod_running(kube, namespace, idle[0]["metadata"]["name"])
+            wait_for(lambda: (get_cr(kube, "sandboxwarmpools", namespace, "warm").get("status")
+                              or {}).get("readyReplicas") == 1, what="warm pool ready")
+            create_cr(kube, "sandboxtasks", namespace, {
+                "kind": "SandboxTask", "metadata": {"name": "w"},
+                "spec": {"command": ["true"], "warmPoolRef": "warm"}})
+            wait_for(lambda: (get_cr(kube, "sandboxtasks", namespace, "w").get("status")
+                              or {}).get("warmPool") == "warm", what="warm claim")
             set_pod_terminated(kube, namespace, "t-1", 0)
             # Status patch, then the TTL delete of the task and its pod.
             wait_for(lambda: get_cr(kube, "sandboxtasks", namespace, "t") is None,

@@ -165,3 +165,8 @@ def test_entrypoint_refuses_paths_outside_the_workdir(tmp_path: Path) -> None:
 def test_pool_spec_validation(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
         pool(**{"replicas": 1, **bad})
+
+
+def test_log_upload_needs_a_cold_pod() -> None:
+    config = OperatorConfig(sandbox_artifacts_uri="s3://bucket/sandboxes")
+    assert "cold pod" in claim_mismatch(task(), pool(), config)

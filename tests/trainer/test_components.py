@@ -1,4 +1,4 @@
-"""Audit monitors, status reporters, report/plots, CLI errors and the gradient all-reduce."""
+"""Audit monitors, status reporters, report/plots and CLI errors (all-reduce: test_distributed)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 from posttrain.cli import main
 from posttrain.devenv.process import free_port
@@ -126,21 +124,3 @@ def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks),
                  "--server", dead]) == 2
     assert "unreachable" in capsys.readouterr().err
-
-
-def _all_reduce_worker(rank: int, port: int, results: Any) -> None:
-    from posttrain.trainer.distributed import all_reduce_gradients, init_process_group
-
-    init_process_group(rank, 2, f"127.0.0.1:{port}", use_gpu=False)
-    layer = torch.nn.Linear(2, 1, bias=False)
-    layer.weight.grad = torch.full((1, 2), float(rank + 1))  # rank 0: 1s, rank 1: 2s
-    all_reduce_gradients(layer.parameters(), 2)
-    results[rank] = layer.weight.grad.tolist()
-
-
-def test_gradients_are_averaged_across_ranks() -> None:
-    port = free_port()
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_all_reduce_worker, args=(port, results), nprocs=2, join=True)
-    assert results[0] == results[1] == [[1.5, 1.5]]

@@ -7,8 +7,8 @@ import importlib
 
 import pytest
 
-MODULES = ["advantages", "audit", "curriculum", "datasets", "evaluate", "loss", "rewards",
-           "rollouts", "rundata", "status"]
+MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate", "loss",
+           "rewards", "rollouts", "rundata", "server_process", "status", "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)
