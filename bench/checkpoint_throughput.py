@@ -1,8 +1,8 @@
 """Checkpoint save/load through CheckpointManager vs raw minio-SDK transfers of the same bytes.
 
 What CheckpointManager adds over a plain ``fput_object``/``fget_object`` is integrity: a
-sha256 per file, a manifest written last, a pointer update, and verification plus an
-atomic swap of the destination on load. This measures what that costs, in one run, on one
+checksum per file (xxh3-128; sha256 for manifests written before v2), a manifest written
+last, a pointer update, and verification plus an atomic swap of the destination on load. This measures what that costs, in one run, on one
 MinIO, with the same synthetic safetensors-like checkpoint (the 135M model in fp32 is
 ~540 MB). Goal: CheckpointManager at >= 0.8x the raw throughput.
 
@@ -89,8 +89,10 @@ def timed(fn: Callable[[], object], server_pid: int | None) -> tuple[float, floa
     """(wall s, client CPU s, MinIO CPU s) of one call.
 
     CPU seconds are reported beside wall time because on a shared machine wall time
-    swings with the neighbours' load, while CPU cost per transfer does not.
+    swings with the neighbours' load, while CPU cost per transfer does not. Dirty pages are
+    flushed first (untimed), so no variant pays for the writeback of the one before it.
     """
+    os.sync()
     client, server = process_cpu_s(None), process_cpu_s(server_pid) if server_pid else 0.0
     start = time.perf_counter()
     fn()
@@ -117,6 +119,7 @@ def run(args: argparse.Namespace) -> None:
             access_key=access_key,
             secret_key=secret_key,
             secure=args.secure,
+            download_streams=args.download_streams,
         )
         client, bucket = store.client, store.bucket
         size = int(args.size_gb * 1e9)
@@ -126,6 +129,7 @@ def run(args: argparse.Namespace) -> None:
         print(
             f"checkpoint: {len(files)} files, {total / MB:.0f} MB in {work}; MinIO at "
             f"{endpoint}; {args.repeats} repeats, median reported; {os.cpu_count()} CPUs, "
+            f"{store.download_streams} download stream(s), "
             f"load average {os.getloadavg()[0]:.1f} at start"
         )
 
@@ -168,26 +172,29 @@ def run(args: argparse.Namespace) -> None:
                 "ours load (verified)",
             )
         }
-        for _ in range(args.repeats):
-            # Interleaved so drift (page cache, MinIO compaction) hits every variant alike.
+        for repeat in range(args.repeats):
+            # Interleaved so drift (page cache, MinIO compaction) hits every variant alike;
+            # the two loads swap order every repeat so neither always runs second.
             results["raw save (SDK defaults)"].append(timed(raw_save(0, 3), server_pid))
             results["raw save (our part size)"].append(
                 timed(raw_save(DEFAULT_PART_SIZE, DEFAULT_PARALLEL_PARTS), server_pid)
             )
             results["ours save"].append(timed(ours_save, server_pid))
-            results["raw load (fget_object)"].append(timed(raw_load, server_pid))
-            results["ours load (verified)"].append(timed(ours_load, server_pid))
+            loads = [("raw load (fget_object)", raw_load), ("ours load (verified)", ours_load)]
+            for name, load in loads if repeat % 2 == 0 else loads[::-1]:
+                results[name].append(timed(load, server_pid))
 
         def median(name: str, column: int) -> float:
             return statistics.median(sample[column] for sample in results[name])
 
         rate = {name: total / MB / median(name, 0) for name in results}
-        print("\n| transfer | median wall s | MB/s | client CPU s | MinIO CPU s |")
-        print("|---|---|---|---|---|")
+        print("\n| transfer | median wall s | wall s min-max | MB/s | client CPU s | MinIO CPU s |")
+        print("|---|---|---|---|---|---|")
         for name in results:
+            walls = [sample[0] for sample in results[name]]
             print(
-                f"| {name} | {median(name, 0):.2f} | {rate[name]:.0f} | "
-                f"{median(name, 1):.2f} | {median(name, 2):.2f} |"
+                f"| {name} | {median(name, 0):.2f} | {min(walls):.2f}-{max(walls):.2f} | "
+                f"{rate[name]:.0f} | {median(name, 1):.2f} | {median(name, 2):.2f} |"
             )
         save_vs_default = rate["ours save"] / rate["raw save (SDK defaults)"]
         save_vs_tuned = rate["ours save"] / rate["raw save (our part size)"]
@@ -197,6 +204,15 @@ def run(args: argparse.Namespace) -> None:
             f"{save_vs_tuned:.2f}x vs same part size (goal >= 0.8x)"
         )
         print(f"load throughput ours/raw: {load_ratio:.2f}x (goal >= 0.8x)")
+        # Each repeat ran both loads back to back, so its own ratio shows the spread that the
+        # neighbours' load causes.
+        per_repeat = [
+            raw[0] / ours[0]
+            for raw, ours in zip(
+                results["raw load (fget_object)"], results["ours load (verified)"], strict=True
+            )
+        ]
+        print("load ours/raw per repeat: " + " ".join(f"{r:.2f}" for r in per_repeat))
         for kind, ours, raw in (
             ("save", "ours save", "raw save (our part size)"),
             ("load", "ours load (verified)", "raw load (fget_object)"),
@@ -225,6 +241,11 @@ def main() -> None:
     parser.add_argument("--bucket", help="bucket to use (default: a fresh one)")
     parser.add_argument("--secure", action="store_true", help="TLS to --endpoint")
     parser.add_argument("--work-dir", help="where to write the synthetic checkpoint")
+    parser.add_argument(
+        "--download-streams",
+        type=int,
+        help="parallel ranged GETs per file on load (default: one per 4 CPUs, 1 to 4)",
+    )
     logging.basicConfig(
         level=logging.INFO if os.environ.get("BENCH_VERBOSE") else logging.WARNING,
         format="%(relativeCreated)d %(name)s: %(message)s",

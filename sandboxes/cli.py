@@ -1,6 +1,6 @@
 """``posttrain sandbox exec|serve``: one sandboxed execution as JSON, or the runner server.
 
-Heavy imports (prometheus, OpenTelemetry, FastAPI) stay inside the handlers so the
+Heavy imports (prometheus, OpenTelemetry, uvicorn) stay inside the handlers so the
 ``posttrain`` CLI starts fast for every other command.
 """
 
@@ -45,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8090)
     serve.add_argument("--concurrency", type=int, default=None,
-                       help="executions at once (default: CPU count)")
+                       help="executions at once (default: CPU count + 1)")
     serve.add_argument("--max-queue", type=int, default=None,
                        help="requests allowed to wait before 429 (default 8 per slot)")
     serve.set_defaults(func=run_serve)

@@ -5,16 +5,25 @@ verifier takes either. Retries cover what is safe to retry: connection failures 
 never ran, or the runner restarted mid-request; re-running untrusted code in a fresh sandbox
 has no lasting effect) and 429/503 back-pressure, waiting ``Retry-After`` or an exponential
 backoff.
+
+Why ``http.client`` and not httpx: one request is a few hundred bytes each way on a
+keep-alive connection, and httpx's machinery (transport layers, header models, its own
+connection pool) cost ~1.0 ms of CPU per call here against ~0.3 ms for the standard library,
+about 5% of a trivial sandboxed execution. Connections are kept alive in a small pool, one
+per concurrent caller thread, and reused.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
+import socket
+import threading
 import time
 from types import TracebackType
 from typing import Any
-
-import httpx
+from urllib.parse import urlsplit
 
 from posttrain.telemetry import get_tracer, inject_headers
 
@@ -24,14 +33,125 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 RETRYABLE_STATUS = (429, 502, 503)
+CONNECT_TIMEOUT_S = 5.0
+# How a kept-alive connection that the server closed while idle fails on its next use. A
+# timeout is not among them: that request did run, for as long as it was allowed to.
+STALE_CONNECTION = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
+                    ConnectionAbortedError)
 
 
 class SandboxUnavailable(RuntimeError):
     """The runner could not be reached, or stayed saturated, through every retry."""
 
 
+class _Response:
+    """What the client keeps of one HTTP response (the connection goes back to the pool)."""
+
+    def __init__(self, status: int, retry_after: str, body: bytes) -> None:
+        self.status = status
+        self.retry_after = retry_after
+        self.body = body
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+
+class ConnectionPool:
+    """Keep-alive HTTP/1.1 connections to one runner, each used by one thread at a time.
+
+    A connection is taken for one request and given back after its response was read in
+    full; concurrent callers each get their own, and at most ``max_idle`` idle ones are kept.
+    """
+
+    def __init__(self, url: str, max_idle: int = 32) -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"runner URL must look like http://host:port, got {url!r}")
+        self.scheme = parts.scheme
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.max_idle = max_idle
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self.opened = 0  # connections created so far (tests check that they are reused)
+
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection (reused=True) or a new, not yet connected one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+            self.opened += 1
+        kind = (http.client.HTTPSConnection if self.scheme == "https"
+                else http.client.HTTPConnection)
+        return kind(self.host, self.port, timeout=CONNECT_TIMEOUT_S), False
+
+    def _give_back(self, connection: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.max_idle:
+                self._idle.append(connection)
+                return
+        connection.close()
+
+    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
+                timeout_s: float) -> _Response:
+        """One request; raises ``OSError`` / ``http.client.HTTPException`` when the
+        connection fails. A kept-alive connection the server has meanwhile closed is
+        retried once on a fresh one before anything is reported."""
+        while True:
+            connection, reused = self._take()
+            try:
+                if connection.sock is None:
+                    connection.connect()  # within CONNECT_TIMEOUT_S
+                    # Many small writes per request: no Nagle delay between them.
+                    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connection.sock.settimeout(timeout_s)  # the read waits for the execution
+                connection.request(method, self.prefix + path, body=body, headers=headers)
+                response = connection.getresponse()
+                data = response.read()
+            except (OSError, http.client.HTTPException) as exc:
+                connection.close()
+                if reused and isinstance(exc, STALE_CONNECTION):
+                    continue  # the server closed this idle connection before our request
+                raise
+            result = _Response(response.status, response.getheader("Retry-After") or "", data)
+            if response.will_close:
+                connection.close()
+            else:
+                self._give_back(connection)
+            return result
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for connection in idle:
+            connection.close()
+
+
+def _failure_name(exc: BaseException) -> str:
+    """A stable name for a connection failure, independent of the HTTP library.
+
+    >>> _failure_name(ConnectionRefusedError(111, "Connection refused"))
+    'ConnectError'
+    >>> _failure_name(http.client.RemoteDisconnected("closed"))
+    'RemoteProtocolError'
+    """
+    if isinstance(exc, ConnectionRefusedError | socket.gaierror):
+        return "ConnectError"
+    if isinstance(exc, TimeoutError):
+        return "Timeout"
+    if isinstance(exc, http.client.HTTPException):
+        return "RemoteProtocolError"
+    return "ReadError"
+
+
 class SandboxClient:
-    """HTTP client of one runner (thread-safe: httpx.Client pools connections)."""
+    """HTTP client of one runner (thread-safe: each thread borrows its own keep-alive
+    connection from a pool)."""
 
     def __init__(
         self,
@@ -49,7 +169,7 @@ class SandboxClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_margin_s = timeout_margin_s
-        self._http = httpx.Client(base_url=self.url)
+        self.connections = ConnectionPool(self.url)
 
     def exec(
         self,
@@ -71,26 +191,28 @@ class SandboxClient:
 
     def run(self, request: ExecRequest) -> ExecResult:
         """POST one request, retrying connection errors and back-pressure."""
-        timeout = httpx.Timeout(request.timeout_s + self.timeout_margin_s, connect=5.0)
+        body = json.dumps(request.to_dict(), separators=(",", ":")).encode()
         with tracer.start_as_current_span("sandbox.client.exec"):
+            headers = inject_headers({"Content-Type": "application/json"})
             last_problem = ""
             for attempt in range(self.retries + 1):
                 try:
-                    response = self._http.post("/v1/exec", json=request.to_dict(),
-                                               headers=inject_headers(), timeout=timeout)
-                except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
-                    last_problem = f"{type(exc).__name__}: {exc}"
+                    response = self.connections.request(
+                        "POST", "/v1/exec", body, headers,
+                        request.timeout_s + self.timeout_margin_s)
+                except (OSError, http.client.HTTPException) as exc:
+                    last_problem = f"{_failure_name(exc)}: {exc!r}"
                     wait = self._backoff(attempt)
                 else:
-                    if response.status_code == 200:
+                    if response.status == 200:
                         return ExecResult.from_dict(response.json())
-                    if response.status_code not in RETRYABLE_STATUS:
+                    if response.status not in RETRYABLE_STATUS:
                         raise RuntimeError(
                             f"runner {self.url} refused the request "
-                            f"({response.status_code}): {response.text[:500]}"
+                            f"({response.status}): {response.text[:500]}"
                         )
-                    last_problem = f"HTTP {response.status_code}: {response.text[:200]}"
-                    retry_after = response.headers.get("Retry-After", "")
+                    last_problem = f"HTTP {response.status}: {response.text[:200]}"
+                    retry_after = response.retry_after
                     wait = (float(retry_after) if retry_after.replace(".", "", 1).isdigit()
                             else self._backoff(attempt))
                 if attempt < self.retries:
@@ -107,12 +229,15 @@ class SandboxClient:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
 
     def health(self) -> dict[str, Any]:
-        response = self._http.get("/health", timeout=5.0)
-        response.raise_for_status()
+        """The runner's ``/health`` (slots, queue); raises if it is unreachable or unwell."""
+        response = self.connections.request("GET", "/health", None, {}, CONNECT_TIMEOUT_S)
+        if response.status != 200:
+            raise RuntimeError(f"runner {self.url} /health answered {response.status}: "
+                               f"{response.text[:200]}")
         return response.json()
 
     def close(self) -> None:
-        self._http.close()
+        self.connections.close()
 
     def __enter__(self) -> SandboxClient:
         return self

@@ -517,33 +517,44 @@ class Executor:
         uid = str(host_uid)
         return [self.setpriv, "--reuid", uid, "--regid", uid, "--clear-groups"]
 
-    def _limits(self, request: ExecRequest) -> list[str]:
+    def rlimits(self, request: ExecRequest) -> dict[str, tuple[int, int]]:
+        """The resource limits of ``request``'s sandbox: name -> (soft, hard), in the
+        kernel's units (bytes, seconds, counts)."""
         cpu = request.cpu_time_s or math.ceil(request.timeout_s) + 1
         memory = request.memory_mb << 20
-        return [
-            self.prlimit,
-            f"--as={memory}",
+        nproc = request.max_processes + self._nproc_offset
+        fsize = request.max_file_mb << 20
+        return {
+            "as": (memory, memory),
             # soft:hard one second apart, so the program gets SIGXCPU (reported as the CPU
             # limit) before the kernel's SIGKILL at the hard limit.
-            f"--cpu={cpu}:{cpu + 1}",
-            f"--nproc={request.max_processes + self._nproc_offset}",
-            f"--fsize={request.max_file_mb << 20}",
-            "--nofile=1024",
-            "--core=0",  # a crash dump would be a host-side file write
-            "--",
-        ]
+            "cpu": (cpu, cpu + 1),
+            "nproc": (nproc, nproc),
+            "fsize": (fsize, fsize),
+            "nofile": (1024, 1024),
+            "core": (0, 0),  # a crash dump would be a host-side file write
+        }
+
+    def _limits(self, request: ExecRequest) -> list[str]:
+        """The ``prlimit`` prefix that applies :meth:`rlimits` before bwrap starts."""
+        return [self.prlimit,
+                *(f"--{name}={soft}:{hard}" for name, (soft, hard) in
+                  self.rlimits(request).items()),
+                "--"]
 
     def _spawn(
         self, request: ExecRequest, host_uid: int | None, command: list[str],
-        inherited_fds: list[int],
+        inherited_fds: list[int], *, limits_inside: bool = False,
     ) -> tuple[subprocess.Popen[bytes], int]:
         """Start bwrap for ``request``'s limits running ``command``; returns the process and
         the read end of its --json-status-fd. ``inherited_fds`` are handed to the sandbox and
-        closed here (the child holds its copies, so EOF arrives when it exits)."""
+        closed here (the child holds its copies, so EOF arrives when it exits).
+        ``limits_inside``: ``command`` applies :meth:`rlimits` itself before it runs anything
+        untrusted (the warm pool's launcher does, saving the ``prlimit`` exec)."""
         owned: list[int] = []
         try:
-            args = [*self._drop_to(host_uid), *self._limits(request), self.bwrap,
-                    *self._static_args]
+            args = [*self._drop_to(host_uid), *([] if limits_inside else self._limits(request)),
+                    self.bwrap, *self._static_args]
             if request.network != "none":
                 args.append("--share-net")
                 args += [a for p in ETC_NETWORK if os.path.exists(p) for a in ("--ro-bind", p, p)]
@@ -618,9 +629,10 @@ class Executor:
         started = self._dispatch(sandbox, request)
         return _wait_for(sandbox.proc, request, started, sandbox.status_read, -1, False)
 
-    @staticmethod
-    def _dispatch(sandbox: PooledSandbox, request: ExecRequest) -> float:
-        """Send the argv to a pooled sandbox's launcher; returns the start time."""
+    def _dispatch(self, sandbox: PooledSandbox, request: ExecRequest) -> float:
+        """Send the argv to a pooled sandbox's launcher, then have the pool replace it;
+        returns the start time. The refill starts only now, so building the next sandbox
+        never delays handing this one its program."""
         started = time.monotonic()
         try:
             _write_all(sandbox.control, b"\0".join(a.encode() for a in request.command) + b"\0")
@@ -628,6 +640,8 @@ class Executor:
             pass  # the launcher died; collecting reports what happened
         finally:
             os.close(sandbox.control)
+            if self.pool is not None:
+                self.pool.replenish()
         return started
 
 
@@ -862,10 +876,7 @@ async def _collect_async(
             if not proc.stdin.closed:
                 loop.remove_writer(stdin_fd)
         # Pipes close as bwrap exits; its exit status follows within moments.
-        while proc.poll() is None:
-            if time.monotonic() > deadline + 1.0:
-                _kill(proc)
-            await asyncio.sleep(0.0005)
+        await _exited(proc, deadline + 1.0)
     except asyncio.CancelledError:
         # The caller went away (client disconnect, shutdown): the sandbox must not outlive it.
         _kill(proc)
@@ -874,6 +885,34 @@ async def _collect_async(
         raise
     _close_out(proc, got, status_fd)
     return got
+
+
+async def _exited(proc: subprocess.Popen[bytes], kill_at: float) -> None:
+    """Wait until ``proc`` has exited, killing it at ``kill_at`` (monotonic), without
+    blocking the loop: a pidfd becomes readable when the process exits, so the loop sleeps
+    until then instead of polling ``waitpid`` (pidfd_open needs Linux >= 5.3; older kernels
+    poll every half millisecond)."""
+    if proc.poll() is not None:
+        return
+    loop = asyncio.get_running_loop()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):
+        while proc.poll() is None:
+            if time.monotonic() > kill_at:
+                _kill(proc)
+            await asyncio.sleep(0.0005)
+        return
+    exited: asyncio.Future[None] = loop.create_future()
+    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait_for(exited, max(0.0, kill_at - time.monotonic()))
+    except TimeoutError:
+        _kill(proc)  # the pid namespace dies with bwrap: the reap below is immediate
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    proc.wait()
 
 
 def _program_exit_code(status_json: bytes) -> tuple[bool, int | None]:

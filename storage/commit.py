@@ -2,12 +2,17 @@
 
 Object stores have no multi-object transactions, so a directory (a checkpoint, a published
 weight version) is made atomic by a commit record: every file is uploaded first, then
-``manifest.json`` is written **last** with each file's size and sha256. A prefix without a
+``manifest.json`` is written **last** with each file's size and checksum. A prefix without a
 manifest does not exist as far as readers are concerned, so a crash mid-upload leaves only
 garbage that retention cleans up, never a half checkpoint that a resume would load.
 
 Downloads verify every file against the manifest, which catches truncation, bit rot and a
 file replaced behind our back (:class:`~posttrain.storage.errors.CorruptArtifactError`).
+
+Manifest formats: ``posttrain.manifest/v2`` (written now) records each file as
+``{"path", "size", "digest": "<algorithm>:<hex>"}``, xxh3-128 by default;
+``posttrain.manifest/v1`` (written before) records ``{"path", "size", "sha256"}``. Both are
+read and verified, so checkpoints saved by earlier versions still load.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+from posttrain.storage.checksums import DEFAULT_CHECKSUM, SHA256, check_hex_digest, new_hasher
 from posttrain.storage.errors import ArtifactNotFoundError, CorruptArtifactError
 from posttrain.storage.metrics import DOWNLOAD_SECONDS, UPLOAD_SECONDS
 from posttrain.storage.progress import TransferProgress, format_bytes
@@ -34,18 +40,54 @@ tracer = get_tracer(__name__)
 T = TypeVar("T")
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "posttrain.manifest/v1"
+MANIFEST_FORMAT_V1 = "posttrain.manifest/v1"  # sha256 only; still read
+MANIFEST_FORMAT = "posttrain.manifest/v2"  # checksum algorithm named per file
 # Files moved concurrently; each large file also uploads several parts in parallel.
 DEFAULT_FILE_WORKERS = 3
 
 
 @dataclass(frozen=True)
 class ManifestFile:
-    """One file of a committed directory; ``path`` is relative, ``/``-separated."""
+    """One file of a committed directory; ``path`` is relative, ``/``-separated.
+
+    ``digest`` is the hex checksum of the file's bytes under ``algorithm``.
+    """
 
     path: str
     size: int
-    sha256: str
+    digest: str
+    algorithm: str = DEFAULT_CHECKSUM
+
+    def to_entry(self, manifest_format: str) -> dict[str, Any]:
+        """This file as a manifest JSON entry.
+
+        >>> ManifestFile("a.bin", 3, "ab" * 16).to_entry(MANIFEST_FORMAT)["digest"][:12]
+        'xxh3-128:aba'
+        """
+        if manifest_format == MANIFEST_FORMAT_V1:
+            if self.algorithm != SHA256:
+                raise ValueError(f"{MANIFEST_FORMAT_V1} holds only sha256, not {self.algorithm}")
+            return {"path": self.path, "size": self.size, "sha256": self.digest}
+        return {"path": self.path, "size": self.size, "digest": f"{self.algorithm}:{self.digest}"}
+
+    @classmethod
+    def from_entry(cls, entry: dict[str, Any], manifest_format: str) -> ManifestFile:
+        """Parse one manifest entry of ``manifest_format``; raise ValueError when malformed.
+
+        >>> ManifestFile.from_entry({"path": "a", "size": 1, "sha256": "0" * 64},
+        ...                         MANIFEST_FORMAT_V1).algorithm
+        'sha256'
+        """
+        if manifest_format == MANIFEST_FORMAT_V1:
+            algorithm, digest = SHA256, str(entry["sha256"])
+        else:
+            algorithm, _, digest = str(entry["digest"]).partition(":")
+        return cls(
+            path=check_key(str(entry["path"])),
+            size=int(entry["size"]),
+            digest=check_hex_digest(algorithm, digest),
+            algorithm=algorithm,
+        )
 
 
 @dataclass(frozen=True)
@@ -67,7 +109,7 @@ class Manifest:
             "created": self.created,
             "total_bytes": self.total_bytes,
             "metadata": self.metadata,
-            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in self.files],
+            "files": [f.to_entry(self.format) for f in self.files],
         }
         return json.dumps(body, indent=2, sort_keys=True).encode()
 
@@ -75,24 +117,28 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         """Parse a manifest; anything malformed is a :class:`CorruptArtifactError` naming ``where``.
 
-        >>> m = Manifest((ManifestFile("a.bin", 3, "ab" * 32),), {"step": 1}, "2026-01-01T00:00:00Z")
+        >>> m = Manifest((ManifestFile("a.bin", 3, "ab" * 16),), {"step": 1}, "2026-01-01T00:00:00Z")
         >>> Manifest.from_json(m.to_json(), "mem").files[0].path
         'a.bin'
         """
         try:
             body = json.loads(data)
-            if body.get("format") != MANIFEST_FORMAT:
-                raise ValueError(f"format is {body.get('format')!r}, expected {MANIFEST_FORMAT!r}")
-            files = tuple(
-                ManifestFile(
-                    path=check_key(str(f["path"])), size=int(f["size"]), sha256=str(f["sha256"])
+            manifest_format = body.get("format")
+            if manifest_format not in (MANIFEST_FORMAT, MANIFEST_FORMAT_V1):
+                raise ValueError(
+                    f"format is {manifest_format!r}, expected {MANIFEST_FORMAT!r} or "
+                    f"{MANIFEST_FORMAT_V1!r} (written by a newer posttrain? upgrade this one)"
                 )
-                for f in body["files"]
-            )
+            files = tuple(ManifestFile.from_entry(f, manifest_format) for f in body["files"])
             metadata = body.get("metadata") or {}
             if not isinstance(metadata, dict):
                 raise ValueError("metadata is not an object")
-            return cls(files=files, metadata=metadata, created=str(body.get("created", "")))
+            return cls(
+                files=files,
+                metadata=metadata,
+                created=str(body.get("created", "")),
+                format=manifest_format,
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptArtifactError(
                 f"manifest {where} is unreadable ({exc}); the directory cannot be verified and "
@@ -132,8 +178,11 @@ def upload_dir(
     *,
     metadata: dict[str, Any] | None = None,
     file_workers: int = DEFAULT_FILE_WORKERS,
+    algorithm: str = DEFAULT_CHECKSUM,
 ) -> Manifest:
     """Upload every file of ``local_dir`` under ``prefix``, then commit it with ``manifest.json``.
+
+    Each file's checksum (``algorithm``, xxh3-128 by default) is computed while it uploads.
 
     Re-uploading an existing prefix first removes its manifest, so readers never pair the
     old manifest with new files; files left over from an earlier attempt that are not in
@@ -147,6 +196,7 @@ def upload_dir(
         raise ValueError(
             f"{root} contains {MANIFEST_NAME}, which is reserved for the commit record; rename it"
         )
+    new_hasher(algorithm)  # an unknown algorithm fails here, before any upload
     try:  # fail before moving gigabytes, not at the commit point
         json.dumps(metadata or {})
     except (TypeError, ValueError) as exc:
@@ -168,7 +218,9 @@ def upload_dir(
         progress = TransferProgress(f"upload {target}", total)
 
         def upload(rel: str, path: Path) -> Digest:
-            digest = store.put_file(join_key(prefix, rel), path, progress=progress)
+            digest = store.put_file(
+                join_key(prefix, rel), path, progress=progress, algorithm=algorithm
+            )
             if digest.size != sizes[rel]:
                 raise RuntimeError(
                     f"{path} changed size during upload ({sizes[rel]} -> {digest.size} bytes); "
@@ -184,7 +236,8 @@ def upload_dir(
         )
         manifest = Manifest(
             files=tuple(
-                ManifestFile(rel, digests[rel].size, digests[rel].sha256) for rel, _ in files
+                ManifestFile(rel, digests[rel].size, digests[rel].checksum, digests[rel].algorithm)
+                for rel, _ in files
             ),
             metadata=dict(metadata or {}),
             created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
@@ -242,7 +295,12 @@ def download_dir(
             local = root / entry.path
             where = f"{source}/{entry.path}"
             try:
-                digest = store.get_file(join_key(prefix, entry.path), local, progress=progress)
+                digest = store.get_file(
+                    join_key(prefix, entry.path),
+                    local,
+                    progress=progress,
+                    algorithm=entry.algorithm,
+                )
             except ArtifactNotFoundError:
                 raise CorruptArtifactError(
                     f"{where} is listed in the manifest but missing from the store"
@@ -253,11 +311,11 @@ def download_dir(
                     f"{where} is truncated or padded: {digest.size} bytes, manifest says "
                     f"{entry.size}"
                 )
-            if digest.sha256 != entry.sha256:
+            if digest.checksum != entry.digest:
                 local.unlink(missing_ok=True)
                 raise CorruptArtifactError(
-                    f"{where} fails its checksum: sha256 {digest.sha256[:16]}..., manifest says "
-                    f"{entry.sha256[:16]}..."
+                    f"{where} fails its checksum: {entry.algorithm} {digest.checksum[:16]}..., "
+                    f"manifest says {entry.digest[:16]}..."
                 )
 
         ordered = sorted(manifest.files, key=lambda f: -f.size)

@@ -7,11 +7,12 @@ verifying costs no second pass over the file.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from typing import BinaryIO
+
+from posttrain.storage.checksums import DEFAULT_CHECKSUM, new_hasher
 
 log = logging.getLogger(__name__)
 
@@ -80,21 +81,27 @@ class TransferProgress:
 
 
 class HashingReader:
-    """File-like wrapper that sha256-hashes and counts bytes as the uploader reads them.
+    """File-like wrapper that hashes and counts bytes as the uploader reads them.
 
     The minio SDK reads multipart parts sequentially from one thread, so the digest is
     the digest of the whole stream in order.
     """
 
-    def __init__(self, raw: BinaryIO, progress: TransferProgress | None = None) -> None:
+    def __init__(
+        self,
+        raw: BinaryIO,
+        progress: TransferProgress | None = None,
+        algorithm: str = DEFAULT_CHECKSUM,
+    ) -> None:
         self._raw = raw
         self._progress = progress
-        self.sha256 = hashlib.sha256()
+        self.algorithm = algorithm
+        self.hasher = new_hasher(algorithm)
         self.size = 0
 
     def read(self, size: int = -1) -> bytes:
         data = self._raw.read(size)
-        self.sha256.update(data)
+        self.hasher.update(data)
         self.size += len(data)
         if self._progress is not None:
             self._progress.update(len(data))

@@ -64,8 +64,10 @@ class TrajectoryRecord(TypedDict):
     prompt: str
     completion: str
     reward: float
-    token_ids: NotRequired[list[int]]
-    logprobs: NotRequired[list[float]]
+    prompt_token_ids: NotRequired[list[int]]
+    completion_token_ids: NotRequired[list[int]]
+    completion_logprobs: NotRequired[list[float]]
+    """Behaviour policy's logprob of each completion token, as sampled."""
     weight_version: NotRequired[int]
     domain: NotRequired[str]
     verifier: NotRequired[dict[str, Any]]
@@ -471,7 +473,10 @@ def render_markdown(records: list[dict[str, Any]], *, source: str, seed: int) ->
         f"# Trajectory spot check\n\n{len(records)} records sampled from `{source}` "
         f"(seed {seed}).\n"
     ]
-    shown = {"prompt", "completion", "verifier", "token_ids", "logprobs"}
+    shown = {
+        "prompt", "completion", "verifier",
+        "prompt_token_ids", "completion_token_ids", "completion_logprobs",
+    }  # fmt: skip
     for number, record in enumerate(records, 1):
         facts = ", ".join(
             f"{k}={record[k]}"
@@ -484,10 +489,13 @@ def render_markdown(records: list[dict[str, Any]], *, source: str, seed: int) ->
         if "verifier" in record:
             verifier = json.dumps(record["verifier"], indent=2, ensure_ascii=False)
             lines.append(f"**Verifier**\n\n{_fence(verifier, 'json')}\n")
-        if "token_ids" in record:
-            lines.append(f"- token_ids: {len(record['token_ids'])} tokens")
-        if "logprobs" in record:
-            lines.append(f"- logprobs: {_summarise_numbers(record['logprobs'])}")
+        for key in ("prompt_token_ids", "completion_token_ids"):
+            if key in record:
+                lines.append(f"- {key}: {len(record[key])} tokens")
+        if "completion_logprobs" in record:
+            lines.append(
+                f"- completion_logprobs: {_summarise_numbers(record['completion_logprobs'])}"
+            )
         extra = {
             k: v
             for k, v in record.items()

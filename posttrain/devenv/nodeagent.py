@@ -330,6 +330,7 @@ class PodRunner:
     thread: threading.Thread | None = None
     ready: bool = False
     probe_failures: int = 0
+    started_at: float = 0.0
 
     @property
     def namespace(self) -> str:
@@ -423,6 +424,7 @@ class PodRunner:
         volumes = self._materialise_volumes()
         self._write_service_account_token()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started_at = time.monotonic()
         deadline = self._deadline()
         init_statuses: list[Manifest] = []
         for container in spec.get("initContainers") or []:
@@ -474,8 +476,9 @@ class PodRunner:
         return phase
 
     def _deadline(self) -> float | None:
+        """From the pod's start, like the kubelet's; re-read because a claim may set it later."""
         seconds = self.pod["spec"].get("activeDeadlineSeconds")
-        return time.monotonic() + float(seconds) if seconds else None
+        return self.started_at + float(seconds) if seconds else None
 
     def _run_container(
         self,
@@ -555,6 +558,7 @@ class PodRunner:
                 return (128 - code if code < 0 else code), None
             if self.service_account_dir is not None and time.monotonic() > self.token_refresh_at:
                 self._write_service_account_token()
+            deadline = self._deadline()
             if deadline is not None and time.monotonic() > deadline:
                 kill_process_group(self.process, 0)
                 return 137, "DeadlineExceeded"
@@ -740,6 +744,30 @@ class PodRunner:
             tmp.replace(target / name)  # atomic: a client re-reading the token never sees half
         self.service_account_dir = target
         self.token_refresh_at = time.monotonic() + TOKEN_SECONDS / 2
+
+    def refresh_metadata(self, pod: Manifest) -> None:
+        """Follow label/annotation changes into downward-API volumes, as the kubelet does.
+
+        A warm sandbox pod is claimed by an annotation and waits for it to appear in its
+        downward-API file, so a projection written once at start would never hand it a task.
+        """
+        meta = pod["metadata"]
+        current = self.pod["metadata"]
+        self.pod["spec"]["activeDeadlineSeconds"] = pod["spec"].get("activeDeadlineSeconds")
+        if (meta.get("labels"), meta.get("annotations")) == (
+            current.get("labels"),
+            current.get("annotations"),
+        ):
+            return
+        current["labels"], current["annotations"] = meta.get("labels"), meta.get("annotations")
+        for volume in self.pod["spec"].get("volumes") or []:
+            if "downwardAPI" not in volume:
+                continue
+            data = {
+                item["path"]: field_ref_value(self.pod, item["fieldRef"]["fieldPath"])
+                for item in volume["downwardAPI"].get("items") or []
+            }
+            write_projection(self.pod_dir / "volumes" / volume["name"], data, None)
 
     def _materialise_volumes(self) -> dict[str, Path]:
         """Write every volume's content under ``<pod_dir>/volumes/<name>``."""
@@ -1095,7 +1123,10 @@ class NodeAgent:
                 self._delete(pod)
                 continue
             phase = (pod.get("status") or {}).get("phase")
-            if uid in self.runners or uid in self._finished or phase in ("Succeeded", "Failed"):
+            if uid in self.runners:
+                self.runners[uid].refresh_metadata(pod)
+                continue
+            if uid in self._finished or phase in ("Succeeded", "Failed"):
                 continue
             if not node:
                 self.cluster.bind(meta["namespace"], meta["name"], self.node_name)

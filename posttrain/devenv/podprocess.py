@@ -285,7 +285,11 @@ def write_projection(target: Path, data: Mapping[str, str], items: list[Manifest
             raise PodSpecError(f"volume item key {key!r} not found (keys: {sorted(data)})")
         path = target / relative
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(data[key])
+        # Write-then-rename, as the kubelet's atomic writer does: a process polling the file
+        # (a warm sandbox pod waiting for its claim) never reads half of an update.
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(data[key])
+        os.replace(partial, path)
 
 
 def chown_tree(root: Path, uid: int, gid: int) -> None:

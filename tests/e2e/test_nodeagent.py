@@ -325,3 +325,64 @@ def test_sandbox_task_from_example_succeeds_through_operator(
         # Root agent: the sandbox's runAsUser 65534 was honoured by dropping privileges.
         workdir = next((agent.workdir / "pods").glob(f"{namespace}_{name}-1_*")) / "volumes"
         assert (workdir / "workdir" / "main.py").stat().st_uid == 65534
+
+
+def test_warm_pool_pod_is_claimed_and_runs_the_task(
+    crds_installed: None, kube_api: Any, kubeconfig: Path, agent: NodeAgent, namespace: str
+) -> None:
+    """A SandboxWarmPool's idle pod runs its waiting entrypoint here; a task claims it through
+    the claim annotation, which the agent projects into the pod's downward-API file."""
+    from kubernetes import client
+
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.runtime import OperatorThread
+
+    config = OperatorConfig(
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        max_workers=4,
+    )
+    custom = client.CustomObjectsApi(kube_api)
+    core = client.CoreV1Api(kube_api)
+
+    def get(plural: str, name: str) -> dict[str, Any]:
+        obj = custom.get_namespaced_custom_object("posttrain.io", "v1alpha1", namespace, plural, name)
+        return obj.get("status") or {}
+
+    operator = OperatorThread(config).start()
+    try:
+        custom.create_namespaced_custom_object(
+            "posttrain.io", "v1alpha1", namespace, "sandboxwarmpools",
+            {"apiVersion": "posttrain.io/v1alpha1", "kind": "SandboxWarmPool",
+             "metadata": {"name": "warm"}, "spec": {"replicas": 1}},
+        )  # fmt: skip
+        wait_for(
+            lambda: get("sandboxwarmpools", "warm").get("readyReplicas") == 1,
+            timeout_s=60,
+            what="one idle warm pod ready",
+        )
+        (idle,) = core.list_namespaced_pod(
+            namespace, label_selector="posttrain.io/warm-pool=warm"
+        ).items
+        custom.create_namespaced_custom_object(
+            "posttrain.io", "v1alpha1", namespace, "sandboxtasks",
+            {"apiVersion": "posttrain.io/v1alpha1", "kind": "SandboxTask",
+             "metadata": {"name": "warm-task"},
+             "spec": {"warmPoolRef": "warm", "command": ["python3", "main.py"],
+                      "files": {"main.py": "print('hello from a warm pod')\n"}}},
+        )  # fmt: skip
+        final = wait_for(
+            lambda: (s := get("sandboxtasks", "warm-task")).get("phase") in ("Succeeded", "Failed")
+            and s,
+            timeout_s=60,
+            what="warm SandboxTask finished",
+        )
+    finally:
+        operator.stop()
+    log_text = agent.log_path(namespace, idle.metadata.name).read_text()
+    assert final["phase"] == "Succeeded", (final, log_text)
+    assert final["podName"] == idle.metadata.name  # the pre-started pod, not a cold one
+    assert final["warmPool"] == "warm" and final["exitCode"] == 0
+    assert "hello from a warm pod" in log_text

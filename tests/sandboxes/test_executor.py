@@ -19,6 +19,7 @@ from posttrain.sandboxes.executor import (
     ExecResult,
     Executor,
 )
+from posttrain.telemetry import memory_exporter
 
 
 @pytest.fixture(scope="module")
@@ -242,6 +243,33 @@ def test_warm_pool_sandboxes_are_single_use_and_contained() -> None:
         assert gone_soon(f"sleep {marker}")
     finally:
         pooled.close()
+
+
+def test_warm_pool_sandbox_has_exactly_the_cold_path_limits() -> None:
+    # The pool's launcher sets the limits with bash's ulimit instead of prlimit: what the
+    # program sees must be identical, soft and hard, for every limited resource.
+    pooled = Executor(warm_pool=1)
+    exporter = memory_exporter()
+    try:
+        deadline = time.monotonic() + 5
+        while not pooled.pool._ready and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.02)
+        command = ["cat", "/proc/self/limits"]
+        exporter.clear()
+        warm = pooled.run(ExecRequest(command=command))
+        cold = pooled.run(ExecRequest(command=command, env={"COLD": "1"}))  # env: no pool
+        paths = [s.attributes["sandbox.warm"] for s in exporter.get_finished_spans()
+                 if s.name == "sandbox.exec"]
+    finally:
+        pooled.close()
+    assert paths == [True, False]
+    assert warm.status == cold.status == "ok"
+    limited = ("Max cpu time", "Max file size", "Max core file size", "Max processes",
+               "Max open files", "Max address space")
+    rows = {line[:26].strip(): line[26:].split()[:2] for line in warm.stdout.splitlines()}
+    assert rows["Max cpu time"] == ["11", "12"] and rows["Max address space"][0] == str(512 << 20)
+    assert [r for r in warm.stdout.splitlines() if r.startswith(limited)] == \
+        [r for r in cold.stdout.splitlines() if r.startswith(limited)]
 
 
 def test_async_run_matches_sync_and_cancellation_kills_the_sandbox(executor: Executor) -> None:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
+from posttrain.sandboxes import runner as runner_module
 from posttrain.sandboxes.client import SandboxClient, SandboxUnavailable
 from posttrain.sandboxes.executor import Executor
 from posttrain.sandboxes.runner import create_app
@@ -25,15 +26,21 @@ from posttrain.telemetry import get_tracer, inject_headers, memory_exporter
 
 
 @contextlib.contextmanager
-def running_server(concurrency: int, max_queue: int) -> Iterator[str]:
-    """A real uvicorn server on a free port, in a thread; yields its base URL."""
+def running_server(concurrency: int, max_queue: int, keep_alive_s: int = 5,
+                   executor: Executor | None = None, stack: tuple[str, str] = ("auto", "auto"),
+                   ) -> Iterator[str]:
+    """A real uvicorn server on a free port, in a thread; yields its base URL. ``stack`` is
+    uvicorn's (loop, http): "auto" takes uvloop and httptools when installed."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    executor = Executor(warm_pool=concurrency)  # as `posttrain sandbox serve` runs it
+    # As `posttrain sandbox serve` runs it: one pre-started sandbox per slot.
+    executor = executor or Executor(warm_pool=concurrency)
     app = create_app(executor, concurrency=concurrency, max_queue=max_queue)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False))
+                                           log_level="warning", access_log=False,
+                                           timeout_keep_alive=keep_alive_s,
+                                           loop=stack[0], http=stack[1]))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -50,7 +57,9 @@ def running_server(concurrency: int, max_queue: int) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def runner_url() -> Iterator[str]:
-    with running_server(concurrency=2, max_queue=16) as url:
+    # The pure-Python stack (no uvloop/httptools), as on a machine without those extras;
+    # the other servers here take the fast stack when it is installed.
+    with running_server(concurrency=2, max_queue=16, stack=("asyncio", "h11")) as url:
         yield url
 
 
@@ -109,6 +118,69 @@ def test_client_retries_connection_errors_then_explains() -> None:
     with pytest.raises(SandboxUnavailable, match=r"failed 3 times.*ConnectError"):
         SandboxClient(dead, retries=2, backoff_s=0.05).exec(["true"])
     assert time.monotonic() - started >= 0.15  # it backed off between attempts
+
+
+def test_unknown_routes_wrong_methods_and_huge_bodies_are_refused(
+    runner_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = httpx.get(f"{runner_url}/v2/exec")
+    assert missing.status_code == 404 and "POST /v1/exec" in missing.json()["error"]
+    wrong = httpx.get(f"{runner_url}/v1/exec")
+    assert wrong.status_code == 405 and "GET is not allowed" in wrong.json()["error"]
+    assert wrong.headers["allow"] == "POST"
+    not_json = httpx.post(f"{runner_url}/v1/exec", content=b"{oops")
+    assert not_json.status_code == 422 and "bad exec request" in not_json.json()["error"]
+    # The server runs in this process (a thread), so the patched limit applies to it.
+    monkeypatch.setattr(runner_module, "MAX_BODY_BYTES", 1000)
+    huge = httpx.post(f"{runner_url}/v1/exec",
+                      json={"command": ["true"], "files": {"big.txt": "x" * 2000}})
+    assert huge.status_code == 413 and "request body over" in huge.json()["error"]
+
+
+def test_client_keeps_one_connection_alive_per_concurrent_caller(runner_url: str) -> None:
+    with SandboxClient(runner_url) as client:
+        for i in range(5):
+            assert client.exec(["sh", "-c", f"echo {i}"]).stdout == f"{i}\n"
+        assert client.health()["status"] == "ok"
+        assert client.connections.opened == 1  # six requests, one TCP connection
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            results = list(pool.map(lambda i: client.exec(["echo", str(i)]), range(30)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(30)]
+        assert client.connections.opened <= 3  # at most one per thread, then reused
+
+
+def test_client_replaces_a_connection_the_server_closed_without_a_retry() -> None:
+    # retries=0: a stale keep-alive connection must not cost an attempt.
+    with running_server(concurrency=1, max_queue=4, keep_alive_s=1) as url, \
+            SandboxClient(url, retries=0) as client:
+        assert client.exec(["echo", "one"]).stdout == "one\n"
+        time.sleep(1.5)  # the server closes the idle connection after 1 s
+        assert client.exec(["echo", "two"]).stdout == "two\n"
+        assert client.connections.opened == 2
+
+
+def test_warm_pool_refills_under_concurrent_load() -> None:
+    executor = Executor(warm_pool=3)
+    with running_server(concurrency=3, max_queue=64, executor=executor) as url:
+        exporter = memory_exporter()
+        exporter.clear()
+        with SandboxClient(url, retries=10, backoff_s=0.05) as client, \
+                ThreadPoolExecutor(max_workers=6) as pool:
+            results = list(pool.map(lambda i: client.exec(["echo", str(i)]), range(60)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(60)]
+            warm = [s.attributes["sandbox.warm"] for s in exporter.get_finished_spans()
+                    if s.name == "sandbox.exec"]
+            assert len(warm) == 60
+            # Refilled off the request path: most executions found a pre-started sandbox.
+            assert sum(warm) >= 30, f"only {sum(warm)} of 60 executions were warm"
+            assert client.health()["running"] == 0
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'posttrain_sandbox_warm_pool_takes_total{result="hit"}' in metrics
+        assert executor.pool is not None
+        deadline = time.monotonic() + 10
+        while len(executor.pool._ready) < 3:  # back to full once the burst is over
+            assert time.monotonic() < deadline, f"pool stuck at {len(executor.pool._ready)}"
+            time.sleep(0.02)
 
 
 def test_verifier_runs_through_the_runner(runner_url: str) -> None:

@@ -6,6 +6,8 @@ skipped: storage is only tested against the real server.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,7 +80,37 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
     if request.param == "local":
         return LocalStore(tmp_path / "store")
     server = request.getfixturevalue("s3_server")
-    # Small parts so multi-MiB test files exercise the parallel multipart path.
+    # Small parts and ranges, several streams: multi-MiB test files exercise the parallel
+    # multipart upload and the parallel ranged download (a 2-core default is one stream).
     return make_s3_store(
-        server, retry=FAST_RETRY, part_size=5 * 1024 * 1024, download_range_size=5 * 1024 * 1024
+        server,
+        retry=FAST_RETRY,
+        part_size=5 * 1024 * 1024,
+        download_range_size=5 * 1024 * 1024,
+        download_streams=3,
     )
+
+
+def _write_v1_directory(store: ArtifactStore, prefix: str, files: dict[str, bytes]) -> None:
+    """Commit ``files`` exactly as posttrain wrote directories before manifest v2: sha256
+    digests in a ``posttrain.manifest/v1`` manifest, built here by hand rather than by the
+    code under test."""
+    for rel, data in files.items():
+        store.put_bytes(f"{prefix}/{rel}", data)
+    body = {
+        "format": "posttrain.manifest/v1",
+        "created": "2026-11-30T12:00:00Z",
+        "total_bytes": sum(map(len, files.values())),
+        "metadata": {"step": 7},
+        "files": [
+            {"path": rel, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for rel, data in sorted(files.items())
+        ],
+    }
+    store.put_bytes(f"{prefix}/manifest.json", json.dumps(body, indent=2, sort_keys=True).encode())
+
+
+@pytest.fixture
+def write_v1_directory() -> Callable[[ArtifactStore, str, dict[str, bytes]], None]:
+    """Writes a directory as an older posttrain did (manifest v1, sha256)."""
+    return _write_v1_directory

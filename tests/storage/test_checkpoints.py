@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +95,8 @@ def test_damaged_latest_is_refused_and_previous_used(
         manager.save(step, make_checkpoint(tmp_path, step))
     key = "checkpoints/step-00000003/model.safetensors"
     data = store.get_bytes(key)
-    store.put_bytes(key, data[:-1] + b"\x00" if damage == "corrupt" else data[: len(data) // 3])
+    damaged = data[:-1] + bytes([data[-1] ^ 0xFF])  # always differs from the original
+    store.put_bytes(key, damaged if damage == "corrupt" else data[: len(data) // 3])
 
     (tmp_path / "dest").mkdir()
     (tmp_path / "dest" / "old").write_text("from before")
@@ -203,3 +206,32 @@ def test_weights_publish_and_fetch(store: ArtifactStore, tmp_path: Path) -> None
     assert manifest.metadata == {"trainer_step": 30, "version": 3}
     with pytest.raises(ArtifactNotFoundError):
         registry.fetch(1, tmp_path / "w1")
+
+
+def test_checkpoint_saved_with_sha256_manifest_v1_still_resumes(
+    store: ArtifactStore,
+    tmp_path: Path,
+    write_v1_directory: Callable[[ArtifactStore, str, dict[str, bytes]], None],
+) -> None:
+    """A run saved by an older posttrain (v1 manifests) resumes after an upgrade, and a
+    newer checkpoint that fails verification falls back to the old v1 one."""
+    state = {"model.safetensors": os.urandom(3 * 1024 * 1024), "trainer_state.json": b'{"step": 7}'}
+    write_v1_directory(store, "checkpoints/step-00000007", state)
+    manifest = store.get_bytes("checkpoints/step-00000007/manifest.json")
+    pointer = {"step": 7, "dir": "step-00000007", "manifest_sha256": sha256(manifest).hexdigest()}
+    store.put_bytes("checkpoints/latest.json", json.dumps(pointer).encode())
+
+    manager = CheckpointManager(store, "checkpoints", keep_last=3)
+    step, loaded = manager.load_latest(tmp_path / "dest")  # type: ignore[misc]
+    assert step == 7 and loaded.format == "posttrain.manifest/v1"
+    assert (tmp_path / "dest" / "model.safetensors").read_bytes() == state["model.safetensors"]
+
+    new = manager.save(8, make_checkpoint(tmp_path, 8))
+    assert new.format == "posttrain.manifest/v2"
+    assert {f.algorithm for f in new.files} == {"xxh3-128"}
+    key = "checkpoints/step-00000008/model.safetensors"
+    data = store.get_bytes(key)
+    store.put_bytes(key, data[:-1] + bytes([data[-1] ^ 0xFF]))
+    step, loaded = manager.load_latest(tmp_path / "dest")  # type: ignore[misc]
+    assert step == 7 and "fails its checksum: xxh3-128" in manager.last_refused[0]
+    assert loaded_step(tmp_path / "dest") == 7

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ import pytest
 
 from posttrain.storage.commit import (
     MANIFEST_NAME,
+    Manifest,
+    ManifestFile,
     delete_dir,
     download_dir,
     read_manifest,
@@ -71,7 +74,8 @@ def test_upload_writes_manifest_last_and_download_verifies(
     assert manifest.metadata == {"step": 1} and manifest.created.endswith("Z")
 
     stored = json.loads(store.get_bytes("ckpt/step-1/manifest.json"))
-    assert stored["format"] == "posttrain.manifest/v1"
+    assert stored["format"] == "posttrain.manifest/v2"
+    assert all(f["digest"].startswith("xxh3-128:") for f in stored["files"])
     assert {f["path"]: f["size"] for f in stored["files"]} == {k: len(v) for k, v in files.items()}
 
     fetched = download_dir(store, "ckpt/step-1", tmp_path / "dst")
@@ -148,7 +152,63 @@ def test_bad_input_is_refused_before_any_upload(store: ArtifactStore, tmp_path: 
     (tmp_path / "src" / "weights.bin").write_bytes(b"w")
     with pytest.raises(ValueError, match="not JSON-serialisable"):
         upload_dir(store, "x", tmp_path / "src", metadata={"lr": object()})
+    with pytest.raises(ValueError, match="unknown checksum algorithm 'md5'"):
+        upload_dir(store, "x", tmp_path / "src", algorithm="md5")
     (tmp_path / "src" / MANIFEST_NAME).write_text("{}")
     with pytest.raises(ValueError, match="reserved"):
         upload_dir(store, "x", tmp_path / "src")
     assert store.list("x/") == []
+
+
+@pytest.mark.parametrize("damage", ["none", "flip", "truncate"])
+def test_v1_sha256_directory_still_loads_and_is_verified(
+    store: ArtifactStore,
+    tmp_path: Path,
+    damage: str,
+    write_v1_directory: Callable[[ArtifactStore, str, dict[str, bytes]], None],
+) -> None:
+    files = make_tree(tmp_path / "src")
+    write_v1_directory(store, "old/step-7", files)
+    key = "old/step-7/model.safetensors"
+    original = files["model.safetensors"]
+    if damage == "flip":
+        store.put_bytes(key, original[:-1] + bytes([original[-1] ^ 0x01]))
+    elif damage == "truncate":
+        store.put_bytes(key, original[:-1])
+    if damage == "none":
+        manifest = download_dir(store, "old/step-7", tmp_path / "dst")
+        assert manifest.format == "posttrain.manifest/v1" and manifest.metadata == {"step": 7}
+        assert {f.algorithm for f in manifest.files} == {"sha256"}
+        for rel, data in files.items():
+            assert (tmp_path / "dst" / rel).read_bytes() == data
+        # Re-serialised, a v1 manifest is byte-identical (the pointer's digest still matches).
+        assert manifest.to_json() == store.get_bytes(f"old/step-7/{MANIFEST_NAME}")
+        return
+    expected = (
+        r"model\.safetensors fails its checksum: sha256"
+        if damage == "flip"
+        else r"model\.safetensors is truncated or padded"
+    )
+    with pytest.raises(CorruptArtifactError, match=expected):
+        download_dir(store, "old/step-7", tmp_path / "dst")
+
+
+@pytest.mark.parametrize(
+    ("entry", "expected"),
+    [
+        ({"format": "posttrain.manifest/v9"}, r"format is 'posttrain\.manifest/v9', expected"),
+        ({"digest": "md5:" + "0" * 32}, r"unknown checksum algorithm 'md5'"),
+        ({"digest": "xxh3-128:abc"}, r"'abc' is not a xxh3-128 digest \(32 hex digits\)"),
+        ({"digest": "0" * 32}, r"unknown checksum algorithm"),  # no algorithm prefix
+    ],
+)
+def test_malformed_manifest_v2_is_refused(entry: dict[str, str], expected: str) -> None:
+    good = Manifest((ManifestFile("a.bin", 3, "ab" * 16),), {}, "2026-12-02T00:00:00Z")
+    body = json.loads(good.to_json())
+    if "format" in entry:
+        body["format"] = entry["format"]
+    else:
+        body["files"][0]["digest"] = entry["digest"]
+    with pytest.raises(CorruptArtifactError, match=r"manifest mem is unreadable \(.*" + expected):
+        Manifest.from_json(json.dumps(body).encode(), "mem")
+    assert Manifest.from_json(good.to_json(), "mem") == good

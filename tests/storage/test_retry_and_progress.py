@@ -8,6 +8,7 @@ import logging
 import time
 
 import pytest
+import xxhash
 
 from posttrain.storage.errors import StorageUnreachableError
 from posttrain.storage.progress import PROGRESS_MIN_BYTES, HashingReader, TransferProgress
@@ -100,7 +101,10 @@ def test_progress_logs_done_and_total_for_large_transfers(
 
 
 def test_hashing_reader_digests_what_it_passes_through() -> None:
-    reader = HashingReader(io.BytesIO(b"abc" * 1000))
+    reader = HashingReader(io.BytesIO(b"abc" * 1000), algorithm="sha256")
     assert reader.read(10) + reader.read() == b"abc" * 1000
     assert reader.size == 3000
-    assert reader.sha256.hexdigest() == hashlib.sha256(b"abc" * 1000).hexdigest()
+    assert reader.hasher.hexdigest() == hashlib.sha256(b"abc" * 1000).hexdigest()
+    default = HashingReader(io.BytesIO(b"abc" * 1000))
+    default.read()
+    assert default.hasher.hexdigest() == xxhash.xxh3_128(b"abc" * 1000).hexdigest()

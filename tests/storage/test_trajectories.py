@@ -29,8 +29,9 @@ def record(i: int) -> dict[str, object]:
         "id": i,
         "prompt": f"What is {i} + {i}?",
         "completion": f"The answer is {2 * i}.",
-        "token_ids": [1, 2, 3, i],
-        "logprobs": [-0.1, -0.2, -0.3, -0.4],
+        "prompt_token_ids": [7, 8],
+        "completion_token_ids": [1, 2, 3, i],
+        "completion_logprobs": [-0.1, -0.2, -0.3, -0.4],
         "weight_version": i // 10,
         "domain": "math" if i % 2 else "code",
         "reward": 1.0 if i % 3 else 0.0,
@@ -124,7 +125,7 @@ def test_spot_check_export_is_deterministic_and_readable(tmp_path: Path) -> None
     assert markdown.startswith("# Trajectory spot check")
     assert markdown.count("\n## ") == 5
     assert sample[0]["prompt"] in markdown and sample[0]["completion"] in markdown
-    assert "token_ids: 4 tokens" in markdown and '"matched"' in markdown
+    assert "completion_token_ids: 4 tokens" in markdown and '"matched"' in markdown
     assert len(export_spot_check(store, "t", 500, seed=0, out_path=tmp_path / "all.jsonl")) == 50
 
 
