@@ -104,6 +104,11 @@ class RolloutClient:
             max_workers=max_in_flight * len(endpoints), thread_name_prefix="rollout-client"
         )
 
+    @property
+    def urls(self) -> list[str]:
+        """The endpoint base URLs (the trainer checks whether they are all on this host)."""
+        return [endpoint.url for endpoint in self._endpoints]
+
     # ------------------------------------------------------------------ sampling
 
     def generate(

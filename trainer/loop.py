@@ -1,7 +1,8 @@
 """The RL loop: sample -> score -> advantages -> clipped policy step -> publish weights.
 
-Read this file top to bottom to know what a step does; every stage lives in its own
-module. The rollout server is only ever reached over HTTP through ``client`` (a
+Read :func:`train` top to bottom to know what a step does; every stage lives in its own
+module, and set-up / resume / teardown live in :class:`Run` below it. The rollout server is
+only ever reached over HTTP through ``client`` (a
 :class:`posttrain.rollout.client.RolloutClient`), so the same loop drives a local CPU
 server or a pool of vLLM servers in a cluster.
 """
@@ -35,6 +36,7 @@ from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
 from posttrain.trainer.rundata import build_run_data, loss_config
 from posttrain.trainer.status import LocalStatusReporter, RunStatus, StatusReporter
+from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host
 
 log = logging.getLogger(__name__)
 
@@ -58,121 +60,58 @@ def train(
     stop_after_step: int | None = None,  # simulate an interruption (tests)
     verify: VerifyFn | None = None,
     dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
+    wall_budget_s: float | None = None,  # stop after the step that exhausts it (benchmarks)
 ) -> RunResult:
-    from posttrain.models import resolve_model
-    from posttrain.rollout.protocol import SamplingParams
-    from posttrain.storage.checkpoints import WeightRegistry
-    from posttrain.storage.store import open_store
-    from posttrain.storage.trajectories import TrajectoryWriter
-
-    started = time.monotonic()
-    algo, evaluation = spec.algorithm, spec.evaluation
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reporter = reporter or LocalStatusReporter(out_dir)
-    dist = dist or DistContext()
-    data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompt stream
-    prompts_per_rank = max(1, algo.prompts_per_step // dist.world_size)
-    store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
-    checkpointer = Checkpointer(store, spec.checkpoint.keep_last, spec.checkpoint.keep_best)
-    weights = WeightRegistry(store, "weights", keep_last=2)
-    base_dir = resolve_model(spec.model)
-    scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
-    # Every scored sample goes to durable storage for later analysis and audits.
-    trajectories = TrajectoryWriter(store, "trajectories", out_dir / "spool",
-                                    writer_id=f"rank{dist.rank}")
-
-    def make_policy(model_dir: Path) -> Policy:
-        return Policy(model_dir, learning_rate=algo.learning_rate, weight_decay=algo.weight_decay,
-                      reference_dir=base_dir if algo.kl_coef > 0 else None, seed=algo.seed)
-
-    auditor = Auditor(out_dir, spec.audit.spot_check_samples if spec.audit.enabled else 0,
-                      algo.seed)
-    resumed = checkpointer.restore(make_policy, scratch)
-    if resumed is None:  # fresh run: the server already serves the base model as version 0
-        policy, step, version, pending, sampled = make_policy(base_dir), 0, 0, [], []
-    else:
-        policy, state = resumed
-        step, version = state.step, state.weight_version
-        data.curriculum.load_state_dict(state.curriculum)
-        auditor.load_state_dict(state.audit)
-        pending = [request_from_json(r) for r in state.pending_requests]
-        sampled = [batch_from_json(b) for b in state.sampled_batches]
-        if dist.is_main:  # the server restarted with the base model: give it our weights
-            _publish(policy, weights, store.uri("weights"), version, client, scratch)
-    config = loss_config(algo)
-    sampling = SamplingParams(n=algo.group_size, max_tokens=algo.max_new_tokens,
-                              temperature=algo.temperature, top_p=algo.top_p)
-    producer = RolloutProducer(client, sampling, algo.max_policy_lag, steps_done=step)
-    for batch in sampled:
-        producer.preload(batch)
-    for request in pending:
-        producer.submit(request)
-    submitted = max([step, *[r.batch_index for r in pending], *[b.request.batch_index
-                                                                 for b in sampled]])
-
-    def run_eval(at_step: int) -> EvalResult:
-        result = evaluate_tasks(client, policy.encode_prompt, data.heldout, data.verifiers,
-                                step=at_step, split="heldout", max_new_tokens=algo.max_new_tokens,
-                                temperature=evaluation.temperature,
-                                max_concurrency=spec.sandbox.max_concurrency, verify=verify)
-        save_eval(result, out_dir)
-        if data.regression:
-            save_eval(evaluate_tasks(client, policy.encode_prompt, data.regression,
-                                     data.verifiers, step=at_step, split="regression",
-                                     max_new_tokens=algo.max_new_tokens, verify=verify,
-                                     temperature=evaluation.temperature), out_dir)
-        return result
-
-    status = RunStatus(phase="Running", step=step, max_steps=algo.max_steps,
-                       weight_version=version)
-    base_eval = run_eval(0) if step == 0 and dist.is_main else None
-    final_eval, last_checkpoint = base_eval, None
-    with ProgressReporter(out_dir, algo.max_steps, start_step=step) as progress:
-        while step < algo.max_steps and (stop_after_step is None or step < stop_after_step):
-            step += 1
+    run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
+    algo = run.algo
+    stop_at = algo.max_steps if stop_after_step is None else min(algo.max_steps, stop_after_step)
+    base_eval = run.evaluate(0) if run.step == 0 and run.dist.is_main else None
+    final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
+    with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
+        while run.step < stop_at:
+            run.step += 1
+            step = run.step
             with progress.step_span(step) as span:
                 step_started = time.monotonic()
                 # 1. choose prompts for every batch allowed to be in flight (curriculum)
-                while submitted < min(step + algo.max_policy_lag, algo.max_steps):
-                    submitted += 1
-                    tasks = data.curriculum.next_prompts(prompts_per_rank)
-                    producer.submit(RolloutRequest(submitted, tasks,
-                                                   [policy.encode_prompt(t.prompt) for t in tasks],
-                                                   seed=algo.seed * 1_000_003 + submitted))
+                run.submit_ahead()
                 # 2. take this step's batch (sampled in the background)
-                batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
+                batch = run.producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
                 if batch.error:
                     raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
-                staleness = version - batch.weight_version  # versions behind, before this step
-                stale = is_too_stale(batch, version, algo.max_policy_lag)
+                staleness = run.version - batch.weight_version  # versions behind, before step
+                stale = is_too_stale(batch, run.version, algo.max_policy_lag)
                 # 3. rewards: verifiers + overlong penalty
-                scored = score_batch(batch, data.verifiers, algo,
-                                     max_concurrency=spec.sandbox.max_concurrency, verify=verify)
+                scored = score_batch(batch, run.data.verifiers, algo, verify=verify,
+                                     max_concurrency=spec.sandbox.max_concurrency)
                 # 4. group advantages + dynamic sampling + loss coefficients
                 prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                          dynamic_sampling=algo.dynamic_sampling,
-                                         domain_weights=data.domain_weights,
-                                         loss_config=config, step=step)
-                for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates,
-                                           strict=True):
-                    data.curriculum.observe(task, pass_rate, step)
-                auditor.observe_batch(step, prepared.trajectories)
-                for trajectory in prepared.trajectories:
-                    trajectories.append(trajectory_record(trajectory))
+                                         domain_weights=run.data.domain_weights,
+                                         loss_config=run.loss_config, step=step)
+                run.observe(batch, prepared)
                 # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
-                rollout_seconds, train_started = batch.seconds, time.monotonic()
-                samples = [] if stale else prepared.samples
-                stats = policy.train_step(samples, config, micro_batch_size=algo.micro_batch_size,
-                                          grad_clip=algo.grad_clip, temperature=algo.temperature,
-                                          world_size=dist.world_size)
+                train_started = time.monotonic()
+                stats = run.policy.train_step([] if stale else prepared.samples, run.loss_config,
+                                              micro_batch_size=algo.micro_batch_size,
+                                              grad_clip=algo.grad_clip,
+                                              temperature=algo.temperature,
+                                              world_size=run.dist.world_size)
                 if stale:
-                    stats.skip_reason = f"stale batch (v{batch.weight_version} < v{version})"
-                # 6. publish the new weights so the server samples from them
+                    stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
+                # 6. publish the new weights so the server samples from them; this also
+                #    releases the producer to sample the batch k+1 steps ahead
+                last = step == algo.max_steps
+                budget_spent = wall_budget_s is not None and (
+                    time.monotonic() - steps_started >= wall_budget_s)
+                checkpoint_due = (step % spec.checkpoint.every_steps == 0 or last
+                                  or step == stop_after_step or budget_spent)
                 if stats.applied:
-                    version += 1
-                if stats.applied and dist.is_main:
-                    _publish(policy, weights, store.uri("weights"), version, client, scratch)
-                producer.step_finished(step)
+                    run.version += 1
+                    if run.dist.is_main:
+                        run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
+                run.dist.barrier()  # multi-node: no rank samples before rank 0 published
+                run.producer.step_finished(step)
                 metrics = StepMetrics(
                     step=step, reward_mean=prepared.reward_mean,
                     domain_rewards=prepared.domain_rewards,
@@ -180,56 +119,174 @@ def train(
                     grad_norm=stats.grad_norm, kl=stats.kl, clip_fraction=stats.clip_fraction,
                     ratio_mean=stats.ratio_mean, response_length=prepared.response_length,
                     kept_groups=prepared.kept_groups, total_groups=len(batch.completions),
-                    weight_version=version, staleness=staleness,
+                    weight_version=run.version, staleness=staleness,
                     applied=stats.applied, skip_reason=stats.skip_reason,
-                    rollout_seconds=rollout_seconds,
+                    rollout_seconds=batch.seconds,
                     train_seconds=time.monotonic() - train_started,
                     step_seconds=time.monotonic() - step_started,
-                    strata={d: data.curriculum.current_stratum(d) for d in data.curriculum.pools})
+                    strata={d: run.data.curriculum.current_stratum(d)
+                            for d in run.data.curriculum.pools})
                 progress.record(metrics, span)
             # 7. evaluate and checkpoint at their intervals
-            last = step == algo.max_steps
-            if dist.is_main and (step % evaluation.every_steps == 0 or last):
-                final_eval = run_eval(step)
-                auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
-                status.eval_accuracy = final_eval.accuracy
-            if dist.is_main and (step % spec.checkpoint.every_steps == 0 or last
-                                 or step == stop_after_step):
-                waiting, done = producer.buffered()
-                state = TrainerState(step, version, data.curriculum.state_dict(),
-                                     auditor.state_dict(), [request_to_json(r) for r in waiting],
-                                     [batch_to_json(b) for b in done], algo.seed)
+            if run.dist.is_main and (step % spec.evaluation.every_steps == 0 or last):
+                final_eval = run.evaluate(step)
+                run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
+                run.status.eval_accuracy = final_eval.accuracy
+            if run.dist.is_main and checkpoint_due:
                 score = final_eval.overall if final_eval and final_eval.step == step else None
-                # Trajectories up to this step become durable before the checkpoint that covers
-                # them: a resumed run re-samples only what no checkpoint covers (none lost).
-                trajectories.flush()
-                last_checkpoint = checkpointer.save(policy, state, eval_score=score)
-                status.last_checkpoint = last_checkpoint
-            status.step, status.weight_version = step, version
-            status.reward_mean, status.domain_rewards = metrics.reward_mean, metrics.domain_rewards
-            reporter.report(status)
-    producer.close()
-    trajectories.close()
-    shutil.rmtree(scratch, ignore_errors=True)
-    auditor.write_spot_checks()
-    plot_run(out_dir)
-    finished = step >= algo.max_steps
-    status.phase = "Succeeded" if finished else "Running"
-    reporter.report(status)
-    wall = time.monotonic() - started
-    write_report(out_dir, "posttrain run report", {"steps": step, "wall time": f"{wall:.0f}s",
-                                                   "model": spec.model, "algorithm": algo.name})
-    return RunResult(out_dir, step, base_eval, final_eval, last_checkpoint, wall)
+                last_checkpoint = run.save_checkpoint(score)
+            run.report_step(metrics)
+            if budget_spent:
+                log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
+                break
+    wall = run.finish()
+    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall)
 
 
-def _publish(
-    policy: Policy, weights: Any, uri: str, version: int, client: Any, scratch: Path
-) -> None:
-    """Save weights, publish them as ``version`` and make the rollout server load them."""
-    local = scratch / f"publish-v{version}"
-    policy.save_weights(local)
-    weights.publish(version, local)
-    client.load_weights(uri, version)
-    for path in local.iterdir():
-        path.unlink()
-    local.rmdir()
+class Run:
+    """State of one training run plus the stages :func:`train` calls around each step."""
+
+    policy: Policy
+    step: int  # optimizer steps taken (or skipped) so far
+    version: int  # weight version the servers serve: one per applied step
+    submitted: int  # highest batch index whose prompts were chosen
+    producer: RolloutProducer
+    status: RunStatus
+
+    def __init__(self, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter,
+                 dist: DistContext, verify: VerifyFn | None) -> None:
+        from posttrain.models import resolve_model
+        from posttrain.rollout.protocol import SamplingParams
+        from posttrain.storage.checkpoints import WeightRegistry
+        from posttrain.storage.store import open_store
+        from posttrain.storage.trajectories import TrajectoryWriter
+
+        self.started = time.monotonic()
+        self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
+        self.reporter, self.dist, self.verify = reporter, dist, verify
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompts
+        self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
+        store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
+        self.checkpointer = Checkpointer(store, spec.checkpoint.keep_last,
+                                         spec.checkpoint.keep_best)
+        self.base_dir = resolve_model(spec.model)
+        self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
+        self.publisher = WeightPublisher(
+            WeightRegistry(store, "weights", keep_last=2), store.uri("weights"), client,
+            self.scratch, shared=all_on_this_host(getattr(client, "urls", [])))
+        # Every scored sample goes to durable storage for later analysis and audits.
+        self.trajectories = TrajectoryWriter(store, "trajectories", out_dir / "spool",
+                                             writer_id=f"rank{dist.rank}")
+        self.auditor = Auditor(out_dir, spec.audit.spot_check_samples if spec.audit.enabled
+                               else 0, self.algo.seed)
+        self.loss_config = loss_config(self.algo)
+        self.sampling = SamplingParams(n=self.algo.group_size, max_tokens=self.algo.max_new_tokens,
+                                       temperature=self.algo.temperature, top_p=self.algo.top_p)
+
+    @classmethod
+    def start(cls, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter | None,
+              dist: DistContext, verify: VerifyFn | None) -> Run:
+        """Set up, resume from the newest checkpoint if any, start the rollout producer."""
+        run = cls(spec, out_dir, client, reporter or LocalStatusReporter(out_dir), dist, verify)
+        resumed = run.checkpointer.restore(run.make_policy, run.scratch)
+        pending: list[RolloutRequest] = []
+        sampled: list[Any] = []
+        if resumed is None:  # fresh run: the server already serves the base model as v0
+            run.policy, run.step, run.version = run.make_policy(run.base_dir), 0, 0
+        else:
+            run.policy, state = resumed
+            run.step, run.version = state.step, state.weight_version
+            run.data.curriculum.load_state_dict(state.curriculum)
+            run.auditor.load_state_dict(state.audit)
+            pending = [request_from_json(r) for r in state.pending_requests]
+            sampled = [batch_from_json(b) for b in state.sampled_batches]
+            if dist.is_main:  # the server restarted with the base model: give it our weights
+                run.publisher.publish(run.policy, run.version)
+        run.producer = RolloutProducer(client, run.sampling, run.algo.max_policy_lag,
+                                       steps_done=run.step)
+        for batch in sampled:
+            run.producer.preload(batch)
+        for request in pending:
+            run.producer.submit(request)
+        run.submitted = max([run.step, *[r.batch_index for r in pending],
+                             *[b.request.batch_index for b in sampled]])
+        run.status = RunStatus(phase="Running", step=run.step, max_steps=run.algo.max_steps,
+                               weight_version=run.version)
+        return run
+
+    def make_policy(self, model_dir: Path) -> Policy:
+        return Policy(model_dir, learning_rate=self.algo.learning_rate,
+                      weight_decay=self.algo.weight_decay, seed=self.algo.seed,
+                      reference_dir=self.base_dir if self.algo.kl_coef > 0 else None)
+
+    def submit_ahead(self) -> None:
+        """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
+        algo = self.algo
+        while self.submitted < min(self.step + algo.max_policy_lag, algo.max_steps):
+            self.submitted += 1
+            tasks = self.data.curriculum.next_prompts(self.prompts_per_rank)
+            self.producer.submit(RolloutRequest(
+                self.submitted, tasks, [self.policy.encode_prompt(t.prompt) for t in tasks],
+                seed=algo.seed * 1_000_003 + self.submitted))
+
+    def observe(self, batch: Any, prepared: Any) -> None:
+        """Feed the curriculum, the audit and the trajectory store with a scored batch."""
+        for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
+            self.data.curriculum.observe(task, pass_rate, self.step)
+        self.auditor.observe_batch(self.step, prepared.trajectories)
+        for trajectory in prepared.trajectories:
+            self.trajectories.append(trajectory_record(trajectory))
+
+    def evaluate(self, at_step: int) -> EvalResult:
+        """Greedy held-out accuracy (and the regression set) from the rollout server."""
+        algo, evaluation = self.algo, self.spec.evaluation
+        result = evaluate_tasks(self.client, self.policy.encode_prompt, self.data.heldout,
+                                self.data.verifiers, step=at_step, split="heldout",
+                                max_new_tokens=algo.max_new_tokens,
+                                temperature=evaluation.temperature,
+                                max_concurrency=self.spec.sandbox.max_concurrency,
+                                verify=self.verify)
+        save_eval(result, self.out_dir)
+        if self.data.regression:
+            save_eval(evaluate_tasks(self.client, self.policy.encode_prompt,
+                                     self.data.regression, self.data.verifiers, step=at_step,
+                                     split="regression", max_new_tokens=algo.max_new_tokens,
+                                     verify=self.verify, temperature=evaluation.temperature),
+                      self.out_dir)
+        return result
+
+    def save_checkpoint(self, eval_score: float | None) -> str:
+        """Checkpoint weights, optimizer, curriculum and the not-yet-trained rollouts."""
+        waiting, done = self.producer.buffered()
+        state = TrainerState(self.step, self.version, self.data.curriculum.state_dict(),
+                             self.auditor.state_dict(), [request_to_json(r) for r in waiting],
+                             [batch_to_json(b) for b in done], self.algo.seed)
+        # Trajectories up to this step become durable before the checkpoint that covers
+        # them: a resumed run re-samples only what no checkpoint covers (none lost).
+        self.trajectories.flush()
+        path = self.checkpointer.save(self.policy, state, eval_score=eval_score)
+        self.status.last_checkpoint = path
+        return path
+
+    def report_step(self, metrics: StepMetrics) -> None:
+        self.status.step, self.status.weight_version = self.step, self.version
+        self.status.reward_mean = metrics.reward_mean
+        self.status.domain_rewards = metrics.domain_rewards
+        self.reporter.report(self.status)
+
+    def finish(self) -> float:
+        """Stop the producer, flush outputs, write plots and the report; wall seconds."""
+        self.producer.close()
+        self.publisher.close()
+        self.trajectories.close()
+        shutil.rmtree(self.scratch, ignore_errors=True)
+        self.auditor.write_spot_checks()
+        plot_run(self.out_dir)
+        self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
+        self.reporter.report(self.status)
+        wall = time.monotonic() - self.started
+        write_report(self.out_dir, "posttrain run report",
+                     {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
+                      "algorithm": self.algo.name})
+        return wall

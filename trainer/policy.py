@@ -87,8 +87,10 @@ class Policy:
             self.reference = AutoModelForCausalLM.from_pretrained(
                 reference_dir, dtype=torch.float32
             ).eval().requires_grad_(False)
+        # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
+        # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learning_rate, weight_decay=weight_decay
+            self.model.parameters(), lr=learning_rate, weight_decay=weight_decay, fused=True
         )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
@@ -109,34 +111,34 @@ class Policy:
         """Log-probs of each completion token under ``model``, aligned with a mask.
 
         Returns ``(logp, behaviour, mask)``, each (B, L) with L the longest completion;
-        the logits are divided by ``temperature`` exactly as the sampler did.
+        the logits are divided by ``temperature`` exactly as the sampler did. The LM head
+        runs only on the positions that predict completion tokens: prompt positions would
+        cost a (T, V) matmul and softmax each (V ~ 49k) for logits nobody reads.
         """
         lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        width = max(lengths)
-        batch = len(samples)
+        width, batch = max(lengths), len(samples)
+        longest = max(len(s.completion_ids) for s in samples)
         input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
         attention = torch.zeros((batch, width), dtype=torch.long)  # (B, T)
+        behaviour = torch.zeros((batch, longest))  # (B, L)
+        mask = torch.zeros((batch, longest))  # (B, L)
+        rows, columns, positions, targets = [], [], [], []
         for i, s in enumerate(samples):
             ids = s.prompt_ids + s.completion_ids
             input_ids[i, : len(ids)] = torch.tensor(ids)
             attention[i, : len(ids)] = 1
-        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
-        longest = max(len(s.completion_ids) for s in samples)
-        logp = torch.zeros((batch, longest))  # (B, L)
-        behaviour = torch.zeros((batch, longest))  # (B, L)
-        mask = torch.zeros((batch, longest))  # (B, L)
-        rows = []
-        for i, s in enumerate(samples):
             start, n = len(s.prompt_ids), len(s.completion_ids)
-            # logits at position t predict token t+1
-            step_logits = logits[i, start - 1 : start - 1 + n] / max(temperature, 1e-6)  # (n, V)
-            targets = torch.tensor(s.completion_ids)  # (n,)
-            token_logp = torch.log_softmax(step_logits.float(), dim=-1)  # (n, V)
-            picked = token_logp.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
-            rows.append(torch.nn.functional.pad(picked, (0, longest - n)))  # (L,)
+            rows += [i] * n
+            columns += range(n)
+            positions += range(start - 1, start - 1 + n)  # logits at t predict token t+1
+            targets += s.completion_ids
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
             mask[i, :n] = 1.0
-        logp = torch.stack(rows)  # (B, L)
+        row_index, column_index = torch.tensor(rows), torch.tensor(columns)  # (N,), (N,)
+        logits = _logits_at(model, input_ids, attention, row_index, torch.tensor(positions))
+        token_logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (N, V)
+        chosen = token_logp.gather(-1, torch.tensor(targets)[:, None]).squeeze(-1)  # (N,)
+        logp = torch.zeros((batch, longest)).index_put((row_index, column_index), chosen)  # (B, L)
         return logp, behaviour, mask
 
     def train_step(
@@ -205,3 +207,24 @@ class Policy:
             return stats
         self.optimizer.step()
         return stats
+
+
+def _logits_at(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,  # (B, T)
+    attention: torch.Tensor,  # (B, T)
+    rows: torch.Tensor,  # (N,)
+    positions: torch.Tensor,  # (N,)
+) -> torch.Tensor:
+    """Logits (N, V) at ``(rows[k], positions[k])``, running the LM head only there.
+
+    Models whose forward post-processes logits (soft-capping, logit scales) take the full
+    forward instead, so the result always equals what the sampler computed.
+    """
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
+        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
+        return logits[rows, positions].float()  # (N, V)
+    decoder = getattr(model, model.base_model_prefix)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention).last_hidden_state  # (B, T, H)
+    return model.get_output_embeddings()(hidden[rows, positions]).float()  # (N, V)

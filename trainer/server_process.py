@@ -18,6 +18,24 @@ from posttrain.errors import UsageError
 log = logging.getLogger(__name__)
 
 
+def thread_split(cores: int, *, overlapped: bool) -> tuple[int, int]:
+    """Intra-op threads ``(trainer, server)`` for a trainer and a local server on one host.
+
+    Strictly on-policy (no overlap) the two take turns, so each may use every core. When
+    sampling overlaps the optimizer step both compute at once: more OpenMP threads than
+    cores then spin at barriers waiting for descheduled peers, so the cores are split.
+
+    >>> thread_split(2, overlapped=True), thread_split(2, overlapped=False)
+    ((1, 1), (2, 2))
+    >>> thread_split(1, overlapped=True)
+    (1, 1)
+    """
+    if not overlapped:
+        return cores, cores
+    server = max(1, cores // 2)
+    return max(1, cores - server), server
+
+
 class LocalRolloutServer:
     """Context manager: ``posttrain serve --model REF --port P`` until exit, log in a file."""
 

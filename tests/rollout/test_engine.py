@@ -120,8 +120,12 @@ def test_continuous_batching_admits_mid_batch(tiny_engine: GenerationEngine) -> 
     solo_long = tiny_engine.generate([p_long], long_params)[0]
     solo_short = tiny_engine.generate([p_short], short_params)[0]
     before = tiny_engine.midbatch_admissions
-    long_future = tiny_engine.submit(p_long, long_params)
     deadline = time.monotonic() + 30
+    # The solo run's future resolves a moment before the engine thread resets its row count;
+    # a stale count would let the short request queue up next to the long one.
+    while tiny_engine.active_sequences != 0 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    long_future = tiny_engine.submit(p_long, long_params)
     while tiny_engine.active_sequences == 0 and time.monotonic() < deadline:
         time.sleep(0.002)  # join only once the long request is decoding
     short_future = tiny_engine.submit(p_short, short_params)

@@ -37,12 +37,13 @@ def _samples(policy: Policy) -> list[TrainSample]:
 def _grads_after_step(model_dir: Path, micro_batch_size: int) -> dict[str, torch.Tensor]:
     policy = Policy(model_dir, learning_rate=1e-3)
     samples = _samples(policy)
-    before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     stats = policy.train_step(samples, LossConfig(), micro_batch_size=micro_batch_size,
                               grad_clip=1e9, temperature=1.0)
     assert stats.applied and stats.tokens == 10
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)  # on-policy
-    return {k: v - before[k] for k, v in policy.model.state_dict().items()}
+    # The accumulated gradient is what micro-batching could change. (Comparing Adam's first
+    # update instead amplifies float noise: for |g| near eps it is g / (|g| + eps).)
+    return {k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None}
 
 
 def test_micro_batch_size_does_not_change_the_update(tiny_model: Path) -> None:
@@ -50,8 +51,8 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model: Path) -> None:
     split = _grads_after_step(tiny_model, micro_batch_size=1)
     assert any(float(d.abs().max()) > 0 for d in whole.values())
     for name in whole:
-        # Adam steps are ~lr = 1e-3 per element; float summation order differs by ~1e-7
-        torch.testing.assert_close(whole[name], split[name], rtol=1e-3, atol=1e-6)
+        # float summation order differs between the two splits by ~1e-7
+        torch.testing.assert_close(whole[name], split[name], rtol=1e-4, atol=1e-6)
 
 
 def test_non_finite_loss_skips_the_step(tiny_model: Path) -> None:

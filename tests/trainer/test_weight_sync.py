@@ -1,0 +1,155 @@
+"""Weight publishing (shared memory vs registry) and overlapped rollouts, against a real
+in-process rollout server on a tiny model over real HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from posttrain.rollout.client import RolloutClient
+from posttrain.rollout.protocol import SamplingParams
+from posttrain.rollout.server import ServerConfig, ServerThread
+from posttrain.storage.checkpoints import WeightRegistry
+from posttrain.storage.store import open_store
+from posttrain.trainer.policy import Policy, TrainSample
+from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest
+from posttrain.trainer.weight_sync import WeightPublisher
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from posttrain.models import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2)
+
+
+@pytest.fixture()
+def client(tiny_model: Path) -> Iterator[RolloutClient]:
+    server = ServerThread(ServerConfig(model=str(tiny_model), num_threads=1)).start()
+    client = RolloutClient([server.url], timeout_s=120, max_in_flight=4)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+def _perturb(policy: Policy, seed: int) -> None:
+    """Stand-in for an optimizer step: every weight moves, deterministically."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in policy.model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+
+
+def _served_matches(policy: Policy, client: RolloutClient) -> tuple[int, bool]:
+    """(version the server sampled with, whether its logprobs equal the policy's)."""
+    prompt = policy.encode_prompt("What is 1 + 2?")
+    (completion,) = client.generate([prompt], SamplingParams(n=1, max_tokens=5, seed=7))[0]
+    sample = TrainSample(prompt, completion.token_ids, completion.logprobs, 0.0, 0.0)
+    with torch.no_grad():
+        logp, behaviour, mask = policy.completion_logprobs(policy.model, [sample], 1.0)
+    close = torch.allclose(logp * mask, behaviour * mask, atol=1e-4)
+    return completion.weight_version, close
+
+
+def test_shared_memory_publish_serves_the_new_version(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path
+) -> None:
+    store = open_store(str(tmp_path / "run"))
+    registry = WeightRegistry(store, "weights", keep_last=2)
+    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path,
+                                shared=True)
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    assert publisher.transport == "shared"
+    assert _served_matches(policy, client) == (0, True)
+
+    _perturb(policy, seed=1)
+    assert _served_matches(policy, client)[1] is False  # the server still has v0
+    publisher.publish(policy, 1)
+    assert _served_matches(policy, client) == (1, True)
+    assert registry.versions() == []  # not durable: nothing hashed or written to storage
+
+    _perturb(policy, seed=2)
+    publisher.publish(policy, 2, durable=True)  # a checkpoint step: the registry gets it too
+    assert _served_matches(policy, client) == (2, True)
+    assert registry.versions() == [2] and publisher.transport == "shared"
+    shared_dir = publisher.shared_dir
+    assert shared_dir is not None
+    assert [p.name for p in shared_dir.iterdir()] == ["v00000002"]  # older files deleted
+    publisher.close()
+    assert not shared_dir.exists()
+
+
+def test_publisher_falls_back_to_the_registry_when_the_server_cannot_read_our_files(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loopback URL may be a port-forward to another machine that cannot see /dev/shm."""
+    import posttrain.rollout.weights as weights
+
+    real_fetch = weights.fetch_weights
+
+    def remote_fetch(uri: str, version: int, scratch: Path | None = None) -> tuple[Path, bool]:
+        if "posttrain-weights-" in uri:  # our shared-memory directory: not on "that" host
+            raise FileNotFoundError(f"no *.safetensors in {uri}")
+        return real_fetch(uri, version, scratch)
+
+    monkeypatch.setattr(weights, "fetch_weights", remote_fetch)
+    store = open_store(str(tmp_path / "run"))
+    registry = WeightRegistry(store, "weights", keep_last=2)
+    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path,
+                                shared=True)
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    _perturb(policy, seed=3)
+    publisher.publish(policy, 1)
+    assert publisher.transport == "registry"
+    assert registry.versions() == [1]
+    assert _served_matches(policy, client) == (1, True)
+
+
+class _RecordingClient:
+    """The real client, plus when each batch's sampling started and finished."""
+
+    def __init__(self, client: RolloutClient) -> None:
+        self.client = client
+        self.events: list[tuple[str, int]] = []
+        self.lock = threading.Lock()
+
+    def generate(self, prompts: list[list[int]], params: Any) -> Any:
+        batch = params.seed  # the test uses the batch index as the seed
+        with self.lock:
+            self.events.append(("start", batch))
+        result = self.client.generate(prompts, params)
+        with self.lock:
+            self.events.append(("end", batch))
+        return result
+
+
+def test_lag_one_samples_the_next_batch_during_the_update_and_never_further(
+    tiny_model: Path, client: RolloutClient
+) -> None:
+    """k=1: batch n+1 is sampled while step n trains; batch n+2 waits for step n's weights."""
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    recording = _RecordingClient(client)
+    producer = RolloutProducer(recording, SamplingParams(n=2, max_tokens=4), max_policy_lag=1)
+    prompt = [policy.encode_prompt("What is 2 + 3?")]
+    try:
+        for batch_index in (1, 2, 3):
+            producer.submit(RolloutRequest(batch_index, [], prompt, seed=batch_index))
+        first = producer.take(1, timeout=60)  # "step 1" begins: batch 2 may be sampled now
+        second = producer.take(2, timeout=60)
+        assert ("end", 2) in recording.events  # sampled before step 1 finished: overlap
+        time.sleep(0.5)
+        assert ("start", 3) not in recording.events  # would be 2 versions stale at step 3
+        producer.step_finished(1)
+        third = producer.take(3, timeout=60)
+    finally:
+        producer.close()
+    assert [b.error for b in (first, second, third)] == [None, None, None]
+    assert recording.events.index(("start", 3)) > recording.events.index(("end", 2))
