@@ -159,7 +159,13 @@ def run(args: argparse.Namespace) -> None:
             manager.save(next(step), ckpt)
 
         def ours_load() -> None:
-            manager.load_latest(work / "ours-dest")
+            # Into an empty directory, like raw_load (a resuming trainer pod starts empty).
+            # Replacing a previous copy keeps it until the new one is verified, which on a
+            # disk doubles the dirty pages in flight; --replace measures that case.
+            dest = work / "ours-dest"
+            if not args.replace:
+                shutil.rmtree(dest, ignore_errors=True)
+            manager.load_latest(dest)
 
         server_pid = server.process.pid if server is not None and server.process else None
         results: dict[str, list[tuple[float, float, float]]] = {
@@ -241,6 +247,11 @@ def main() -> None:
     parser.add_argument("--bucket", help="bucket to use (default: a fresh one)")
     parser.add_argument("--secure", action="store_true", help="TLS to --endpoint")
     parser.add_argument("--work-dir", help="where to write the synthetic checkpoint")
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="load over the previous load's directory (kept until the new copy is verified)",
+    )
     parser.add_argument(
         "--download-streams",
         type=int,
