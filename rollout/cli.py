@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import sys
 from typing import TYPE_CHECKING
 
 from posttrain.errors import UsageError
@@ -60,24 +61,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from posttrain.rollout.server import ServerConfig, run
+    from posttrain.rollout.server import ModelLoadError, ServerConfig, run
     from posttrain.telemetry import start_metrics_server
 
     if args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     start_metrics_server(args.metrics_port)
-    run(
-        ServerConfig(
-            model=args.model,
-            served_model_name=args.served_model_name,
-            weights_uri=args.weights_uri,
-            poll_seconds=args.poll_seconds,
-            max_batch_size=args.max_batch_size,
-            num_threads=args.threads,
-        ),
-        host=args.host,
-        port=args.port,
-    )
+    try:
+        run(
+            ServerConfig(
+                model=args.model,
+                served_model_name=args.served_model_name,
+                weights_uri=args.weights_uri,
+                poll_seconds=args.poll_seconds,
+                max_batch_size=args.max_batch_size,
+                num_threads=args.threads,
+            ),
+            host=args.host,
+            port=args.port,
+        )
+    except ModelLoadError as exc:
+        print(f"posttrain serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -557,26 +557,41 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
     import uvicorn
 
     state = ServerState(config)
-    threading.Thread(target=load_engine, args=(state,), name="model-loader", daemon=True).start()
+    # Short graceful shutdown: in-flight requests are failed by engine.close() anyway,
+    # and Kubernetes should not wait the full termination grace period.
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state), host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+        )
+    )
+
+    def load_or_stop() -> None:
+        # A model that cannot load never will: stop serving so the process exits non-zero
+        # and the pod restarts visibly, instead of a replica that stays unready forever
+        # with the reason only in /health.
+        load_engine(state)
+        if state.load_error is not None:
+            log.error("stopping: model %r cannot be loaded", config.model)
+            server.should_exit = True
+
+    threading.Thread(target=load_or_stop, name="model-loader", daemon=True).start()
     stop_polling = threading.Event()
     if config.weights_uri and config.poll_seconds > 0:
         threading.Thread(
             target=poll_weights, args=(state, stop_polling), name="weights-poller", daemon=True
         ).start()
     try:
-        # Short graceful shutdown: in-flight requests are failed by engine.close() anyway,
-        # and Kubernetes should not wait the full termination grace period.
-        uvicorn.run(
-            create_app(state),
-            host=host,
-            port=port,
-            log_level="info",
-            timeout_graceful_shutdown=5,
-        )
+        server.run()
     finally:
         stop_polling.set()
         if state.engine is not None:
             state.engine.close()
+    if state.load_error is not None:
+        raise ModelLoadError(f"could not load model {config.model!r}: {state.load_error}")
+
+
+class ModelLoadError(RuntimeError):
+    """The served model failed to load (``posttrain serve`` exits 1 with this message)."""
 
 
 __all__ = ["ServerConfig", "ServerThread", "create_app", "run"]
