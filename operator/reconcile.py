@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import RolloutPool, SandboxTask, TrainingRun, TrainingRunStatus
 from posttrain.api.base import Condition, get_condition, set_condition
 
 from .builders import (
@@ -522,8 +522,7 @@ def plan_training_run(
         why = ", ".join(f"{p.name} ({p.reason or _exit_text(p)})" for p in failed)
         if restarts > spec.backoff_limit:
             fail(Reason.BACKOFF_LIMIT_EXCEEDED,
-                 f"gang failed {restarts} times, more than backoffLimit={spec.backoff_limit}; "
-                 f"last failure: {why}")
+                 _backoff_exceeded(restarts, spec.backoff_limit, why))
         else:
             plan.delete_pods = stale + [p.name for p in gang.values()]
             plan.incarnation = incarnation + 1
@@ -538,15 +537,8 @@ def plan_training_run(
                 f"{why} failed: recreating all {nodes} pod(s) as gang {plan.incarnation} "
                 f"(restart {restarts} of {spec.backoff_limit})"))
     elif head is not None and head.phase == "Succeeded":
-        message = f"trainer finished at step {status.step}" if status.step is not None else (
-            "trainer finished")
-        desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
-        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
-                                   Reason.TRAINER_SUCCEEDED, message, gen)
-        conditions = set_condition(conditions, ConditionType.READY, "False",
-                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
         plan.delete_pods = stale + [p.name for p in gang.values() if not p.finished]
-        plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
     else:
         missing = [r for r in range(nodes) if str(r) not in gang]
         if missing:
@@ -570,6 +562,30 @@ def plan_training_run(
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _mark_trainer_succeeded(
+    status: TrainingRunStatus, desired: dict[str, Any], conditions: list[Condition], plan: RunPlan,
+    now: datetime, gen: int | None,
+) -> list[Condition]:
+    """The head pod (rank 0) succeeded: the run is Succeeded, for pod gangs and RayClusters."""
+    message = f"trainer finished at step {status.step}" if status.step is not None else (
+        "trainer finished")
+    desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
+    conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
+                               Reason.TRAINER_SUCCEEDED, message, gen)
+    conditions = set_condition(conditions, ConditionType.READY, "False",
+                               Reason.TRAINER_SUCCEEDED, message, gen)
+    plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
+    return conditions
+
+
+def _backoff_exceeded(restarts: int, limit: int, why: str) -> str:
+    """
+    >>> _backoff_exceeded(3, 2, "r-g2-0 (Error)")
+    'gang failed 3 times, more than backoffLimit=2; last failure: r-g2-0 (Error)'
+    """
+    return f"gang failed {restarts} times, more than backoffLimit={limit}; last failure: {why}"
 
 
 def _plan_ray_cluster_gang(
@@ -613,9 +629,7 @@ def _plan_ray_cluster_gang(
         why = ", ".join(failed)
         if restarts > spec.backoff_limit:
             return conditions, (
-                Reason.BACKOFF_LIMIT_EXCEEDED,
-                f"gang failed {restarts} times, more than backoffLimit={spec.backoff_limit}; "
-                f"last failure: {why}")
+                Reason.BACKOFF_LIMIT_EXCEEDED, _backoff_exceeded(restarts, spec.backoff_limit, why))
         plan.delete_ray_clusters.append(name)
         plan.delete_pods += [p.name for p in gang]
         plan.incarnation = incarnation + 1
@@ -632,16 +646,9 @@ def _plan_ray_cluster_gang(
             f"{why}: recreating the RayCluster as {new_name} "
             f"(restart {restarts} of {spec.backoff_limit})"))
     elif head is not None and head.phase == "Succeeded":
-        message = f"trainer finished at step {status.step}" if status.step is not None else (
-            "trainer finished")
-        desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
-        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
-                                   Reason.TRAINER_SUCCEEDED, message, gen)
-        conditions = set_condition(conditions, ConditionType.READY, "False",
-                                   Reason.TRAINER_SUCCEEDED, message, gen)
+        conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
         plan.delete_ray_clusters.append(name)
         plan.delete_pods += [p.name for p in gang if not p.finished]
-        plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
     elif current is None:
         plan.create_ray_cluster = True
         plan.ensure_children = True
