@@ -656,6 +656,32 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
 # ---------------------------------------------------------------- SandboxTask
 
 
+def restricted_container_context() -> Manifest:
+    """The container securityContext of every pod that runs untrusted code (cold sandbox
+    pods, their init container, warm-pool pods): Pod Security "restricted" and then some."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NOBODY_UID,
+        "runAsGroup": NOBODY_UID,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "privileged": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def restricted_pod_context() -> Manifest:
+    """The pod securityContext that goes with :func:`restricted_container_context`."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": NOBODY_UID,
+        "runAsGroup": NOBODY_UID,
+        "fsGroup": NOBODY_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def sandbox_pod_name(task_name: str, attempt: int) -> str:
     """``<task>-<attempt>``, attempts counted from 1.
 
@@ -791,16 +817,7 @@ def build_sandbox_pod(
         # Pods have no stdin pipe; the shell redirects the stdin file into the program.
         command = ["sh", "-c", f'exec "$@" < {SANDBOX_WORKDIR}/{SANDBOX_STDIN_FILE}', "sandbox",
                    *command]
-    restricted = {
-        "runAsNonRoot": True,
-        "runAsUser": NOBODY_UID,
-        "runAsGroup": NOBODY_UID,
-        "readOnlyRootFilesystem": True,
-        "allowPrivilegeEscalation": False,
-        "privileged": False,
-        "capabilities": {"drop": ["ALL"]},
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    restricted = restricted_container_context()
     res = spec.resources
     workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
     env: list[dict[str, Any]] = [
@@ -862,13 +879,7 @@ def build_sandbox_pod(
         "enableServiceLinks": False,
         "activeDeadlineSeconds": spec.timeout_seconds,
         "terminationGracePeriodSeconds": 1,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": NOBODY_UID,
-            "runAsGroup": NOBODY_UID,
-            "fsGroup": NOBODY_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": restricted_pod_context(),
         "containers": containers,
         "volumes": volumes,
     }

@@ -36,12 +36,13 @@ from .builders import (
     LABEL_COMPONENT,
     LABEL_SANDBOX_NETWORK,
     LABEL_TASK,
-    NOBODY_UID,
     SANDBOX_WORKDIR,
     _check_file_name,
     _resources,
     child_metadata,
     owner_reference,
+    restricted_container_context,
+    restricted_pod_context,
     spec_hash,
 )
 from .config import OperatorConfig
@@ -56,18 +57,6 @@ CLAIM_DIR = "/sandbox/claim"
 CLAIM_FILE = "task.json"
 ENTRYPOINT_SOURCE = (Path(__file__).parent / "warm_entrypoint.py").read_text()
 
-# The same restricted container context as a cold sandbox pod (test_warmpool checks they
-# stay equal): a pooled pod runs the same untrusted code.
-RESTRICTED_CONTAINER = {
-    "runAsNonRoot": True,
-    "runAsUser": NOBODY_UID,
-    "runAsGroup": NOBODY_UID,
-    "readOnlyRootFilesystem": True,
-    "allowPrivilegeEscalation": False,
-    "privileged": False,
-    "capabilities": {"drop": ["ALL"]},
-    "seccompProfile": {"type": "RuntimeDefault"},
-}
 
 
 def idle_selector(pool_name: str) -> str:
@@ -144,7 +133,8 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
         ],
         "resources": _resources(spec.resources.cpu, spec.resources.memory,
                                 ephemeral_storage=spec.resources.ephemeral_storage),
-        "securityContext": dict(RESTRICTED_CONTAINER),
+        # The cold sandbox pod's contexts: a pooled pod runs the same untrusted code.
+        "securityContext": restricted_container_context(),
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [workdir_mount,
@@ -155,13 +145,7 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 1,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": NOBODY_UID,
-            "runAsGroup": NOBODY_UID,
-            "fsGroup": NOBODY_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": restricted_pod_context(),
         "containers": [container],
         "volumes": [
             {"name": "workdir", "emptyDir": {"sizeLimit": config.sandbox_workdir_size}},
