@@ -62,6 +62,26 @@ def get_cr(kube: KubeClient, plural: str, namespace: str, name: str) -> dict[str
     return data if status == 200 else None
 
 
+def run_body(name: str, **spec: object) -> dict[str, object]:
+    """A minimal valid TrainingRun; ``spec`` adds or overrides spec fields."""
+    return {
+        "kind": "TrainingRun",
+        "metadata": {"name": name},
+        "spec": {
+            "model": "smollm2-135m-instruct",
+            "domains": [{"name": "math", "dataset": "builtin:arith",
+                         "verifier": {"kind": "numeric"}}],
+            **spec,
+        },
+    }
+
+
+def run_status(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
+    body = get_cr(kube, "trainingruns", namespace, name)
+    assert body is not None
+    return body.get("status") or {}
+
+
 def list_pods(kube: KubeClient, namespace: str, selector: str = "") -> list[dict[str, Any]]:
     path = resource_path("v1", "pods", namespace)
     if selector:

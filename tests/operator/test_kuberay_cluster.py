@@ -14,7 +14,6 @@ from posttrain.devenv.controlplane import ControlPlane
 from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient, resource_path
-from posttrain.operator.rbac import cluster_role
 from posttrain.operator.runtime import OperatorThread
 
 from .conftest import (
@@ -22,11 +21,13 @@ from .conftest import (
     create_cr,
     get_cr,
     list_pods,
+    run_body,
+    run_status,
     set_pod_running,
     set_pod_terminated,
     wait_for,
 )
-from .test_rbac_cluster import service_account_kubeconfig
+from .test_rbac_cluster import operator_with_exactly_its_rbac
 
 pytestmark = pytest.mark.cluster
 
@@ -43,25 +44,6 @@ def rayclusters_crd(crds_installed: None, kubectl: Any, kube: KubeClient) -> Ite
     yield
     kubectl("delete", "crd", "rayclusters.ray.io", "--wait=true")
     wait_for(lambda: not kube.serves("ray.io/v1", "rayclusters"), what="rayclusters gone")
-
-
-def run_body(name: str, **spec: object) -> dict[str, object]:
-    return {
-        "kind": "TrainingRun",
-        "metadata": {"name": name},
-        "spec": {
-            "model": "smollm2-135m-instruct",
-            "domains": [{"name": "math", "dataset": "builtin:arith",
-                         "verifier": {"kind": "numeric"}}],
-            **spec,
-        },
-    }
-
-
-def status_of(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
-    body = get_cr(kube, "trainingruns", namespace, name)
-    assert body is not None
-    return body.get("status") or {}
 
 
 def ray_cluster(kube: KubeClient, namespace: str, name: str) -> dict[str, Any] | None:
@@ -104,13 +86,13 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
     assert trainer_pods(kube, namespace) == []
     assert kube.get("v1", "Service", namespace, "mr-head") is None
     assert kube.get("v1", "ConfigMap", namespace, "mr-config") is not None
-    pending = wait_for(lambda: (s := status_of(kube, namespace, "mr")).get("rayCluster") and s,
+    pending = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("rayCluster") and s,
                        what="status.rayCluster")
     assert pending["phase"] == "Pending" and pending["rayCluster"] == "mr-g0"
 
     set_ray_cluster_status(kube, namespace, "mr-g0", {
         "state": "ready", "availableWorkerReplicas": 2, "desiredWorkerReplicas": 2})
-    running = wait_for(lambda: (s := status_of(kube, namespace, "mr")).get("phase") == "Running"
+    running = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Running"
                        and s, what="run Running")
     assert (running["rayClusterState"], running["availableWorkers"]) == ("ready", 2)
     ready = next(c for c in running["conditions"] if c["type"] == "Ready")
@@ -124,7 +106,7 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
         "spec": template["spec"]}
     kube.create_or_adopt(pod)
     set_pod_terminated(kube, namespace, "mr-g0-head-abcde", 0)
-    done = wait_for(lambda: (s := status_of(kube, namespace, "mr")).get("phase") == "Succeeded"
+    done = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Succeeded"
                     and s, what="run Succeeded")
     assert done["restarts"] == 0
     wait_for(lambda: ray_cluster(kube, namespace, "mr-g0") is None, what="RayCluster deleted")
@@ -140,7 +122,7 @@ def test_failed_ray_cluster_is_recreated_then_fails_the_run_past_backoff_limit(
                                                       "reason": "HeadPodCrashLooping"})
     wait_for(lambda: ray_cluster(kube, namespace, "fr-g1"), what="RayCluster fr-g1")
     wait_for(lambda: ray_cluster(kube, namespace, "fr-g0") is None, what="fr-g0 deleted")
-    status = wait_for(lambda: (s := status_of(kube, namespace, "fr")).get("rayCluster") == "fr-g1"
+    status = wait_for(lambda: (s := run_status(kube, namespace, "fr")).get("rayCluster") == "fr-g1"
                       and s, what="status on fr-g1")
     assert status["restarts"] == 1
     # The restart is explained on the run, with KubeRay's reason.
@@ -153,7 +135,7 @@ def test_failed_ray_cluster_is_recreated_then_fails_the_run_past_backoff_limit(
     assert run["metadata"]["annotations"][b.ANNOTATION_INCARNATION] == "1"
 
     set_ray_cluster_status(kube, namespace, "fr-g1", {"state": "failed", "reason": "Again"})
-    failed = wait_for(lambda: (s := status_of(kube, namespace, "fr")).get("phase") == "Failed"
+    failed = wait_for(lambda: (s := run_status(kube, namespace, "fr")).get("phase") == "Failed"
                       and s, what="run Failed")
     assert failed["restarts"] == 2
     reason = next(c for c in failed["conditions"] if c["type"] == "Failed")["reason"]
@@ -169,7 +151,7 @@ def test_suspend_deletes_the_ray_cluster_and_resume_recreates_it(
     wait_for(lambda: ray_cluster(kube, namespace, "sr-g0"), what="RayCluster sr-g0")
     kube.patch(cr_path("trainingruns", namespace, "sr"), {"spec": {"suspend": True}})
     wait_for(lambda: ray_cluster(kube, namespace, "sr-g0") is None, what="sr-g0 deleted")
-    suspended = wait_for(lambda: (s := status_of(kube, namespace, "sr")).get("phase")
+    suspended = wait_for(lambda: (s := run_status(kube, namespace, "sr")).get("phase")
                          == "Suspended" and s, what="run Suspended")
     assert "rayCluster" not in suspended and suspended["restarts"] == 0
     kube.patch(cr_path("trainingruns", namespace, "sr"), {"spec": {"suspend": False}})
@@ -192,33 +174,16 @@ def test_kuberay_path_works_with_exactly_the_operator_rbac(
 ) -> None:
     """rbac.OPERATOR_RULES cover the KubeRay path: create, watch, list and delete
     RayClusters as the operator's ServiceAccount (a missing rule would time a wait out)."""
-    role = cluster_role(f"posttrain-operator-{namespace}")
-    kube.request("POST", "/apis/rbac.authorization.k8s.io/v1/clusterroles", role)
-    kubeconfig = service_account_kubeconfig(kube, control_plane, namespace, "operator",
-                                            tmp_path / "kubeconfig")
-    kube.request("POST", resource_path("rbac.authorization.k8s.io/v1", "rolebindings", namespace), {
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "posttrain-operator"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                    "name": role["metadata"]["name"]},
-        "subjects": [{"kind": "ServiceAccount", "name": "operator", "namespace": namespace}],
-    })
-    config = OperatorConfig(kubeconfig=str(kubeconfig), namespaces=(namespace,),
-                            standalone=True, resync_seconds=1.0)
-    try:
-        with OperatorThread(config):
-            create_cr(kube, "trainingruns", namespace, run_body("rb", resources={"nodes": 2}))
-            wait_for(lambda: ray_cluster(kube, namespace, "rb-g0"), what="RayCluster rb-g0")
-            set_ray_cluster_status(kube, namespace, "rb-g0", {"state": "ready",
-                                                              "availableWorkerReplicas": 1})
-            wait_for(lambda: status_of(kube, namespace, "rb").get("phase") == "Running",
-                     what="run Running from the watched RayCluster")
-            kube.patch(cr_path("trainingruns", namespace, "rb"), {"spec": {"suspend": True}})
-            wait_for(lambda: ray_cluster(kube, namespace, "rb-g0") is None,
-                     what="RayCluster deleted by the operator's ServiceAccount")
-    finally:
-        kube.request("DELETE", f"/apis/rbac.authorization.k8s.io/v1/clusterroles/"
-                     f"{role['metadata']['name']}", ok=(200, 404))
+    with operator_with_exactly_its_rbac(kube, control_plane, namespace, tmp_path):
+        create_cr(kube, "trainingruns", namespace, run_body("rb", resources={"nodes": 2}))
+        wait_for(lambda: ray_cluster(kube, namespace, "rb-g0"), what="RayCluster rb-g0")
+        set_ray_cluster_status(kube, namespace, "rb-g0", {"state": "ready",
+                                                          "availableWorkerReplicas": 1})
+        wait_for(lambda: run_status(kube, namespace, "rb").get("phase") == "Running",
+                 what="run Running from the watched RayCluster")
+        kube.patch(cr_path("trainingruns", namespace, "rb"), {"spec": {"suspend": True}})
+        wait_for(lambda: ray_cluster(kube, namespace, "rb-g0") is None,
+                 what="RayCluster deleted by the operator's ServiceAccount")
 
 
 def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
@@ -242,17 +207,17 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
         # A running plain gang is not switched over...
         set_pod_running(kube, namespace, "late-g0-0")
         set_pod_running(kube, namespace, "late-g0-1")
-        wait_for(lambda: status_of(kube, namespace, "late").get("phase") == "Running",
+        wait_for(lambda: run_status(kube, namespace, "late").get("phase") == "Running",
                  what="plain gang Running")
         assert ray_cluster(kube, namespace, "late-g1") is None
         # ...the next gang, started from nothing, is a RayCluster.
         kube.patch(cr_path("trainingruns", namespace, "late"), {"spec": {"suspend": True}})
-        wait_for(lambda: status_of(kube, namespace, "late").get("phase") == "Suspended",
+        wait_for(lambda: run_status(kube, namespace, "late").get("phase") == "Suspended",
                  what="suspended")
         kube.patch(cr_path("trainingruns", namespace, "late"), {"spec": {"suspend": False}})
         wait_for(lambda: ray_cluster(kube, namespace, "late-g1"), what="RayCluster late-g1")
         set_ray_cluster_status(kube, namespace, "late-g1", {"state": "ready",
                                                             "availableWorkerReplicas": 1})
-        running = wait_for(lambda: (s := status_of(kube, namespace, "late")).get(
+        running = wait_for(lambda: (s := run_status(kube, namespace, "late")).get(
             "rayClusterState") == "ready" and s, what="status from the re-listed RayCluster")
         assert running["phase"] == "Running" and running["availableWorkers"] == 1

@@ -12,31 +12,14 @@ from .conftest import (
     create_cr,
     get_cr,
     list_pods,
+    run_body,
+    run_status,
     set_pod_running,
     set_pod_terminated,
     wait_for,
 )
 
 pytestmark = pytest.mark.cluster
-
-
-def run_body(name: str, **spec: object) -> dict[str, object]:
-    return {
-        "kind": "TrainingRun",
-        "metadata": {"name": name},
-        "spec": {
-            "model": "smollm2-135m-instruct",
-            "domains": [{"name": "math", "dataset": "builtin:arith",
-                         "verifier": {"kind": "numeric"}}],
-            **spec,
-        },
-    }
-
-
-def run_status(kube: KubeClient, namespace: str, name: str) -> dict[str, object]:
-    body = get_cr(kube, "trainingruns", namespace, name)
-    assert body is not None
-    return body.get("status") or {}
 
 
 def wait_phase(kube: KubeClient, namespace: str, name: str, phase: str) -> dict[str, object]:
