@@ -177,44 +177,37 @@ class Cluster:
     def _json(response: Any) -> Manifest:
         return json.loads(response.data or b"{}")
 
-    def list_pods(self, namespaces: Sequence[str] | None) -> list[Manifest]:
+    def _list(
+        self,
+        all_namespaces: Callable[..., Any],
+        namespaced: Callable[..., Any],
+        namespaces: Sequence[str] | None,
+    ) -> list[Manifest]:
+        """Items of one kind, cluster-wide (``namespaces`` None) or from each namespace."""
         if namespaces is None:
-            return self._json(self.core.list_pod_for_all_namespaces(_preload_content=False))[
-                "items"
-            ]
+            return self._json(all_namespaces(_preload_content=False))["items"]
         return [
-            pod
+            item
             for ns in namespaces
-            for pod in self._json(self.core.list_namespaced_pod(ns, _preload_content=False))[
-                "items"
-            ]
+            for item in self._json(namespaced(ns, _preload_content=False))["items"]
         ]
+
+    def list_pods(self, namespaces: Sequence[str] | None) -> list[Manifest]:
+        return self._list(
+            self.core.list_pod_for_all_namespaces, self.core.list_namespaced_pod, namespaces
+        )
 
     def list_deployments(self, namespaces: Sequence[str] | None) -> list[Manifest]:
-        if namespaces is None:
-            return self._json(self.apps.list_deployment_for_all_namespaces(_preload_content=False))[
-                "items"
-            ]
-        return [
-            d
-            for ns in namespaces
-            for d in self._json(self.apps.list_namespaced_deployment(ns, _preload_content=False))[
-                "items"
-            ]
-        ]
+        return self._list(
+            self.apps.list_deployment_for_all_namespaces,
+            self.apps.list_namespaced_deployment,
+            namespaces,
+        )
 
     def list_services(self, namespaces: Sequence[str] | None) -> list[Manifest]:
-        if namespaces is None:
-            return self._json(self.core.list_service_for_all_namespaces(_preload_content=False))[
-                "items"
-            ]
-        return [
-            svc
-            for ns in namespaces
-            for svc in self._json(self.core.list_namespaced_service(ns, _preload_content=False))[
-                "items"
-            ]
-        ]
+        return self._list(
+            self.core.list_service_for_all_namespaces, self.core.list_namespaced_service, namespaces
+        )
 
     def get(self, kind: str, namespace: str, name: str) -> Manifest | None:
         from kubernetes.client.exceptions import ApiException

@@ -116,19 +116,24 @@ def test_operator_pod_is_restricted_and_probed(render: Render) -> None:
     assert "posttrain operator" in container["args"][0]
 
 
-def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
-    data = one(render(), "ConfigMap", "-operator")["data"]
-    set_fields = {k.removeprefix(ENV_PREFIX).lower() for k in data if k.startswith(ENV_PREFIX)}
-    unknown = set_fields - set(OperatorConfig.model_fields) - PENDING_OPERATOR_FIELDS
-    assert not unknown, f"the chart sets variables OperatorConfig does not read: {unknown}"
-    # The values the operator does read load into a valid config.
+def operator_config_from(data: dict[str, str]) -> OperatorConfig:
+    """The OperatorConfig the operator builds from the ConfigMap's variables it reads."""
     known = {
         k.removeprefix(ENV_PREFIX).lower(): v
         for k, v in data.items()
         if k.startswith(ENV_PREFIX)
         and k.removeprefix(ENV_PREFIX).lower() in OperatorConfig.model_fields
     }
-    config = OperatorConfig(**known)
+    return OperatorConfig(**known)
+
+
+def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
+    data = one(render(), "ConfigMap", "-operator")["data"]
+    set_fields = {k.removeprefix(ENV_PREFIX).lower() for k in data if k.startswith(ENV_PREFIX)}
+    unknown = set_fields - set(OperatorConfig.model_fields) - PENDING_OPERATOR_FIELDS
+    assert not unknown, f"the chart sets variables OperatorConfig does not read: {unknown}"
+    # The values the operator does read load into a valid config.
+    config = operator_config_from(data)
     assert config.all_namespaces and config.liveness_port == 8080
     assert config.s3_endpoint == "rel-posttrain-minio.posttrain-system.svc:9000"
     assert config.trainer_image == "ghcr.io/posttrain/trainer:0.1.0"
@@ -156,13 +161,7 @@ def test_sandbox_artifacts_and_kuberay_values_reach_the_operator(
         )
     )
     data = one(render([values]), "ConfigMap", "-operator")["data"]
-    known = {
-        k.removeprefix(ENV_PREFIX).lower(): v
-        for k, v in data.items()
-        if k.startswith(ENV_PREFIX)
-        and k.removeprefix(ENV_PREFIX).lower() in OperatorConfig.model_fields
-    }
-    config = OperatorConfig(**known)
+    config = operator_config_from(data)
     assert config.sandbox_artifacts_uri == "s3://posttrain/sandbox" and not config.kuberay
     assert config.sandbox_artifacts_egress[0]["ports"] == [{"port": 9000}]
 
