@@ -324,6 +324,7 @@ class PodRunner:
     ready: bool = False
     probe_failures: int = 0
     started_at: float = 0.0
+    hosts_text: str | None = None  # what update_hosts last wrote
 
     @property
     def namespace(self) -> str:
@@ -356,11 +357,12 @@ class PodRunner:
         running process's view, and a rename would leave the mount on the old file.
         """
         text = hosts_file_text(host_hosts_text(), self.name, self.pod_ip, service_lines)
+        if text == self.hosts_text:
+            return  # called every poll: compare in memory, touch the file only on a change
         self.pod_dir.mkdir(parents=True, exist_ok=True)
-        if self.hosts_path.exists() and self.hosts_path.read_text() == text:
-            return
         with open(self.hosts_path, "w") as hosts:
             hosts.write(text)
+        self.hosts_text = text
 
     def start(self) -> PodRunner:
         self.thread = threading.Thread(target=self._run, name=f"pod-{self.name}", daemon=True)
@@ -621,7 +623,7 @@ class PodRunner:
         mounts.append((str(termination_file), termination_path, False))
         if self.service_account_dir is not None:
             mounts.append((str(self.service_account_dir), SERVICE_ACCOUNT_MOUNT, True))
-        if not self.hosts_path.exists():
+        if self.hosts_text is None:
             self.update_hosts([])
         mounts.append((str(self.hosts_path), "/etc/hosts", True))
         bwrap = bwrap_prefix(mounts)
