@@ -106,7 +106,7 @@ def claim_mismatch(task: SandboxTask, pool: SandboxWarmPool, config: OperatorCon
     """
     if task.spec.snapshot or task.spec.restore_from:
         return "spec.snapshot and spec.restoreFrom need a cold pod"
-    if getattr(config, "sandbox_artifacts_uri", ""):
+    if config.sandbox_artifacts_uri:
         # Log upload runs in the cold pod's entrypoint; a pooled pod would lose status.logsUri.
         return "the operator stores sandbox logs (sandbox_artifacts_uri), which needs a cold pod"
     want, have = task_template(task, config), pool_template(pool, config)
