@@ -452,6 +452,7 @@ class Executor:
                     result = self._run_pooled(pooled, request)
                 finally:
                     pooled.release()
+                    self._pool_finished()
             else:
                 uid_context = self._uids.uid() if self.is_root else contextlib.nullcontext(None)
                 with uid_context as host_uid:
@@ -475,6 +476,7 @@ class Executor:
                 finally:
                     os.close(pooled.status_read)
                     pooled.release()
+                    self._pool_finished()
             else:
                 host_uid = self._uids.acquire() if self.is_root else None
                 try:
@@ -495,6 +497,10 @@ class Executor:
             result = _finish(request, collected, (time.monotonic() - started) * 1000, False)
             self._record(span, request, result)
         return result
+
+    def _pool_finished(self) -> None:
+        if self.pool is not None:
+            self.pool.finished()
 
     @staticmethod
     def _record(span: Any, request: ExecRequest, result: ExecResult) -> None:
@@ -630,9 +636,9 @@ class Executor:
         return _wait_for(sandbox.proc, request, started, sandbox.status_read, -1, False)
 
     def _dispatch(self, sandbox: PooledSandbox, request: ExecRequest) -> float:
-        """Send the argv to a pooled sandbox's launcher, then have the pool replace it;
-        returns the start time. The refill starts only now, so building the next sandbox
-        never delays handing this one its program."""
+        """Send the argv to a pooled sandbox's launcher, then let the pool refill if it ran
+        low; returns the start time. A refill starts only after the hand-off, so building
+        the next sandbox never delays handing this one its program."""
         started = time.monotonic()
         try:
             _write_all(sandbox.control, b"\0".join(a.encode() for a in request.command) + b"\0")

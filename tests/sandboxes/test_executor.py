@@ -245,6 +245,47 @@ def test_warm_pool_sandboxes_are_single_use_and_contained() -> None:
         pooled.close()
 
 
+def test_warm_pool_refills_after_executions_and_below_its_reserve_during_them() -> None:
+    """A refill beside a running execution slows it (CPU, GIL, namespace locks): while
+    executions run the pool refills only below its reserve, and tops up once none runs."""
+    import threading
+
+    pooled = Executor(warm_pool=2)  # size 2, reserve 1
+    pool = pooled.pool
+    assert pool is not None and (pool.size, pool.reserve) == (2, 1)
+
+    def settled(ready: int, started: int) -> None:
+        deadline = time.monotonic() + 10
+        while (len(pool._ready), pool.started) != (ready, started):
+            assert time.monotonic() < deadline, (len(pool._ready), pool.started)
+            time.sleep(0.02)
+
+    try:
+        settled(2, 2)
+        # One execution: one sandbox stays ready (= the reserve), so nothing starts beside it.
+        worker = threading.Thread(target=run, args=(pooled, ["sleep", "1"]))
+        worker.start()
+        time.sleep(0.6)
+        assert (len(pool._ready), pool.started) == (1, 2)
+        worker.join()
+        settled(2, 3)  # topped up once it finished
+        # Two at once: the reserve is gone, so a refill starts while they still run.
+        workers = [threading.Thread(target=run, args=(pooled, ["sleep", "1.5"]))
+                   for _ in range(2)]
+        for thread in workers:
+            thread.start()
+        deadline = time.monotonic() + 1.2
+        while len(pool._ready) < 1:
+            assert time.monotonic() < deadline, "no refill below the reserve while busy"
+            time.sleep(0.02)
+        assert all(thread.is_alive() for thread in workers)
+        for thread in workers:
+            thread.join()
+        settled(2, 5)
+    finally:
+        pooled.close()
+
+
 def test_warm_pool_sandbox_has_exactly_the_cold_path_limits() -> None:
     # The pool's launcher sets the limits with bash's ulimit instead of prlimit: what the
     # program sees must be identical, soft and hard, for every limited resource.
