@@ -111,31 +111,23 @@ class Policy:
         """Log-probs of each completion token under ``model``, aligned with a mask.
 
         Returns ``(logp, behaviour, mask)``, each (B, L) with L the longest completion;
-        the logits are divided by ``temperature`` exactly as the sampler did. The LM head
-        runs only on the positions that predict completion tokens: prompt positions would
-        cost a (T, V) matmul and softmax each (V ~ 49k) for logits nobody reads.
+        the logits are divided by ``temperature`` exactly as the sampler did. See
+        :func:`completion_logits` for how the forward avoids redundant work.
         """
-        lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
-        width, batch = max(lengths), len(samples)
+        batch = len(samples)
         longest = max(len(s.completion_ids) for s in samples)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)  # (B, T)
-        attention = torch.zeros((batch, width), dtype=torch.long)  # (B, T)
         behaviour = torch.zeros((batch, longest))  # (B, L)
         mask = torch.zeros((batch, longest))  # (B, L)
-        rows, columns, positions, targets = [], [], [], []
+        rows, columns, targets = [], [], []
         for i, s in enumerate(samples):
-            ids = s.prompt_ids + s.completion_ids
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            attention[i, : len(ids)] = 1
-            start, n = len(s.prompt_ids), len(s.completion_ids)
+            n = len(s.completion_ids)
             rows += [i] * n
             columns += range(n)
-            positions += range(start - 1, start - 1 + n)  # logits at t predict token t+1
             targets += s.completion_ids
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
             mask[i, :n] = 1.0
         row_index, column_index = torch.tensor(rows), torch.tensor(columns)  # (N,), (N,)
-        logits = _logits_at(model, input_ids, attention, row_index, torch.tensor(positions))
+        logits = completion_logits(model, samples, self.pad_id)  # (N, V)
         token_logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (N, V)
         chosen = token_logp.gather(-1, torch.tensor(targets)[:, None]).squeeze(-1)  # (N,)
         logp = torch.zeros((batch, longest)).index_put((row_index, column_index), chosen)  # (B, L)
@@ -209,22 +201,89 @@ class Policy:
         return stats
 
 
-def _logits_at(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,  # (B, T)
-    attention: torch.Tensor,  # (B, T)
-    rows: torch.Tensor,  # (N,)
-    positions: torch.Tensor,  # (N,)
+def completion_logits(
+    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
-    """Logits (N, V) at ``(rows[k], positions[k])``, running the LM head only there.
+    """Logits (N, V) predicting every completion token, sample after sample, in order.
 
-    Models whose forward post-processes logits (soft-capping, logit scales) take the full
+    Two savings over one forward of every prompt + completion:
+
+    - **Each distinct prompt runs once.** GRPO samples a group of completions per prompt;
+      the prompts (left-padded) go through the decoder once, their KV cache is repeated for
+      each completion of the group, and the completions (right-padded) run on top of it.
+      Gradients from every completion flow back into the shared prompt pass, so the loss and
+      its gradient are those of separate forwards (float summation order aside; tested).
+      With 4 completions of 32 tokens after a 43-token prompt this is 43% fewer tokens through
+      the decoder, ~30% less time per step for SmolLM2-135M on CPU.
+    - **The LM head runs only where a completion token is predicted**: a prompt position
+      would cost a (T, V) matmul and softmax (V ~ 49k) for logits nobody reads.
+
+    Models whose forward post-processes logits (soft-capping, logit scales) take one full
     forward instead, so the result always equals what the sampler computed.
     """
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
-        logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
-        return logits[rows, positions].float()  # (N, V)
+        return _full_forward_logits(model, samples, pad_id)
     decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention).last_hidden_state  # (B, T, H)
-    return model.get_output_embeddings()(hidden[rows, positions]).float()  # (N, V)
+    prompt_index: dict[tuple[int, ...], int] = {}
+    group = [prompt_index.setdefault(tuple(s.prompt_ids), len(prompt_index)) for s in samples]
+    prompts = list(prompt_index)
+    width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (G, P)
+    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (G, P)
+    for g, prompt in enumerate(prompts):
+        prompt_ids[g, width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[g, width - len(prompt) :] = 1
+    out = decoder(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        use_cache=True,
+    )
+    first = out.last_hidden_state[:, -1]  # (G, H): predicts each completion's first token
+    group_index = torch.tensor(group)  # (B,)
+    rest = max(len(s.completion_ids) for s in samples) - 1  # inputs after the prompt
+    later: torch.Tensor | None = None
+    if rest > 0:
+        cache = out.past_key_values
+        cache.batch_select_indices(group_index)  # (G, ...) -> (B, ...), differentiable
+        ids = torch.full((len(samples), rest), pad_id, dtype=torch.long)  # (B, C)
+        mask = torch.zeros((len(samples), rest), dtype=torch.long)  # (B, C)
+        for i, s in enumerate(samples):
+            n = len(s.completion_ids) - 1
+            ids[i, :n] = torch.tensor(s.completion_ids[:n])
+            mask[i, :n] = 1
+        starts = torch.tensor([len(prompts[g]) for g in group])  # (B,)
+        later = decoder(
+            input_ids=ids,
+            attention_mask=torch.cat([prompt_mask[group_index], mask], dim=1),  # (B, P+C)
+            position_ids=starts[:, None] + torch.arange(rest)[None, :],  # (B, C)
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # (B, C, H)
+    hidden = []
+    for i, s in enumerate(samples):
+        hidden.append(first[group[i]][None])
+        if later is not None and len(s.completion_ids) > 1:
+            hidden.append(later[i, : len(s.completion_ids) - 1])
+    return model.get_output_embeddings()(torch.cat(hidden)).float()  # (N, V)
+
+
+def _full_forward_logits(
+    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+) -> torch.Tensor:
+    """:func:`completion_logits` by one forward of each prompt + completion (the reference
+    the shared-prompt path is tested against)."""
+    lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
+    input_ids = torch.full((len(samples), max(lengths)), pad_id, dtype=torch.long)  # (B, T)
+    attention = torch.zeros_like(input_ids)  # (B, T)
+    rows, positions = [], []
+    for i, s in enumerate(samples):
+        ids = s.prompt_ids + s.completion_ids
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        attention[i, : len(ids)] = 1
+        start, n = len(s.prompt_ids), len(s.completion_ids)
+        rows += [i] * n
+        positions += range(start - 1, start - 1 + n)  # logits at t predict token t+1
+    logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
+    return logits[torch.tensor(rows), torch.tensor(positions)].float()  # (N, V)

@@ -76,6 +76,22 @@ def test_seed_determinism_independent_of_batch(tiny_engine: GenerationEngine) ->
     ]
 
 
+def test_a_prompt_is_prefilled_once_for_all_its_samples(tiny_engine: GenerationEngine) -> None:
+    """Prefix sharing: the n samples of a prompt share one prefill (their KV cache is
+    copied), so prompt tokens are counted once; the samples stay distinct draws whose
+    log-probs match a plain forward (test_logprobs_match_plain_forward)."""
+    from prometheus_client import REGISTRY
+
+    def prefilled() -> float:
+        return REGISTRY.get_sample_value("posttrain_rollout_prompt_tokens_total") or 0.0
+
+    prompt = prompts(tiny_engine)[1]
+    before = prefilled()
+    [samples] = tiny_engine.generate([prompt], SamplingParams(n=4, max_tokens=6, seed=5))
+    assert prefilled() - before == len(prompt)
+    assert len(samples) == 4 and len({tuple(s.token_ids) for s in samples}) > 1
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
 def test_logprobs_match_plain_forward(
     tiny_engine: GenerationEngine, temperature: float, top_p: float

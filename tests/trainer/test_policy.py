@@ -81,3 +81,34 @@ def test_temperature_scales_logits(tiny_model: Path) -> None:
         hot, _, _ = policy.completion_logprobs(policy.model, samples, temperature=2.0)
         cold, _, _ = policy.completion_logprobs(policy.model, samples, temperature=1.0)
     assert not torch.allclose(hot, cold)
+
+
+def test_shared_prompt_forward_equals_separate_forwards(tiny_model: Path) -> None:
+    """Each distinct prompt runs once and its KV cache serves its whole group: the logits
+    and the gradients must be those of one full forward per sample."""
+    from posttrain.trainer.policy import _full_forward_logits, completion_logits
+
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    short, long = policy.encode_prompt("2 + 2?"), policy.encode_prompt("What is 12 * 12? " * 3)
+    single = policy.encode_prompt("Alone.")
+    assert len(long) > len(short)  # the prompt pass is left-padded
+    completions = [(long, [28, 29, 30]), (short, [31, 32]), (long, [33]), (single, [5, 6]),
+                   (short, [34, 35, 36, 37]), (long, [38, 39])]
+    samples = [TrainSample(p, c, [0.0] * len(c), 1.0, 1.0) for p, c in completions]
+
+    def logits_and_grads(fn: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        policy.model.zero_grad(set_to_none=True)
+        logits = fn(policy.model, samples, policy.pad_id)  # type: ignore[operator]
+        (logits.log_softmax(-1)[:, 40] * torch.arange(len(logits))).sum().backward()
+        grads = {k: p.grad.clone() for k, p in policy.model.named_parameters()
+                 if p.grad is not None}
+        return logits.detach(), grads
+
+    shared, shared_grads = logits_and_grads(completion_logits)
+    full, full_grads = logits_and_grads(_full_forward_logits)
+    assert shared.shape == (sum(len(c) for _, c in completions), policy.model.config.vocab_size)
+    torch.testing.assert_close(shared, full, rtol=1e-4, atol=1e-5)
+    assert shared_grads.keys() == full_grads.keys()
+    assert any(float(g.abs().max()) > 0 for g in full_grads.values())
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6)
