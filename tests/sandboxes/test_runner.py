@@ -34,8 +34,8 @@ def running_server(concurrency: int, max_queue: int, keep_alive_s: int = 5,
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    # As `posttrain sandbox serve` runs it: one pre-started sandbox per slot.
-    executor = executor or Executor(warm_pool=concurrency)
+    # As `posttrain sandbox serve` runs it: two pre-started sandboxes per slot.
+    executor = executor or Executor(warm_pool=2 * concurrency)
     app = create_app(executor, concurrency=concurrency, max_queue=max_queue)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
                                            log_level="warning", access_log=False,
