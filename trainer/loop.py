@@ -203,6 +203,9 @@ class Run:
             sampled = [batch_from_json(b) for b in state.sampled_batches]
             if dist.is_main:  # the server restarted with the base model: give it our weights
                 run.publisher.publish(run.policy, run.version)
+        # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
+        # rank waits here, fresh or resumed, so the collectives always pair up.
+        dist.barrier()
         run.producer = RolloutProducer(client, run.sampling, run.algo.max_policy_lag,
                                        steps_done=run.step)
         for batch in sampled:
