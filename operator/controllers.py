@@ -15,8 +15,8 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -74,6 +74,11 @@ MAX_CLAIM_TRIES = 8
 # Pods one pool reconcile creates before it hands over (and asks for another pass): bounds how
 # long the pool's lock is held, so refills interleave with claims and shutdown is prompt.
 WARM_POOL_CREATE_BATCH = 50
+
+
+# Steps of Controller._task_step_on_loop besides a manifest (compared by identity).
+_NOOP: Body = {}
+_FULL: Body = {}
 
 
 def _claimable(pod: Body, want_hash: str) -> bool:
@@ -216,12 +221,14 @@ class Controller:
             self._locks.pop((kind, namespace, name), None)
 
     @contextmanager
-    def _reconciling(self, kind: str, namespace: str, name: str) -> Iterator[None]:
-        """Per-object lock + OpenTelemetry span + Prometheus metrics around one reconcile."""
-        started = time.perf_counter()
+    def _reconciling(self, kind: str, namespace: str, name: str, locked: bool = False,
+                     started: float | None = None) -> Iterator[None]:
+        """Per-object lock (``locked``: the caller holds it) + OpenTelemetry span + Prometheus
+        metrics around one reconcile."""
+        started = time.perf_counter() if started is None else started
         RECONCILES.labels(kind).inc()
         with (
-            self._lock(kind, namespace, name),
+            nullcontext() if locked else self._lock(kind, namespace, name),
             tracer.start_as_current_span(f"reconcile {kind}") as span,
         ):
             span.set_attribute("k8s.namespace.name", namespace)
@@ -312,6 +319,63 @@ class Controller:
                 self.kube.delete("v1", "Pod", namespace, pod)
             self._patch_status(self.tasks, body, plan.status_patch)
             self._emit(body, plan.events)
+
+    async def reconcile_task_on_loop(
+        self, namespace: str, name: str,
+        create: Callable[[Body], Awaitable[tuple[bool, Body]]],
+    ) -> bool:
+        """reconcile_task for the burst case without leaving the event loop; False when the
+        caller must run reconcile_task on a thread instead.
+
+        Handled here: a reconcile with nothing to do, or whose one write is the pod create
+        (a new task: no status patch, no Event), made with ``create`` (AsyncKube's). Anything
+        more (retries, status transitions, warm-pool claims, artifact URLs, the network
+        policy's first create, invalid specs) and a task whose lock another reconcile holds
+        go to the thread: the loop never blocks on a lock or a synchronous request.
+        """
+        started = time.perf_counter()
+        lock = self._lock("SandboxTask", namespace, name)
+        if not lock.acquire(blocking=False):
+            return False
+        try:
+            step = self._task_step_on_loop(namespace, name)
+            if step is None or step is _FULL:
+                return step is None
+            with self._reconciling("SandboxTask", namespace, name, locked=True, started=started):
+                if step is not _NOOP:
+                    created, obj = await create(step)
+                    (CHILDREN_CREATED if created else CHILDREN_ADOPTED).labels(
+                        "SandboxTask", "Pod").inc()
+                    self.sandbox_pods.put(obj)
+            return True
+        finally:
+            lock.release()
+
+    def _task_step_on_loop(self, namespace: str, name: str) -> Body | None:
+        """For reconcile_task_on_loop, without I/O: None (no task, or it is being deleted:
+        reconcile_task would return at once), _NOOP, _FULL, or the pod manifest to create."""
+        body = self.tasks.get(namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        try:
+            task = SandboxTask.model_validate(body)
+        except ValidationError:
+            return _FULL
+        pods = [pod_view(p) for p in self.sandbox_pods.children(namespace, name)]
+        plan = plan_sandbox(task, pods, _now())
+        if plan.delete_task or plan.delete_pods or plan.status_patch or plan.events:
+            return _FULL
+        if plan.create_attempt is None:
+            return _NOOP
+        spec = task.spec
+        if (spec.warm_pool_ref or spec.snapshot or spec.restore_from
+                or self.config.sandbox_artifacts_uri
+                or (spec.network == "none" and namespace not in self._policy_namespaces)):
+            return _FULL
+        try:
+            return b.build_sandbox_pod(task, self.config, plan.create_attempt)
+        except b.BuildError:
+            return _FULL
 
     def _ensure_network_policy(self, namespace: str) -> None:
         """The namespace's default-deny policy, created once per operator process (its one
@@ -795,25 +859,29 @@ class Controller:
 
     def on_pod(self, event_type: str | None, body: Body) -> None:
         """A labelled pod changed: update the right cache and reconcile its owner."""
-        for work in self.route_pod(event_type, body):
+        task, work = self.route_pod(event_type, body)
+        if task is not None:
+            self.reconcile_task(*task)
+        if work is not None:
             work()
 
-    def route_pod(self, event_type: str | None, body: Body) -> list[Callable[[], None]]:
-        """Cache a pod event; return the reconciles it calls for (none for the echo of our
-        own write). Split from on_pod so the async watch handler caches inline and spends a
-        thread only on real work."""
+    def route_pod(self, event_type: str | None,
+                  body: Body) -> tuple[Key | None, Callable[[], None] | None]:
+        """Cache a pod event; return (the SandboxTask it calls to reconcile, other blocking
+        work), each None when there is none (the echo of our own write needs nothing).
+        Split from on_pod so the informer caches inline, reconciles the task on the loop
+        when it can (handlers.py), and spends a thread only on the rest."""
         meta = body.get("metadata") or {}
         labels = meta.get("labels") or {}
         if labels.get(b.LABEL_COMPONENT) != b.COMPONENT_SANDBOX:
-            return [lambda: self._on_other_pod(event_type, body)]
+            return None, lambda: self._on_other_pod(event_type, body)
         namespace = meta.get("namespace", "")
-        work: list[Callable[[], None]] = []
         pool, task = labels.get(wp.LABEL_WARM_POOL), labels.get(b.LABEL_TASK)
         if pool and self.observe(self.warm_pods, event_type, body):
             self.request_pool_reconcile(namespace, pool)  # coalesced, never blocks this event
         if task and self.observe(self.sandbox_pods, event_type, body):
-            work.append(lambda: self.reconcile_task(namespace, task))
-        return work
+            return (namespace, task), None
+        return None, None
 
     def _on_other_pod(self, event_type: str | None, body: Body) -> None:
         meta = body.get("metadata") or {}

@@ -1,9 +1,11 @@
-"""Kopf handlers: register, log, delegate. No decisions here (see controllers/reconcile).
+"""Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
+(see controllers/reconcile).
 
-Watches feed the controller's caches; every event triggers a level-triggered reconcile of
-the affected object (pod and Deployment events reconcile their owner). A periodic resync
-handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and anything a missed
-event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
+Watches feed the controller's caches (kopf's for most kinds; lean informers, informer.py,
+for SandboxTasks and labelled pods, the burst path); every event triggers a level-triggered
+reconcile of the affected object (pod and Deployment events reconcile their owner). A
+periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
+anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
 finalizer: it is the one case where deletion needs cleanup (the artifacts in S3).
 """
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import kopf
@@ -76,7 +78,6 @@ def _on_resource_event(
     """Cache the object; reconcile it unless the event is the echo of our own status patch."""
     controller = _controller(memo)
     store, reconcile = {
-        "SandboxTask": (controller.tasks, controller.reconcile_task),
         "TrainingRun": (controller.runs, controller.reconcile_run),
         "RolloutPool": (controller.pools, controller.reconcile_pool),
     }[kind]
@@ -90,24 +91,13 @@ def _on_resource_event(
 async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
 
-    The SandboxTask, SandboxWarmPool and sandbox-pod handlers are async so that caching an
-    event, and dropping the echo of our own write, happens on the event loop: in a burst
-    half of all events are such echoes, and a thread hop each cost more than the work.
+    The SandboxWarmPool handler and the informer callbacks cache an event, and drop the echo
+    of our own write, on the event loop: in a burst half of all events are such echoes, and a
+    thread hop each cost more than the work.
     """
     context = contextvars.copy_context()
     await asyncio.get_running_loop().run_in_executor(
         getattr(memo, "executor", None), context.run, work)
-
-
-@kopf.on.event(GROUP, VERSION, "sandboxtasks", registry=REGISTRY)
-async def sandbox_task_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
-                             **_: Any) -> None:
-    controller = _controller(memo)
-    changed = controller.observe(controller.tasks, event.get("type"), event["object"])
-    if event.get("type") == "DELETED":
-        controller.forget("SandboxTask", namespace, name)
-    elif changed:
-        await _in_thread(memo, lambda: controller.reconcile_task(namespace, name))
 
 
 @kopf.on.event(GROUP, VERSION, "sandboxwarmpools", registry=REGISTRY)
@@ -162,7 +152,68 @@ def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     _controller(memo).on_ray_cluster(event.get("type"), event["object"])
 
 
-@kopf.on.event("", "v1", "pods", labels={LABEL_COMPONENT: kopf.PRESENT}, registry=REGISTRY)
-async def pod_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    for work in _controller(memo).route_pod(event.get("type"), event["object"]):
-        await _in_thread(memo, work)
+# ------------------------------------------------------------ burst path (informer.py)
+# SandboxTasks and labelled pods are not watched by kopf: lean informers feed these
+# callbacks on kopf's event loop (see runtime.run_informers and docs/operator.md).
+
+
+def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A SandboxTask event: cache it; reconcile unless it is the echo of our own write."""
+    controller = _controller(memo)
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    changed = controller.observe(controller.tasks, event_type, body)
+    if event_type == "DELETED":
+        controller.forget("SandboxTask", namespace, name)
+    elif changed:
+        _spawn(memo, _reconcile_task(memo, namespace, name))
+
+
+async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
+    """On the loop when it is a plain pod create (the burst), else on a reconciler thread.
+
+    Coalesced per task: an event that arrives while this task is being reconciled (e.g. the
+    new pod's ADDED event, often ahead of the create's response) asks for one more pass
+    after it, instead of a thread that would wait on the task's lock.
+    """
+    controller, queue = _controller(memo), memo.task_queue
+    key = (namespace, name)
+    if key in queue:
+        queue[key] = True  # again, after the running pass
+        return
+    queue[key] = False
+    try:
+        while True:
+            if not await controller.reconcile_task_on_loop(
+                    namespace, name, memo.akube.create_or_adopt):
+                await _in_thread(memo, lambda: controller.reconcile_task(namespace, name))
+            if not queue[key]:
+                break
+            queue[key] = False
+    finally:
+        del queue[key]
+
+
+def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A labelled pod event: cached here; its task reconciled as a SandboxTask event's is,
+    other owners' reconciles on a thread."""
+    task, work = _controller(memo).route_pod(event_type, body)
+    if task is not None:
+        _spawn(memo, _reconcile_task(memo, *task))
+    if work is not None:
+        _spawn(memo, _in_thread(memo, work))
+
+
+def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` as a task of its own; its failure is logged (the resync retries), like a
+    kopf on.event handler's."""
+    task = asyncio.create_task(work)
+    memo.inflight.add(task)
+    task.add_done_callback(lambda done: _finished(memo, done))
+
+
+def _finished(memo: Any, task: asyncio.Task[None]) -> None:
+    memo.inflight.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("reconcile failed (the resync retries): %r", task.exception(),
+                  exc_info=task.exception())

@@ -55,6 +55,17 @@ class Credentials:
         )
 
 
+def ssl_context(creds: Credentials) -> ssl.SSLContext:
+    """TLS context for the apiserver: its CA (or none checked when insecure), our client cert."""
+    context = ssl.create_default_context(cafile=creds.ca_path)
+    if creds.insecure:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if creds.cert_path:
+        context.load_cert_chain(creds.cert_path, creds.key_path)
+    return context
+
+
 def load_credentials(kubeconfig: str | None) -> Credentials:
     """Credentials from ``kubeconfig``, else in-cluster, else $KUBECONFIG/~/.kube/config."""
     from kubernetes import client, config
@@ -124,16 +135,10 @@ class KubeClient:
         """``reload`` re-reads credentials after a 401: in-cluster service-account tokens are
         rotated by the kubelet (bound tokens expire), and a long-running operator must follow."""
         self._reload = reload
-        context = ssl.create_default_context(cafile=creds.ca_path)
-        if creds.insecure:
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-        if creds.cert_path:
-            context.load_cert_chain(creds.cert_path, creds.key_path)
         headers = {"Authorization": f"Bearer {creds.token}"} if creds.token else {}
         self._http = httpx.Client(
             base_url=creds.server,
-            verify=context,
+            verify=ssl_context(creds),
             headers=headers,
             timeout=timeout,
             limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from typing import Any
 
 import kopf
+import uvloop
+from kopf._core.engines import posting  # kopf's Event-queue context (see run_informers)
 
+from posttrain.api import API_VERSION
 from posttrain.telemetry import start_metrics_server
 
+from .akube import AsyncKube
+from .builders import LABEL_COMPONENT
 from .config import OperatorConfig
 from .controllers import Controller
+from .informer import Gate, Informer, kopf_internals, peering_toggle_names
 from .kube import KubeClient, load_credentials
 from .reconcile import EventSpec
 from .settings import build_settings, quiet_per_request_logs
@@ -34,8 +41,10 @@ def build_memo(config: OperatorConfig) -> kopf.Memo:
     creds = load_credentials(config.kubeconfig)
     kube = KubeClient(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout,
                       reload=lambda: load_credentials(config.kubeconfig))
+    akube = AsyncKube(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout,
+                      reload=lambda: load_credentials(config.kubeconfig))
     controller = Controller(config, kube, post_kopf_event)
-    return kopf.Memo(config=config, credentials=creds, controller=controller)
+    return kopf.Memo(config=config, credentials=creds, controller=controller, akube=akube)
 
 
 async def run_async(
@@ -54,7 +63,12 @@ async def run_async(
     settings = build_settings(config)
     # The async handlers run their blocking reconciles on kopf's own pool (max_workers).
     memo.executor = settings.execution.executor
-    await kopf.operator(
+    memo.inflight = set()
+    memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
+    # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
+    # more root task, gated by kopf's own pause toggles (peering).
+    existing = asyncio.all_tasks()
+    tasks = await kopf.spawn_tasks(
         registry=REGISTRY,
         # Peering is configured only through settings: passing peering_name here would make
         # peering mandatory even for --standalone.
@@ -66,6 +80,49 @@ async def run_async(
         memo=memo,
         liveness_endpoint=liveness,
     )
+    paused, event_queue = kopf_internals(tasks)
+    peering = () if config.standalone else peering_toggle_names(
+        config.peering_name, None if config.all_namespaces else config.watched_namespaces)
+    informers = asyncio.create_task(
+        run_informers(memo, config, Gate(paused, peering), event_queue),
+        name="posttrain informers")
+    await kopf.run_tasks([*tasks, informers], ignored=existing)
+
+
+def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
+    """SandboxTasks and labelled pods (the burst path), per watched namespace or cluster-wide."""
+    namespaces: list[str | None] = (
+        [None] if config.all_namespaces else list(config.watched_namespaces))
+    from .handlers import on_pod, on_sandbox_task
+
+    informers = []
+    for namespace in namespaces:
+        common = {"namespace": namespace, "server_timeout": config.watch_server_timeout,
+                  "client_timeout": config.watch_client_timeout}
+        informers.append(Informer(
+            memo.akube, API_VERSION, "SandboxTask", "sandboxtasks",
+            on_event=lambda event, body: on_sandbox_task(memo, event, body), **common))
+        informers.append(Informer(
+            memo.akube, "v1", "Pod", "pods", label_selector=LABEL_COMPONENT,
+            on_event=lambda event, body: on_pod(memo, event, body), **common))
+    return informers
+
+
+async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate,
+                        event_queue: Any) -> None:
+    """The informers until cancelled (at shutdown), then close their HTTP session."""
+    # kopf.event() (Kubernetes Events from reconciles) reads its queue from these context
+    # variables, which kopf sets only in its own per-object workers.
+    posting.event_queue_loop_var.set(asyncio.get_running_loop())
+    posting.event_queue_var.set(event_queue)
+    memo.informers = build_informers(memo, config)
+    try:
+        await asyncio.gather(*(informer.run(gate) for informer in memo.informers))
+    finally:
+        for task in list(memo.inflight):
+            task.cancel()
+        await asyncio.gather(*memo.inflight, return_exceptions=True)
+        await memo.akube.close()
 
 
 def run_forever(config: OperatorConfig) -> None:
@@ -75,7 +132,13 @@ def run_forever(config: OperatorConfig) -> None:
     where = "all namespaces" if config.all_namespaces else ", ".join(config.watched_namespaces)
     log.info("posttrain operator watching %s (%s)", where,
              "standalone" if config.standalone else f"peering {config.peering_name}")
-    asyncio.run(run_async(config))
+    from . import handlers  # noqa: F401  (imported before the freeze)
+
+    # What exists now (every module, the config, the clients) lives as long as the process:
+    # frozen, the cyclic GC's full passes skip it (a 500-task burst triggers a few, 0.1 s each
+    # over ~110k objects otherwise).
+    gc.freeze()
+    uvloop.run(run_async(config))
 
 
 class OperatorThread:
@@ -104,7 +167,7 @@ class OperatorThread:
 
         def target() -> None:
             try:
-                asyncio.run(run_async(self.config, self._stop, self._ready, self.memo))
+                uvloop.run(run_async(self.config, self._stop, self._ready, self.memo))
             except BaseException as exc:  # surfaced by start()/stop()
                 self._error = exc
 

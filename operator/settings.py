@@ -38,7 +38,7 @@ class ChangeHandlerDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
 
 
 class _DropWatchHandlerInfo(logging.Filter):
-    """Drops kopf's INFO lines for on.event handlers ("Handler 'pod_event' succeeded.").
+    """Drops kopf's INFO lines for on.event handlers ("Handler 'training_run_event' succeeded.").
 
     kopf logs one per watch event through a logger that never posts them as Kubernetes
     Events (``k8s_skip``); at hundreds of events a second they cost the operator measurable

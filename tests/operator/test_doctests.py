@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 # Every operator module with examples (the others have none to run).
-MODULES = ["builders", "config", "reconcile", "warmpool", "kube", "controllers", "warm_entrypoint"]
+MODULES = ["builders", "config", "reconcile", "warmpool", "kube", "controllers", "warm_entrypoint",
+           "informer"]
 
 
 @pytest.mark.parametrize("name", MODULES)
