@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from safetensors.torch import load_file
 
 from posttrain.api import TrainingRunSpec
 from posttrain.rollout.client import RolloutClient
+from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.loop import train
 from posttrain.trainer.progress import load_metrics
 from posttrain.trainer.server_process import LocalRolloutServer
@@ -85,6 +87,54 @@ def test_interrupted_run_resumes_exactly(tiny_model: Path, tmp_path: Path) -> No
     status = json.loads((tmp_path / "straight/status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == 2
     assert set(status["evalAccuracy"]) == {"arithmetic", "code"}
+
+
+@dataclass(frozen=True)
+class RecordingDist(DistContext):
+    """Rank 0 of a job, recording where it waits for the other ranks."""
+
+    events: list[str] = field(default_factory=list)
+
+    def barrier(self) -> None:
+        self.events.append("barrier")
+
+
+class RecordingClient:
+    """The real client, recording weight publishes and sampling calls in order."""
+
+    def __init__(self, inner: RolloutClient, events: list[str]) -> None:
+        self.inner, self.events = inner, events
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        self.events.append("generate")
+        return self.inner.generate(*args, **kwargs)
+
+    def load_weights(self, uri: str, version: int) -> None:
+        self.events.append(f"publish v{version}")
+        self.inner.load_weights(uri, version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.slow
+def test_resumed_run_waits_for_the_republished_weights_before_sampling(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """After a resume the rollout server serves the base model until rank 0 republishes;
+    every rank must wait at a barrier after that publish, before any rank samples."""
+    spec = tiny_spec(tiny_model)
+    assert run_with_server(spec, tmp_path, stop_after_step=1).steps_done == 1
+    dist = RecordingDist()
+    with LocalRolloutServer(spec.model, tmp_path / "server2.log") as server:
+        client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
+        try:
+            result = train(spec, tmp_path, RecordingClient(client, dist.events), dist=dist)
+        finally:
+            client.close()
+    assert result.steps_done == 2
+    events = dist.events
+    assert events[:3] == ["publish v1", "barrier", "generate"], events[:6]
 
 
 @pytest.mark.slow
