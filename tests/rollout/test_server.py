@@ -220,10 +220,13 @@ def test_new_replica_starts_at_latest_published_version(
 
 def test_client_disconnect_cancels_the_request(server: ServerThread) -> None:
     engine = server.state.engine
+    # Seeded: unseeded, the random tiny model sometimes samples EOS early and the request
+    # finishes inside the timeout (a CI flake); with seed 0 it runs all 1500 tokens (~2.5 s
+    # on one thread here), well past the client's 1 s.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(
             f"{server.url}/v1/completions",
-            json={"prompt": [1, 2], "max_tokens": 1500},
+            json={"prompt": [1, 2], "max_tokens": 1500, "seed": 0},
             timeout=1.0,
         )
     deadline = time.monotonic() + 20
