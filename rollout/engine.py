@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -385,10 +386,9 @@ class GenerationEngine:
         of a 55-token prompt prefills 55 tokens instead of 220; the rows are identical, so
         sampling is unchanged."""
         rows: list[_Sequence] = []
-        prompt_index: dict[tuple[int, ...], int] = {}
+        prompts, distinct = distinct_prompts(request.prompt_ids for request in requests)
         source: list[int] = []  # row -> index of its distinct prompt
-        for request in requests:
-            unique = prompt_index.setdefault(tuple(request.prompt_ids), len(prompt_index))
+        for request, unique in zip(requests, distinct, strict=True):
             for i in range(request.params.n):
                 seed = request.params.seed
                 generator = torch.Generator()
@@ -401,14 +401,7 @@ class GenerationEngine:
                 )
                 rows.append(_Sequence(request, i, generator, budget))
                 source.append(unique)
-        prompts = list(prompt_index)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # (U, L)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (U, L)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (U, L)
+        input_ids, attention_mask, position_ids = left_padded(prompts, self.pad_id)  # (U, L)
         cache = DynamicCache()
         out = self.model(
             input_ids=input_ids,
@@ -547,6 +540,41 @@ class GenerationEngine:
         request.remaining -= 1
         if request.remaining == 0 and not request.future.done():
             request.future.set_result([o for o in request.outputs if o is not None])
+
+
+def distinct_prompts(
+    prompts: Iterable[Sequence[int]],
+) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The distinct prompts in first-seen order, and each input's index among them.
+
+    >>> distinct_prompts([[1, 2], [3], [1, 2]])
+    ([(1, 2), (3,)], [0, 1, 0])
+    """
+    index: dict[tuple[int, ...], int] = {}
+    positions = [index.setdefault(tuple(prompt), len(index)) for prompt in prompts]
+    return list(index), positions
+
+
+def left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)``, each (U, L), of left-padded prompts.
+
+    One definition for the sampler's prefill and the trainer's shared prompt pass
+    (``trainer.policy.completion_logits``): the positions must agree, or the trainer's
+    log-probs would not be the sampler's.
+
+    >>> ids, mask, positions = left_padded([[5, 6], [7]], pad_id=0)
+    >>> ids.tolist(), mask.tolist(), positions.tolist()
+    ([[5, 6], [0, 7]], [[1, 1], [0, 1]], [[0, 1], [0, 0]])
+    """
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (U, L)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (U, L)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def _merge_batches(running: _Batch, fresh: _Batch) -> _Batch:

@@ -224,20 +224,15 @@ def completion_logits(
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
         return _full_forward_logits(model, samples, pad_id)
+    from posttrain.rollout.engine import distinct_prompts, left_padded
+
     decoder = getattr(model, model.base_model_prefix)
-    prompt_index: dict[tuple[int, ...], int] = {}
-    group = [prompt_index.setdefault(tuple(s.prompt_ids), len(prompt_index)) for s in samples]
-    prompts = list(prompt_index)
-    width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)  # (G, P)
-    prompt_mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (G, P)
-    for g, prompt in enumerate(prompts):
-        prompt_ids[g, width - len(prompt) :] = torch.tensor(prompt)
-        prompt_mask[g, width - len(prompt) :] = 1
+    prompts, group = distinct_prompts(s.prompt_ids for s in samples)
+    prompt_ids, prompt_mask, prompt_positions = left_padded(prompts, pad_id)  # (G, P) each
     out = decoder(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        position_ids=prompt_positions,
         use_cache=True,
     )
     first = out.last_hidden_state[:, -1]  # (G, H): predicts each completion's first token
