@@ -81,6 +81,11 @@ _NOOP: Body = {}
 _FULL: Body = {}
 
 
+def _count_child(parent: str, kind: str, created: bool) -> None:
+    """One child created (or, after a 409, adopted) for a ``parent`` kind."""
+    (CHILDREN_CREATED if created else CHILDREN_ADOPTED).labels(parent, kind).inc()
+
+
 def _claimable(pod: Body, want_hash: str) -> bool:
     """wp.is_claimable on the raw body: cheap enough to scan a whole pool per claim."""
     meta = pod.get("metadata") or {}
@@ -250,7 +255,7 @@ class Controller:
 
     def _create(self, parent: str, manifest: Body) -> Body:
         created, obj = self.kube.create_or_adopt(manifest)
-        (CHILDREN_CREATED if created else CHILDREN_ADOPTED).labels(parent, manifest["kind"]).inc()
+        _count_child(parent, manifest["kind"], created)
         return obj
 
     def _patch_status(self, store: Store, body: Body, patch: dict[str, Any]) -> None:
@@ -344,8 +349,7 @@ class Controller:
             with self._reconciling("SandboxTask", namespace, name, locked=True, started=started):
                 if step is not _NOOP:
                     created, obj = await create(step)
-                    (CHILDREN_CREATED if created else CHILDREN_ADOPTED).labels(
-                        "SandboxTask", "Pod").inc()
+                    _count_child("SandboxTask", "Pod", created)
                     self.sandbox_pods.put(obj)
             return True
         finally:
@@ -857,20 +861,12 @@ class Controller:
 
     # ------------------------------------------------------------ routing
 
-    def on_pod(self, event_type: str | None, body: Body) -> None:
-        """A labelled pod changed: update the right cache and reconcile its owner."""
-        task, work = self.route_pod(event_type, body)
-        if task is not None:
-            self.reconcile_task(*task)
-        if work is not None:
-            work()
-
     def route_pod(self, event_type: str | None,
                   body: Body) -> tuple[Key | None, Callable[[], None] | None]:
         """Cache a pod event; return (the SandboxTask it calls to reconcile, other blocking
         work), each None when there is none (the echo of our own write needs nothing).
-        Split from on_pod so the informer caches inline, reconciles the task on the loop
-        when it can (handlers.py), and spends a thread only on the rest."""
+        The informer caches inline, reconciles the task on the loop when it can
+        (handlers.py), and spends a thread only on the rest."""
         meta = body.get("metadata") or {}
         labels = meta.get("labels") or {}
         if labels.get(b.LABEL_COMPONENT) != b.COMPONENT_SANDBOX:
