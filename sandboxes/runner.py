@@ -277,13 +277,14 @@ def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) 
     # Built before binding the port so a missing bwrap fails fast. Two pre-started sandboxes
     # per slot: while executions run the pool refills only below one per slot (its reserve,
     # see WarmPool), so sequential requests never share a core with a refill.
-    executor = Executor(warm_pool=2 * concurrency)
+    warm = 2 * concurrency
+    executor = Executor(warm_pool=warm)
     try:
         app = create_app(executor, concurrency, max_queue)
         loop = fastest_available("uvloop", "asyncio")
         http = fastest_available("httptools", "h11")
         log.info("sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d; %s, %s)",
-                 host, port, *app.limits, 2 * concurrency, loop, http)
+                 host, port, *app.limits, warm, loop, http)
         # Keep-alive well above the 5 s default: a trainer's verifier calls come in bursts
         # per step, and a reconnect per burst is pure overhead.
         uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,

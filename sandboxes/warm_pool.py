@@ -94,13 +94,12 @@ class WarmPool:
     the request's own, shorter wall clock still bounds it.
     """
 
-    def __init__(self, executor: Executor, size: int, shape: ExecRequest | None = None,
-                 reserve: int | None = None) -> None:
-        """``size`` sandboxes are kept ready while idle; ``reserve`` (default half of
-        ``size``, at least 1) while executions run."""
+    def __init__(self, executor: Executor, size: int, shape: ExecRequest | None = None) -> None:
+        """``size`` sandboxes are kept ready while idle; half of them (rounded up) while
+        executions run: the ``reserve``."""
         self.executor = executor
         self.size = size
-        self.reserve = min(size, max(1, (size + 1) // 2 if reserve is None else reserve))
+        self.reserve = (size + 1) // 2
         self.shape = shape or ExecRequest(command=["true"])
         self._ready: list[PooledSandbox] = []
         self._busy = 0  # pooled sandboxes handed out and not yet finished
