@@ -72,6 +72,14 @@ class AlgorithmSpec(ApiModel):
     """AdamW weight decay."""
     seed: int = Field(default=0, ge=0)
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Learning rate after warm-up: constant, or cosine decay from learningRate to
+    learningRate x minLrRatio at maxSteps."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly from learningRate /
+    lrWarmupSteps to learningRate (0: no warm-up)."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate of the cosine schedule, as a fraction of learningRate."""
 
 
 class DomainSpec(ApiModel):
@@ -143,7 +151,8 @@ class TrainerResources(ApiModel):
     nodes: int = Field(default=1, ge=1, le=1024)
     """Trainer nodes; > 1 runs a Ray cluster (head + workers) with gang semantics."""
     gpus_per_node: int = Field(default=0, ge=0, le=16)
-    """nvidia.com/gpu per trainer pod."""
+    """nvidia.com/gpu per trainer pod; the trainer runs one rank per GPU on it (CUDA, NCCL,
+    FSDP2) and fails at start when it sees no GPU. 0: CPU ranks (engine.cpuRanks)."""
     cpu: str = Field(default="2", pattern=QUANTITY)
     """CPU request per trainer pod."""
     memory: str = Field(default="8Gi", pattern=QUANTITY)
@@ -152,6 +161,41 @@ class TrainerResources(ApiModel):
     """Trainer image; defaults to the operator's configured image."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Extra node selector for trainer pods (e.g. a GPU node pool)."""
+
+
+class LoraSpec(ApiModel):
+    """Low-rank adapters (PEFT LoRA): only the adapters train; servers get merged weights."""
+
+    rank: int = Field(default=16, ge=1, le=1024)
+    """Adapter rank r. Trainable parameters per adapted projection: r x (in + out)."""
+    alpha: float = Field(default=32.0, gt=0)
+    """Scale numerator: the update is (alpha / rank) x B A."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"],
+        min_length=1, max_length=64)
+    """Names of the Linear layers that get adapters (Llama/Qwen/Mistral naming by default:
+    every attention and MLP projection)."""
+
+
+class EngineSpec(ApiModel):
+    """How the trainer computes: precision, sharding, memory savers, local ranks."""
+
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
+    """auto: bf16 compute with fp32 master weights and fp32 gradient reduction on GPUs, fp32 on
+    the CPU (bf16 matmuls are slow on most CPUs). bf16 / fp32 force one."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder block's activations in backward: activation memory of about one
+    block instead of all, for ~30% more compute. Disables the shared-prompt KV-cache forward
+    (each sample then runs prompt + completion)."""
+    logprob_chunk_tokens: int = Field(default=1024, ge=1)
+    """Completion tokens whose logits (tokens x vocabulary, fp32) exist at once in the loss;
+    bounds that memory independently of the batch."""
+    cpu_ranks: int = Field(default=1, ge=1, le=64)
+    """Trainer processes per node when gpusPerNode is 0 (FSDP2 over Gloo); with GPUs there is
+    one process per GPU. World size = nodes x (gpusPerNode or cpuRanks)."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters instead of all weights (null: full-parameter training)."""
 
 
 class CheckpointPolicy(ApiModel):
@@ -249,6 +293,8 @@ class TrainingRunSpec(ApiModel):
     """How untrusted output is executed."""
     resources: TrainerResources = Field(default_factory=TrainerResources)
     """Trainer pods."""
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    """Precision, sharding, activation checkpointing, LoRA."""
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     """Checkpoint cadence and retention."""
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)

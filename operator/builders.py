@@ -250,7 +250,7 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
 
 
 def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
-    """Headless Service resolving to rank 0 (MASTER_ADDR and the Ray head) for nodes > 1."""
+    """Headless Service resolving to rank 0 (MASTER_ADDR: torchrun's rendezvous) for nodes > 1."""
     name = run.metadata.name
     return {
         "apiVersion": "v1",
@@ -296,20 +296,26 @@ def build_trainer_pod(
     rollout_endpoints: Sequence[str] = (),
     head_host: str | None = None,
 ) -> Manifest:
-    """One pod of the trainer gang (rank 0 trains; ranks > 0 are Ray workers).
+    """One pod of the trainer gang: node ``rank`` of ``spec.resources.nodes``.
 
     Pods rather than a batch/v1 Job: restarts, gang restarts and suspend are counted by the
     operator against spec.backoffLimit, and a Job's own backoff would count them twice.
     restartPolicy Never: a failed pod is a gang failure the operator handles as a whole.
-    ``head_host`` replaces the head Service's DNS name (the RayCluster path uses KubeRay's).
+
+    Plain gang: every pod runs ``posttrain run``, which is torchrun's agent for the node's
+    ranks (one per GPU, or engine.cpuRanks); the static rendezvous at rank 0's head Service
+    (``MASTER_ADDR:MASTER_PORT``) orders the nodes by ``POSTTRAIN_NODE_RANK``.
+    ``head_host`` (the RayCluster path, KubeRay's head Service) makes rank 0 a Ray head
+    running the trainer as the Ray driver and the other pods Ray workers.
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
     res = run.spec.resources
+    on_ray = head_host is not None and nodes > 1
     head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
     master_addr = head if nodes > 1 else "127.0.0.1"
     train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
-    if nodes == 1:
+    if not on_ray:
         command = train
     elif rank == 0:
         # The head runs Ray's GCS and then the trainer, which drives the workers through Ray.
@@ -327,13 +333,14 @@ def build_trainer_pod(
         {"name": "MASTER_PORT", "value": str(config.trainer_master_port)},
         {"name": "WORLD_SIZE", "value": str(nodes)},
         {"name": "RANK", "value": str(rank)},
+        {"name": "POSTTRAIN_NODE_RANK", "value": str(rank)},
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
         *_s3_env(config),
     ]
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
-    if nodes > 1:
+    if on_ray:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
         LABEL_COMPONENT: COMPONENT_TRAINER,
@@ -492,7 +499,7 @@ def build_ray_cluster(
         {"name": "dist", "containerPort": config.trainer_master_port},
     ]
     head["spec"]["containers"][0].update(_ray_probes(config.ray_port))
-    worker = _pod_template(worker_pod, drop_env=("RANK",))
+    worker = _pod_template(worker_pod, drop_env=("RANK", "POSTTRAIN_NODE_RANK"))
     worker["metadata"]["labels"].pop(LABEL_RANK, None)
     worker_container = worker["spec"]["containers"][0]
     worker_container["command"] = [*worker_container["command"],

@@ -32,11 +32,13 @@ from typing import Any, Literal
 from posttrain.storage.commit import (
     MANIFEST_NAME,
     Manifest,
+    ManifestFile,
     delete_dir,
     download_dir,
     manifest_key,
     read_manifest,
     upload_dir,
+    upload_part,
 )
 from posttrain.storage.errors import ArtifactNotFoundError, CorruptArtifactError
 from posttrain.storage.metrics import CHECKPOINTS_DELETED, CHECKPOINTS_SAVED, CORRUPT_ARTIFACTS
@@ -120,10 +122,12 @@ class _CommittedSeries:
         return sorted(n for n, committed in seen.items() if not committed)
 
     def commit(
-        self, number: int, local_dir: str | os.PathLike[str], metadata: dict[str, Any]
+        self, number: int, local_dir: str | os.PathLike[str], metadata: dict[str, Any],
+        extra_files: tuple[ManifestFile, ...] = (),
     ) -> Manifest:
         """Upload + manifest, then move the pointer (a single put) to this directory."""
-        manifest = upload_dir(self.store, self.dir_key(number), local_dir, metadata=metadata)
+        manifest = upload_dir(self.store, self.dir_key(number), local_dir, metadata=metadata,
+                              extra_files=extra_files)
         pointer = {
             self.layout.number_field: number,
             "dir": self.layout.dir_name(number),
@@ -309,19 +313,26 @@ class CheckpointManager:
     def step_prefix(self, step: int) -> str:
         return self._series.dir_key(step)
 
+    def upload_part(self, step: int, local_dir: str | os.PathLike[str]) -> tuple[ManifestFile, ...]:
+        """Upload one writer's files of checkpoint ``step`` without committing it; pass the
+        result to the committing writer's :meth:`save` as ``extra_files``."""
+        return upload_part(self.store, self.step_prefix(step), local_dir)
+
     def save(
         self,
         step: int,
         local_dir: str | os.PathLike[str],
         metadata: dict[str, Any] | None = None,
         eval_score: float | None = None,
+        extra_files: tuple[ManifestFile, ...] = (),
     ) -> Manifest:
-        """Commit ``local_dir`` as the checkpoint of ``step``, move ``latest.json``, prune."""
+        """Commit ``local_dir`` (plus ``extra_files`` other writers uploaded) as the checkpoint
+        of ``step``, move ``latest.json``, prune."""
         with tracer.start_as_current_span("checkpoint.save") as span:
             span.set_attribute("checkpoint.step", step)
             start = time.monotonic()
             meta = {**(metadata or {}), "step": step, "eval_score": eval_score}
-            manifest = self._series.commit(step, local_dir, meta)
+            manifest = self._series.commit(step, local_dir, meta, extra_files)
             self._scores[step] = eval_score
             span.set_attribute("storage.files", len(manifest.files))
             span.set_attribute("storage.bytes", manifest.total_bytes)

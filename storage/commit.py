@@ -171,6 +171,38 @@ def local_files(local_dir: Path) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
+def upload_part(
+    store: ArtifactStore,
+    prefix: str,
+    local_dir: str | os.PathLike[str],
+    *,
+    file_workers: int = DEFAULT_FILE_WORKERS,
+    algorithm: str = DEFAULT_CHECKSUM,
+) -> tuple[ManifestFile, ...]:
+    """Upload ``local_dir``'s files under ``prefix`` **without** committing them.
+
+    For directories written by several processes (each trainer rank's checkpoint shards):
+    every writer uploads its part, and one of them commits the whole directory with
+    ``upload_dir(..., extra_files=<the other parts' entries>)``, manifest last as always.
+    """
+    root = Path(local_dir)
+    files = local_files(root)
+    if any(rel == MANIFEST_NAME for rel, _ in files):
+        raise ValueError(f"{root} contains {MANIFEST_NAME}, which is reserved; rename it")
+
+    def upload(rel: str, path: Path) -> Digest:
+        return store.put_file(join_key(prefix, rel), path, algorithm=algorithm)
+
+    digests = _run_parallel(
+        [(rel, lambda rel=rel, path=path: upload(rel, path)) for rel, path in files],
+        file_workers,
+    )
+    return tuple(
+        ManifestFile(rel, digests[rel].size, digests[rel].checksum, digests[rel].algorithm)
+        for rel, _ in files
+    )
+
+
 def upload_dir(
     store: ArtifactStore,
     prefix: str,
@@ -179,10 +211,13 @@ def upload_dir(
     metadata: dict[str, Any] | None = None,
     file_workers: int = DEFAULT_FILE_WORKERS,
     algorithm: str = DEFAULT_CHECKSUM,
+    extra_files: tuple[ManifestFile, ...] = (),
 ) -> Manifest:
     """Upload every file of ``local_dir`` under ``prefix``, then commit it with ``manifest.json``.
 
     Each file's checksum (``algorithm``, xxh3-128 by default) is computed while it uploads.
+    ``extra_files`` are entries other writers already uploaded (:func:`upload_part`); the
+    manifest commits them together with this directory's files.
 
     Re-uploading an existing prefix first removes its manifest, so readers never pair the
     old manifest with new files; files left over from an earlier attempt that are not in
@@ -234,11 +269,15 @@ def upload_dir(
             [(rel, lambda rel=rel, path=path: upload(rel, path)) for rel, path in ordered],
             file_workers,
         )
+        own = {rel for rel, _ in files}
+        clashing = sorted(own & {f.path for f in extra_files})
+        if clashing:
+            raise ValueError(f"files uploaded by two writers under {target}: {clashing}")
         manifest = Manifest(
             files=tuple(
                 ManifestFile(rel, digests[rel].size, digests[rel].checksum, digests[rel].algorithm)
                 for rel, _ in files
-            ),
+            ) + tuple(sorted(extra_files, key=lambda f: f.path)),
             metadata=dict(metadata or {}),
             created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         )

@@ -1,13 +1,17 @@
 """Checkpoints that resume *exactly*: weights, optimizer, RNGs, curriculum, buffered rollouts.
 
 A checkpoint directory is also a plain Hugging Face model directory (``config.json`` +
-``model.safetensors`` + tokenizer at its top level), so ``posttrain eval --model
-DIR/checkpoints/latest`` and ``posttrain serve`` load it with no conversion. Next to the
-weights sit ``optimizer.pt`` (AdamW moments), ``rng.pt`` (torch/python RNG states) and
-``trainer_state.json`` (step, weight version, curriculum and audit state, and rollouts
-that were sampled or requested but not yet trained on). Files move through the storage
-component's :class:`CheckpointManager`, which commits atomically and keeps the newest
-``keep_last`` plus the best by held-out accuracy.
+safetensors + tokenizer at its top level, streamed from the shards tensor by tensor), so
+``posttrain eval --model DIR/checkpoints/latest`` and ``posttrain serve`` load it with no
+conversion. The training state proper is a ``torch.distributed.checkpoint`` (DCP) directory
+``dcp/``: the fp32 master weights and AdamW moments, each rank writing its own shards
+(``__<rank>_0.distcp``, rank 0 the ``.metadata``), so saving never gathers the model and a
+run resumes on a **different number of ranks** (DCP reshards on load). Next to them sit
+``rng.pt`` (torch/python RNG states) and ``trainer_state.json`` (step, weight version,
+curriculum and audit state, and rollouts that were sampled or requested but not yet
+trained on). Every rank uploads its own files; rank 0 commits the directory with the
+storage component's manifest-last protocol (:class:`CheckpointManager`), which keeps the
+newest ``keep_last`` plus the best by held-out accuracy.
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
+OPTIMIZER_FILE = "optimizer.pt"  # checkpoints written before DCP: full optimizer state
 RNG_FILE = "rng.pt"
+SHARDED_DIR = "dcp"
 
 
 @dataclass
@@ -107,6 +112,48 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
+def save_training_state(policy: Any, dest: Path) -> None:
+    """DCP-save the policy's weights and optimizer state under ``dest`` (collective).
+
+    Each rank writes only the shards it holds; nothing is gathered.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(dest),
+             no_dist=not _distributed())
+
+
+def load_training_state(policy: Any, source: Path) -> None:
+    """Load weights and optimizer state saved by :func:`save_training_state`, resharded to
+    this run's ranks (any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(source), no_dist=not _distributed())
+    set_state_dict(policy.module, policy.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized()
+
+
+def _all_gather(value: Any, world_size: int) -> list[Any]:
+    if world_size <= 1:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 class Checkpointer:
     """Writes and restores trainer checkpoints through a storage ``CheckpointManager``."""
 
@@ -120,21 +167,34 @@ class Checkpointer:
     def save(
         self, policy: Any, state: TrainerState, eval_score: float | None = None
     ) -> str:
-        """Commit a checkpoint of ``state.step``; returns its URI."""
+        """Commit a checkpoint of ``state.step``; returns its URI.
+
+        Collective: every rank calls it. Each rank writes and uploads its own files; rank 0
+        adds the HF export, RNG and trainer state and commits (manifest last).
+        """
+        rank = getattr(policy, "rank", None)
+        world, is_main = (rank.world_size, rank.rank == 0) if rank is not None else (1, True)
         with tempfile.TemporaryDirectory(prefix="posttrain-ckpt-") as tmp:
             local = Path(tmp)
-            policy.save_weights(local)
-            torch.save(policy.optimizer.state_dict(), local / OPTIMIZER_FILE)
-            torch.save(capture_rng(), local / RNG_FILE)
-            (local / STATE_FILE).write_text(json.dumps(state.__dict__))
-            self.manager.save(
-                state.step,
-                local,
-                metadata={"weight_version": state.weight_version},
-                eval_score=eval_score if self.keep_best else None,
-            )
+            policy.save_weights(local)  # collective gathers; rank 0 writes
+            save_training_state(policy, local / SHARDED_DIR)
+            if not is_main:
+                part = self.manager.upload_part(state.step, local)
+                _all_gather(part, world)
+            else:
+                torch.save(capture_rng(), local / RNG_FILE)
+                (local / STATE_FILE).write_text(json.dumps(state.__dict__))
+                others = tuple(f for part in _all_gather((), world)[1:] for f in part)
+                self.manager.save(
+                    state.step,
+                    local,
+                    metadata={"weight_version": state.weight_version, "world_size": world},
+                    eval_score=eval_score if self.keep_best else None,
+                    extra_files=others,
+                )
         uri = self.store.uri(self.manager.step_prefix(state.step))
-        self._link_latest(uri)
+        if is_main:
+            self._link_latest(uri)
         return uri
 
     def _link_latest(self, uri: str) -> None:
@@ -152,8 +212,9 @@ class Checkpointer:
     def restore(self, policy_factory: Any, scratch: Path) -> tuple[Any, TrainerState] | None:
         """Load the newest valid checkpoint: ``(policy, state)``, or None when there is none.
 
-        ``policy_factory(model_dir)`` builds the policy from the checkpoint's weights; the
-        optimizer moments and RNG states are restored on top.
+        ``policy_factory(model_dir)`` builds the policy from the checkpoint's HF weights;
+        the exact fp32 weights and optimizer moments are then loaded from its DCP shards
+        (resharded to this run's ranks), and the RNG states restored.
         """
         dest = scratch / "resume"
         if dest.exists():
@@ -163,10 +224,15 @@ class Checkpointer:
             log.warning("skipped a damaged checkpoint: %s", reason)
         if found is None:
             return None
-        step, _ = found
+        step, manifest = found
         policy = policy_factory(dest)
-        policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+        if (dest / SHARDED_DIR).is_dir():
+            load_training_state(policy, dest / SHARDED_DIR)
+        else:  # written before sharded checkpoints: one process, full optimizer state
+            policy.optimizer.load_state_dict(
+                torch.load(dest / OPTIMIZER_FILE, weights_only=False))
         restore_rng(torch.load(dest / RNG_FILE, weights_only=False))
         state = TrainerState(**json.loads((dest / STATE_FILE).read_text()))
-        log.info("resumed from checkpoint step %d (weight version %d)", step, state.weight_version)
+        log.info("resumed from checkpoint step %d (weight version %d; written by %s rank(s))",
+                 step, state.weight_version, manifest.metadata.get("world_size", 1))
         return policy, state

@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
 def run_command(args: argparse.Namespace) -> int:
     from posttrain.api import TrainingRun, load_manifest
     from posttrain.telemetry import start_metrics_server
-    from posttrain.trainer.distributed import launch_if_distributed, wanted_nodes
+    from posttrain.trainer.distributed import wanted_nodes
 
     # SIGTERM (kubectl delete, Ctrl-C in a wrapper) must unwind the `with` blocks so the
     # child rollout server is stopped and never outlives us.
@@ -78,36 +78,42 @@ def run_command(args: argparse.Namespace) -> int:
             "set); drop --local and set $POSTTRAIN_ROLLOUT_ENDPOINTS, or use nodes: 1"
         )
     start_metrics_server(args.metrics_port)
-    distributed = launch_if_distributed(run, args.out)
-    if distributed is not None:  # rank 0's result of a multi-node run on Ray
-        _print_summary(distributed)
-        return 0
     from posttrain.models import resolve_model
-    from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
     from posttrain.trainer.server_process import LocalRolloutServer
-    from posttrain.trainer.status import status_reporter_from_env
 
     args.out.mkdir(parents=True, exist_ok=True)
     resolve_model(spec.model)  # fail fast on a bad model reference, before any server starts
-    reporter = status_reporter_from_env(args.out)
-    max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
     if args.local:
         with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
-            client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
-                                   max_in_flight=max_in_flight)
-            result = train(spec, args.out, client, reporter=reporter)
-            client.close()
+            result = _train(run, args.out, [server.url], wait_for_servers=False)
     else:
-        endpoints = _endpoints(spec)
-        log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
-        client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                               max_in_flight=max_in_flight)
-        _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
-        result = train(spec, args.out, client, reporter=reporter)
-        client.close()
+        result = _train(run, args.out, None, wait_for_servers=True)
     _print_summary(result)
     return 0
+
+
+def _train(run: Any, out: Path, endpoints: list[str] | None, *, wait_for_servers: bool) -> Any:
+    """Train in this process, or as several ranks (:mod:`posttrain.trainer.distributed`)."""
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.distributed import launch_if_distributed
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.status import status_reporter_from_env
+
+    spec = run.spec
+    endpoints = endpoints or _endpoints(spec)
+    log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
+    max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
+    client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
+                           max_in_flight=max_in_flight)
+    try:
+        if wait_for_servers:
+            _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
+        distributed = launch_if_distributed(run, out, endpoints)
+        if distributed is not None:  # rank 0's result of a multi-rank run
+            return distributed
+        return train(spec, out, client, reporter=status_reporter_from_env(out))
+    finally:
+        client.close()
 
 
 def _endpoints(spec: Any) -> list[str]:

@@ -1,31 +1,32 @@
-"""Multi-node training with Ray: one trainer actor per node, gradients all-reduced.
+"""Several trainer ranks: torch's elastic launcher (torchrun) starts them, FSDP2 syncs them.
 
-Design (see docs/trainer.md, "Multi-node"):
+Design (see docs/trainer.md, "Multi-rank and multi-node"):
 
-* ``posttrain run`` on the head pod sees ``spec.resources.nodes > 1`` (or
-  ``$POSTTRAIN_NODES``, or ``$RAY_ADDRESS``) and, instead of training in process, connects
-  to the Ray cluster, waits until ``nodes`` Ray nodes have joined (worker pods start after
-  the head), and starts one :class:`TrainerWorker` actor pinned to each node; rank 0 goes
-  to the driver's own node so its outputs (``--out``) land where ``posttrain run`` was
-  started.
-* Rank 0's actor picks a free port on its node; every actor calls
-  ``torch.distributed.init_process_group`` (NCCL on GPUs, Gloo on CPU) at that address.
-* Every rank runs the same loop (:func:`posttrain.trainer.loop.train`) on its own shard
-  of prompts (``prompts_per_step / world_size``, curriculum seeded per rank), sampling
-  from the shared rollout pool. After backward, :func:`all_reduce_gradients` averages
-  gradients across ranks, so every rank applies the identical AdamW update and the
-  replicas never diverge (what DDP does, without its bucketing optimisation). Before
-  averaging it checks that the replicas still hold identical parameters: averaging the
-  gradients of different models is silently meaningless, so a divergence fails the step.
-* Only rank 0 publishes weights to the rollout pool, evaluates, checkpoints and reports
-  status; the others train silently (their step metrics go to ``--out/rank<N>/``).
-* If one rank fails, the driver kills the others (they would otherwise block in the next
-  collective until Gloo's 30-minute timeout) and ``posttrain run`` fails with that error.
+* **World.** ``spec.resources.nodes`` nodes x ranks per node, where ranks per node is
+  ``gpusPerNode`` (one process per GPU) or ``engine.cpuRanks`` on CPU nodes.
+* **Launch.** ``posttrain run`` on each node is torchrun's agent
+  (:func:`torch.distributed.launcher.api.elastic_launch`): it starts the node's ranks with
+  ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, and a static rendezvous at ``MASTER_ADDR:
+  MASTER_PORT`` (rank 0's node; the operator's head Service) with this node's rank from
+  ``$POSTTRAIN_NODE_RANK`` orders the nodes. On a laptop (one node) the rendezvous is on
+  loopback. ``posttrain run`` started by an external ``torchrun`` trains as that rank.
+* **Gradients.** Each rank runs the same loop (:func:`posttrain.trainer.loop.train`) on its
+  own share of prompts; FSDP2 reduce-scatters and averages gradients in the backward pass
+  (:mod:`posttrain.trainer.engine`), so there is no gradient code here.
+* **Failure.** ``max_restarts=0``: when a rank fails, the agent stops the node's other ranks
+  and ``posttrain run`` exits non-zero; the other nodes' ranks fail in their next collective
+  (or at the rendezvous), so the pod gang fails and the operator restarts it from the last
+  checkpoint (``spec.backoffLimit``).
+* **Roles.** Rank 0 publishes weights, evaluates, checkpoints and reports status; every rank
+  writes its own trajectories and sharded checkpoint files. Rank N's step metrics go to
+  ``--out/rank<N>/``.
+* **Ray** (``$RAY_ADDRESS``, the operator's RayCluster path): one Ray actor per rank, pinned
+  node by node, runs the very same rank entry point with the same environment torchrun would
+  give it; a failed rank kills the others.
 
-Tested (tests/trainer/test_distributed.py): the all-reduce and the divergence check with a
-real 2-process Gloo group; ``posttrain run`` on a real two-node local Ray cluster (lockstep
-ranks, equality with a single-process step, checkpoint, a failing rank). Not tested here:
-NCCL and GPUs.
+Tested (tests/trainer/test_distributed.py): two CPU ranks launched by ``posttrain run`` on
+one node and as two "nodes" (two agents, static rendezvous), a failing rank failing the gang,
+and the sharded step against a single process. Not tested here: NCCL and GPUs.
 """
 
 from __future__ import annotations
@@ -38,9 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from prometheus_client import REGISTRY, Counter
-
 from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 
@@ -48,17 +46,11 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 NODES_ENV = "POSTTRAIN_NODES"
-NODE_WAIT_ENV = "POSTTRAIN_RAY_NODE_WAIT_S"  # how long the driver waits for worker nodes
+NODE_RANK_ENV = "POSTTRAIN_NODE_RANK"  # this pod's node rank, set by the operator
+NODE_WAIT_ENV = "POSTTRAIN_RAY_NODE_WAIT_S"  # how long the Ray driver waits for worker nodes
+RENDEZVOUS_TIMEOUT_ENV = "POSTTRAIN_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_NODE_WAIT_S = 600.0
-
-REPLICA_CHECKS = Counter(
-    "posttrain_trainer_replica_checks_total",
-    "Steps on which all ranks were verified to hold identical parameters",
-)
-
-
-class ReplicaDivergenceError(RuntimeError):
-    """The ranks' parameters differ, so their averaged gradient means nothing."""
+DEFAULT_RENDEZVOUS_TIMEOUT_S = 900
 
 
 @dataclass(frozen=True)
@@ -67,6 +59,8 @@ class DistContext:
 
     rank: int = 0
     world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1  # ranks on this node (they share its memory)
 
     @property
     def is_main(self) -> bool:
@@ -84,83 +78,62 @@ class DistContext:
             dist.barrier()
 
 
+@dataclass(frozen=True)
+class WorldPlan:
+    """How many processes, where: ``nodes`` x ``ranks_per_node``."""
+
+    nodes: int
+    ranks_per_node: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+
 def wanted_nodes(run: Any) -> int:
     """Nodes requested by the environment (operator) or the spec's resources."""
     return int(os.environ.get(NODES_ENV, run.spec.resources.nodes))
 
 
-def parameter_fingerprint(parameters: Any) -> torch.Tensor:
-    """Per-tensor float64 (sum, sum of squares, position-weighted sum): cheap and exact.
+def ranks_per_node(spec: Any) -> int:
+    """One rank per GPU, or ``engine.cpuRanks`` CPU ranks.
 
-    Equal replicas give bitwise-equal fingerprints (same values, same reduction order on
-    the same hardware); a diverged replica changes at least one entry. Not a hash: it
-    exists to catch bugs (a rank resumed from another checkpoint, a non-deterministic
-    update), not adversaries.
-
-    >>> a = torch.nn.Linear(2, 1, bias=False).requires_grad_(True)
-    >>> with torch.no_grad():
-    ...     _ = a.weight.copy_(torch.tensor([[1.0, 2.0]]))
-    >>> parameter_fingerprint(a.parameters()).tolist()
-    [3.0, 5.0, 5.0]
+    >>> from types import SimpleNamespace as S
+    >>> ranks_per_node(S(resources=S(gpus_per_node=8), engine=S(cpu_ranks=1)))
+    8
+    >>> ranks_per_node(S(resources=S(gpus_per_node=0), engine=S(cpu_ranks=2)))
+    2
     """
-    rows = []
-    for p in parameters:
-        flat = p.detach().reshape(-1).double()  # (n,)
-        positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        rows.append(torch.stack([flat.sum(), (flat * flat).sum(), (flat * positions).sum()]))
-    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)  # (3 * tensors,)
+    gpus = spec.resources.gpus_per_node
+    return gpus if gpus > 0 else spec.engine.cpu_ranks
 
 
-def check_replicas_identical(parameters: Any, world_size: int) -> None:
-    """Raise :class:`ReplicaDivergenceError` unless every rank holds the same parameters."""
-    import torch.distributed as dist
+def world_plan(run: Any, environ: dict[str, str] | None = None) -> WorldPlan:
+    """The world of this run from the spec and the operator's environment.
 
-    mine = parameter_fingerprint(parameters)  # (3 * tensors,)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
-    dist.all_gather(everyone, mine)
-    differing = [rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
-    if differing:
-        raise ReplicaDivergenceError(
-            f"rank {dist.get_rank()}: parameters differ from rank(s) {differing}; the replicas "
-            "no longer train one model (did a rank resume from a different checkpoint? use a "
-            "shared checkpoint.storageUri for multi-node runs)"
+    >>> from types import SimpleNamespace as S
+    >>> run = S(spec=S(resources=S(nodes=2, gpus_per_node=4), engine=S(cpu_ranks=1)))
+    >>> world_plan(run, {"POSTTRAIN_NODE_RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29500"})
+    WorldPlan(nodes=2, ranks_per_node=4, node_rank=1, master_addr='head', master_port=29500)
+    """
+    env = os.environ if environ is None else environ
+    nodes = int(env.get(NODES_ENV, run.spec.resources.nodes))
+    node_rank = int(env.get(NODE_RANK_ENV, "0"))
+    if not 0 <= node_rank < nodes:
+        raise UsageError(f"${NODE_RANK_ENV}={node_rank} is outside 0..{nodes - 1} "
+                         f"({nodes} nodes requested)")
+    if nodes > 1 and "MASTER_ADDR" not in env:
+        raise UsageError(
+            f"{nodes} nodes requested but $MASTER_ADDR is not set; the operator sets it to "
+            "rank 0's Service (set MASTER_ADDR, MASTER_PORT and POSTTRAIN_NODE_RANK by hand "
+            "when starting the nodes yourself)"
         )
-    REPLICA_CHECKS.inc()
-
-
-def all_reduce_gradients(parameters: Any, world_size: int) -> None:
-    """Average ``.grad`` of every parameter across the process group (in place).
-
-    First checks that the replicas hold identical parameters (see
-    :func:`check_replicas_identical`). Gradients are flattened into one buffer so a step
-    costs one collective, not one per tensor; parameters without a gradient contribute
-    zeros so every rank sends the same shape.
-    """
-    if world_size <= 1:
-        return
-    import torch.distributed as dist
-
-    params = [p for p in parameters if p.requires_grad]
-    check_replicas_identical(params, world_size)
-    flat = torch.cat(
-        [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-    )  # (total_params,)
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    flat /= world_size
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
-
-
-def init_process_group(rank: int, world_size: int, master: str, use_gpu: bool) -> None:
-    import torch.distributed as dist
-
-    backend = "nccl" if use_gpu else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank,
-                            world_size=world_size)
-    log.info("rank %d/%d joined %s process group at %s", rank, world_size, backend, master)
+    port = int(env.get("MASTER_PORT", "0")) or _free_port()
+    return WorldPlan(nodes, ranks_per_node(run.spec), node_rank,
+                     env.get("MASTER_ADDR", "127.0.0.1"), port)
 
 
 def _free_port() -> int:
@@ -169,8 +142,111 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def rank_out_dir(out_dir: Path, rank: int) -> Path:
+    """Rank 0 writes the run's outputs where a single-node run would; rank N under rankN/.
+
+    >>> rank_out_dir(Path("/w"), 0), rank_out_dir(Path("/w"), 2)
+    (PosixPath('/w'), PosixPath('/w/rank2'))
+    """
+    return out_dir if rank == 0 else out_dir / f"rank{rank}"
+
+
+def under_external_launcher() -> bool:
+    """True inside a rank started by someone else's torchrun (it sets these variables)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def launch_if_distributed(run: Any, out_dir: Path, endpoints: list[str] | None = None) -> Any:
+    """Train with several ranks when the world has more than one; None otherwise.
+
+    Returns rank 0's :class:`posttrain.trainer.loop.RunResult` on the node that ran rank 0;
+    on other nodes a result without evaluations. ``endpoints`` defaults to the spec's.
+    """
+    if under_external_launcher():
+        return run_rank(run.spec.model_dump(mode="json"), str(out_dir.resolve()),
+                        endpoints or _resolve_endpoints(run.spec))
+    if os.environ.get("RAY_ADDRESS"):
+        return _launch_on_ray(run, out_dir, endpoints)
+    plan = world_plan(run)
+    if plan.world_size <= 1:
+        return None
+    return launch_node(run, out_dir, plan, endpoints or _resolve_endpoints(run.spec))
+
+
+def _resolve_endpoints(spec: Any) -> list[str]:
+    from posttrain.trainer.cli import _endpoints
+
+    return _endpoints(spec)
+
+
+def launch_node(run: Any, out_dir: Path, plan: WorldPlan, endpoints: list[str]) -> Any:
+    """Start this node's ranks under torch's elastic agent and wait for them."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    timeout = int(os.environ.get(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT_S))
+    config = LaunchConfig(
+        min_nodes=plan.nodes, max_nodes=plan.nodes, nproc_per_node=plan.ranks_per_node,
+        run_id=f"{run.metadata.name}-{os.environ.get('POSTTRAIN_GANG', '0')}",
+        rdzv_backend="static", rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_configs={"rank": plan.node_rank, "timeout": timeout},
+        max_restarts=0,  # a failed rank fails the gang; the operator restarts from a checkpoint
+        start_method="spawn", monitor_interval=1.0,
+    )
+    log.info("starting %d rank(s) on node %d of %d (world %d, rendezvous %s:%d)",
+             plan.ranks_per_node, plan.node_rank, plan.nodes, plan.world_size,
+             plan.master_addr, plan.master_port)
+    with tracer.start_as_current_span("trainer.distributed_run") as span:
+        span.set_attribute("nodes", plan.nodes)
+        span.set_attribute("world_size", plan.world_size)
+        results = elastic_launch(config, run_rank)(
+            run.spec.model_dump(mode="json"), str(out_dir.resolve()), endpoints)
+    return results[0]
+
+
+def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> Any:
+    """One rank: join the process group on its device, train, leave. The launcher calls it
+    with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` in the environment."""
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.api import TrainingRunSpec
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.engine import plan_device
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.status import status_reporter_from_env
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    logging.basicConfig(level=logging.INFO,
+                        format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    spec = TrainingRunSpec.model_validate(spec_json)
+    plan = plan_device(spec.resources.gpus_per_node, local_rank)
+    if plan.is_cuda:
+        torch.cuda.set_device(plan.device)
+    else:  # CPU ranks share the node's cores; more threads than cores spin at barriers
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(plan.backend, device_id=plan.device if plan.is_cuda else None)
+    context = DistContext(rank, world, local_rank, local_world)
+    client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
+                           max_in_flight=max(spec.rollout.max_in_flight,
+                                             spec.algorithm.prompts_per_step))
+    out = rank_out_dir(Path(out_dir), rank)
+    reporter = status_reporter_from_env(out) if context.is_main else None
+    try:
+        return train(spec, out, client, reporter=reporter, dist=context)
+    finally:
+        client.close()
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- Ray (RayCluster path)
+
+
 def assign_nodes(driver_node: str, alive_nodes: list[str], nodes: int) -> list[str]:
-    """Node id of each rank: rank 0 on the driver's node, the others in a stable order.
+    """Node id of each node rank: node 0 is the driver's, the others in a stable order.
 
     >>> assign_nodes("b", ["c", "a", "b"], 2)
     ['b', 'a']
@@ -183,7 +259,7 @@ def assign_nodes(driver_node: str, alive_nodes: list[str], nodes: int) -> list[s
 
 
 def _wait_for_nodes(ray: Any, nodes: int, gpus: int, timeout_s: float) -> list[str]:
-    """Ids of alive nodes able to host a rank, once at least ``nodes`` of them exist."""
+    """Ids of alive nodes able to host a node's ranks, once at least ``nodes`` exist."""
     deadline = time.monotonic() + timeout_s
     next_log = 0.0
     while True:
@@ -222,78 +298,8 @@ def _gather_or_kill(ray: Any, refs: list[Any], workers: list[Any]) -> list[Any]:
     return [ray.get(ref) for ref in refs]
 
 
-def launch_if_distributed(run: Any, out_dir: Path) -> Any | None:
-    """Train on a Ray cluster when more than one node is wanted.
-
-    Returns rank 0's :class:`posttrain.trainer.loop.RunResult`, or None for a
-    single-node run (the caller trains in process).
-    """
-    nodes = wanted_nodes(run)
-    if nodes <= 1 and not os.environ.get("RAY_ADDRESS"):
-        return None
-    try:
-        import ray
-    except ImportError:
-        raise UsageError(
-            f"{nodes} nodes requested (spec.resources.nodes / ${NODES_ENV}) but Ray is not "
-            "installed; install posttrain[ray] in the trainer image or set nodes: 1"
-        ) from None
-    from posttrain.trainer.cli import _endpoints
-
-    # Resolved here, on the driver: the actors' environment is the Ray node's, not ours.
-    endpoints = _endpoints(run.spec)
-    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True)
-    with tracer.start_as_current_span("trainer.distributed_run") as span:
-        span.set_attribute("nodes", nodes)
-        span.set_attribute("gpus_per_node", run.spec.resources.gpus_per_node)
-        results = _run_on_ray(ray, run, out_dir, nodes, endpoints)
-    log.info("distributed run finished on %d nodes; (rank, steps, replica checks): %s", nodes,
-             [(r["rank"], r["steps_done"], r["replica_checks"]) for r in results])
-    return results[0]["result"]
-
-
-def _run_on_ray(ray: Any, run: Any, out_dir: Path, nodes: int,
-                endpoints: list[str]) -> list[dict[str, Any]]:
-    """Place one rank per node, train, and return every rank's summary (rank order)."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    try:
-        gpus = run.spec.resources.gpus_per_node
-        wait_s = float(os.environ.get(NODE_WAIT_ENV, DEFAULT_NODE_WAIT_S))
-        alive = _wait_for_nodes(ray, nodes, gpus, wait_s)
-        placement = assign_nodes(ray.get_runtime_context().get_node_id(), alive, nodes)
-        log.info("starting %d trainer ranks on Ray nodes %s", nodes, placement)
-        workers = [
-            ray.remote(TrainerWorker).options(
-                num_cpus=1, num_gpus=gpus, max_restarts=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-            ).remote(rank, nodes)
-            for rank, node_id in enumerate(placement)
-        ]
-        master = ray.get(workers[0].master_address.remote())
-        spec_json = run.spec.model_dump(mode="json")
-        # Absolute: an actor's working directory is Ray's, not the driver's.
-        refs = [w.train.remote(spec_json, str(out_dir.resolve()), master, gpus > 0, endpoints)
-                for w in workers]
-        return _gather_or_kill(ray, refs, workers)
-    finally:
-        ray.shutdown()
-
-
-def rank_out_dir(out_dir: Path, rank: int) -> Path:
-    """Rank 0 writes the run's outputs where a single-node run would; rank N under rankN/.
-
-    >>> rank_out_dir(Path("/w"), 0), rank_out_dir(Path("/w"), 2)
-    (PosixPath('/w'), PosixPath('/w/rank2'))
-    """
-    return out_dir if rank == 0 else out_dir / f"rank{rank}"
-
-
-class TrainerWorker:
-    """One node's trainer (wrapped by ``ray.remote`` at launch time)."""
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.context = DistContext(rank, world_size)
+class RankActor:
+    """One rank as a Ray actor (wrapped by ``ray.remote`` at launch time)."""
 
     def master_address(self) -> str:
         """``host:port`` for the process group's rendezvous, on this (rank 0's) node."""
@@ -301,34 +307,57 @@ class TrainerWorker:
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
-    def train(self, spec_json: dict[str, Any], out_dir: str, master: str, use_gpu: bool,
-              endpoints: list[str]) -> dict[str, Any]:
-        """Run the training loop as this rank; rank 0's summary carries the RunResult."""
-        from posttrain.api import TrainingRunSpec
-        from posttrain.rollout.client import RolloutClient
-        from posttrain.trainer.loop import train
-        from posttrain.trainer.status import status_reporter_from_env
+    def run(self, env: dict[str, str], spec_json: dict[str, Any], out_dir: str,
+            endpoints: list[str]) -> Any:
+        os.environ.update(env)
+        return run_rank(spec_json, out_dir, endpoints)
 
-        logging.basicConfig(level=logging.INFO,
-                            format=f"rank{self.context.rank} %(levelname)s %(name)s: %(message)s")
-        init_process_group(self.context.rank, self.context.world_size, master, use_gpu)
-        spec = TrainingRunSpec.model_validate(spec_json)
-        client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                               max_in_flight=max(spec.rollout.max_in_flight,
-                                                 spec.algorithm.prompts_per_step))
-        out = rank_out_dir(Path(out_dir), self.context.rank)
-        reporter = status_reporter_from_env(out) if self.context.is_main else None
-        try:
-            result = train(spec, out, client, reporter=reporter, dist=self.context)
-        finally:
-            client.close()
-            import torch.distributed as dist
 
-            dist.destroy_process_group()
-        checks = REGISTRY.get_sample_value("posttrain_trainer_replica_checks_total") or 0.0
-        return {
-            "rank": self.context.rank,
-            "steps_done": result.steps_done,
-            "replica_checks": int(checks),
-            "result": result if self.context.is_main else None,
-        }
+def _launch_on_ray(run: Any, out_dir: Path, endpoints: list[str] | None) -> Any:
+    """Place ``ranks_per_node`` rank actors on each of ``nodes`` Ray nodes and train."""
+    try:
+        import ray
+    except ImportError:
+        raise UsageError(
+            "$RAY_ADDRESS is set but Ray is not installed; install posttrain[ray] in the "
+            "trainer image or unset RAY_ADDRESS"
+        ) from None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    nodes, per_node = wanted_nodes(run), ranks_per_node(run.spec)
+    # Resolved here, on the driver: the actors' environment is the Ray node's, not ours.
+    endpoints = endpoints or _resolve_endpoints(run.spec)
+    gpus = run.spec.resources.gpus_per_node
+    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    try:
+        with tracer.start_as_current_span("trainer.distributed_run") as span:
+            span.set_attribute("nodes", nodes)
+            span.set_attribute("world_size", nodes * per_node)
+            wait_s = float(os.environ.get(NODE_WAIT_ENV, DEFAULT_NODE_WAIT_S))
+            alive = _wait_for_nodes(ray, nodes, gpus, wait_s)
+            placement = assign_nodes(ray.get_runtime_context().get_node_id(), alive, nodes)
+            log.info("starting %d trainer ranks on Ray nodes %s", nodes * per_node, placement)
+            workers = [
+                ray.remote(RankActor).options(
+                    num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote()
+                for node_id in placement for _ in range(per_node)
+            ]
+            addr, port = ray.get(workers[0].master_address.remote()).rsplit(":", 1)
+            world = len(workers)
+            spec_json = run.spec.model_dump(mode="json")
+            refs = [
+                w.run.remote({"RANK": str(r), "WORLD_SIZE": str(world),
+                              # Ray shows an actor only its own GPU, so that GPU is its device 0.
+                              "LOCAL_RANK": "0" if gpus else str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node),
+                              "MASTER_ADDR": addr, "MASTER_PORT": port},
+                             spec_json, str(out_dir.resolve()), endpoints)
+                for r, w in enumerate(workers)
+            ]
+            results = _gather_or_kill(ray, refs, workers)
+        log.info("distributed run finished on %d nodes; steps per rank: %s", nodes,
+                 [r.steps_done for r in results])
+        return results[0]
+    finally:
+        ray.shutdown()

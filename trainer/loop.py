@@ -29,7 +29,7 @@ from posttrain.trainer.checkpoint import (
 )
 from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
-from posttrain.trainer.policy import Policy
+from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 from posttrain.trainer.progress import ProgressReporter, StepMetrics
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
@@ -95,8 +95,7 @@ def train(
                 stats = run.policy.train_step([] if stale else prepared.samples, run.loss_config,
                                               micro_batch_size=algo.micro_batch_size,
                                               grad_clip=algo.grad_clip,
-                                              temperature=algo.temperature,
-                                              world_size=run.dist.world_size)
+                                              temperature=algo.temperature, step=step)
                 if stale:
                     stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
                 # 6. publish the new weights so the server samples from them; this also
@@ -108,8 +107,8 @@ def train(
                                   or step == stop_after_step or budget_spent)
                 if stats.applied:
                     run.version += 1
-                    if run.dist.is_main:
-                        run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
+                    # every rank: the weights are gathered from the shards as they stream out
+                    run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
                 run.dist.barrier()  # multi-node: no rank samples before rank 0 published
                 run.producer.step_finished(step)
                 metrics = StepMetrics(
@@ -132,7 +131,7 @@ def train(
                 final_eval = run.evaluate(step)
                 run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
                 run.status.eval_accuracy = final_eval.accuracy
-            if run.dist.is_main and checkpoint_due:
+            if checkpoint_due:  # every rank writes its shards; rank 0 commits
                 score = final_eval.overall if final_eval and final_eval.step == step else None
                 last_checkpoint = run.save_checkpoint(score)
             run.report_step(metrics)
@@ -201,8 +200,9 @@ class Run:
             run.auditor.load_state_dict(state.audit)
             pending = [request_from_json(r) for r in state.pending_requests]
             sampled = [batch_from_json(b) for b in state.sampled_batches]
-            if dist.is_main:  # the server restarted with the base model: give it our weights
-                run.publisher.publish(run.policy, run.version)
+            # the server restarted with the base model: give it our weights (every rank
+            # takes part in gathering them; rank 0 sends them)
+            run.publisher.publish(run.policy, run.version)
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
@@ -221,7 +221,9 @@ class Run:
     def make_policy(self, model_dir: Path) -> Policy:
         return Policy(model_dir, learning_rate=self.algo.learning_rate,
                       weight_decay=self.algo.weight_decay, seed=self.algo.seed,
-                      reference_dir=self.base_dir if self.algo.kl_coef > 0 else None)
+                      reference_dir=self.base_dir if self.algo.kl_coef > 0 else None,
+                      engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
+                      rank=RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank))
 
     def submit_ahead(self) -> None:
         """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""

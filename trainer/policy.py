@@ -5,23 +5,48 @@ to the rollout server), so the ids the server samples after are exactly the ids 
 loss is computed on. The step accumulates micro-batch gradients with batch-level loss
 coefficients (see :mod:`posttrain.trainer.loss`), so ``micro_batch_size`` only trades
 memory for time and never changes the update. A non-finite loss or gradient norm skips
-the optimizer step instead of corrupting the weights.
+the optimizer step (on every rank) instead of corrupting the weights.
+
+The model runs on the engine of :mod:`posttrain.trainer.engine`: its device, precision and
+FSDP2 sharding. The forward that the loss needs (:class:`TokenLogprobs`) is the FSDP root,
+so the embeddings and the LM head are gathered for it like every decoder block.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain.trainer.engine import (
+    DevicePlan,
+    available_bytes,
+    check_fits,
+    check_placement,
+    compute_dtype,
+    count_parameters,
+    decoder_layers,
+    ensure_process_group,
+    estimate_training_memory,
+    lr_factor,
+    needs_sharding,
+    plan_device,
+    shard,
+    to_full,
+)
 from posttrain.trainer.loss import LossConfig, clipped_policy_loss
 
 log = logging.getLogger(__name__)
+
+# Completion tokens whose (tokens x vocabulary) logits exist at once in the loss forward.
+# 1024 x 49k fp32 logits = 200 MB; 1024 x 152k (Qwen) = 620 MB.
+DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 
 
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
@@ -57,8 +82,137 @@ class StepStats:
     skip_reason: str = ""
 
 
+@dataclass(frozen=True)
+class LoraOptions:
+    """Low-rank adapters (PEFT LoRA) on the attention and MLP projections."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
+                                       "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the policy is placed and trained (spec.resources + spec.engine + the LR schedule)."""
+
+    gpus_per_node: int = 0
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    activation_checkpointing: bool = False
+    logprob_chunk_tokens: int = DEFAULT_LOGPROB_CHUNK_TOKENS
+    lr_schedule: str = "constant"  # constant | cosine
+    lr_warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    total_steps: int = 1
+    lora: LoraOptions | None = None
+    ranks_on_node: int = 1  # ranks sharing this host's memory (for the CPU memory check)
+
+    @classmethod
+    def from_spec(cls, spec: Any, ranks_on_node: int = 1) -> EngineOptions:
+        """The options a TrainingRunSpec asks for."""
+        engine, algo = spec.engine, spec.algorithm
+        lora = None
+        if engine.lora is not None:
+            lora = LoraOptions(engine.lora.rank, engine.lora.alpha,
+                               tuple(engine.lora.target_modules))
+        return cls(gpus_per_node=spec.resources.gpus_per_node, precision=engine.precision,
+                   activation_checkpointing=engine.activation_checkpointing,
+                   logprob_chunk_tokens=engine.logprob_chunk_tokens,
+                   lr_schedule=algo.lr_schedule, lr_warmup_steps=algo.lr_warmup_steps,
+                   min_lr_ratio=algo.min_lr_ratio, total_steps=algo.max_steps, lora=lora,
+                   ranks_on_node=ranks_on_node)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place in the group (a subset of distributed.DistContext)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+class TokenLogprobs(torch.nn.Module):
+    """The loss forward as one module: samples -> log-prob of every completion token (N,).
+
+    It is the FSDP root, so whatever FSDP puts outside the decoder blocks (embeddings, final
+    norm, LM head) is gathered for this forward. Log-probabilities come from the LM head in
+    chunks of ``chunk_tokens`` completion tokens (:func:`chunked_token_logprobs`), so memory
+    is bounded by the chunk, not by completion tokens x vocabulary.
+    """
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, chunk_tokens: int,
+                 share_prompts: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.pad_id = pad_id
+        self.chunk_tokens = chunk_tokens
+        self.share_prompts = share_prompts
+
+    def forward(self, samples: Sequence[TrainSample], temperature: float) -> torch.Tensor:
+        device = self.model.get_input_embeddings().weight.device
+        targets = torch.tensor([t for s in samples for t in s.completion_ids],
+                               device=device)  # (N,)
+        if _post_processes_logits(self.model):
+            logits = _full_forward_logits(self.model, samples, self.pad_id)  # (N, V)
+            return _token_logprobs_from_logits(logits, targets, temperature)  # (N,)
+        if self.share_prompts:
+            hidden = completion_hidden(self.model, samples, self.pad_id)  # (N, H)
+        else:
+            hidden = _full_forward_hidden(self.model, samples, self.pad_id)  # (N, H)
+        head = self.model.get_output_embeddings()
+        return chunked_token_logprobs(hidden, head, targets, temperature,
+                                      self.chunk_tokens)  # (N,)
+
+
+def _token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                                temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[target] without materialising a second (n, V) tensor."""
+    scaled = logits.float() / max(temperature, 1e-6)  # (n, V)
+    chosen = scaled.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
+    return chosen - torch.logsumexp(scaled, dim=-1)  # (n,)
+
+
+def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    return _token_logprobs_from_logits(head(hidden), targets, temperature)  # (n,)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,  # (N, H) states that predict each completion token
+    head: torch.nn.Module,  # the LM head (H -> V)
+    targets: torch.Tensor,  # (N,) the completion tokens
+    temperature: float,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """Log-probs (N,) of ``targets``, computing at most ``chunk_tokens`` rows of logits at once.
+
+    With gradients each chunk is checkpointed: backward recomputes its logits instead of
+    keeping them, so the (N, V) logits never exist, forward or backward. Equal to the
+    unchunked computation (tested), at the cost of one more LM-head matmul per token.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    from torch.utils.checkpoint import checkpoint
+
+    pieces = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = hidden[start : start + chunk_tokens]  # (n, H)
+        wanted = targets[start : start + chunk_tokens]  # (n,)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            pieces.append(checkpoint(_head_logprobs, head, rows, wanted, temperature,
+                                     use_reentrant=False))
+        else:
+            pieces.append(_head_logprobs(head, rows, wanted, temperature))
+    return torch.cat(pieces) if pieces else hidden.new_zeros(0)  # (N,)
+
+
 class Policy:
-    """A causal LM being trained with AdamW, plus an optional frozen reference for KL."""
+    """A causal LM being trained with AdamW, plus an optional frozen reference for KL.
+
+    ``self.model`` is the Hugging Face model (its parameters are DTensor shards once
+    sharded); ``self.module`` wraps it as the loss forward and is what FSDP roots.
+    """
 
     def __init__(
         self,
@@ -68,42 +222,120 @@ class Policy:
         weight_decay: float = 0.0,
         reference_dir: Path | None = None,
         seed: int = 0,
+        engine: EngineOptions | None = None,
+        rank: RankInfo | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
+        self.engine = engine or EngineOptions()
+        self.rank = rank or RankInfo()
+        self.plan: DevicePlan = plan_device(self.engine.gpus_per_node, self.rank.local_rank)
+        self.dtype = compute_dtype(self.engine.precision, self.plan)
+        self.sharded = needs_sharding(self.rank.world_size, self.plan, self.dtype)
+        self.base_learning_rate = learning_rate
+        self._check_memory(Path(model_dir), reference=reference_dir is not None)
+        if self.sharded:
+            ensure_process_group(self.plan)
         torch.manual_seed(seed)
         self.model_dir = Path(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.model.train()
-        self.model.config.use_cache = False
-        # Dropout off: RL ratios must compare the same function the sampler ran.
-        for module in self.model.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-        # The KL anchor is the *base* model, also when resuming from a trained checkpoint.
-        self.reference = None
-        if reference_dir is not None:
-            self.reference = AutoModelForCausalLM.from_pretrained(
-                reference_dir, dtype=torch.float32
-            ).eval().requires_grad_(False)
-        # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
-        # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=learning_rate, weight_decay=weight_decay, fused=True
-        )
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
+        self.model = _load_model(model_dir)
+        if self.engine.lora is not None:
+            from posttrain.trainer.lora import add_adapters
+
+            self.model = add_adapters(self.model, self.engine.lora)
+        self.module = self._place(self.model, trainable=True)
+        # The KL anchor is the *base* model, also when resuming from a trained checkpoint.
+        self.reference: torch.nn.Module | None = None
+        self.reference_module: torch.nn.Module | None = None
+        if reference_dir is not None:
+            self.reference = _load_model(reference_dir).requires_grad_(False)
+            self.reference_module = self._place(self.reference, trainable=False)
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
+        # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
+        # Sharded (DTensor) parameters take the foreach kernels, which support them everywhere.
+        self.optimizer = torch.optim.AdamW(
+            trainable, lr=learning_rate, weight_decay=weight_decay,
+            **({"foreach": True} if self.sharded else {"fused": True}),
+        )
+
+    def _check_memory(self, model_dir: Path, *, reference: bool) -> None:
+        """Refuse before loading when the per-rank training state cannot fit."""
+        total, largest, outside = count_parameters(model_dir)
+        trainable = total
+        if self.engine.lora is not None:
+            from posttrain.trainer.lora import estimate_adapter_parameters
+
+            trainable = estimate_adapter_parameters(model_dir, self.engine.lora)
+        world = self.rank.world_size if self.sharded else 1
+        estimate = estimate_training_memory(
+            total, trainable, largest, outside, world_size=world,
+            compute_bytes=self.dtype.itemsize, reference=reference)
+        where = (f"{self.plan.device}" if self.plan.is_cuda
+                 else f"host memory shared by {self.engine.ranks_on_node} rank(s)")
+        check_fits(estimate, available_bytes(self.plan, self.engine.ranks_on_node), where)
+
+    def _place(self, model: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
+        """Wrap ``model`` as the loss forward, then checkpoint, shard and check its placement."""
+        model.train(trainable)
+        model.config.use_cache = False
+        # Dropout off: RL ratios must compare the same function the sampler ran.
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        checkpointing = self.engine.activation_checkpointing and trainable
+        # A recomputed block would append its keys/values to the shared prompt cache twice,
+        # so activation checkpointing takes one full forward per sample instead.
+        wrapper = TokenLogprobs(model, self.pad_id, self.engine.logprob_chunk_tokens,
+                                share_prompts=not checkpointing)
+        if checkpointing:
+            from posttrain.trainer.engine import apply_activation_checkpointing
+
+            apply_activation_checkpointing(decoder_layers(model))
+        if self.sharded:
+            shard(wrapper, decoder_layers(model), self.plan, self.dtype)
+        else:
+            wrapper.to(self.plan.device)
+        check_placement(wrapper, self.plan)
+        return wrapper
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return chat_prompt_ids(self.tokenizer, prompt)
 
-    def save_weights(self, dest: Path) -> Path:
-        """Write an HF directory (safetensors + config + tokenizer) servable and loadable."""
-        dest.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(dest, safe_serialization=True)
-        self.tokenizer.save_pretrained(dest)
-        return dest
+    @property
+    def is_main(self) -> bool:
+        return self.rank.rank == 0
+
+    @property
+    def export_dtype(self) -> torch.dtype:
+        """Exported weights are in the compute dtype: bf16 on GPUs, fp32 on a CPU fp32 run."""
+        return self.dtype
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full CPU tensor)`` of the servable weights, gathered one at a time.
+
+        Every rank must consume the iterator (each tensor is an all-gather). With LoRA each
+        adapted weight comes merged (``W + scale * B @ A``), so servers see plain weights. The tied output embedding is left out, as ``save_pretrained``
+        does (the loaders re-tie it).
+        """
+        from posttrain.trainer.lora import servable_weights
+
+        tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        yield from servable_weights(
+            self.model, dtype=self.export_dtype,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset())
+
+    def save_weights(self, dest: Path) -> Path | None:
+        """Write an HF directory (safetensors + config + tokenizer), streamed tensor by tensor.
+
+        Collective: every rank calls it; rank 0 writes and returns ``dest``, the others None.
+        """
+        from posttrain.trainer.export import write_hf_directory
+
+        return write_hf_directory(self, dest)
 
     def completion_logprobs(
         self, model: torch.nn.Module, samples: Sequence[TrainSample], temperature: float
@@ -111,27 +343,47 @@ class Policy:
         """Log-probs of each completion token under ``model``, aligned with a mask.
 
         Returns ``(logp, behaviour, mask)``, each (B, L) with L the longest completion;
-        the logits are divided by ``temperature`` exactly as the sampler did. See
-        :func:`completion_logits` for how the forward avoids redundant work.
+        the logits are divided by ``temperature`` exactly as the sampler did. ``model`` is
+        ``self.model`` or ``self.reference`` (their loss-forward wrappers run).
         """
+        module = self.reference_module if model is self.reference else self.module
+        assert module is not None
+        device = self.plan.device
         batch = len(samples)
         longest = max(len(s.completion_ids) for s in samples)
-        behaviour = torch.zeros((batch, longest))  # (B, L)
-        mask = torch.zeros((batch, longest))  # (B, L)
-        rows, columns, targets = [], [], []
+        behaviour = torch.zeros((batch, longest), device=device)  # (B, L)
+        mask = torch.zeros((batch, longest), device=device)  # (B, L)
+        rows, columns = [], []
         for i, s in enumerate(samples):
             n = len(s.completion_ids)
             rows += [i] * n
             columns += range(n)
-            targets += s.completion_ids
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
             mask[i, :n] = 1.0
-        row_index, column_index = torch.tensor(rows), torch.tensor(columns)  # (N,), (N,)
-        logits = completion_logits(model, samples, self.pad_id)  # (N, V)
-        token_logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (N, V)
-        chosen = token_logp.gather(-1, torch.tensor(targets)[:, None]).squeeze(-1)  # (N,)
-        logp = torch.zeros((batch, longest)).index_put((row_index, column_index), chosen)  # (B, L)
+        chosen = module(samples, temperature)  # (N,)
+        index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
+        logp = torch.zeros((batch, longest), device=device).index_put(index, chosen)  # (B, L)
         return logp, behaviour, mask
+
+    def _micro_batches(self, samples: Sequence[TrainSample],
+                       micro_batch_size: int) -> list[tuple[list[TrainSample], bool]]:
+        """This rank's micro-batches, padded so every rank runs as many forwards.
+
+        FSDP's gathers are collectives: a rank with fewer samples (dynamic sampling keeps
+        different numbers of groups per rank) runs a one-token micro-batch with coefficient
+        0, which adds nothing to the gradient.
+        """
+        chunks = [(c, False) for start in range(0, len(samples), micro_batch_size)
+                  if (c := [s for s in samples[start : start + micro_batch_size]
+                            if s.completion_ids])]
+        if self.rank.world_size > 1:
+            import torch.distributed as dist
+
+            count = torch.tensor([len(chunks)], device=self.plan.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            filler = TrainSample([self.pad_id], [self.pad_id], [0.0], 0.0, 0.0)
+            chunks += [([filler], True)] * (int(count.item()) - len(chunks))
+        return chunks
 
     def train_step(
         self,
@@ -141,21 +393,23 @@ class Policy:
         micro_batch_size: int,
         grad_clip: float,
         temperature: float,
-        world_size: int = 1,
+        step: int | None = None,
+        world_size: int = 1,  # unused: the process group decides (kept for callers)
     ) -> StepStats:
         """One optimizer step over ``samples`` (already filtered and with advantages).
 
-        With ``world_size > 1`` gradients are averaged across ranks before clipping (every
-        rank joins the collective even with no samples, or the others would hang).
+        Collective with several ranks: every rank calls it, also with no samples. Gradients
+        are averaged over ranks by FSDP's reduce-scatter, so each rank's coefficients give
+        the mean over its share. ``step`` (1-based) sets the learning rate from the schedule.
         """
-        if not samples and world_size <= 1:
+        del world_size
+        chunks = self._micro_batches(samples, micro_batch_size)
+        if not chunks:
             return StepStats(0.0, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
         self.optimizer.zero_grad(set_to_none=True)
-        total_loss, clipped, tokens, ratio_sum, kl_sum = 0.0, 0.0, 0.0, 0.0, 0.0
-        for start in range(0, len(samples), micro_batch_size):
-            chunk = [s for s in samples[start : start + micro_batch_size] if s.completion_ids]
-            if not chunk:
-                continue
+        device = self.plan.device
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, clipped, tokens, ratio, kl
+        for chunk, is_filler in chunks:
             logp, behaviour, mask = self.completion_logprobs(self.model, chunk, temperature)
             ref_logp = None
             if self.reference is not None and config.kl_coef > 0:
@@ -164,23 +418,27 @@ class Policy:
             terms = clipped_policy_loss(
                 logp,
                 behaviour,
-                torch.tensor([s.advantage for s in chunk]),  # (B,)
+                torch.tensor([s.advantage for s in chunk], device=device),  # (B,)
                 mask,
-                torch.tensor([s.coefficient for s in chunk]),  # (B,)
+                torch.tensor([s.coefficient for s in chunk], device=device),  # (B,)
                 config,
                 ref_logp,
             )
             terms.loss.backward()
-            total_loss += float(terms.loss.detach())
-            clipped += terms.clipped_tokens
-            tokens += terms.tokens
-            ratio_sum += terms.ratio_sum
-            kl_sum += terms.kl_sum
-        if world_size > 1:
-            from posttrain.trainer.distributed import all_reduce_gradients
+            if not is_filler:
+                sums += torch.tensor([float(terms.loss.detach()), terms.clipped_tokens,
+                                      terms.tokens, terms.ratio_sum, terms.kl_sum],
+                                     dtype=torch.float64)
+        if self.rank.world_size > 1:
+            import torch.distributed as dist
 
-            all_reduce_gradients(self.model.parameters(), world_size)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip))
+            reduced = sums.to(device)
+            dist.all_reduce(reduced)  # (5,) summed over ranks
+            sums = reduced.cpu()
+            sums[0] /= self.rank.world_size  # the step's loss: the mean of the ranks' losses
+        total_loss, clipped, tokens, ratio_sum, kl_sum = sums.tolist()
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        grad_norm = float(to_full(torch.nn.utils.clip_grad_norm_(parameters, grad_clip)))
         stats = StepStats(
             loss=total_loss,
             grad_norm=grad_norm,
@@ -192,19 +450,52 @@ class Policy:
         )
         if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
             # Applying a NaN/inf update would silently destroy the weights; skip and say so.
+            # Both figures are global, so every rank takes the same decision.
             self.optimizer.zero_grad(set_to_none=True)
             stats.applied = False
             stats.skip_reason = f"non-finite loss={total_loss} grad_norm={grad_norm}"
             log.warning("optimizer step skipped: %s", stats.skip_reason)
             return stats
+        if tokens == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.applied, stats.skip_reason = False, "no samples with signal"
+            return stats
+        if step is not None:
+            self.set_learning_rate(step)
         self.optimizer.step()
         return stats
 
+    def set_learning_rate(self, step: int) -> float:
+        """Apply the schedule's learning rate for optimizer step ``step``; returns it."""
+        engine = self.engine
+        lr = self.base_learning_rate * lr_factor(
+            step, warmup_steps=engine.lr_warmup_steps, total_steps=engine.total_steps,
+            schedule=engine.lr_schedule, min_ratio=engine.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
-def completion_logits(
+
+def _load_model(model_dir: Path | str) -> torch.nn.Module:
+    """The HF model in fp32 on the CPU (the master weights; sharding moves them)."""
+    from transformers import AutoModelForCausalLM
+
+    started = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    log.info("loaded %s in %.1fs", model_dir, time.monotonic() - started)
+    return model
+
+
+def _post_processes_logits(model: torch.nn.Module) -> bool:
+    """Models whose forward soft-caps or scales logits: the loss takes their full forward."""
+    config = model.config
+    return bool(getattr(config, "final_logit_softcapping", None)) or hasattr(config, "logit_scale")
+
+
+def completion_hidden(
     model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
-    """Logits (N, V) predicting every completion token, sample after sample, in order.
+    """Final hidden states (N, H) predicting every completion token, sample after sample.
 
     Two savings over one forward of every prompt + completion:
 
@@ -215,20 +506,16 @@ def completion_logits(
       its gradient are those of separate forwards (float summation order aside; tested).
       With 4 completions of 32 tokens after a 43-token prompt this is 43% fewer tokens through
       the decoder, ~30% less time per step for SmolLM2-135M on CPU.
-    - **The LM head runs only where a completion token is predicted**: a prompt position
-      would cost a (T, V) matmul and softmax (V ~ 49k) for logits nobody reads.
-
-    Models whose forward post-processes logits (soft-capping, logit scales) take one full
-    forward instead, so the result always equals what the sampler computed.
+    - **Only positions that predict a completion token are returned**, so the LM head never
+      runs on a prompt position (a (T, V) matmul and softmax, V ~ 49k, nobody reads).
     """
-    config = model.config
-    if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
-        return _full_forward_logits(model, samples, pad_id)
     from posttrain.rollout.engine import distinct_prompts, left_padded
 
+    device = model.get_input_embeddings().weight.device
     decoder = getattr(model, model.base_model_prefix)
     prompts, group = distinct_prompts(s.prompt_ids for s in samples)
-    prompt_ids, prompt_mask, prompt_positions = left_padded(prompts, pad_id)  # (G, P) each
+    prompt_ids, prompt_mask, prompt_positions = (
+        t.to(device) for t in left_padded(prompts, pad_id))  # (G, P) each
     out = decoder(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -236,7 +523,7 @@ def completion_logits(
         use_cache=True,
     )
     first = out.last_hidden_state[:, -1]  # (G, H): predicts each completion's first token
-    group_index = torch.tensor(group)  # (B,)
+    group_index = torch.tensor(group, device=device)  # (B,)
     rest = max(len(s.completion_ids) for s in samples) - 1  # inputs after the prompt
     later: torch.Tensor | None = None
     if rest > 0:
@@ -248,11 +535,12 @@ def completion_logits(
             n = len(s.completion_ids) - 1
             ids[i, :n] = torch.tensor(s.completion_ids[:n])
             mask[i, :n] = 1
-        starts = torch.tensor([len(prompts[g]) for g in group])  # (B,)
+        starts = torch.tensor([len(prompts[g]) for g in group], device=device)  # (B,)
         later = decoder(
-            input_ids=ids,
-            attention_mask=torch.cat([prompt_mask[group_index], mask], dim=1),  # (B, P+C)
-            position_ids=starts[:, None] + torch.arange(rest)[None, :],  # (B, C)
+            input_ids=ids.to(device),
+            attention_mask=torch.cat([prompt_mask[group_index], mask.to(device)],
+                                     dim=1),  # (B, P+C)
+            position_ids=starts[:, None] + torch.arange(rest, device=device)[None, :],  # (B, C)
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state  # (B, C, H)
@@ -261,14 +549,29 @@ def completion_logits(
         hidden.append(first[group[i]][None])
         if later is not None and len(s.completion_ids) > 1:
             hidden.append(later[i, : len(s.completion_ids) - 1])
-    return model.get_output_embeddings()(torch.cat(hidden)).float()  # (N, V)
+    return torch.cat(hidden)  # (N, H)
 
 
-def _full_forward_logits(
+def completion_logits(
     model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
-    """:func:`completion_logits` by one forward of each prompt + completion (the reference
-    the shared-prompt path is tested against)."""
+    """Logits (N, V) predicting every completion token (:func:`completion_hidden` + LM head).
+
+    Materialises (N, V): for tests and small batches; the loss uses
+    :func:`chunked_token_logprobs`. Models whose forward post-processes logits
+    (soft-capping, logit scales) take one full forward instead.
+    """
+    if _post_processes_logits(model):
+        return _full_forward_logits(model, samples, pad_id)
+    hidden = completion_hidden(model, samples, pad_id)  # (N, H)
+    return model.get_output_embeddings()(hidden).float()  # (N, V)
+
+
+def _full_batch(samples: Sequence[TrainSample], pad_id: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                               torch.Tensor]:
+    """Right-padded prompt + completion ids, their mask, and where completion tokens are
+    predicted: ``(input_ids (B, T), attention (B, T), rows (N,), positions (N,))``."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     input_ids = torch.full((len(samples), max(lengths)), pad_id, dtype=torch.long)  # (B, T)
     attention = torch.zeros_like(input_ids)  # (B, T)
@@ -280,5 +583,29 @@ def _full_forward_logits(
         start, n = len(s.prompt_ids), len(s.completion_ids)
         rows += [i] * n
         positions += range(start - 1, start - 1 + n)  # logits at t predict token t+1
+    return (input_ids.to(device), attention.to(device), torch.tensor(rows, device=device),
+            torch.tensor(positions, device=device))
+
+
+def _full_forward_logits(
+    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+) -> torch.Tensor:
+    """:func:`completion_logits` by one forward of each prompt + completion (the reference
+    the shared-prompt path is tested against)."""
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention, rows, positions = _full_batch(samples, pad_id, device)
     logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
-    return logits[torch.tensor(rows), torch.tensor(positions)].float()  # (N, V)
+    return logits[rows, positions].float()  # (N, V)
+
+
+def _full_forward_hidden(
+    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+) -> torch.Tensor:
+    """:func:`completion_hidden` by one decoder forward of each prompt + completion (no KV
+    cache: what activation checkpointing needs)."""
+    device = model.get_input_embeddings().weight.device
+    input_ids, attention, rows, positions = _full_batch(samples, pad_id, device)
+    decoder = getattr(model, model.base_model_prefix)
+    hidden = decoder(input_ids=input_ids, attention_mask=attention,
+                     use_cache=False).last_hidden_state  # (B, T, H)
+    return hidden[rows, positions]  # (N, H)

@@ -107,33 +107,46 @@ class WeightPublisher:
         """Make every server sample from ``policy``'s weights as ``version``.
 
         ``durable`` also commits the version to the registry when the shared path served it.
+        Collective: every rank calls it; the weights are gathered tensor by tensor
+        (:meth:`Policy.full_weights`) and written once, by rank 0, which alone talks to
+        the servers and the registry.
         """
         started = time.monotonic()
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
-            if self.shared_dir is not None and not self._publish_shared(policy, version):
-                self._stop_sharing()
+            local = self._write(policy, version)
+            if local is None:  # not rank 0: it only took part in the gathers
+                return
             if self.shared_dir is None:
-                self._publish_registry(policy, version, load=True)
+                self._publish_registry(local, version, load=True)
+                shutil.rmtree(local, ignore_errors=True)
+            elif not self._load_shared(version):
+                self._publish_registry(local, version, load=True)  # before tmpfs is emptied
+                self._stop_sharing()
             elif durable:
-                self._publish_registry(policy, version, load=False)
+                self._publish_registry(local, version, load=False)
             span.set_attribute("weights.transport", self.transport)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
 
     def close(self) -> None:
         self._stop_sharing()
 
-    def _publish_shared(self, policy: Any, version: int) -> bool:
-        """Write one file to tmpfs and have the servers load it; False if they cannot."""
-        from safetensors.torch import save_file
+    def _write(self, policy: Any, version: int) -> Path | None:
+        """The version as an HF directory: in tmpfs when sharing, else in scratch."""
+        from posttrain.rollout.weights import version_dir_name
 
+        if self.shared_dir is not None:
+            target = self.shared_dir / version_dir_name(version)
+        else:
+            target = self.scratch / f"publish-v{version}"
+        return policy.save_weights(target)
+
+    def _load_shared(self, version: int) -> bool:
+        """Have the servers load the tmpfs copy; False if they cannot read it."""
         from posttrain.rollout.client import RolloutError
         from posttrain.rollout.weights import version_dir_name
 
         assert self.shared_dir is not None
-        target = self.shared_dir / version_dir_name(version)
-        target.mkdir(exist_ok=True)
-        save_file(shareable_state_dict(policy.model), str(target / "model.safetensors"))
         try:
             self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
@@ -141,18 +154,14 @@ class WeightPublisher:
                         "the weight registry from now on", self.shared_dir, exc)
             return False
         # The server has copied the tensors into its model: older files are dead weight.
+        target = self.shared_dir / version_dir_name(version)
         for old in self.shared_dir.iterdir():
             if old != target:
                 shutil.rmtree(old, ignore_errors=True)
         return True
 
-    def _publish_registry(self, policy: Any, version: int, *, load: bool) -> None:
-        local = self.scratch / f"publish-v{version}"
-        policy.save_weights(local)
-        try:
-            self.registry.publish(version, local)
-        finally:
-            shutil.rmtree(local, ignore_errors=True)
+    def _publish_registry(self, local: Path, version: int, *, load: bool) -> None:
+        self.registry.publish(version, local)
         self.durable_versions.append(version)
         if load:
             self.client.load_weights(self.registry_uri, version)

@@ -180,8 +180,11 @@ def test_multi_node_gang_head_and_workers() -> None:
     gang = b.build_trainer_gang(run, CONFIG, incarnation=0)
     assert [p["metadata"]["name"] for p in gang] == ["demo-g0-0", "demo-g0-1", "demo-g0-2"]
     head, worker = gang[0]["spec"]["containers"][0], gang[2]["spec"]["containers"][0]
-    assert head["command"][:2] == ["sh", "-c"] and "ray start --head" in head["command"][2]
-    assert worker["command"] == ["ray", "start", "--address=demo-head.ml.svc:6379", "--block"]
+    # every node runs torchrun's agent (posttrain run); the rendezvous orders them by rank
+    train = ["posttrain", "run", b.RUN_CONFIG_PATH, "--out", "/workspace"]
+    assert head["command"] == worker["command"] == train
+    assert env_of(worker)["POSTTRAIN_NODE_RANK"]["value"] == "2"
+    assert "RAY_ADDRESS" not in env_of(worker)
     assert env_of(worker)["RANK"]["value"] == "2"
     assert env_of(worker)["WORLD_SIZE"]["value"] == "3"
     assert env_of(worker)["MASTER_ADDR"]["value"] == "demo-head.ml.svc"
