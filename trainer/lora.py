@@ -22,7 +22,6 @@ from posttrain.trainer.engine import to_full
 if TYPE_CHECKING:
     from posttrain.trainer.policy import LoraOptions
 
-PEFT_PREFIX = "base_model.model."
 ADAPTER = "default"
 
 
@@ -56,37 +55,30 @@ def estimate_adapter_parameters(model_dir: Path, options: LoraOptions) -> int:
     return total
 
 
-def is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def servable_weights(
     model: torch.nn.Module, *, dtype: torch.dtype | None, skip: frozenset[str]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, full CPU tensor)`` for every weight a server loads, gathered one at a time.
 
-    For a PEFT model each adapted projection is merged on the fly (fp32 arithmetic, then
-    cast). Collective when sharded: every rank must consume the whole iterator.
+    Each projection with an adapter is merged on the fly (fp32 arithmetic, then cast) and
+    named as in the base model. Collective when sharded: every rank must consume the whole
+    iterator.
     """
     state = model.state_dict()
-    scaling = _scalings(model) if is_peft(model) else {}
+    scaling = _scalings(model)
     for key, tensor in state.items():
-        name = key.removeprefix(PEFT_PREFIX) if scaling else key
-        if ".lora_" in name:
+        if ".lora_" in key:
             continue  # folded into their base weight below
-        if ".base_layer." in name:
-            owner = key.split(".base_layer.")[0]
-            name = name.replace(".base_layer.", ".")
-            if name in skip:
-                continue
-            full = to_full(tensor.detach()).float()
-            if owner in scaling and name.endswith(".weight"):
-                a = to_full(state[f"{owner}.lora_A.{ADAPTER}.weight"].detach()).float()  # (r, in)
-                b = to_full(state[f"{owner}.lora_B.{ADAPTER}.weight"].detach()).float()  # (out, r)
-                full = full + scaling[owner] * (b @ a)  # (out, in)
+        name = key.replace(".base_layer.", ".")
+        if name in skip:
+            continue
+        owner = key.split(".base_layer.")[0] if ".base_layer." in key else None
+        if owner in scaling and name.endswith(".weight"):
+            full = to_full(tensor.detach()).float()  # (out, in)
+            a = to_full(state[f"{owner}.lora_A.{ADAPTER}.weight"].detach()).float()  # (r, in)
+            b = to_full(state[f"{owner}.lora_B.{ADAPTER}.weight"].detach()).float()  # (out, r)
+            full = full + scaling[owner] * (b @ a)  # (out, in)
         else:
-            if name in skip:
-                continue
             full = to_full(tensor.detach())
         target = dtype if dtype is not None and full.is_floating_point() else full.dtype
         yield name, full.to("cpu", dtype=target).contiguous()
@@ -94,7 +86,10 @@ def servable_weights(
 
 def _scalings(model: Any) -> dict[str, float]:
     """Each adapted module's state-dict prefix -> its LoRA scale (alpha / r)."""
-    from peft.tuners.lora import LoraLayer
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft, so no adapters
+        return {}
 
     # Activation checkpointing wraps blocks; the state dict hides the wrapper, so do we.
     return {name.replace("._checkpoint_wrapped_module", ""): float(module.scaling[ADAPTER])

@@ -242,10 +242,13 @@ class Policy:
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.model = _load_model(model_dir)
+        self.peft: torch.nn.Module | None = None
         if self.engine.lora is not None:
             from posttrain.trainer.lora import add_adapters
 
-            self.model = add_adapters(self.model, self.engine.lora)
+            # PEFT injects the adapters into the model's own modules and freezes the rest;
+            # the trainer keeps using the plain model (its names, its decoder).
+            self.peft = add_adapters(self.model, self.engine.lora)
         self.module = self._place(self.model, trainable=True)
         # The KL anchor is the *base* model, also when resuming from a trained checkpoint.
         self.reference: torch.nn.Module | None = None

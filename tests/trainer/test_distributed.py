@@ -1,6 +1,7 @@
-"""Multi-node training: the gradient all-reduce, the replica check, and a real Ray launch.
+"""Several trainer ranks: torchrun's agent on one node (two CPU ranks, a failing rank),
+and the Ray launch.
 
-The launch test starts a real two-node Ray cluster on this machine (two raylets with one
+The Ray test starts a real two-node Ray cluster on this machine (two raylets with one
 CPU each, private temp dir and ports), then runs ``posttrain run`` as the operator runs it
 on the head pod (``RAY_ADDRESS`` set, ``spec.resources.nodes: 2``, rollout endpoints in
 ``$POSTTRAIN_ROLLOUT_ENDPOINTS``) against a real rollout server process.
@@ -8,6 +9,7 @@ on the head pod (``RAY_ADDRESS`` set, ``spec.resources.nodes: 2``, rollout endpo
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,56 +22,80 @@ from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
 from safetensors.torch import load_file
 
 from posttrain.devenv.process import free_port
 
 
-def _all_reduce_worker(rank: int, port: int, results: Any) -> None:
-    from posttrain.trainer.distributed import all_reduce_gradients, init_process_group
-
-    init_process_group(rank, 2, f"127.0.0.1:{port}", use_gpu=False)
-    torch.manual_seed(0)  # identical replicas, as after loading the same weights
-    layer = torch.nn.Linear(2, 1, bias=False)
-    layer.weight.grad = torch.full((1, 2), float(rank + 1))  # rank 0: 1s, rank 1: 2s
-    all_reduce_gradients(layer.parameters(), 2)
-    results[rank] = layer.weight.grad.tolist()
+def _manifest_two_cpu_ranks(model: Path, storage: Path) -> dict[str, Any]:
+    body = _manifest(model, storage)
+    body["spec"]["resources"] = {"nodes": 1}
+    body["spec"]["engine"] = {"cpuRanks": 2}
+    return body
 
 
-def test_gradients_are_averaged_across_ranks() -> None:
-    port = free_port()
-    results = mp.Manager().dict()
-    mp.spawn(_all_reduce_worker, args=(port, results), nprocs=2, join=True)
-    assert results[0] == results[1] == [[1.5, 1.5]]
+@pytest.fixture(scope="module")
+def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``posttrain run --local`` with ``engine.cpuRanks: 2``: torchrun's agent starts two
+    Gloo ranks that shard the model (FSDP2) and sample from one local rollout server."""
+    from posttrain.models import make_tiny_model
+    from posttrain.trainer.progress import load_metrics
+
+    root = tmp_path_factory.mktemp("two-local-ranks")
+    model = make_tiny_model(root / "model", seed=0)
+    manifest = root / "run.yaml"
+    manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, root / "store")))
+    run = subprocess.run([str(Path(sys.executable).with_name("posttrain")), "run",
+                          str(manifest), "--local", "--out", str(root / "out")],
+                         capture_output=True, text=True, timeout=900)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-6000:]
+    return {"root": root, "log": log, "stdout": run.stdout,
+            "metrics": [load_metrics(root / "out"), load_metrics(root / "out/rank1")]}
 
 
-def _diverged_worker(rank: int, port: int, results: Any) -> None:
-    from posttrain.trainer.distributed import (
-        ReplicaDivergenceError,
-        all_reduce_gradients,
-        init_process_group,
-    )
+@pytest.mark.slow  # two ranks + a rollout server on 2 cores: ~2-3 min
+def test_local_run_trains_on_two_cpu_ranks_in_lockstep(two_local_ranks: dict[str, Any]) -> None:
+    assert "starting 2 rank(s) on node 0 of 1 (world 2" in two_local_ranks["log"]
+    assert "run finished: 2 steps" in two_local_ranks["stdout"]
+    rank0, rank1 = two_local_ranks["metrics"]
+    assert [m["step"] for m in rank0] == [m["step"] for m in rank1] == [1, 2]
+    assert all(m["applied"] for m in rank0 + rank1)
+    for a, b in zip(rank0, rank1, strict=True):
+        assert a["grad_norm"] == b["grad_norm"] > 0  # FSDP's reduced gradient: one global norm
+        assert a["loss"] == b["loss"]  # the step's loss is reduced over ranks too
+    assert [m["staleness"] for m in rank0 + rank1] == [0, 0, 0, 0]
+    # both ranks' shards are in the committed checkpoint, with rank 0's HF export
+    manifest = json.loads((two_local_ranks["root"] /
+                           "store/checkpoints/step-00000002/manifest.json").read_text())
+    files = {f["path"] for f in manifest["files"]}
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "model.safetensors",
+            "config.json", "trainer_state.json"} <= files
 
-    init_process_group(rank, 2, f"127.0.0.1:{port}", use_gpu=False)
-    layer = torch.nn.Linear(2, 1, bias=False)
-    with torch.no_grad():
-        layer.weight.fill_(1.0 + rank * 1e-6)  # rank 1 drifted by one ulp-ish step
-    layer.weight.grad = torch.ones((1, 2))
-    try:
-        all_reduce_gradients(layer.parameters(), 2)
-        results[rank] = "no error"
-    except ReplicaDivergenceError as exc:
-        results[rank] = str(exc)
 
+@pytest.mark.slow
+def test_a_failing_local_rank_fails_the_run(tmp_path: Path) -> None:
+    """Rank 1 cannot create its output directory (a file is in the way) after both ranks
+    joined the group: the agent must stop rank 0 and fail, not wait in a collective."""
+    import time
 
-def test_diverged_replicas_fail_the_step_on_every_rank() -> None:
-    port = free_port()
-    results = mp.Manager().dict()
-    mp.spawn(_diverged_worker, args=(port, results), nprocs=2, join=True)
-    assert "differ from rank(s) [1]" in results[0]
-    assert "differ from rank(s) [0]" in results[1]
+    from posttrain.models import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", seed=0)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rank1").write_text("not a directory")
+    manifest = tmp_path / "run.yaml"
+    manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, tmp_path / "store")))
+    started = time.monotonic()
+    run = subprocess.run([str(Path(sys.executable).with_name("posttrain")), "run",
+                          str(manifest), "--local", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    assert "FileExistsError" in run.stderr and "rank1" in run.stderr, run.stderr[-4000:]
+    assert time.monotonic() - started < 300  # not Gloo's 30-minute collective timeout
+    assert not (out / "metrics.jsonl").exists()  # rank 0 never finished a step
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +215,7 @@ def test_both_ranks_train_in_lockstep_on_two_ray_nodes(two_node_run: TwoNodeRun)
     for a, b in zip(rank0, rank1, strict=True):
         # taken after the all-reduce, the gradient norm is the same global value on both ranks
         assert a["grad_norm"] == b["grad_norm"] > 0
-    # Per rank (rank, steps, replica checks): parameters were verified bitwise-identical
-    # across ranks before every step's update (step 1: as loaded; step 2: after step 1).
-    assert "(rank, steps, replica checks): [(0, 2, 2), (1, 2, 2)]" in run.log
+    assert "steps per rank: [2, 2]" in run.log
     # every rank's trajectories (both writers' chunks), tokens and log-probs, reached the store
     from posttrain.storage.store import open_store
     from posttrain.storage.trajectories import list_chunks
