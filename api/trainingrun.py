@@ -149,7 +149,8 @@ class TrainerResources(ApiModel):
     """The trainer workload's shape."""
 
     nodes: int = Field(default=1, ge=1, le=1024)
-    """Trainer nodes; > 1 runs a Ray cluster (head + workers) with gang semantics."""
+    """Trainer nodes (pods, restarted together as a gang). > 1: every pod runs torchrun's agent
+    for its ranks (a RayCluster instead when KubeRay is installed)."""
     gpus_per_node: int = Field(default=0, ge=0, le=16)
     """nvidia.com/gpu per trainer pod; the trainer runs one rank per GPU on it (CUDA, NCCL,
     FSDP2) and fails at start when it sees no GPU. 0: CPU ranks (engine.cpuRanks)."""

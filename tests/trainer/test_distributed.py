@@ -78,8 +78,6 @@ def test_local_run_trains_on_two_cpu_ranks_in_lockstep(two_local_ranks: dict[str
 def test_a_failing_local_rank_fails_the_run(tmp_path: Path) -> None:
     """Rank 1 cannot create its output directory (a file is in the way) after both ranks
     joined the group: the agent must stop rank 0 and fail, not wait in a collective."""
-    import time
-
     from posttrain.models import make_tiny_model
 
     model = make_tiny_model(tmp_path / "model", seed=0)
@@ -88,13 +86,14 @@ def test_a_failing_local_rank_fails_the_run(tmp_path: Path) -> None:
     (out / "rank1").write_text("not a directory")
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, tmp_path / "store")))
-    started = time.monotonic()
+    # The timeout only guards the suite: Gloo's collective timeout (30 min) is longer.
     run = subprocess.run([str(Path(sys.executable).with_name("posttrain")), "run",
                           str(manifest), "--local", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=1500)
     assert run.returncode != 0
     assert "FileExistsError" in run.stderr and "rank1" in run.stderr, run.stderr[-4000:]
-    assert time.monotonic() - started < 300  # not Gloo's 30-minute collective timeout
+    # the agent stopped rank 0 itself (it was waiting in a collective for rank 1)
+    assert "closing signal SIGTERM" in run.stderr, run.stderr[-4000:]
     assert not (out / "metrics.jsonl").exists()  # rank 0 never finished a step
 
 
