@@ -136,6 +136,51 @@ def test_policy_logprobs_do_not_depend_on_the_chunk_size(tiny_model: Path) -> No
     torch.testing.assert_close(a * mask, b * mask, rtol=1e-5, atol=1e-6)
 
 
+def _moments_by_name(policy: Policy) -> dict[str, torch.Tensor]:
+    names = {id(p): n.replace("._checkpoint_wrapped_module", "")
+             for n, p in policy.module.named_parameters()}
+    return {names[id(p)]: state["exp_avg"] for p, state in policy.optimizer.state.items()}
+
+
+def test_activation_checkpointing_gives_the_same_update(tiny_model: Path) -> None:
+    """Recomputing blocks in backward (and the full forward it implies) changes memory,
+    not the gradient: AdamW's first moment (0.1 x gradient) agrees to float noise."""
+    from posttrain.trainer.policy import EngineOptions
+
+    plain = Policy(tiny_model, learning_rate=LR)
+    recomputing = Policy(tiny_model, learning_rate=LR,
+                         engine=EngineOptions(activation_checkpointing=True))
+    assert not recomputing.module.share_prompts
+    samples = _samples(plain)
+    for policy in (plain, recomputing):
+        assert policy.train_step(samples, LossConfig(), micro_batch_size=3, grad_clip=1e9,
+                                 temperature=1.0, step=1).applied
+    expected, actual = _moments_by_name(plain), _moments_by_name(recomputing)
+    assert expected.keys() == actual.keys()
+    for name, moment in expected.items():
+        torch.testing.assert_close(actual[name], moment, rtol=1e-4, atol=1e-8)
+
+
+def test_bf16_on_one_cpu_process_keeps_fp32_master_weights(tiny_model: Path) -> None:
+    """precision: bf16 without a launcher: a one-rank FSDP2 group with bf16 compute."""
+    import torch.distributed as dist
+
+    from posttrain.trainer.policy import EngineOptions
+
+    try:
+        policy = Policy(tiny_model, learning_rate=LR, engine=EngineOptions(precision="bf16"))
+        assert policy.sharded and policy.dtype == torch.bfloat16
+        assert all(p.dtype == torch.float32 for p in policy.module.parameters())
+        stats = policy.train_step(_samples(policy), LossConfig(), micro_batch_size=4,
+                                  grad_clip=1.0, temperature=1.0, step=1)
+        assert stats.applied and stats.grad_norm > 0
+        exported = dict(policy.full_weights())
+        assert {t.dtype for t in exported.values()} == {torch.bfloat16}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- schedule and memory
 
 
