@@ -86,8 +86,13 @@ def plot_reward_accuracy(
         ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
         (line,) = ax.plot(xs, ys, marker="o", markersize=4, label=f"train reward: {domain}")
         colors[domain] = line.get_color()
-    for domain in sorted({d for r in evals for d in r.accuracy}):
-        xs = [r.step for r in evals if domain in r.accuracy]
+    eval_domains = sorted({d for r in evals for d in r.accuracy})
+    last_step = max([1, *[m["step"] for m in metrics], *[r.step for r in evals]])
+    for index, domain in enumerate(eval_domains):
+        # Domains measured at the same step with the same accuracy would hide each other:
+        # each is nudged sideways by a small, fixed amount (its step is still readable).
+        dodge = 0.015 * last_step * (index - (len(eval_domains) - 1) / 2)
+        xs = [r.step + dodge for r in evals if domain in r.accuracy]
         ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
         ax.plot(xs, ys, marker="D", markersize=8, linestyle="none", markeredgecolor="black",
                 color=colors.get(domain), label=f"held-out accuracy: {domain}", zorder=3)
@@ -143,8 +148,9 @@ def mark_curriculum_changes(ax: Any, metrics: list[dict[str, Any]]) -> bool:
         labels.setdefault(step, []).append(label)
     for step, names in labels.items():
         ax.axvline(step - 0.5, color="#777", linestyle=":", linewidth=1)
-        ax.annotate(", ".join(names), xy=(step - 0.5, 1.0), xycoords=("data", "axes fraction"),
-                    rotation=90, fontsize=6, color="#555", ha="right", va="top")
+        ax.annotate(", ".join(names), xy=(step - 0.5, 0.98), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, color="#333", ha="right", va="top",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
     return bool(changes)
 
 
