@@ -74,7 +74,7 @@ def train(
     interrupted = False
     with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
         while run.step < stop_at:
-            if stop is not None and stop.is_set():  # Ctrl-C before this step began
+            if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
                 interrupted = True
                 break
             run.step += 1
@@ -148,7 +148,10 @@ def train(
             if budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
                 break
-            if interrupted:
+            if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+                if not (interrupted or checkpoint_due) and run.dist.is_main:
+                    last_checkpoint = run.save_checkpoint(None)  # pressed during reporting
+                interrupted = True
                 log.info("stopped by Ctrl-C after step %d (checkpointed)", step)
                 break
     wall = run.finish(interrupted)
