@@ -55,11 +55,6 @@ def _run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         max_workers=args.max_workers,
     )
-    # On the `posttrain dev up` cluster, record this process so `posttrain dev down` stops
-    # it; against any other cluster nothing is recorded.
-    from posttrain.devenv.registry import register_this_process
-
-    register_this_process("operator", config.kubeconfig)
     run_forever(config)
     return 0
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -125,6 +126,19 @@ def _command_word(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _register_with_dev_environment(args: argparse.Namespace) -> None:
+    """An operator run against the ``posttrain dev up`` cluster records its pid, so that
+    ``posttrain dev down`` stops it with the rest (the operator itself knows nothing of the
+    dev environment: it runs the same in a cluster)."""
+    if args.command != "operator" or getattr(args, "operator_command", None):
+        return
+    from posttrain.devenv.registry import register_this_process
+
+    register_this_process(
+        "operator", args.kubeconfig or os.environ.get("POSTTRAIN_OPERATOR_KUBECONFIG")
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -135,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _register_with_dev_environment(args)
     try:
         result = args.func(args)
     except UsageError as exc:

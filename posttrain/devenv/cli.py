@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from posttrain.errors import UsageError
+from posttrain.processes import StartError, http_ok, pid_alive, stop_pid
 
-from .process import StartError, http_ok, pid_alive, stop_pid
 from .registry import register_this_process, state_dir, stop_registered
 
 log = logging.getLogger(__name__)
