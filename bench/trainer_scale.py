@@ -180,7 +180,7 @@ def main() -> None:
           f"{params / 1e6:.0f}M parameters; batch {args.samples} x {args.completion} tokens",
           flush=True)
     single = run_unsharded(model, args.samples, args.completion, args.steps)
-    from posttrain.devenv.process import free_port
+    from posttrain.processes import free_port
 
     out = mp.Manager().dict()
     mp.spawn(_rank, args=(2, free_port(), str(model), args.samples, args.completion,

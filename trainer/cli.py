@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
+from posttrain.trainer.interrupt import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ def run_command(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     run = load_manifest(args.manifest, TrainingRun)
     spec = run.spec
+    from posttrain.trainer.rundata import check_dataset_sources
+
+    # Before --out is created or a rollout server starts (seconds): a typo'd dataset path
+    # fails at once and leaves nothing behind.
+    check_dataset_sources(spec)
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1, got {args.max_steps}")
@@ -81,18 +87,27 @@ def run_command(args: argparse.Namespace) -> int:
     from posttrain.models import resolve_model
     from posttrain.trainer.server_process import LocalRolloutServer
 
-    args.out.mkdir(parents=True, exist_ok=True)
     resolve_model(spec.model)  # fail fast on a bad model reference, before any server starts
-    if args.local:
-        with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
-            result = _train(run, args.out, [server.url], wait_for_servers=False)
-    else:
-        result = _train(run, args.out, None, wait_for_servers=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stop = GracefulStop().install()
+    try:
+        if args.local:
+            with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
+                result = _train(run, args.out, [server.url], stop, wait_for_servers=False)
+        else:
+            result = _train(run, args.out, None, stop, wait_for_servers=True)
+    except KeyboardInterrupt:  # the second Ctrl-C: stopped mid-step
+        _report_interrupt(spec, args.out, _step_reached(args.out))
+        return 130
     _print_summary(result)
+    if result.interrupted:
+        _report_interrupt(spec, args.out, result.steps_done)
+        return 130
     return 0
 
 
-def _train(run: Any, out: Path, endpoints: list[str] | None, *, wait_for_servers: bool) -> Any:
+def _train(run: Any, out: Path, endpoints: list[str] | None, stop: Any, *,
+           wait_for_servers: bool) -> Any:
     """Train in this process, or as several ranks (:mod:`posttrain.trainer.distributed`)."""
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.distributed import launch_if_distributed
@@ -111,9 +126,33 @@ def _train(run: Any, out: Path, endpoints: list[str] | None, *, wait_for_servers
         distributed = launch_if_distributed(run, out, endpoints)
         if distributed is not None:  # rank 0's result of a multi-rank run
             return distributed
-        return train(spec, out, client, reporter=status_reporter_from_env(out))
+        return train(spec, out, client, reporter=status_reporter_from_env(out),
+                     stop=stop.requested)
     finally:
         client.close()
+
+
+def _step_reached(out_dir: Path) -> int:
+    """The last step the run recorded in status.json (0 when it recorded none)."""
+    try:
+        return int(json.loads((out_dir / "status.json").read_text()).get("step") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _report_interrupt(spec: Any, out_dir: Path, step: int) -> None:
+    """Name the last checkpoint and the command that resumes from it; mark status.json."""
+    from posttrain.trainer.interrupt import (
+        interrupted_message,
+        last_checkpoint,
+        mark_status_interrupted,
+    )
+
+    message = interrupted_message(
+        step, last_checkpoint(spec, out_dir), spec.checkpoint.every_steps, sys.argv
+    )
+    mark_status_interrupted(out_dir, message.splitlines()[0])
+    print(message, file=sys.stderr)
 
 
 def _endpoints(spec: Any) -> list[str]:

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
+from posttrain.processes import free_port
 from posttrain.telemetry import get_tracer
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,21 @@ class WorldPlan:
         return self.nodes * self.ranks_per_node
 
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (collective with several ranks):
+        decisions that start collectives, such as checkpointing, must be the same everywhere.
+        """
+        if self.world_size <= 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        value = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+
 def wanted_nodes(run: Any) -> int:
     """Nodes requested by the environment (operator) or the spec's resources."""
     return int(os.environ.get(NODES_ENV, run.spec.resources.nodes))
@@ -131,15 +146,9 @@ def world_plan(run: Any, environ: dict[str, str] | None = None) -> WorldPlan:
             "rank 0's Service (set MASTER_ADDR, MASTER_PORT and POSTTRAIN_NODE_RANK by hand "
             "when starting the nodes yourself)"
         )
-    port = int(env.get("MASTER_PORT", "0")) or _free_port()
+    port = int(env.get("MASTER_PORT", "0")) or free_port()
     return WorldPlan(nodes, ranks_per_node(run.spec), node_rank,
                      env.get("MASTER_ADDR", "127.0.0.1"), port)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 def rank_out_dir(out_dir: Path, rank: int) -> Path:
@@ -305,7 +314,7 @@ class RankActor:
         """``host:port`` for the process group's rendezvous, on this (rank 0's) node."""
         import ray
 
-        return f"{ray.util.get_node_ip_address()}:{_free_port()}"
+        return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
     def run(self, env: dict[str, str], spec_json: dict[str, Any], out_dir: str,
             endpoints: list[str]) -> Any:

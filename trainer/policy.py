@@ -66,6 +66,10 @@ class TrainSample:
     behaviour_logprobs: list[float]  # from the rollout server, one per completion token
     advantage: float
     coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+    # Per completion token, 1 where the policy sampled it (gradient) and 0 where an
+    # environment wrote it (a tool's output in a multi-turn episode: context, never a
+    # target). None: every token is the policy's (single-turn completions).
+    loss_mask: list[int] | None = None
 
 
 @dataclass
@@ -359,10 +363,14 @@ class Policy:
         rows, columns = [], []
         for i, s in enumerate(samples):
             n = len(s.completion_ids)
+            if s.loss_mask is not None and len(s.loss_mask) != n:
+                raise ValueError(f"loss_mask has {len(s.loss_mask)} entries for {n} "
+                                 "completion tokens; it needs one per token")
             rows += [i] * n
             columns += range(n)
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
-            mask[i, :n] = 1.0
+            mask[i, :n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask[:n],
+                                                                       dtype=torch.float32)
         chosen = module(samples, temperature)  # (N,)
         index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
         logp = torch.zeros((batch, longest), device=device).index_put(index, chosen)  # (B, L)

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from posttrain.devenv.process import free_port
 from posttrain.errors import UsageError
+from posttrain.processes import free_port
 from posttrain.trainer.engine import (
     DevicePlan,
     backend_for,
