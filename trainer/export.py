@@ -72,9 +72,10 @@ def write_safetensors_shards(
     return files
 
 
-def write_hf_directory(policy: Any, dest: Path, *,
+def write_hf_directory(policy: Any, dest: Path, *, weights_only: bool = False,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path | None:
-    """Config, generation config, tokenizer and streamed weights of ``policy`` in ``dest``.
+    """Config, generation config, tokenizer and streamed weights of ``policy`` in ``dest``
+    (only the safetensors with ``weights_only``: what a rollout server reloads each step).
 
     Collective: every rank calls it; rank 0 writes and returns ``dest``, the others None.
     """
@@ -85,8 +86,8 @@ def write_hf_directory(policy: Any, dest: Path, *,
             stale.unlink(missing_ok=True)
     write_safetensors_shards(policy.full_weights(), dest if main else None,
                              max_shard_bytes=max_shard_bytes)
-    if not main:
-        return None
+    if not main or weights_only:
+        return dest if main else None
     config = _plain_model(policy.model).config
     config.save_pretrained(dest)
     generation = getattr(policy.model, "generation_config", None)

@@ -191,19 +191,23 @@ def chunked_token_logprobs(
 ) -> torch.Tensor:
     """Log-probs (N,) of ``targets``, computing at most ``chunk_tokens`` rows of logits at once.
 
-    With gradients each chunk is checkpointed: backward recomputes its logits instead of
-    keeping them, so the (N, V) logits never exist, forward or backward. Equal to the
-    unchunked computation (tested), at the cost of one more LM-head matmul per token.
+    With gradients and more than one chunk, each chunk is checkpointed: backward recomputes
+    its logits instead of keeping them, so the (N, V) logits never exist, forward or
+    backward, at the cost of one more LM-head matmul per token. A batch that fits one chunk
+    is computed directly (its logits are already bounded by the chunk). Equal to the
+    unchunked computation (tested).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     from torch.utils.checkpoint import checkpoint
 
+    recompute = (torch.is_grad_enabled() and hidden.requires_grad
+                 and hidden.shape[0] > chunk_tokens)
     pieces = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = hidden[start : start + chunk_tokens]  # (n, H)
         wanted = targets[start : start + chunk_tokens]  # (n,)
-        if torch.is_grad_enabled() and hidden.requires_grad:
+        if recompute:
             pieces.append(checkpoint(_head_logprobs, head, rows, wanted, temperature,
                                      use_reentrant=False))
         else:
@@ -335,14 +339,15 @@ class Policy:
             self.model, dtype=self.export_dtype,
             skip=frozenset({"lm_head.weight"}) if tied else frozenset())
 
-    def save_weights(self, dest: Path) -> Path | None:
-        """Write an HF directory (safetensors + config + tokenizer), streamed tensor by tensor.
+    def save_weights(self, dest: Path, *, weights_only: bool = False) -> Path | None:
+        """Write an HF directory (safetensors + config + tokenizer), streamed tensor by tensor;
+        ``weights_only`` writes just the safetensors.
 
         Collective: every rank calls it; rank 0 writes and returns ``dest``, the others None.
         """
         from posttrain.trainer.export import write_hf_directory
 
-        return write_hf_directory(self, dest)
+        return write_hf_directory(self, dest, weights_only=weights_only)
 
     def completion_logprobs(
         self, model: torch.nn.Module, samples: Sequence[TrainSample], temperature: float

@@ -114,7 +114,10 @@ class WeightPublisher:
         started = time.monotonic()
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
-            local = self._write(policy, version)
+            # A same-host server reloads only the safetensors; a durable copy is a full
+            # HF directory (config and tokenizer too), as is anything for the registry.
+            local = self._write(policy, version,
+                                weights_only=self.shared_dir is not None and not durable)
             if local is None:  # not rank 0: it only took part in the gathers
                 return
             if self.shared_dir is None:
@@ -131,7 +134,7 @@ class WeightPublisher:
     def close(self) -> None:
         self._stop_sharing()
 
-    def _write(self, policy: Any, version: int) -> Path | None:
+    def _write(self, policy: Any, version: int, *, weights_only: bool) -> Path | None:
         """The version as an HF directory: in tmpfs when sharing, else in scratch."""
         from posttrain.rollout.weights import version_dir_name
 
@@ -139,7 +142,7 @@ class WeightPublisher:
             target = self.shared_dir / version_dir_name(version)
         else:
             target = self.scratch / f"publish-v{version}"
-        return policy.save_weights(target)
+        return policy.save_weights(target, weights_only=weights_only)
 
     def _load_shared(self, version: int) -> bool:
         """Have the servers load the tmpfs copy; False if they cannot read it."""
