@@ -107,8 +107,9 @@ def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
         record["domain"] = default_domain
     if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
         raise UsageError(f'{where}: missing or empty "prompt" string')
-    if record.get("answer") is None and not record.get("tests"):
-        raise UsageError(f'{where}: needs "answer" (e.g. numeric) or "tests" (Python asserts)')
+    if record.get("answer") is None and not record.get("tests") and not record.get("verify"):
+        raise UsageError(f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts) '
+                         'or "verify" (shell checks of a terminal task)')
     verifier = record.get("verifier")
     if verifier is not None and verifier not in KNOWN_VERIFIERS:
         raise UsageError(f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS}")
