@@ -155,7 +155,10 @@ class Episode:
         """Agent metrics of this episode (see :func:`agent_metrics` for the aggregates)."""
         tool_calls = sum(int(t.info.get("tool_calls", 0)) for t in self.turns)
         valid = sum(int(t.info.get("valid_tool_calls", 0)) for t in self.turns)
-        failed_at = [i for i, t in enumerate(self.turns) if t.info.get("command_failed")]
+        # A failure the policy can recover from: a command that failed or a call that did
+        # not parse.
+        failed_at = [i for i, t in enumerate(self.turns)
+                     if t.info.get("command_failed") or t.info.get("parse_error")]
         recovered = None
         if failed_at:  # did a later turn run a command that worked, or the episode pass?
             later = self.turns[failed_at[0] + 1:]

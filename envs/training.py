@@ -72,7 +72,7 @@ def make_environment(spec: Any, setup_cache: Any = None) -> Any:
     if spec.kind == "function_calling":
         from posttrain.envs.function_calling import FunctionCallingEnv
 
-        return FunctionCallingEnv(max_turns=spec.max_turns)
+        return FunctionCallingEnv(max_turns=spec.max_turns, format_reward=spec.format_reward)
     if spec.kind == "terminal":
         from posttrain.envs.terminal import TerminalEnv
 
