@@ -77,6 +77,20 @@ class DistContext:
 
             dist.barrier()
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any (collective with several ranks):
+        decisions that start collectives, such as checkpointing, must be the same everywhere.
+        """
+        if self.world_size <= 1:
+            return flag
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        value = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
 
 @dataclass(frozen=True)
 class WorldPlan:
@@ -91,21 +105,6 @@ class WorldPlan:
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
-
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is True on any (collective with several ranks):
-        decisions that start collectives, such as checkpointing, must be the same everywhere.
-        """
-        if self.world_size <= 1:
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        value = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
 
 
 def wanted_nodes(run: Any) -> int:
