@@ -20,6 +20,7 @@ import yaml
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
 
+from . import sandbox_runner
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -217,6 +218,7 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
     rules = [{**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
     return [
         {
             "apiVersion": "v1",
@@ -330,6 +332,7 @@ def build_trainer_pod(
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
         *_s3_env(config),
     ]
+    env += sandbox_runner.trainer_sandbox_env(run)
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
@@ -372,6 +375,7 @@ def build_trainer_pod(
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
     _schedule(pod_spec, config, config.trainer_node_selector, res.node_selector,
               config.trainer_tolerations, config.trainer_affinity)
+    sandbox_runner.apply_local_sandbox_context(run, pod_spec)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
     return {
@@ -399,7 +403,7 @@ def build_trainer_children(
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
-    return children
+    return children + sandbox_runner.build_runner_children(run, config)
 
 
 # ---------------------------------------------------------------- TrainingRun on KubeRay

@@ -31,6 +31,7 @@ from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 
 from . import builders as b
+from . import sandbox_runner
 from . import warmpool as wp
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
@@ -727,6 +728,12 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+            if (plan.status_patch.get("phase") in TERMINAL
+                    and sandbox_runner.needs_own_runner(run)):
+                # The run's own runner has nothing left to verify (its Service and
+                # NetworkPolicy cost nothing and go with the run).
+                self.kube.delete("apps/v1", "Deployment", namespace,
+                                 sandbox_runner.runner_name(run))
 
     def kuberay_installed(self, fresh: bool = False) -> bool:
         """Whether the apiserver serves rayclusters.ray.io, asked through API discovery at most

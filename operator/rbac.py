@@ -22,7 +22,8 @@ OPERATOR_RULES: list[Rule] = [
     # annotations, the gang incarnation); delete finished SandboxTasks after their TTL.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
-    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "delete"]},
+    # create: only so it may grant task-mode trainers that right (an RBAC escalation check).
+    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "create", "delete"]},
     {"apiGroups": [GROUP], "resources": ["sandboxwarmpools"], "verbs": READ},
     # Status is ours to write (phase, conditions, results), through merge patches.
     {

@@ -8,7 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate", "loss",
-           "rewards", "rollouts", "rundata", "server_process", "status", "weight_sync"]
+           "rewards", "rollouts", "rundata", "server_process", "status", "verification",
+           "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)

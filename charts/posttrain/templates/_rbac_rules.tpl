@@ -13,7 +13,7 @@ DO NOT EDIT: change the operator's rules and rerun `python charts/generate_rbac.
   verbs: [get, list, watch]
 - apiGroups: [posttrain.io]
   resources: [sandboxtasks]
-  verbs: [delete, get, list, watch]
+  verbs: [create, delete, get, list, watch]
 - apiGroups: [posttrain.io]
   resources: [sandboxwarmpools]
   verbs: [get, list, watch]
