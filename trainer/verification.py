@@ -76,7 +76,8 @@ class SandboxHealth:
 
 class CappedRunner:
     """Applies the policy's ceilings to every request, then runs it on the mode's executor
-    (built on first use: a run whose verifiers never execute code needs no sandbox)."""
+    (built on first use: a run whose verifiers never execute code needs no sandbox; one that
+    cannot be built, e.g. no bubblewrap, fails the run at once with the reason)."""
 
     def __init__(self, make: Callable[[], Any], timeout_s: float, memory_mb: int) -> None:
         self._make = make
@@ -88,7 +89,15 @@ class CappedRunner:
     def run(self, request: Any) -> Any:
         with self._lock:
             if self._runner is None:
-                self._runner = self._make()  # SandboxError here is an infra failure too
+                from posttrain.sandboxes.executor import SandboxError
+                from posttrain.sandboxes.tasks import SandboxConfigError
+
+                try:
+                    self._runner = self._make()
+                except SandboxConfigError:
+                    raise
+                except SandboxError as exc:  # bwrap missing or too old: waiting won't help
+                    raise SandboxConfigError(str(exc)) from exc
         capped = replace(request, timeout_s=min(request.timeout_s, self.timeout_s),
                          memory_mb=min(request.memory_mb, self.memory_mb))
         return self._runner.run(capped)
