@@ -137,10 +137,11 @@ class SandboxPolicy(ApiModel):
     """Base URL of a sandbox runner (``posttrain sandbox serve``) when mode=runner. Unset: the
     operator runs one for this run (Deployment and Service ``<run>-sandbox-runner``, restricted
     pods, ``maxConcurrency`` slots) and hands its URL to the trainer."""
-    timeout_seconds: float = Field(default=10, gt=0, le=3600)
+    timeout_seconds: float = Field(default=60, gt=0, le=3600)
     """The most wall-clock time one execution may take, in every mode (a verifier's own
-    smaller ``timeout_s`` applies first). In task mode the SandboxTask pod also gets this
-    much time; starting the pod does not count."""
+    smaller ``timeout_s`` applies first; 60 leaves the built-in verifiers' defaults, at most
+    60 s, as they are). In task mode the SandboxTask pod gets the execution's time; starting
+    the pod does not count."""
     memory_mb: int = Field(default=512, ge=16)
     """The most memory one execution may use (a verifier's own smaller ``memory_mb`` applies
     first): RLIMIT_AS in local and runner mode, the SandboxTask pod's memory limit in task
