@@ -325,6 +325,8 @@ class Run:
             self.status.step, self.status.weight_version = self.step, self.version
             self.status.reward_mean = metrics.reward_mean
             self.status.domain_rewards = metrics.domain_rewards
+            if self.verification is not None and self.status.sandbox is not None:
+                self.status.sandbox = self.verification.health.to_wire()
             self.reporter.report(self.status)
 
     def report_sandbox(self, health: Any) -> None:  # verification.SandboxHealth
