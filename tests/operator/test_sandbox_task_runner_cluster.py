@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from posttrain.operator.kube import KubeError
 from posttrain.sandboxes.client import SandboxUnavailable
 from posttrain.sandboxes.executor import ExecRequest
 from posttrain.sandboxes.tasks import SandboxConfigError, SandboxTaskRunner
@@ -30,6 +31,23 @@ def runner(kube_api: Any, namespace: str, logs: dict[str, str] | None = None,
                              read_log=lambda uri: (logs or {})[uri], poll_s=0.05, **kwargs)
 
 
+@pytest.fixture
+def served(crds_installed: None, kube: Any, namespace: str) -> None:
+    """SandboxTasks can be listed (a freshly installed CRD answers 429 while its storage
+    initialises)."""
+
+    def listable() -> bool:
+        try:
+            tasks(kube, namespace)
+        except KubeError as exc:
+            if exc.status != 429:
+                raise
+            return False
+        return True
+
+    wait_for(listable, what="sandboxtasks served")
+
+
 def tasks(kube: Any, namespace: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = kube.request("GET", cr_path("sandboxtasks", namespace))[1][
         "items"]
@@ -45,7 +63,7 @@ def play_operator(kube: Any, namespace: str, status: dict[str, Any]) -> dict[str
 
 
 def test_a_finished_task_is_an_exec_result_read_from_its_stored_log(
-    crds_installed: None, kube: Any, kube_api: Any, namespace: str
+    served: None, kube: Any, kube_api: Any, namespace: str
 ) -> None:
     uri = "s3://b/sandboxes/x/logs.txt"
     r = runner(kube_api, namespace, logs={uri: "some output\n__RESULT__ [1]\n"},
@@ -67,7 +85,7 @@ def test_a_finished_task_is_an_exec_result_read_from_its_stored_log(
 
 
 def test_the_sandbox_failing_is_unavailability_not_a_result(
-    crds_installed: None, kube: Any, kube_api: Any, namespace: str
+    served: None, kube: Any, kube_api: Any, namespace: str
 ) -> None:
     r = runner(kube_api, namespace)
     with ThreadPoolExecutor(1) as pool:
@@ -79,7 +97,7 @@ def test_the_sandbox_failing_is_unavailability_not_a_result(
 
 
 def test_a_task_that_never_starts_is_unavailability_and_is_deleted(
-    crds_installed: None, kube: Any, kube_api: Any, namespace: str
+    served: None, kube: Any, kube_api: Any, namespace: str
 ) -> None:
     r = runner(kube_api, namespace, start_timeout_s=1.0)
     with pytest.raises(SandboxUnavailable, match="did not start within 1 s"):
@@ -88,7 +106,7 @@ def test_a_task_that_never_starts_is_unavailability_and_is_deleted(
 
 
 def test_without_sandbox_artifact_storage_task_mode_says_what_to_configure(
-    crds_installed: None, kube: Any, kube_api: Any, namespace: str
+    served: None, kube: Any, kube_api: Any, namespace: str
 ) -> None:
     r = runner(kube_api, namespace)
     with ThreadPoolExecutor(1) as pool:
