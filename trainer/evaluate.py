@@ -138,6 +138,7 @@ def evaluate_tasks(
             )
             completions += chunk_completions
             progress.advance(len(chunk))
+        progress.finish()
         items = [
             EvalItem(
                 task_id=t.task_id,
