@@ -90,6 +90,11 @@ class EnvironmentSpec(ApiModel):
     goes on with the timeout as the observation."""
     max_context_tokens: int = Field(default=4096, ge=64)
     """Prompt plus all turns; an episode that fills it is truncated."""
+    format_reward: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """function_calling: training reward for a reply whose calls decode and name offered
+    functions but that BFCL rejects (scaled by the fraction of such calls), so a policy that
+    never yet writes an accepted call still learns the call format. Accuracy (pass/fail) is
+    always BFCL's verdict. 0 = reward is BFCL's verdict alone."""
 
 
 class DomainSpec(ApiModel):

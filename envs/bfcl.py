@@ -296,10 +296,11 @@ def judge(reply: str, functions: list[dict[str, Any]], ground_truth: list[dict[s
 
 
 def task_records(category: str) -> list[dict[str, Any]]:
-    """Task records (the trainer's JSONL shape) for one category: the prompt is the whole
-    BFCL chat rendered as text for a single user turn (system prompt, blank line, question),
-    so a task is one string like every other domain's; the judge reads ``functions`` and
-    ``ground_truth``."""
+    """Task records (the trainer's JSONL shape) for one category. ``messages`` is the chat
+    BFCL sends (its system prompt as the system message), which the function-calling
+    environment plays; ``prompt`` is the same text as one string (system prompt, blank line,
+    question) for single-turn use and the content-hash split. The judge reads ``functions``
+    and ``ground_truth``."""
     records = []
     for item in load_category(category):
         messages = item_messages(item)
@@ -308,6 +309,6 @@ def task_records(category: str) -> list[dict[str, Any]]:
             "prompt": prompt, "answer": canonical_answer(item["ground_truth"], item["function"]),
             "difficulty": CATEGORY_STRATUM[category], "verifier": "bfcl_ast",
             "bfcl_id": item["id"], "bfcl_category": category, "functions": item["function"],
-            "ground_truth": item["ground_truth"],
+            "ground_truth": item["ground_truth"], "messages": messages,
         })
     return records

@@ -155,7 +155,10 @@ class Episode:
         """Agent metrics of this episode (see :func:`agent_metrics` for the aggregates)."""
         tool_calls = sum(int(t.info.get("tool_calls", 0)) for t in self.turns)
         valid = sum(int(t.info.get("valid_tool_calls", 0)) for t in self.turns)
-        failed_at = [i for i, t in enumerate(self.turns) if t.info.get("command_failed")]
+        # A failure the policy can recover from: a command that failed or a call that did
+        # not parse.
+        failed_at = [i for i, t in enumerate(self.turns)
+                     if t.info.get("command_failed") or t.info.get("parse_error")]
         recovered = None
         if failed_at:  # did a later turn run a command that worked, or the episode pass?
             later = self.turns[failed_at[0] + 1:]
@@ -269,10 +272,13 @@ def run_episode(client: Any, chat: ChatTokens, env: Environment, task: Task, par
 
 def run_episodes(client: Any, chat: ChatTokens, make_env: Any, tasks: list[Task],
                  params: Any, *, group_size: int, max_context_tokens: int = 4096,
-                 max_concurrency: int = 8) -> list[list[Episode]]:
+                 max_concurrency: int = 8, label: str = "episodes") -> list[list[Episode]]:
     """``group_size`` episodes of every task, concurrently (the server batches their turns);
     ``result[i][j]`` is episode j of ``tasks[i]``. ``make_env(task)`` builds a fresh
-    environment per episode (closed afterwards)."""
+    environment per episode (closed afterwards). Progress is logged as episodes finish."""
+    from posttrain.progresslog import ItemProgress
+
+    progress = ItemProgress(label, len(tasks) * group_size, unit="episodes")
 
     def one(index: int) -> Episode:
         task = tasks[index // group_size]
@@ -283,8 +289,10 @@ def run_episodes(client: Any, chat: ChatTokens, make_env: Any, tasks: list[Task]
                                max_context_tokens=max_context_tokens)
         finally:
             env.close()
+            progress.advance(1)
 
     with ThreadPoolExecutor(max_workers=max(1, max_concurrency),
                             thread_name_prefix="episode") as pool:
         flat = list(pool.map(one, range(len(tasks) * group_size)))
+    progress.finish()
     return [flat[i * group_size:(i + 1) * group_size] for i in range(len(tasks))]

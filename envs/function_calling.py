@@ -24,10 +24,13 @@ class FunctionCallingEnv:
     name = "function_calling"
     observation_role = "user"
 
-    def __init__(self, max_turns: int = 1) -> None:
+    def __init__(self, max_turns: int = 1, format_reward: float = 0.0) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if not 0.0 <= format_reward < 1.0:
+            raise ValueError(f"format_reward must be in [0, 1), got {format_reward}")
         self.max_turns = max_turns
+        self.format_reward = format_reward
         self._task: Task | None = None
         self._turns = 0
         self._last: dict[str, Any] = {}
@@ -46,7 +49,9 @@ class FunctionCallingEnv:
     def reset(self, task: Task) -> list[dict[str, str]]:
         self._task, self._turns, self._last = task, 0, {}
         self._extra("functions"), self._extra("ground_truth")  # fail now, not mid-episode
-        return [{"role": "user", "content": task.prompt}]
+        messages = task.extra.get("messages")  # BFCL's chat: its system prompt, the question
+        return [dict(m) for m in messages] if messages else [{"role": "user",
+                                                             "content": task.prompt}]
 
     def step(self, model_turn: str) -> StepResult:
         self._turns += 1
@@ -62,7 +67,12 @@ class FunctionCallingEnv:
                                   f"{verdict['error'][0]}. {RETRY_HINT}", 0.0, False, info)
             return StepResult(None, 0.0, True, {**info, **self._verdict_info()})
         valid_calls = sum(1 for call in decoded if next(iter(call)) in names)
-        return StepResult(None, float(verdict["valid"]), True, {
+        # Shaping (off by default): calls that decode and name offered functions earn a
+        # fraction of the reward even when BFCL rejects their arguments. ``passed`` -- what
+        # accuracy counts -- stays BFCL's verdict.
+        reward = 1.0 if verdict["valid"] else (
+            self.format_reward * valid_calls / len(decoded) if decoded else 0.0)
+        return StepResult(None, reward, True, {
             "tool_calls": len(decoded), "valid_tool_calls": valid_calls, **self._verdict_info()})
 
     def _verdict_info(self) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def make_environment(spec: Any, setup_cache: Any = None) -> Any:
     if spec.kind == "function_calling":
         from posttrain.envs.function_calling import FunctionCallingEnv
 
-        return FunctionCallingEnv(max_turns=spec.max_turns)
+        return FunctionCallingEnv(max_turns=spec.max_turns, format_reward=spec.format_reward)
     if spec.kind == "terminal":
         from posttrain.envs.terminal import TerminalEnv
 
@@ -99,7 +99,8 @@ class EpisodeSampler:
     def handles(self, task: Task) -> bool:
         return task.domain in self.environments
 
-    def episodes(self, tasks: list[Task], params: Any, group_size: int) -> list[list[Episode]]:
+    def episodes(self, tasks: list[Task], params: Any, group_size: int,
+                 label: str = "rollout episodes") -> list[list[Episode]]:
         """``group_size`` episodes per task (tasks may mix environment domains)."""
         out: list[list[Episode]] = [[] for _ in tasks]
         by_domain: dict[str, list[int]] = {}
@@ -111,7 +112,7 @@ class EpisodeSampler:
                 self.client, self.chat, lambda _t, s=spec: make_environment(s, self.setup_cache),
                 [tasks[i] for i in indices], replace(params, n=1), group_size=group_size,
                 max_context_tokens=spec.max_context_tokens,
-                max_concurrency=self.max_concurrency)
+                max_concurrency=self.max_concurrency, label=f"{label} ({domain})")
             for i, group in zip(indices, groups, strict=True):
                 out[i] = group
         return out
@@ -134,7 +135,7 @@ class EpisodeSampler:
     def evaluate(self, tasks: list[Task], params: Any) -> tuple[list[Episode],
                                                                 dict[str, dict[str, float]]]:
         """One episode per task (greedy by default) and the agent metrics per domain."""
-        episodes = [group[0] for group in self.episodes(tasks, params, 1)]
+        episodes = [group[0] for group in self.episodes(tasks, params, 1, "eval episodes")]
         by_domain: dict[str, list[Episode]] = {}
         for episode in episodes:
             by_domain.setdefault(episode.task.domain, []).append(episode)

@@ -110,3 +110,18 @@ def test_builtin_bfcl_splits_by_content_hash_without_overlap() -> None:
     assert {t.difficulty for t in train} == {"easy", "medium", "hard"}
     one = builtin_tasks("bfcl_parallel", "eval", per_stratum=0)
     assert {t.extra["bfcl_category"] for t in one} == {"parallel"}
+
+
+def test_run_spec_accepts_the_benchmark_datasets() -> None:
+    from posttrain.api import TrainingRunSpec
+    from posttrain.errors import UsageError
+    from posttrain.trainer.rundata import check_dataset_sources
+
+    def spec(dataset: str) -> TrainingRunSpec:
+        return TrainingRunSpec.model_validate({"model": "m", "domains": [
+            {"name": "d", "dataset": dataset, "verifier": {"kind": "bfcl_ast"}}]})
+
+    for name in ("bfcl", "bfcl_parallel_multiple", "humaneval"):
+        check_dataset_sources(spec(f"builtin:{name}"))
+    with pytest.raises(UsageError, match="builtin:bfcl_simple_python"):
+        check_dataset_sources(spec("builtin:bfcl_nope"))
