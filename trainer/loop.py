@@ -31,8 +31,9 @@ from posttrain.trainer.checkpoint import (
 )
 from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
+from posttrain.trainer.interrupt import INTERRUPTED
 from posttrain.trainer.policy import Policy
-from posttrain.trainer.progress import ProgressReporter, StepMetrics
+from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
@@ -69,6 +70,7 @@ class RunResult:
     final_eval: EvalResult | None
     last_checkpoint: str | None
     wall_seconds: float
+    interrupted: bool = False  # stopped by Ctrl-C (after checkpointing its last step)
 
 
 def train(
@@ -81,14 +83,19 @@ def train(
     verify: VerifyFn | None = None,
     dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
     wall_budget_s: float | None = None,  # stop after the step that exhausts it (benchmarks)
+    stop: threading.Event | None = None,  # set by Ctrl-C: checkpoint this step, then stop
 ) -> RunResult:
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     algo = run.algo
     stop_at = algo.max_steps if stop_after_step is None else min(algo.max_steps, stop_after_step)
     base_eval = run.evaluate(0) if run.step == 0 and run.dist.is_main else None
     final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
+    interrupted = False
     with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
         while run.step < stop_at:
+            if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
+                interrupted = True
+                break
             run.step += 1
             step = run.step
             with progress.step_span(step) as span:
@@ -153,7 +160,8 @@ def train(
                 run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
                 run.auditor.write_spot_checks()  # the export is refreshed at each eval
                 run.status.eval_accuracy = final_eval.accuracy
-            if run.dist.is_main and checkpoint_due:
+            interrupted = stop is not None and stop.is_set()
+            if run.dist.is_main and (checkpoint_due or interrupted):
                 score = final_eval.overall if final_eval and final_eval.step == step else None
                 last_checkpoint = run.save_checkpoint(score)
             run.report_step(metrics)
@@ -161,8 +169,15 @@ def train(
             if budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
                 break
-    wall = run.finish()
-    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall)
+            if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+                if not (interrupted or checkpoint_due) and run.dist.is_main:
+                    last_checkpoint = run.save_checkpoint(None)  # pressed during reporting
+                interrupted = True
+                log.info("stopped by Ctrl-C after step %d (checkpointed)", step)
+                break
+    wall = run.finish(interrupted)
+    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall,
+                     interrupted)
 
 
 class Run:
@@ -173,6 +188,7 @@ class Run:
     version: int  # weight version the servers serve: one per applied step
     submitted: int  # highest batch index whose prompts were chosen
     producer: RolloutProducer
+    episodes: Any  # posttrain.envs.training.EpisodeSampler, or None (no environment domain)
     status: RunStatus
 
     def __init__(self, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter,
@@ -238,11 +254,14 @@ class Run:
             sampled = [batch_from_json(b) for b in state.sampled_batches]
             if dist.is_main:  # the server restarted with the base model: give it our weights
                 run.publisher.publish(run.policy, run.version)
+        if dist.is_main:
+            run.announce_start(resumed is not None)
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
+        run.episodes = run.make_episode_sampler()
         run.producer = RolloutProducer(client, run.sampling, run.algo.max_policy_lag,
-                                       steps_done=run.step)
+                                       steps_done=run.step, sample=run.episodes)
         for batch in sampled:
             run.producer.preload(batch)
         for request in pending:
@@ -256,10 +275,35 @@ class Run:
                                if run.verification and run.data.executes_code() else None)
         return run
 
+    def announce_start(self, resumed: bool) -> None:
+        """Say whether this run resumes or starts over, and drop records past that step."""
+        # A fresh start evaluates the base model again, so even step 0's records go.
+        dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
+        if resumed:
+            log.info("resuming from the checkpoint of step %d (%s)%s", self.step,
+                     self.checkpointer.store.uri("checkpoints"),
+                     f"; dropped {dropped} later step(s) an earlier attempt recorded"
+                     if dropped else "")
+        elif dropped:
+            log.warning("no checkpoint under %s: starting over from step 0 (the %d step(s) "
+                        "an earlier attempt recorded there are dropped)",
+                        self.checkpointer.store.uri("checkpoints"), dropped)
+
     def make_policy(self, model_dir: Path) -> Policy:
         return Policy(model_dir, learning_rate=self.algo.learning_rate,
                       weight_decay=self.algo.weight_decay, seed=self.algo.seed,
                       reference_dir=self.base_dir if self.algo.kl_coef > 0 else None)
+
+    def make_episode_sampler(self) -> Any:
+        """Domains with an ``environment`` are sampled as multi-turn episodes (None: none)."""
+        environments = {d.name: d.environment for d in self.spec.domains
+                        if getattr(d, "environment", None) is not None}
+        if not environments:
+            return None
+        from posttrain.envs.training import EpisodeSampler
+
+        return EpisodeSampler(self.client, self.policy.tokenizer, environments,
+                              max_concurrency=self.spec.rollout.max_in_flight)
 
     def submit_ahead(self) -> None:
         """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
@@ -274,7 +318,8 @@ class Run:
     def observe(self, batch: Any, prepared: Any) -> None:
         """Feed the curriculum, the audit and the trajectory store with a scored batch."""
         for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
-            self.data.curriculum.observe(task, pass_rate, self.step)
+            if pass_rate is not None:  # None: every episode errored, nothing was learnt
+                self.data.curriculum.observe(task, pass_rate, self.step)
         self.auditor.observe_batch(self.step, prepared.trajectories)
         for trajectory in prepared.trajectories:
             self.trajectories.append(trajectory_record(trajectory))
@@ -287,13 +332,14 @@ class Run:
                                 max_new_tokens=algo.max_new_tokens,
                                 temperature=evaluation.temperature,
                                 max_concurrency=self.spec.sandbox.max_concurrency,
-                                verify=self.verify)
+                                verify=self.verify, episodes=self.episodes)
         save_eval(result, self.out_dir)
         if self.data.regression:
             save_eval(evaluate_tasks(self.client, self.policy.encode_prompt,
                                      self.data.regression, self.data.verifiers, step=at_step,
                                      split="regression", max_new_tokens=algo.max_new_tokens,
-                                     verify=self.verify, temperature=evaluation.temperature),
+                                     verify=self.verify, temperature=evaluation.temperature,
+                                     episodes=self.episodes),
                       self.out_dir)
         return result
 
@@ -345,16 +391,19 @@ class Run:
             status.sandbox = health.to_wire()
             self.reporter.report(status)
 
-    def finish(self) -> float:
+    def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
         self.producer.close()
         self.publisher.close()
         self.trajectories.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.auditor.write_spot_checks()
-        plot_run(self.out_dir)
-        with self._status_lock:  # phase: status.json only; in a cluster the operator's
+        plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
+        with self._status_lock:  # phase, message: status.json only; in a cluster the operator's
             self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
+            if interrupted and self.step < self.algo.max_steps:
+                self.status.phase = INTERRUPTED
+                self.status.message = f"stopped by Ctrl-C after step {self.step}"
             self.reporter.report(self.status)
         wall = time.monotonic() - self.started
         write_report(self.out_dir, "posttrain run report",
