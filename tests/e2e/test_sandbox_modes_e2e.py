@@ -150,8 +150,20 @@ def assert_rewards_match_the_local_executor(records: list[dict[str, Any]]) -> No
 RUN_TIMEOUT_S = 1800
 
 
+def status_or_empty(c: Cluster, name: str) -> dict[str, Any]:
+    """The run's status; {} while an overloaded apiserver answers 5xx (polled again)."""
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return c.status("trainingruns", name)
+    except ApiException as exc:
+        if exc.status is None or exc.status < 500:
+            raise
+        return {}
+
+
 def wait_finished(c: Cluster, name: str) -> dict[str, Any]:
-    return wait_for(lambda: (s := c.status("trainingruns", name)).get("phase") in (
+    return wait_for(lambda: (s := status_or_empty(c, name)).get("phase") in (
         "Succeeded", "Failed") and s, RUN_TIMEOUT_S, f"TrainingRun {name} finished")
 
 
@@ -228,11 +240,11 @@ def test_a_runner_outage_mid_run_is_a_condition_and_a_wait_not_zero_rewards(
         cluster.create("trainingruns", code_run("ou", {"mode": "runner", "runnerUrl": url,
                                                         "unavailableTimeoutSeconds": 900},
                                                 max_steps=2))
-        wait_for(lambda: (cluster.status("trainingruns", "ou").get("step") or 0) >= 1,
+        wait_for(lambda: (status_or_empty(cluster, "ou").get("step") or 0) >= 1,
                  RUN_TIMEOUT_S, "step 1 reported")
     finally:
         runner.__exit__(None, None, None)  # the outage
-    down = wait_for(lambda: (c := condition(cluster.status("trainingruns", "ou"),
+    down = wait_for(lambda: (c := condition(status_or_empty(cluster, "ou"),
                                             "SandboxAvailable")) and c["status"] == "False" and c,
                     RUN_TIMEOUT_S, "SandboxAvailable=False")
     assert down["reason"] == "SandboxUnavailable" and url in down["message"]
