@@ -65,6 +65,11 @@ class PodView:
     ready: bool = False
     terminated: Terminated | None = None
     start_time: datetime | None = None
+    # Long-running servers (pool replicas) restart in place: what the kubelet says about it.
+    restarts: int = 0
+    waiting_reason: str = ""  # main container waiting, e.g. CrashLoopBackOff
+    last_message: str = ""  # main container's last termination message
+    init_failure: str = ""  # a failed init container's termination message (or reason)
 
     @property
     def finished(self) -> bool:
@@ -104,6 +109,8 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
+    main = (status.get("containerStatuses") or [{}])[0]
+    last = ((main.get("lastState") or {}).get("terminated")) or {}
     return PodView(
         name=meta.get("name", ""),
         labels=dict(meta.get("labels") or {}),
@@ -115,7 +122,27 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         ready=ready,
         terminated=terminated,
         start_time=_time(status.get("startTime")),
+        restarts=int(main.get("restartCount") or 0),
+        waiting_reason=((main.get("state") or {}).get("waiting") or {}).get("reason") or "",
+        last_message=(last.get("message") or "").strip(),
+        init_failure=_init_failure(status.get("initContainerStatuses") or []),
     )
+
+
+def _init_failure(statuses: list[dict[str, Any]]) -> str:
+    """The termination message (else reason) of an init container that exited non-zero.
+
+    >>> _init_failure([{"name": "fetch-model", "lastState": {"terminated": {
+    ...     "exitCode": 1, "message": "cannot fetch model s3://b/m: no such key"}}}])
+    'fetch-model: cannot fetch model s3://b/m: no such key'
+    """
+    for cs in statuses:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            done = state.get("terminated")
+            if done and int(done.get("exitCode") or 0) != 0:
+                why = (done.get("message") or "").strip() or done.get("reason") or "failed"
+                return f"{cs.get('name', 'init')}: {why}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -754,6 +781,10 @@ def plan_rollout_pool(
     else:
         phase, cond, reason = "Pending", "False", Reason.REPLICAS_UNAVAILABLE
     message = f"{ready}/{want_replicas} replica(s) ready"
+    trouble = replica_trouble(pods, pool.spec.model) if ready < want_replicas else None
+    if trouble is not None:
+        reason, detail = trouble
+        message = f"{message}; {detail}"
     if phase != status.phase and status.phase is not None:
         plan.events.append(EventSpec("Normal" if cond == "True" else "Warning", reason,
                                      f"{status.phase} -> {phase}: {message}"))
@@ -772,6 +803,33 @@ def plan_rollout_pool(
         desired["weightVersion"] = version
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+# Restarts after which a replica that is not ready counts as crash-looping.
+CRASH_LOOP_RESTARTS = 2
+
+
+def replica_trouble(pods: list[PodView], model: str) -> tuple[str, str] | None:
+    """Why replicas are not becoming ready, when a pod says so: ``(reason, message)``.
+
+    An init step that cannot fetch the model names the model URI; a server that keeps
+    exiting names the pod, its restart count and its last words.
+
+    >>> p = PodView("r-1", {}, init_failure="fetch-model: cannot fetch model s3://b/x: 404")
+    >>> replica_trouble([p], "s3://b/x")[0]
+    'ModelUnavailable'
+    """
+    live = [p for p in pods if not p.deleting and not p.ready]
+    for pod in live:
+        if pod.init_failure:
+            return Reason.MODEL_UNAVAILABLE, (
+                f"model {model} is unavailable on replica {pod.name}: {pod.init_failure[-400:]}")
+    for pod in live:
+        if pod.waiting_reason == "CrashLoopBackOff" or pod.restarts >= CRASH_LOOP_RESTARTS:
+            last = f": {pod.last_message[-400:]}" if pod.last_message else ""
+            return Reason.REPLICA_CRASH_LOOP, (
+                f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}")
+    return None
 
 
 def pool_weight_version(pods: list[PodView]) -> int | None:
