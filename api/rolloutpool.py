@@ -103,6 +103,9 @@ class RolloutPoolStatus(ApiModel):
     """Label selector of the pool's pods (scale subresource labelSelectorPath)."""
     weight_version: int | None = None
     """Weights version every ready replica serves."""
+    replica_endpoints: list[str] = Field(default_factory=list)
+    """Base URLs of the ready replicas (pod IP + port), sorted: the trainer publishes each
+    weight version to every one of them and samples from them directly."""
     endpoint: str | None = None
     """In-cluster base URL of the pool's Service."""
 

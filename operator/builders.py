@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
 
 from .config import OperatorConfig
 
@@ -217,6 +217,10 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
     rules = [{**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    if run.spec.rollout.pool and not run.spec.rollout.endpoints:
+        # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
+        rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
+                      "resourceNames": [run.spec.rollout.pool]})  # fmt: skip
     return [
         {
             "apiVersion": "v1",
@@ -331,8 +335,12 @@ def build_trainer_pod(
         *_s3_env(config),
     ]
     if rollout_endpoints and not run.spec.rollout.endpoints:
-        # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
+        # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
+        # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
+        # that one pool) so each weight version reaches every ready replica.
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
+        if run.spec.rollout.pool:
+            env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
     if nodes > 1:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
@@ -543,6 +551,7 @@ def selector_string(labels: dict[str, str]) -> str:
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
 ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
+ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
 
 
 def pool_endpoint(pool: RolloutPool) -> str:

@@ -67,6 +67,7 @@ class PodView:
     start_time: datetime | None = None
     # Long-running servers (pool replicas) restart in place: what the kubelet says about it.
     restarts: int = 0
+    ip: str = ""  # status.podIP
     waiting_reason: str = ""  # main container waiting, e.g. CrashLoopBackOff
     last_message: str = ""  # main container's last termination message
     init_failure: str = ""  # a failed init container's termination message (or reason)
@@ -123,6 +124,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         terminated=terminated,
         start_time=_time(status.get("startTime")),
         restarts=int(main.get("restartCount") or 0),
+        ip=status.get("podIP") or "",
         waiting_reason=((main.get("state") or {}).get("waiting") or {}).get("reason") or "",
         last_message=(last.get("message") or "").strip(),
         init_failure=_init_failure(status.get("initContainerStatuses") or []),
@@ -798,6 +800,7 @@ def plan_rollout_pool(
         "endpoint": endpoint,
         "conditions": _conditions_wire(conditions),
     }
+    desired["replicaEndpoints"] = replica_endpoints(pods, pool.spec.port)
     version = pool_weight_version(pods)
     if version is not None:
         desired["weightVersion"] = version
@@ -830,6 +833,16 @@ def replica_trouble(pods: list[PodView], model: str) -> tuple[str, str] | None:
             return Reason.REPLICA_CRASH_LOOP, (
                 f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}")
     return None
+
+
+def replica_endpoints(pods: list[PodView], port: int) -> list[str]:
+    """``http://<pod IP>:<port>`` of each ready replica, sorted.
+
+    >>> replica_endpoints([PodView("a", {}, ready=True, ip="10.0.0.2"),
+    ...                    PodView("b", {}, ready=False, ip="10.0.0.3")], 8000)
+    ['http://10.0.0.2:8000']
+    """
+    return sorted(f"http://{p.ip}:{port}" for p in pods if p.ready and p.ip and not p.deleting)
 
 
 def pool_weight_version(pods: list[PodView]) -> int | None:

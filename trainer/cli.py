@@ -99,13 +99,26 @@ def run_command(args: argparse.Namespace) -> int:
             result = train(spec, args.out, client, reporter=reporter)
             client.close()
     else:
-        endpoints = _endpoints(spec)
+        from posttrain.rollout.discovery import PoolDiscovery, follow_pool
+
+        discovery = PoolDiscovery.from_env() if not spec.rollout.endpoints else None
+        if discovery is not None:
+            # Each replica of the pool, not its Service: publishes must reach all of them.
+            endpoints = discovery.wait_ready(spec.rollout.timeout_seconds)
+        else:
+            endpoints = _endpoints(spec)
         log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
         client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                               max_in_flight=max_in_flight)
+                               max_in_flight=max_in_flight,
+                               discover=discovery.ready_endpoints if discovery else None)
+        stop_following = follow_pool(client, discovery.ready_endpoints) if discovery else None
         _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
-        result = train(spec, args.out, client, reporter=reporter)
-        client.close()
+        try:
+            result = train(spec, args.out, client, reporter=reporter)
+        finally:
+            if stop_following is not None:
+                stop_following.set()
+            client.close()
     _print_summary(result)
     return 0
 

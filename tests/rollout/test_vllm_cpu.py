@@ -36,7 +36,7 @@ if _PYTHON is None and _REQUIRED:
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(_PYTHON is None, reason=f"no vLLM environment ({REPO_VLLM_VENV}): "
-                       "run `make venv-vllm` (make test does)"),  # fmt: skip
+                       "run `make venv-vllm` (make test does)"),
     # vLLM boots in ~1 min on an idle core and 5+ under load; the session fixture's set-up
     # counts against the first test.
     pytest.mark.timeout(3600),
