@@ -37,6 +37,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=float(os.environ.get("POSTTRAIN_WEIGHTS_POLL_SECONDS") or 0),
         help="poll --weights-uri for new versions (default $POSTTRAIN_WEIGHTS_POLL_SECONDS)",
     )  # fmt: skip
+    serve.add_argument(
+        "--engine", choices=("cpu", "vllm"), default="cpu",
+        help="cpu: posttrain's transformers engine; vllm: vLLM behind the same front door a "
+        "RolloutPool pod runs (its CPU build from `make venv-vllm` on a laptop)",
+    )  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
@@ -90,9 +95,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch.set_defaults(func=_fetch_model)
 
 
+def _serve_vllm(args: argparse.Namespace) -> int:
+    """``posttrain serve --engine vllm``: ``vllm-entry`` in the rollout environment.
+
+    Runs in this interpreter when it has vLLM (a rollout image, ``.venv-vllm``), else
+    replaces this process with the rollout environment's ``vllm-entry`` (vLLM pins its own
+    torch, so it lives in its own venv: ``make venv-vllm``).
+    """
+    import importlib.util
+
+    from posttrain.models import resolve_model
+    from posttrain.rollout.vllm_local import CPU_ENGINE_ARGS, vllm_python
+
+    model_dir = str(resolve_model(args.model))  # fail here, in the caller's words
+    argv = ["rollout", "vllm-entry", "--model", model_dir, "--host", args.host,
+            "--port", str(args.port), "--internal-port", "0",
+            "--served-model-name", args.served_model_name or args.model,
+            "--poll-seconds", str(args.poll_seconds),
+            "--engine-args", json.dumps(CPU_ENGINE_ARGS)]  # fmt: skip
+    if args.weights_uri:
+        argv += ["--weights-uri", args.weights_uri]
+    if importlib.util.find_spec("vllm") is not None:
+        from posttrain.cli import main
+
+        return main(argv)
+    python = vllm_python()
+    if python is None:
+        raise UsageError("--engine vllm needs vLLM: run `make venv-vllm` (or set "
+                         "$POSTTRAIN_VLLM_PYTHON), or use --engine cpu")  # fmt: skip
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.execv(str(python), [str(python), "-m", "posttrain", *argv])
+    return 1  # not reached
+
+
 def _serve(args: argparse.Namespace) -> int:
     from posttrain.rollout.server import ModelLoadError, ServerConfig, run
     from posttrain.telemetry import start_metrics_server
+
+    if args.engine == "vllm":
+        return _serve_vllm(args)
 
     if args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
