@@ -729,6 +729,7 @@ def plan_rollout_pool(
     pods: list[PodView],
     selector: str,
     endpoint: str,
+    served: dict[str, int] | None = None,
 ) -> PoolPlan:
     """Converge the Deployment on the desired one and mirror its counts into the status.
 
@@ -801,7 +802,14 @@ def plan_rollout_pool(
         "conditions": _conditions_wire(conditions),
     }
     desired["replicaEndpoints"] = replica_endpoints(pods, pool.spec.port)
-    version = pool_weight_version(pods)
+    ready_pods = sorted((p for p in pods if p.ready and p.ip and not p.deleting),
+                        key=lambda p: p.name)  # fmt: skip
+    desired["replicaWeights"] = [
+        {"pod": p.name, "endpoint": f"http://{p.ip}:{pool.spec.port}",
+         "weightVersion": (served or {}).get(p.name)}
+        for p in ready_pods
+    ]  # fmt: skip
+    version = pool_weight_version(pods, served)
     if version is not None:
         desired["weightVersion"] = version
     plan.status_patch = status_diff(status.to_wire(), desired)
@@ -845,11 +853,14 @@ def replica_endpoints(pods: list[PodView], port: int) -> list[str]:
     return sorted(f"http://{p.ip}:{port}" for p in pods if p.ready and p.ip and not p.deleting)
 
 
-def pool_weight_version(pods: list[PodView]) -> int | None:
-    """The weights version every ready replica serves: the minimum of their annotations.
+def pool_weight_version(
+    pods: list[PodView], served: dict[str, int] | None = None
+) -> int | None:
+    """The weights version every ready replica serves: the minimum over ready replicas.
 
-    Replicas announce ``posttrain.io/weight-version`` on their pod; until every ready replica
-    has announced, the pool's version is unknown (None).
+    A replica's version is what its front door answered (``served``, pod name -> version),
+    else a ``posttrain.io/weight-version`` annotation on its pod; until every ready replica's
+    version is known, the pool's is unknown (None).
 
     >>> a = PodView("a", {}, {"posttrain.io/weight-version": "3"}, ready=True)
     >>> b = PodView("b", {}, {"posttrain.io/weight-version": "4"}, ready=True)
@@ -857,7 +868,9 @@ def pool_weight_version(pods: list[PodView]) -> int | None:
     3
     """
     ready = [p for p in pods if p.ready and not p.deleting]
-    versions = [p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]
+    served = served or {}
+    versions = [str(served[p.name]) if p.name in served
+                else p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]  # fmt: skip
     if not ready or any(v is None or not v.isdigit() for v in versions):
         return None
     return min(int(v) for v in versions if v is not None)
