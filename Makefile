@@ -66,6 +66,7 @@ demo: venv system-deps
 test: venv venv-vllm system-deps binaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/posttrain crds --check
+	$(VENV)/bin/mypy --strict -p posttrain.api
 	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
