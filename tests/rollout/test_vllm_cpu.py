@@ -73,8 +73,9 @@ class Pool:
     def prompts(self) -> list[list[int]]:
         return [self.policy.encode_prompt(p) for p in ("What is 7 * 6?", "Name a prime.")]
 
-    def perturb(self, seed: int, scale: float = 0.05) -> None:
-        """A different policy: noise on the final norm (changes every logit)."""
+    def perturb(self, seed: int, scale: float = 0.5) -> None:
+        """A different policy: 50% noise on the final norm (changes the greedy output; 5% did
+        not change 12 greedy tokens of SmolLM2)."""
         generator = torch.Generator().manual_seed(seed)
         norm = self.policy.model.model.norm.weight
         with torch.no_grad():
