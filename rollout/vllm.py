@@ -422,13 +422,21 @@ def run_vllm_entry(
     scratch = os.environ.get("POSTTRAIN_WEIGHTS_SCRATCH", tempfile.gettempdir())
     door = VllmFrontDoor(f"http://127.0.0.1:{spec.port}", weights_uri, scratch)
 
+    async def watch_engine() -> None:
+        """vLLM gone after start-up: exit too, so the pod restarts instead of answering 502s."""
+        while process.poll() is None:
+            await asyncio.sleep(2)
+        raise RuntimeError(f"vLLM exited with code {process.returncode} while serving")
+
     async def bring_up() -> None:
         await door.wait_upstream(process, start_timeout_s)
         await door.load_latest()
         door.ready = True
         log.info("vLLM replica ready at weight version %d", door.version)
+        tasks = [watch_engine()]
         if weights_uri and poll_seconds > 0:
-            await door.poll(poll_seconds)
+            tasks.append(door.poll(poll_seconds))
+        await asyncio.gather(*tasks)
 
     app = door.create_app()
 
