@@ -44,8 +44,9 @@ pytestmark = [
 
 # Agreement of vLLM's processed logprobs with the trainer's recomputation, per sampled token,
 # both fp32 on CPU but different kernels (vLLM's CPU attention vs. transformers' SDPA).
-LOGPROB_MAX_ABS = 2e-3
-LOGPROB_MEAN_ABS = 2e-4
+# Measured 2026-12-03: max 6.1e-05, mean 6.0e-06 over 192 tokens (~8x margin below).
+LOGPROB_MAX_ABS = 5e-4
+LOGPROB_MEAN_ABS = 5e-5
 TEMPERATURE = 0.8
 GREEDY = SamplingParams(n=1, max_tokens=12, temperature=0.0)
 
