@@ -86,7 +86,8 @@ class DomainSpec(ApiModel):
     verifier: VerifierSpec
     """How completions in this domain are scored."""
     weight: float = Field(default=1.0, ge=0)
-    """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
+    """Relative share of each batch's prompts (applied once, at sampling; the loss weighs every
+    sequence the same); 0 keeps the domain for eval only."""
     strata: list[str] = Field(default_factory=list, max_length=16)
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.trainer.advantages import compute_advantages
 from posttrain.trainer.audit import Trajectory, round_logprobs, verifier_record
-from posttrain.trainer.loss import LossConfig, normalised_domain_weights, sequence_coefficients
+from posttrain.trainer.loss import LossConfig, sequence_coefficients
 from posttrain.trainer.policy import TrainSample
 from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
 from posttrain.trainer.rollouts import RolloutBatch
@@ -69,7 +69,6 @@ def prepare_batch(
     *,
     algorithm: str,
     dynamic_sampling: bool,
-    domain_weights: dict[str, float],
     loss_config: LossConfig,
     step: int,
 ) -> PreparedBatch:
@@ -83,11 +82,8 @@ def prepare_batch(
             kept += [(i, j, a) for j, a in enumerate(group.advantages)]
     completions = batch.completions
     lengths = [len(completions[i][j].token_ids) for i, j, _ in kept]
-    weights = normalised_domain_weights([tasks[i].domain for i, _, _ in kept], domain_weights) \
-        if kept else []
-    coefficients = sequence_coefficients(
-        lengths, weights, loss_config.aggregation, loss_config.max_new_tokens
-    )
+    coefficients = sequence_coefficients(lengths, loss_config.aggregation,
+                                         loss_config.max_new_tokens)
     samples = [
         TrainSample(
             prompt_ids=batch.request.prompt_ids[i],

@@ -87,7 +87,6 @@ def train(
                 # 4. group advantages + dynamic sampling + loss coefficients
                 prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                          dynamic_sampling=algo.dynamic_sampling,
-                                         domain_weights=run.data.domain_weights,
                                          loss_config=run.loss_config, step=step)
                 run.observe(batch, prepared)
                 # 5. the policy-gradient step (skipped for stale batches / non-finite loss)

@@ -40,7 +40,7 @@ class TrainSample:
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # from the rollout server, one per completion token
     advantage: float
-    coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+    coefficient: float  # from loss.sequence_coefficients (the batch normalisation)
 
 
 @dataclass
