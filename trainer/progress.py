@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from posttrain.telemetry import get_tracer
+from posttrain.trainer.many_domains import MANY_DOMAINS, TABLE_K, table_summary
 
 tracer = get_tracer(__name__)
 
@@ -126,14 +127,20 @@ class ProgressReporter:
     @staticmethod
     def _row_table(m: StepMetrics) -> Table:
         table = Table(show_header=m.step <= 1, box=None, pad_edge=False)
-        columns = ["step", "reward", *[f"r:{d}" for d in m.domain_rewards], "loss", "kl",
+        if len(m.domain_rewards) > MANY_DOMAINS:  # a column per domain would not fit
+            domain_columns = [f"worst {TABLE_K}", f"best {TABLE_K}"]
+            domain_cells = list(table_summary(m.domain_rewards))
+        else:
+            domain_columns = [f"r:{d}" for d in m.domain_rewards]
+            domain_cells = [f"{v:.3f}" for v in m.domain_rewards.values()]
+        columns = ["step", "reward", *domain_columns, "loss", "kl",
                    "clip", "len", "groups", "v", "secs"]
         for name in columns:
             table.add_column(name, justify="right", min_width=7)
         table.add_row(
             str(m.step),
             f"{m.reward_mean:.3f}",
-            *[f"{v:.3f}" for v in m.domain_rewards.values()],
+            *domain_cells,
             f"{m.loss:+.4f}" if m.applied else f"skip:{m.skip_reason[:8]}",
             f"{m.kl:.4f}",
             f"{m.clip_fraction:.3f}",

@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.trainer.evaluate import EvalResult
+from posttrain.trainer.many_domains import (
+    MANY_DOMAINS,
+    plot_eval_heatmap,
+    plot_reward_summary,
+    readable_rows,
+)
 from posttrain.trainer.progress import load_metrics
 
 
@@ -41,24 +47,29 @@ def plot_run(out_dir: Path) -> list[Path]:
     written = []
     steps = [m["step"] for m in metrics]
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
     domains = sorted({d for m in metrics for d in m["domain_rewards"]})
-    for domain in domains:
-        xs = [m["step"] for m in metrics if domain in m["domain_rewards"]]
-        ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
-        ax.plot(xs, ys, marker="o", label=f"train reward: {domain}")
-    for domain in sorted({d for r in evals for d in r.accuracy}):
-        xs = [r.step for r in evals if domain in r.accuracy]
-        ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
-        ax.plot(xs, ys, marker="s", linestyle="--", label=f"held-out acc: {domain}")
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title("Reward and held-out accuracy per domain")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(plots / "reward_accuracy.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
+    if len(domains) > MANY_DOMAINS:  # one line per domain would be unreadable
+        written.append(plot_reward_summary(plt, metrics, evals, plots / "reward_accuracy.png"))
+        heatmap = plot_eval_heatmap(plt, evals, plots / "eval_matrix.png")
+        written += [heatmap] if heatmap else []
+    else:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for domain in domains:
+            xs = [m["step"] for m in metrics if domain in m["domain_rewards"]]
+            ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
+            ax.plot(xs, ys, marker="o", label=f"train reward: {domain}")
+        for domain in sorted({d for r in evals for d in r.accuracy}):
+            xs = [r.step for r in evals if domain in r.accuracy]
+            ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
+            ax.plot(xs, ys, marker="s", linestyle="--", label=f"held-out acc: {domain}")
+        ax.set_xlabel("step")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title("Reward and held-out accuracy per domain")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(plots / "reward_accuracy.png")
+        fig.savefig(written[-1], dpi=100)
+        plt.close(fig)
 
     for key, title, name in [
         ("kl", "KL to reference (k3, per token)", "kl.png"),
@@ -100,12 +111,16 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None)
             "| domain | base | trained | change | items |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
-        for domain, before, after, n in comparison_rows(base, trained):
+        shown, left_out = readable_rows(comparison_rows(base, trained))
+        for domain, before, after, n in shown:
             lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
         lines.append(
             f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
             f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
         )
+        if left_out:
+            lines += ["", f"Shown: {left_out}; every domain is in "
+                      f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png."]
         lines += ["", *_flip_examples(base, trained)]
     regression = latest_eval_per_step(out_dir, "regression")
     if len(regression) >= 2:
