@@ -15,7 +15,7 @@ from typing import Any
 
 MANY_DOMAINS = 8  # above this many domains, show overall + worst-k + best-k
 SHOW_K = 5  # worst and best domains shown in reports and plots
-TABLE_K = 3  # worst and best domains shown in the per-step terminal table
+TABLE_K = 2  # worst and best domains shown in the per-step terminal table (one per line)
 
 
 def worst_and_best(values: Mapping[str, float], k: int) -> tuple[list[str], list[str]]:
@@ -34,14 +34,14 @@ def worst_and_best(values: Mapping[str, float], k: int) -> tuple[list[str], list
 
 
 def table_summary(values: Mapping[str, float], k: int = TABLE_K) -> tuple[str, str]:
-    """Compact ``name=value`` cells for the worst and best domains of one step.
+    """``name=value`` cells (one domain per line) for the worst and best domains of a step.
 
-    >>> table_summary({"a": 0.25, "b": 1.0, "c": 0.5}, 1)
-    ('a=0.25', 'b=1.00')
+    >>> table_summary({"a": 0.25, "b": 1.0, "c": 0.5, "d": 0.0}, 2)
+    ('d=0.00\na=0.25', 'b=1.00\nc=0.50')
     """
     worst, best = worst_and_best(values, k)
-    return (" ".join(f"{d}={values[d]:.2f}" for d in worst),
-            " ".join(f"{d}={values[d]:.2f}" for d in best))
+    return ("\n".join(f"{d}={values[d]:.2f}" for d in worst),
+            "\n".join(f"{d}={values[d]:.2f}" for d in best))
 
 
 def readable_rows(

@@ -136,7 +136,9 @@ class ProgressReporter:
         columns = ["step", "reward", *domain_columns, "loss", "kl",
                    "clip", "len", "groups", "v", "secs"]
         for name in columns:
-            table.add_column(name, justify="right", min_width=7)
+            wide = name in domain_columns and len(m.domain_rewards) > MANY_DOMAINS
+            table.add_column(name, justify="right", min_width=16 if wide else 7,
+                             overflow="fold")
         table.add_row(
             str(m.step),
             f"{m.reward_mean:.3f}",
