@@ -34,7 +34,7 @@ def worst_and_best(values: Mapping[str, float], k: int) -> tuple[list[str], list
 
 
 def table_summary(values: Mapping[str, float], k: int = TABLE_K) -> tuple[str, str]:
-    """``name=value`` cells (one domain per line) for the worst and best domains of a step.
+    r"""``name=value`` cells (one domain per line) for the worst and best domains of a step.
 
     >>> table_summary({"a": 0.25, "b": 1.0, "c": 0.5, "d": 0.0}, 2)
     ('d=0.00\na=0.25', 'b=1.00\nc=0.50')
