@@ -22,6 +22,8 @@ from .base import (
 )
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
+"""spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -174,13 +176,19 @@ class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
     every_steps: int = Field(default=5, ge=1)
-    """Evaluate every N steps (and at step 0 and the end)."""
+    """Evaluate every N steps (and at step 0 and the end) when inline; the separate evaluator
+    scores every committed checkpoint instead."""
     max_items_per_domain: int = Field(default=64, ge=1)
     """Held-out items scored per domain and interval."""
     regression_dataset: str | None = None
     """General tasks scored from step 0 on, so capability drift outside the domains shows."""
     temperature: float = Field(default=0.0, ge=0)
     """0 = greedy decoding for evaluation."""
+    inline: bool = True
+    """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
+    examples/evaluator-job.yaml) scores each committed checkpoint while training goes on,
+    and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -258,9 +266,12 @@ class TrainingRunSpec(ApiModel):
     """Reward-hacking audits."""
     suspend: bool = False
     """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
-    managed_by: str | None = Field(default=None, max_length=63)
-    """A controller other than posttrain owns this run (e.g. kueue.x-k8s.io/multikueue).
-    Immutable."""
+    managed_by: str | None = Field(default=None, max_length=63,
+                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    """The controller that reconciles this run, as a domain-prefixed path (Kubeflow Trainer's
+    and JobSet's managedBy). Unset or posttrain.io/trainingrun-controller: the posttrain
+    operator. Any other value (e.g. kueue.x-k8s.io/multikueue): the posttrain operator creates
+    nothing and writes no status for the run, only an Event saying why. Immutable."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
     """Fail the run after this long since it started."""
     backoff_limit: int = Field(default=3, ge=0, le=100)
