@@ -187,7 +187,7 @@ class EvaluationSpec(ApiModel):
     inline: bool = True
     """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
     never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
-    examples/evaluator-job.yaml) scores each committed checkpoint while training goes on,
+    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
     and keepBest has no scores to keep by."""
 
 
