@@ -113,6 +113,12 @@ class OperatorConfig(BaseModel):
     installed (checked through API discovery); False = always plain head + worker pods."""
     kuberay_discovery_seconds: float = Field(default=60.0, gt=0)
     """How long the answer "is KubeRay installed?" is cached before discovery is asked again."""
+    kueue: bool = True
+    """Admit TrainingRuns labelled kueue.x-k8s.io/queue-name through Kueue (a Workload per run,
+    pods only once it is admitted) when Kueue's workloads.kueue.x-k8s.io/v1beta2 is served;
+    False = ignore the label and start runs at once."""
+    kueue_discovery_seconds: float = Field(default=60.0, gt=0)
+    """How long the answer "is Kueue installed?" is cached before discovery is asked again."""
     shm_size: str = "8Gi"
     """sizeLimit of the /dev/shm memory emptyDir in trainer pods (NCCL, dataloaders)."""
     sandbox_workdir_size: str = "256Mi"
