@@ -82,7 +82,8 @@ class DomainSpec(ApiModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     """Unique within the run; used in metrics, status and storage paths."""
     dataset: str = Field(min_length=1)
-    """Training tasks: builtin:<name>, an s3:// or file path to a JSONL task file."""
+    """Training tasks: builtin:<name>, or a JSONL, Parquet (.parquet) or Arrow (.arrow,
+    .feather) task file as a path or s3://bucket/key (MinIO: the trainer's S3 settings)."""
     eval_dataset: str | None = None
     """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
     verifier: VerifierSpec

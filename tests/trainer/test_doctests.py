@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate", "loss",
-           "many_domains",
+           "many_domains", "task_sources",
            "rewards", "rollouts", "rundata", "server_process", "status", "weight_sync"]
 
 
