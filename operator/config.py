@@ -104,6 +104,13 @@ class OperatorConfig(BaseModel):
     liveness_port: int = Field(default=0, ge=0, le=65535)
     """kopf's /healthz liveness endpoint port; 0 = off."""
 
+    pod_metrics_port: int = Field(default=9090, ge=0, le=65535)
+    """Port trainer pods (rank 0) serve Prometheus /metrics on, as container port "metrics"
+    with prometheus.io/* annotations (rollout pods serve it on their API port); 0 = off."""
+    otlp_endpoint: str = ""
+    """OTLP endpoint (e.g. http://otel-collector.monitoring:4318) handed to trainer and rollout
+    pods as OTEL_EXPORTER_OTLP_ENDPOINT, so their spans reach the same collector as the
+    operator's; empty = none (spans stay in process)."""
     trainer_master_port: int = Field(default=29500, ge=1, le=65535)
     """torch.distributed MASTER_PORT of trainer gangs."""
     ray_port: int = Field(default=6379, ge=1, le=65535)

@@ -30,6 +30,8 @@ REWARD = Gauge("posttrain_trainer_reward_mean", "Mean reward of the last batch",
 LOSS = Gauge("posttrain_trainer_loss", "Policy loss of the last step")
 KL = Gauge("posttrain_trainer_kl", "Mean per-token KL to the reference at the last step")
 STEP_SECONDS = Gauge("posttrain_trainer_step_seconds", "Wall time of the last step")
+STALENESS = Gauge("posttrain_trainer_staleness_steps",
+                  "Weight versions the last batch's samples were behind the trainer's weights")
 SKIPPED_STEPS = Counter(
     "posttrain_trainer_skipped_steps_total", "Steps whose update was not applied", ["reason"]
 )
@@ -107,6 +109,7 @@ class ProgressReporter:
         LOSS.set(metrics.loss)
         KL.set(metrics.kl)
         STEP_SECONDS.set(metrics.step_seconds)
+        STALENESS.set(metrics.staleness)
         REWARD.labels("all").set(metrics.reward_mean)
         for domain, value in metrics.domain_rewards.items():
             REWARD.labels(domain).set(value)

@@ -27,7 +27,9 @@ ROWS = [
 
 
 def _table(rows: list[dict[str, Any]]) -> pa.Table:
-    return pa.Table.from_pylist(rows)
+    """Rows as a table with every column any row has (absent values are nulls)."""
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    return pa.Table.from_pylist([{c: row.get(c) for c in columns} for row in rows])
 
 
 def test_local_parquet_and_arrow_read_like_jsonl(tmp_path: Path) -> None:
@@ -71,7 +73,7 @@ def test_s3_jsonl_and_parquet_from_minio(minio_env: dict[str, str], tmp_path: Pa
     bucket = f"data-{uuid.uuid4().hex[:8]}"
     store = open_store(f"s3://{bucket}")
     # More than one 1 MiB chunk, so lines are split across chunk boundaries while streaming.
-    lines = [json.dumps({"prompt": f"What is {i} + 1? {'pad ' * 30}", "answer": str(i + 1)})
+    lines = [json.dumps({"prompt": f"What is {i} + 1? {'pad ' * 32}", "answer": str(i + 1)})
              for i in range(12_000)]
     body = ("\n".join(lines) + "\n").encode()
     assert len(body) > 2 * (1 << 20)
