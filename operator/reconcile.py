@@ -33,7 +33,7 @@ from .builders import (
     ray_cluster_name,
     sandbox_pod_name,
 )
-from .kueue import WorkloadView
+from .kueue import WorkloadView, workload_name
 from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")
@@ -638,7 +638,7 @@ def _plan_kueue_admission(
         plan.workload_active = True  # resumed after a suspend
     if workload is not None and workload.admitted and workload.active:
         return None
-    name = workload.name if workload is not None else "(being created)"
+    name = workload_name(run)
     evicted = workload is not None and bool(workload.evicted_reason) and bool(
         live or live_clusters)
     if evicted:
