@@ -8,7 +8,8 @@ Two measurements, both side by side in one process, both on the same synthetic d
   curriculum/audit updates, the step record (metrics.jsonl, Prometheus gauges, the rich
   table row, span) and the status file. Completions are synthetic (seeded mix of right
   and wrong answers), so only the per-domain bookkeeping differs between the two runs.
-  Repeated ``--stage-steps`` times; the median step is reported.
+  The two runs alternate step by step (so load from other work hits both alike);
+  ``--stage-steps`` steps each, the median step's wall and CPU (process) time is reported.
 * ``loop``: whole ``train()`` steps (tiny random Llama with the real tokenizer, the real
   CPU rollout server over HTTP, the real policy step), ``--loop-steps`` steps each,
   median ``step_seconds`` of steps 2.. from metrics.jsonl (step 1 warms up).
@@ -87,42 +88,69 @@ def synthetic_batch(step: int, tasks: list[Any], group: int) -> RolloutBatch:
     return RolloutBatch(request, completions, 0.0)
 
 
-def stage_step_seconds(spec: TrainingRunSpec, out: Path, steps: int) -> float:
-    """Median seconds of the host-side stages of one step (see the module docstring)."""
-    data = build_run_data(spec)
-    algo = spec.algorithm
-    auditor = Auditor(out, spec.audit.spot_check_samples, algo.seed)
-    status = LocalStatusReporter(out)
-    config = loss_config(algo)
-    times = []
-    with ProgressReporter(out, steps) as progress:
+class StageLane:
+    """One run's host-side stages (see the module docstring), stepped one step at a time so
+    two lanes can alternate and share whatever load the machine is under."""
+
+    def __init__(self, spec: TrainingRunSpec, out: Path, steps: int) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.spec, self.algo, self.data = spec, spec.algorithm, build_run_data(spec)
+        self.auditor = Auditor(out, spec.audit.spot_check_samples, self.algo.seed)
+        self.status = LocalStatusReporter(out)
+        self.config = loss_config(self.algo)
+        self.progress = ProgressReporter(out, steps)
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def step(self, step: int) -> None:
+        algo, data, progress = self.algo, self.data, self.progress
+        wall, cpu = time.perf_counter(), time.process_time()
+        with progress.step_span(step) as span:
+            tasks = data.curriculum.next_prompts(algo.prompts_per_step)
+            batch = synthetic_batch(step, tasks, algo.group_size)
+            scored = score_batch(batch, data.verifiers, algo, max_concurrency=2)
+            prepared = prepare_batch(batch, scored, algorithm=algo.name,
+                                     dynamic_sampling=algo.dynamic_sampling,
+                                     loss_config=self.config, step=step)
+            for task, rate in zip(tasks, prepared.group_pass_rates, strict=True):
+                data.curriculum.observe(task, rate, step)
+            self.auditor.observe_batch(step, prepared.trajectories)
+            progress.record(StepMetrics(
+                step=step, reward_mean=prepared.reward_mean,
+                domain_rewards=prepared.domain_rewards,
+                domain_pass_rates=prepared.domain_pass_rates, loss=0.0, grad_norm=0.0,
+                kl=0.0, clip_fraction=0.0, ratio_mean=1.0,
+                response_length=prepared.response_length, kept_groups=prepared.kept_groups,
+                total_groups=len(tasks), weight_version=step, staleness=0, applied=True,
+                skip_reason="", rollout_seconds=0.0, train_seconds=0.0, step_seconds=0.0,
+                strata={d: data.curriculum.current_stratum(d)
+                        for d in data.curriculum.pools}), span)
+            self.status.report(RunStatus(phase="Running", step=step, max_steps=algo.max_steps,
+                                         reward_mean=prepared.reward_mean,
+                                         domain_rewards=prepared.domain_rewards))
+        self.wall.append(time.perf_counter() - wall)
+        self.cpu.append(time.process_time() - cpu)
+
+
+def stage_step_seconds(specs: dict[int, TrainingRunSpec], root: Path,
+                       steps: int) -> dict[str, float]:
+    """Median wall and CPU seconds per step of each lane, the lanes alternating step by
+    step (ABAB...), the first step of each left out (warm-up)."""
+    lanes = {n: StageLane(spec, root / f"stages{n}", steps) for n, spec in specs.items()}
+    for lane in lanes.values():
+        lane.progress.__enter__()
+    try:
         for step in range(1, steps + 1):
-            started = time.perf_counter()
-            with progress.step_span(step) as span:
-                tasks = data.curriculum.next_prompts(algo.prompts_per_step)
-                batch = synthetic_batch(step, tasks, algo.group_size)
-                scored = score_batch(batch, data.verifiers, algo, max_concurrency=2)
-                prepared = prepare_batch(batch, scored, algorithm=algo.name,
-                                         dynamic_sampling=algo.dynamic_sampling,
-                                         loss_config=config, step=step)
-                for task, rate in zip(tasks, prepared.group_pass_rates, strict=True):
-                    data.curriculum.observe(task, rate, step)
-                auditor.observe_batch(step, prepared.trajectories)
-                progress.record(StepMetrics(
-                    step=step, reward_mean=prepared.reward_mean,
-                    domain_rewards=prepared.domain_rewards,
-                    domain_pass_rates=prepared.domain_pass_rates, loss=0.0, grad_norm=0.0,
-                    kl=0.0, clip_fraction=0.0, ratio_mean=1.0,
-                    response_length=prepared.response_length, kept_groups=prepared.kept_groups,
-                    total_groups=len(tasks), weight_version=step, staleness=0, applied=True,
-                    skip_reason="", rollout_seconds=0.0, train_seconds=0.0, step_seconds=0.0,
-                    strata={d: data.curriculum.current_stratum(d)
-                            for d in data.curriculum.pools}), span)
-                status.report(RunStatus(phase="Running", step=step, max_steps=steps,
-                                        reward_mean=prepared.reward_mean,
-                                        domain_rewards=prepared.domain_rewards))
-            times.append(time.perf_counter() - started)
-    return statistics.median(times[1:])
+            for lane in (lanes.values() if step % 2 else reversed(list(lanes.values()))):
+                lane.step(step)
+    finally:
+        for lane in lanes.values():
+            lane.progress.__exit__()
+    out = {}
+    for n, lane in lanes.items():
+        out[f"stages_{n}_wall"] = statistics.median(lane.wall[1:])
+        out[f"stages_{n}_cpu"] = statistics.median(lane.cpu[1:])
+    return out
 
 
 def loop_step_seconds(spec: TrainingRunSpec, out: Path) -> float:
@@ -157,10 +185,9 @@ def main() -> None:
         root = Path(tmp)
         model = str(make_tiny_model(root / "model", seed=0)) if args.loop_steps else "tiny"
         domain_lists = {n: write_domains(root / f"data{n}", n, 40) for n in (2, args.domains)}
-        for n in (2, args.domains):
-            spec = make_spec(model, domain_lists[n], args.prompts, args.group, args.stage_steps)
-            results[f"stages_{n}"] = stage_step_seconds(spec, root / f"stages{n}",
-                                                        args.stage_steps)
+        specs = {n: make_spec(model, domain_lists[n], args.prompts, args.group,
+                              args.stage_steps) for n in (2, args.domains)}
+        results.update(stage_step_seconds(specs, root, args.stage_steps))
         if args.loop_steps:
             for n in (2, args.domains):
                 spec = make_spec(model, domain_lists[n], args.loop_prompts, args.loop_group,
@@ -168,9 +195,10 @@ def main() -> None:
                 results[f"loop_{n}"] = loop_step_seconds(spec, root / f"loop{n}")
     n = args.domains
     print(json.dumps(results, indent=1))
-    print(f"stages (batch {args.prompts}x{args.group}): 2 domains {results['stages_2']*1e3:.1f} ms"
-          f"/step, {n} domains {results[f'stages_{n}']*1e3:.1f} ms/step, ratio "
-          f"{results[f'stages_{n}'] / results['stages_2']:.2f}")
+    for clock in ("wall", "cpu"):
+        two, many = results[f"stages_2_{clock}"], results[f"stages_{n}_{clock}"]
+        print(f"stages {clock} (batch {args.prompts}x{args.group}): 2 domains {two * 1e3:.1f} "
+              f"ms/step, {n} domains {many * 1e3:.1f} ms/step, ratio {many / two:.2f}")
     if args.loop_steps:
         print(f"train() steps (batch {args.loop_prompts}x{args.loop_group}, tiny model): "
               f"2 domains {results['loop_2']:.2f} s/step, {n} domains "
