@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,9 @@ from posttrain.trainer.checkpoint import (
 )
 from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
+from posttrain.trainer.interrupt import INTERRUPTED
 from posttrain.trainer.policy import Policy
-from posttrain.trainer.progress import ProgressReporter, StepMetrics
+from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
@@ -49,6 +51,7 @@ class RunResult:
     final_eval: EvalResult | None
     last_checkpoint: str | None
     wall_seconds: float
+    interrupted: bool = False  # stopped by Ctrl-C (after checkpointing its last step)
 
 
 def train(
@@ -61,6 +64,7 @@ def train(
     verify: VerifyFn | None = None,
     dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
     wall_budget_s: float | None = None,  # stop after the step that exhausts it (benchmarks)
+    stop: threading.Event | None = None,  # set by Ctrl-C: checkpoint this step, then stop
 ) -> RunResult:
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     algo = run.algo
@@ -68,8 +72,12 @@ def train(
     inline_eval = run.dist.is_main and spec.evaluation.inline  # else: trainer/evaluator.py
     base_eval = run.evaluate(0) if run.step == 0 and inline_eval else None
     final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
+    interrupted = False
     with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
         while run.step < stop_at:
+            if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
+                interrupted = True
+                break
             run.step += 1
             step = run.step
             with progress.step_span(step) as span:
@@ -132,15 +140,23 @@ def train(
                 final_eval = run.evaluate(step)
                 run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
                 run.status.eval_accuracy = final_eval.accuracy
-            if run.dist.is_main and checkpoint_due:
+            interrupted = stop is not None and stop.is_set()
+            if run.dist.is_main and (checkpoint_due or interrupted):
                 score = final_eval.overall if final_eval and final_eval.step == step else None
                 last_checkpoint = run.save_checkpoint(score)
             run.report_step(metrics)
             if budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
                 break
-    wall = run.finish()
-    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall)
+            if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+                if not (interrupted or checkpoint_due) and run.dist.is_main:
+                    last_checkpoint = run.save_checkpoint(None)  # pressed during reporting
+                interrupted = True
+                log.info("stopped by Ctrl-C after step %d (checkpointed)", step)
+                break
+    wall = run.finish(interrupted)
+    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall,
+                     interrupted)
 
 
 class Run:
@@ -203,6 +219,8 @@ class Run:
             sampled = [batch_from_json(b) for b in state.sampled_batches]
             if dist.is_main:  # the server restarted with the base model: give it our weights
                 run.publisher.publish(run.policy, run.version)
+        if dist.is_main:
+            run.announce_start(resumed is not None)
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
@@ -217,6 +235,20 @@ class Run:
         run.status = RunStatus(phase="Running", step=run.step, max_steps=run.algo.max_steps,
                                weight_version=run.version)
         return run
+
+    def announce_start(self, resumed: bool) -> None:
+        """Say whether this run resumes or starts over, and drop records past that step."""
+        # A fresh start evaluates the base model again, so even step 0's records go.
+        dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
+        if resumed:
+            log.info("resuming from the checkpoint of step %d (%s)%s", self.step,
+                     self.checkpointer.store.uri("checkpoints"),
+                     f"; dropped {dropped} later step(s) an earlier attempt recorded"
+                     if dropped else "")
+        elif dropped:
+            log.warning("no checkpoint under %s: starting over from step 0 (the %d step(s) "
+                        "an earlier attempt recorded there are dropped)",
+                        self.checkpointer.store.uri("checkpoints"), dropped)
 
     def make_policy(self, model_dir: Path) -> Policy:
         return Policy(model_dir, learning_rate=self.algo.learning_rate,
@@ -278,15 +310,18 @@ class Run:
         self.status.domain_rewards = metrics.domain_rewards
         self.reporter.report(self.status)
 
-    def finish(self) -> float:
+    def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
         self.producer.close()
         self.publisher.close()
         self.trajectories.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.auditor.write_spot_checks()
-        plot_run(self.out_dir)
+        plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
         self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
+        if interrupted and self.step < self.algo.max_steps:
+            self.status.phase = INTERRUPTED
+            self.status.message = f"stopped by Ctrl-C after step {self.step}"
         self.reporter.report(self.status)
         wall = time.monotonic() - self.started
         write_report(self.out_dir, "posttrain run report",

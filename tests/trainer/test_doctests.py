@@ -7,9 +7,9 @@ import importlib
 
 import pytest
 
-MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate", "loss",
-           "many_domains", "task_sources",
-           "rewards", "rollouts", "rundata", "server_process", "status", "weight_sync"]
+MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate",
+           "interrupt", "loss", "many_domains", "report", "rewards", "rollouts", "rundata",
+           "server_process", "status", "task_sources", "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)
