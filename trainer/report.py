@@ -227,7 +227,7 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None)
         if left_out:
             lines += ["", f"Shown: {left_out}; every domain is in "
                       f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png."]
-        lines += ["", *_flip_examples(base, trained)]
+        lines += ["", *_agent_rows(base, trained), *_flip_examples(base, trained)]
     elif evals:
         only = evals[0]
         lines += [
@@ -261,6 +261,27 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None)
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _agent_rows(base: EvalResult, trained: EvalResult) -> list[str]:
+    """Episode metrics of environment domains, base vs trained (empty when there are none)."""
+    if not trained.agent:
+        return []
+    lines = ["## Agent episodes (held-out): base -> trained", "",
+             "| domain | success | mean turns | valid tool calls | recovery after failure "
+             "| errored |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for domain, after in sorted(trained.agent.items()):
+        before = base.agent.get(domain, {})
+
+        def pair(key: str, percent: bool = True, b: dict[str, float] = before,
+                 a: dict[str, float] = after) -> str:
+            shown = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.2f}")
+            return (f"{shown(b[key])} -> " if key in b else "") + shown(a.get(key, 0.0))
+
+        lines.append(f"| {domain} | {pair('success_rate')} | {pair('mean_turns', False)} | "
+                     f"{pair('valid_tool_call_rate')} | {pair('recovery_rate')} | "
+                     f"{int(after.get('errored', 0))} |")
+    return [*lines, ""]
 
 
 def flipped_items(
