@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -212,6 +212,10 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
     rules = [{**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    if run.spec.rollout.pool and not run.spec.rollout.endpoints:
+        # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
+        rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
+                      "resourceNames": [run.spec.rollout.pool]})  # fmt: skip
     return [
         {
             "apiVersion": "v1",
@@ -326,8 +330,12 @@ def build_trainer_pod(
         *_s3_env(config),
     ]
     if rollout_endpoints and not run.spec.rollout.endpoints:
-        # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
+        # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
+        # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
+        # that one pool) so each weight version reaches every ready replica.
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
+        if run.spec.rollout.pool:
+            env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
     if nodes > 1:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
@@ -538,6 +546,7 @@ def selector_string(labels: dict[str, str]) -> str:
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
 ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
+ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
@@ -545,8 +554,27 @@ def pool_endpoint(pool: RolloutPool) -> str:
     return f"http://{pool.metadata.name}.{pool.metadata.namespace}.svc:{pool.spec.port}"
 
 
+# A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the
+# server starts from the link: vLLM never sees a packaged id or an s3:// URI.
+MODEL_VOLUME = "models"
+MODEL_MOUNT = "/models"
+MODEL_LINK = f"{MODEL_MOUNT}/current"
+
+
+def model_fetch_command(pool: RolloutPool) -> list[str]:
+    """The init step that puts spec.model on the pod's volume (fails naming the URI)."""
+    return ["posttrain", "rollout", "fetch-model", "--model", pool.spec.model, "--link", MODEL_LINK]
+
+
 def rollout_command(pool: RolloutPool) -> list[str]:
-    """The server argv: ``vllm serve`` flags from engine_args, or ``posttrain serve`` for cpu."""
+    """The server argv: vLLM behind posttrain's front door, or ``posttrain serve`` for cpu.
+
+    The front door (``posttrain rollout vllm-entry``) is the entrypoint, not ``vllm serve``:
+    it serves the pod's port, stamps each response with its weight version, loads weights
+    on ``/v1/weights/load`` and pulls the latest committed version before it reports ready.
+    vLLM itself listens on 127.0.0.1 at a free port (``--internal-port 0``), so its
+    dev-mode ``/collective_rpc`` is unreachable from other pods.
+    """
     spec = pool.spec
     served = spec.served_model_name or pool.metadata.name
     if spec.engine == "cpu":
@@ -557,12 +585,13 @@ def rollout_command(pool: RolloutPool) -> list[str]:
             "posttrain", "serve", "--model", spec.model, "--host", "$(POD_IP)",
             "--port", str(spec.port), "--served-model-name", served,
         ]  # fmt: skip
-    from posttrain.rollout.vllm import VllmServeSpec, build_vllm_command
-
-    serve_spec = VllmServeSpec.from_engine_args(
-        spec.model, spec.engine_args, port=spec.port, served_model_name=served
-    )
-    return build_vllm_command(serve_spec)
+    engine_args = spec.engine_args.model_dump(mode="json", exclude_none=True)
+    return [
+        "posttrain", "rollout", "vllm-entry", "--model", MODEL_LINK,
+        "--host", "$(POD_IP)", "--port", str(spec.port), "--internal-port", "0",
+        "--served-model-name", served,
+        "--engine-args", json.dumps(engine_args, sort_keys=True, separators=(",", ":")),
+    ]  # fmt: skip
 
 
 def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manifest:
@@ -597,6 +626,9 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         "command": rollout_command(pool),
         "env": env,
         "ports": [{"name": "http", "containerPort": spec.port}],
+        # A replica that exits (bad weights, a model that will not load) leaves its last
+        # log lines as the termination message the pool's status reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": _resources(spec.resources.cpu, spec.resources.memory, gpus),
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -611,9 +643,28 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         },
     }
     pod_spec: dict[str, Any] = {"containers": [container]}
+    if spec.engine == "vllm":
+        model_env = [*env, {"name": "POSTTRAIN_CACHE", "value": MODEL_MOUNT}]
+        container["env"] = model_env
+        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+        container["volumeMounts"] = [mount]
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        pod_spec["initContainers"] = [{
+            "name": "fetch-model",
+            "image": image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": model_fetch_command(pool),
+            "env": model_env,
+            "volumeMounts": [mount],
+            # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
+            # message the operator puts in the pool's Ready condition.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }]  # fmt: skip
     if gpus:
-        pod_spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        pod_spec.setdefault("volumes", []).append(
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        )
+        container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
     _schedule(pod_spec, config, config.rollout_node_selector, spec.resources.node_selector,
               config.rollout_tolerations, config.rollout_affinity)
     template = {"metadata": {"labels": {**MANAGED_BY, **labels}}, "spec": pod_spec}

@@ -39,8 +39,9 @@ class OperatorConfig(BaseModel):
     """Tiny image whose ``cp`` copies task files into the writable workdir before the program."""
     rollout_cpu_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
     """Image of RolloutPool replicas with engine=cpu (``posttrain serve``)."""
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
-    """Image of RolloutPool replicas with engine=vllm (``vllm serve``)."""
+    vllm_image: str = "ghcr.io/posttrain/rollout:0.1.0"
+    """Image of RolloutPool replicas with engine=vllm: vLLM plus posttrain (rollout/Dockerfile),
+    whose front door ``posttrain rollout vllm-entry`` is the container command."""
     image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")
     """imagePullPolicy of every container the operator creates."""
     image_pull_secrets: list[dict[str, str]] = Field(default_factory=list)

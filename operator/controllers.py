@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -184,6 +185,34 @@ def _nodes(run: Body | None) -> int:
 def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
+
+# Per replica: a front door answers /v1/weights/version from memory, at once.
+WEIGHT_PROBE_TIMEOUT_S = 2.0
+
+
+def served_weight_versions(pods: list[Any], port: int) -> dict[str, int]:
+    """Ask each ready replica's front door which weight version it serves (pod -> version).
+
+    Asked, not announced: a replica needs no Kubernetes credentials to report, and the
+    answer is what it serves now. Replicas that do not answer in time are left out (the
+    pool's weightVersion is then unknown). Runs at every pool reconcile and resync.
+    """
+    ready = [p for p in pods if p.ready and p.ip and not p.deleting]
+    if not ready:
+        return {}
+
+    def ask(pod: Any) -> tuple[str, int | None]:
+        try:
+            response = httpx.get(f"http://{pod.ip}:{port}/v1/weights/version",
+                                 timeout=WEIGHT_PROBE_TIMEOUT_S)  # fmt: skip
+            response.raise_for_status()
+            return pod.name, int(response.json()["weight_version"])
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return pod.name, None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as executor:
+        answers = list(executor.map(ask, ready))
+    return {name: version for name, version in answers if version is not None}
 
 class Controller:
     """Owns the caches and the three reconcilers; one instance per operator process."""
@@ -847,8 +876,9 @@ class Controller:
             deployment = self.deployments.get(namespace, name)
             pods = [pod_view(p) for p in self.rollout_pods.children(namespace, name)]
             selector = b.selector_string(b.pool_selector(name))
+            served = served_weight_versions(pods, pool.spec.port)
             plan = plan_rollout_pool(pool, desired, deployment, pods, selector,
-                                     b.pool_endpoint(pool))
+                                     b.pool_endpoint(pool), served)
             service_key = ("Service", namespace, f"{name}/{pool.metadata.uid}")
             if service_key not in self._ensured:
                 self._create("RolloutPool", b.build_rollout_service(pool))

@@ -44,6 +44,10 @@ class Reason:
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"
     ROLLING_UPDATE: Final = "RollingUpdate"
     SCALED_TO_ZERO: Final = "ScaledToZero"
+    # A pool replica's init step could not fetch spec.model (the message names the URI).
+    MODEL_UNAVAILABLE: Final = "ModelUnavailable"
+    # A pool replica's server keeps exiting (the message has its last words).
+    REPLICA_CRASH_LOOP: Final = "ReplicaCrashLooping"
     # SandboxTask
     POD_RUNNING: Final = "PodRunning"
     COMPLETED: Final = "Completed"

@@ -64,6 +64,12 @@ class PodView:
     ready: bool = False
     terminated: Terminated | None = None
     start_time: datetime | None = None
+    # Long-running servers (pool replicas) restart in place: what the kubelet says about it.
+    restarts: int = 0
+    ip: str = ""  # status.podIP
+    waiting_reason: str = ""  # main container waiting, e.g. CrashLoopBackOff
+    last_message: str = ""  # main container's last termination message
+    init_failure: str = ""  # a failed init container's termination message (or reason)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +109,8 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
+    main = (status.get("containerStatuses") or [{}])[0]
+    last = ((main.get("lastState") or {}).get("terminated")) or {}
     return PodView(
         name=meta.get("name", ""),
         labels=dict(meta.get("labels") or {}),
@@ -114,7 +122,28 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         ready=ready,
         terminated=terminated,
         start_time=_time(status.get("startTime")),
+        restarts=int(main.get("restartCount") or 0),
+        ip=status.get("podIP") or "",
+        waiting_reason=((main.get("state") or {}).get("waiting") or {}).get("reason") or "",
+        last_message=(last.get("message") or "").strip(),
+        init_failure=_init_failure(status.get("initContainerStatuses") or []),
     )
+
+
+def _init_failure(statuses: list[dict[str, Any]]) -> str:
+    """The termination message (else reason) of an init container that exited non-zero.
+
+    >>> _init_failure([{"name": "fetch-model", "lastState": {"terminated": {
+    ...     "exitCode": 1, "message": "cannot fetch model s3://b/m: no such key"}}}])
+    'fetch-model: cannot fetch model s3://b/m: no such key'
+    """
+    for cs in statuses:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            done = state.get("terminated")
+            if done and int(done.get("exitCode") or 0) != 0:
+                why = (done.get("message") or "").strip() or done.get("reason") or "failed"
+                return f"{cs.get('name', 'init')}: {why}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -699,6 +728,7 @@ def plan_rollout_pool(
     pods: list[PodView],
     selector: str,
     endpoint: str,
+    served: dict[str, int] | None = None,
 ) -> PoolPlan:
     """Converge the Deployment on the desired one and mirror its counts into the status.
 
@@ -753,6 +783,10 @@ def plan_rollout_pool(
     else:
         phase, cond, reason = "Pending", "False", Reason.REPLICAS_UNAVAILABLE
     message = f"{ready}/{want_replicas} replica(s) ready"
+    trouble = replica_trouble(pods, pool.spec.model) if ready < want_replicas else None
+    if trouble is not None:
+        reason, detail = trouble
+        message = f"{message}; {detail}"
     if phase != status.phase and status.phase is not None:
         plan.events.append(EventSpec("Normal" if cond == "True" else "Warning", reason,
                                      f"{status.phase} -> {phase}: {message}"))
@@ -766,18 +800,66 @@ def plan_rollout_pool(
         "endpoint": endpoint,
         "conditions": _conditions_wire(conditions),
     }
-    version = pool_weight_version(pods)
+    desired["replicaEndpoints"] = replica_endpoints(pods, pool.spec.port)
+    ready_pods = sorted((p for p in pods if p.ready and p.ip and not p.deleting),
+                        key=lambda p: p.name)  # fmt: skip
+    desired["replicaWeights"] = [
+        {"pod": p.name, "endpoint": f"http://{p.ip}:{pool.spec.port}",
+         "weightVersion": (served or {}).get(p.name)}
+        for p in ready_pods
+    ]  # fmt: skip
+    version = pool_weight_version(pods, served)
     if version is not None:
         desired["weightVersion"] = version
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
 
 
-def pool_weight_version(pods: list[PodView]) -> int | None:
-    """The weights version every ready replica serves: the minimum of their annotations.
+# Restarts after which a replica that is not ready counts as crash-looping.
+CRASH_LOOP_RESTARTS = 2
 
-    Replicas announce ``posttrain.io/weight-version`` on their pod; until every ready replica
-    has announced, the pool's version is unknown (None).
+
+def replica_trouble(pods: list[PodView], model: str) -> tuple[str, str] | None:
+    """Why replicas are not becoming ready, when a pod says so: ``(reason, message)``.
+
+    An init step that cannot fetch the model names the model URI; a server that keeps
+    exiting names the pod, its restart count and its last words.
+
+    >>> p = PodView("r-1", {}, init_failure="fetch-model: cannot fetch model s3://b/x: 404")
+    >>> replica_trouble([p], "s3://b/x")[0]
+    'ModelUnavailable'
+    """
+    live = [p for p in pods if not p.deleting and not p.ready]
+    for pod in live:
+        if pod.init_failure:
+            return Reason.MODEL_UNAVAILABLE, (
+                f"model {model} is unavailable on replica {pod.name}: {pod.init_failure[-400:]}")
+    for pod in live:
+        if pod.waiting_reason == "CrashLoopBackOff" or pod.restarts >= CRASH_LOOP_RESTARTS:
+            last = f": {pod.last_message[-400:]}" if pod.last_message else ""
+            return Reason.REPLICA_CRASH_LOOP, (
+                f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}")
+    return None
+
+
+def replica_endpoints(pods: list[PodView], port: int) -> list[str]:
+    """``http://<pod IP>:<port>`` of each ready replica, sorted.
+
+    >>> replica_endpoints([PodView("a", {}, ready=True, ip="10.0.0.2"),
+    ...                    PodView("b", {}, ready=False, ip="10.0.0.3")], 8000)
+    ['http://10.0.0.2:8000']
+    """
+    return sorted(f"http://{p.ip}:{port}" for p in pods if p.ready and p.ip and not p.deleting)
+
+
+def pool_weight_version(
+    pods: list[PodView], served: dict[str, int] | None = None
+) -> int | None:
+    """The weights version every ready replica serves: the minimum over ready replicas.
+
+    A replica's version is what its front door answered (``served``, pod name -> version),
+    else a ``posttrain.io/weight-version`` annotation on its pod; until every ready replica's
+    version is known, the pool's is unknown (None).
 
     >>> a = PodView("a", {}, {"posttrain.io/weight-version": "3"}, ready=True)
     >>> b = PodView("b", {}, {"posttrain.io/weight-version": "4"}, ready=True)
@@ -785,7 +867,9 @@ def pool_weight_version(pods: list[PodView]) -> int | None:
     3
     """
     ready = [p for p in pods if p.ready and not p.deleting]
-    versions = [p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]
+    served = served or {}
+    versions = [str(served[p.name]) if p.name in served
+                else p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]  # fmt: skip
     if not ready or any(v is None or not v.isdigit() for v in versions):
         return None
     return min(int(v) for v in versions if v is not None)

@@ -107,13 +107,26 @@ def run_command(args: argparse.Namespace) -> int:
                 result = train(spec, args.out, client, reporter=reporter, stop=stop.requested)
                 client.close()
         else:
-            endpoints = _endpoints(spec)
+            from posttrain.rollout.discovery import PoolDiscovery, follow_pool
+
+            discovery = PoolDiscovery.from_env() if not spec.rollout.endpoints else None
+            if discovery is not None:
+                # Each replica of the pool, not its Service: publishes must reach all of them.
+                endpoints = discovery.wait_ready(spec.rollout.timeout_seconds)
+            else:
+                endpoints = _endpoints(spec)
             log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
             client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                                   max_in_flight=max_in_flight)
+                                   max_in_flight=max_in_flight,
+                                   discover=discovery.ready_endpoints if discovery else None)
+            following = follow_pool(client, discovery.ready_endpoints) if discovery else None
             _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
-            result = train(spec, args.out, client, reporter=reporter, stop=stop.requested)
-            client.close()
+            try:
+                result = train(spec, args.out, client, reporter=reporter, stop=stop.requested)
+            finally:
+                if following is not None:
+                    following.set()
+                client.close()
     except KeyboardInterrupt:  # the second Ctrl-C: stopped mid-step
         _report_interrupt(spec, args.out, _step_reached(args.out))
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -224,13 +225,31 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     dep = b.build_rollout_deployment(pool, CONFIG)
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
-    (server,) = dep["spec"]["template"]["spec"]["containers"]
+    pod = dep["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
     cmd = server["command"]
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
-    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
-    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    # The front door is the entrypoint; vLLM gets a loopback port the Service never exposes.
+    assert cmd[:3] == ["posttrain", "rollout", "vllm-entry"]
+    assert cmd[cmd.index("--model") + 1] == b.MODEL_LINK
+    assert cmd[cmd.index("--host") + 1] == "$(POD_IP)"
+    assert cmd[cmd.index("--port") + 1] == "8000"
+    assert cmd[cmd.index("--internal-port") + 1] == "0"
     assert cmd[cmd.index("--served-model-name") + 1] == "pool"
-    assert "--speculative-config" in cmd
+    engine_args = json.loads(cmd[cmd.index("--engine-args") + 1])
+    assert engine_args["tensor_parallel_size"] == 2
+    assert engine_args["max_model_len"] == 4096
+    assert engine_args["speculative"]["method"] == "ngram"
+    assert server["ports"] == [{"name": "http", "containerPort": 8000}]
+    service = b.build_rollout_service(pool)
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # spec.model is resolved onto the pod's volume before the server starts.
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"] == ["posttrain", "rollout", "fetch-model", "--model",
+                                "Qwen/Qwen3-0.6B", "--link", b.MODEL_LINK]  # fmt: skip
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {b.MODEL_VOLUME, "dshm"} <= volumes
+    assert {m["mountPath"] for m in server["volumeMounts"]} == {b.MODEL_MOUNT, "/dev/shm"}
     assert server["image"] == "vllm:1"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
