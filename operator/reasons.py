@@ -41,6 +41,10 @@ class Reason:
     RAY_CLUSTER_PENDING: Final = "RayClusterPending"
     SANDBOX_WORKING: Final = "SandboxWorking"
     SANDBOX_UNAVAILABLE: Final = "SandboxUnavailable"
+    WAITING_FOR_ADMISSION: Final = "WaitingForAdmission"  # Kueue has not admitted the Workload
+    ADMITTED: Final = "Admitted"
+    EVICTED: Final = "Evicted"  # Kueue took the admission back (preemption, deactivation)
+    MANAGED_ELSEWHERE: Final = "ManagedElsewhere"  # spec.managedBy names another controller
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"
