@@ -34,6 +34,7 @@ from posttrain.telemetry import get_tracer
 
 from . import builders as b
 from . import warmpool as wp
+from .admission import KueueAdmission
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
 from .metrics import (
@@ -53,6 +54,7 @@ from .reconcile import (
     PodView,
     RayClusterView,
     SandboxPlan,
+    managed_elsewhere,
     plan_rollout_pool,
     plan_sandbox,
     plan_training_run,
@@ -239,6 +241,9 @@ class Controller:
         self._kuberay_lock = threading.Lock()
         self._kuberay_installed = False
         self._kuberay_checked_at = float("-inf")
+        self.workloads = Store(b.LABEL_RUN)
+        self.kueue = KueueAdmission(config, kube, self.workloads)
+        self._left_alone: set[str] = set()  # uids of runs managed elsewhere, already told
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._policy_namespaces: set[str] = set()
@@ -687,6 +692,12 @@ class Controller:
             return
         with self._reconciling("TrainingRun", namespace, name):
             body = self.runs.get(namespace, name) or body
+            # managedBy first, before even validating: another controller's run is not ours
+            # to judge, change or report on (Kubeflow Trainer's and JobSet's rule).
+            why = managed_elsewhere((body.get("spec") or {}).get("managedBy"))
+            if why is not None:
+                self._leave_alone(body, why)
+                return
             try:
                 run = TrainingRun.model_validate(body)
             except ValidationError as exc:
@@ -696,7 +707,9 @@ class Controller:
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
             clusters = self._ray_clusters_of(run, pods)
-            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters)
+            kueue = self.kueue.gate(run)
+            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters,
+                                     kueue=kueue)
             for pod in plan.delete_pods:
                 self.kube.delete("v1", "Pod", namespace, pod)
                 self.trainer_pods.remove(namespace, pod)
@@ -713,6 +726,10 @@ class Controller:
                         ANNOTATION_INCARNATION: str(plan.incarnation)}}})
                 self.runs.put(updated)
                 body = updated
+            if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+                template = b.build_trainer_pod(run, self.config, plan.incarnation, 0) \
+                    if plan.create_workload else None
+                self.kueue.apply(run, plan, template)
             if plan.ensure_children:
                 self._ensure_run_children(run, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
@@ -726,6 +743,21 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+
+    def _leave_alone(self, body: Body, why: str) -> None:
+        """One Event per run (per operator process) saying why it is left alone."""
+        uid = (body.get("metadata") or {}).get("uid", "")
+        if uid in self._left_alone:
+            return
+        self._left_alone.add(uid)
+        self._emit(body, [EventSpec("Normal", Reason.MANAGED_ELSEWHERE, why)])
+
+    def on_workload(self, event_type: str | None, body: Body) -> None:
+        """A run's Kueue Workload changed (Kueue admitted or evicted it): reconcile the run."""
+        meta = body.get("metadata") or {}
+        run = (meta.get("labels") or {}).get(b.LABEL_RUN)
+        if run and self.observe(self.workloads, event_type, body):
+            self.reconcile_run(meta.get("namespace", ""), run)
 
     def kuberay_installed(self) -> bool:
         """Whether the apiserver serves rayclusters.ray.io, asked through API discovery at most
@@ -927,6 +959,10 @@ class Controller:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
         self.refresh_ray_clusters()
+        self.kueue.refresh(sorted({
+            ns for ns, name in self.runs.snapshot_keys()
+            if ((self.runs.get(ns, name) or {}).get("metadata") or {}).get("labels", {}).get(
+                "kueue.x-k8s.io/queue-name")}))
         for store, reconcile in (
             (self.runs, self.reconcile_run),
             (self.pools, self.reconcile_pool),

@@ -37,6 +37,10 @@ class Reason:
     STORAGE_KEPT: Final = "StorageKept"
     RAY_CLUSTER_CREATED: Final = "RayClusterCreated"
     RAY_CLUSTER_PENDING: Final = "RayClusterPending"
+    WAITING_FOR_ADMISSION: Final = "WaitingForAdmission"  # Kueue has not admitted the Workload
+    ADMITTED: Final = "Admitted"
+    EVICTED: Final = "Evicted"  # Kueue took the admission back (preemption, deactivation)
+    MANAGED_ELSEWHERE: Final = "ManagedElsewhere"  # spec.managedBy names another controller
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"

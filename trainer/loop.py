@@ -69,7 +69,8 @@ def train(
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     algo = run.algo
     stop_at = algo.max_steps if stop_after_step is None else min(algo.max_steps, stop_after_step)
-    base_eval = run.evaluate(0) if run.step == 0 and run.dist.is_main else None
+    inline_eval = run.dist.is_main and spec.evaluation.inline  # else: trainer/evaluator.py
+    base_eval = run.evaluate(0) if run.step == 0 and inline_eval else None
     final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
     interrupted = False
     with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
@@ -95,7 +96,6 @@ def train(
                 # 4. group advantages + dynamic sampling + loss coefficients
                 prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                          dynamic_sampling=algo.dynamic_sampling,
-                                         domain_weights=run.data.domain_weights,
                                          loss_config=run.loss_config, step=step)
                 run.observe(batch, prepared)
                 # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
@@ -136,7 +136,7 @@ def train(
                             for d in run.data.curriculum.pools})
                 progress.record(metrics, span)
             # 7. evaluate and checkpoint at their intervals
-            if run.dist.is_main and (step % spec.evaluation.every_steps == 0 or last):
+            if inline_eval and (step % spec.evaluation.every_steps == 0 or last):
                 final_eval = run.evaluate(step)
                 run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
                 run.status.eval_accuracy = final_eval.accuracy

@@ -365,3 +365,30 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
     )
     names = {e["name"] for e in explicit["spec"]["containers"][0]["env"]}
     assert b.ROLLOUT_ENDPOINTS_ENV not in names
+
+
+def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> None:
+    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    container = pod["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--metrics-port", str(CONFIG.pod_metrics_port)]
+    assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(container)  # none configured
+    # A Ray worker runs no trainer process, so it has nothing to scrape.
+    worker = b.build_trainer_pod(make_run(resources={"nodes": 2}), CONFIG, 0, 1)
+    assert "ports" not in worker["spec"]["containers"][0]
+    assert "annotations" not in worker["metadata"]
+
+    traced = CONFIG.model_copy(update={"otlp_endpoint": "http://collector.monitoring:4318"})
+    env = env_of(b.build_trainer_pod(make_run(), traced, 0, 0)["spec"]["containers"][0])
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.monitoring:4318"
+    assert env["OTEL_SERVICE_NAME"]["value"] == "posttrain-trainer"
+    deployment = b.build_rollout_deployment(make_pool(), traced)
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(
+        template["spec"]["containers"][0]["ports"][0]["containerPort"])
+    rollout_env = env_of(template["spec"]["containers"][0])
+    assert rollout_env["OTEL_SERVICE_NAME"]["value"] == "posttrain-rollout"
+    off = CONFIG.model_copy(update={"pod_metrics_port": 0})
+    assert "--metrics-port" not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"][
+        "containers"][0]["command"]
