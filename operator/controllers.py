@@ -734,6 +734,8 @@ class Controller:
                 self._ensure_run_children(run, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
             endpoints = self._rollout_endpoints(run) if creates else []
+            if creates:
+                run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
             if plan.create_ray_cluster:
                 self._create_ray_cluster(run, plan.incarnation, endpoints)
             for rank in plan.create_ranks:

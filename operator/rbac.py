@@ -62,6 +62,8 @@ OPERATOR_RULES: list[Rule] = [
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
      "verbs": [*READ, "create", "patch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
+    # The node labels of the ResourceFlavors a Workload was admitted to go on its pods.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
     # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
     # so creating them is not an escalation).
     {
