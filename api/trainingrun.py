@@ -22,6 +22,8 @@ from .base import (
 )
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
+"""spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -111,13 +113,15 @@ class DomainSpec(ApiModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     """Unique within the run; used in metrics, status and storage paths."""
     dataset: str = Field(min_length=1)
-    """Training tasks: builtin:<name>, an s3:// or file path to a JSONL task file."""
+    """Training tasks: builtin:<name>, or a JSONL, Parquet (.parquet) or Arrow (.arrow,
+    .feather) task file as a path or s3://bucket/key (MinIO: the trainer's S3 settings)."""
     eval_dataset: str | None = None
     """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
     verifier: VerifierSpec
     """How completions in this domain are scored."""
     weight: float = Field(default=1.0, ge=0)
-    """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
+    """Relative share of each batch's prompts (applied once, at sampling; the loss weighs every
+    sequence the same); 0 keeps the domain for eval only."""
     strata: list[str] = Field(default_factory=list, max_length=16)
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
     environment: EnvironmentSpec | None = None
@@ -153,21 +157,40 @@ class RolloutSource(ApiModel):
 
 
 class SandboxPolicy(ApiModel):
-    """How untrusted completions (code, shell) are executed for verification."""
+    """How untrusted completions (code, shell) are executed for verification.
+
+    An execution the sandbox could not perform (runner unreachable or saturated, SandboxTask
+    pod not scheduled, bubblewrap refused) is never scored: it is retried, counted in
+    ``posttrain_verifier_infra_failures_total`` and in ``status.sandbox``, and shown as the
+    run's ``SandboxAvailable`` condition; after ``unavailableTimeoutSeconds`` the run fails.
+    """
 
     mode: Literal["local", "runner", "task"] = "local"
-    """local: the bubblewrap executor in the trainer's pod; runner: a sandbox runner server;
-    task: one SandboxTask object per verification (slow, fully isolated pods)."""
-    runner_url: str | None = None
-    """Base URL of the sandbox runner when mode=runner."""
-    timeout_seconds: float = Field(default=10, gt=0, le=3600)
-    """Wall-clock limit per execution."""
+    """local: the bubblewrap executor inside the trainer process (laptops; in a cluster the
+    operator gives the trainer pod what bubblewrap needs); runner: a sandbox runner server
+    (``runnerUrl``, or one the operator runs for this run); task: one SandboxTask object per
+    execution, created and awaited by the trainer (slow, fully isolated pods)."""
+    runner_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    """Base URL of a sandbox runner (``posttrain sandbox serve``) when mode=runner. Unset: the
+    operator runs one for this run (Deployment and Service ``<run>-sandbox-runner``, restricted
+    pods, ``maxConcurrency`` slots) and hands its URL to the trainer."""
+    timeout_seconds: float = Field(default=60, gt=0, le=3600)
+    """The most wall-clock time one execution may take, in every mode (a verifier's own
+    smaller ``timeout_s`` applies first; 60 leaves the built-in verifiers' defaults, at most
+    60 s, as they are). In task mode the SandboxTask pod gets the execution's time; starting
+    the pod does not count."""
     memory_mb: int = Field(default=512, ge=16)
-    """Memory limit per execution."""
+    """The most memory one execution may use (a verifier's own smaller ``memory_mb`` applies
+    first): RLIMIT_AS in local and runner mode, the SandboxTask pod's memory limit in task
+    mode."""
     max_concurrency: int = Field(default=2, ge=1)
-    """Executions in parallel."""
+    """Executions the trainer has in flight at once (and the slots of the operator's runner)."""
     runtime_class_name: str | None = None
-    """RuntimeClass (gvisor, kata) for SandboxTask pods when mode=task."""
+    """RuntimeClass (gvisor, kata) of the SandboxTask pods (task) and of the operator's runner
+    pods (runner without runnerUrl); unset: the operator's default for sandbox pods."""
+    unavailable_timeout_seconds: int = Field(default=600, ge=1, le=86400)
+    """How long a step waits, retrying, for a sandbox that keeps failing before the trainer
+    fails the run (loudly, naming the sandbox); a wrong answer is never assumed instead."""
 
 
 class TrainerResources(ApiModel):
@@ -243,13 +266,19 @@ class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
     every_steps: int = Field(default=5, ge=1)
-    """Evaluate every N steps (and at step 0 and the end)."""
+    """Evaluate every N steps (and at step 0 and the end) when inline; the separate evaluator
+    scores every committed checkpoint instead."""
     max_items_per_domain: int = Field(default=64, ge=1)
     """Held-out items scored per domain and interval."""
     regression_dataset: str | None = None
     """General tasks scored from step 0 on, so capability drift outside the domains shows."""
     temperature: float = Field(default=0.0, ge=0)
     """0 = greedy decoding for evaluation."""
+    inline: bool = True
+    """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
+    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
+    and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -273,12 +302,6 @@ class TrainingRunSpec(ApiModel):
                     "rule": "self.domains.exists(d, d.weight > 0)",
                     "message": "domains: at least one domain needs weight > 0",
                     "fieldPath": ".domains",
-                },
-                {
-                    "rule": "!has(self.sandbox) || !has(self.sandbox.mode) || "
-                    "self.sandbox.mode != 'runner' || has(self.sandbox.runnerUrl)",
-                    "message": "sandbox.runnerUrl is required when sandbox.mode is 'runner'",
-                    "fieldPath": ".sandbox",
                 },
                 {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
@@ -329,9 +352,12 @@ class TrainingRunSpec(ApiModel):
     """Reward-hacking audits."""
     suspend: bool = False
     """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
-    managed_by: str | None = Field(default=None, max_length=63)
-    """A controller other than posttrain owns this run (e.g. kueue.x-k8s.io/multikueue).
-    Immutable."""
+    managed_by: str | None = Field(default=None, max_length=63,
+                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    """The controller that reconciles this run, as a domain-prefixed path (Kubeflow Trainer's
+    and JobSet's managedBy). Unset or posttrain.io/trainingrun-controller: the posttrain
+    operator. Any other value (e.g. kueue.x-k8s.io/multikueue): the posttrain operator creates
+    nothing and writes no status for the run, only an Event saying why. Immutable."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
     """Fail the run after this long since it started."""
     backoff_limit: int = Field(default=3, ge=0, le=100)
@@ -345,9 +371,24 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(f"domains: names must be unique, repeated: {dupes}")
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
-        if self.sandbox.mode == "runner" and not self.sandbox.runner_url:
-            raise ValueError("sandbox.runnerUrl is required when sandbox.mode is 'runner'")
         return self
+
+
+class SandboxHealth(ApiModel):
+    """What the trainer saw of its sandbox: the operator turns it into the SandboxAvailable
+    condition (the trainer reports facts, the operator owns conditions)."""
+
+    mode: Literal["local", "runner", "task"]
+    """spec.sandbox.mode the trainer uses."""
+    endpoint: str | None = None
+    """The runner URL (runner mode) or namespace (task mode) executions go to."""
+    available: bool = True
+    """False while executions keep failing for reasons that are not the program's."""
+    infra_failures: int = 0
+    """Executions the sandbox failed so far, each retried and never scored."""
+    last_error: str | None = None
+    """The latest such failure, in words."""
+    last_failure_time: datetime | None = None
 
 
 class TrainingRunStatus(ApiModel):
@@ -375,6 +416,11 @@ class TrainingRunStatus(ApiModel):
     """Weights version last published to the rollout servers."""
     restarts: int = 0
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
+    sandbox: SandboxHealth | None = None
+    """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    reports_uri: str | None = None
+    """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
+    the report as it writes them; ``posttrain report <reportsUri>`` renders them."""
     ray_cluster: str | None = None
     """The KubeRay RayCluster of the current gang (multi-node runs when KubeRay is installed)."""
     ray_cluster_state: str | None = None

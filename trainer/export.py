@@ -73,6 +73,7 @@ def write_safetensors_shards(
 
 
 def write_hf_directory(policy: Any, dest: Path, *, weights_only: bool = False,
+                       dtype: torch.dtype | None = None,
                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path | None:
     """Config, generation config, tokenizer and streamed weights of ``policy`` in ``dest``
     (only the safetensors with ``weights_only``: what a rollout server reloads each step).
@@ -84,7 +85,7 @@ def write_hf_directory(policy: Any, dest: Path, *, weights_only: bool = False,
         dest.mkdir(parents=True, exist_ok=True)
         for stale in [*dest.glob("*.safetensors"), dest / INDEX_FILE]:
             stale.unlink(missing_ok=True)
-    write_safetensors_shards(policy.full_weights(), dest if main else None,
+    write_safetensors_shards(policy.full_weights(dtype), dest if main else None,
                              max_shard_bytes=max_shard_bytes)
     if not main or weights_only:
         return dest if main else None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
 from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.checkpoint import (
@@ -41,6 +42,24 @@ from posttrain.trainer.status import LocalStatusReporter, RunStatus, StatusRepor
 from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host
 
 log = logging.getLogger(__name__)
+
+
+OUTPUTS = ("metrics.jsonl", "status.json", "eval", "audit", "plots", "report.md")
+"""What a run writes under its out dir for people to read (``posttrain report`` renders it)."""
+
+
+def output_files(out_dir: Path) -> list[tuple[str, Path]]:
+    """The (relative path, path) of every output file written so far."""
+    from posttrain.storage.commit import local_files
+
+    found: list[tuple[str, Path]] = []
+    for name in OUTPUTS:
+        path = out_dir / name
+        if path.is_file():
+            found.append((name, path))
+        elif path.is_dir():
+            found += [(f"{name}/{rel}", p) for rel, p in local_files(path)]
+    return found
 
 
 @dataclass
@@ -69,7 +88,8 @@ def train(
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     algo = run.algo
     stop_at = algo.max_steps if stop_after_step is None else min(algo.max_steps, stop_after_step)
-    base_eval = run.evaluate(0) if run.step == 0 and run.dist.is_main else None
+    inline_eval = run.dist.is_main and spec.evaluation.inline  # else: trainer/evaluator.py
+    base_eval = run.evaluate(0) if run.step == 0 and inline_eval else None
     final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
     interrupted = False
     with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
@@ -90,12 +110,11 @@ def train(
                 staleness = run.version - batch.weight_version  # versions behind, before step
                 stale = is_too_stale(batch, run.version, algo.max_policy_lag)
                 # 3. rewards: verifiers + overlong penalty
-                scored = score_batch(batch, run.data.verifiers, algo, verify=verify,
+                scored = score_batch(batch, run.data.verifiers, algo, verify=run.verify,
                                      max_concurrency=spec.sandbox.max_concurrency)
                 # 4. group advantages + dynamic sampling + loss coefficients
                 prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                          dynamic_sampling=algo.dynamic_sampling,
-                                         domain_weights=run.data.domain_weights,
                                          loss_config=run.loss_config, step=step)
                 run.observe(batch, prepared)
                 # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
@@ -135,15 +154,17 @@ def train(
                             for d in run.data.curriculum.pools})
                 progress.record(metrics, span)
             # 7. evaluate and checkpoint at their intervals
-            if run.dist.is_main and (step % spec.evaluation.every_steps == 0 or last):
+            if inline_eval and (step % spec.evaluation.every_steps == 0 or last):
                 final_eval = run.evaluate(step)
                 run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
+                run.auditor.write_spot_checks()  # the export is refreshed at each eval
                 run.status.eval_accuracy = final_eval.accuracy
             interrupted = run.dist.any_rank(stop is not None and stop.is_set())
             if checkpoint_due or interrupted:  # every rank writes its shards; rank 0 commits
                 score = final_eval.overall if final_eval and final_eval.step == step else None
                 last_checkpoint = run.save_checkpoint(score)
             run.report_step(metrics)
+            run.sync_outputs()
             if budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
                 break
@@ -179,11 +200,24 @@ class Run:
 
         self.started = time.monotonic()
         self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
-        self.reporter, self.dist, self.verify = reporter, dist, verify
+        self.reporter, self.dist = reporter, dist
+        self._status_lock = threading.Lock()  # verifier threads report sandbox health too
+        self._sandbox_reported = (True, 0.0)  # (available, when) of the last health report
+        self.verification: Any = None
+        if verify is None:  # spec.sandbox decides where code runs (trainer/verification.py)
+            from posttrain.trainer.verification import build_verification
+
+            self.verification = build_verification(spec.sandbox, on_health=self.report_sandbox)
+            verify = self.verification.verify
+        self.verify: VerifyFn = verify
         out_dir.mkdir(parents=True, exist_ok=True)
         self.data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompts
         self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
         store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
+        # With storage of its own (always in a cluster), the run's outputs go there as they
+        # are written: a pod's emptyDir dies with the pod and with every gang restart.
+        self.outputs = (ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main
+                        else None)
         self.checkpointer = Checkpointer(store, spec.checkpoint.keep_last,
                                          spec.checkpoint.keep_best)
         self.base_dir = resolve_model(spec.model)
@@ -235,7 +269,10 @@ class Run:
         run.submitted = max([run.step, *[r.batch_index for r in pending],
                              *[b.request.batch_index for b in sampled]])
         run.status = RunStatus(phase="Running", step=run.step, max_steps=run.algo.max_steps,
-                               weight_version=run.version)
+                               weight_version=run.version,
+                               reports_uri=run.outputs.uri() if run.outputs else None,
+                               sandbox=run.verification.health.to_wire()
+                               if run.verification and run.data.executes_code() else None)
         return run
 
     def announce_start(self, resumed: bool) -> None:
@@ -321,11 +358,40 @@ class Run:
         self.status.last_checkpoint = path
         return path
 
+    def sync_outputs(self) -> None:
+        """Upload new or changed output files (never fails the run: the next sync retries)."""
+        if self.outputs is None:
+            return
+        try:
+            self.outputs.sync(output_files(self.out_dir))
+        except Exception as exc:
+            log.warning("could not upload outputs to %s (retried at the next step): %s",
+                        self.outputs.uri(), exc)
+
     def report_step(self, metrics: StepMetrics) -> None:
-        self.status.step, self.status.weight_version = self.step, self.version
-        self.status.reward_mean = metrics.reward_mean
-        self.status.domain_rewards = metrics.domain_rewards
-        self.reporter.report(self.status)
+        with self._status_lock:
+            self.status.step, self.status.weight_version = self.step, self.version
+            self.status.reward_mean = metrics.reward_mean
+            self.status.domain_rewards = metrics.domain_rewards
+            if self.verification is not None and self.status.sandbox is not None:
+                self.status.sandbox = self.verification.health.to_wire()
+            self.reporter.report(self.status)
+
+    def report_sandbox(self, health: Any) -> None:  # verification.SandboxHealth
+        """Put the sandbox's health into the status at once when it changes (the operator
+        shows it as the SandboxAvailable condition), and at most every 10 s while a failing
+        sandbox keeps the step waiting."""
+        now = time.monotonic()
+        with self._status_lock:
+            was_available, reported_at = self._sandbox_reported
+            if health.available == was_available and now - reported_at < 10.0:
+                return
+            status = getattr(self, "status", None)
+            if status is None:  # before the run started: nothing to report yet
+                return
+            self._sandbox_reported = (health.available, now)
+            status.sandbox = health.to_wire()
+            self.reporter.report(status)
 
     def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
@@ -335,13 +401,15 @@ class Run:
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.auditor.write_spot_checks()
         plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
-        self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
-        if interrupted and self.step < self.algo.max_steps:
-            self.status.phase = INTERRUPTED
-            self.status.message = f"stopped by Ctrl-C after step {self.step}"
-        self.reporter.report(self.status)
+        with self._status_lock:  # phase, message: status.json only; in a cluster the operator's
+            self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
+            if interrupted and self.step < self.algo.max_steps:
+                self.status.phase = INTERRUPTED
+                self.status.message = f"stopped by Ctrl-C after step {self.step}"
+            self.reporter.report(self.status)
         wall = time.monotonic() - self.started
         write_report(self.out_dir, "posttrain run report",
                      {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
                       "algorithm": self.algo.name})
+        self.sync_outputs()
         return wall

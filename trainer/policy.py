@@ -65,7 +65,7 @@ class TrainSample:
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # from the rollout server, one per completion token
     advantage: float
-    coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+    coefficient: float  # from loss.sequence_coefficients (the batch normalisation)
     # Per completion token, 1 where the policy sampled it (gradient) and 0 where an
     # environment wrote it (a tool's output in a multi-turn episode: context, never a
     # target). None: every token is the policy's (single-turn completions).
@@ -325,21 +325,23 @@ class Policy:
         """Exported weights are in the compute dtype: bf16 on GPUs, fp32 on a CPU fp32 run."""
         return self.dtype
 
-    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(HF name, full CPU tensor)`` of the servable weights, gathered one at a time.
 
         Every rank must consume the iterator (each tensor is an all-gather). With LoRA each
         adapted weight comes merged (``W + scale * B @ A``), so servers see plain weights. The tied output embedding is left out, as ``save_pretrained``
-        does (the loaders re-tie it).
+        does (the loaders re-tie it). ``dtype`` overrides :attr:`export_dtype` (a pool's
+        serving dtype).
         """
         from posttrain.trainer.lora import servable_weights
 
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         yield from servable_weights(
-            self.model, dtype=self.export_dtype,
+            self.model, dtype=dtype or self.export_dtype,
             skip=frozenset({"lm_head.weight"}) if tied else frozenset())
 
-    def save_weights(self, dest: Path, *, weights_only: bool = False) -> Path | None:
+    def save_weights(self, dest: Path, *, weights_only: bool = False,
+                     dtype: torch.dtype | None = None) -> Path | None:
         """Write an HF directory (safetensors + config + tokenizer), streamed tensor by tensor;
         ``weights_only`` writes just the safetensors.
 
@@ -347,7 +349,7 @@ class Policy:
         """
         from posttrain.trainer.export import write_hf_directory
 
-        return write_hf_directory(self, dest, weights_only=weights_only)
+        return write_hf_directory(self, dest, weights_only=weights_only, dtype=dtype)
 
     def completion_logprobs(
         self, model: torch.nn.Module, samples: Sequence[TrainSample], temperature: float

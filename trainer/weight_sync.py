@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from posttrain.telemetry import get_tracer
 
@@ -42,6 +42,11 @@ tracer = get_tracer(__name__)
 PUBLISH_SECONDS = Histogram(
     "posttrain_trainer_weight_publish_seconds",
     "Time from a finished optimizer step until every rollout server serves the new weights",
+    ["transport"],
+)
+PUBLISH_BYTES = Counter(
+    "posttrain_trainer_weight_publish_bytes_total",
+    "Bytes of weights written per publish (the transfer every replica then reads)",
     ["transport"],
 )
 SHARED_MEMORY_ROOT = Path("/dev/shm")
@@ -67,26 +72,42 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def shareable_state_dict(model: Any) -> dict[str, Any]:
-    """The model's tensors without the tied output embedding (safetensors refuses aliases).
+def shareable_state_dict(model: Any, dtype: Any | None = None) -> dict[str, Any]:
+    """The model's tensors without the tied output embedding (safetensors refuses aliases),
+    floating-point ones cast to ``dtype`` when given (the replicas' serving dtype).
 
     The rollout engine accepts a missing ``lm_head.weight`` when embeddings are tied
-    (:func:`posttrain.rollout.engine.copy_state_dict`), exactly as with ``save_pretrained``.
+    (:func:`posttrain.rollout.engine.copy_state_dict`), exactly as with ``save_pretrained``;
+    both engines copy loaded tensors into their own parameters, casting as they go.
     """
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.contiguous()
+    return out
 
 
 class WeightPublisher:
     """Publishes policy versions to the rollout servers through the cheapest working path."""
 
     def __init__(
-        self, registry: Any, registry_uri: str, client: Any, scratch: Path, *, shared: bool
+        self,
+        registry: Any,
+        registry_uri: str,
+        client: Any,
+        scratch: Path,
+        *,
+        shared: bool,
+        dtype: Any | None = None,
     ) -> None:
+        """``dtype``: publish floating-point tensors in this dtype (the pool's serving dtype,
+        e.g. bf16 from fp32 master weights: half the bytes every replica reads); None
+        publishes what the trainer holds (bf16 already when it trains in bf16)."""
         self.registry = registry  # posttrain.storage.checkpoints.WeightRegistry
         self.registry_uri = registry_uri
         self.client = client  # posttrain.rollout.client.RolloutClient
@@ -98,6 +119,8 @@ class WeightPublisher:
             # tmpfs is RAM: do not leave 0.5 GB behind when the run dies with an exception.
             atexit.register(shutil.rmtree, self.shared_dir, ignore_errors=True)
         self.durable_versions: list[int] = []  # versions committed to the registry
+        self.dtype = dtype
+        self.last_bytes = 0  # bytes written by the last publish (all transports)
 
     @property
     def transport(self) -> str:
@@ -112,44 +135,51 @@ class WeightPublisher:
         the servers and the registry.
         """
         started = time.monotonic()
+        self.last_bytes = 0
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
-            # A same-host server reloads only the safetensors; a durable copy is a full
-            # HF directory (config and tokenizer too), as is anything for the registry.
-            local = self._write(policy, version,
-                                weights_only=self.shared_dir is not None and not durable)
+            # A same-host server reloads only the safetensors, and cast versions are for
+            # servers, not for resuming: weights only. Otherwise a full HF directory.
+            weights_only = self.dtype is not None or (self.shared_dir is not None
+                                                      and not durable)
+            local = self._write(policy, version, weights_only=weights_only)
             if local is None:  # not rank 0: it only took part in the gathers
                 return
             if self.shared_dir is None:
                 self._publish_registry(local, version, load=True)
                 shutil.rmtree(local, ignore_errors=True)
-            elif not self._load_shared(version):
+            elif not self._load_shared(local, version):
                 self._publish_registry(local, version, load=True)  # before tmpfs is emptied
                 self._stop_sharing()
             elif durable:
                 self._publish_registry(local, version, load=False)
             span.set_attribute("weights.transport", self.transport)
+            span.set_attribute("weights.bytes", self.last_bytes)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
+        PUBLISH_BYTES.labels(self.transport).inc(self.last_bytes)
+        log.info("published weights v%d: %.1f MB in %.2fs (%s)", version, self.last_bytes / 1e6,
+                 time.monotonic() - started, self.transport)  # fmt: skip
 
     def close(self) -> None:
         self._stop_sharing()
 
     def _write(self, policy: Any, version: int, *, weights_only: bool) -> Path | None:
-        """The version as an HF directory: in tmpfs when sharing, else in scratch."""
+        """The version as an HF directory (in ``self.dtype`` when set): in tmpfs when
+        sharing, else in scratch. Collective; rank 0 gets the directory, the others None."""
         from posttrain.rollout.weights import version_dir_name
 
         if self.shared_dir is not None:
             target = self.shared_dir / version_dir_name(version)
         else:
             target = self.scratch / f"publish-v{version}"
-        return policy.save_weights(target, weights_only=weights_only)
+        return policy.save_weights(target, weights_only=weights_only, dtype=self.dtype)
 
-    def _load_shared(self, version: int) -> bool:
+    def _load_shared(self, local: Path, version: int) -> bool:
         """Have the servers load the tmpfs copy; False if they cannot read it."""
         from posttrain.rollout.client import RolloutError
-        from posttrain.rollout.weights import version_dir_name
 
         assert self.shared_dir is not None
+        self.last_bytes += sum(f.stat().st_size for f in local.glob("*.safetensors"))
         try:
             self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
@@ -157,14 +187,14 @@ class WeightPublisher:
                         "the weight registry from now on", self.shared_dir, exc)
             return False
         # The server has copied the tensors into its model: older files are dead weight.
-        target = self.shared_dir / version_dir_name(version)
         for old in self.shared_dir.iterdir():
-            if old != target:
+            if old != local:
                 shutil.rmtree(old, ignore_errors=True)
         return True
 
     def _publish_registry(self, local: Path, version: int, *, load: bool) -> None:
-        self.registry.publish(version, local)
+        manifest = self.registry.publish(version, local)
+        self.last_bytes += int(getattr(manifest, "total_bytes", 0))
         self.durable_versions.append(version)
         if load:
             self.client.load_weights(self.registry_uri, version)

@@ -154,6 +154,43 @@ def test_pool_plan_scales_and_reports_selector() -> None:
     assert plan.status_patch["phase"] == "Degraded"
 
 
+def _vllm_pool_with(pod_status: dict[str, Any], model: str) -> dict[str, Any]:
+    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+                                       "spec": {"model": model, "replicas": 1}})
+    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    have = {**desired, "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1}}
+    pod = pod_view({"metadata": {"name": "p-abc"}, "status": pod_status})
+    plan = plan_rollout_pool(pool, desired, have, [pod], "sel", "http://p")
+    (ready,) = [c for c in plan.status_patch["conditions"] if c["type"] == "Ready"]
+    return ready
+
+
+def test_pool_unreachable_model_is_not_ready_naming_the_uri() -> None:
+    uri = "s3://models/missing-checkpoint"
+    ready = _vllm_pool_with({"phase": "Pending", "initContainerStatuses": [{
+        "name": "fetch-model", "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message":
+                      f"cannot fetch model {uri}: no objects under that prefix"}}}]}, uri)
+    assert ready["status"] == "False"
+    assert ready["reason"] == "ModelUnavailable"
+    assert uri in ready["message"] and "p-abc" in ready["message"]
+
+
+def test_pool_crash_looping_replica_surfaces_in_status() -> None:
+    ready = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
+        "name": "server", "restartCount": 4, "ready": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "RuntimeError: out of memory"}}}]},
+        "smollm2-135m-instruct")
+    assert ready["status"] == "False"
+    assert ready["reason"] == "ReplicaCrashLooping"
+    assert "4 restart(s)" in ready["message"] and "out of memory" in ready["message"]
+    healthy = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
+        "name": "server", "restartCount": 0, "state": {"running": {}}}]}, "m")
+    assert healthy["reason"] == "ReplicasUnavailable"
+
+
 def test_pod_view_reads_kubelet_status() -> None:
     view = pod_view({
         "metadata": {"name": "p", "labels": {"a": "b"}, "deletionTimestamp": "x"},
@@ -165,3 +202,30 @@ def test_pod_view_reads_kubelet_status() -> None:
     assert view.deleting and not view.ready and view.terminated is not None
     assert view.terminated.exit_code == 3
     assert parse_sandbox_result(view).duration_ms == 1000.0
+
+
+def test_sandbox_health_from_the_trainer_becomes_the_sandbox_available_condition() -> None:
+    url = "http://gone.ns.svc:8090"
+    status = {"phase": "Running", "startTime": NOW.isoformat(),
+              "sandbox": {"mode": "runner", "endpoint": url, "available": False,
+                          "infraFailures": 7, "lastError": f"sandbox runner {url} failed 5 times"}}
+    plan = plan_training_run(run(status), [trainer_pod(0, 0)], 0, NOW)
+    (cond,) = [c for c in plan.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
+    assert (cond["status"], cond["reason"]) == ("False", "SandboxUnavailable")
+    assert url in cond["message"] and "7 time(s)" in cond["message"]
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "SandboxUnavailable")]
+    # The operator never writes the trainer's sandbox report itself.
+    assert "sandbox" not in plan.status_patch
+
+    recovered = dict(status, conditions=plan.status_patch["conditions"],
+                     sandbox={**status["sandbox"], "available": True})
+    again = plan_training_run(run(recovered), [trainer_pod(0, 0)], 0, NOW)
+    (cond,) = [c for c in again.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
+    assert (cond["status"], cond["reason"]) == ("True", "SandboxWorking")
+    assert [e.reason for e in again.events] == ["SandboxWorking"]
+
+
+def test_a_run_without_sandbox_reports_has_no_sandbox_condition() -> None:
+    plan = plan_training_run(run({"phase": "Running", "startTime": NOW.isoformat()}),
+                             [trainer_pod(0, 0)], 0, NOW)
+    assert all(c["type"] != "SandboxAvailable" for c in plan.status_patch.get("conditions", []))

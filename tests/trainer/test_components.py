@@ -73,11 +73,14 @@ class _RecordingCustomObjectsApi:
 
 def test_kube_status_reporter_patches_the_status_subresource() -> None:
     api = _RecordingCustomObjectsApi()
-    KubeStatusReporter("demo", "team-a", api=api).report(RunStatus(step=4, phase="Running"))
+    KubeStatusReporter("demo", "team-a", api=api).report(
+        RunStatus(step=4, phase="Succeeded", message="x"))
     group, version, namespace, plural, name, body = api.calls[0]
     assert (group, version, namespace, plural, name) == (
         "posttrain.io", "v1alpha1", "team-a", "trainingruns", "demo")
-    assert body["status"]["step"] == 4 and body["status"]["phase"] == "Running"
+    assert body["status"]["step"] == 4
+    # The phase is the operator's: a trainer that reports its last step never ends the run.
+    assert "phase" not in body["status"] and "message" not in body["status"]
     # an API error is logged, never raised into the training loop
     KubeStatusReporter("demo", "team-a", api=_RecordingCustomObjectsApi(fail=True)).report(
         RunStatus(step=5)
@@ -124,3 +127,27 @@ def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks),
                  "--server", dead]) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one rollout server start on the tiny model
+def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`posttrain eval` says how far it is (done/total, rate, ETA) instead of staying silent."""
+    import json
+    import logging
+
+    from posttrain.cli import main
+    from posttrain.models import make_tiny_model
+    from posttrain.trainer import evaluate
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(
+        json.dumps({"domain": "arithmetic", "prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+        + "\n" for i in range(2 * evaluate.EVAL_CHUNK + 3)))
+    with caplog.at_level(logging.INFO, logger="posttrain.progresslog"):
+        code = main(["eval", "--model", str(model), "--tasks", str(tasks), "--max-new-tokens", "4",
+                     "--out", str(tmp_path / "result.json")])
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "posttrain.progresslog"]
+    total = 2 * evaluate.EVAL_CHUNK + 3
+    assert lines and lines[-1].startswith(f"evaluation: {total}/{total} items (100%) in"), lines

@@ -8,8 +8,8 @@ import importlib
 import pytest
 
 MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate",
-           "interrupt", "loss", "report", "rewards", "rollouts", "rundata", "server_process",
-           "status", "weight_sync"]
+           "interrupt", "loss", "many_domains", "report", "rewards", "rollouts", "rundata",
+           "server_process", "status", "task_sources", "verification", "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)
