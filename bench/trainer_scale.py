@@ -53,7 +53,7 @@ def batch(policy: Any, samples: int, completion: int) -> list[Any]:
                policy.encode_prompt("Write a function that reverses a list.")]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (samples, completion), generator=generator).tolist()
-    coefficients = sequence_coefficients([completion] * samples, [1.0] * samples,
+    coefficients = sequence_coefficients([completion] * samples,
                                          "token_mean", completion)
     return [TrainSample(prompts[i % 2], ids[i], [-1.0] * completion, (-1.0) ** i, c)
             for i, c in enumerate(coefficients)]

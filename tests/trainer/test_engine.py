@@ -234,7 +234,7 @@ def _samples(policy: Policy) -> list[TrainSample]:
     completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37], [40, 41], [42],
                    [43, 44, 45], [46, 47]]
     advantages = [1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.3, -0.3]
-    coefficients = sequence_coefficients([len(c) for c in completions], [1.0] * 8,
+    coefficients = sequence_coefficients([len(c) for c in completions],
                                          "token_mean", 8)
     samples = [TrainSample(prompts[i % 2], c, [0.0] * len(c), a, k)
                for i, (c, a, k) in enumerate(zip(completions, advantages, coefficients,

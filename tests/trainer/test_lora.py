@@ -25,7 +25,7 @@ def lora_policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Policy, dict[
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     prompt = policy.encode_prompt("What is 3 + 4?")
     completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37]]
-    coefficients = sequence_coefficients([len(c) for c in completions], [1.0] * 4,
+    coefficients = sequence_coefficients([len(c) for c in completions],
                                          "token_mean", 8)
     samples = [TrainSample(prompt, c, [0.0] * len(c), a, k) for c, a, k in
                zip(completions, [1.0, -1.0, 0.5, -0.5], coefficients, strict=True)]
