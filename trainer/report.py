@@ -34,12 +34,12 @@ def latest_eval_per_step(out_dir: Path, split: str) -> list[EvalResult]:
 def plot_run(out_dir: Path) -> list[Path]:
     """Write reward/accuracy/KL/length PNGs under ``plots/``; returns the files written."""
     plt = _pyplot()
-    metrics = load_metrics(out_dir)
+    every_step = load_metrics(out_dir)
+    metrics = [m for m in every_step if m.get("stage_type", "rl") == "rl"]  # SFT/DPO: loss only
     evals = latest_eval_per_step(out_dir, "heldout")
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
     written = []
-    steps = [m["step"] for m in metrics]
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
     domains = sorted({d for m in metrics for d in m["domain_rewards"]})
@@ -66,7 +66,8 @@ def plot_run(out_dir: Path) -> list[Path]:
         ("loss", "Policy loss", "loss.png"),
     ]:
         fig, ax = plt.subplots(figsize=(6, 3))
-        ax.plot(steps, [m[key] for m in metrics], marker="o")
+        shown = every_step if key == "loss" else metrics
+        ax.plot([m["step"] for m in shown], [m[key] for m in shown], marker="o")
         ax.set_xlabel("step")
         ax.set_title(title)
         fig.tight_layout()
@@ -85,13 +86,40 @@ def comparison_rows(base: EvalResult, trained: EvalResult) -> list[tuple[str, fl
     ]
 
 
-def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None) -> Path:
-    """``report.md``: base vs trained held-out accuracy, flips, plots, alerts, spot checks."""
+def stage_rows(
+    stages: list[dict[str, Any]], evals: list[EvalResult]
+) -> list[tuple[str, str, int, int, float | None, float | None]]:
+    """(stage, type, first step, last step, held-out before, after) for each stage: what
+    each stage did, from the evaluations at its boundaries (None where none ran).
+
+    >>> r = lambda step, acc: EvalResult(step, "heldout", {"a": acc}, {"a": 4}, 0.0)
+    >>> stage_rows([{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}],
+    ...            [r(0, 0.25), r(3, 0.5)])
+    [('sft', 'sft', 1, 3, 0.25, 0.5)]
+    """
+    by_step = {e.step: e.overall for e in evals}
+    return [(s["name"], s["type"], s["firstStep"], s["lastStep"],
+             by_step.get(s["firstStep"] - 1), by_step.get(s["lastStep"])) for s in stages]
+
+
+def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
+                 stages: list[dict[str, Any]] | None = None) -> Path:
+    """``report.md``: base vs trained held-out accuracy, what each stage did, flips, plots,
+    alerts, spot checks."""
     evals = latest_eval_per_step(out_dir, "heldout")
     lines = [f"# {title}", ""]
     for key, value in (extra or {}).items():
         lines.append(f"- **{key}:** {value}")
     lines.append("")
+    if stages and len(stages) > 1:
+        lines += ["## Held-out accuracy by stage", "",
+                  "| stage | type | steps | before | after | change |",
+                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        for name, kind, first, last, before, after in stage_rows(stages, evals):
+            change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
+            lines.append(f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} "
+                         f"| {change} |")
+        lines.append("")
     if len(evals) >= 1:
         base, trained = evals[0], evals[-1]
         lines += [
@@ -152,3 +180,7 @@ def _flip_examples(base: EvalResult, trained: EvalResult, limit: int = 3) -> lis
                 "",
             ]
     return lines
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"

@@ -7,8 +7,9 @@ import importlib
 
 import pytest
 
-MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "evaluate", "loss",
-           "rewards", "rollouts", "rundata", "server_process", "status", "weight_sync"]
+MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "dpo", "evaluate",
+           "loop", "loss", "pipeline", "report", "rewards", "rollouts", "rundata",
+           "server_process", "sft", "stage_data", "status", "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)
