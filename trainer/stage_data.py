@@ -256,7 +256,7 @@ def _passes(task: Task, answer: str) -> bool:
     scope: dict[str, Any] = {}
     try:
         exec(source + (task.tests or ""), scope)  # reference code we generated, not model output
-    except AssertionError:
+    except Exception:  # a failed assert, or e.g. x % 0 after the shift: wrong either way
         return False
     return True
 
