@@ -20,6 +20,7 @@ PROGRESS = dict(
     eval_accuracy={"arith": 0.5, "code": 0.125},
     last_checkpoint="s3://posttrain/runs/demo/checkpoints/step-000002",
     weight_version=2,
+    stage="rl",
 )
 
 
@@ -62,14 +63,15 @@ def test_kubectl_get_and_posttrain_get_agree(kcli: CliRunner, kube: Any, kubectl
     ours = row_of(kcli("get", "tr").out, "demo")
     theirs = row_of(
         kubectl("get", "tr", "-n", kube.namespace, "-o", "wide").stdout, "demo"
-    )  # NAME PHASE STEP MAX REWARD AGE CHECKPOINT MESSAGE
+    )  # NAME PHASE STEP MAX REWARD STAGE AGE CHECKPOINT MESSAGE
     assert theirs[1] == ours[1] == "Running"
     step, max_steps = ours[2].split("/")
     assert (theirs[2], theirs[3]) == (step, max_steps)
     assert float(theirs[4]) == pytest.approx(
         float(ours[3]), abs=6e-4
     )  # ours is rounded to 3 digits
-    assert theirs[6].endswith("step-000002") and ours[8].endswith("step-000002")
+    assert theirs[5] == "rl"
+    assert theirs[7].endswith("step-000002") and ours[8].endswith("step-000002")
 
 
 def test_get_errors_have_exit_codes(kcli: CliRunner, kube: Any) -> None:
