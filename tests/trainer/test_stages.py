@@ -338,3 +338,57 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
             ("StageStarted", "rl"), ("StageSucceeded", "rl")]
         report = (out / "report.md").read_text()
         assert "## Held-out accuracy by stage" in report and "| prefs | dpo | 3-4 |" in report
+
+
+def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> None:
+    """Our DPO step and TRL's DPOTrainer (sigmoid loss) on the same batch, beta and models."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    def load() -> Any:
+        return AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+
+    policy, reference = load(), load()
+    with torch.no_grad():  # the policy has moved away from its reference, as mid-stage
+        g = torch.Generator().manual_seed(1)
+        for p in policy.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=g))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": f"What is {a} + {b}?", "chosen": f"{a + b}", "rejected": f"{a + b + d}"}
+            for a, b, d in ((3, 4, 1), (12, 9, -2), (7, 7, 5), (40, 2, 3))]
+    beta = 0.3
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=["sigmoid"],
+                     per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                     precompute_ref_log_probs=False, max_length=None, bf16=False)
+    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    examples = [trainer.train_dataset[i] for i in range(len(rows))]
+    batch = trainer.data_collator(examples)
+    trl_loss = trainer.compute_loss(trainer.model, batch)
+    trl_loss.backward()
+    trl_grads = grads(policy)
+    mode = "train" if trainer.model.training else "eval"  # TRL files its metrics by mode
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics[mode].items()}
+
+    pairs = [PreferencePair(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"], str(i))
+             for i, e in enumerate(examples)]
+    assert all(p.chosen_ids[-1] == tokenizer.eos_token_id for p in pairs)  # same batch as TRL's
+    with torch.no_grad():
+        ref_chosen, ref_rejected = sequence_logps(reference, pairs, tokenizer.pad_token_id)
+    chosen, rejected = sequence_logps(policy, pairs, tokenizer.pad_token_id)
+    terms = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, beta)
+    loss = terms.losses.mean()
+    loss.backward()
+    ours = grads(policy)
+
+    torch.testing.assert_close(loss.detach(), trl_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert ours.keys() == trl_grads.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], trl_grads[name], rtol=1e-4, atol=1e-6)
+    margins = terms.chosen_rewards - terms.rejected_rewards
+    assert float(terms.chosen_rewards.mean()) == pytest.approx(trl_metrics["rewards/chosen"],
+                                                               rel=1e-4, abs=1e-6)
+    assert float(margins.mean()) == pytest.approx(trl_metrics["rewards/margins"], rel=1e-4,
+                                                  abs=1e-6)
+    assert float((margins > 0).float().mean()) == trl_metrics["rewards/accuracies"]
