@@ -19,33 +19,28 @@ from typing import Any
 import yaml
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api.labels import (
+    ANNOTATION_FILE_PREFIX,
+    ANNOTATION_LOGS_URI,
+    ANNOTATION_SNAPSHOT_URI,
+    ANNOTATION_SPEC_HASH,
+    COMPONENT_ROLLOUT,
+    COMPONENT_SANDBOX,
+    COMPONENT_TRAINER,
+    LABEL_ATTEMPT,
+    LABEL_COMPONENT,
+    LABEL_GANG,
+    LABEL_POOL,
+    LABEL_RANK,
+    LABEL_RUN,
+    LABEL_SANDBOX_NETWORK,
+    LABEL_TASK,
+    MANAGED_BY,
+)
 
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
-
-# Labels every child carries; selectors and the operator's caches key on them.
-LABEL_COMPONENT = "posttrain.io/component"
-LABEL_RUN = "posttrain.io/run"
-LABEL_RANK = "posttrain.io/rank"
-LABEL_GANG = "posttrain.io/gang"
-LABEL_POOL = "posttrain.io/pool"
-LABEL_TASK = "posttrain.io/task"
-LABEL_ATTEMPT = "posttrain.io/attempt"
-LABEL_SANDBOX_NETWORK = "posttrain.io/sandbox-network"
-MANAGED_BY = {"app.kubernetes.io/managed-by": "posttrain-operator"}
-
-COMPONENT_TRAINER = "trainer"
-COMPONENT_ROLLOUT = "rollout"
-COMPONENT_SANDBOX = "sandbox"
-
-ANNOTATION_INCARNATION = "posttrain.io/incarnation"
-ANNOTATION_SPEC_HASH = "posttrain.io/spec-hash"
-ANNOTATION_FILE_PREFIX = "posttrain.io/file."
-ANNOTATION_WEIGHT_VERSION = "posttrain.io/weight-version"
-# Where a sandbox pod's entrypoint stores its artifacts (read back when the pod finishes).
-ANNOTATION_LOGS_URI = "posttrain.io/logs-uri"
-ANNOTATION_SNAPSHOT_URI = "posttrain.io/snapshot-uri"
 
 RUN_CONFIG_PATH = "/etc/posttrain/run.yaml"
 RUN_CONFIG_KEY = "run.yaml"

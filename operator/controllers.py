@@ -27,6 +27,7 @@ from minio.error import MinioException
 from pydantic import ValidationError
 
 from posttrain.api import API_VERSION, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun
+from posttrain.api.labels import ANNOTATION_INCARNATION
 from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 
@@ -663,7 +664,7 @@ class Controller:
                 self._invalid(self.runs, body, exc, terminal_phase="Failed")
                 return
             annotations = run.metadata.annotations
-            incarnation = int(annotations.get(b.ANNOTATION_INCARNATION, "0") or 0)
+            incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
             clusters = self._ray_clusters_of(run, pods)
             plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters)
@@ -680,7 +681,7 @@ class Controller:
                     {"apiVersion": body["apiVersion"], "kind": "TrainingRun",
                      "metadata": body["metadata"]},
                     {"metadata": {"annotations": {
-                        b.ANNOTATION_INCARNATION: str(plan.incarnation)}}})
+                        ANNOTATION_INCARNATION: str(plan.incarnation)}}})
                 self.runs.put(updated)
                 body = updated
             if plan.ensure_children:

@@ -21,17 +21,16 @@ from typing import Any
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun, TrainingRunStatus
 from posttrain.api.base import Condition, get_condition, set_condition
-
-from .builders import (
+from posttrain.api.labels import (
     ANNOTATION_LOGS_URI,
     ANNOTATION_SNAPSHOT_URI,
     ANNOTATION_WEIGHT_VERSION,
     LABEL_ATTEMPT,
     LABEL_GANG,
     LABEL_RANK,
-    ray_cluster_name,
-    sandbox_pod_name,
 )
+
+from .builders import ray_cluster_name, sandbox_pod_name
 from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")

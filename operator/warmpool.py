@@ -28,6 +28,7 @@ from typing import Any
 
 from posttrain.api import SandboxTask, SandboxWarmPool
 from posttrain.api.base import set_condition
+from posttrain.api.labels import ANNOTATION_CLAIM, LABEL_WARM_POOL
 
 from .builders import (
     ANNOTATION_SPEC_HASH,
@@ -51,8 +52,6 @@ from .reconcile import EventSpec, PodView, status_diff
 
 Manifest = dict[str, Any]
 
-LABEL_WARM_POOL = "posttrain.io/warm-pool"
-ANNOTATION_CLAIM = "posttrain.io/claim"
 CLAIM_DIR = "/sandbox/claim"
 CLAIM_FILE = "task.json"
 ENTRYPOINT_SOURCE = (Path(__file__).parent / "warm_entrypoint.py").read_text()

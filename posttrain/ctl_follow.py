@@ -20,6 +20,7 @@ from rich.live import Live
 from rich.table import Table
 
 from posttrain.api.base import GROUP, VERSION
+from posttrain.api.labels import LABEL_GANG, LABEL_RANK
 from posttrain.ctl import cluster_from_args, exits_1_on_failure, fail, make_console, pod_phase
 from posttrain.ctl_kube import (
     TRAINER_CONTAINER,
@@ -32,7 +33,6 @@ from posttrain.ctl_kube import (
 )
 from posttrain.ctl_render import format_domains, format_step, watch_headers, watch_row
 from posttrain.errors import UsageError
-from posttrain.operator.builders import LABEL_GANG, LABEL_RANK
 from posttrain.telemetry import get_tracer
 
 tracer = get_tracer("posttrain.ctl")

@@ -16,17 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.api.base import GROUP, VERSION
-from posttrain.errors import UsageError
 
-# The operator's own label keys, imported rather than copied so the CLI finds exactly the
+# The label keys the operator writes (api/labels.py), so the CLI finds exactly the
 # pods and jobs the operator builds.
-from posttrain.operator.builders import (
+from posttrain.api.labels import (
     COMPONENT_TRAINER,
     LABEL_COMPONENT,
     LABEL_POOL,
     LABEL_RUN,
     LABEL_TASK,
 )
+from posttrain.errors import UsageError
 
 FIELD_MANAGER = "posttrain"
 TRAINER_CONTAINER = "trainer"

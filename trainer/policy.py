@@ -41,6 +41,10 @@ class TrainSample:
     behaviour_logprobs: list[float]  # from the rollout server, one per completion token
     advantage: float
     coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+    # Per completion token, 1 where the policy sampled it (gradient) and 0 where an
+    # environment wrote it (a tool's output in a multi-turn episode: context, never a
+    # target). None: every token is the policy's (single-turn completions).
+    loss_mask: list[int] | None = None
 
 
 @dataclass
@@ -125,11 +129,15 @@ class Policy:
         rows, columns, targets = [], [], []
         for i, s in enumerate(samples):
             n = len(s.completion_ids)
+            if s.loss_mask is not None and len(s.loss_mask) != n:
+                raise ValueError(f"loss_mask has {len(s.loss_mask)} entries for {n} "
+                                 "completion tokens; it needs one per token")
             rows += [i] * n
             columns += range(n)
             targets += s.completion_ids
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
-            mask[i, :n] = 1.0
+            mask[i, :n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask[:n],
+                                                                       dtype=torch.float32)
         row_index, column_index = torch.tensor(rows), torch.tensor(columns)  # (N,), (N,)
         logits = completion_logits(model, samples, self.pad_id)  # (N, V)
         token_logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)  # (N, V)

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from posttrain.devenv.process import ManagedProcess, StartError, free_port, http_ok, tail
 from posttrain.errors import UsageError
+from posttrain.processes import ManagedProcess, StartError, free_port, http_ok, tail
 
 log = logging.getLogger(__name__)
 

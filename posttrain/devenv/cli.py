@@ -20,8 +20,7 @@ from typing import Any
 import yaml
 
 from posttrain.errors import UsageError
-
-from .process import StartError, http_ok, pid_alive, stop_pid
+from posttrain.processes import StartError, http_ok, pid_alive, stop_pid
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ from typing import Any
 
 import yaml
 
+from posttrain.processes import ManagedProcess, StartError, free_port, http_ok, port_in_use
 from posttrain.telemetry import get_tracer
 
 from .binaries import go_binary
 from .certs import Pki, make_pki
-from .process import ManagedProcess, StartError, free_port, http_ok, port_in_use
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.processes import ManagedProcess, StartError, free_port, http_ok, port_in_use
+
 from .binaries import go_binary
-from .process import ManagedProcess, StartError, free_port, http_ok, port_in_use
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from posttrain.api import labels
 from posttrain.devenv.controlplane import ControlPlane
 from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
@@ -132,7 +133,7 @@ def test_failed_ray_cluster_is_recreated_then_fails_the_run_past_backoff_limit(
              what="GangRestart event naming KubeRay's reason")
     run = get_cr(kube, "trainingruns", namespace, "fr")
     assert run is not None
-    assert run["metadata"]["annotations"][b.ANNOTATION_INCARNATION] == "1"
+    assert run["metadata"]["annotations"][labels.ANNOTATION_INCARNATION] == "1"
 
     set_ray_cluster_status(kube, namespace, "fr-g1", {"state": "failed", "reason": "Again"})
     failed = wait_for(lambda: (s := run_status(kube, namespace, "fr")).get("phase") == "Failed"
