@@ -141,6 +141,30 @@ def test_describe_explains_conditions_events_and_children(
     assert "TrainerRestarted" in described  # ...and the same events
 
 
+def test_trainer_stage_events_and_records_reach_kubectl(kube: Any, kubectl: Any) -> None:
+    """The trainer's stage boundary Events and status.stages, through its own reporter."""
+    from posttrain.api import TrainingRun
+    from posttrain.trainer.status import STAGE_STARTED, KubeStatusReporter, RunStatus
+
+    kube.create_run("staged")
+    reporter = KubeStatusReporter("staged", kube.namespace, api=kube.custom)
+    reporter.event("Normal", STAGE_STARTED, "stage sft (sft) started: steps 1-8, lr 2e-05")
+    record = {"name": "sft", "type": "sft", "phase": "Running", "firstStep": 1, "lastStep": 8,
+              "startTime": "2026-12-03T13:00:00+00:00", "skippedExamples": {"emptyCompletion": 2}}
+    reporter.report(RunStatus(step=3, max_steps=12, reward_mean=0.5, stage="sft", stages=[record]))
+    described = kubectl("describe", "tr", "staged", "-n", kube.namespace).stdout
+    assert "StageStarted" in described and "stage sft (sft) started: steps 1-8" in described
+    row = row_of(kubectl("get", "tr", "-n", kube.namespace).stdout, "staged")
+    assert row[2:4] == ["3", "12"] and row[5] == "sft"  # STEP MAX ... STAGE
+    stored = kube.get_run("staged")
+    # what the trainer wrote is valid against the CRD and reads back through the API model
+    status = TrainingRun.model_validate(
+        {"metadata": {"name": "staged"}, "spec": stored["spec"], "status": stored["status"]}
+    ).status
+    assert status.stages[0].skipped_examples == {"emptyCompletion": 2}
+    assert status.stage == "sft"
+
+
 def test_describe_missing_run_is_exit_1(kcli: CliRunner, kube: Any) -> None:
     result = kcli("describe", "tr", "ghost")
     assert result.code == 1 and "not found" in result.err
