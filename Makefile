@@ -49,6 +49,7 @@ demo: venv system-deps
 test: venv system-deps binaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/posttrain crds --check
+	$(VENV)/bin/mypy --strict -p posttrain.api
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

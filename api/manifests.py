@@ -3,6 +3,9 @@ schemas are generated from, and turn pydantic errors into field-named messages."
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from posttrain.errors import UsageError
 
+from .base import ApiModel
 from .rolloutpool import RolloutPool
 from .sandboxtask import SandboxTask
 from .sandboxwarmpool import SandboxWarmPool
@@ -23,6 +27,17 @@ KINDS: dict[str, type[BaseModel]] = {
     "SandboxTask": SandboxTask,
     "SandboxWarmPool": SandboxWarmPool,
 }
+
+
+def models_by_name() -> dict[str, type[BaseModel]]:
+    """Every API model by class name: a ValidationError's title names the root of its paths."""
+    found: dict[str, type[BaseModel]] = {}
+    pending: list[type[BaseModel]] = [ApiModel]
+    while pending:
+        model = pending.pop()
+        found[model.__name__] = model
+        pending += model.__subclasses__()
+    return found
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:
@@ -41,10 +56,94 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         path = ""
         for part in err["loc"]:
             path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-        got = f" (got {err['input']!r})" if err["type"] not in ("missing",) else ""
+        got = f" (got {shown_value(err['input'])})" if err["type"] not in ("missing",) else ""
         message = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {path or '<root>'}: {message}{got}")
+        hint = ""
+        root = models_by_name().get(exc.title)
+        if err["type"] == "extra_forbidden" and root is not None:
+            hint = did_you_mean(root, err["loc"])
+        lines.append(f"  {path or '<root>'}: {message}{got}{hint}")
     return "\n".join(lines)
+
+
+SHOWN_VALUE_CHARS = 120  # an error echoes the offending value, never a whole 1000-domain list
+
+
+def shown_value(value: Any, limit: int = SHOWN_VALUE_CHARS) -> str:
+    """``repr(value)``, cut to ``limit`` characters so an error stays one readable line.
+
+    >>> shown_value({"kind": "numeric"})
+    "{'kind': 'numeric'}"
+    >>> shown_value(list(range(1000)), limit=20)
+    '[0, 1, 2, 3, 4, 5, 6… (4890 chars)'
+    """
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} chars)"
+
+
+def field_names(model: type[BaseModel]) -> list[str]:
+    """The names a manifest may use for ``model``'s fields (their camelCase aliases)."""
+    return [info.alias or name for name, info in model.model_fields.items()]
+
+
+def model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model that validates the object at ``loc`` inside ``model`` (None if not a model).
+
+    >>> from posttrain.api.trainingrun import TrainingRun
+    >>> model_at(TrainingRun, ("spec", "domains", 0)).__name__
+    'DomainSpec'
+    """
+    current: Any = model
+    for part in loc:
+        current = _model_type(current)
+        if current is None:
+            return None
+        if isinstance(part, int):
+            current = _element_type(current)
+            continue
+        fields = {info.alias or name: info for name, info in current.model_fields.items()}
+        info = fields.get(part) or current.model_fields.get(part)
+        if info is None:
+            return None
+        current = info.annotation
+    return _model_type(current)
+
+
+def _model_type(annotation: Any) -> Any:
+    """Unwrap ``X | None`` (and keep lists as they are); a model class or the annotation."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(members) == 1:
+            return _model_type(members[0])
+        return None
+    if origin is typing.Annotated:
+        return _model_type(typing.get_args(annotation)[0])
+    return annotation if origin in (list, tuple, dict) else None
+
+
+def _element_type(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    return args[-1] if args else None
+
+
+def did_you_mean(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """``; did you mean 'verifier'?`` for a misspelt field, else an empty string.
+
+    >>> from posttrain.api.trainingrun import TrainingRun
+    >>> did_you_mean(TrainingRun, ("spec", "domains", 0, "verfier"))
+    "; did you mean 'verifier'?"
+    """
+    parent = model_at(model, tuple(loc[:-1]))
+    if parent is None or not isinstance(loc[-1], str):
+        return ""
+    names = field_names(parent)
+    close = difflib.get_close_matches(loc[-1], names, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {close[0]!r}?"
+    return f"; allowed here: {', '.join(sorted(names))}" if len(names) <= 12 else ""
 
 
 def parse_resource(obj: dict[str, Any], source: str = "<manifest>") -> Resource:

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -261,6 +262,21 @@ def stream_trainer_logs(
         raise api_failure(exc, f"pods of trainingrun {name!r}") from None
     pod = pick_trainer_pod(pods)
     if pod is None:
+        kept = dev_agent_log(cluster, name)
+        if kept is not None:  # the dev node agent keeps a deleted pod's log on disk
+            print(f"# trainer pod {kept.stem.split('_', 1)[1]} is gone (the run is {phase}); "
+                  f"its log, kept by `posttrain dev agent` until `posttrain dev down`: {kept}",
+                  file=sys.stderr)
+            text = kept.read_text(errors="replace")
+            sys.stdout.write(text if tail is None else "".join(
+                text.splitlines(keepends=True)[-tail:] if tail else []))
+            return 0
+        if phase in TERMINAL_PHASES:
+            return fail(
+                f"trainingrun {name} is {phase} and its trainer pods are gone (the operator "
+                "deletes them when a run ends); its outputs are in storage: "
+                f"posttrain describe tr {name} shows the last checkpoint"
+            )
         return fail(f"no trainer pod yet: the run is {phase}; see posttrain describe tr {name}")
     names = [c.name for c in pod.spec.containers]
     chosen = container or (TRAINER_CONTAINER if TRAINER_CONTAINER in names else names[0])
@@ -293,6 +309,12 @@ def stream_trainer_logs(
                 f"trainer pod {pod.metadata.name} has no logs yet ({pod.status.phase}: "
                 f"{message}); see posttrain describe tr {name}"
             )
+        if response.status >= 500:  # the apiserver could not reach the node's kubelet
+            raise CommandFailed(
+                f"logs of pod {pod.metadata.name}: the apiserver could not fetch them from "
+                f"node {pod.spec.node_name} ({response.status}: {message}); is the node's "
+                "kubelet (on the dev control plane: `posttrain dev agent`) running?"
+            )
         raise CommandFailed(f"logs of pod {pod.metadata.name}: {response.status} {message}")
     try:
         for chunk in response.stream(4096):
@@ -301,6 +323,27 @@ def stream_trainer_logs(
     finally:
         response.release_conn()
     return 0
+
+
+def dev_agent_log(cluster: Cluster, run_name: str) -> Path | None:
+    """The log file `posttrain dev agent` kept of the run's newest rank-0 trainer pod.
+
+    Only on the cluster `posttrain dev up` started (its state names the kubeconfig);
+    None anywhere else or when the agent kept no such file.
+    """
+    from posttrain.devenv.cli import DevState
+
+    state = DevState.load()
+    if state is None or Path(state.kubeconfig).resolve() != cluster.kubeconfig.resolve():
+        return None
+    logs = Path(state.workdir) / "nodeagent"
+    prefix = f"{cluster.namespace}_{run_name}-g"
+    newest: tuple[int, Path] | None = None
+    for path in logs.glob(f"{prefix}*-0.log"):
+        gang = path.name.removeprefix(prefix).removesuffix("-0.log")
+        if gang.isdigit() and (newest is None or int(gang) > newest[0]):
+            newest = (int(gang), path)
+    return newest[1] if newest else None
 
 
 def container_started(pod: Any, container: str) -> bool:

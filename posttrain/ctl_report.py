@@ -15,7 +15,7 @@ import html
 import io
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,17 @@ class Figure:
 
 
 @dataclass
+class Example:
+    """One held-out item whose verdict changed between the base and the trained model."""
+
+    verdict: str  # "fixed" (fail -> pass) or "broken" (pass -> fail)
+    domain: str
+    prompt: str
+    base_completion: str
+    trained_completion: str
+
+
+@dataclass
 class ReportData:
     """Everything the report shows, gathered before any rendering."""
 
@@ -44,6 +55,10 @@ class ReportData:
     accuracy_rows: list[tuple[str, float, float, int]]  # domain, base, trained, items
     figures: list[Figure]
     notes: list[str]
+    overall: tuple[float, float, int] | None = None  # the "all" row: base, trained, items
+    steps: tuple[int, int] | None = None  # (base step, trained step) of the comparison
+    flips: tuple[int, int] = (0, 0)  # how many items were fixed, broken
+    examples: list[Example] = field(default_factory=list)
 
 
 def tokens_per_second(
@@ -135,21 +150,33 @@ def data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
-    """spec.algorithm.groupSize from --manifest or a spec file kept in the run dir."""
+def run_spec(run_dir: Path, manifest: Path | None) -> Any | None:
+    """The run's TrainingRun spec from --manifest or a spec file kept in the run dir."""
     from posttrain.api import TrainingRun, load_manifest
 
     candidates = [manifest] if manifest else [run_dir / n for n in RUN_SPEC_FILES]
     for path in candidates:
         if path is not None and path.is_file():
-            return int(load_manifest(path, TrainingRun).spec.algorithm.group_size)
+            return load_manifest(path, TrainingRun).spec
     return None
+
+
+def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
+    """spec.algorithm.groupSize from --manifest or a spec file kept in the run dir."""
+    spec = run_spec(run_dir, manifest)
+    return int(spec.algorithm.group_size) if spec is not None else None
 
 
 def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     """Read the run directory and draw every figure (the trainer's plots plus ours)."""
     from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.report import comparison_rows, latest_eval_per_step, plot_run
+    from posttrain.trainer.report import (
+        comparison_rows,
+        flipped_items,
+        latest_eval_per_step,
+        plot_run,
+        trained_comparison,
+    )
 
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such directory; pass the --out DIR of a local run")
@@ -164,9 +191,12 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     figures: list[Figure] = []
     with tracer.start_as_current_span("ctl.report.plots") as span:
         span.set_attribute("posttrain.steps", len(metrics))
-        written = plot_run(run_dir)  # the trainer's own plots, redrawn from its files
+        spec = run_spec(run_dir, manifest)
+        kl_coef = float(spec.algorithm.kl_coef) if spec is not None else None
+        written = plot_run(run_dir, kl_coef=kl_coef)  # the trainer's own plots, redrawn
         figures += [Figure(_figure_title(p), p.read_bytes()) for p in written]
-        throughput = tokens_per_second(metrics, group_size_from_spec(run_dir, manifest))
+        group_size = int(spec.algorithm.group_size) if spec is not None else None
+        throughput = tokens_per_second(metrics, group_size)
         if throughput:
             figures.append(Figure("Rollout throughput", plot_throughput(throughput)))
         else:
@@ -180,9 +210,28 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
         else:
             notes.append("Sandbox latency: this run recorded no sandbox_latency_ms.")
     evals = latest_eval_per_step(run_dir, "heldout")
-    rows = comparison_rows(evals[0], evals[-1]) if evals else []
+    pair = trained_comparison(evals)
+    rows = comparison_rows(*pair) if pair else []
     if not evals:
         notes.append("Held-out accuracy: no eval/heldout_step*.json in the run directory.")
+    elif pair is None:
+        notes.append(
+            f"Held-out accuracy was measured at step {evals[0].step} only "
+            f"({evals[0].overall:.1%}): the run stopped before its next evaluation, so there "
+            "is no trained result to compare yet."
+        )
+    overall, steps, flips, examples = None, None, (0, 0), []
+    if pair is not None:
+        base, trained = pair
+        overall = (base.overall, trained.overall, sum(trained.counts.values()))
+        steps = (base.step, trained.step)
+        fixed, broken = flipped_items(base, trained)
+        flips = (len(fixed), len(broken))
+        for verdict, pairs in (("fixed", fixed), ("broken", broken)):
+            examples += [
+                Example(verdict, after.domain, after.prompt, before.completion, after.completion)
+                for before, after in pairs[:EXAMPLES_PER_VERDICT]
+            ]
     last = metrics[-1]
     facts = [
         ("run directory", str(run_dir)),
@@ -190,15 +239,22 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
         ("final reward mean", f"{float(last['reward_mean']):.3f}"),
         ("domains", ", ".join(sorted(last.get("domain_rewards", {}))) or "-"),
     ]
-    if evals:
+    if pair is not None:
         facts.append(
             (
                 "held-out accuracy",
-                f"{evals[0].overall:.1%} (step {evals[0].step}) -> "
-                f"{evals[-1].overall:.1%} (step {evals[-1].step})",
+                f"{pair[0].overall:.1%} (step {pair[0].step}) -> "
+                f"{pair[1].overall:.1%} (step {pair[1].step})",
             )
         )
-    return ReportData(f"posttrain report: {run_dir.name}", facts, rows, figures, notes)
+    elif evals:
+        facts.append(("held-out accuracy", f"{evals[0].overall:.1%} (step {evals[0].step} only)"))
+    return ReportData(f"posttrain report: {run_dir.name}", facts, rows, figures, notes,
+                      overall, steps, flips, examples)
+
+
+EXAMPLES_PER_VERDICT = 3  # fixed and broken items shown verbatim (all are in eval/*.json)
+EXAMPLE_CHARS = 400  # of each completion
 
 
 TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.report.plot_run
@@ -218,12 +274,20 @@ def _figure_title(path: Path) -> str:
     return TRAINER_PLOT_TITLES.get(path.stem, path.stem.replace("_", " ").capitalize())
 
 
+def _comparison_heading(data: ReportData) -> str:
+    if data.steps is None:
+        return "Held-out accuracy: base vs trained"
+    return f"Held-out accuracy: base (step {data.steps[0]}) vs trained (step {data.steps[1]})"
+
+
 def render_markdown(data: ReportData) -> str:
     """The report as Markdown with inline base64 images."""
+    from posttrain.trainer.report import code_fence
+
     lines = [f"# {data.title}", ""]
     lines += [f"- **{key}:** {value}" for key, value in data.facts]
     if data.accuracy_rows:
-        lines += ["", "## Held-out accuracy: base vs trained", ""]
+        lines += ["", f"## {_comparison_heading(data)}", ""]
         lines += [
             "| domain | base | trained | change | items |",
             "| --- | ---: | ---: | ---: | ---: |",
@@ -232,6 +296,19 @@ def render_markdown(data: ReportData) -> str:
             lines.append(
                 f"| {domain} | {base:.1%} | {trained:.1%} | {trained - base:+.1%} | {items} |"
             )
+        if data.overall is not None:
+            base, trained, items = data.overall
+            lines.append(
+                f"| **all** | {base:.1%} | {trained:.1%} | {trained - base:+.1%} | {items} |"
+            )
+        lines += ["", f"{data.flips[0]} held-out items fixed, {data.flips[1]} broken.", ""]
+        for example in data.examples:
+            lines += [f"**{example.verdict.capitalize()}** ({example.domain}): {example.prompt}", ""]
+            for name, text in (("Base", example.base_completion),
+                               ("Trained", example.trained_completion)):
+                shown = text.strip()[:EXAMPLE_CHARS]
+                fence = code_fence(shown)
+                lines += [f"{name}:", "", f"{fence}text", shown, fence, ""]
     lines += ["", "## Plots", ""]
     for figure in data.figures:
         lines += [f"### {figure.title}", "", f"![{figure.title}]({data_uri(figure.png)})", ""]
@@ -249,7 +326,8 @@ def render_html(data: ReportData) -> str:
         f"<title>{esc(data.title)}</title>",
         "<style>body{font-family:sans-serif;max-width:960px;margin:2em auto}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}"
-        "td.n{text-align:right}img{max-width:100%}</style>",
+        "td.n{text-align:right}img{max-width:100%}td{vertical-align:top}"
+        "pre{white-space:pre-wrap;margin:0;font-size:90%}div.ex{margin:1em 0}</style>",
         "</head><body>",
         f"<h1>{esc(data.title)}</h1>",
         "<ul>",
@@ -258,17 +336,30 @@ def render_html(data: ReportData) -> str:
     ]
     if data.accuracy_rows:
         parts += [
-            "<h2>Held-out accuracy: base vs trained</h2>",
+            f"<h2>{esc(_comparison_heading(data))}</h2>",
             "<table><tr><th>domain</th><th>base</th><th>trained</th><th>change</th>"
             "<th>items</th></tr>",
         ]
-        for domain, base, trained, items in data.accuracy_rows:
+        rows = [(esc(d), b, t, n) for d, b, t, n in data.accuracy_rows]
+        if data.overall is not None:
+            rows.append(("<b>all</b>", *data.overall))
+        for domain, base, trained, items in rows:
             parts.append(
-                f'<tr><td>{esc(domain)}</td><td class="n">{base:.1%}</td>'
+                f'<tr><td>{domain}</td><td class="n">{base:.1%}</td>'
                 f'<td class="n">{trained:.1%}</td><td class="n">{trained - base:+.1%}</td>'
                 f'<td class="n">{items}</td></tr>'
             )
         parts.append("</table>")
+        parts.append(f"<p>{data.flips[0]} held-out items fixed, {data.flips[1]} broken.</p>")
+        for example in data.examples:
+            parts += [
+                f'<div class="ex"><p><b>{example.verdict.capitalize()}</b> '
+                f"({esc(example.domain)}): {esc(example.prompt)}</p>",
+                "<table><tr><th>base</th><th>trained</th></tr><tr>",
+                f"<td><pre>{esc(example.base_completion.strip()[:EXAMPLE_CHARS])}</pre></td>",
+                f"<td><pre>{esc(example.trained_completion.strip()[:EXAMPLE_CHARS])}</pre></td>",
+                "</tr></table></div>",
+            ]
     parts.append("<h2>Plots</h2>")
     for figure in data.figures:
         parts += [

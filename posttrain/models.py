@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UsageError
+from posttrain.progresslog import ItemProgress, still_working
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +145,12 @@ def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True
     started = time.monotonic()
     say("converting %s (%.0f MB) to safetensors in %s", gguf.name, gguf.stat().st_size / 1e6, dest)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    say("tokenizer loaded (%d tokens); dequantising weights", len(tokenizer))
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    say("tokenizer loaded (%d tokens); dequantising weights (one-time, about a minute on "
+        "2 cores)", len(tokenizer))
+    with still_working(f"dequantising {gguf.name}", emit=say):
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config_dict = config.to_dict()
     config_dict.pop("quantization_config", None)
@@ -162,7 +165,9 @@ def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True
     if fresh.generation_config is not None and tokenizer.eos_token_id is not None:
         fresh.generation_config.eos_token_id = tokenizer.eos_token_id
     dest.mkdir(parents=True, exist_ok=True)
-    fresh.save_pretrained(dest, safe_serialization=True)
+    say("writing safetensors to %s", dest)
+    with still_working(f"writing {dest.name}", emit=say):
+        fresh.save_pretrained(dest, safe_serialization=True)
     tokenizer.save_pretrained(dest)
     say("converted %s in %.1fs", gguf.name, time.monotonic() - started)
     return dest
@@ -207,6 +212,8 @@ def download_prefix(store: object, prefix: str, dest: Path, *, progress: bool = 
     """
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     keys = list(store.list(prefix))  # type: ignore[attr-defined]
+    files = ItemProgress(f"downloading {prefix or 'model'}", len(keys), unit="files",
+                         interval_s=5.0)
     for index, key in enumerate(keys, 1):
         key_str = getattr(key, "key", key)
         relative = str(key_str)[len(prefix) :]
@@ -217,7 +224,10 @@ def download_prefix(store: object, prefix: str, dest: Path, *, progress: bool = 
         else:
             target.write_bytes(store.get(key_str))  # type: ignore[attr-defined]
         if progress:
-            log.info("downloaded %d/%d %s", index, len(keys), relative)
+            files.advance()
+            log.debug("downloaded %d/%d %s", index, len(keys), relative)
+    if progress:
+        files.finish()
 
 
 def make_tiny_model(

@@ -13,14 +13,14 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.propagate import extract, inject
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+if TYPE_CHECKING:
+    from opentelemetry import context as otel_context
+    from opentelemetry.sdk.trace import ReadableSpan
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -29,14 +29,20 @@ _lock = threading.Lock()
 MEMORY_SPAN_LIMIT = 10_000
 
 
-class InMemorySpanExporter(SpanExporter):
-    """Keeps the newest ``limit`` finished spans in process (tests and debugging read them)."""
+class InMemorySpanExporter:
+    """Keeps the newest ``limit`` finished spans in process (tests and debugging read them).
+
+    Duck-typed to the SDK's ``SpanExporter`` so this module imports no SDK (and no psutil)
+    until a span is actually recorded: ``posttrain --help`` and ``sandbox exec`` stay fast.
+    """
 
     def __init__(self, limit: int = MEMORY_SPAN_LIMIT) -> None:
         self._spans: collections.deque[ReadableSpan] = collections.deque(maxlen=limit)
         self._lock = threading.Lock()
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan]) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
         with self._lock:
             self._spans.extend(spans)
         return SpanExportResult.SUCCESS
@@ -52,8 +58,12 @@ class InMemorySpanExporter(SpanExporter):
     def shutdown(self) -> None:
         self.clear()
 
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
 
 _memory: InMemorySpanExporter | None = None
+_short_lived = False
 
 
 def setup_tracing(service_name: str = "posttrain") -> InMemorySpanExporter:
@@ -62,9 +72,13 @@ def setup_tracing(service_name: str = "posttrain") -> InMemorySpanExporter:
     with _lock:
         if _memory is not None:
             return _memory
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
         provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         _memory = InMemorySpanExporter()
-        provider.add_span_processor(SimpleSpanProcessor(_memory))
+        provider.add_span_processor(SimpleSpanProcessor(_memory))  # type: ignore[arg-type]
         endpoint = os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
         if endpoint:
             try:
@@ -85,18 +99,51 @@ def setup_tracing(service_name: str = "posttrain") -> InMemorySpanExporter:
         return _memory
 
 
+def short_lived_process() -> None:
+    """Mark this process as a one-shot command (``sandbox exec``): its spans are recorded
+    only when they can leave the process (OTLP endpoint set), so it never loads the SDK
+    for spans nobody could read."""
+    global _short_lived
+    _short_lived = True
+
+
+class LazyTracer(trace.Tracer):
+    """A tracer that installs the SDK on its first span, not at import time."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tracer: trace.Tracer | None = None
+
+    def _real(self) -> trace.Tracer:
+        if self._tracer is None:
+            if not _short_lived or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+                setup_tracing()
+            self._tracer = trace.get_tracer(self._name)
+        return self._tracer
+
+    def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:
+        return self._real().start_span(*args, **kwargs)
+
+    def start_as_current_span(  # type: ignore[override]
+        self, *args: Any, **kwargs: Any
+    ) -> AbstractContextManager[trace.Span]:
+        return self._real().start_as_current_span(*args, **kwargs)
+
+
 def memory_exporter() -> InMemorySpanExporter:
     """The in-process exporter (tests read finished spans from it)."""
     return setup_tracing()
 
 
 def get_tracer(name: str) -> trace.Tracer:
-    setup_tracing()
-    return trace.get_tracer(name)
+    """A tracer for ``name``; the SDK is set up when its first span starts."""
+    return LazyTracer(name)
 
 
 def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
     """Return ``headers`` plus the current trace context (``traceparent``)."""
+    from opentelemetry.propagate import inject
+
     carrier: dict[str, str] = dict(headers or {})
     inject(carrier)
     return carrier
@@ -104,6 +151,8 @@ def inject_headers(headers: dict[str, str] | None = None) -> dict[str, str]:
 
 def extract_context(headers: Mapping[str, Any]) -> otel_context.Context:
     """The trace context carried by incoming HTTP headers."""
+    from opentelemetry.propagate import extract
+
     return extract(dict(headers))
 
 

@@ -18,11 +18,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="OpenAI-compatible rollout server on the CPU engine",
-        description="Serve a model over the OpenAI completions API with weight hot-swaps.",
+        description="Serve a model over the OpenAI completions API (/v1/completions with "
+        "token ids and logprobs) with weight hot-swaps, on the CPU engine. In a cluster a "
+        "RolloutPool runs vLLM instead; this is the laptop and test path.",
+        epilog="example: posttrain serve --model smollm2-135m-instruct --port 8000",
     )
     serve.add_argument("--model", required=True, help="packaged id, local dir, file:// or s3://")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="0.0.0.0",
+                       help="address to listen on (default 0.0.0.0: every interface; "
+                       "127.0.0.1 keeps it on this machine)")
+    serve.add_argument("--port", type=int, default=8000,
+                       help="TCP port of the OpenAI API, /health and /metrics (default 8000)")
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models")
     serve.add_argument(
         "--weights-uri",

@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run_exec(args: argparse.Namespace) -> int:
+    from posttrain.telemetry import short_lived_process
+
+    short_lived_process()  # one execution per process: no in-memory spans to keep
     from .executor import ExecRequest, SandboxError, default_executor
 
     command = list(args.command)

@@ -12,6 +12,7 @@ import threading
 import time
 from typing import BinaryIO
 
+from posttrain.progresslog import format_duration
 from posttrain.storage.checksums import DEFAULT_CHECKSUM, new_hasher
 
 log = logging.getLogger(__name__)
@@ -70,13 +71,16 @@ class TransferProgress:
 
     def _log(self, done: int, now: float) -> None:
         elapsed = max(now - self._start, 1e-9)
+        rate = done / elapsed
+        remaining = (self.total_bytes - done) / rate if rate > 0 else 0.0
         log.info(
-            "%s: %s / %s (%.0f%%) at %s/s",
+            "%s: %s / %s (%.0f%%) at %s/s, ETA %s",
             self.label,
             format_bytes(done),
             format_bytes(self.total_bytes),
             100.0 * done / max(self.total_bytes, 1),
-            format_bytes(done / elapsed),
+            format_bytes(rate),
+            format_duration(remaining),
         )
 
 

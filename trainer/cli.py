@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
+from posttrain.trainer.interrupt import GracefulStop
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,11 @@ def run_command(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     run = load_manifest(args.manifest, TrainingRun)
     spec = run.spec
+    from posttrain.trainer.rundata import check_dataset_sources
+
+    # Before --out is created or a rollout server starts (seconds): a typo'd dataset path
+    # fails at once and leaves nothing behind.
+    check_dataset_sources(spec)
     if args.max_steps is not None:
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1, got {args.max_steps}")
@@ -88,26 +94,57 @@ def run_command(args: argparse.Namespace) -> int:
     from posttrain.trainer.server_process import LocalRolloutServer
     from posttrain.trainer.status import status_reporter_from_env
 
-    args.out.mkdir(parents=True, exist_ok=True)
     resolve_model(spec.model)  # fail fast on a bad model reference, before any server starts
+    args.out.mkdir(parents=True, exist_ok=True)
     reporter = status_reporter_from_env(args.out)
     max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
-    if args.local:
-        with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
-            client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
+    stop = GracefulStop().install()
+    try:
+        if args.local:
+            with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
+                client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
+                                       max_in_flight=max_in_flight)
+                result = train(spec, args.out, client, reporter=reporter, stop=stop.requested)
+                client.close()
+        else:
+            endpoints = _endpoints(spec)
+            log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
+            client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
                                    max_in_flight=max_in_flight)
-            result = train(spec, args.out, client, reporter=reporter)
+            _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
+            result = train(spec, args.out, client, reporter=reporter, stop=stop.requested)
             client.close()
-    else:
-        endpoints = _endpoints(spec)
-        log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
-        client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                               max_in_flight=max_in_flight)
-        _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
-        result = train(spec, args.out, client, reporter=reporter)
-        client.close()
+    except KeyboardInterrupt:  # the second Ctrl-C: stopped mid-step
+        _report_interrupt(spec, args.out, _step_reached(args.out))
+        return 130
     _print_summary(result)
+    if result.interrupted:
+        _report_interrupt(spec, args.out, result.steps_done)
+        return 130
     return 0
+
+
+def _step_reached(out_dir: Path) -> int:
+    """The last step the run recorded in status.json (0 when it recorded none)."""
+    try:
+        return int(json.loads((out_dir / "status.json").read_text()).get("step") or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _report_interrupt(spec: Any, out_dir: Path, step: int) -> None:
+    """Name the last checkpoint and the command that resumes from it; mark status.json."""
+    from posttrain.trainer.interrupt import (
+        interrupted_message,
+        last_checkpoint,
+        mark_status_interrupted,
+    )
+
+    message = interrupted_message(
+        step, last_checkpoint(spec, out_dir), spec.checkpoint.every_steps, sys.argv
+    )
+    mark_status_interrupted(out_dir, message.splitlines()[0])
+    print(message, file=sys.stderr)
 
 
 def _endpoints(spec: Any) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,6 +33,7 @@ from posttrain.trainer.checkpoint import (
 )
 from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
+from posttrain.trainer.interrupt import INTERRUPTED
 from posttrain.trainer.pipeline import (
     StagePlan,
     load_pipeline_data,
@@ -42,7 +44,7 @@ from posttrain.trainer.pipeline import (
     stage_record,
 )
 from posttrain.trainer.policy import Policy
-from posttrain.trainer.progress import ProgressReporter, StepMetrics
+from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
@@ -67,6 +69,7 @@ class RunResult:
     final_eval: EvalResult | None
     last_checkpoint: str | None
     wall_seconds: float
+    interrupted: bool = False  # stopped by Ctrl-C (after checkpointing its last step)
 
 
 def train(
@@ -79,6 +82,7 @@ def train(
     verify: VerifyFn | None = None,
     dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
     wall_budget_s: float | None = None,  # stop after the step that exhausts it (benchmarks)
+    stop: threading.Event | None = None,  # set by Ctrl-C: checkpoint this step, then stop
 ) -> RunResult:
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     total = run.plans[-1].last_step
@@ -89,26 +93,33 @@ def train(
         for plan in run.plans:
             if run.step >= plan.last_step:
                 continue  # finished before a resume
-            if run.step >= stop_at:
+            if run.step >= stop_at or (stop is not None and stop.is_set()):
                 break
             run.enter_stage(plan)
             if plan.type == "rl":
-                budget_spent = rl_stage(run, plan, progress, stop_at, stop_after_step,
-                                        wall_budget_s)
+                ended = rl_stage(run, plan, progress, stop_at, stop_after_step, wall_budget_s,
+                                 stop)
             else:
-                budget_spent = False
-                offline_stage(run, plan, progress, stop_at)
-            if budget_spent:
+                ended = offline_stage(run, plan, progress, stop_at, stop)
+            if ended:
                 break
-    wall = run.finish()
-    return RunResult(out_dir, run.step, base_eval, run.final_eval, run.last_checkpoint, wall)
+    interrupted = stop is not None and stop.is_set()
+    if interrupted:
+        log.info("stopped by Ctrl-C after step %d (checkpointed)", run.step)
+    wall = run.finish(interrupted)
+    return RunResult(out_dir, run.step, base_eval, run.final_eval, run.last_checkpoint, wall,
+                     interrupted)
 
 
-def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int) -> None:
-    """An SFT or DPO stage: fixed batches of the stage's data, no rollouts."""
+def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
+                  stop: threading.Event | None) -> bool:
+    """An SFT or DPO stage: fixed batches of the stage's data, no rollouts. True when
+    stopped by Ctrl-C (after checkpointing the step)."""
     spec = run.spec
     data = run.stage_data[plan.name]
     while run.step < min(plan.last_step, stop_at):
+        if stop is not None and stop.is_set():  # Ctrl-C before this stage's first step
+            return True
         run.step += 1
         step = run.step
         with progress.step_span(step) as span:
@@ -118,19 +129,31 @@ def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at
                                    grad_clip=run.algo.grad_clip,
                                    world_size=run.dist.world_size, step=step)
             progress.record_stage_step(metrics, span)
+        interrupted = stop is not None and stop.is_set()
+        saved = step == plan.last_step or step % spec.checkpoint.every_steps == 0 or (
+            step == stop_at) or interrupted
         if step == plan.last_step:
             run.end_stage(plan)  # publish, evaluate, checkpoint: the next stage's start
-        elif run.dist.is_main and (step % spec.checkpoint.every_steps == 0 or step == stop_at):
+        elif run.dist.is_main and saved:
             run.save_checkpoint(None)
         run.report_progress()
+        if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+            if not saved and run.dist.is_main:
+                run.save_checkpoint(None)  # pressed during reporting
+            return True
+    return False
 
 
 def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
-             stop_after_step: int | None, wall_budget_s: float | None) -> bool:
-    """The RL stage's steps; True when ``wall_budget_s`` ran out."""
+             stop_after_step: int | None, wall_budget_s: float | None,
+             stop: threading.Event | None = None) -> bool:
+    """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
+    checkpointing the step)."""
     spec, algo = run.spec, run.algo
     steps_started = time.monotonic()
     while run.step < stop_at:
+        if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
+            return True
         run.step += 1
         step = run.step
         with progress.step_span(step) as span:
@@ -197,7 +220,8 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
             run.status.eval_accuracy = run.final_eval.accuracy
         if last:
             run.close_stage_record(plan)
-        if run.dist.is_main and checkpoint_due:
+        interrupted = stop is not None and stop.is_set()
+        if run.dist.is_main and (checkpoint_due or interrupted):
             evaluated = run.final_eval is not None and run.final_eval.step == step
             run.save_checkpoint(run.final_eval.overall if evaluated else None)
         if last:
@@ -207,6 +231,10 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
         run.report_progress()
         if budget_spent:
             log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
+            return True
+        if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+            if not (interrupted or checkpoint_due) and run.dist.is_main:
+                run.save_checkpoint(None)  # pressed during reporting
             return True
     return False
 
@@ -284,6 +312,8 @@ class Run:
             run.stage_state, run.stage_records = state.stage_state, state.stages
             if dist.is_main:  # the server restarted with the base model: give it our weights
                 run.publisher.publish(run.policy, run.version)
+        if dist.is_main:
+            run.announce_start(resumed is not None)
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
@@ -292,6 +322,20 @@ class Run:
                                max_steps=run.plans[-1].last_step, weight_version=run.version,
                                stage=run.plans[0].name, stages=list(run.stage_records))
         return run
+
+    def announce_start(self, resumed: bool) -> None:
+        """Say whether this run resumes or starts over, and drop records past that step."""
+        # A fresh start evaluates the base model again, so even step 0's records go.
+        dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
+        if resumed:
+            log.info("resuming from the checkpoint of step %d (%s)%s", self.step,
+                     self.checkpointer.store.uri("checkpoints"),
+                     f"; dropped {dropped} later step(s) an earlier attempt recorded"
+                     if dropped else "")
+        elif dropped:
+            log.warning("no checkpoint under %s: starting over from step 0 (the %d step(s) "
+                        "an earlier attempt recorded there are dropped)",
+                        self.checkpointer.store.uri("checkpoints"), dropped)
 
     def make_policy(self, model_dir: Path) -> Policy:
         first = self.plans[0].spec
@@ -431,7 +475,7 @@ class Run:
         self.status.stages = list(self.stage_records)
         self.reporter.report(self.status)
 
-    def finish(self) -> float:
+    def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
         if self.producer is not None:
             self.producer.close()
@@ -439,8 +483,12 @@ class Run:
         self.trajectories.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.auditor.write_spot_checks()
-        plot_run(self.out_dir)
-        self.status.phase = "Succeeded" if self.step >= self.plans[-1].last_step else "Running"
+        plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
+        total = self.plans[-1].last_step
+        self.status.phase = "Succeeded" if self.step >= total else "Running"
+        if interrupted and self.step < total:
+            self.status.phase = INTERRUPTED
+            self.status.message = f"stopped by Ctrl-C after step {self.step}"
         self.report_progress()
         wall = time.monotonic() - self.started
         facts = {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,

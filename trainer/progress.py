@@ -211,3 +211,43 @@ def load_metrics(out_dir: Path) -> list[dict[str, Any]]:
             record = json.loads(line)
             by_step[record["step"]] = record
     return [by_step[k] for k in sorted(by_step)]
+
+
+def discard_records_after(out_dir: Path, step: int) -> int:
+    """Drop what an earlier attempt recorded past ``step``; returns how many steps were dropped.
+
+    A run resumes from its last checkpoint, so the steps an interrupted attempt took after
+    it are taken again. Without this, ``metrics.jsonl`` would hold steps 1..7, 6, 7 and
+    ``eval/history.jsonl`` the re-run evaluations twice. Called at start-up with the step
+    the run resumes from (0 for a fresh start, which drops everything).
+    """
+    dropped: set[int] = set()
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        kept = []
+        for line in metrics.read_text().splitlines():
+            if not line.strip():
+                continue
+            record_step = int(json.loads(line)["step"])
+            if record_step <= step:
+                kept.append(line)
+            else:
+                dropped.add(record_step)
+        _rewrite(metrics, kept)
+    eval_dir = out_dir / "eval"
+    history = eval_dir / "history.jsonl"
+    if history.is_file():
+        lines = [ln for ln in history.read_text().splitlines() if ln.strip()]
+        _rewrite(history, [ln for ln in lines if int(json.loads(ln)["step"]) <= step])
+    for path in eval_dir.glob("*_step*.json") if eval_dir.is_dir() else []:
+        number = path.stem.rsplit("_step", 1)[-1]
+        if number.isdigit() and int(number) > step:
+            path.unlink()
+    return len(dropped)
+
+
+def _rewrite(path: Path, lines: list[str]) -> None:
+    """Replace ``path`` atomically with ``lines`` (a crash leaves the old or the new file)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in lines))
+    tmp.replace(path)

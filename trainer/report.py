@@ -7,10 +7,11 @@ so a report can be rebuilt for any finished or interrupted run.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
-from posttrain.trainer.evaluate import EvalResult
+from posttrain.trainer.evaluate import EvalItem, EvalResult
 from posttrain.trainer.progress import load_metrics
 
 
@@ -31,50 +32,143 @@ def latest_eval_per_step(out_dir: Path, split: str) -> list[EvalResult]:
     return sorted(results, key=lambda r: r.step)
 
 
-def plot_run(out_dir: Path) -> list[Path]:
-    """Write reward/accuracy/KL/length PNGs under ``plots/``; returns the files written."""
+def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
+    """Write reward/accuracy/KL/length PNGs under ``plots/``; returns the files written.
+
+    ``kl_coef`` (spec.algorithm.klCoef, when known) lets the KL plot say why it is flat:
+    with a weight of 0 no reference model is loaded and KL is not measured.
+    """
     plt = _pyplot()
     every_step = load_metrics(out_dir)
     metrics = [m for m in every_step if m.get("stage_type", "rl") == "rl"]  # SFT/DPO: loss only
     evals = latest_eval_per_step(out_dir, "heldout")
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    written = []
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    domains = sorted({d for m in metrics for d in m["domain_rewards"]})
-    for domain in domains:
-        xs = [m["step"] for m in metrics if domain in m["domain_rewards"]]
-        ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
-        ax.plot(xs, ys, marker="o", label=f"train reward: {domain}")
-    for domain in sorted({d for r in evals for d in r.accuracy}):
-        xs = [r.step for r in evals if domain in r.accuracy]
-        ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
-        ax.plot(xs, ys, marker="s", linestyle="--", label=f"held-out acc: {domain}")
-    ax.set_xlabel("step")
-    ax.set_ylim(-0.05, 1.05)
-    ax.set_title("Reward and held-out accuracy per domain")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(plots / "reward_accuracy.png")
-    fig.savefig(written[-1], dpi=100)
-    plt.close(fig)
-
-    for key, title, name in [
-        ("kl", "KL to reference (k3, per token)", "kl.png"),
-        ("response_length", "Mean response length (tokens)", "response_length.png"),
-        ("loss", "Policy loss", "loss.png"),
+    written = [plot_reward_accuracy(plt, metrics, evals, plots / "reward_accuracy.png")]
+    for key, title, ylabel, name in [
+        ("kl", "KL to the reference model (k3 estimate)", "KL (nats / token)", "kl.png"),
+        ("response_length", "Mean response length", "tokens", "response_length.png"),
+        ("loss", "Loss (policy; SFT cross-entropy and DPO loss in their stages)",
+         "loss (per token)", "loss.png"),
     ]:
-        fig, ax = plt.subplots(figsize=(6, 3))
+        fig, ax = plt.subplots(figsize=(6.5, 3))
         shown = every_step if key == "loss" else metrics
-        ax.plot([m["step"] for m in shown], [m[key] for m in shown], marker="o")
-        ax.set_xlabel("step")
+        values = [m[key] for m in shown]
+        ax.plot([m["step"] for m in shown], values, marker="o")
+        _step_axis(ax)
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
+        mark_curriculum_changes(ax, shown)
+        if key == "kl":
+            note = kl_note(kl_coef, values)
+            if note:
+                ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center",
+                        fontsize=9, bbox={"facecolor": "white", "edgecolor": "#999"})
         fig.tight_layout()
         written.append(plots / name)
         fig.savefig(written[-1], dpi=100)
         plt.close(fig)
     return written
+
+
+def plot_reward_accuracy(
+    plt: Any, metrics: list[dict[str, Any]], evals: list[EvalResult], path: Path
+) -> Path:
+    """Train reward per domain (lines: one point per step) and held-out accuracy (markers
+    only: measured at a few steps, so a line between them would invent the values between).
+
+    The legend sits outside the axes, where it cannot hide a point, and dotted vertical
+    lines mark curriculum promotions: the reward drops there because the prompts got harder.
+    """
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    domains = sorted({d for m in metrics for d in m["domain_rewards"]})
+    colors: dict[str, Any] = {}
+    for domain in domains:
+        xs = [m["step"] for m in metrics if domain in m["domain_rewards"]]
+        ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
+        (line,) = ax.plot(xs, ys, marker="o", markersize=4, label=f"train reward: {domain}")
+        colors[domain] = line.get_color()
+    eval_domains = sorted({d for r in evals for d in r.accuracy})
+    last_step = max([1, *[m["step"] for m in metrics], *[r.step for r in evals]])
+    for index, domain in enumerate(eval_domains):
+        # Domains measured at the same step with the same accuracy would hide each other:
+        # each is nudged sideways by a small, fixed amount (its step is still readable).
+        dodge = 0.015 * last_step * (index - (len(eval_domains) - 1) / 2)
+        xs = [r.step + dodge for r in evals if domain in r.accuracy]
+        ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
+        ax.plot(xs, ys, marker="D", markersize=8, linestyle="none", markeredgecolor="black",
+                color=colors.get(domain), label=f"held-out accuracy: {domain}", zorder=3)
+    _step_axis(ax)
+    ax.set_ylabel("reward / accuracy (0-1)")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Train reward and held-out accuracy per domain")
+    if mark_curriculum_changes(ax, metrics):
+        ax.plot([], [], color="#777", linestyle=":", label="curriculum: harder stratum")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _step_axis(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+
+
+def curriculum_changes(metrics: list[dict[str, Any]]) -> list[tuple[int, str]]:
+    """(step, "domain -> stratum") wherever a domain's stratum (or the run's stage) changed.
+
+    >>> curriculum_changes([{"step": 1, "strata": {"a": "easy"}},
+    ...                     {"step": 2, "strata": {"a": "easy"}},
+    ...                     {"step": 3, "strata": {"a": "hard"}, "stage": "s2"}])
+    [(3, 'a -> hard'), (3, 'stage s2')]
+    """
+    changes: list[tuple[int, str]] = []
+    previous: dict[str, Any] = {}
+    previous_stage: Any = None
+    for index, record in enumerate(metrics):
+        strata = record.get("strata") or {}
+        for domain, stratum in sorted(strata.items()):
+            if index > 0 and domain in previous and previous[domain] != stratum:
+                changes.append((int(record["step"]), f"{domain} -> {stratum}"))
+        previous.update(strata)
+        stage = record.get("stage")
+        if index > 0 and stage is not None and stage != previous_stage:
+            changes.append((int(record["step"]), f"stage {stage}"))
+        previous_stage = stage
+    return changes
+
+
+def mark_curriculum_changes(ax: Any, metrics: list[dict[str, Any]]) -> bool:
+    """Dotted vertical lines, labelled, at every curriculum promotion or stage change."""
+    changes = curriculum_changes(metrics)
+    labels: dict[int, list[str]] = {}
+    for step, label in changes:
+        labels.setdefault(step, []).append(label)
+    for step, names in labels.items():
+        ax.axvline(step - 0.5, color="#777", linestyle=":", linewidth=1)
+        ax.annotate(", ".join(names), xy=(step - 0.5, 0.98), xycoords=("data", "axes fraction"),
+                    rotation=90, fontsize=7, color="#333", ha="right", va="top",
+                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+    return bool(changes)
+
+
+def kl_note(kl_coef: float | None, values: list[float]) -> str | None:
+    """Why a KL plot is flat at 0, when it is.
+
+    >>> kl_note(0.0, [0.0, 0.0])
+    'KL weight (klCoef) is 0: no reference model, KL not measured'
+    >>> kl_note(None, [0.0]), kl_note(0.05, [0.1])
+    ('KL is 0 at every step (klCoef 0 means it is not measured)', None)
+    """
+    if kl_coef is not None and kl_coef == 0:
+        return "KL weight (klCoef) is 0: no reference model, KL not measured"
+    if kl_coef is None and values and all(v == 0 for v in values):
+        return "KL is 0 at every step (klCoef 0 means it is not measured)"
+    return None
 
 
 def comparison_rows(base: EvalResult, trained: EvalResult) -> list[tuple[str, float, float, int]]:
@@ -84,6 +178,17 @@ def comparison_rows(base: EvalResult, trained: EvalResult) -> list[tuple[str, fl
         for d in sorted(trained.accuracy)
         if d in base.accuracy
     ]
+
+
+def trained_comparison(evals: list[EvalResult]) -> tuple[EvalResult, EvalResult] | None:
+    """(base, trained) held-out results, or None while only the base model was evaluated.
+
+    An interrupted run may hold nothing but the step-0 evaluation; calling that "trained"
+    would claim a result the run never measured.
+    """
+    if len(evals) < 2 or evals[-1].step <= evals[0].step:
+        return None
+    return evals[0], evals[-1]
 
 
 def stage_rows(
@@ -120,8 +225,9 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
             lines.append(f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} "
                          f"| {change} |")
         lines.append("")
-    if len(evals) >= 1:
-        base, trained = evals[0], evals[-1]
+    pair = trained_comparison(evals)
+    if pair is not None:
+        base, trained = pair
         lines += [
             f"## Held-out accuracy: base (step {base.step}) vs trained (step {trained.step})",
             "",
@@ -135,6 +241,20 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
             f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
         )
         lines += ["", *_flip_examples(base, trained)]
+    elif evals:
+        only = evals[0]
+        lines += [
+            f"## Held-out accuracy at step {only.step} only",
+            "",
+            "The run stopped before its next evaluation, so there is no trained result yet; "
+            "resume it to get one.",
+            "",
+            "| domain | accuracy | items |",
+            "| --- | ---: | ---: |",
+            *[f"| {d} | {a:.1%} | {only.counts[d]} |" for d, a in only.accuracy.items()],
+            f"| **all** | {only.overall:.1%} | {sum(only.counts.values())} |",
+            "",
+        ]
     regression = latest_eval_per_step(out_dir, "regression")
     if len(regression) >= 2:
         first, last = regression[0], regression[-1]
@@ -156,29 +276,41 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
     return path
 
 
+def flipped_items(
+    base: EvalResult, trained: EvalResult
+) -> tuple[list[tuple[EvalItem, EvalItem]], list[tuple[EvalItem, EvalItem]]]:
+    """(fixed, broken): held-out items that went fail -> pass and pass -> fail, as
+    (base item, trained item) pairs. The Markdown and the HTML report both show them."""
+    before = {i.task_id: i for i in base.items}
+    fixed = [(before[i.task_id], i) for i in trained.items
+             if i.task_id in before and i.passed and not before[i.task_id].passed]
+    broken = [(before[i.task_id], i) for i in trained.items
+              if i.task_id in before and not i.passed and before[i.task_id].passed]
+    return fixed, broken
+
+
+def code_fence(text: str) -> str:
+    """A backtick fence longer than any backtick run in ``text``, so a completion that
+    contains its own fenced code block cannot close ours early.
+
+    >>> code_fence("plain"), code_fence("```python\\nx = 1\\n```")
+    ('```', '````')
+    """
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    return "`" * max(3, longest + 1)
+
+
 def _flip_examples(base: EvalResult, trained: EvalResult, limit: int = 3) -> list[str]:
     """A few held-out items that went from fail to pass (and pass to fail), verbatim."""
-    before = {i.task_id: i for i in base.items}
-    fixed = [i for i in trained.items if i.passed and i.task_id in before
-             and not before[i.task_id].passed]
-    broken = [i for i in trained.items if not i.passed and i.task_id in before
-              and before[i.task_id].passed]
+    fixed, broken = flipped_items(base, trained)
     lines = [f"{len(fixed)} held-out items fixed, {len(broken)} broken.", ""]
-    for label, items in (("Fixed", fixed), ("Broken", broken)):
-        for item in items[:limit]:
-            lines += [
-                f"**{label}** ({item.domain}): {item.prompt}",
-                "",
-                "Base:",
-                "```text",
-                before[item.task_id].completion.strip()[:400],
-                "```",
-                "Trained:",
-                "```text",
-                item.completion.strip()[:400],
-                "```",
-                "",
-            ]
+    for label, pairs in (("Fixed", fixed), ("Broken", broken)):
+        for before, item in pairs[:limit]:
+            lines += [f"**{label}** ({item.domain}): {item.prompt}", ""]
+            for name, completion in (("Base", before.completion), ("Trained", item.completion)):
+                text = completion.strip()[:400]
+                fence = code_fence(text)
+                lines += [f"{name}:", "", f"{fence}text", text, fence, ""]
     return lines
 
 

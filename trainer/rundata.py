@@ -6,11 +6,13 @@ Kept out of :mod:`posttrain.trainer.loop` so the loop reads as the algorithm onl
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
 from posttrain.trainer.curriculum import Curriculum, DomainPool
 from posttrain.trainer.datasets import (
+    BUILTIN_GENERATORS,
     Task,
     group_by_stratum,
     load_jsonl_tasks,
@@ -70,6 +72,34 @@ def domain_tasks(name: str, dataset: str, eval_dataset: str | None) -> tuple[lis
     if not train:
         raise UsageError(f"domain {name!r}: dataset {dataset!r} yields no training items")
     return train, held
+
+
+def check_dataset_sources(spec: Any) -> None:
+    """Fail with a UsageError naming the field when a dataset cannot be found.
+
+    Only names and paths are checked (nothing is loaded), so ``posttrain run`` can do it
+    before it creates ``--out`` or starts a rollout server that takes seconds to load.
+    """
+    sources = []
+    for index, domain in enumerate(spec.domains):
+        sources.append((f"spec.domains[{index}].dataset", domain.dataset))
+        if domain.eval_dataset:
+            sources.append((f"spec.domains[{index}].evalDataset", domain.eval_dataset))
+    if spec.evaluation.regression_dataset:
+        sources.append(("spec.evaluation.regressionDataset", spec.evaluation.regression_dataset))
+    for field_path, source in sources:
+        if source.startswith("builtin:"):
+            name = source.removeprefix("builtin:")
+            if name not in BUILTIN_GENERATORS:
+                known = ", ".join(f"builtin:{n}" for n in BUILTIN_GENERATORS)
+                raise UsageError(f"{field_path}: unknown built-in dataset {source!r}; use {known}")
+        elif "://" in source and not source.startswith("file://"):
+            continue  # remote (s3://): checked where it is read, with the store's own errors
+        elif not Path(source.removeprefix("file://")).is_file():
+            raise UsageError(
+                f"{field_path}: dataset file {source!r} does not exist (relative paths are "
+                f"resolved from {Path.cwd()}); give a JSONL file or builtin:NAME"
+            )
 
 
 def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:

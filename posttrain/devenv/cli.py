@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import signal
 from dataclasses import asdict, dataclass
@@ -22,11 +21,9 @@ import yaml
 from posttrain.errors import UsageError
 from posttrain.processes import StartError, http_ok, pid_alive, stop_pid
 
+from .registry import register_this_process, state_dir, stop_registered
+
 log = logging.getLogger(__name__)
-
-
-def state_dir() -> Path:
-    return Path(os.environ.get("POSTTRAIN_DEV_DIR", Path.home() / ".cache/posttrain/dev"))
 
 
 @dataclass
@@ -181,10 +178,16 @@ def _teardown(state: DevState) -> None:
         stop_pid(pid)
     shutil.rmtree(state.workdir, ignore_errors=True)
     (state_dir() / "state.json").unlink(missing_ok=True)
+    shutil.rmtree(state_dir() / "processes", ignore_errors=True)
 
 
 def dev_down(args: argparse.Namespace) -> int:
+    """Stop the operator, agent and pods started against the environment, then the
+    environment itself (a stopped control plane would leave them retrying forever)."""
     state = DevState.load()
+    stopped = stop_registered()
+    for entry in stopped:
+        print(f"stopped {entry.role} (pid {entry.pid}): {entry.cmdline[:100]}")
     if state is None:
         print("no posttrain dev environment is running")
         return 0
@@ -225,9 +228,17 @@ def dev_agent(args: argparse.Namespace) -> int:
         raise UsageError("no dev environment: run `posttrain dev up` first or pass --kubeconfig")
     # Inside the dev environment's directory, so `posttrain dev down` removes pod dirs and logs.
     workdir = Path(state.workdir) / "nodeagent" if state else state_dir() / "nodeagent"
-    agent = NodeAgent.from_kubeconfig(Path(kubeconfig), workdir=workdir)
-    print(f"node agent running pods of {kubeconfig} as local processes (Ctrl-C stops it)")
-    print(f"  pod logs: {workdir}/<namespace>_<pod>.log")
+    agent = NodeAgent.from_kubeconfig(
+        Path(kubeconfig),
+        workdir=workdir,
+        register_processes=True,
+        unreachable_exit_s=AGENT_GIVES_UP_S,
+    )
+    # Recorded so `posttrain dev down` stops this agent (and it its pods) with the rest.
+    register_this_process("agent", str(kubeconfig))
+    print(f"node agent running pods of {kubeconfig} as local processes "
+          "(Ctrl-C or `posttrain dev down` stops it)", flush=True)
+    print(f"  pod logs: {workdir}/<namespace>_<pod>.log", flush=True)
     # SIGTERM (kill, a supervisor) stops the pods too: their processes live in their own
     # sessions and would otherwise outlive the agent.
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.request_stop())
@@ -235,7 +246,12 @@ def dev_agent(args: argparse.Namespace) -> int:
         agent.run_forever()
     except KeyboardInterrupt:
         agent.stop()
-    return 0
+    return 1 if agent.gave_up else 0
+
+
+# The agent stops itself (and its pods) when the apiserver is gone this long: a control
+# plane stopped under it will not come back at the same address.
+AGENT_GIVES_UP_S = 30.0
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -245,12 +261,31 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="A real, local Kubernetes control plane (no kubelet) and MinIO server.",
     )
     dev_sub = dev.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
-    up = dev_sub.add_parser("up", help="start (or reuse) the dev environment")
-    up.add_argument("--apiserver-port", type=int, default=0, help="default: a free port")
-    up.add_argument("--etcd-port", type=int, default=0, help="default: a free port")
-    up.add_argument("--minio-port", type=int, default=0, help="default: a free port")
+    up = dev_sub.add_parser(
+        "up",
+        help="start (or reuse) the dev environment",
+        description="Start etcd, kube-apiserver (no kubelet, scheduler or controller-manager) "
+        "and MinIO as local processes, install the posttrain CRDs and the posttrain-s3 "
+        "Secret, and record everything in ~/.cache/posttrain/dev/state.json "
+        "($POSTTRAIN_DEV_DIR). Idempotent: a healthy environment is reused; whatever fails "
+        "to start is stopped again.",
+        epilog='next: eval "$(posttrain dev env)"; posttrain dev agent & posttrain operator '
+        "--standalone &  (see README.md, 'End to end on the dev control plane')",
+    )
+    up.add_argument("--apiserver-port", type=int, default=0,
+                    help="kube-apiserver's HTTPS port (default: a free port)")
+    up.add_argument("--etcd-port", type=int, default=0,
+                    help="etcd's client port (default: a free port)")
+    up.add_argument("--minio-port", type=int, default=0,
+                    help="MinIO's S3 port (default: a free port)")
     up.set_defaults(func=dev_up)
-    down = dev_sub.add_parser("down", help="stop it and delete its data")
+    down = dev_sub.add_parser(
+        "down",
+        help="stop it and delete its data",
+        description="Stop everything the dev environment runs: the `posttrain dev agent` and "
+        "`posttrain operator` processes started against it (with the pods the agent runs), "
+        "MinIO, kube-apiserver and etcd; then delete its data and pod logs.",
+    )
     down.set_defaults(func=dev_down)
     status = dev_sub.add_parser("status", help="is it running and healthy?")
     status.set_defaults(func=dev_status)
@@ -259,6 +294,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     agent = dev_sub.add_parser(
         "agent",
         help="run pods as local processes (development aid: no containers, no kubelet)",
+        description="Stand in for the node, scheduler, kubelet and Deployment controller the "
+        "dev control plane lacks: register one Node, bind every pending pod to it, run each "
+        "pod's command as a bubblewrap-isolated local process (images are ignored), report "
+        "pod status and serve pod logs to `kubectl logs`/`posttrain logs`, and resolve "
+        "Service names through each pod's /etc/hosts. Runs until Ctrl-C or `posttrain dev "
+        "down`; stops its pods when it stops.",
+        epilog="pod logs are kept in <dev workdir>/nodeagent/<namespace>_<pod>.log",
     )
-    agent.add_argument("--kubeconfig", default=None, help="default: the dev environment's")
+    agent.add_argument("--kubeconfig", default=None,
+                       help="cluster to serve (default: the one `posttrain dev up` started)")
     agent.set_defaults(func=dev_agent)

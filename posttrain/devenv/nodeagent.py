@@ -48,6 +48,8 @@ from prometheus_client import Counter, Gauge
 
 from posttrain.telemetry import get_tracer
 
+from . import registry
+from .kubeletlogs import KubeletLogServer
 from .podprocess import (
     DEFAULT_TERMINATION_PATH,
     ContainerResult,
@@ -325,6 +327,7 @@ class PodRunner:
     probe_failures: int = 0
     started_at: float = 0.0
     hosts_text: str | None = None  # what update_hosts last wrote
+    register_processes: bool = False  # record pod processes for `posttrain dev down`
 
     @property
     def namespace(self) -> str:
@@ -505,6 +508,8 @@ class PodRunner:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                 )
+                if self.register_processes:  # its own session: dev down stops the group
+                    registry.register("pod", pid=self.process.pid, group=True)
         if probe:
             PODS_STARTED.inc()
             PODS_RUNNING.inc()
@@ -526,6 +531,8 @@ class PodRunner:
         finally:
             if probe:
                 PODS_RUNNING.dec()
+            if self.register_processes:
+                registry.unregister(self.process.pid)
         message = read_termination_message(
             termination_file,
             self.log_path,
@@ -918,8 +925,14 @@ class DeploymentStandIn:
 # ---------------------------------------------------------------- the agent
 
 
-def node_manifest(node_name: str) -> Manifest:
-    """The Node this agent registers: one Ready node with this host's CPUs and memory."""
+def node_manifest(node_name: str, kubelet_port: int | None = None) -> Manifest:
+    """The Node this agent registers: one Ready node with this host's CPUs and memory.
+
+    Its only address is the InternalIP 127.0.0.1: the apiserver prefers a Hostname address
+    when there is one and would try to resolve ``posttrain-local`` in DNS to reach the
+    kubelet (``pods/log`` then fails with "no such host"). ``kubelet_port`` is where the
+    agent serves ``/containerLogs`` for ``kubectl logs``.
+    """
     memory_kib = 0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -947,10 +960,12 @@ def node_manifest(node_name: str) -> Manifest:
         "status": {
             "capacity": capacity,
             "allocatable": dict(capacity),
-            "addresses": [
-                {"type": "InternalIP", "address": "127.0.0.1"},
-                {"type": "Hostname", "address": node_name},
-            ],
+            "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}],
+            **(
+                {"daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}}}
+                if kubelet_port
+                else {}
+            ),
             "conditions": [node_ready_condition()],
             "nodeInfo": {
                 "kubeletVersion": "posttrain-nodeagent",
@@ -980,6 +995,67 @@ def node_ready_condition(ready: bool = True) -> Manifest:
     }
 
 
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the apiserver cannot be reached at all (vs. it answered an error).
+
+    >>> import urllib3
+    >>> is_unreachable(urllib3.exceptions.MaxRetryError(None, "/", ConnectionRefusedError()))
+    True
+    >>> is_unreachable(ValueError("bad"))
+    False
+    """
+    import urllib3
+
+    return isinstance(
+        exc, urllib3.exceptions.MaxRetryError | urllib3.exceptions.ProtocolError | OSError
+    )
+
+
+@dataclass
+class SyncErrors:
+    """Logs a failing sync loop readably: a traceback once per kind of error, a line per
+    minute while it repeats, and a reason to stop once the apiserver has been unreachable
+    for ``give_up_s`` (None: never stop)."""
+
+    apiserver: str
+    give_up_s: float | None
+    unreachable_since: float | None = None
+    last_error: str | None = None
+    last_logged: float = 0.0
+
+    def ok(self) -> None:
+        if self.last_error is not None:
+            log.info("node agent sync works again")
+        self.unreachable_since, self.last_error = None, None
+
+    def failed(self, exc: BaseException) -> str | None:
+        """Log ``exc``; returns why to stop, or None to retry."""
+        now = time.monotonic()
+        text = f"{type(exc).__name__}: {exc}"
+        if is_unreachable(exc):
+            if self.unreachable_since is None:
+                self.unreachable_since = now
+                log.warning("cannot reach the apiserver at %s (%s); retrying", self.apiserver,
+                            getattr(exc, "reason", exc))
+            gone_for = now - self.unreachable_since
+            if self.give_up_s is not None and gone_for >= self.give_up_s:
+                return (
+                    f"the apiserver at {self.apiserver} has been unreachable for "
+                    f"{gone_for:.0f} s (the dev environment was stopped?); stopping the node "
+                    "agent and its pods"
+                )
+            return None
+        self.unreachable_since = None
+        if text != self.last_error:
+            log.exception("node agent sync failed; retrying")
+        elif now - self.last_logged >= 60:
+            log.warning("node agent sync still failing: %s", text[:300])
+        else:
+            return None
+        self.last_error, self.last_logged = text, now
+        return None
+
+
 class NodeAgent:
     """Node + scheduler + kubelet + Deployment stand-in for the local dev control plane.
 
@@ -996,6 +1072,9 @@ class NodeAgent:
         python_bin_dir: Path | str | None = None,
         namespaces: Iterable[str] | None = None,
         poll_interval_s: float = 0.25,
+        register_processes: bool = False,
+        serve_logs: bool = True,
+        unreachable_exit_s: float | None = None,
     ) -> None:
         if shutil.which("bwrap") is None:
             raise RuntimeError(
@@ -1018,10 +1097,23 @@ class NodeAgent:
         self._thread: threading.Thread | None = None
         self._last_heartbeat = 0.0
         self._stop_requested = threading.Event()
+        self.register_processes = register_processes
+        self.serve_logs = serve_logs
+        # With a value, the agent stops (with its pods) once the apiserver has been
+        # unreachable that long: `posttrain dev down` removed the control plane.
+        self.unreachable_exit_s = unreachable_exit_s
+        self.gave_up: str | None = None  # why the agent stopped itself, if it did
+        self.log_server: KubeletLogServer | None = None
 
     def start(self) -> NodeAgent:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.cluster.ensure_node(node_manifest(self.node_name))
+        port = None
+        if self.serve_logs:
+            self.log_server = KubeletLogServer(
+                self.workdir / "kubelet-pki", self.log_path, self.pod_running
+            ).start()
+            port = self.log_server.port
+        self.cluster.ensure_node(node_manifest(self.node_name, port))
         self._last_heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name="nodeagent", daemon=True)
         self._thread.start()
@@ -1031,10 +1123,13 @@ class NodeAgent:
     def stop(self) -> None:
         """Stop the loop and kill every pod process this agent started."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10)
         for runner in list(self.runners.values()):
             runner.stop()
+        if self.log_server is not None:
+            self.log_server.stop()
+            self.log_server = None
         try:
             self.cluster.patch_node_status(
                 self.node_name, {"conditions": [node_ready_condition(ready=False)]}
@@ -1074,13 +1169,25 @@ class NodeAgent:
     def log_path(self, namespace: str, name: str) -> Path:
         return self.workdir / f"{namespace}_{name}.log"
 
+    def pod_running(self, namespace: str, name: str) -> bool:
+        """Whether pod ``namespace/name`` has a live process here (its log may still grow)."""
+        runner = self.runner(namespace, name)
+        return runner is not None and runner.process is not None and runner.process.poll() is None
+
     def _loop(self) -> None:
+        errors = SyncErrors(self.cluster.api_client.configuration.host, self.unreachable_exit_s)
         while not self._stop.is_set():
             try:
                 self.sync_once()
-            except Exception:
-                # The apiserver may restart under a dev cluster; keep going and retry.
-                log.exception("node agent sync failed; retrying")
+                errors.ok()
+            except Exception as exc:
+                # The apiserver may restart under a dev cluster: retry, one line per kind of
+                # failure (not a traceback every 0.25 s), until it has been gone too long.
+                self.gave_up = errors.failed(exc)
+                if self.gave_up:
+                    log.error("%s", self.gave_up)
+                    self._stop_requested.set()
+                    return
             self._stop.wait(self.poll_interval_s)
 
     def sync_once(self) -> None:
@@ -1158,6 +1265,7 @@ class NodeAgent:
             self.workdir,
             self.python_bin_dir,
             on_exit=self._on_exit,
+            register_processes=self.register_processes,
         )
         with self._lock:
             self.runners[pod["metadata"]["uid"]] = runner

@@ -25,6 +25,9 @@ from posttrain.errors import UsageError
         "posttrain.ctl_kube",
         "posttrain.ctl_follow",
         "posttrain.ctl",
+        "posttrain.cli",
+        "posttrain.progresslog",
+        "posttrain.api.manifests",
     ],
 )
 def test_worked_examples_in_docstrings(module: str) -> None:

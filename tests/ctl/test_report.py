@@ -20,8 +20,14 @@ CliRunner = Any
 DOMAINS = ("arith", "code")
 
 
-def write_run_dir(out: Path, steps: int = 4, latencies: bool = True) -> None:
-    """What ``posttrain run --local --out`` leaves behind: metrics.jsonl and eval/*.json."""
+def write_run_dir(
+    out: Path, steps: int = 4, latencies: bool = True, eval_steps: tuple[int, ...] | None = None
+) -> None:
+    """What ``posttrain run --local --out`` leaves behind: metrics.jsonl and eval/*.json.
+
+    The arith domain is promoted to its "hard" stratum at step 3; ``eval_steps=(0,)`` is an
+    interrupted run that only evaluated the base model.
+    """
     out.mkdir(parents=True, exist_ok=True)
     with (out / "metrics.jsonl").open("w") as fh:
         for step in range(1, steps + 1):
@@ -45,18 +51,21 @@ def write_run_dir(out: Path, steps: int = 4, latencies: bool = True) -> None:
                 rollout_seconds=2.0,
                 train_seconds=1.0,
                 step_seconds=3.2,
+                strata={"arith": "easy" if step < 3 else "hard", "code": "easy"},
             ).to_json()
             if latencies:
                 line["sandbox_latency_ms"] = [20.0 + step + i for i in range(10)]
             fh.write(json.dumps(line) + "\n")
-    for step, passed in ((0, 1), (steps, 3)):
+    evals = ((0, 1), (steps, 3))
+    for step, passed in [e for e in evals if eval_steps is None or e[0] in eval_steps]:
         items = [
             EvalItem(
                 f"{d}-{i}",
                 d,
                 f"q{i}",
                 "1",
-                "1" if i < passed else "0",
+                # a completion with its own fenced block (it must not break the report's)
+                ("```python\nprint(1)\n```" if i < passed else "```\n0\n```"),
                 i < passed,
                 float(i < passed),
             )
@@ -200,3 +209,58 @@ def test_report_from_a_real_local_run(cli: CliRunner, tmp_path: Path) -> None:
     assert_real_pngs(embedded_pngs(html), expected=5)  # trainer's 4 + derived throughput
     assert "<h3>Rollout throughput</h3>" in html
     assert "| arithmetic |" not in html and "<td>arithmetic</td>" in html
+
+
+def test_html_report_has_the_all_row_and_fixed_and_broken_examples(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir, latencies=False)
+    out = tmp_path / "report.html"
+    assert cli("report", str(run_dir), "--out", str(out)).code == 0
+    html = out.read_text()
+    assert "<h2>Held-out accuracy: base (step 0) vs trained (step 4)</h2>" in html
+    assert '<tr><td><b>all</b></td><td class="n">25.0%</td><td class="n">75.0%</td>' in html
+    assert "<p>4 held-out items fixed, 0 broken.</p>" in html
+    assert html.count('<div class="ex">') == 3  # three examples shown, all in eval/*.json
+    assert "<pre>```python\nprint(1)\n```</pre>" in html
+
+
+def test_report_of_an_interrupted_run_claims_no_trained_result(
+    cli: CliRunner, tmp_path: Path
+) -> None:
+    """Only the base model (step 0) was evaluated: nothing may be called "trained"."""
+    from posttrain.trainer.report import write_report
+
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir, steps=2, latencies=False, eval_steps=(0,))
+    out = tmp_path / "report.html"
+    assert cli("report", str(run_dir), "--out", str(out)).code == 0
+    html = out.read_text()
+    assert "vs trained" not in html and "<th>trained</th>" not in html, html[:3000]
+    assert "measured at step 0 only (25.0%)" in html
+    markdown = write_report(run_dir, "t").read_text()
+    assert "vs trained" not in markdown and "| trained |" not in markdown, markdown
+    assert "## Held-out accuracy at step 0 only" in markdown
+
+
+def test_markdown_report_fences_survive_completions_with_fences(tmp_path: Path) -> None:
+    """A completion holding ```python ... ``` is wrapped in a longer fence, so the report's
+    own blocks open and close where they should (every fence line pairs up)."""
+    from posttrain.trainer.report import write_report
+
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir, latencies=False)
+    markdown = write_report(run_dir, "t").read_text()
+    fences = [line for line in markdown.splitlines() if line.startswith("````")]
+    assert fences and len(fences) % 2 == 0, markdown
+    assert all(line in ("````text", "````") for line in fences)
+    assert "````text\n```python\nprint(1)\n```\n````" in markdown
+
+
+def test_curriculum_promotions_and_a_zero_kl_weight_are_explained() -> None:
+    from posttrain.trainer.report import curriculum_changes, kl_note
+
+    metrics = [{"step": s, "strata": {"arith": "easy" if s < 3 else "hard"}} for s in (1, 2, 3)]
+    assert curriculum_changes(metrics) == [(3, "arith -> hard")]
+    assert kl_note(0.0, [0.0]) is not None and kl_note(0.1, [0.02]) is None

@@ -3,8 +3,10 @@ and ``posttrain logs`` when there is no pod (or no log) to read yet."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,10 +15,31 @@ pytestmark = pytest.mark.cluster
 CliRunner = Any
 
 
-def report_steps_in_background(kube: Any, name: str, final_phase: str) -> threading.Thread:
-    """Report steps 1..3 (as the trainer does), then the final phase, 0.3 s apart."""
+@pytest.fixture
+def watch_started(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set once `posttrain watch` has read the run and starts watching from its
+    resourceVersion: every status patch after that reaches the watch however late the
+    watch request itself is sent, so the test holds on a loaded machine."""
+    from posttrain import ctl_follow
+
+    started = threading.Event()
+    real = ctl_follow.run_events
+
+    def run_events(*args: Any, **kwargs: Any) -> Any:
+        started.set()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ctl_follow, "run_events", run_events)
+    return started
+
+
+def report_steps_in_background(
+    kube: Any, name: str, final_phase: str, watch_started: threading.Event
+) -> threading.Thread:
+    """Once the watch started, report steps 1..3 (as the trainer does), then the final phase."""
 
     def work() -> None:
+        watch_started.wait(timeout=120)
         for step in (1, 2, 3):
             time.sleep(0.3)
             kube.report_progress(
@@ -54,9 +77,11 @@ def report_steps_in_background(kube: Any, name: str, final_phase: str) -> thread
     return thread
 
 
-def test_watch_prints_each_step_and_exits_0_on_success(kcli: CliRunner, kube: Any) -> None:
+def test_watch_prints_each_step_and_exits_0_on_success(
+    kcli: CliRunner, kube: Any, watch_started: threading.Event
+) -> None:
     kube.create_run("demo")
-    writer = report_steps_in_background(kube, "demo", "Succeeded")
+    writer = report_steps_in_background(kube, "demo", "Succeeded", watch_started)
     started = time.monotonic()
     result = kcli("watch", "tr", "demo", "--timeout", "60")
     writer.join(timeout=10)
@@ -73,9 +98,11 @@ def test_watch_prints_each_step_and_exits_0_on_success(kcli: CliRunner, kube: An
     assert "arith=0.75" in result.out  # eval accuracy reported at step 3
 
 
-def test_watch_exits_1_on_failure_with_the_reason(kcli: CliRunner, kube: Any) -> None:
+def test_watch_exits_1_on_failure_with_the_reason(
+    kcli: CliRunner, kube: Any, watch_started: threading.Event
+) -> None:
     kube.create_run("doomed")
-    writer = report_steps_in_background(kube, "doomed", "Failed")
+    writer = report_steps_in_background(kube, "doomed", "Failed", watch_started)
     result = kcli("watch", "tr", "doomed", "--timeout", "60")
     writer.join(timeout=10)
     assert result.code == 1
@@ -112,6 +139,33 @@ def test_logs_without_a_pod_says_why(kcli: CliRunner, kube: Any) -> None:
     assert "no trainer pod yet: the run is Pending; see posttrain describe tr waiting" in result.err
     missing = kcli("logs", "tr", "ghost")
     assert missing.code == 1 and "not found" in missing.err
+
+
+def test_logs_after_the_run_ended_say_where_the_log_went(
+    kcli: CliRunner, kube: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kubeconfig: Path
+) -> None:
+    """A finished run's trainer pods are gone: not "no trainer pod yet". On the cluster of
+    `posttrain dev up`, the log the dev node agent kept is printed, with its path."""
+    kube.create_run("done")
+    kube.report_progress("done", phase="Succeeded", step=3, max_steps=3, reward_mean=0.3)
+    monkeypatch.setenv("POSTTRAIN_DEV_DIR", str(tmp_path / "no-dev-env"))
+    gone = kcli("logs", "tr", "done")
+    assert gone.code == 1 and "is Succeeded and its trainer pods are gone" in gone.err, gone.err
+
+    # The same cluster recorded as the dev environment, with the agent's kept pod logs.
+    dev = tmp_path / "dev"
+    kept = dev / "env" / "nodeagent" / f"{kube.namespace}_done-g1-0.log"
+    kept.parent.mkdir(parents=True)
+    (kept.parent / f"{kube.namespace}_done-g0-0.log").write_text("older gang\n")
+    kept.write_text("step 1\nstep 2\nrun finished: 3 steps\n")
+    (dev / "state.json").write_text(json.dumps({
+        "workdir": str(dev / "env"), "kubeconfig": str(kubeconfig), "apiserver": "",
+        "minio_endpoint": "", "minio_access_key": "", "minio_secret_key": "", "pids": []}))
+    monkeypatch.setenv("POSTTRAIN_DEV_DIR", str(dev))
+    shown = kcli("logs", "tr", "done", "--tail", "1")
+    assert shown.code == 0, shown.err
+    assert shown.out == "run finished: 3 steps\n"
+    assert str(kept) in shown.err and "is gone (the run is Succeeded)" in shown.err
 
 
 def test_logs_of_an_unscheduled_pod_says_it_has_no_logs_yet(kcli: CliRunner, kube: Any) -> None:

@@ -188,6 +188,21 @@ def test_failing_pod_reports_exit_code_and_log_fallback(
     assert "boom: bad input" in agent.log_path(namespace, "fails").read_text()
 
 
+def test_pod_logs_are_served_through_the_apiserver(
+    agent: NodeAgent, core: Any, namespace: str
+) -> None:
+    """`kubectl logs` / `posttrain logs` read pods/log, which the apiserver proxies to the
+    node's kubelet: the agent serves that endpoint from its log files (no "no such host")."""
+    core.create_namespaced_pod(
+        namespace, bare_pod("talker", "print('line one'); print('line two')")
+    )
+    wait_for(lambda: pod_phase(core, namespace, "talker") == "Succeeded", what="pod Succeeded")
+    assert core.read_namespaced_pod_log("talker", namespace, container="main") == (
+        "line one\nline two\n"
+    )
+    assert core.read_namespaced_pod_log("talker", namespace, tail_lines=1) == "line two\n"
+
+
 def test_deleting_running_pod_kills_its_process(
     agent: NodeAgent, core: Any, namespace: str
 ) -> None:

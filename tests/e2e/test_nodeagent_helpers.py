@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.devenv import nodeagent, podprocess
+from posttrain.devenv import kubeletlogs, nodeagent, podprocess
 from posttrain.devenv.podprocess import PodSpecError, bwrap_prefix, field_ref_value
 
 
-@pytest.mark.parametrize("module", [nodeagent, podprocess])
+@pytest.mark.parametrize("module", [nodeagent, podprocess, kubeletlogs])
 def test_docstring_examples_hold(module: object) -> None:
     result = doctest.testmod(module)  # type: ignore[arg-type]
     assert result.attempted >= 2
@@ -38,3 +38,30 @@ def test_mount_points_are_made_in_the_sandbox_not_on_the_host(tmp_path: Path) ->
     )
     assert seen.stdout == "steps: 1\n"
     assert not Path("/posttrain-nodeagent-test").exists()
+
+
+def test_agent_stops_with_one_message_when_the_apiserver_is_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the control plane stopped under it, the agent logs one warning and one error
+    and stops, instead of a traceback every poll (9,495 of them in 14 minutes)."""
+    import logging
+    import socket
+
+    from kubernetes import client
+
+    with socket.socket() as sock:  # a port nothing listens on: connection refused
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    configuration = client.Configuration()
+    configuration.host = f"https://127.0.0.1:{port}"
+    configuration.verify_ssl = False
+    configuration.retries = 0
+    agent = nodeagent.NodeAgent(client.ApiClient(configuration), workdir=tmp_path,
+                                serve_logs=False, poll_interval_s=0.05, unreachable_exit_s=1.0)
+    with caplog.at_level(logging.INFO, logger="posttrain.devenv.nodeagent"):
+        agent._loop()  # returns on its own once the apiserver was gone for 1 s
+    assert agent.gave_up is not None and "unreachable" in agent.gave_up
+    records = [r for r in caplog.records if r.name == "posttrain.devenv.nodeagent"]
+    assert [r.levelname for r in records] == ["WARNING", "ERROR"], [r.getMessage() for r in records]
+    assert not any(r.exc_info for r in records)

@@ -1,115 +1,145 @@
-"""The README's dev-cluster walkthrough, command for command, as a person types it.
+"""The README's dev-cluster command blocks, taken out of README.md and run in bash as written.
 
-`posttrain dev up`, `posttrain dev agent`, `posttrain operator --standalone` and
-`kubectl apply -f examples/dev-run.yaml` run as separate processes with the environment
-`posttrain dev env` prints; the TrainingRun samples from the RolloutPool through its Service
-name (resolved by the node agent's per-pod /etc/hosts), trains to its last step and
-`kubectl get tr` shows it.
+A private ``POSTTRAIN_DEV_DIR`` keeps the test's dev environment apart from a person's; the
+rest is the README's text: ``.venv/bin/posttrain dev up``, ``eval "$(... dev env)"``, the
+agent and the operator started with ``&``, ``kubectl apply``, ``posttrain watch``, ``kubectl
+get -o wide``, ``posttrain logs``, and ``posttrain dev down`` (run as a second shell, as from
+another terminal), after which no process the block started may be left running.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from posttrain.devenv.process import stop_pid
-
-pytestmark = [pytest.mark.cluster, pytest.mark.minio, pytest.mark.slow]
+pytestmark = [pytest.mark.cluster, pytest.mark.minio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-POSTTRAIN = [sys.executable, "-m", "posttrain"]
+README = REPO_ROOT / "README.md"
+KUBECTL_ALIAS = Path.home() / ".cache/posttrain/bin/kubectl-layer-v37"  # the README's alias
 
 
-def dev_env(dev_dir: Path) -> dict[str, str]:
-    """The shell environment after `eval "$(posttrain dev env)"`."""
-    env = {**os.environ, "POSTTRAIN_DEV_DIR": str(dev_dir)}
-    exports = subprocess.run(
-        [*POSTTRAIN, "dev", "env"], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    for line in exports.splitlines():
-        key, _, value = line.removeprefix("export ").partition("=")
-        env[key] = value
-    return env
+def readme_block(heading: str) -> list[str]:
+    """The command lines of the first ```bash block under ``## heading``."""
+    text = README.read_text()
+    section = text.split(f"## {heading}\n", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    assert block is not None, f"no bash block under {heading!r}"
+    return [line for line in block.group(1).splitlines() if line.strip()]
 
 
 @pytest.fixture
-def dev_cluster(tmp_path: Path, kubectl_bin: Path) -> Iterator[tuple[dict[str, str], Path]]:
-    """`posttrain dev up` in a private state dir; `posttrain dev down` afterwards."""
-    base = {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev")}
-    up = subprocess.run([*POSTTRAIN, "dev", "up"], env=base, capture_output=True, text=True)
-    assert up.returncode == 0, up.stdout + up.stderr
+def readme_env(tmp_path: Path, kubectl_bin: Path) -> dict[str, str]:
+    """The environment of a person in the repository root, with a private dev state dir."""
+    if Path(sys.executable).parent != REPO_ROOT / ".venv" / "bin":
+        pytest.skip("the README's commands call .venv/bin/posttrain: run the tests with the "
+                    "repository's own .venv (make venv)")
+    bindir = tmp_path / "bin"  # the first block says plain `kubectl`
+    bindir.mkdir()
+    (bindir / "kubectl").symlink_to(kubectl_bin)
+    return {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev"),
+            "PATH": f"{bindir}:{os.environ['PATH']}"}
+
+
+def run_script(lines: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
+    """Run ``lines`` in one bash (aliases on, as in an interactive shell), stopping at the
+    first failing command; output goes to ``log`` (a file, not a pipe: the ``&`` processes
+    keep writing after bash exits)."""
+    script = "shopt -s expand_aliases\nset -e\n" + "\n".join(lines) + "\n"
+    with open(log, "ab") as out:
+        return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+
+
+def processes_of(markers: list[str]) -> set[int]:
+    """Pids whose environment or command line mentions one of ``markers``."""
+    found: set[int] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            text = (proc / "environ").read_bytes() + (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if any(marker.encode() in text for marker in markers):
+            found.add(int(proc.name))
+    return found
+
+
+def running(pid: int) -> bool:
     try:
-        env = dev_env(tmp_path / "dev")
-        env["PATH"] = f"{kubectl_bin.parent}:{env['PATH']}"
-        yield env, tmp_path
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -> None:
+    lines = readme_block("A local control plane")
+    log = tmp_path / "out.log"
+    try:
+        code = run_script(lines, readme_env, log, timeout_s=300)
+        output = log.read_text()
+        assert code == 0, output
+        assert "posttrain dev environment is up" in output, output
+        assert "trainingrun.posttrain.io/arith-code created" in output, output
+        assert "posttrain dev environment stopped and removed" in output, output
     finally:
-        subprocess.run([*POSTTRAIN, "dev", "down"], env=base, capture_output=True)
+        subprocess.run([".venv/bin/posttrain", "dev", "down"], cwd=REPO_ROOT, env=readme_env,
+                       capture_output=True, timeout=120)
 
 
-def kubectl(kubectl_bin: Path, env: dict[str, str], *args: str) -> str:
-    result = subprocess.run(
-        [str(kubectl_bin), *args], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    return result.stdout
-
-
+@pytest.mark.slow
 def test_readme_walkthrough_trains_on_the_dev_cluster(
-    dev_cluster: tuple[dict[str, str], Path], kubectl_bin: Path
+    readme_env: dict[str, str], tmp_path: Path
 ) -> None:
-    env, tmp_path = dev_cluster
-    agent_log = open(tmp_path / "agent.log", "wb")  # noqa: SIM115 (closed in finally)
-    operator_log = open(tmp_path / "operator.log", "wb")  # noqa: SIM115
-    agent = subprocess.Popen(
-        [*POSTTRAIN, "dev", "agent"],
-        env=env,
-        stdout=agent_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    operator = subprocess.Popen(
-        [*POSTTRAIN, "operator", "--standalone"],
-        env=env,
-        stdout=operator_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    pods_dir = Path(json.loads((tmp_path / "dev" / "state.json").read_text())["workdir"])
+    if not KUBECTL_ALIAS.is_file():
+        pytest.skip(f"the README aliases kubectl to {KUBECTL_ALIAS}, which is not built here")
+    lines = readme_block("End to end on the dev control plane")
+    down = lines[-1]
+    assert down.startswith(".venv/bin/posttrain dev down"), down
+    log = tmp_path / "walkthrough.log"
+    dev_dir = readme_env["POSTTRAIN_DEV_DIR"]
     try:
-        kubectl(kubectl_bin, env, "apply", "-f", str(REPO_ROOT / "examples/dev-run.yaml"))
-        deadline = time.monotonic() + 900
-        phase = ""
-        while time.monotonic() < deadline and phase not in ("Succeeded", "Failed"):
-            time.sleep(2)
-            assert agent.poll() is None and operator.poll() is None, "agent or operator exited"
-            phase = kubectl(
-                kubectl_bin, env, "get", "tr", "dev-run", "-o", "jsonpath={.status.phase}"
-            )
-        logs = {p.name: p.read_text() for p in (pods_dir / "nodeagent").glob("*.log")}
-        assert phase == "Succeeded", json.dumps({k: v[-3000:] for k, v in logs.items()}, indent=1)
-        table = kubectl(kubectl_bin, env, "get", "tr", "dev-run")
-        header, row = table.splitlines()[:2]
-        columns = dict(zip(header.split(), row.split(), strict=False))
-        assert columns["PHASE"] == "Succeeded" and columns["STEP"] == "3", table
+        code = run_script(lines[:-1], readme_env, log, timeout_s=1500)
+        output = log.read_text()
+        assert code == 0, output[-6000:]
+        assert "trainingrun dev-run Succeeded at step 3/3" in output, output[-6000:]
+        wide = next(line for line in output.splitlines() if line.startswith("NAME"))
+        assert "CHECKPOINT" in wide.split(), wide  # `kubectl get tr,rp -o wide`
+        state = json.loads((Path(dev_dir) / "state.json").read_text())
+        kept = Path(state["workdir"]) / "nodeagent"
+        trainer_log = (kept / "default_dev-run-g0-0.log").read_text()
         # Sampled through the Service name, not a pod IP: the agent resolved it.
-        trainer_log = logs["default_dev-run-g0-0.log"]
         assert "endpoint(s) http://dev-pool.default.svc:8000" in trainer_log, trainer_log[:3000]
-        status = json.loads(kubectl(kubectl_bin, env, "get", "tr", "dev-run", "-o", "json"))
-        assert status["status"]["lastCheckpoint"].startswith("s3://posttrain/runs/default/dev-run/")
-        pool = kubectl(
-            kubectl_bin, env, "get", "rp", "dev-pool", "-o", "jsonpath={.status.readyReplicas}"
-        )
-        assert pool == "1"
+        # pods/log through the apiserver, served by the agent (no "no such host").
+        kubectl = [str(KUBECTL_ALIAS), "--kubeconfig", state["kubeconfig"]]
+        pods = subprocess.run([*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool",
+                               "-o", "name"], env=readme_env, capture_output=True, text=True,
+                              check=True).stdout.split()
+        assert pods, "no pool pod"
+        pool_log = subprocess.run([*kubectl, "logs", pods[0]], env=readme_env,
+                                  capture_output=True, text=True)
+        assert pool_log.returncode == 0 and pool_log.stdout.strip(), pool_log.stderr
+        started = processes_of([f"POSTTRAIN_DEV_DIR={dev_dir}", state["minio_endpoint"],
+                                state["workdir"]])
+        assert len(started) >= 3, started  # the agent, the operator and the pool's server
     finally:
-        for process in (operator, agent):
-            stop_pid(process.pid)
-            process.wait(timeout=30)
-        agent_log.close()
-        operator_log.close()
+        stopped = subprocess.run(["bash", "-c", down], cwd=REPO_ROOT, env=readme_env,
+                                 capture_output=True, text=True, timeout=300)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "stopped operator" in stopped.stdout and "stopped agent" in stopped.stdout, (
+        stopped.stdout
+    )
+    deadline = time.monotonic() + 10  # reaping by init may lag a moment behind the kill
+    while any(running(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in started if running(pid)]
+    assert not left, [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "dpo", "evaluate",
-           "loop", "loss", "pipeline", "report", "rewards", "rollouts", "rundata",
+           "interrupt", "loop", "loss", "pipeline", "report", "rewards", "rollouts", "rundata",
            "server_process", "sft", "stage_data", "status", "weight_sync"]
 
 

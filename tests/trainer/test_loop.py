@@ -148,3 +148,47 @@ def test_bounded_staleness_prefetches_and_stays_within_lag(
     assert all(0 <= m["staleness"] <= 1 for m in metrics)
     # every applied step published a new version the server then sampled from
     assert metrics[-1]["weight_version"] == sum(m["applied"] for m in metrics)
+
+
+@pytest.mark.slow  # two server starts on the tiny model
+def test_ctrl_c_checkpoints_and_a_rerun_resumes_without_duplicate_records(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """The first Ctrl-C (the `stop` event) lets the step in progress finish, checkpoints it
+    (though no checkpoint was due) and marks status.json Interrupted; running again resumes
+    from there, and records an earlier attempt wrote past that step are dropped."""
+    import threading
+
+    from posttrain.trainer.interrupt import INTERRUPTED, last_checkpoint
+    from posttrain.trainer.status import FanOutStatusReporter, LocalStatusReporter, RunStatus
+
+    spec = tiny_spec(tiny_model, maxSteps=3)
+    spec.checkpoint.every_steps = 10  # none due before the end: only the interrupt saves one
+    stop = threading.Event()
+
+    class PressCtrlC:
+        def report(self, status: RunStatus) -> None:
+            if status.step >= 1:
+                stop.set()
+
+    reporter = FanOutStatusReporter([LocalStatusReporter(tmp_path), PressCtrlC()])
+    first = run_with_server(spec, tmp_path, reporter=reporter, stop=stop)
+    assert first.interrupted and first.steps_done == 1  # pressed while step 1 reported
+    assert last_checkpoint(spec, tmp_path) == (1, first.last_checkpoint)
+    assert json.loads((tmp_path / "status.json").read_text())["phase"] == INTERRUPTED
+
+    # An attempt that got further before it was killed left step 3 behind, uncheckpointed.
+    with (tmp_path / "metrics.jsonl").open("a") as fh:
+        fh.write(json.dumps({**load_metrics(tmp_path)[-1], "step": 3}) + "\n")
+    (tmp_path / "eval" / "heldout_step0003.json").write_text("{}")
+
+    second = run_with_server(spec, tmp_path)
+    assert not second.interrupted and second.steps_done == 3
+    raw_steps = [json.loads(line)["step"] for line in
+                 (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert raw_steps == [1, 2, 3]
+    history = [json.loads(line)["step"] for line in
+               (tmp_path / "eval" / "history.jsonl").read_text().splitlines()]
+    assert len(history) == len(set(history)), history
+    assert json.loads((tmp_path / "eval" / "heldout_step0003.json").read_text())["step"] == 3
+    assert json.loads((tmp_path / "status.json").read_text())["phase"] == "Succeeded"
