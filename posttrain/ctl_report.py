@@ -233,11 +233,14 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
                 for before, after in pairs[:EXAMPLES_PER_VERDICT]
             ]
     last = metrics[-1]
+    # SFT/DPO stage lines carry no reward: the last RL line's (if the run has an RL stage)
+    last_rl = next((m for m in reversed(metrics) if "reward_mean" in m), None)
     facts = [
         ("run directory", str(run_dir)),
         ("steps", str(last["step"])),
-        ("final reward mean", f"{float(last['reward_mean']):.3f}"),
-        ("domains", ", ".join(sorted(last.get("domain_rewards", {}))) or "-"),
+        ("final reward mean",
+         f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)"),
+        ("domains", ", ".join(sorted((last_rl or {}).get("domain_rewards", {}))) or "-"),
     ]
     if pair is not None:
         facts.append(
