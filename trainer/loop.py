@@ -318,9 +318,10 @@ class Run:
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
         run.plan = run.plans[0]
+        current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
         run.status = RunStatus(phase="Running", step=run.step,
                                max_steps=run.plans[-1].last_step, weight_version=run.version,
-                               stage=run.plans[0].name, stages=list(run.stage_records))
+                               stage=current, stages=list(run.stage_records))
         return run
 
     def announce_start(self, resumed: bool) -> None:
