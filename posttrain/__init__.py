@@ -2,7 +2,7 @@
 
 Components live in top-level folders and import as ``posttrain.<component>``
 (``posttrain/<component>`` are symlinks): api, operator, trainer, rollout,
-sandboxes, storage. ``posttrain`` itself holds the CLI, the dev control plane
+sandboxes, storage, envs. ``posttrain`` itself holds the CLI, the dev control plane
 and telemetry, which every component may use.
 """
 

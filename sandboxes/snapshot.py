@@ -127,6 +127,14 @@ class Workspace:
         WORKSPACE_OPERATIONS.labels("replay").inc()
         return self._execute(replace(original.request, **overrides), original.state_before)
 
+    def restore(self, state: bytes) -> str:
+        """Make the workspace the exported ``state`` (e.g. another workspace's set-up state,
+        so episodes branch from it without redoing the set-up); returns its snapshot id."""
+        with tarfile.open(fileobj=io.BytesIO(state)):  # refuse bytes that are not a tar
+            pass
+        self._state = state
+        return self.snapshot()
+
     def export(self, sid: str | None = None) -> bytes:
         """The tar bytes of snapshot ``sid`` (or of the current state), e.g. to store them."""
         return self._state if sid is None else self._snapshots[sid]

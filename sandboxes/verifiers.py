@@ -36,9 +36,10 @@ from .executor import ExecRequest, ExecResult
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-VerifierKind = Literal["exact", "numeric", "regex", "json_tool_call", "unit_tests", "shell"]
+VerifierKind = Literal[
+    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell"]
 VERIFIER_KINDS: tuple[str, ...] = (
-    "exact", "numeric", "regex", "json_tool_call", "unit_tests", "shell",
+    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell",
 )
 
 VERIFIER_REWARD = Histogram(
@@ -354,6 +355,23 @@ def verify_json_tool_call(
     })
 
 
+def verify_bfcl_ast(
+    completion: str, task: Mapping[str, Any], config: Mapping[str, Any], _: Any
+) -> VerifierResult:
+    """BFCL's AST match of python-syntax calls against the item's accepted answers (the
+    checker is BFCL's own; see :mod:`posttrain.envs.bfcl`)."""
+    from posttrain.envs.bfcl import judge
+
+    verdict = judge(completion, _required(task, "functions", "bfcl_ast"),
+                    _required(task, "ground_truth", "bfcl_ast"),
+                    str(task.get("bfcl_category", "simple_python")))
+    valid = verdict["valid"]
+    return VerifierResult(float(valid), valid, {
+        "error": [str(e)[:500] for e in verdict["error"]], "error_type": verdict["error_type"],
+        "decoded": verdict["decoded"], "hack_signals": [],
+    })
+
+
 # ----------------------------------------------------------------------------- code
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -553,6 +571,7 @@ _VERIFIERS: dict[str, Callable[..., VerifierResult]] = {
     "numeric": verify_numeric,
     "regex": verify_regex,
     "json_tool_call": verify_json_tool_call,
+    "bfcl_ast": verify_bfcl_ast,
     "unit_tests": verify_unit_tests,
     "shell": verify_shell,
 }

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-COMPONENTS = ("api", "operator", "trainer", "rollout", "sandboxes", "storage")
+COMPONENTS = ("api", "operator", "trainer", "rollout", "sandboxes", "storage", "envs")
 LEAVES_ANYONE_MAY_IMPORT = ("posttrain.errors",)
 
 

@@ -25,7 +25,7 @@ class PreparedBatch:
     samples: list[TrainSample]
     domain_rewards: dict[str, float]
     domain_pass_rates: dict[str, float]
-    group_pass_rates: list[float]  # one per prompt, for the curriculum
+    group_pass_rates: list[float | None]  # one per prompt, for the curriculum; None: errored
     reward_mean: float
     response_length: float
     kept_groups: int
@@ -43,10 +43,12 @@ def score_batch(
     """Score every completion of the batch; ``result[i][j]`` is sample j of prompt i."""
     flat = [(task, c) for task, group in zip(batch.request.tasks, batch.completions, strict=True)
             for c in group]
-    scored = score_samples(
-        [c.text for _, c in flat],
-        [len(c.token_ids) for _, c in flat],
-        [task for task, _ in flat],
+    # Episodes (multi-turn, see posttrain.envs.training) come judged by their environment.
+    plain = [k for k, (_, c) in enumerate(flat) if not is_episode(c)]
+    judged = score_samples(
+        [flat[k][1].text for k in plain],
+        [len(flat[k][1].token_ids) for k in plain],
+        [flat[k][0] for k in plain],
         verifiers,
         max_new_tokens=algorithm.max_new_tokens,
         overlong_buffer=algorithm.overlong_buffer_tokens,
@@ -54,9 +56,42 @@ def score_batch(
         max_concurrency=max_concurrency,
         verify=verify,
     )
+    scored = [episode_score(c) if is_episode(c) else None for _, c in flat]
+    for k, sample in zip(plain, judged, strict=True):
+        scored[k] = sample
     sizes = [len(group) for group in batch.completions]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [scored[start : start + size] for start, size in zip(starts, sizes, strict=True)]
+
+
+def is_episode(completion: Any) -> bool:
+    """A multi-turn episode (``EpisodeCompletion``) rather than one sampled completion."""
+    return hasattr(completion, "loss_mask") and hasattr(completion, "environment")
+
+
+def episode_score(episode: Any) -> ScoredSample:
+    """An episode's reward is its environment's task-completion verdict."""
+    return ScoredSample(
+        reward=episode.reward, verifier_reward=episode.reward, overlong_penalty=0.0,
+        passed=episode.passed, verifier=f"env:{episode.environment}",
+        details={"status": episode.status, "error": episode.error, "stats": episode.stats,
+                 "judge": episode.details, "turns": episode.turns})
+
+
+def is_errored(completion: Any) -> bool:
+    """An episode the environment failed on: counted, never scored or trained on."""
+    return is_episode(completion) and completion.status == "errored"
+
+
+def _model_tokens(completion: Any) -> int:
+    mask = getattr(completion, "loss_mask", None)
+    return int(sum(mask)) if mask is not None else len(completion.token_ids)
+
+
+def _prompt_ids(batch: RolloutBatch, i: int, completion: Any) -> list[int]:
+    """An episode starts from the environment's first message, not the request's prompt."""
+    own = getattr(completion, "prompt_ids", None)
+    return list(own) if own else batch.request.prompt_ids[i]
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -75,14 +110,21 @@ def prepare_batch(
 ) -> PreparedBatch:
     """Advantages per group, drop no-signal groups, attach normalisation coefficients."""
     tasks = batch.request.tasks
-    rewards = [[s.reward for s in group] for group in scored]
-    groups = compute_advantages(rewards, algorithm=algorithm, dynamic_sampling=dynamic_sampling)
+    completions = batch.completions
+    # Errored episodes (the environment failed, not the policy) take no part in a group.
+    usable = [[j for j, c in enumerate(group) if not is_errored(c)] for group in completions]
+    rewards = [[scored[i][j].reward for j in members] for i, members in enumerate(usable)]
+    groups = compute_advantages([r or [0.0] for r in rewards], algorithm=algorithm,
+                                dynamic_sampling=dynamic_sampling)
+    advantage_of: dict[tuple[int, int], float] = {}
     kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
     for i, group in enumerate(groups):
-        if group.kept:
-            kept += [(i, j, a) for j, a in enumerate(group.advantages)]
-    completions = batch.completions
-    lengths = [len(completions[i][j].token_ids) for i, j, _ in kept]
+        if group.kept and usable[i]:
+            for j, a in zip(usable[i], group.advantages, strict=True):
+                advantage_of[i, j] = a
+                kept.append((i, j, a))
+    # Only the policy's tokens count towards the normaliser (episodes carry tool output).
+    lengths = [_model_tokens(completions[i][j]) for i, j, _ in kept]
     weights = normalised_domain_weights([tasks[i].domain for i, _, _ in kept], domain_weights) \
         if kept else []
     coefficients = sequence_coefficients(
@@ -90,11 +132,12 @@ def prepare_batch(
     )
     samples = [
         TrainSample(
-            prompt_ids=batch.request.prompt_ids[i],
+            prompt_ids=_prompt_ids(batch, i, completions[i][j]),
             completion_ids=list(completions[i][j].token_ids),
             behaviour_logprobs=list(completions[i][j].logprobs),
             advantage=advantage,
             coefficient=coefficient,
+            loss_mask=getattr(completions[i][j], "loss_mask", None),
         )
         for (i, j, advantage), coefficient in zip(kept, coefficients, strict=True)
     ]
@@ -103,11 +146,12 @@ def prepare_batch(
     trajectories = []
     for i, group in enumerate(scored):
         domain = tasks[i].domain
-        prompt_ids = tuple(batch.request.prompt_ids[i])
         for j, s in enumerate(group):
-            by_domain_reward.setdefault(domain, []).append(s.reward)
-            by_domain_pass.setdefault(domain, []).append(float(s.passed))
             c = completions[i][j]
+            prompt_ids = tuple(_prompt_ids(batch, i, c))
+            if not is_errored(c):
+                by_domain_reward.setdefault(domain, []).append(s.reward)
+                by_domain_pass.setdefault(domain, []).append(float(s.passed))
             trajectories.append(
                 Trajectory(
                     step, domain, tasks[i].task_id, tasks[i].prompt, c.text, s.reward,
@@ -115,7 +159,7 @@ def prepare_batch(
                     prompt_token_ids=prompt_ids,
                     completion_token_ids=tuple(c.token_ids),
                     completion_logprobs=round_logprobs(c.logprobs),
-                    advantage=groups[i].advantages[j] if groups[i].kept else None,
+                    advantage=advantage_of.get((i, j)),
                     finish_reason=c.finish_reason,
                     verifier=verifier_record(s.verifier, s.verifier_reward, s.overlong_penalty,
                                              s.details),
@@ -126,9 +170,10 @@ def prepare_batch(
         samples=samples,
         domain_rewards={d: _mean(v) for d, v in sorted(by_domain_reward.items())},
         domain_pass_rates={d: _mean(v) for d, v in sorted(by_domain_pass.items())},
-        group_pass_rates=[_mean([float(s.passed) for s in group]) for group in scored],
+        group_pass_rates=[_mean([float(scored[i][j].passed) for j in members])
+                          if members else None for i, members in enumerate(usable)],
         reward_mean=_mean(all_rewards),
-        response_length=_mean([len(c.token_ids) for g in completions for c in g]),
-        kept_groups=sum(g.kept for g in groups),
+        response_length=_mean([_model_tokens(c) for g in completions for c in g]),
+        kept_groups=len({i for i, _, _ in kept}),
         trajectories=trajectories,
     )

@@ -75,7 +75,7 @@ def batch_to_json(batch: RolloutBatch) -> dict[str, Any]:
         "error": batch.error,
         "completions": [
             [
-                {
+                c.to_json() if hasattr(c, "to_json") else {  # episodes carry their turns
                     "prompt_index": c.prompt_index,
                     "text": c.text,
                     "token_ids": c.token_ids,
@@ -93,9 +93,16 @@ def batch_to_json(batch: RolloutBatch) -> dict[str, Any]:
 def batch_from_json(data: dict[str, Any]) -> RolloutBatch:
     from posttrain.rollout.protocol import Completion
 
+    def completion(c: dict[str, Any]) -> Any:
+        if c.get("kind") == "episode":
+            from posttrain.envs.training import completion_from_json
+
+            return completion_from_json(c)
+        return Completion(**c)
+
     return RolloutBatch(
         request=request_from_json(data["request"]),
-        completions=[[Completion(**c) for c in group] for group in data["completions"]],
+        completions=[[completion(c) for c in group] for group in data["completions"]],
         seconds=float(data["seconds"]),
         error=data.get("error"),
     )

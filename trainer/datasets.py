@@ -26,7 +26,8 @@ STRATUM_ORDER: tuple[str, ...] = ("easy", "medium", "hard")
 HELD_OUT_MODULUS = 5  # one content-hash bucket in five is held out (20 %)
 BUILTIN_POOL_PER_STRATUM = 400  # training items generated per stratum (cheap, deterministic)
 BUILTIN_EVAL_PER_STRATUM = 64
-KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "unit_tests", "shell")
+KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests",
+                   "shell")
 
 
 @dataclass(frozen=True)
@@ -106,8 +107,9 @@ def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
         record["domain"] = default_domain
     if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
         raise UsageError(f'{where}: missing or empty "prompt" string')
-    if record.get("answer") is None and not record.get("tests"):
-        raise UsageError(f'{where}: needs "answer" (e.g. numeric) or "tests" (Python asserts)')
+    if record.get("answer") is None and not record.get("tests") and not record.get("verify"):
+        raise UsageError(f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts) '
+                         'or "verify" (shell checks of a terminal task)')
     verifier = record.get("verifier")
     if verifier is not None and verifier not in KNOWN_VERIFIERS:
         raise UsageError(f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS}")
@@ -197,6 +199,27 @@ BUILTIN_GENERATORS = {
 }
 
 
+def benchmark_records(name: str) -> list[dict[str, Any]] | None:
+    """Task records of a real benchmark shipped on PyPI, or None if ``name`` is not one:
+    ``bfcl`` (BFCL's four single-turn python categories), ``bfcl_<category>`` (one of
+    them), ``humaneval``. Loaded lazily so the generated domains need neither package."""
+    if name == "humaneval":
+        from posttrain.envs.humaneval import task_records
+
+        return task_records()
+    if name == "bfcl" or name.startswith("bfcl_"):
+        from posttrain.envs import bfcl
+
+        categories = bfcl.CATEGORIES if name == "bfcl" else (name.removeprefix("bfcl_"),)
+        return [r for category in categories for r in bfcl.task_records(category)]
+    return None
+
+
+BENCHMARK_NAMES = ("bfcl", *(f"bfcl_{c}" for c in
+                             ("simple_python", "multiple", "parallel", "parallel_multiple")),
+                   "humaneval")
+
+
 def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> list[Task]:
     """Deterministic items of a built-in domain; ``split`` is ``train`` or ``eval``.
 
@@ -204,10 +227,14 @@ def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> 
     hash, so the two splits are disjoint and the eval split does not depend on how many
     training items were asked for. Duplicates are dropped.
     """
+    records = benchmark_records(name)
+    if records is not None:  # a fixed benchmark: every item, routed by the same hash
+        tasks = [Task.from_dict({"domain": name, **record}) for record in records]
+        return split_tasks(tasks, "eval" if split == "eval" else "train")
     if name not in BUILTIN_GENERATORS:
         raise UsageError(
             f"unknown built-in dataset 'builtin:{name}'; use one of "
-            + ", ".join(f"builtin:{n}" for n in BUILTIN_GENERATORS)
+            + ", ".join(f"builtin:{n}" for n in (*BUILTIN_GENERATORS, *BENCHMARK_NAMES))
         )
     generate, strata = BUILTIN_GENERATORS[name]
     want_held_out = split == "eval"

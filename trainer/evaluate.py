@@ -60,6 +60,9 @@ class EvalResult:
     counts: dict[str, int]
     seconds: float
     items: list[EvalItem] = field(default_factory=list)
+    # Domains played as episodes: success rate, mean turns, valid-tool-call rate, recovery
+    # rate after a failing command, errored episodes (see posttrain.envs.episode).
+    agent: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def overall(self) -> float:
@@ -74,7 +77,7 @@ class EvalResult:
     def from_json(cls, data: dict[str, Any]) -> EvalResult:
         items = [EvalItem(**item) for item in data.get("items", [])]
         fields = {k: data[k] for k in ("step", "split", "accuracy", "counts", "seconds")}
-        return cls(**fields, items=items)
+        return cls(**fields, items=items, agent=data.get("agent", {}))
 
 
 def accuracy_by_domain(items: Sequence[EvalItem]) -> tuple[dict[str, float], dict[str, int]]:
@@ -105,8 +108,10 @@ def evaluate_tasks(
     temperature: float = 0.0,
     max_concurrency: int = 2,
     verify: VerifyFn | None = None,
+    episodes: Any = None,  # posttrain.envs.training.EpisodeSampler for environment domains
 ) -> EvalResult:
-    """Sample one answer per task (greedy by default) and score it with its verifier."""
+    """Sample one answer per task (greedy by default) and score it with its verifier; tasks
+    of environment domains are played as one episode each and judged by the environment."""
     from posttrain.rollout.protocol import SamplingParams
 
     started = time.monotonic()
@@ -115,6 +120,8 @@ def evaluate_tasks(
         span.set_attribute("split", split)
         span.set_attribute("items", len(tasks))
         params = SamplingParams(n=1, max_tokens=max_new_tokens, temperature=temperature, seed=0)
+        played = [t for t in tasks if episodes is not None and episodes.handles(t)]
+        tasks = [t for t in tasks if episodes is None or not episodes.handles(t)]
         progress = ItemProgress(f"eval {split} step {step}", len(tasks))
         completions: list[Any] = []
         scored: list[Any] = []
@@ -149,8 +156,17 @@ def evaluate_tasks(
             )
             for t, c, s in zip(tasks, completions, scored, strict=True)
         ]
+        agent: dict[str, dict[str, float]] = {}
+        if played:
+            finished, agent = episodes.evaluate(played, params)
+            # An errored episode is the environment's failure: counted in ``agent``, never
+            # an item scored wrong.
+            items += [EvalItem(e.task.task_id, e.task.domain, e.task.prompt,
+                               e.task.answer or "", e.transcript(), e.passed, e.reward)
+                      for e in finished if e.status != "errored"]
         accuracy, counts = accuracy_by_domain(items)
-        result = EvalResult(step, split, accuracy, counts, time.monotonic() - started, items)
+        result = EvalResult(step, split, accuracy, counts, time.monotonic() - started, items,
+                            agent)
         span.set_attribute("accuracy", result.overall)
     if split == "heldout":
         for domain, value in accuracy.items():

@@ -247,6 +247,7 @@ class Run:
     version: int  # weight version the servers serve: one per publish
     submitted: int  # highest batch index whose prompts were chosen
     producer: RolloutProducer | None  # started when the RL stage starts
+    episodes: Any  # posttrain.envs.training.EpisodeSampler, or None (no environment domain)
     status: RunStatus
     plan: StagePlan  # the stage being trained
     stage_state: dict[str, Any]  # the current stage's own state (DPO: reference log-probs)
@@ -317,6 +318,7 @@ class Run:
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
+        run.episodes = run.make_episode_sampler()
         run.plan = run.plans[0]
         current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
         run.status = RunStatus(phase="Running", step=run.step,
@@ -372,7 +374,7 @@ class Run:
         """Start the rollout producer, with the requests and batches a checkpoint held."""
         self.rl_last_step = plan.last_step
         self.producer = RolloutProducer(self.client, self.sampling, self.algo.max_policy_lag,
-                                        steps_done=self.step)
+                                        steps_done=self.step, sample=self.episodes)
         for batch in self.sampled:
             self.producer.preload(batch)
         for request in self.pending:
@@ -418,6 +420,17 @@ class Run:
         data = self.stage_data.get(plan.name)
         return dict(data.skipped) if data is not None else {}
 
+    def make_episode_sampler(self) -> Any:
+        """Domains with an ``environment`` are sampled as multi-turn episodes (None: none)."""
+        environments = {d.name: d.environment for d in self.spec.domains
+                        if getattr(d, "environment", None) is not None}
+        if not environments:
+            return None
+        from posttrain.envs.training import EpisodeSampler
+
+        return EpisodeSampler(self.client, self.policy.tokenizer, environments,
+                              max_concurrency=self.spec.rollout.max_in_flight)
+
     def submit_ahead(self) -> None:
         """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
         algo = self.algo
@@ -432,7 +445,8 @@ class Run:
     def observe(self, batch: Any, prepared: Any) -> None:
         """Feed the curriculum, the audit and the trajectory store with a scored batch."""
         for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
-            self.data.curriculum.observe(task, pass_rate, self.step)
+            if pass_rate is not None:  # None: every episode errored, nothing was learnt
+                self.data.curriculum.observe(task, pass_rate, self.step)
         self.auditor.observe_batch(self.step, prepared.trajectories)
         for trajectory in prepared.trajectories:
             self.trajectories.append(trajectory_record(trajectory))
@@ -445,13 +459,14 @@ class Run:
                                 max_new_tokens=algo.max_new_tokens,
                                 temperature=evaluation.temperature,
                                 max_concurrency=self.spec.sandbox.max_concurrency,
-                                verify=self.verify)
+                                verify=self.verify, episodes=self.episodes)
         save_eval(result, self.out_dir)
         if self.data.regression:
             save_eval(evaluate_tasks(self.client, self.policy.encode_prompt,
                                      self.data.regression, self.data.verifiers, step=at_step,
                                      split="regression", max_new_tokens=algo.max_new_tokens,
-                                     verify=self.verify, temperature=evaluation.temperature),
+                                     verify=self.verify, temperature=evaluation.temperature,
+                                     episodes=self.episodes),
                       self.out_dir)
         return result
 

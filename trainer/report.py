@@ -240,7 +240,7 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
             f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
             f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
         )
-        lines += ["", *_flip_examples(base, trained)]
+        lines += ["", *_agent_rows(base, trained), *_flip_examples(base, trained)]
     elif evals:
         only = evals[0]
         lines += [
@@ -274,6 +274,27 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _agent_rows(base: EvalResult, trained: EvalResult) -> list[str]:
+    """Episode metrics of environment domains, base vs trained (empty when there are none)."""
+    if not trained.agent:
+        return []
+    lines = ["## Agent episodes (held-out): base -> trained", "",
+             "| domain | success | mean turns | valid tool calls | recovery after failure "
+             "| errored |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for domain, after in sorted(trained.agent.items()):
+        before = base.agent.get(domain, {})
+
+        def pair(key: str, percent: bool = True, b: dict[str, float] = before,
+                 a: dict[str, float] = after) -> str:
+            shown = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.2f}")
+            return (f"{shown(b[key])} -> " if key in b else "") + shown(a.get(key, 0.0))
+
+        lines.append(f"| {domain} | {pair('success_rate')} | {pair('mean_turns', False)} | "
+                     f"{pair('valid_tool_call_rate')} | {pair('recovery_rate')} | "
+                     f"{int(after.get('errored', 0))} |")
+    return [*lines, ""]
 
 
 def flipped_items(

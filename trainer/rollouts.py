@@ -75,9 +75,14 @@ class RolloutProducer:
     """Runs ``client.generate`` for submitted requests in order, on a background thread."""
 
     def __init__(
-        self, client: Any, sampling_params: Any, max_policy_lag: int, steps_done: int = 0
+        self, client: Any, sampling_params: Any, max_policy_lag: int, steps_done: int = 0,
+        sample: Any = None,
     ) -> None:
         self.client = client
+        # sample(request, params) -> one group per prompt; multi-turn domains pass an
+        # episode sampler (posttrain.envs.training.EpisodeSampler).
+        self.sample = sample or (lambda request, params: client.generate(request.prompt_ids,
+                                                                         params))
         self.sampling_params = sampling_params  # SamplingParams; seed replaced per batch
         self.max_policy_lag = max_policy_lag
         self._gate = _Gate(steps_done=steps_done)
@@ -162,7 +167,7 @@ class RolloutProducer:
                 span.set_attribute("prompts", len(request.prompt_ids))
                 try:
                     params = _with_seed(self.sampling_params, request.seed)
-                    completions = self.client.generate(request.prompt_ids, params)
+                    completions = self.sample(request, params)
                 except Exception as exc:  # surfaced to the trainer thread by take()
                     log.error("rollout batch %d failed: %s", request.batch_index, exc)
                     completions, error = [], f"{type(exc).__name__}: {exc}"

@@ -12,6 +12,7 @@ from typing import Any
 from posttrain.errors import UsageError
 from posttrain.trainer.curriculum import Curriculum, DomainPool
 from posttrain.trainer.datasets import (
+    BENCHMARK_NAMES,
     BUILTIN_GENERATORS,
     Task,
     group_by_stratum,
@@ -90,8 +91,9 @@ def check_dataset_sources(spec: Any) -> None:
     for field_path, source in sources:
         if source.startswith("builtin:"):
             name = source.removeprefix("builtin:")
-            if name not in BUILTIN_GENERATORS:
-                known = ", ".join(f"builtin:{n}" for n in BUILTIN_GENERATORS)
+            if name not in BUILTIN_GENERATORS and name not in BENCHMARK_NAMES:
+                known = ", ".join(f"builtin:{n}" for n in (*BUILTIN_GENERATORS,
+                                                           *BENCHMARK_NAMES))
                 raise UsageError(f"{field_path}: unknown built-in dataset {source!r}; use {known}")
         elif "://" in source and not source.startswith("file://"):
             continue  # remote (s3://): checked where it is read, with the store's own errors
