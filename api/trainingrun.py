@@ -22,6 +22,8 @@ from .base import (
 )
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
+"""spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -213,13 +215,15 @@ class DomainSpec(ApiModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     """Unique within the run; used in metrics, status and storage paths."""
     dataset: str = Field(min_length=1)
-    """Training tasks: builtin:<name>, an s3:// or file path to a JSONL task file."""
+    """Training tasks: builtin:<name>, or a JSONL, Parquet (.parquet) or Arrow (.arrow,
+    .feather) task file as a path or s3://bucket/key (MinIO: the trainer's S3 settings)."""
     eval_dataset: str | None = None
     """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
     verifier: VerifierSpec
     """How completions in this domain are scored."""
     weight: float = Field(default=1.0, ge=0)
-    """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
+    """Relative share of each batch's prompts (applied once, at sampling; the loss weighs every
+    sequence the same); 0 keeps the domain for eval only."""
     strata: list[str] = Field(default_factory=list, max_length=16)
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
     environment: EnvironmentSpec | None = None
@@ -308,13 +312,19 @@ class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
     every_steps: int = Field(default=5, ge=1)
-    """Evaluate every N steps (and at step 0 and the end)."""
+    """Evaluate every N steps (and at step 0 and the end) when inline; the separate evaluator
+    scores every committed checkpoint instead."""
     max_items_per_domain: int = Field(default=64, ge=1)
     """Held-out items scored per domain and interval."""
     regression_dataset: str | None = None
     """General tasks scored from step 0 on, so capability drift outside the domains shows."""
     temperature: float = Field(default=0.0, ge=0)
     """0 = greedy decoding for evaluation."""
+    inline: bool = True
+    """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
+    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
+    and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -423,9 +433,12 @@ class TrainingRunSpec(ApiModel):
     """Reward-hacking audits."""
     suspend: bool = False
     """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
-    managed_by: str | None = Field(default=None, max_length=63)
-    """A controller other than posttrain owns this run (e.g. kueue.x-k8s.io/multikueue).
-    Immutable."""
+    managed_by: str | None = Field(default=None, max_length=63,
+                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    """The controller that reconciles this run, as a domain-prefixed path (Kubeflow Trainer's
+    and JobSet's managedBy). Unset or posttrain.io/trainingrun-controller: the posttrain
+    operator. Any other value (e.g. kueue.x-k8s.io/multikueue): the posttrain operator creates
+    nothing and writes no status for the run, only an Event saying why. Immutable."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
     """Fail the run after this long since it started."""
     backoff_limit: int = Field(default=3, ge=0, le=100)

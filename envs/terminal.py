@@ -28,7 +28,7 @@ from typing import Any
 from posttrain.envs.base import EnvFailure, StepResult
 from posttrain.sandboxes.executor import SandboxError
 from posttrain.sandboxes.snapshot import Workspace
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.datasets import Task, content_hash
 
 log = logging.getLogger(__name__)
 
@@ -140,17 +140,19 @@ class TerminalEnv:
         self._checks = list(checks)
         self.workspace = Workspace(self.executor, timeout_s=self.command_timeout_s,
                                    memory_mb=self.memory_mb)
-        built = self.setup_cache.get(task.task_id)
+        setup, files = task.extra.get("setup", ""), dict(task.extra.get("files", {}))
+        # Keyed by what builds the state (the task id names the prompt only).
+        key = content_hash(task.task_id, setup, json.dumps(files, sort_keys=True))
+        built = self.setup_cache.get(key)
         if built is not None:
             self.workspace.restore(built)
         else:
-            setup, files = task.extra.get("setup", ""), dict(task.extra.get("files", {}))
             if setup or files:
                 result = self._run(["sh", "-c", setup or "true"], files=files, timeout_s=60.0)
                 if result.status != "ok":
                     raise EnvFailure(f"setup of task {task.task_id} failed ({result.reason}): "
                                      f"{result.stderr[-500:]}")
-            self.setup_cache.put(task.task_id, self.workspace.export())
+            self.setup_cache.put(key, self.workspace.export())
         return [{"role": "user", "content": INSTRUCTIONS + task.prompt}]
 
     def _run(self, command: list[str], **overrides: Any) -> Any:

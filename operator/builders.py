@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -213,6 +213,10 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
     rules = [rule if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
              else {**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    if run.spec.rollout.pool and not run.spec.rollout.endpoints:
+        # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
+        rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
+                      "resourceNames": [run.spec.rollout.pool]})  # fmt: skip
     return [
         {
             "apiVersion": "v1",
@@ -305,6 +309,9 @@ def build_trainer_pod(
     head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
     master_addr = head if nodes > 1 else "127.0.0.1"
     train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
+    serves_metrics = bool(config.pod_metrics_port) and (nodes == 1 or rank == 0)
+    if serves_metrics:  # only ranks running `posttrain run` (Ray workers run `ray start`)
+        train += ["--metrics-port", str(config.pod_metrics_port)]
     if nodes == 1:
         command = train
     elif rank == 0:
@@ -325,10 +332,15 @@ def build_trainer_pod(
         {"name": "RANK", "value": str(rank)},
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
         *_s3_env(config),
+        *otlp_env(config, "posttrain-trainer", run),
     ]
     if rollout_endpoints and not run.spec.rollout.endpoints:
-        # spec.rollout.pool resolved by the operator (the trainer may not read RolloutPools).
+        # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
+        # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
+        # that one pool) so each weight version reaches every ready replica.
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
+        if run.spec.rollout.pool:
+            env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
     if nodes > 1:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
@@ -370,12 +382,49 @@ def build_trainer_pod(
               config.trainer_tolerations, config.trainer_affinity)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
+    annotations = None
+    if serves_metrics:
+        pod_spec["containers"][0]["ports"] = [
+            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}]
+        annotations = scrape_annotations(config.pod_metrics_port)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": child_metadata(run, trainer_pod_name(name, incarnation, rank), labels),
+        "metadata": child_metadata(run, trainer_pod_name(name, incarnation, rank), labels,
+                                   annotations=annotations),
         "spec": pod_spec,
     }
+
+
+METRICS_PORT_NAME = "metrics"  # the trainer's /metrics port (a PodMonitor selects it by name)
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The prometheus.io/* annotations annotation-based scrapers (and many Helm-installed
+    Prometheus setups) use; the chart's PodMonitors select the named port instead.
+
+    >>> scrape_annotations(9090)["prometheus.io/port"]
+    '9090'
+    """
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
+
+
+def otlp_env(config: OperatorConfig, service: str,
+             owner: TrainingRun | RolloutPool) -> list[dict[str, str]]:
+    """OTEL_* variables that send a child's spans where the operator's go (none when the
+    operator has no OTLP endpoint configured).
+
+    >>> otlp_env(OperatorConfig(), "posttrain-trainer", None)  # type: ignore[arg-type]
+    []
+    """
+    if not config.otlp_endpoint:
+        return []
+    attributes = (f"k8s.namespace.name={owner.metadata.namespace},"
+                  f"posttrain.{owner.kind.lower()}={owner.metadata.name}")
+    return [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint},
+            {"name": "OTEL_SERVICE_NAME", "value": service},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes}]
 
 
 def build_trainer_gang(run: TrainingRun, config: OperatorConfig, incarnation: int) -> list[Manifest]:
@@ -458,7 +507,10 @@ def _pod_template(pod: Manifest, drop_env: tuple[str, ...] = ()) -> Manifest:
     spec.pop("subdomain", None)
     container = spec["containers"][0]
     container["env"] = [e for e in container["env"] if e["name"] not in drop_env]
-    return {"metadata": {"labels": dict(pod["metadata"]["labels"])}, "spec": spec}
+    metadata: dict[str, Any] = {"labels": dict(pod["metadata"]["labels"])}
+    if pod["metadata"].get("annotations"):
+        metadata["annotations"] = dict(pod["metadata"]["annotations"])
+    return {"metadata": metadata, "spec": spec}
 
 
 def build_ray_cluster(
@@ -486,6 +538,7 @@ def build_ray_cluster(
     head["spec"]["containers"][0]["ports"] = [
         {"name": "gcs-server", "containerPort": config.ray_port},
         {"name": "dist", "containerPort": config.trainer_master_port},
+        *head_pod["spec"]["containers"][0].get("ports", []),  # the trainer's /metrics
     ]
     head["spec"]["containers"][0].update(_ray_probes(config.ray_port))
     worker = _pod_template(worker_pod, drop_env=("RANK",))
@@ -539,6 +592,7 @@ def selector_string(labels: dict[str, str]) -> str:
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
 ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
+ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
@@ -546,8 +600,27 @@ def pool_endpoint(pool: RolloutPool) -> str:
     return f"http://{pool.metadata.name}.{pool.metadata.namespace}.svc:{pool.spec.port}"
 
 
+# A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the
+# server starts from the link: vLLM never sees a packaged id or an s3:// URI.
+MODEL_VOLUME = "models"
+MODEL_MOUNT = "/models"
+MODEL_LINK = f"{MODEL_MOUNT}/current"
+
+
+def model_fetch_command(pool: RolloutPool) -> list[str]:
+    """The init step that puts spec.model on the pod's volume (fails naming the URI)."""
+    return ["posttrain", "rollout", "fetch-model", "--model", pool.spec.model, "--link", MODEL_LINK]
+
+
 def rollout_command(pool: RolloutPool) -> list[str]:
-    """The server argv: ``vllm serve`` flags from engine_args, or ``posttrain serve`` for cpu."""
+    """The server argv: vLLM behind posttrain's front door, or ``posttrain serve`` for cpu.
+
+    The front door (``posttrain rollout vllm-entry``) is the entrypoint, not ``vllm serve``:
+    it serves the pod's port, stamps each response with its weight version, loads weights
+    on ``/v1/weights/load`` and pulls the latest committed version before it reports ready.
+    vLLM itself listens on 127.0.0.1 at a free port (``--internal-port 0``), so its
+    dev-mode ``/collective_rpc`` is unreachable from other pods.
+    """
     spec = pool.spec
     served = spec.served_model_name or pool.metadata.name
     if spec.engine == "cpu":
@@ -558,12 +631,13 @@ def rollout_command(pool: RolloutPool) -> list[str]:
             "posttrain", "serve", "--model", spec.model, "--host", "$(POD_IP)",
             "--port", str(spec.port), "--served-model-name", served,
         ]  # fmt: skip
-    from posttrain.rollout.vllm import VllmServeSpec, build_vllm_command
-
-    serve_spec = VllmServeSpec.from_engine_args(
-        spec.model, spec.engine_args, port=spec.port, served_model_name=served
-    )
-    return build_vllm_command(serve_spec)
+    engine_args = spec.engine_args.model_dump(mode="json", exclude_none=True)
+    return [
+        "posttrain", "rollout", "vllm-entry", "--model", MODEL_LINK,
+        "--host", "$(POD_IP)", "--port", str(spec.port), "--internal-port", "0",
+        "--served-model-name", served,
+        "--engine-args", json.dumps(engine_args, sort_keys=True, separators=(",", ":")),
+    ]  # fmt: skip
 
 
 def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manifest:
@@ -585,6 +659,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     ]
     if config.s3_endpoint:
         env += _s3_env(config)
+    env += otlp_env(config, "posttrain-rollout", pool)
     if spec.weight_update.source_uri:
         env += [
             {"name": "POSTTRAIN_WEIGHTS_URI", "value": spec.weight_update.source_uri},
@@ -598,6 +673,9 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         "command": rollout_command(pool),
         "env": env,
         "ports": [{"name": "http", "containerPort": spec.port}],
+        # A replica that exits (bad weights, a model that will not load) leaves its last
+        # log lines as the termination message the pool's status reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "resources": _resources(spec.resources.cpu, spec.resources.memory, gpus),
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -612,12 +690,33 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         },
     }
     pod_spec: dict[str, Any] = {"containers": [container]}
+    if spec.engine == "vllm":
+        model_env = [*env, {"name": "POSTTRAIN_CACHE", "value": MODEL_MOUNT}]
+        container["env"] = model_env
+        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+        container["volumeMounts"] = [mount]
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        pod_spec["initContainers"] = [{
+            "name": "fetch-model",
+            "image": image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": model_fetch_command(pool),
+            "env": model_env,
+            "volumeMounts": [mount],
+            # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
+            # message the operator puts in the pool's Ready condition.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }]  # fmt: skip
     if gpus:
-        pod_spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
-        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        pod_spec.setdefault("volumes", []).append(
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        )
+        container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
     _schedule(pod_spec, config, config.rollout_node_selector, spec.resources.node_selector,
               config.rollout_tolerations, config.rollout_affinity)
-    template = {"metadata": {"labels": {**MANAGED_BY, **labels}}, "spec": pod_spec}
+    # Both engines serve Prometheus /metrics on the API port (vLLM's own metrics, or ours).
+    template = {"metadata": {"labels": {**MANAGED_BY, **labels},
+                             "annotations": scrape_annotations(spec.port)}, "spec": pod_spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
@@ -33,6 +34,7 @@ from posttrain.telemetry import get_tracer
 
 from . import builders as b
 from . import warmpool as wp
+from .admission import KueueAdmission
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
 from .metrics import (
@@ -52,6 +54,7 @@ from .reconcile import (
     PodView,
     RayClusterView,
     SandboxPlan,
+    managed_elsewhere,
     plan_rollout_pool,
     plan_sandbox,
     plan_training_run,
@@ -185,6 +188,34 @@ def _now() -> datetime:
     return datetime.now(UTC).replace(microsecond=0)
 
 
+# Per replica: a front door answers /v1/weights/version from memory, at once.
+WEIGHT_PROBE_TIMEOUT_S = 2.0
+
+
+def served_weight_versions(pods: list[Any], port: int) -> dict[str, int]:
+    """Ask each ready replica's front door which weight version it serves (pod -> version).
+
+    Asked, not announced: a replica needs no Kubernetes credentials to report, and the
+    answer is what it serves now. Replicas that do not answer in time are left out (the
+    pool's weightVersion is then unknown). Runs at every pool reconcile and resync.
+    """
+    ready = [p for p in pods if p.ready and p.ip and not p.deleting]
+    if not ready:
+        return {}
+
+    def ask(pod: Any) -> tuple[str, int | None]:
+        try:
+            response = httpx.get(f"http://{pod.ip}:{port}/v1/weights/version",
+                                 timeout=WEIGHT_PROBE_TIMEOUT_S)  # fmt: skip
+            response.raise_for_status()
+            return pod.name, int(response.json()["weight_version"])
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return pod.name, None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as executor:
+        answers = list(executor.map(ask, ready))
+    return {name: version for name, version in answers if version is not None}
+
 class Controller:
     """Owns the caches and the three reconcilers; one instance per operator process."""
 
@@ -210,6 +241,9 @@ class Controller:
         self._kuberay_lock = threading.Lock()
         self._kuberay_installed = False
         self._kuberay_checked_at = float("-inf")
+        self.workloads = Store(b.LABEL_RUN)
+        self.kueue = KueueAdmission(config, kube, self.workloads)
+        self._left_alone: set[str] = set()  # uids of runs managed elsewhere, already told
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._policy_namespaces: set[str] = set()
@@ -658,6 +692,12 @@ class Controller:
             return
         with self._reconciling("TrainingRun", namespace, name):
             body = self.runs.get(namespace, name) or body
+            # managedBy first, before even validating: another controller's run is not ours
+            # to judge, change or report on (Kubeflow Trainer's and JobSet's rule).
+            why = managed_elsewhere((body.get("spec") or {}).get("managedBy"))
+            if why is not None:
+                self._leave_alone(body, why)
+                return
             try:
                 run = TrainingRun.model_validate(body)
             except ValidationError as exc:
@@ -667,7 +707,9 @@ class Controller:
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
             clusters = self._ray_clusters_of(run, pods)
-            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters)
+            kueue = self.kueue.gate(run)
+            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters,
+                                     kueue=kueue)
             for pod in plan.delete_pods:
                 self.kube.delete("v1", "Pod", namespace, pod)
                 self.trainer_pods.remove(namespace, pod)
@@ -684,6 +726,10 @@ class Controller:
                         ANNOTATION_INCARNATION: str(plan.incarnation)}}})
                 self.runs.put(updated)
                 body = updated
+            if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+                template = b.build_trainer_pod(run, self.config, plan.incarnation, 0) \
+                    if plan.create_workload else None
+                self.kueue.apply(run, plan, template)
             if plan.ensure_children:
                 self._ensure_run_children(run, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
@@ -697,6 +743,21 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+
+    def _leave_alone(self, body: Body, why: str) -> None:
+        """One Event per run (per operator process) saying why it is left alone."""
+        uid = (body.get("metadata") or {}).get("uid", "")
+        if uid in self._left_alone:
+            return
+        self._left_alone.add(uid)
+        self._emit(body, [EventSpec("Normal", Reason.MANAGED_ELSEWHERE, why)])
+
+    def on_workload(self, event_type: str | None, body: Body) -> None:
+        """A run's Kueue Workload changed (Kueue admitted or evicted it): reconcile the run."""
+        meta = body.get("metadata") or {}
+        run = (meta.get("labels") or {}).get(b.LABEL_RUN)
+        if run and self.observe(self.workloads, event_type, body):
+            self.reconcile_run(meta.get("namespace", ""), run)
 
     def kuberay_installed(self) -> bool:
         """Whether the apiserver serves rayclusters.ray.io, asked through API discovery at most
@@ -847,8 +908,9 @@ class Controller:
             deployment = self.deployments.get(namespace, name)
             pods = [pod_view(p) for p in self.rollout_pods.children(namespace, name)]
             selector = b.selector_string(b.pool_selector(name))
+            served = served_weight_versions(pods, pool.spec.port)
             plan = plan_rollout_pool(pool, desired, deployment, pods, selector,
-                                     b.pool_endpoint(pool))
+                                     b.pool_endpoint(pool), served)
             service_key = ("Service", namespace, f"{name}/{pool.metadata.uid}")
             if service_key not in self._ensured:
                 self._create("RolloutPool", b.build_rollout_service(pool))
@@ -897,6 +959,10 @@ class Controller:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
         self.refresh_ray_clusters()
+        self.kueue.refresh(sorted({
+            ns for ns, name in self.runs.snapshot_keys()
+            if ((self.runs.get(ns, name) or {}).get("metadata") or {}).get("labels", {}).get(
+                "kueue.x-k8s.io/queue-name")}))
         for store, reconcile in (
             (self.runs, self.reconcile_run),
             (self.pools, self.reconcile_pool),

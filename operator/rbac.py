@@ -56,6 +56,12 @@ OPERATOR_RULES: list[Rule] = [
     # Multi-node runs as KubeRay RayClusters (only used when that CRD is installed; whether it
     # is, is asked through API discovery, which needs no rule).
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": [*READ, "create", "delete"]},
+    # Admission through Kueue (runs labelled kueue.x-k8s.io/queue-name, when Kueue is
+    # installed): one Workload per run; patch sets spec.active on suspend/resume, and the
+    # status patch marks it Finished when the run ends so Kueue releases the quota.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
+     "verbs": [*READ, "create", "patch"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
     # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
     # so creating them is not an escalation).
     {

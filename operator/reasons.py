@@ -37,6 +37,10 @@ class Reason:
     STORAGE_KEPT: Final = "StorageKept"
     RAY_CLUSTER_CREATED: Final = "RayClusterCreated"
     RAY_CLUSTER_PENDING: Final = "RayClusterPending"
+    WAITING_FOR_ADMISSION: Final = "WaitingForAdmission"  # Kueue has not admitted the Workload
+    ADMITTED: Final = "Admitted"
+    EVICTED: Final = "Evicted"  # Kueue took the admission back (preemption, deactivation)
+    MANAGED_ELSEWHERE: Final = "ManagedElsewhere"  # spec.managedBy names another controller
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"
@@ -44,6 +48,10 @@ class Reason:
     REPLICAS_UNAVAILABLE: Final = "ReplicasUnavailable"
     ROLLING_UPDATE: Final = "RollingUpdate"
     SCALED_TO_ZERO: Final = "ScaledToZero"
+    # A pool replica's init step could not fetch spec.model (the message names the URI).
+    MODEL_UNAVAILABLE: Final = "ModelUnavailable"
+    # A pool replica's server keeps exiting (the message has its last words).
+    REPLICA_CRASH_LOOP: Final = "ReplicaCrashLooping"
     # SandboxTask
     POD_RUNNING: Final = "PodRunning"
     COMPLETED: Final = "Completed"

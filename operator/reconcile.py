@@ -29,8 +29,10 @@ from posttrain.api.labels import (
     LABEL_GANG,
     LABEL_RANK,
 )
+from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from .builders import ray_cluster_name, sandbox_pod_name
+from .kueue import WorkloadView, workload_name
 from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")
@@ -64,6 +66,12 @@ class PodView:
     ready: bool = False
     terminated: Terminated | None = None
     start_time: datetime | None = None
+    # Long-running servers (pool replicas) restart in place: what the kubelet says about it.
+    restarts: int = 0
+    ip: str = ""  # status.podIP
+    waiting_reason: str = ""  # main container waiting, e.g. CrashLoopBackOff
+    last_message: str = ""  # main container's last termination message
+    init_failure: str = ""  # a failed init container's termination message (or reason)
 
     @property
     def finished(self) -> bool:
@@ -103,6 +111,8 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         c.get("type") == "Ready" and c.get("status") == "True"
         for c in status.get("conditions") or []
     )
+    main = (status.get("containerStatuses") or [{}])[0]
+    last = ((main.get("lastState") or {}).get("terminated")) or {}
     return PodView(
         name=meta.get("name", ""),
         labels=dict(meta.get("labels") or {}),
@@ -114,7 +124,28 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         ready=ready,
         terminated=terminated,
         start_time=_time(status.get("startTime")),
+        restarts=int(main.get("restartCount") or 0),
+        ip=status.get("podIP") or "",
+        waiting_reason=((main.get("state") or {}).get("waiting") or {}).get("reason") or "",
+        last_message=(last.get("message") or "").strip(),
+        init_failure=_init_failure(status.get("initContainerStatuses") or []),
     )
+
+
+def _init_failure(statuses: list[dict[str, Any]]) -> str:
+    """The termination message (else reason) of an init container that exited non-zero.
+
+    >>> _init_failure([{"name": "fetch-model", "lastState": {"terminated": {
+    ...     "exitCode": 1, "message": "cannot fetch model s3://b/m: no such key"}}}])
+    'fetch-model: cannot fetch model s3://b/m: no such key'
+    """
+    for cs in statuses:
+        for state in (cs.get("state") or {}, cs.get("lastState") or {}):
+            done = state.get("terminated")
+            if done and int(done.get("exitCode") or 0) != 0:
+                why = (done.get("message") or "").strip() or done.get("reason") or "failed"
+                return f"{cs.get('name', 'init')}: {why}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -410,6 +441,44 @@ class RunPlan:
     delete_ray_clusters: list[str] = field(default_factory=list)
     status_patch: dict[str, Any] = field(default_factory=dict)
     events: list[EventSpec] = field(default_factory=list)
+    create_workload: bool = False
+    """Create the run's Kueue Workload (admission through Kueue, see kueue.py)."""
+    workload_active: bool | None = None
+    """Set the Workload's spec.active (False on suspend gives the quota back)."""
+    finish_workload: bool = False
+    """Mark the Workload Finished (the run ended), so Kueue releases its quota."""
+
+
+@dataclass(frozen=True)
+class KueueGate:
+    """A run admitted through Kueue: its LocalQueue and its Workload (None: not created yet)."""
+
+    queue: str
+    workload: WorkloadView | None
+
+
+# Reasons for Suspended=True while Kueue holds the run back.
+_KUEUE_WAITING = (Reason.WAITING_FOR_ADMISSION, Reason.EVICTED)
+
+
+def managed_elsewhere(managed_by: str | None) -> str | None:
+    """Why the operator must leave a run alone, given its ``spec.managedBy``; None: it is ours.
+
+    ``managedBy`` as Kubeflow Trainer and JobSet define it: unset or
+    ``posttrain.io/trainingrun-controller`` means this operator; any other value names the
+    controller that owns the run (e.g. ``kueue.x-k8s.io/multikueue``, which mirrors the run to
+    a worker cluster), and this operator must create nothing and write no status for it.
+
+    >>> managed_elsewhere(None) is None, managed_elsewhere(MANAGED_BY_POSTTRAIN) is None
+    (True, True)
+    >>> print(managed_elsewhere("kueue.x-k8s.io/multikueue"))
+    spec.managedBy is 'kueue.x-k8s.io/multikueue', not 'posttrain.io/trainingrun-controller': that controller owns this run, so the posttrain operator creates nothing for it and writes no status
+    """
+    if managed_by is None or managed_by == MANAGED_BY_POSTTRAIN:
+        return None
+    return (f"spec.managedBy is {managed_by!r}, not {MANAGED_BY_POSTTRAIN!r}: that controller "
+            "owns this run, so the posttrain operator creates nothing for it and writes no "
+            "status")
 
 
 def plan_training_run(
@@ -418,6 +487,7 @@ def plan_training_run(
     incarnation: int,
     now: datetime,
     ray_clusters: list[RayClusterView] | None = None,
+    kueue: KueueGate | None = None,
 ) -> RunPlan:
     """Decide the next step of a TrainingRun from its pods (gang semantics).
 
@@ -430,6 +500,11 @@ def plan_training_run(
     the gang is one RayCluster ``<run>-g<incarnation>`` whose pods KubeRay creates; a
     RayCluster in state ``failed`` or any failed pod of it is a gang failure, with the same
     backoffLimit accounting. None = the plain pod path.
+
+    ``kueue`` (a run labelled with a LocalQueue while Kueue is installed): no pod or
+    RayCluster exists until Kueue admits the run's Workload; an eviction deletes the gang and
+    re-admission starts a new one from the last checkpoint; suspend deactivates the Workload
+    and a finished run marks it Finished, so the quota is released either way.
     """
     spec, status = run.spec, run.status
     gen = run.metadata.generation
@@ -452,13 +527,17 @@ def plan_training_run(
         plan.create_ray_cluster = False
         plan.events.append(EventSpec("Warning", reason, message))
 
+    workload = kueue.workload if kueue is not None else None
     if status.phase in TERMINAL:
         # Finished runs keep no pods (Ray workers would otherwise block forever).
         plan.delete_pods = [p.name for p in live if not p.finished]
         plan.delete_ray_clusters = [c.name for c in live_clusters]
+        plan.finish_workload = workload is not None and not workload.finished
         return plan
 
     if spec.suspend:
+        if workload is not None and workload.active:
+            plan.workload_active = False  # Kueue evicts it and gives the quota back
         plan.delete_pods = [p.name for p in live]
         plan.delete_ray_clusters = [c.name for c in live_clusters]
         if status.ray_cluster is not None:
@@ -486,6 +565,16 @@ def plan_training_run(
     elif get_condition(conditions, ConditionType.SUSPENDED) is None:
         conditions = set_condition(conditions, ConditionType.SUSPENDED, "False",
                                    Reason.NOT_SUSPENDED, "", gen)
+
+    if kueue is not None:
+        waiting = _plan_kueue_admission(run, kueue, live, live_clusters, plan, desired,
+                                        conditions)
+        if waiting is not None:
+            desired["conditions"] = _conditions_wire(waiting)
+            plan.status_patch = status_diff(status.to_wire(), desired)
+            return plan
+        conditions = _mark_admitted(run, kueue, plan, conditions)
+        incarnation = plan.incarnation
 
     start = status.start_time or now
     if status.start_time is None:
@@ -561,6 +650,63 @@ def plan_training_run(
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _plan_kueue_admission(
+    run: TrainingRun, kueue: KueueGate, live: list[PodView], live_clusters: list[RayClusterView],
+    plan: RunPlan, desired: dict[str, Any], conditions: list[Condition],
+) -> list[Condition] | None:
+    """Hold the run back until Kueue admits its Workload: the conditions to write while it
+    waits (no pods, no RayCluster), or None once it is admitted."""
+    gen = run.metadata.generation
+    workload = kueue.workload
+    if workload is None:
+        plan.create_workload = True
+    elif not workload.active:
+        plan.workload_active = True  # resumed after a suspend
+    if workload is not None and workload.admitted and workload.active:
+        return None
+    name = workload_name(run)
+    evicted = workload is not None and bool(workload.evicted_reason) and bool(
+        live or live_clusters)
+    if evicted:
+        assert workload is not None
+        reason = Reason.EVICTED
+        message = (f"Kueue evicted Workload {name} ({workload.evicted_reason}: "
+                   f"{workload.evicted_message or 'no message'}); the trainer pods were deleted "
+                   "and the run resumes from its last checkpoint when admitted again")
+        plan.events.append(EventSpec("Warning", reason, message))
+    else:
+        previous = get_condition(conditions, ConditionType.SUSPENDED)
+        reason = previous.reason if previous is not None and previous.status == "True" and (
+            previous.reason == Reason.EVICTED) else Reason.WAITING_FOR_ADMISSION
+        why = workload.pending_message if workload is not None else ""
+        message = (f"waiting for Kueue to admit Workload {name} in LocalQueue {kueue.queue}"
+                   + (f": {why}" if why else ""))
+        if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
+            plan.events.append(EventSpec("Normal", Reason.WAITING_FOR_ADMISSION, message))
+    plan.delete_pods = [p.name for p in live]
+    plan.delete_ray_clusters = [c.name for c in live_clusters]
+    desired.update(phase="Pending", message=message)
+    conditions = set_condition(conditions, ConditionType.SUSPENDED, "True", reason, message, gen)
+    return set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
+
+
+def _mark_admitted(run: TrainingRun, kueue: KueueGate, plan: RunPlan,
+                   conditions: list[Condition]) -> list[Condition]:
+    """Admitted: Suspended=False; after an eviction the gang restarts as a new incarnation
+    (the old pods may still be terminating under the old names)."""
+    previous = get_condition(conditions, ConditionType.SUSPENDED)
+    if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
+        return conditions
+    assert kueue.workload is not None
+    if previous.reason == Reason.EVICTED:
+        plan.incarnation += 1
+    message = (f"Kueue admitted Workload {kueue.workload.name} to ClusterQueue "
+               f"{kueue.workload.cluster_queue or '?'}")
+    plan.events.append(EventSpec("Normal", Reason.ADMITTED, message))
+    return set_condition(conditions, ConditionType.SUSPENDED, "False", Reason.ADMITTED, message,
+                         run.metadata.generation)
 
 
 def _mark_trainer_succeeded(
@@ -699,6 +845,7 @@ def plan_rollout_pool(
     pods: list[PodView],
     selector: str,
     endpoint: str,
+    served: dict[str, int] | None = None,
 ) -> PoolPlan:
     """Converge the Deployment on the desired one and mirror its counts into the status.
 
@@ -753,6 +900,10 @@ def plan_rollout_pool(
     else:
         phase, cond, reason = "Pending", "False", Reason.REPLICAS_UNAVAILABLE
     message = f"{ready}/{want_replicas} replica(s) ready"
+    trouble = replica_trouble(pods, pool.spec.model) if ready < want_replicas else None
+    if trouble is not None:
+        reason, detail = trouble
+        message = f"{message}; {detail}"
     if phase != status.phase and status.phase is not None:
         plan.events.append(EventSpec("Normal" if cond == "True" else "Warning", reason,
                                      f"{status.phase} -> {phase}: {message}"))
@@ -766,18 +917,66 @@ def plan_rollout_pool(
         "endpoint": endpoint,
         "conditions": _conditions_wire(conditions),
     }
-    version = pool_weight_version(pods)
+    desired["replicaEndpoints"] = replica_endpoints(pods, pool.spec.port)
+    ready_pods = sorted((p for p in pods if p.ready and p.ip and not p.deleting),
+                        key=lambda p: p.name)  # fmt: skip
+    desired["replicaWeights"] = [
+        {"pod": p.name, "endpoint": f"http://{p.ip}:{pool.spec.port}",
+         "weightVersion": (served or {}).get(p.name)}
+        for p in ready_pods
+    ]  # fmt: skip
+    version = pool_weight_version(pods, served)
     if version is not None:
         desired["weightVersion"] = version
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
 
 
-def pool_weight_version(pods: list[PodView]) -> int | None:
-    """The weights version every ready replica serves: the minimum of their annotations.
+# Restarts after which a replica that is not ready counts as crash-looping.
+CRASH_LOOP_RESTARTS = 2
 
-    Replicas announce ``posttrain.io/weight-version`` on their pod; until every ready replica
-    has announced, the pool's version is unknown (None).
+
+def replica_trouble(pods: list[PodView], model: str) -> tuple[str, str] | None:
+    """Why replicas are not becoming ready, when a pod says so: ``(reason, message)``.
+
+    An init step that cannot fetch the model names the model URI; a server that keeps
+    exiting names the pod, its restart count and its last words.
+
+    >>> p = PodView("r-1", {}, init_failure="fetch-model: cannot fetch model s3://b/x: 404")
+    >>> replica_trouble([p], "s3://b/x")[0]
+    'ModelUnavailable'
+    """
+    live = [p for p in pods if not p.deleting and not p.ready]
+    for pod in live:
+        if pod.init_failure:
+            return Reason.MODEL_UNAVAILABLE, (
+                f"model {model} is unavailable on replica {pod.name}: {pod.init_failure[-400:]}")
+    for pod in live:
+        if pod.waiting_reason == "CrashLoopBackOff" or pod.restarts >= CRASH_LOOP_RESTARTS:
+            last = f": {pod.last_message[-400:]}" if pod.last_message else ""
+            return Reason.REPLICA_CRASH_LOOP, (
+                f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}")
+    return None
+
+
+def replica_endpoints(pods: list[PodView], port: int) -> list[str]:
+    """``http://<pod IP>:<port>`` of each ready replica, sorted.
+
+    >>> replica_endpoints([PodView("a", {}, ready=True, ip="10.0.0.2"),
+    ...                    PodView("b", {}, ready=False, ip="10.0.0.3")], 8000)
+    ['http://10.0.0.2:8000']
+    """
+    return sorted(f"http://{p.ip}:{port}" for p in pods if p.ready and p.ip and not p.deleting)
+
+
+def pool_weight_version(
+    pods: list[PodView], served: dict[str, int] | None = None
+) -> int | None:
+    """The weights version every ready replica serves: the minimum over ready replicas.
+
+    A replica's version is what its front door answered (``served``, pod name -> version),
+    else a ``posttrain.io/weight-version`` annotation on its pod; until every ready replica's
+    version is known, the pool's is unknown (None).
 
     >>> a = PodView("a", {}, {"posttrain.io/weight-version": "3"}, ready=True)
     >>> b = PodView("b", {}, {"posttrain.io/weight-version": "4"}, ready=True)
@@ -785,7 +984,9 @@ def pool_weight_version(pods: list[PodView]) -> int | None:
     3
     """
     ready = [p for p in pods if p.ready and not p.deleting]
-    versions = [p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]
+    served = served or {}
+    versions = [str(served[p.name]) if p.name in served
+                else p.annotations.get(ANNOTATION_WEIGHT_VERSION) for p in ready]  # fmt: skip
     if not ready or any(v is None or not v.isdigit() for v in versions):
         return None
     return min(int(v) for v in versions if v is not None)

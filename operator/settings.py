@@ -4,6 +4,7 @@ where the default would be wrong for us)."""
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,6 +50,41 @@ class _DropWatchHandlerInfo(logging.Filter):
         return not (record.levelno <= logging.INFO and getattr(record, "k8s_skip", False))
 
 
+class _ExpectedAtStartup(logging.Filter):
+    """A healthy start logs no WARNING or ERROR: two of kopf's are expected, and say so.
+
+    - "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
+      (re)initializing')": the apiserver's 429 while a CRD's watch cache fills, which kopf
+      retries as asked (a final failure still logs "escalating" as an ERROR);
+    - "Unresolved resources cannot be served: ... ray.io/v1/rayclusters": KubeRay is optional
+      (multi-node runs as RayClusters); without its CRD those runs use pod gangs.
+
+    Both become INFO lines; everything else passes unchanged.
+    """
+
+    OPTIONAL_CRDS = ("ray.io",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or not record.name.startswith("kopf"):
+            return True
+        message = record.getMessage()
+        if "will retry" in message and "APITooManyRequestsError" in message:
+            self._to_info(record, message)
+        elif message.startswith("Unresolved resources cannot be served") and all(
+            any(f"group='{group}'" in selector for group in self.OPTIONAL_CRDS)
+            for selector in re.findall(r"Selector\([^)]*\)", message) or [""]
+        ):
+            self._to_info(record, "optional CRDs not installed, not watched: "
+                          + message.split(":", 1)[1].strip()
+                          + " (KubeRay: without it multi-node runs use pod gangs)")
+        return True
+
+    @staticmethod
+    def _to_info(record: logging.LogRecord, message: str) -> None:
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.msg, record.args = message, None
+
+
 def quiet_per_request_logs() -> None:
     """No INFO line per watch event or per API request (idempotent; DEBUG keeps them).
 
@@ -59,6 +95,11 @@ def quiet_per_request_logs() -> None:
     if not any(isinstance(f, _DropWatchHandlerInfo) for f in objects.filters):
         objects.addFilter(_DropWatchHandlerInfo())
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # On the handlers: kopf logs these through many module loggers, and a logger's own
+    # filters do not see what its children propagate.
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _ExpectedAtStartup) for f in handler.filters):
+            handler.addFilter(_ExpectedAtStartup())
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:

@@ -106,6 +106,7 @@ def run_events(
     A watch whose resourceVersion has been compacted away (410 Gone) restarts from a
     fresh read, which is yielded as a MODIFIED event so no state is missed.
     """
+    import urllib3
     from kubernetes import watch
     from kubernetes.client.rest import ApiException
 
@@ -139,6 +140,9 @@ def run_events(
         except ApiException as exc:
             if exc.status != 410:
                 raise api_failure(exc, f"watch of trainingrun {name!r}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            # The apiserver went away mid-watch (stopped, restarted): say so, no traceback.
+            raise api_failure(exc, f"watch of trainingrun {name!r}") from None
         finally:
             stream.stop()
         fresh = cluster.get(TRAINING_RUN, name)

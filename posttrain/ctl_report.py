@@ -169,6 +169,7 @@ def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
 
 def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     """Read the run directory and draw every figure (the trainer's plots plus ours)."""
+    from posttrain.trainer.many_domains import readable_rows
     from posttrain.trainer.progress import load_metrics
     from posttrain.trainer.report import (
         comparison_rows,
@@ -211,7 +212,10 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
             notes.append("Sandbox latency: this run recorded no sandbox_latency_ms.")
     evals = latest_eval_per_step(run_dir, "heldout")
     pair = trained_comparison(evals)
-    rows = comparison_rows(*pair) if pair else []
+    rows, left_out = readable_rows(comparison_rows(*pair) if pair else [])
+    if left_out and pair is not None:
+        notes.append(f"Held-out accuracy table: {left_out}; the eval matrix heatmap and "
+                     f"eval/heldout_step{pair[1].step:04d}.json hold every domain.")
     if not evals:
         notes.append("Held-out accuracy: no eval/heldout_step*.json in the run directory.")
     elif pair is None:
@@ -240,7 +244,7 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
         ("steps", str(last["step"])),
         ("final reward mean",
          f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)"),
-        ("domains", ", ".join(sorted((last_rl or {}).get("domain_rewards", {}))) or "-"),
+        ("domains", _domain_names((last_rl or {}).get("domain_rewards", {}))),
     ]
     if pair is not None:
         facts.append(
@@ -260,11 +264,26 @@ EXAMPLES_PER_VERDICT = 3  # fixed and broken items shown verbatim (all are in ev
 EXAMPLE_CHARS = 400  # of each completion
 
 
+def _domain_names(rewards: Mapping[str, Any]) -> str:
+    """The domains' names, or their count and the first few when there are many.
+
+    >>> _domain_names({"b": 1.0, "a": 0.0}), _domain_names({f"d{i:02d}": 0 for i in range(40)})
+    ('a, b', '40 domains (d00, d01, d02, ...)')
+    """
+    from posttrain.trainer.many_domains import MANY_DOMAINS
+
+    names = sorted(rewards)
+    if len(names) > MANY_DOMAINS:
+        return f"{len(names)} domains ({', '.join(names[:3])}, ...)"
+    return ", ".join(names) or "-"
+
+
 TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.report.plot_run
     "reward_accuracy": "Reward and held-out accuracy per domain",
     "kl": "KL to the reference model",
     "response_length": "Response length",
     "loss": "Policy loss",
+    "eval_matrix": "Held-out accuracy per domain and evaluation (heatmap)",
 }
 
 

@@ -67,8 +67,8 @@ class ItemProgress:
         with self._lock:
             self.done += count
             now = self._clock()
-            if now - self._last < self._interval_s:
-                return
+            if now - self._last < self._interval_s or self.done >= self.total:
+                return  # too soon, or done: finish() says so
             self._last = now
             done = self.done
         self._emit(self.line(done, now - self._start))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from posttrain.errors import UsageError
@@ -32,12 +34,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models")
     serve.add_argument(
         "--weights-uri",
-        default=None,
-        help="prefix with published weights (<prefix>/vNNNNNNNN/); the latest loads before ready",
+        default=os.environ.get("POSTTRAIN_WEIGHTS_URI") or None,
+        help="prefix with published weights (<prefix>/vNNNNNNNN/); the latest loads before "
+        "ready (default $POSTTRAIN_WEIGHTS_URI, which the operator sets for a pool)",
     )
     serve.add_argument(
-        "--poll-seconds", type=float, default=0.0, help="poll --weights-uri for new versions"
-    )
+        "--poll-seconds", type=float,
+        default=float(os.environ.get("POSTTRAIN_WEIGHTS_POLL_SECONDS") or 0),
+        help="poll --weights-uri for new versions (default $POSTTRAIN_WEIGHTS_POLL_SECONDS)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--engine", choices=("cpu", "vllm"), default="cpu",
+        help="cpu: posttrain's transformers engine; vllm: vLLM behind the same front door a "
+        "RolloutPool pod runs (its CPU build from `make venv-vllm` on a laptop)",
+    )  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
@@ -52,11 +62,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ("vllm-command", _vllm_command, "print the vllm serve command line for engine args"),
     ):
         parser = rollout_sub.add_parser(name, help=text, description=text)
-        parser.add_argument("--model", required=True)
+        parser.add_argument("--model", required=True,
+                            help="packaged id, HF-format directory, file:// or s3://")  # fmt: skip
+        parser.add_argument("--host", default="0.0.0.0", help="public (front door) address")
         parser.add_argument("--port", type=int, default=8000, help="public port")
-        parser.add_argument("--internal-port", type=int, default=8001, help="vLLM's own port")
+        parser.add_argument(
+            "--internal-port", type=int, default=8001,
+            help="vLLM's own port, bound to 127.0.0.1 only (its /collective_rpc stays in the pod); "
+            "0 picks a free one",
+        )  # fmt: skip
         parser.add_argument("--served-model-name", default=None)
-        parser.add_argument("--weights-uri", default=None)
+        parser.add_argument(
+            "--weights-uri", default=os.environ.get("POSTTRAIN_WEIGHTS_URI") or None,
+            help="weight registry prefix: its latest committed version loads before ready "
+            "(default $POSTTRAIN_WEIGHTS_URI)",
+        )  # fmt: skip
+        parser.add_argument(
+            "--poll-seconds", type=float,
+            default=float(os.environ.get("POSTTRAIN_WEIGHTS_POLL_SECONDS") or 0),
+            help="poll --weights-uri for newer versions (default $POSTTRAIN_WEIGHTS_POLL_SECONDS)",
+        )  # fmt: skip
         parser.add_argument(
             "--engine-args",
             default="{}",
@@ -65,10 +90,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument("--start-timeout", type=float, default=1800.0)
         parser.set_defaults(func=handler)
 
+    fetch = rollout_sub.add_parser(
+        "fetch-model",
+        help="resolve a model reference into a local directory (a pool pod's init step)",
+        description="Resolve a packaged id, s3:// checkpoint or HF-format directory to a local "
+        "directory and point --link at it, so the server starts from local files.",
+    )
+    fetch.add_argument("--model", required=True, help="packaged id, HF-format dir, file:// or s3://")
+    fetch.add_argument("--link", required=True, type=Path, help="symlink to create (replaced)")
+    fetch.set_defaults(func=_fetch_model)
+
+
+def _serve_vllm(args: argparse.Namespace) -> int:
+    """``posttrain serve --engine vllm``: ``vllm-entry`` in the rollout environment.
+
+    Runs in this interpreter when it has vLLM (a rollout image, ``.venv-vllm``), else
+    replaces this process with the rollout environment's ``vllm-entry`` (vLLM pins its own
+    torch, so it lives in its own venv: ``make venv-vllm``).
+    """
+    import importlib.util
+
+    from posttrain.models import resolve_model
+    from posttrain.rollout.vllm_local import CPU_ENGINE_ARGS, vllm_python
+
+    model_dir = str(resolve_model(args.model))  # fail here, in the caller's words
+    argv = ["rollout", "vllm-entry", "--model", model_dir, "--host", args.host,
+            "--port", str(args.port), "--internal-port", "0",
+            "--served-model-name", args.served_model_name or args.model,
+            "--poll-seconds", str(args.poll_seconds),
+            "--engine-args", json.dumps(CPU_ENGINE_ARGS)]  # fmt: skip
+    if args.weights_uri:
+        argv += ["--weights-uri", args.weights_uri]
+    if importlib.util.find_spec("vllm") is not None:
+        from posttrain.cli import main
+
+        return main(argv)
+    python = vllm_python()
+    if python is None:
+        raise UsageError("--engine vllm needs vLLM: run `make venv-vllm` (or set "
+                         "$POSTTRAIN_VLLM_PYTHON), or use --engine cpu")  # fmt: skip
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.execv(str(python), [str(python), "-m", "posttrain", *argv])
+    return 1  # not reached
+
 
 def _serve(args: argparse.Namespace) -> int:
     from posttrain.rollout.server import ModelLoadError, ServerConfig, run
     from posttrain.telemetry import start_metrics_server
+
+    if args.engine == "vllm":
+        return _serve_vllm(args)
 
     if args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
@@ -101,16 +172,41 @@ def _spec(args: argparse.Namespace, model: str) -> VllmServeSpec:
         raise UsageError(f"--engine-args is not valid JSON ({exc}): {args.engine_args!r}") from exc
     if not isinstance(engine_args, dict):
         raise UsageError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
+    internal_port = args.internal_port
+    if internal_port == 0:  # any free port: replicas sharing a host network do not collide
+        from posttrain.devenv.process import free_port
+
+        internal_port = free_port()
     try:
         return VllmServeSpec.from_engine_args(
             model,
             engine_args,
-            port=args.internal_port,
+            port=internal_port,
             host="127.0.0.1",
             served_model_name=args.served_model_name,
         )
     except TypeError as exc:
         raise UsageError(f"--engine-args has an unsupported key: {exc}") from exc
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    """Resolve ``--model`` (downloading an s3:// checkpoint into ``$POSTTRAIN_CACHE``) and
+    atomically point ``--link`` at it. Failure exits 1 with one line naming the reference,
+    which Kubernetes keeps as the init container's termination message."""
+    from posttrain.models import resolve_model
+
+    try:
+        resolved = resolve_model(args.model)
+    except Exception as exc:
+        print(f"cannot fetch model {args.model}: {exc}", file=sys.stderr)
+        return 1
+    args.link.parent.mkdir(parents=True, exist_ok=True)
+    staging = args.link.with_name(f".{args.link.name}.new")
+    staging.unlink(missing_ok=True)
+    staging.symlink_to(resolved, target_is_directory=True)
+    staging.replace(args.link)
+    print(f"model {args.model} -> {resolved} (linked at {args.link})")
+    return 0
 
 
 def _vllm_command(args: argparse.Namespace) -> int:
@@ -134,6 +230,8 @@ def _vllm_entry(args: argparse.Namespace) -> int:
     return run_vllm_entry(
         spec,
         public_port=args.port,
+        public_host=args.host,
         weights_uri=args.weights_uri,
         start_timeout_s=args.start_timeout,
+        poll_seconds=args.poll_seconds,
     )

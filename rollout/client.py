@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -85,12 +86,18 @@ class RolloutClient:
         max_retries: int = 3,
         max_in_flight: int = 4,
         model: str | None = None,
+        discover: Callable[[], list[str]] | None = None,
     ) -> None:
+        """``discover`` (e.g. :meth:`posttrain.rollout.discovery.PoolDiscovery.ready_endpoints`)
+        is asked for the current replicas before every weight load, so a version reaches
+        every ready replica, not the set the client started with."""
         if not endpoints:
             raise ValueError("RolloutClient needs at least one endpoint URL")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self._endpoints = [_Endpoint(url, max_in_flight) for url in endpoints]
+        self._max_in_flight = max_in_flight
+        self.discover = discover
         self._timeout_s = timeout_s
         self._max_retries = max_retries
         self._model = model
@@ -108,6 +115,26 @@ class RolloutClient:
     def urls(self) -> list[str]:
         """The endpoint base URLs (the trainer checks whether they are all on this host)."""
         return [endpoint.url for endpoint in self._endpoints]
+
+    def set_endpoints(self, urls: list[str]) -> list[str]:
+        """Replace the endpoint set (a pool's ready replicas changed); returns the new URLs.
+
+        Endpoints that stay keep their load and failure state; requests in flight on a
+        removed one finish (or fail over) as usual. Concurrency stays at what the client
+        was sized for: more replicas add places to send work, not threads.
+        """
+        wanted = [u.rstrip("/") for u in urls]
+        if not wanted:
+            raise ValueError("set_endpoints needs at least one URL")
+        with self._slots:
+            current = {e.url: e for e in self._endpoints}
+            self._endpoints = [current.get(u) or _Endpoint(u, self._max_in_flight)
+                               for u in wanted]  # fmt: skip
+            self._slots.notify_all()
+        added = [u for u in wanted if u not in current]
+        if added or len(current) != len(wanted):
+            log.info("rollout endpoints now %s (added %s)", ", ".join(wanted), added or "none")
+        return added
 
     # ------------------------------------------------------------------ sampling
 
@@ -179,6 +206,14 @@ class RolloutClient:
 
     def load_weights(self, uri: str, version: int) -> None:
         """Make every endpoint serve ``version``; raises RolloutError naming the failures."""
+        if self.discover is not None:
+            try:
+                urls = self.discover()
+            except Exception as exc:  # keep the last known replicas; the load still happens
+                log.warning("rollout endpoint discovery failed before a weight load: %s", exc)
+            else:
+                if urls:
+                    self.set_endpoints(urls)
         with tracer.start_as_current_span("rollout.load_weights") as span:
             span.set_attribute("weights.version", version)
             carrier = inject_headers()

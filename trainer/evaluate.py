@@ -28,9 +28,9 @@ from posttrain.trainer.rewards import VerifyFn, score_samples
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-# Items sampled and scored per round: large enough to keep a pool of servers busy, small
-# enough that a progress line comes every few minutes even on one CPU server.
-EVAL_CHUNK = 32
+# Items sampled and scored per round: enough to keep a server's batch full, few enough that
+# a progress line comes every minute or two even on one CPU server (~10 s per HumanEval item).
+EVAL_CHUNK = 16
 
 EVAL_ACCURACY = Gauge(
     "posttrain_trainer_eval_accuracy", "Held-out accuracy at the last evaluation", ["domain"]
@@ -122,7 +122,8 @@ def evaluate_tasks(
         params = SamplingParams(n=1, max_tokens=max_new_tokens, temperature=temperature, seed=0)
         played = [t for t in tasks if episodes is not None and episodes.handles(t)]
         tasks = [t for t in tasks if episodes is None or not episodes.handles(t)]
-        progress = ItemProgress(f"eval {split} step {step}", len(tasks))
+        label = "evaluation" if split == "eval" else f"{split} evaluation at step {step}"
+        progress = ItemProgress(label, len(tasks))
         completions: list[Any] = []
         scored: list[Any] = []
         # In chunks, so a long evaluation (164 HumanEval items: half an hour on CPU) logs
@@ -144,6 +145,8 @@ def evaluate_tasks(
             )
             completions += chunk_completions
             progress.advance(len(chunk))
+        if tasks:
+            progress.finish()
         items = [
             EvalItem(
                 task_id=t.task_id,

@@ -87,7 +87,7 @@ def train(
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
     total = run.plans[-1].last_step
     stop_at = total if stop_after_step is None else min(total, stop_after_step)
-    base_eval = run.evaluate(0) if run.step == 0 and run.dist.is_main else None
+    base_eval = run.evaluate(0) if run.step == 0 and run.inline_eval else None
     run.final_eval = base_eval
     with ProgressReporter(out_dir, total, start_step=run.step) as progress:
         for plan in run.plans:
@@ -172,7 +172,6 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
             # 4. group advantages + dynamic sampling + loss coefficients
             prepared = prepare_batch(batch, scored, algorithm=algo.name,
                                      dynamic_sampling=algo.dynamic_sampling,
-                                     domain_weights=run.data.domain_weights,
                                      loss_config=run.loss_config, step=step)
             run.observe(batch, prepared)
             # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
@@ -214,7 +213,7 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
                 stage=plan.name)
             progress.record(metrics, span)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)
-        if run.dist.is_main and (step % spec.evaluation.every_steps == 0 or last):
+        if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
             run.final_eval = run.evaluate(step)
             run.auditor.observe_eval(step, prepared.domain_rewards, run.final_eval.accuracy)
             run.status.eval_accuracy = run.final_eval.accuracy
@@ -291,6 +290,8 @@ class Run:
         self.sampling = SamplingParams(n=self.algo.group_size, max_tokens=self.algo.max_new_tokens,
                                        temperature=self.algo.temperature, top_p=self.algo.top_p)
         self.producer, self.final_eval, self.last_checkpoint = None, None, None
+        # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluator.py)
+        self.inline_eval = dist.is_main and spec.evaluation.inline
         self.stage_state, self.stage_records = {}, []
         self.pending: list[RolloutRequest] = []  # restored RL work, handed to the producer
         self.sampled: list[Any] = []
@@ -391,7 +392,7 @@ class Run:
             self.publisher.publish(self.policy, self.version, durable=True)
         self.dist.barrier()
         score = None
-        if self.dist.is_main:
+        if self.inline_eval:
             self.final_eval = self.evaluate(self.step)
             self.status.eval_accuracy = self.final_eval.accuracy
             score = self.final_eval.overall

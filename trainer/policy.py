@@ -40,7 +40,7 @@ class TrainSample:
     completion_ids: list[int]
     behaviour_logprobs: list[float]  # from the rollout server, one per completion token
     advantage: float
-    coefficient: float  # from loss.sequence_coefficients (normalisation x domain weight)
+    coefficient: float  # from loss.sequence_coefficients (the batch normalisation)
     # Per completion token, 1 where the policy sampled it (gradient) and 0 where an
     # environment wrote it (a tool's output in a multi-turn episode: context, never a
     # target). None: every token is the policy's (single-turn completions).

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from posttrain.telemetry import get_tracer
+from posttrain.trainer.many_domains import MANY_DOMAINS, TABLE_K, table_summary
 
 tracer = get_tracer(__name__)
 
@@ -29,6 +30,8 @@ REWARD = Gauge("posttrain_trainer_reward_mean", "Mean reward of the last batch",
 LOSS = Gauge("posttrain_trainer_loss", "Policy loss of the last step")
 KL = Gauge("posttrain_trainer_kl", "Mean per-token KL to the reference at the last step")
 STEP_SECONDS = Gauge("posttrain_trainer_step_seconds", "Wall time of the last step")
+STALENESS = Gauge("posttrain_trainer_staleness_steps",
+                  "Weight versions the last batch's samples were behind the trainer's weights")
 SKIPPED_STEPS = Counter(
     "posttrain_trainer_skipped_steps_total", "Steps whose update was not applied", ["reason"]
 )
@@ -136,6 +139,7 @@ class ProgressReporter:
         LOSS.set(metrics.loss)
         KL.set(metrics.kl)
         STEP_SECONDS.set(metrics.step_seconds)
+        STALENESS.set(metrics.staleness)
         REWARD.labels("all").set(metrics.reward_mean)
         for domain, value in metrics.domain_rewards.items():
             REWARD.labels(domain).set(value)
@@ -181,14 +185,22 @@ class ProgressReporter:
     @staticmethod
     def _row_table(m: StepMetrics) -> Table:
         table = Table(show_header=m.step <= 1, box=None, pad_edge=False)
-        columns = ["step", "reward", *[f"r:{d}" for d in m.domain_rewards], "loss", "kl",
+        if len(m.domain_rewards) > MANY_DOMAINS:  # a column per domain would not fit
+            domain_columns = [f"worst {TABLE_K}", f"best {TABLE_K}"]
+            domain_cells = list(table_summary(m.domain_rewards))
+        else:
+            domain_columns = [f"r:{d}" for d in m.domain_rewards]
+            domain_cells = [f"{v:.3f}" for v in m.domain_rewards.values()]
+        columns = ["step", "reward", *domain_columns, "loss", "kl",
                    "clip", "len", "groups", "v", "secs"]
         for name in columns:
-            table.add_column(name, justify="right", min_width=7)
+            wide = name in domain_columns and len(m.domain_rewards) > MANY_DOMAINS
+            table.add_column(name, justify="right", min_width=16 if wide else 7,
+                             overflow="fold")
         table.add_row(
             str(m.step),
             f"{m.reward_mean:.3f}",
-            *[f"{v:.3f}" for v in m.domain_rewards.values()],
+            *domain_cells,
             f"{m.loss:+.4f}" if m.applied else f"skip:{m.skip_reason[:8]}",
             f"{m.kl:.4f}",
             f"{m.clip_fraction:.3f}",

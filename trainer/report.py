@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.trainer.evaluate import EvalItem, EvalResult
+from posttrain.trainer.many_domains import (
+    MANY_DOMAINS,
+    plot_eval_heatmap,
+    plot_reward_summary,
+    readable_rows,
+)
 from posttrain.trainer.progress import load_metrics
 
 
@@ -44,7 +50,13 @@ def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
     evals = latest_eval_per_step(out_dir, "heldout")
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    written = [plot_reward_accuracy(plt, metrics, evals, plots / "reward_accuracy.png")]
+    if len({d for m in metrics for d in m["domain_rewards"]}) > MANY_DOMAINS:
+        # One line per domain would be unreadable: overall, worst-k, best-k and a heatmap.
+        written = [plot_reward_summary(plt, metrics, evals, plots / "reward_accuracy.png")]
+        heatmap = plot_eval_heatmap(plt, evals, plots / "eval_matrix.png")
+        written += [heatmap] if heatmap else []
+    else:
+        written = [plot_reward_accuracy(plt, metrics, evals, plots / "reward_accuracy.png")]
     for key, title, ylabel, name in [
         ("kl", "KL to the reference model (k3 estimate)", "KL (nats / token)", "kl.png"),
         ("response_length", "Mean response length", "tokens", "response_length.png"),
@@ -234,12 +246,16 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
             "| domain | base | trained | change | items |",
             "| --- | ---: | ---: | ---: | ---: |",
         ]
-        for domain, before, after, n in comparison_rows(base, trained):
+        shown, left_out = readable_rows(comparison_rows(base, trained))
+        for domain, before, after, n in shown:
             lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
         lines.append(
             f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
             f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
         )
+        if left_out:
+            lines += ["", f"Shown: {left_out}; every domain is in "
+                      f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png."]
         lines += ["", *_agent_rows(base, trained), *_flip_examples(base, trained)]
     elif evals:
         only = evals[0]

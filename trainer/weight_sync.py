@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Histogram
 
 from posttrain.telemetry import get_tracer
 
@@ -42,6 +42,11 @@ tracer = get_tracer(__name__)
 PUBLISH_SECONDS = Histogram(
     "posttrain_trainer_weight_publish_seconds",
     "Time from a finished optimizer step until every rollout server serves the new weights",
+    ["transport"],
+)
+PUBLISH_BYTES = Counter(
+    "posttrain_trainer_weight_publish_bytes_total",
+    "Bytes of weights written per publish (the transfer every replica then reads)",
     ["transport"],
 )
 SHARED_MEMORY_ROOT = Path("/dev/shm")
@@ -67,26 +72,42 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def shareable_state_dict(model: Any) -> dict[str, Any]:
-    """The model's tensors without the tied output embedding (safetensors refuses aliases).
+def shareable_state_dict(model: Any, dtype: Any | None = None) -> dict[str, Any]:
+    """The model's tensors without the tied output embedding (safetensors refuses aliases),
+    floating-point ones cast to ``dtype`` when given (the replicas' serving dtype).
 
     The rollout engine accepts a missing ``lm_head.weight`` when embeddings are tied
-    (:func:`posttrain.rollout.engine.copy_state_dict`), exactly as with ``save_pretrained``.
+    (:func:`posttrain.rollout.engine.copy_state_dict`), exactly as with ``save_pretrained``;
+    both engines copy loaded tensors into their own parameters, casting as they go.
     """
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    return {
-        name: tensor.detach().contiguous()
-        for name, tensor in model.state_dict().items()
-        if not (tied and name == "lm_head.weight")
-    }
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[name] = tensor.contiguous()
+    return out
 
 
 class WeightPublisher:
     """Publishes policy versions to the rollout servers through the cheapest working path."""
 
     def __init__(
-        self, registry: Any, registry_uri: str, client: Any, scratch: Path, *, shared: bool
+        self,
+        registry: Any,
+        registry_uri: str,
+        client: Any,
+        scratch: Path,
+        *,
+        shared: bool,
+        dtype: Any | None = None,
     ) -> None:
+        """``dtype``: publish floating-point tensors in this dtype (the pool's serving dtype,
+        e.g. bf16 from fp32 master weights: half the bytes every replica reads); None
+        publishes what the trainer holds (bf16 already when it trains in bf16)."""
         self.registry = registry  # posttrain.storage.checkpoints.WeightRegistry
         self.registry_uri = registry_uri
         self.client = client  # posttrain.rollout.client.RolloutClient
@@ -98,6 +119,8 @@ class WeightPublisher:
             # tmpfs is RAM: do not leave 0.5 GB behind when the run dies with an exception.
             atexit.register(shutil.rmtree, self.shared_dir, ignore_errors=True)
         self.durable_versions: list[int] = []  # versions committed to the registry
+        self.dtype = dtype
+        self.last_bytes = 0  # bytes written by the last publish (all transports)
 
     @property
     def transport(self) -> str:
@@ -109,6 +132,7 @@ class WeightPublisher:
         ``durable`` also commits the version to the registry when the shared path served it.
         """
         started = time.monotonic()
+        self.last_bytes = 0
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
             if self.shared_dir is not None and not self._publish_shared(policy, version):
@@ -118,7 +142,11 @@ class WeightPublisher:
             elif durable:
                 self._publish_registry(policy, version, load=False)
             span.set_attribute("weights.transport", self.transport)
+            span.set_attribute("weights.bytes", self.last_bytes)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
+        PUBLISH_BYTES.labels(self.transport).inc(self.last_bytes)
+        log.info("published weights v%d: %.1f MB in %.2fs (%s)", version, self.last_bytes / 1e6,
+                 time.monotonic() - started, self.transport)  # fmt: skip
 
     def close(self) -> None:
         self._stop_sharing()
@@ -133,7 +161,8 @@ class WeightPublisher:
         assert self.shared_dir is not None
         target = self.shared_dir / version_dir_name(version)
         target.mkdir(exist_ok=True)
-        save_file(shareable_state_dict(policy.model), str(target / "model.safetensors"))
+        save_file(shareable_state_dict(policy.model, self.dtype), str(target / "model.safetensors"))
+        self.last_bytes += (target / "model.safetensors").stat().st_size
         try:
             self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
@@ -148,11 +177,19 @@ class WeightPublisher:
 
     def _publish_registry(self, policy: Any, version: int, *, load: bool) -> None:
         local = self.scratch / f"publish-v{version}"
-        policy.save_weights(local)
+        if self.dtype is None:
+            policy.save_weights(local)
+        else:  # weights only, cast: the registry's versions are for servers, not for resuming
+            from safetensors.torch import save_file
+
+            local.mkdir(parents=True, exist_ok=True)
+            save_file(shareable_state_dict(policy.model, self.dtype),
+                      str(local / "model.safetensors"))  # fmt: skip
         try:
-            self.registry.publish(version, local)
+            manifest = self.registry.publish(version, local)
         finally:
             shutil.rmtree(local, ignore_errors=True)
+        self.last_bytes += int(getattr(manifest, "total_bytes", 0))
         self.durable_versions.append(version)
         if load:
             self.client.load_weights(self.registry_uri, version)

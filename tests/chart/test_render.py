@@ -20,7 +20,7 @@ CASES = [None, *VALUES_FILES]
 CASE_IDS = ["defaults", *(p.stem for p in VALUES_FILES)]
 # Kinds kubernetes-validate has no schema for; they are checked against the real apiserver
 # (server-side dry-run) in test_install.py, or structurally below.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
 # OperatorConfig fields the chart sets ahead of the operator: GPU placement, pull secrets and the
 # default sandbox RuntimeClass are chart values the operator must put on the pods it creates.
 # Listed here so that a renamed field fails this test instead of being silently ignored.

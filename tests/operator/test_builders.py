@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -227,13 +228,31 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     dep = b.build_rollout_deployment(pool, CONFIG)
     assert dep["spec"]["replicas"] == 2
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
-    (server,) = dep["spec"]["template"]["spec"]["containers"]
+    pod = dep["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
     cmd = server["command"]
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen3-0.6B"]
-    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
-    assert cmd[cmd.index("--max-model-len") + 1] == "4096"
+    # The front door is the entrypoint; vLLM gets a loopback port the Service never exposes.
+    assert cmd[:3] == ["posttrain", "rollout", "vllm-entry"]
+    assert cmd[cmd.index("--model") + 1] == b.MODEL_LINK
+    assert cmd[cmd.index("--host") + 1] == "$(POD_IP)"
+    assert cmd[cmd.index("--port") + 1] == "8000"
+    assert cmd[cmd.index("--internal-port") + 1] == "0"
     assert cmd[cmd.index("--served-model-name") + 1] == "pool"
-    assert "--speculative-config" in cmd
+    engine_args = json.loads(cmd[cmd.index("--engine-args") + 1])
+    assert engine_args["tensor_parallel_size"] == 2
+    assert engine_args["max_model_len"] == 4096
+    assert engine_args["speculative"]["method"] == "ngram"
+    assert server["ports"] == [{"name": "http", "containerPort": 8000}]
+    service = b.build_rollout_service(pool)
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    # spec.model is resolved onto the pod's volume before the server starts.
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"] == ["posttrain", "rollout", "fetch-model", "--model",
+                                "Qwen/Qwen3-0.6B", "--link", b.MODEL_LINK]  # fmt: skip
+    assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    volumes = {v["name"] for v in pod["volumes"]}
+    assert {b.MODEL_VOLUME, "dshm"} <= volumes
+    assert {m["mountPath"] for m in server["volumeMounts"]} == {b.MODEL_MOUNT, "/dev/shm"}
     assert server["image"] == "vllm:1"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -349,3 +368,30 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
     )
     names = {e["name"] for e in explicit["spec"]["containers"][0]["env"]}
     assert b.ROLLOUT_ENDPOINTS_ENV not in names
+
+
+def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> None:
+    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    container = pod["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--metrics-port", str(CONFIG.pod_metrics_port)]
+    assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(container)  # none configured
+    # A Ray worker runs no trainer process, so it has nothing to scrape.
+    worker = b.build_trainer_pod(make_run(resources={"nodes": 2}), CONFIG, 0, 1)
+    assert "ports" not in worker["spec"]["containers"][0]
+    assert "annotations" not in worker["metadata"]
+
+    traced = CONFIG.model_copy(update={"otlp_endpoint": "http://collector.monitoring:4318"})
+    env = env_of(b.build_trainer_pod(make_run(), traced, 0, 0)["spec"]["containers"][0])
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.monitoring:4318"
+    assert env["OTEL_SERVICE_NAME"]["value"] == "posttrain-trainer"
+    deployment = b.build_rollout_deployment(make_pool(), traced)
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(
+        template["spec"]["containers"][0]["ports"][0]["containerPort"])
+    rollout_env = env_of(template["spec"]["containers"][0])
+    assert rollout_env["OTEL_SERVICE_NAME"]["value"] == "posttrain-rollout"
+    off = CONFIG.model_copy(update={"pod_metrics_port": 0})
+    assert "--metrics-port" not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"][
+        "containers"][0]["command"]

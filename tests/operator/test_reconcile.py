@@ -154,6 +154,43 @@ def test_pool_plan_scales_and_reports_selector() -> None:
     assert plan.status_patch["phase"] == "Degraded"
 
 
+def _vllm_pool_with(pod_status: dict[str, Any], model: str) -> dict[str, Any]:
+    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+                                       "spec": {"model": model, "replicas": 1}})
+    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    have = {**desired, "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1}}
+    pod = pod_view({"metadata": {"name": "p-abc"}, "status": pod_status})
+    plan = plan_rollout_pool(pool, desired, have, [pod], "sel", "http://p")
+    (ready,) = [c for c in plan.status_patch["conditions"] if c["type"] == "Ready"]
+    return ready
+
+
+def test_pool_unreachable_model_is_not_ready_naming_the_uri() -> None:
+    uri = "s3://models/missing-checkpoint"
+    ready = _vllm_pool_with({"phase": "Pending", "initContainerStatuses": [{
+        "name": "fetch-model", "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message":
+                      f"cannot fetch model {uri}: no objects under that prefix"}}}]}, uri)
+    assert ready["status"] == "False"
+    assert ready["reason"] == "ModelUnavailable"
+    assert uri in ready["message"] and "p-abc" in ready["message"]
+
+
+def test_pool_crash_looping_replica_surfaces_in_status() -> None:
+    ready = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
+        "name": "server", "restartCount": 4, "ready": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "RuntimeError: out of memory"}}}]},
+        "smollm2-135m-instruct")
+    assert ready["status"] == "False"
+    assert ready["reason"] == "ReplicaCrashLooping"
+    assert "4 restart(s)" in ready["message"] and "out of memory" in ready["message"]
+    healthy = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
+        "name": "server", "restartCount": 0, "state": {"running": {}}}]}, "m")
+    assert healthy["reason"] == "ReplicasUnavailable"
+
+
 def test_pod_view_reads_kubelet_status() -> None:
     view = pod_view({
         "metadata": {"name": "p", "labels": {"a": "b"}, "deletionTimestamp": "x"},

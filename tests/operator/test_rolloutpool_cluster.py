@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +77,90 @@ def test_pool_deployment_service_and_kubectl_scale(
     wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["template"][
         "spec"]["containers"][0]["ports"][0]["containerPort"] == 9000, what="rolling update")
     assert kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["replicas"] == 3
+
+
+def _replica_pod(kube: KubeClient, namespace: str, pool: str, name: str) -> None:
+    """A pod of the pool as its Deployment would create it (no controller runs here)."""
+    from posttrain.operator import builders as b
+    from posttrain.operator.kube import resource_path
+
+    kube.request("POST", resource_path("v1", "pods", namespace), {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {**b.MANAGED_BY, **b.pool_selector(pool)}},
+        "spec": {"containers": [{"name": "server", "image": "x"}]},
+    })  # fmt: skip
+
+
+def _patch_pod_status(kube: KubeClient, namespace: str, name: str, status: dict[str, Any]) -> None:
+    from posttrain.operator.kube import resource_path
+
+    kube.patch(resource_path("v1", "pods", namespace, name), {"status": status}, "status")
+
+
+def test_vllm_pool_reports_unreachable_model_and_ready_replica_urls(
+    operator: OperatorThread, kube: KubeClient, kubeconfig: Any, namespace: str,
+    tmp_path: Path,
+) -> None:
+    """Ready=False naming the model URI when the fetch step fails; the ready replicas' own
+    URLs in status.replicaEndpoints (read back by the trainer's PoolDiscovery) and the
+    version each serves, asked of the replica itself (a real server on loopback here)."""
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+
+    from posttrain.models import make_tiny_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.rollout.discovery import PoolDiscovery
+    from posttrain.rollout.server import ServerConfig, ServerThread
+
+    model = make_tiny_model(tmp_path / "model", seed=0)
+    server = ServerThread(ServerConfig(model=str(model), num_threads=1)).start()
+    try:
+        uri = "s3://checkpoints/no-such-run/step-00000007"
+        create_cr(kube, "rolloutpools", namespace, {
+            "kind": "RolloutPool", "metadata": {"name": "v"},
+            "spec": {"model": uri, "engine": "vllm", "replicas": 1, "port": server.port},
+        })  # fmt: skip
+        dep = wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "v"),
+                       what="Deployment")  # fmt: skip
+        template = dep["spec"]["template"]["spec"]
+        assert template["containers"][0]["command"][:3] == ["posttrain", "rollout", "vllm-entry"]
+        assert template["initContainers"][0]["command"][4] == uri
+        _replica_pod(kube, namespace, "v", "v-a")
+        _patch_pod_status(kube, namespace, "v-a", {
+            "phase": "Pending", "initContainerStatuses": [{
+                "name": "fetch-model", "ready": False, "restartCount": 3, "image": "x",
+                "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
+                                             "message": f"cannot fetch model {uri}: not found"}}}]})
+
+        def ready_condition() -> dict[str, Any] | None:
+            conditions = pool_status(kube, namespace, "v").get("conditions") or []
+            found = next((c for c in conditions if c["type"] == "Ready"), None)
+            return found if found and found.get("reason") == "ModelUnavailable" else None
+
+        condition = wait_for(ready_condition, what="Ready condition naming the model")
+        assert condition["status"] == "False" and uri in condition["message"]
+
+        # A healthy replica (the real server above, as if it ran in pod v-b on loopback).
+        url = f"http://127.0.0.1:{server.port}"
+        _replica_pod(kube, namespace, "v", "v-b")
+        _patch_pod_status(kube, namespace, "v-b", {
+            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
+            "conditions": [{"type": "Ready", "status": "True"}]})
+        status = wait_for(lambda: (s := pool_status(kube, namespace, "v")).get(
+            "weightVersion") == 0 and s, what="status.weightVersion 0")  # fmt: skip
+        assert status["replicaEndpoints"] == [url]
+        assert status["replicaWeights"] == [{"pod": "v-b", "endpoint": url, "weightVersion": 0}]
+        api = k8s.CustomObjectsApi(k8s_config.new_client_from_config(str(kubeconfig)))
+        discovery = PoolDiscovery("v", namespace, api=api)
+        assert discovery.wait_ready(timeout_s=5) == [url]
+        # The replica loads v3: the pool's status follows what it serves (resync asks it).
+        (tmp_path / "weights" / "v00000003").mkdir(parents=True)
+        (tmp_path / "weights" / "v00000003" / "model.safetensors").symlink_to(
+            model / "model.safetensors")
+        with RolloutClient([url], discover=discovery.ready_endpoints) as client:
+            client.load_weights(str(tmp_path / "weights"), 3)
+        wait_for(lambda: pool_status(kube, namespace, "v").get("weightVersion") == 3,
+                 what="status.weightVersion 3")  # fmt: skip
+    finally:
+        server.stop()

@@ -48,7 +48,8 @@ def test_single_node_run_children_status_split_and_success(
     assert (owner["kind"], owner["uid"]) == ("TrainingRun", run["metadata"]["uid"])
     main = pod["spec"]["containers"][0]
     assert main["command"] == ["posttrain", "run", "/etc/posttrain/run.yaml", "--out",
-                               "/workspace"]
+                               "/workspace", "--metrics-port", "9090"]
+    assert main["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
     env = {e["name"]: e for e in main["env"]}
     assert env["WORLD_SIZE"]["value"] == "1" and env["RANK"]["value"] == "0"

@@ -187,3 +187,22 @@ def test_chat_and_trace_context_propagation(two_servers: list[ServerThread]) -> 
     ]  # fmt: skip
     assert {s.name for s in server_spans} == {"rollout.chat_completions", "rollout.completions"}
     assert all(s.context.trace_id == trace_id for s in server_spans)
+
+
+def test_weight_loads_reach_replicas_discovered_after_start(
+    two_servers: list[ServerThread], tmp_path: Path,
+    publish_weights: Callable[[Path, int, float], Path],
+) -> None:
+    """A client started on one replica publishes to every replica ``discover`` lists."""
+    first, second = two_servers
+    publish_weights(tmp_path, 7, 0.0)
+    replicas = [first.url]
+    with RolloutClient([first.url], discover=lambda: list(replicas)) as client:
+        replicas.append(second.url)  # a replica became ready after the client started
+        client.load_weights(str(tmp_path), 7)
+        assert client.urls == [first.url, second.url]
+        assert client.weight_versions() == {first.url: 7, second.url: 7}
+        groups = client.generate([[1, 2]] * 4, SamplingParams(max_tokens=2, seed=3))
+        assert {c.weight_version for g in groups for c in g} == {7}
+        with pytest.raises(ValueError, match="at least one"):
+            client.set_endpoints([])

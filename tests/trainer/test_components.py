@@ -124,3 +124,27 @@ def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks),
                  "--server", dead]) == 2
     assert "unreachable" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # one rollout server start on the tiny model
+def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`posttrain eval` says how far it is (done/total, rate, ETA) instead of staying silent."""
+    import json
+    import logging
+
+    from posttrain.cli import main
+    from posttrain.models import make_tiny_model
+    from posttrain.trainer import evaluate
+
+    model = make_tiny_model(tmp_path / "tiny", seed=0)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(
+        json.dumps({"domain": "arithmetic", "prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+        + "\n" for i in range(2 * evaluate.EVAL_CHUNK + 3)))
+    with caplog.at_level(logging.INFO, logger="posttrain.progresslog"):
+        code = main(["eval", "--model", str(model), "--tasks", str(tasks), "--max-new-tokens", "4",
+                     "--out", str(tmp_path / "result.json")])
+    assert code == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "posttrain.progresslog"]
+    total = 2 * evaluate.EVAL_CHUNK + 3
+    assert lines and lines[-1].startswith(f"evaluation: {total}/{total} items (100%) in"), lines

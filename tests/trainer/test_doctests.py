@@ -8,8 +8,9 @@ import importlib
 import pytest
 
 MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "dpo", "evaluate",
-           "interrupt", "loop", "loss", "pipeline", "report", "rewards", "rollouts", "rundata",
-           "server_process", "sft", "stage_data", "status", "weight_sync"]
+           "interrupt", "loop", "loss", "many_domains", "pipeline", "report", "rewards",
+           "rollouts", "rundata", "server_process", "sft", "stage_data", "status",
+           "task_sources", "weight_sync"]
 
 
 @pytest.mark.parametrize("name", MODULES)

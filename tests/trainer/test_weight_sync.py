@@ -87,6 +87,34 @@ def test_shared_memory_publish_serves_the_new_version(
     assert not shared_dir.exists()
 
 
+def test_registry_publish_in_serving_dtype_halves_the_bytes(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path
+) -> None:
+    """bf16 from fp32 master weights: half the bytes, and the server serves them."""
+    from safetensors import safe_open
+
+    store = open_store(str(tmp_path / "run"))
+    registry = WeightRegistry(store, "weights", keep_last=3)
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    full = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=False)
+    full.publish(policy, 1)
+    half = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=False,
+                           dtype=torch.bfloat16)
+    _perturb(policy, seed=3)
+    half.publish(policy, 2)
+    assert full.last_bytes > 0 and half.last_bytes < 0.55 * full.last_bytes
+    with safe_open(str(tmp_path / "run" / "weights" / "v00000002" / "model.safetensors"),
+                   "pt") as handle:  # fmt: skip
+        assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118
+    prompt = policy.encode_prompt("What is 1 + 2?")
+    (completion,) = client.generate([prompt], SamplingParams(n=1, max_tokens=5, seed=7))[0]
+    assert completion.weight_version == 2
+    sample = TrainSample(prompt, completion.token_ids, completion.logprobs, 0.0, 0.0)
+    with torch.no_grad():  # the server runs the bf16-rounded weights: close, not equal
+        logp, behaviour, mask = policy.completion_logprobs(policy.model, [sample], 1.0)
+    assert ((logp - behaviour).abs() * mask).max() < 0.1
+
+
 def test_publisher_falls_back_to_the_registry_when_the_server_cannot_read_our_files(
     tiny_model: Path, client: RolloutClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,0 +1,107 @@
+"""Which replicas of a RolloutPool are ready, read from the pool's status.
+
+A Service URL hides the replicas behind one ClusterIP: a weight publish through it reaches
+one replica, and sampling cannot tell replicas apart. The operator therefore lists the
+ready replicas' own URLs in ``RolloutPool.status.replicaEndpoints`` (from the pods it
+watches, pod IP + port), and the trainer reads that list -- with a Role allowing ``get``
+on that one pool -- before each publish and every few seconds while sampling.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from posttrain.api import GROUP, VERSION
+
+log = logging.getLogger(__name__)
+
+POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # set by the operator when spec.rollout.pool names a pool
+NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
+
+
+class PoolDiscovery:
+    """Reads one RolloutPool's ready replica URLs through the Kubernetes API."""
+
+    def __init__(self, name: str, namespace: str, api: Any | None = None) -> None:
+        self.name = name
+        self.namespace = namespace
+        if api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.CustomObjectsApi()
+        self.api = api
+
+    @classmethod
+    def from_env(cls) -> PoolDiscovery | None:
+        name, namespace = os.environ.get(POOL_ENV), os.environ.get(NAMESPACE_ENV)
+        return cls(name, namespace) if name and namespace else None
+
+    def status(self) -> dict[str, Any]:
+        body = self.api.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "rolloutpools", self.name
+        )
+        return body.get("status") or {}
+
+    def ready_endpoints(self) -> list[str]:
+        """URLs of the pool's ready replicas (empty while none is ready)."""
+        return list(self.status().get("replicaEndpoints") or [])
+
+    def wait_ready(self, timeout_s: float, poll_s: float = 2.0) -> list[str]:
+        """Block until at least one replica is ready, logging why not; TimeoutError after.
+
+        The pool's Ready condition carries the reason (a model that cannot be fetched, a
+        crash-looping replica), so the wait says what the trainer is waiting on.
+        """
+        started = time.monotonic()
+        next_log = started
+        while True:
+            status = self.status()
+            urls = list(status.get("replicaEndpoints") or [])
+            if urls:
+                return urls
+            ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"),
+                         {})  # fmt: skip
+            why = f"{ready.get('reason', 'no status yet')}: {ready.get('message', '')}"
+            elapsed = time.monotonic() - started
+            if elapsed >= timeout_s:
+                raise TimeoutError(
+                    f"RolloutPool {self.namespace}/{self.name} has no ready replica after "
+                    f"{timeout_s:.0f}s ({why})"
+                )
+            if time.monotonic() >= next_log:
+                log.info("waiting for a ready replica of RolloutPool %s/%s (%.0fs of %.0fs; %s)",
+                         self.namespace, self.name, elapsed, timeout_s, why)  # fmt: skip
+                next_log = time.monotonic() + 15
+            time.sleep(poll_s)
+
+
+def follow_pool(
+    client: Any, discover: Callable[[], list[str]], interval_s: float = 5.0
+) -> threading.Event:
+    """Keep ``client``'s endpoints equal to the pool's ready replicas; set the event to stop.
+
+    An empty answer (every replica restarting) keeps the last known set: the client's
+    retries and cool-downs handle dead endpoints better than having none.
+    """
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(interval_s):
+            try:
+                urls = discover()
+                if urls and sorted(urls) != sorted(client.urls):
+                    client.set_endpoints(urls)
+            except Exception as exc:  # the API being briefly unreachable must not kill a run
+                log.warning("refreshing rollout endpoints failed: %s", exc)
+
+    threading.Thread(target=run, name="rollout-discovery", daemon=True).start()
+    return stop
