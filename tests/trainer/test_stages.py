@@ -231,7 +231,8 @@ def test_builtin_answers_are_right_and_rejected_ones_wrong() -> None:
         held_out = {t.prompt for t in builtin_tasks(name, "eval", 64)}
         pairs = list(builtin_records(name, "dpo"))
         demos = list(builtin_records(name, "sft"))
-        assert len(demos) == len(tasks) and len(pairs) > 0.9 * len(tasks)
+        # a pair whose shifted answer still passes the tests is dropped (not a wrong answer)
+        assert len(demos) == len(tasks) and len(pairs) > len(tasks) // 2
         pairs, demos = pairs[:: len(pairs) // n][:n], demos[:: len(demos) // n][:n]
         for raw in pairs:
             task = tasks[raw.record["prompt"]].to_dict()
