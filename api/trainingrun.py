@@ -259,21 +259,40 @@ class RolloutSource(ApiModel):
 
 
 class SandboxPolicy(ApiModel):
-    """How untrusted completions (code, shell) are executed for verification."""
+    """How untrusted completions (code, shell) are executed for verification.
+
+    An execution the sandbox could not perform (runner unreachable or saturated, SandboxTask
+    pod not scheduled, bubblewrap refused) is never scored: it is retried, counted in
+    ``posttrain_verifier_infra_failures_total`` and in ``status.sandbox``, and shown as the
+    run's ``SandboxAvailable`` condition; after ``unavailableTimeoutSeconds`` the run fails.
+    """
 
     mode: Literal["local", "runner", "task"] = "local"
-    """local: the bubblewrap executor in the trainer's pod; runner: a sandbox runner server;
-    task: one SandboxTask object per verification (slow, fully isolated pods)."""
-    runner_url: str | None = None
-    """Base URL of the sandbox runner when mode=runner."""
-    timeout_seconds: float = Field(default=10, gt=0, le=3600)
-    """Wall-clock limit per execution."""
+    """local: the bubblewrap executor inside the trainer process (laptops; in a cluster the
+    operator gives the trainer pod what bubblewrap needs); runner: a sandbox runner server
+    (``runnerUrl``, or one the operator runs for this run); task: one SandboxTask object per
+    execution, created and awaited by the trainer (slow, fully isolated pods)."""
+    runner_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    """Base URL of a sandbox runner (``posttrain sandbox serve``) when mode=runner. Unset: the
+    operator runs one for this run (Deployment and Service ``<run>-sandbox-runner``, restricted
+    pods, ``maxConcurrency`` slots) and hands its URL to the trainer."""
+    timeout_seconds: float = Field(default=60, gt=0, le=3600)
+    """The most wall-clock time one execution may take, in every mode (a verifier's own
+    smaller ``timeout_s`` applies first; 60 leaves the built-in verifiers' defaults, at most
+    60 s, as they are). In task mode the SandboxTask pod gets the execution's time; starting
+    the pod does not count."""
     memory_mb: int = Field(default=512, ge=16)
-    """Memory limit per execution."""
+    """The most memory one execution may use (a verifier's own smaller ``memory_mb`` applies
+    first): RLIMIT_AS in local and runner mode, the SandboxTask pod's memory limit in task
+    mode."""
     max_concurrency: int = Field(default=2, ge=1)
-    """Executions in parallel."""
+    """Executions the trainer has in flight at once (and the slots of the operator's runner)."""
     runtime_class_name: str | None = None
-    """RuntimeClass (gvisor, kata) for SandboxTask pods when mode=task."""
+    """RuntimeClass (gvisor, kata) of the SandboxTask pods (task) and of the operator's runner
+    pods (runner without runnerUrl); unset: the operator's default for sandbox pods."""
+    unavailable_timeout_seconds: int = Field(default=600, ge=1, le=86400)
+    """How long a step waits, retrying, for a sandbox that keeps failing before the trainer
+    fails the run (loudly, naming the sandbox); a wrong answer is never assumed instead."""
 
 
 class TrainerResources(ApiModel):
@@ -348,12 +367,6 @@ class TrainingRunSpec(ApiModel):
                     "rule": "self.domains.exists(d, d.weight > 0)",
                     "message": "domains: at least one domain needs weight > 0",
                     "fieldPath": ".domains",
-                },
-                {
-                    "rule": "!has(self.sandbox) || !has(self.sandbox.mode) || "
-                    "self.sandbox.mode != 'runner' || has(self.sandbox.runnerUrl)",
-                    "message": "sandbox.runnerUrl is required when sandbox.mode is 'runner'",
-                    "fieldPath": ".sandbox",
                 },
                 {
                     "rule": "!has(self.stages) || self.stages.filter(s, s.type == 'rl').size() <= 1",
@@ -452,8 +465,6 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(f"domains: names must be unique, repeated: {dupes}")
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
-        if self.sandbox.mode == "runner" and not self.sandbox.runner_url:
-            raise ValueError("sandbox.runnerUrl is required when sandbox.mode is 'runner'")
         _check_stages(self.stages)
         return self
 
@@ -527,6 +538,23 @@ class StageStatus(ApiModel):
     promptTooLong)."""
 
 
+class SandboxHealth(ApiModel):
+    """What the trainer saw of its sandbox: the operator turns it into the SandboxAvailable
+    condition (the trainer reports facts, the operator owns conditions)."""
+
+    mode: Literal["local", "runner", "task"]
+    """spec.sandbox.mode the trainer uses."""
+    endpoint: str | None = None
+    """The runner URL (runner mode) or namespace (task mode) executions go to."""
+    available: bool = True
+    """False while executions keep failing for reasons that are not the program's."""
+    infra_failures: int = 0
+    """Executions the sandbox failed so far, each retried and never scored."""
+    last_error: str | None = None
+    """The latest such failure, in words."""
+    last_failure_time: datetime | None = None
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
 
@@ -557,6 +585,11 @@ class TrainingRunStatus(ApiModel):
     """Weights version last published to the rollout servers."""
     restarts: int = 0
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
+    sandbox: SandboxHealth | None = None
+    """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    reports_uri: str | None = None
+    """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
+    the report as it writes them; ``posttrain report <reportsUri>`` renders them."""
     ray_cluster: str | None = None
     """The KubeRay RayCluster of the current gang (multi-node runs when KubeRay is installed)."""
     ray_cluster_state: str | None = None

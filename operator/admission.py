@@ -21,6 +21,7 @@ from . import builders as b
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
 from .kueue import (
+    FLAVOR_PLURAL,
     KUEUE_API_VERSION,
     WORKLOAD_PLURAL,
     build_workload,
@@ -105,6 +106,29 @@ class KueueAdmission:
             # A merge patch replaces the list: Kueue's own conditions are kept in it.
             self.workloads.put(self.kube.patch(
                 path, {"status": {"conditions": [*kept, finished]}}, "status"))
+
+    def placed(self, run: TrainingRun, gate: KueueGate | None) -> TrainingRun:
+        """``run`` with the node labels of the ResourceFlavors Kueue admitted it to added to
+        its node selector, so the pods land where the quota was taken (what Kueue's own
+        integrations inject on start). Unchanged when not admitted through Kueue."""
+        workload = gate.workload if gate is not None else None
+        if workload is None or not workload.flavors:
+            return run
+        labels: dict[str, str] = {}
+        for flavor in workload.flavors:
+            status, body = self.kube.request(
+                "GET", f"/apis/{KUEUE_API_VERSION}/{FLAVOR_PLURAL}/{flavor}",
+                ok=(200, 403, 404))
+            if status != 200:  # 403: a namespaced install without the ClusterRole part
+                log.warning("cannot read ResourceFlavor %s assigned by Kueue (HTTP %d); the "
+                            "pods get no node labels from it", flavor, status)
+                continue
+            labels.update((body.get("spec") or {}).get("nodeLabels") or {})
+        if not labels:
+            return run
+        placed = run.model_copy(deep=True)
+        placed.spec.resources.node_selector = {**run.spec.resources.node_selector, **labels}
+        return placed
 
     def refresh(self, namespaces: list[str]) -> None:
         """Re-list the Workloads of namespaces with queue-labelled runs (resync safety net:

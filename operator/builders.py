@@ -38,6 +38,7 @@ from posttrain.api.labels import (
     MANAGED_BY,
 )
 
+from . import sandbox_runner
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -213,6 +214,7 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
     rules = [rule if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
              else {**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
     if run.spec.rollout.pool and not run.spec.rollout.endpoints:
         # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
         rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
@@ -334,6 +336,7 @@ def build_trainer_pod(
         *_s3_env(config),
         *otlp_env(config, "posttrain-trainer", run),
     ]
+    env += sandbox_runner.trainer_sandbox_env(run)
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
         # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
@@ -380,6 +383,7 @@ def build_trainer_pod(
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
     _schedule(pod_spec, config, config.trainer_node_selector, res.node_selector,
               config.trainer_tolerations, config.trainer_affinity)
+    sandbox_runner.apply_local_sandbox_context(run, pod_spec)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
     annotations = None
@@ -444,7 +448,7 @@ def build_trainer_children(
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
-    return children
+    return children + sandbox_runner.build_runner_children(run, config)
 
 
 # ---------------------------------------------------------------- TrainingRun on KubeRay

@@ -35,6 +35,9 @@ class OperatorConfig(BaseModel):
     """Image of trainer pods when a TrainingRun sets no resources.image (has posttrain[train,ray])."""
     sandbox_image: str = "python:3.11-slim"
     """Image of SandboxTask pods when the task sets none (the API default wins: spec.image)."""
+    sandbox_runner_image: str = "ghcr.io/posttrain/sandbox:0.1.0"
+    """Image of the sandbox runner the operator starts for runs with sandbox.mode runner and no
+    runnerUrl (``posttrain sandbox serve`` with bubblewrap: sandboxes/Dockerfile)."""
     sandbox_init_image: str = "busybox:1.37"
     """Tiny image whose ``cp`` copies task files into the writable workdir before the program."""
     rollout_cpu_image: str = "ghcr.io/posttrain/posttrain:0.1.0"

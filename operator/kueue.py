@@ -25,6 +25,7 @@ from posttrain.api import TrainingRun
 
 KUEUE_API_VERSION = "kueue.x-k8s.io/v1beta2"  # Kueue's storage version since v0.15
 WORKLOAD_PLURAL = "workloads"
+FLAVOR_PLURAL = "resourceflavors"
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 POD_SET_NAME = "trainer"  # one pod set: the whole gang (head and workers have one shape)
 
@@ -97,6 +98,8 @@ class WorkloadView:
     finished: bool = False
     active: bool = True
     deleting: bool = False
+    flavors: tuple[str, ...] = ()
+    """ResourceFlavors Kueue assigned (status.admission.podSetAssignments[].flavors)."""
 
 
 def _condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -126,6 +129,8 @@ def workload_view(body: dict[str, Any]) -> WorkloadView:
         pending_message=str(reserved.get("message") or "")
         if reserved.get("status") == "False" else "",
         finished=_condition(status, "Finished").get("status") == "True",
+        flavors=tuple(sorted({str(f) for a in (status.get("admission") or {}).get(
+            "podSetAssignments") or [] for f in (a.get("flavors") or {}).values()})),
         active=(body.get("spec") or {}).get("active", True) is not False,
         deleting=bool(meta.get("deletionTimestamp")),
     )

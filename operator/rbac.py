@@ -22,7 +22,8 @@ OPERATOR_RULES: list[Rule] = [
     # annotations, the gang incarnation); delete finished SandboxTasks after their TTL.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
-    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "delete"]},
+    # create: only so it may grant task-mode trainers that right (an RBAC escalation check).
+    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "create", "delete"]},
     {"apiGroups": [GROUP], "resources": ["sandboxwarmpools"], "verbs": READ},
     # Status is ours to write (phase, conditions, results), through merge patches.
     {
@@ -62,6 +63,8 @@ OPERATOR_RULES: list[Rule] = [
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
      "verbs": [*READ, "create", "patch"]},
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
+    # The node labels of the ResourceFlavors a Workload was admitted to go on its pods.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
     # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
     # so creating them is not an escalation).
     {

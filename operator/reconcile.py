@@ -535,6 +535,7 @@ def plan_training_run(
         plan.finish_workload = workload is not None and not workload.finished
         return plan
 
+    conditions = _sandbox_condition(run, conditions, plan)
     if spec.suspend:
         if workload is not None and workload.active:
             plan.workload_active = False  # Kueue evicts it and gives the quota back
@@ -650,6 +651,30 @@ def plan_training_run(
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _sandbox_condition(run: TrainingRun, conditions: list[Condition],
+                       plan: RunPlan) -> list[Condition]:
+    """SandboxAvailable from what the trainer reported in status.sandbox (absent until the
+    trainer first verified with it); a change posts an event naming the sandbox."""
+    health = run.status.sandbox
+    if health is None:
+        return conditions
+    gen = run.metadata.generation
+    where = f"{health.mode} sandbox {health.endpoint or ''}".rstrip()
+    if health.available:
+        status, reason = "True", Reason.SANDBOX_WORKING
+        message = f"{where} performs executions ({health.infra_failures} failure(s) retried)"
+    else:
+        status, reason = "False", Reason.SANDBOX_UNAVAILABLE
+        message = (f"{where}: {health.last_error or 'executions fail'}; retried "
+                   f"{health.infra_failures} time(s), no sample scored while it fails")
+    before = get_condition(conditions, ConditionType.SANDBOX_AVAILABLE)
+    if before is None or before.status != status:
+        plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason,
+                                     message))
+    return set_condition(conditions, ConditionType.SANDBOX_AVAILABLE, status, reason,
+                         message[:1000], gen)
 
 
 def _plan_kueue_admission(

@@ -407,7 +407,35 @@ def write_report(run_dir: Path, out: Path | None, manifest: Path | None = None) 
     return out
 
 
+def fetch_reports(uri: str, local_dir: Path) -> Path:
+    """Download a cluster run's uploaded outputs (``s3://.../reports`` or the run prefix
+    above it) into ``local_dir``; the directory to build the report from."""
+    from posttrain.storage.reports import REPORTS_DIR, download_reports
+    from posttrain.storage.store import open_store
+
+    prefix_uri = uri.rstrip("/")
+    if prefix_uri.endswith(f"/{REPORTS_DIR}"):
+        prefix_uri = prefix_uri[: -len(REPORTS_DIR) - 1]
+    store = open_store(prefix_uri, create_bucket=False)
+    count = download_reports(store, local_dir)
+    if count == 0:
+        raise UsageError(
+            f"{uri}: no outputs under {store.uri(REPORTS_DIR)}/; pass a run's status.reportsUri "
+            "(posttrain describe tr NAME shows it) or its s3:// prefix")
+    log.info("downloaded %d output file(s) from %s", count, store.uri(REPORTS_DIR))
+    return local_dir
+
+
 def report_command(args: argparse.Namespace) -> int:
-    path = write_report(args.run_dir, args.out, args.manifest)
+    source = str(args.run_dir)
+    if source.startswith("s3://"):
+        import tempfile
+
+        name = [p for p in source.rstrip("/").split("/") if p and p != "reports"][-1]
+        with tempfile.TemporaryDirectory(prefix="posttrain-report-") as tmp:
+            run_dir = fetch_reports(source, Path(tmp) / name)
+            path = write_report(run_dir, args.out or Path(f"{name}-report.html"), args.manifest)
+    else:
+        path = write_report(Path(source), args.out, args.manifest)
     print(f"wrote {path}")
     return 0

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
 from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.checkpoint import (
@@ -59,6 +60,24 @@ from posttrain.trainer.status import (
 from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host
 
 log = logging.getLogger(__name__)
+
+
+OUTPUTS = ("metrics.jsonl", "status.json", "eval", "audit", "plots", "report.md")
+"""What a run writes under its out dir for people to read (``posttrain report`` renders it)."""
+
+
+def output_files(out_dir: Path) -> list[tuple[str, Path]]:
+    """The (relative path, path) of every output file written so far."""
+    from posttrain.storage.commit import local_files
+
+    found: list[tuple[str, Path]] = []
+    for name in OUTPUTS:
+        path = out_dir / name
+        if path.is_file():
+            found.append((name, path))
+        elif path.is_dir():
+            found += [(f"{name}/{rel}", p) for rel, p in local_files(path)]
+    return found
 
 
 @dataclass
@@ -137,6 +156,7 @@ def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at
         elif run.dist.is_main and saved:
             run.save_checkpoint(None)
         run.report_progress()
+        run.sync_outputs()
         if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
             if not saved and run.dist.is_main:
                 run.save_checkpoint(None)  # pressed during reporting
@@ -216,6 +236,7 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
         if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
             run.final_eval = run.evaluate(step)
             run.auditor.observe_eval(step, prepared.domain_rewards, run.final_eval.accuracy)
+            run.auditor.write_spot_checks()  # the export is refreshed at each eval
             run.status.eval_accuracy = run.final_eval.accuracy
         if last:
             run.close_stage_record(plan)
@@ -225,9 +246,11 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
             run.save_checkpoint(run.final_eval.overall if evaluated else None)
         if last:
             run.announce_stage_end(plan)
-        run.status.reward_mean = metrics.reward_mean
-        run.status.domain_rewards = metrics.domain_rewards
+        with run._status_lock:
+            run.status.reward_mean = metrics.reward_mean
+            run.status.domain_rewards = metrics.domain_rewards
         run.report_progress()
+        run.sync_outputs()
         if budget_spent:
             log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
             return True
@@ -265,7 +288,16 @@ class Run:
 
         self.started = time.monotonic()
         self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
-        self.reporter, self.dist, self.verify = reporter, dist, verify
+        self.reporter, self.dist = reporter, dist
+        self._status_lock = threading.Lock()  # verifier threads report sandbox health too
+        self._sandbox_reported = (True, 0.0)  # (available, when) of the last health report
+        self.verification: Any = None
+        if verify is None:  # spec.sandbox decides where code runs (trainer/verification.py)
+            from posttrain.trainer.verification import build_verification
+
+            self.verification = build_verification(spec.sandbox, on_health=self.report_sandbox)
+            verify = self.verification.verify
+        self.verify: VerifyFn = verify
         out_dir.mkdir(parents=True, exist_ok=True)
         self.data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompts
         self.plans = plan_stages(spec)
@@ -275,6 +307,10 @@ class Run:
                                              AutoTokenizer.from_pretrained(self.base_dir))
         self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
         store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
+        # With storage of its own (always in a cluster), the run's outputs go there as they
+        # are written: a pod's emptyDir dies with the pod and with every gang restart.
+        self.outputs = (ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main
+                        else None)
         self.checkpointer = Checkpointer(store, spec.checkpoint.keep_last,
                                          spec.checkpoint.keep_best)
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
@@ -324,7 +360,10 @@ class Run:
         current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
         run.status = RunStatus(phase="Running", step=run.step,
                                max_steps=run.plans[-1].last_step, weight_version=run.version,
-                               stage=current, stages=list(run.stage_records))
+                               stage=current, stages=list(run.stage_records),
+                               reports_uri=run.outputs.uri() if run.outputs else None,
+                               sandbox=run.verification.health.to_wire()
+                               if run.verification and run.data.executes_code() else None)
         return run
 
     def announce_start(self, resumed: bool) -> None:
@@ -487,10 +526,39 @@ class Run:
         self.status.last_checkpoint = self.last_checkpoint = path
         return path
 
+    def sync_outputs(self) -> None:
+        """Upload new or changed output files (never fails the run: the next sync retries)."""
+        if self.outputs is None:
+            return
+        try:
+            self.outputs.sync(output_files(self.out_dir))
+        except Exception as exc:
+            log.warning("could not upload outputs to %s (retried at the next step): %s",
+                        self.outputs.uri(), exc)
+
     def report_progress(self) -> None:
-        self.status.step, self.status.weight_version = self.step, self.version
-        self.status.stages = list(self.stage_records)
-        self.reporter.report(self.status)
+        with self._status_lock:
+            self.status.step, self.status.weight_version = self.step, self.version
+            self.status.stages = list(self.stage_records)
+            if self.verification is not None and self.status.sandbox is not None:
+                self.status.sandbox = self.verification.health.to_wire()
+            self.reporter.report(self.status)
+
+    def report_sandbox(self, health: Any) -> None:  # verification.SandboxHealth
+        """Put the sandbox's health into the status at once when it changes (the operator
+        shows it as the SandboxAvailable condition), and at most every 10 s while a failing
+        sandbox keeps the step waiting."""
+        now = time.monotonic()
+        with self._status_lock:
+            was_available, reported_at = self._sandbox_reported
+            if health.available == was_available and now - reported_at < 10.0:
+                return
+            status = getattr(self, "status", None)
+            if status is None:  # before the run started: nothing to report yet
+                return
+            self._sandbox_reported = (health.available, now)
+            status.sandbox = health.to_wire()
+            self.reporter.report(status)
 
     def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
@@ -502,10 +570,11 @@ class Run:
         self.auditor.write_spot_checks()
         plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
         total = self.plans[-1].last_step
-        self.status.phase = "Succeeded" if self.step >= total else "Running"
-        if interrupted and self.step < total:
-            self.status.phase = INTERRUPTED
-            self.status.message = f"stopped by Ctrl-C after step {self.step}"
+        with self._status_lock:  # phase, message: status.json only; in a cluster the operator's
+            self.status.phase = "Succeeded" if self.step >= total else "Running"
+            if interrupted and self.step < total:
+                self.status.phase = INTERRUPTED
+                self.status.message = f"stopped by Ctrl-C after step {self.step}"
         self.report_progress()
         wall = time.monotonic() - self.started
         facts = {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
@@ -513,6 +582,7 @@ class Run:
                  "stages": " -> ".join(f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})"
                                        for p in self.plans)}
         write_report(self.out_dir, "posttrain run report", facts, stages=self.stage_records)
+        self.sync_outputs()
         return wall
 
 

@@ -34,6 +34,10 @@ class RunData:
     regression: list[Task]
     verifiers: VerifierSpecs
 
+    def executes_code(self) -> bool:
+        """Whether a domain's verifier runs completions in the sandbox (unit_tests, shell)."""
+        return any(kind in ("unit_tests", "shell") for kind, _ in self.verifiers.values())
+
 
 def balanced_subset(tasks: list[Task], limit: int) -> list[Task]:
     """Up to ``limit`` tasks taken round-robin across strata (so eval covers every level).

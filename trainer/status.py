@@ -2,9 +2,13 @@
 
 The operator reconciles TrainingRuns from ``.status``; the trainer is the only one who
 knows the step, rewards and checkpoints, so it patches the status subresource itself
-(merge patch: it only touches the fields it owns, never ``conditions`` or
-``observedGeneration``, which belong to the operator). Reporting must never kill a run:
-API errors are logged and the next report retries with fresh numbers.
+(merge patch: it only touches the fields it owns). ``phase``, ``message``, ``conditions``
+and ``observedGeneration`` belong to the operator alone: it moves the run to Succeeded when
+the trainer pod exits 0, with the Succeeded condition, completionTime and an event. (A
+trainer that wrote ``phase: Succeeded`` itself made the operator treat the run as already
+finished and skip all of that.) ``status.json`` of a local run, which has no operator, keeps
+the phase. Reporting must never kill a run: API errors are logged and the next report
+retries with fresh numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Shows in managedFields who owns step/rewardMean/...: the operator owns phase and conditions.
 FIELD_MANAGER = "posttrain-trainer"
+OPERATOR_OWNED = ("phase", "message")
+"""RunStatus fields a trainer in a cluster never patches: the operator writes them."""
 
 RUN_NAME_ENV = "POSTTRAIN_RUN_NAME"
 RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
@@ -30,7 +36,7 @@ RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
 class RunStatus:
     """The trainer-owned part of ``TrainingRunStatus`` (snake_case here, camelCase on the wire)."""
 
-    phase: str = "Running"  # Pending | Running | Succeeded | Failed
+    phase: str = "Running"  # Running | Succeeded: status.json only (see OPERATOR_OWNED)
     step: int = 0
     max_steps: int = 0
     reward_mean: float | None = None
@@ -41,6 +47,8 @@ class RunStatus:
     message: str | None = None
     stage: str | None = None  # the pipeline stage being trained
     stages: list[dict[str, Any]] = field(default_factory=list)  # StageStatus wire dicts
+    sandbox: dict[str, Any] | None = None  # verification.SandboxHealth.to_wire()
+    reports_uri: str | None = None  # where the outputs are uploaded as they are written
 
     def to_wire(self) -> dict[str, Any]:
         """camelCase, Nones dropped (a merge patch with null would *delete* the field).
@@ -113,6 +121,7 @@ class KubeStatusReporter:
     def report(self, status: RunStatus) -> None:
         from posttrain.api.base import GROUP, VERSION
 
+        wire = {k: v for k, v in status.to_wire().items() if k not in OPERATOR_OWNED}
         try:
             self.api.patch_namespaced_custom_object_status(
                 GROUP,
@@ -120,7 +129,7 @@ class KubeStatusReporter:
                 self.namespace,
                 "trainingruns",
                 self.name,
-                {"status": status.to_wire()},
+                {"status": wire},
                 field_manager=FIELD_MANAGER,
             )
         except Exception as exc:  # a flaky apiserver must not stop training

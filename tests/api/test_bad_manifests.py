@@ -131,10 +131,10 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         ["spec.algoritm", "Extra inputs are not permitted"],
     ),
     (
-        "runner-without-url",
-        run_with(_set("sandbox.mode", "runner")),
-        ["sandbox.runnerUrl is required"],
-        ["sandbox.runnerUrl is required"],
+        "runner-url-without-scheme",  # no URL at all is fine: the operator runs a runner
+        run_with(_set("sandbox.runnerUrl", "sandbox-runner:8090")),
+        ["spec.sandbox.runnerUrl", "should match"],
+        ["sandbox.runnerUrl"],
     ),
     (
         "stage-rl-not-last",

@@ -182,7 +182,10 @@ def test_production_values(render: Render) -> None:
     # Namespaced mode: Roles only in the watched namespaces, nothing namespaced cluster-wide.
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team-a", "ml-team-b"]
-    assert not by_kind(objects, "ClusterRole"), "namespaced mode needs no ClusterRole today"
+    # The one cluster-scoped read: Kueue's ResourceFlavors (their node labels go on the pods).
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": ["kueue.x-k8s.io"],
+                                      "resources": ["resourceflavors"], "verbs": ["get"]}]
     peerings = by_kind(objects, "KopfPeering")
     assert {p["metadata"]["namespace"] for p in peerings} == {"ml-team-a", "ml-team-b"}
     deny = [o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"].endswith("deny")]

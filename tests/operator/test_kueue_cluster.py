@@ -59,11 +59,12 @@ def _condition(kind: str, status: str, reason: str, message: str) -> dict[str, A
             "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
 
 
-def admit(kube: KubeClient, namespace: str, name: str, count: int) -> None:
+def admit(kube: KubeClient, namespace: str, name: str, count: int,
+          flavor: str = "default-flavor") -> None:
     """Play Kueue's scheduler: reserve quota in ClusterQueue ``posttrain`` and admit."""
     status = {
         "admission": {"clusterQueue": "posttrain", "podSetAssignments": [
-            {"name": "trainer", "count": count, "flavors": {"cpu": "default-flavor"},
+            {"name": "trainer", "count": count, "flavors": {"cpu": flavor},
              "resourceUsage": {"cpu": str(2 * count)}}]},
         "conditions": [
             _condition("QuotaReserved", "True", "QuotaReserved", "Quota reserved in posttrain"),
@@ -166,12 +167,20 @@ def test_queued_run_stays_suspended_until_its_workload_is_admitted(
 def test_suspending_a_queued_run_deactivates_its_workload(
     kueue_crds: None, operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
+    flavor = f"gpu-{namespace}"
+    kube.request("POST", f"/apis/{KUEUE_API_VERSION}/resourceflavors", {
+        "apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": flavor},
+        "spec": {"nodeLabels": {"cloud.example.com/pool": "a100"}}})
     body = run_body("s")
     body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}  # type: ignore[index]
     create_cr(kube, "trainingruns", namespace, body)
     wait_for(lambda: workload(kube, namespace, "trainingrun-s"), what="Workload")
-    admit(kube, namespace, "trainingrun-s", 1)
+    admit(kube, namespace, "trainingrun-s", 1, flavor=flavor)
     wait_for(lambda: trainer_pods(kube, namespace, "s") == ["s-g0-0"], what="pod on admission")
+    # The pod lands where Kueue took the quota: the flavor's node labels are in its selector.
+    pod = kube.get("v1", "Pod", namespace, "s-g0-0")
+    assert pod is not None
+    assert pod["spec"]["nodeSelector"]["cloud.example.com/pool"] == "a100"
     kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": True}})
     wait_for(lambda: (workload(kube, namespace, "trainingrun-s") or {})["spec"].get("active")
              is False, what="Workload deactivated (Kueue then releases the quota)")
