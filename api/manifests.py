@@ -106,7 +106,8 @@ def model_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMod
         if info is None:
             return None
         current = info.annotation
-    return _model_type(current)
+    found = _model_type(current)
+    return found if isinstance(found, type) and issubclass(found, BaseModel) else None
 
 
 def _model_type(annotation: Any) -> Any:

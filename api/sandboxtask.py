@@ -14,7 +14,6 @@ from .base import (
     ApiModel,
     Condition,
     ObjectMeta,
-    VerifierSpec,
 )
 
 TaskPhase = Literal["Pending", "Running", "Succeeded", "Failed"]
@@ -52,8 +51,6 @@ class SandboxTaskSpec(ApiModel):
     """Files written into the writable workdir before the command runs (name -> content)."""
     stdin: str | None = None
     """Text piped to the command."""
-    verifier: VerifierSpec | None = None
-    """Scores the output into status.reward; absent = reward 1 on exit code 0."""
     timeout_seconds: int = Field(default=60, ge=1, le=86400)
     """Wall-clock deadline per attempt (pod activeDeadlineSeconds)."""
     resources: SandboxResources = Field(default_factory=SandboxResources)
@@ -96,6 +93,8 @@ class SandboxTaskStatus(ApiModel):
     pod_name: str | None = None
     exit_code: int | None = None
     reward: float | None = None
+    """The ``reward`` of the JSON result the program wrote to /dev/termination-log; without
+    one, 1 when it exited 0 and 0 otherwise."""
     duration_ms: float | None = None
     logs_uri: str | None = None
     """Where stdout/stderr were stored (s3://...)."""

@@ -22,6 +22,8 @@ from .base import (
 )
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
+MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
+"""spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -74,6 +76,116 @@ class AlgorithmSpec(ApiModel):
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
 
 
+StageType = Literal["sft", "dpo", "rl"]
+
+# Defaults of the stage hyper-parameters left unset, per stage type. SFT and DPO take TRL's
+# defaults (SFTConfig / DPOConfig), so a pipeline ported from TRL behaves as there.
+STAGE_DEFAULTS: dict[str, dict[str, float | int]] = {
+    "sft": {"learning_rate": 2e-5, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024},
+    "dpo": {"learning_rate": 1e-6, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024,
+            "beta": 0.1},
+}
+
+
+class StageSpec(ApiModel):
+    """One stage of a post-training pipeline; it starts from the previous stage's weights."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.type == 'rl' || (has(self.datasets) && size(self.datasets) > 0)",
+                    "message": "datasets is required for sft and dpo stages",
+                    "fieldPath": ".datasets",
+                },
+                {
+                    "rule": "self.type != 'rl' || !has(self.datasets)",
+                    "message": "datasets must be empty for an rl stage: it trains on spec.domains",
+                    "fieldPath": ".datasets",
+                },
+                {
+                    "rule": "self.type != 'rl' || (!has(self.batchSize) && "
+                    "!has(self.microBatchSize) && !has(self.maxLength))",
+                    "message": "batchSize, microBatchSize and maxLength are for sft and dpo "
+                    "stages; an rl stage takes them from spec.algorithm",
+                    "fieldPath": ".type",
+                },
+                {
+                    "rule": "self.type == 'dpo' || !has(self.beta)",
+                    "message": "beta applies to dpo stages only",
+                    "fieldPath": ".beta",
+                },
+                {
+                    "rule": "self.type == 'sft' || !has(self.packing)",
+                    "message": "packing applies to sft stages only",
+                    "fieldPath": ".packing",
+                },
+                {
+                    "rule": "self.type == 'rl' || has(self.maxSteps)",
+                    "message": "maxSteps is required for sft and dpo stages",
+                    "fieldPath": ".maxSteps",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    """Unique within the run; shown in status.stage, metrics and events."""
+    type: StageType
+    """sft: next-token loss on completions; dpo: direct preference optimisation (sigmoid loss)
+    against the stage-start model; rl: the GRPO-family loop on spec.domains."""
+    datasets: list[str] | None = Field(default=None, max_length=64)
+    """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
+    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
+    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
+    learning_rate: float | None = Field(default=None, gt=0, le=1.0)
+    """AdamW learning rate of this stage (a fresh optimizer per stage). Default: sft 2e-5,
+    dpo 1e-6 (TRL's defaults), rl algorithm.learningRate."""
+    batch_size: int | None = Field(default=None, ge=1, le=65536)
+    """sft: examples per optimizer step, dpo: pairs per step (default 8). Data is reshuffled
+    every pass."""
+    micro_batch_size: int | None = Field(default=None, ge=1, le=65536)
+    """Examples (sft) or pairs (dpo) per forward/backward; memory only, never changes the
+    update (default 4)."""
+    max_length: int | None = Field(default=None, ge=8, le=1048576)
+    """Context length in tokens (prompt + completion; default 1024). A prompt that leaves no
+    room for a completion token is skipped and counted; longer completions are truncated."""
+    beta: float | None = Field(default=None, gt=0, le=100)
+    """dpo only: the DPO temperature (default 0.1); larger keeps the policy closer to the
+    stage-start reference."""
+    packing: bool | None = None
+    """sft only: pack several examples into one row of up to maxLength tokens (default true).
+    Packed examples never attend to each other (block-diagonal attention, positions restart
+    per example), so the loss equals the unpacked one; only padding work is saved."""
+    weight_decay: float | None = Field(default=None, ge=0)
+    """AdamW weight decay of this stage (default algorithm.weightDecay)."""
+
+    def resolved(self, algorithm: AlgorithmSpec) -> StageSpec:
+        """This stage with every unset hyper-parameter filled in from its type's defaults.
+
+        >>> StageSpec(name="s", type="sft", datasets=["x"], max_steps=3).resolved(
+        ...     AlgorithmSpec()).learning_rate
+        2e-05
+        >>> StageSpec(name="r", type="rl").resolved(AlgorithmSpec(max_steps=7)).max_steps
+        7
+        """
+        values = self.model_dump()
+        if self.type == "rl":
+            values["max_steps"] = self.max_steps or algorithm.max_steps
+            values["learning_rate"] = self.learning_rate or algorithm.learning_rate
+        else:
+            for key, default in STAGE_DEFAULTS[self.type].items():
+                if values.get(key) is None:
+                    values[key] = default
+            if self.type == "sft" and self.packing is None:
+                values["packing"] = True
+        if self.weight_decay is None:
+            values["weight_decay"] = algorithm.weight_decay
+        return StageSpec.model_validate(values)
+
+
 class EnvironmentSpec(ApiModel):
     """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
     completion: the episode's task-completion reward replaces the verifier's."""
@@ -103,13 +215,15 @@ class DomainSpec(ApiModel):
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     """Unique within the run; used in metrics, status and storage paths."""
     dataset: str = Field(min_length=1)
-    """Training tasks: builtin:<name>, an s3:// or file path to a JSONL task file."""
+    """Training tasks: builtin:<name>, or a JSONL, Parquet (.parquet) or Arrow (.arrow,
+    .feather) task file as a path or s3://bucket/key (MinIO: the trainer's S3 settings)."""
     eval_dataset: str | None = None
     """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
     verifier: VerifierSpec
     """How completions in this domain are scored."""
     weight: float = Field(default=1.0, ge=0)
-    """Relative sampling weight and gradient weight; 0 keeps the domain for eval only."""
+    """Relative share of each batch's prompts (applied once, at sampling; the loss weighs every
+    sequence the same); 0 keeps the domain for eval only."""
     strata: list[str] = Field(default_factory=list, max_length=16)
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
     environment: EnvironmentSpec | None = None
@@ -145,21 +259,40 @@ class RolloutSource(ApiModel):
 
 
 class SandboxPolicy(ApiModel):
-    """How untrusted completions (code, shell) are executed for verification."""
+    """How untrusted completions (code, shell) are executed for verification.
+
+    An execution the sandbox could not perform (runner unreachable or saturated, SandboxTask
+    pod not scheduled, bubblewrap refused) is never scored: it is retried, counted in
+    ``posttrain_verifier_infra_failures_total`` and in ``status.sandbox``, and shown as the
+    run's ``SandboxAvailable`` condition; after ``unavailableTimeoutSeconds`` the run fails.
+    """
 
     mode: Literal["local", "runner", "task"] = "local"
-    """local: the bubblewrap executor in the trainer's pod; runner: a sandbox runner server;
-    task: one SandboxTask object per verification (slow, fully isolated pods)."""
-    runner_url: str | None = None
-    """Base URL of the sandbox runner when mode=runner."""
-    timeout_seconds: float = Field(default=10, gt=0, le=3600)
-    """Wall-clock limit per execution."""
+    """local: the bubblewrap executor inside the trainer process (laptops; in a cluster the
+    operator gives the trainer pod what bubblewrap needs); runner: a sandbox runner server
+    (``runnerUrl``, or one the operator runs for this run); task: one SandboxTask object per
+    execution, created and awaited by the trainer (slow, fully isolated pods)."""
+    runner_url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+(/\S*)?$")
+    """Base URL of a sandbox runner (``posttrain sandbox serve``) when mode=runner. Unset: the
+    operator runs one for this run (Deployment and Service ``<run>-sandbox-runner``, restricted
+    pods, ``maxConcurrency`` slots) and hands its URL to the trainer."""
+    timeout_seconds: float = Field(default=60, gt=0, le=3600)
+    """The most wall-clock time one execution may take, in every mode (a verifier's own
+    smaller ``timeout_s`` applies first; 60 leaves the built-in verifiers' defaults, at most
+    60 s, as they are). In task mode the SandboxTask pod gets the execution's time; starting
+    the pod does not count."""
     memory_mb: int = Field(default=512, ge=16)
-    """Memory limit per execution."""
+    """The most memory one execution may use (a verifier's own smaller ``memory_mb`` applies
+    first): RLIMIT_AS in local and runner mode, the SandboxTask pod's memory limit in task
+    mode."""
     max_concurrency: int = Field(default=2, ge=1)
-    """Executions in parallel."""
+    """Executions the trainer has in flight at once (and the slots of the operator's runner)."""
     runtime_class_name: str | None = None
-    """RuntimeClass (gvisor, kata) for SandboxTask pods when mode=task."""
+    """RuntimeClass (gvisor, kata) of the SandboxTask pods (task) and of the operator's runner
+    pods (runner without runnerUrl); unset: the operator's default for sandbox pods."""
+    unavailable_timeout_seconds: int = Field(default=600, ge=1, le=86400)
+    """How long a step waits, retrying, for a sandbox that keeps failing before the trainer
+    fails the run (loudly, naming the sandbox); a wrong answer is never assumed instead."""
 
 
 class TrainerResources(ApiModel):
@@ -198,13 +331,19 @@ class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
     every_steps: int = Field(default=5, ge=1)
-    """Evaluate every N steps (and at step 0 and the end)."""
+    """Evaluate every N steps (and at step 0 and the end) when inline; the separate evaluator
+    scores every committed checkpoint instead."""
     max_items_per_domain: int = Field(default=64, ge=1)
     """Held-out items scored per domain and interval."""
     regression_dataset: str | None = None
     """General tasks scored from step 0 on, so capability drift outside the domains shows."""
     temperature: float = Field(default=0.0, ge=0)
     """0 = greedy decoding for evaluation."""
+    inline: bool = True
+    """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
+    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
+    and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -230,10 +369,16 @@ class TrainingRunSpec(ApiModel):
                     "fieldPath": ".domains",
                 },
                 {
-                    "rule": "!has(self.sandbox) || !has(self.sandbox.mode) || "
-                    "self.sandbox.mode != 'runner' || has(self.sandbox.runnerUrl)",
-                    "message": "sandbox.runnerUrl is required when sandbox.mode is 'runner'",
-                    "fieldPath": ".sandbox",
+                    "rule": "!has(self.stages) || self.stages.filter(s, s.type == 'rl').size() <= 1",
+                    "message": "stages: at most one rl stage",
+                    "fieldPath": ".stages",
+                },
+                {
+                    "rule": "!has(self.stages) || self.stages.size() == 0 || "
+                    "!self.stages.exists(s, s.type == 'rl') || "
+                    "self.stages[self.stages.size() - 1].type == 'rl'",
+                    "message": "stages: the rl stage must be the last one",
+                    "fieldPath": ".stages",
                 },
                 {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
@@ -266,6 +411,25 @@ class TrainingRunSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     """Task domains (hundreds allowed); names are unique."""
+    stages: list[StageSpec] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self == oldSelf",
+                    "message": "stages is immutable; a resumed run must find the stages "
+                    "its checkpoints were written for",
+                }
+            ],
+        },
+    )
+    """The pipeline, in order: e.g. sft, then dpo, then rl. Each stage starts from the previous
+    stage's final weights (checkpointed at every stage end). Empty: one rl stage, exactly the
+    algorithm section (what a run without stages always was). domains are still required:
+    they are the held-out evaluation run at step 0 and at the end of every stage."""
     curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
     """What to practise next."""
     rollout: RolloutSource = Field(default_factory=RolloutSource)
@@ -282,9 +446,12 @@ class TrainingRunSpec(ApiModel):
     """Reward-hacking audits."""
     suspend: bool = False
     """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
-    managed_by: str | None = Field(default=None, max_length=63)
-    """A controller other than posttrain owns this run (e.g. kueue.x-k8s.io/multikueue).
-    Immutable."""
+    managed_by: str | None = Field(default=None, max_length=63,
+                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    """The controller that reconciles this run, as a domain-prefixed path (Kubeflow Trainer's
+    and JobSet's managedBy). Unset or posttrain.io/trainingrun-controller: the posttrain
+    operator. Any other value (e.g. kueue.x-k8s.io/multikueue): the posttrain operator creates
+    nothing and writes no status for the run, only an Event saying why. Immutable."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
     """Fail the run after this long since it started."""
     backoff_limit: int = Field(default=3, ge=0, le=100)
@@ -298,9 +465,94 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(f"domains: names must be unique, repeated: {dupes}")
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
-        if self.sandbox.mode == "runner" and not self.sandbox.runner_url:
-            raise ValueError("sandbox.runnerUrl is required when sandbox.mode is 'runner'")
+        _check_stages(self.stages)
         return self
+
+    def pipeline(self) -> list[StageSpec]:
+        """The stages to run, resolved (defaults filled in); one rl stage when none are listed.
+
+        >>> spec = TrainingRunSpec(model="m", domains=[DomainSpec(
+        ...     name="a", dataset="builtin:arithmetic", verifier=VerifierSpec(kind="numeric"))])
+        >>> [(s.name, s.type, s.max_steps) for s in spec.pipeline()]
+        [('rl', 'rl', 20)]
+        """
+        stages = self.stages or [StageSpec(name="rl", type="rl")]
+        return [stage.resolved(self.algorithm) for stage in stages]
+
+    def total_steps(self) -> int:
+        """Optimizer steps over every stage (status.maxSteps): steps are numbered globally."""
+        return sum(int(stage.max_steps or 0) for stage in self.pipeline())
+
+
+def _check_stages(stages: list[StageSpec]) -> None:
+    """The stage-list rules the apiserver checks with CEL, with the same messages."""
+    names = [s.name for s in stages]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"stages: names must be unique, repeated: {dupes}")
+    for i, stage in enumerate(stages):
+        where = f"stages[{i}]"
+        if stage.type != "rl" and not stage.datasets:
+            raise ValueError(f"{where}.datasets: datasets is required for sft and dpo stages")
+        if stage.type == "rl" and stage.datasets is not None:
+            raise ValueError(f"{where}.datasets: datasets must be empty for an rl stage: it "
+                             "trains on spec.domains")
+        if stage.type == "rl" and any(v is not None for v in (
+                stage.batch_size, stage.micro_batch_size, stage.max_length)):
+            raise ValueError(f"{where}: batchSize, microBatchSize and maxLength are for sft and "
+                             "dpo stages; an rl stage takes them from spec.algorithm")
+        if stage.type != "dpo" and stage.beta is not None:
+            raise ValueError(f"{where}.beta: beta applies to dpo stages only")
+        if stage.type != "sft" and stage.packing is not None:
+            raise ValueError(f"{where}.packing: packing applies to sft stages only")
+        if stage.type != "rl" and stage.max_steps is None:
+            raise ValueError(f"{where}.maxSteps: maxSteps is required for sft and dpo stages")
+    rl = [i for i, s in enumerate(stages) if s.type == "rl"]
+    if len(rl) > 1:
+        raise ValueError("stages: at most one rl stage")
+    if rl and rl[0] != len(stages) - 1:
+        raise ValueError("stages: the rl stage must be the last one")
+
+
+StagePhase = Literal["Running", "Succeeded"]
+
+
+class StageStatus(ApiModel):
+    """What one stage did, written by the trainer when the stage starts and ends."""
+
+    name: str
+    """spec.stages[].name (rl for a run without stages)."""
+    type: StageType
+    phase: StagePhase
+    """Running or Succeeded."""
+    first_step: int
+    """Global step of the stage's first optimizer step."""
+    last_step: int
+    """Global step of the stage's last optimizer step (its final checkpoint)."""
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    eval_accuracy: dict[str, float] = Field(default_factory=dict)
+    """Held-out accuracy per domain after the stage (the report compares consecutive stages)."""
+    skipped_examples: dict[str, int] = Field(default_factory=dict)
+    """sft/dpo examples skipped as unusable, by reason (identicalPair, emptyCompletion,
+    promptTooLong)."""
+
+
+class SandboxHealth(ApiModel):
+    """What the trainer saw of its sandbox: the operator turns it into the SandboxAvailable
+    condition (the trainer reports facts, the operator owns conditions)."""
+
+    mode: Literal["local", "runner", "task"]
+    """spec.sandbox.mode the trainer uses."""
+    endpoint: str | None = None
+    """The runner URL (runner mode) or namespace (task mode) executions go to."""
+    available: bool = True
+    """False while executions keep failing for reasons that are not the program's."""
+    infra_failures: int = 0
+    """Executions the sandbox failed so far, each retried and never scored."""
+    last_error: str | None = None
+    """The latest such failure, in words."""
+    last_failure_time: datetime | None = None
 
 
 class TrainingRunStatus(ApiModel):
@@ -315,7 +567,12 @@ class TrainingRunStatus(ApiModel):
     step: int | None = None
     """Last completed optimizer step."""
     max_steps: int | None = None
-    """spec.algorithm.maxSteps, copied for the printer column."""
+    """Optimizer steps over all stages (spec.algorithm.maxSteps without stages), copied for
+    the printer column."""
+    stage: str | None = None
+    """Name of the stage being trained (the last one once the run succeeded)."""
+    stages: list[StageStatus] = Field(default_factory=list)
+    """Every stage started so far, in order."""
     reward_mean: float | None = None
     """Mean reward of the last step's rollouts."""
     domain_rewards: dict[str, float] = Field(default_factory=dict)
@@ -328,6 +585,11 @@ class TrainingRunStatus(ApiModel):
     """Weights version last published to the rollout servers."""
     restarts: int = 0
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
+    sandbox: SandboxHealth | None = None
+    """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    reports_uri: str | None = None
+    """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
+    the report as it writes them; ``posttrain report <reportsUri>`` renders them."""
     ray_cluster: str | None = None
     """The KubeRay RayCluster of the current gang (multi-node runs when KubeRay is installed)."""
     ray_cluster_state: str | None = None

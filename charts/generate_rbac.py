@@ -40,6 +40,7 @@ CLUSTER_SCOPED_RESOURCES = frozenset(
         "storageclasses",
         "clusterroles",
         "clusterrolebindings",
+        "resourceflavors",  # Kueue's
     }
 )
 # Kopf's peering objects: granted only when the chart turns peering on.

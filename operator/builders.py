@@ -38,6 +38,7 @@ from posttrain.api.labels import (
     MANAGED_BY,
 )
 
+from . import sandbox_runner
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -207,11 +208,13 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     resourceNames pins the Role to this one TrainingRun, so a compromised trainer cannot
     touch other runs (the Role's rules come from rbac.TRAINER_RULES, one source of truth).
     """
-    from .rbac import TRAINER_RULES
+    from .rbac import CREATE_ONLY_RESOURCES, TRAINER_RULES
 
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
-    rules = [{**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules = [rule if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
+             else {**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
     if run.spec.rollout.pool and not run.spec.rollout.endpoints:
         # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
         rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
@@ -308,6 +311,9 @@ def build_trainer_pod(
     head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
     master_addr = head if nodes > 1 else "127.0.0.1"
     train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
+    serves_metrics = bool(config.pod_metrics_port) and (nodes == 1 or rank == 0)
+    if serves_metrics:  # only ranks running `posttrain run` (Ray workers run `ray start`)
+        train += ["--metrics-port", str(config.pod_metrics_port)]
     if nodes == 1:
         command = train
     elif rank == 0:
@@ -328,7 +334,9 @@ def build_trainer_pod(
         {"name": "RANK", "value": str(rank)},
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
         *_s3_env(config),
+        *otlp_env(config, "posttrain-trainer", run),
     ]
+    env += sandbox_runner.trainer_sandbox_env(run)
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
         # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
@@ -375,14 +383,52 @@ def build_trainer_pod(
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
     _schedule(pod_spec, config, config.trainer_node_selector, res.node_selector,
               config.trainer_tolerations, config.trainer_affinity)
+    sandbox_runner.apply_local_sandbox_context(run, pod_spec)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
+    annotations = None
+    if serves_metrics:
+        pod_spec["containers"][0]["ports"] = [
+            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}]
+        annotations = scrape_annotations(config.pod_metrics_port)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": child_metadata(run, trainer_pod_name(name, incarnation, rank), labels),
+        "metadata": child_metadata(run, trainer_pod_name(name, incarnation, rank), labels,
+                                   annotations=annotations),
         "spec": pod_spec,
     }
+
+
+METRICS_PORT_NAME = "metrics"  # the trainer's /metrics port (a PodMonitor selects it by name)
+
+
+def scrape_annotations(port: int) -> dict[str, str]:
+    """The prometheus.io/* annotations annotation-based scrapers (and many Helm-installed
+    Prometheus setups) use; the chart's PodMonitors select the named port instead.
+
+    >>> scrape_annotations(9090)["prometheus.io/port"]
+    '9090'
+    """
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+            "prometheus.io/path": "/metrics"}
+
+
+def otlp_env(config: OperatorConfig, service: str,
+             owner: TrainingRun | RolloutPool) -> list[dict[str, str]]:
+    """OTEL_* variables that send a child's spans where the operator's go (none when the
+    operator has no OTLP endpoint configured).
+
+    >>> otlp_env(OperatorConfig(), "posttrain-trainer", None)  # type: ignore[arg-type]
+    []
+    """
+    if not config.otlp_endpoint:
+        return []
+    attributes = (f"k8s.namespace.name={owner.metadata.namespace},"
+                  f"posttrain.{owner.kind.lower()}={owner.metadata.name}")
+    return [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint},
+            {"name": "OTEL_SERVICE_NAME", "value": service},
+            {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes}]
 
 
 def build_trainer_gang(run: TrainingRun, config: OperatorConfig, incarnation: int) -> list[Manifest]:
@@ -402,7 +448,7 @@ def build_trainer_children(
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
-    return children
+    return children + sandbox_runner.build_runner_children(run, config)
 
 
 # ---------------------------------------------------------------- TrainingRun on KubeRay
@@ -465,7 +511,10 @@ def _pod_template(pod: Manifest, drop_env: tuple[str, ...] = ()) -> Manifest:
     spec.pop("subdomain", None)
     container = spec["containers"][0]
     container["env"] = [e for e in container["env"] if e["name"] not in drop_env]
-    return {"metadata": {"labels": dict(pod["metadata"]["labels"])}, "spec": spec}
+    metadata: dict[str, Any] = {"labels": dict(pod["metadata"]["labels"])}
+    if pod["metadata"].get("annotations"):
+        metadata["annotations"] = dict(pod["metadata"]["annotations"])
+    return {"metadata": metadata, "spec": spec}
 
 
 def build_ray_cluster(
@@ -493,6 +542,7 @@ def build_ray_cluster(
     head["spec"]["containers"][0]["ports"] = [
         {"name": "gcs-server", "containerPort": config.ray_port},
         {"name": "dist", "containerPort": config.trainer_master_port},
+        *head_pod["spec"]["containers"][0].get("ports", []),  # the trainer's /metrics
     ]
     head["spec"]["containers"][0].update(_ray_probes(config.ray_port))
     worker = _pod_template(worker_pod, drop_env=("RANK",))
@@ -613,6 +663,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     ]
     if config.s3_endpoint:
         env += _s3_env(config)
+    env += otlp_env(config, "posttrain-rollout", pool)
     if spec.weight_update.source_uri:
         env += [
             {"name": "POSTTRAIN_WEIGHTS_URI", "value": spec.weight_update.source_uri},
@@ -667,7 +718,9 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
     _schedule(pod_spec, config, config.rollout_node_selector, spec.resources.node_selector,
               config.rollout_tolerations, config.rollout_affinity)
-    template = {"metadata": {"labels": {**MANAGED_BY, **labels}}, "spec": pod_spec}
+    # Both engines serve Prometheus /metrics on the API port (vLLM's own metrics, or ours).
+    template = {"metadata": {"labels": {**MANAGED_BY, **labels},
+                             "annotations": scrape_annotations(spec.port)}, "spec": pod_spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

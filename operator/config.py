@@ -35,6 +35,9 @@ class OperatorConfig(BaseModel):
     """Image of trainer pods when a TrainingRun sets no resources.image (has posttrain[train,ray])."""
     sandbox_image: str = "python:3.11-slim"
     """Image of SandboxTask pods when the task sets none (the API default wins: spec.image)."""
+    sandbox_runner_image: str = "ghcr.io/posttrain/sandbox:0.1.0"
+    """Image of the sandbox runner the operator starts for runs with sandbox.mode runner and no
+    runnerUrl (``posttrain sandbox serve`` with bubblewrap: sandboxes/Dockerfile)."""
     sandbox_init_image: str = "busybox:1.37"
     """Tiny image whose ``cp`` copies task files into the writable workdir before the program."""
     rollout_cpu_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
@@ -105,6 +108,13 @@ class OperatorConfig(BaseModel):
     liveness_port: int = Field(default=0, ge=0, le=65535)
     """kopf's /healthz liveness endpoint port; 0 = off."""
 
+    pod_metrics_port: int = Field(default=9090, ge=0, le=65535)
+    """Port trainer pods (rank 0) serve Prometheus /metrics on, as container port "metrics"
+    with prometheus.io/* annotations (rollout pods serve it on their API port); 0 = off."""
+    otlp_endpoint: str = ""
+    """OTLP endpoint (e.g. http://otel-collector.monitoring:4318) handed to trainer and rollout
+    pods as OTEL_EXPORTER_OTLP_ENDPOINT, so their spans reach the same collector as the
+    operator's; empty = none (spans stay in process)."""
     trainer_master_port: int = Field(default=29500, ge=1, le=65535)
     """torch.distributed MASTER_PORT of trainer gangs."""
     ray_port: int = Field(default=6379, ge=1, le=65535)
@@ -114,6 +124,12 @@ class OperatorConfig(BaseModel):
     installed (checked through API discovery); False = always plain head + worker pods."""
     kuberay_discovery_seconds: float = Field(default=60.0, gt=0)
     """How long the answer "is KubeRay installed?" is cached before discovery is asked again."""
+    kueue: bool = True
+    """Admit TrainingRuns labelled kueue.x-k8s.io/queue-name through Kueue (a Workload per run,
+    pods only once it is admitted) when Kueue's workloads.kueue.x-k8s.io/v1beta2 is served;
+    False = ignore the label and start runs at once."""
+    kueue_discovery_seconds: float = Field(default=60.0, gt=0)
+    """How long the answer "is Kueue installed?" is cached before discovery is asked again."""
     shm_size: str = "8Gi"
     """sizeLimit of the /dev/shm memory emptyDir in trainer pods (NCCL, dataloaders)."""
     sandbox_workdir_size: str = "256Mi"

@@ -33,7 +33,9 @@ from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 
 from . import builders as b
+from . import sandbox_runner
 from . import warmpool as wp
+from .admission import KueueAdmission
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
 from .metrics import (
@@ -49,10 +51,12 @@ from .metrics import (
 )
 from .reasons import ConditionType, Reason
 from .reconcile import (
+    TERMINAL,
     EventSpec,
     PodView,
     RayClusterView,
     SandboxPlan,
+    managed_elsewhere,
     plan_rollout_pool,
     plan_sandbox,
     plan_training_run,
@@ -111,13 +115,23 @@ class Store:
     """Latest body per (namespace, name), plus an index of children by owner label value.
 
     Never goes back in time: a watch event older than a write response already stored is
-    ignored (resourceVersions are compared as integers, which etcd-backed servers use).
+    ignored (resourceVersions are compared as integers, which etcd-backed servers use). That
+    holds across a removal too: events of one kind are cached on different threads, so a
+    pod's DELETED event (or the operator's own delete) can be applied before an older
+    MODIFIED event of the same pod; a tombstone (uid, resourceVersion) keeps that stale
+    event from bringing the deleted pod back as a live one that no later event would remove.
     """
+
+    TOMBSTONE_SECONDS = 300.0
+    """How long a removal is remembered: far longer than any event's trip through the
+    operator's queues, short enough that a burst of deleted sandbox pods costs no memory."""
 
     def __init__(self, owner_label: str | None = None) -> None:
         self._owner_label = owner_label
         self._items: dict[Key, Body] = {}
         self._by_owner: dict[Key, set[str]] = {}
+        self._tombstones: dict[Key, tuple[str | None, int | None, float]] = {}
+        self._pruned_at = time.monotonic()
         self._lock = threading.Lock()
 
     def _owner_key(self, body: Body) -> Key | None:
@@ -136,6 +150,14 @@ class Store:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         with self._lock:
+            tombstone = self._tombstones.get(key)
+            if tombstone is not None:
+                uid, removed_rv, _ = tombstone
+                new_rv = _rv(body)
+                if uid == meta.get("uid") and (
+                        removed_rv is None or new_rv is None or new_rv <= removed_rv):
+                    return False  # an event from before the removal, delivered after it
+                del self._tombstones[key]  # a newer version, or a new object of that name
             old = self._items.get(key)
             if old is not None:
                 old_rv, new_rv = _rv(old), _rv(body)
@@ -148,9 +170,21 @@ class Store:
                 self._by_owner.setdefault(owner, set()).add(key[1])
             return True
 
-    def remove(self, namespace: str, name: str) -> None:
+    def remove(self, namespace: str, name: str, last: Body | None = None) -> None:
+        """Forget ``namespace/name``; ``last`` is its final version when known (a DELETED
+        event's body), else the cached one is. Older events of it are ignored from now on."""
         with self._lock:
             body = self._items.pop((namespace, name), None)
+            final = last or body
+            if final is not None:
+                now = time.monotonic()
+                if now - self._pruned_at > self.TOMBSTONE_SECONDS:  # amortised: O(1) a removal
+                    self._tombstones = {k: t for k, t in self._tombstones.items()
+                                        if now - t[2] < self.TOMBSTONE_SECONDS}
+                    self._pruned_at = now
+                rvs = [v for v in (_rv(final), _rv(body) if body else None) if v is not None]
+                self._tombstones[(namespace, name)] = (
+                    (final.get("metadata") or {}).get("uid"), max(rvs) if rvs else None, now)
             owner = self._owner_key(body) if body else None
             if owner and owner in self._by_owner:
                 self._by_owner[owner].discard(name)
@@ -239,6 +273,9 @@ class Controller:
         self._kuberay_lock = threading.Lock()
         self._kuberay_installed = False
         self._kuberay_checked_at = float("-inf")
+        self.workloads = Store(b.LABEL_RUN)
+        self.kueue = KueueAdmission(config, kube, self.workloads)
+        self._left_alone: set[str] = set()  # uids of runs managed elsewhere, already told
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
         self._policy_namespaces: set[str] = set()
@@ -304,7 +341,7 @@ class Controller:
         """Apply a watch event to ``store``; False when it told the cache nothing new."""
         meta = body.get("metadata") or {}
         if event_type == "DELETED":
-            store.remove(meta.get("namespace", ""), meta.get("name", ""))
+            store.remove(meta.get("namespace", ""), meta.get("name", ""), last=body)
             return True
         return store.put(body)
 
@@ -687,6 +724,12 @@ class Controller:
             return
         with self._reconciling("TrainingRun", namespace, name):
             body = self.runs.get(namespace, name) or body
+            # managedBy first, before even validating: another controller's run is not ours
+            # to judge, change or report on (Kubeflow Trainer's and JobSet's rule).
+            why = managed_elsewhere((body.get("spec") or {}).get("managedBy"))
+            if why is not None:
+                self._leave_alone(body, why)
+                return
             try:
                 run = TrainingRun.model_validate(body)
             except ValidationError as exc:
@@ -696,7 +739,9 @@ class Controller:
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
             clusters = self._ray_clusters_of(run, pods)
-            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters)
+            kueue = self.kueue.gate(run)
+            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters,
+                                     kueue=kueue)
             for pod in plan.delete_pods:
                 self.kube.delete("v1", "Pod", namespace, pod)
                 self.trainer_pods.remove(namespace, pod)
@@ -713,10 +758,16 @@ class Controller:
                         ANNOTATION_INCARNATION: str(plan.incarnation)}}})
                 self.runs.put(updated)
                 body = updated
+            if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+                template = b.build_trainer_pod(run, self.config, plan.incarnation, 0) \
+                    if plan.create_workload else None
+                self.kueue.apply(run, plan, template)
             if plan.ensure_children:
                 self._ensure_run_children(run, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
             endpoints = self._rollout_endpoints(run) if creates else []
+            if creates:
+                run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
             if plan.create_ray_cluster:
                 self._create_ray_cluster(run, plan.incarnation, endpoints)
             for rank in plan.create_ranks:
@@ -726,15 +777,41 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
+            if (plan.status_patch.get("phase") in TERMINAL
+                    and sandbox_runner.needs_own_runner(run)):
+                # The run's own runner has nothing left to verify (its Service and
+                # NetworkPolicy cost nothing and go with the run).
+                self.kube.delete("apps/v1", "Deployment", namespace,
+                                 sandbox_runner.runner_name(run))
 
-    def kuberay_installed(self) -> bool:
+    def _leave_alone(self, body: Body, why: str) -> None:
+        """One Event per run (per operator process) saying why it is left alone."""
+        uid = (body.get("metadata") or {}).get("uid", "")
+        if uid in self._left_alone:
+            return
+        self._left_alone.add(uid)
+        self._emit(body, [EventSpec("Normal", Reason.MANAGED_ELSEWHERE, why)])
+
+    def on_workload(self, event_type: str | None, body: Body) -> None:
+        """A run's Kueue Workload changed (Kueue admitted or evicted it): reconcile the run."""
+        meta = body.get("metadata") or {}
+        run = (meta.get("labels") or {}).get(b.LABEL_RUN)
+        if run and self.observe(self.workloads, event_type, body):
+            self.reconcile_run(meta.get("namespace", ""), run)
+
+    def kuberay_installed(self, fresh: bool = False) -> bool:
         """Whether the apiserver serves rayclusters.ray.io, asked through API discovery at most
-        once per ``kuberay_discovery_seconds`` (KubeRay installed later is picked up then)."""
+        once per ``kuberay_discovery_seconds`` (KubeRay installed later is picked up then).
+
+        ``fresh`` asks discovery now: the choice of path for a gang that starts from nothing
+        is made once and kept for the gang's life, so it must not rest on an answer that may
+        predate the CRD (a cached "no" would put a whole gang on plain pods).
+        """
         if not self.config.kuberay:
             return False
         with self._kuberay_lock:
-            fresh = time.monotonic() - self._kuberay_checked_at
-            if fresh < self.config.kuberay_discovery_seconds:
+            age = time.monotonic() - self._kuberay_checked_at
+            if not fresh and age < self.config.kuberay_discovery_seconds:
                 return self._kuberay_installed
         try:
             installed = self.kube.serves(b.RAY_API_VERSION, b.RAY_CLUSTER_PLURAL)
@@ -775,9 +852,11 @@ class Controller:
         live = [p for p in pods if not p.deleting]
         if any(b.RAY_NODE_TYPE_LABEL not in p.labels for p in live):
             return None
-        if live or self.kuberay_installed():
+        if live:
             return []
-        return None
+        if run.spec.suspend or run.status.phase in TERMINAL:
+            return None  # no gang will start: no discovery needed
+        return [] if self.kuberay_installed(fresh=True) else None
 
     def _create_ray_cluster(self, run: TrainingRun, incarnation: int,
                             endpoints: list[str]) -> None:
@@ -927,6 +1006,10 @@ class Controller:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
         self.refresh_ray_clusters()
+        self.kueue.refresh(sorted({
+            ns for ns, name in self.runs.snapshot_keys()
+            if ((self.runs.get(ns, name) or {}).get("metadata") or {}).get("labels", {}).get(
+                "kueue.x-k8s.io/queue-name")}))
         for store, reconcile in (
             (self.runs, self.reconcile_run),
             (self.pools, self.reconcile_pool),

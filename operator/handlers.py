@@ -152,6 +152,14 @@ def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     _controller(memo).on_ray_cluster(event.get("type"), event["object"])
 
 
+@kopf.on.event("kueue.x-k8s.io", "v1beta2", "workloads", labels={LABEL_COMPONENT: COMPONENT_TRAINER},
+               registry=REGISTRY)
+def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    """Kueue's Workloads of queued runs (Kueue writes admission and eviction into them).
+    Served only when Kueue's CRD exists at start-up; the resync's re-list covers the rest."""
+    _controller(memo).on_workload(event.get("type"), event["object"])
+
+
 # ------------------------------------------------------------ burst path (informer.py)
 # SandboxTasks and labelled pods are not watched by kopf: lean informers feed these
 # callbacks on kopf's event loop (see runtime.run_informers and docs/operator.md).

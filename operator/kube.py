@@ -119,6 +119,7 @@ PLURALS = {
     "SandboxTask": "sandboxtasks",
     "SandboxWarmPool": "sandboxwarmpools",
     "RayCluster": "rayclusters",
+    "Workload": "workloads",
 }
 
 

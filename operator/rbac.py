@@ -22,7 +22,8 @@ OPERATOR_RULES: list[Rule] = [
     # annotations, the gang incarnation); delete finished SandboxTasks after their TTL.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
-    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "delete"]},
+    # create: only so it may grant task-mode trainers that right (an RBAC escalation check).
+    {"apiGroups": [GROUP], "resources": ["sandboxtasks"], "verbs": [*READ, "create", "delete"]},
     {"apiGroups": [GROUP], "resources": ["sandboxwarmpools"], "verbs": READ},
     # Status is ours to write (phase, conditions, results), through merge patches.
     {
@@ -56,6 +57,14 @@ OPERATOR_RULES: list[Rule] = [
     # Multi-node runs as KubeRay RayClusters (only used when that CRD is installed; whether it
     # is, is asked through API discovery, which needs no rule).
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": [*READ, "create", "delete"]},
+    # Admission through Kueue (runs labelled kueue.x-k8s.io/queue-name, when Kueue is
+    # installed): one Workload per run; patch sets spec.active on suspend/resume, and the
+    # status patch marks it Finished when the run ends so Kueue releases the quota.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
+     "verbs": [*READ, "create", "patch"]},
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
+    # The node labels of the ResourceFlavors a Workload was admitted to go on its pods.
+    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
     # Each run's narrow trainer Role + RoleBinding (the operator holds TRAINER_RULES itself,
     # so creating them is not an escalation).
     {
@@ -82,12 +91,18 @@ OPERATOR_RULES: list[Rule] = [
     # and kopf's CRD scanning is disabled in settings.py.
 ]
 
+# Resources the trainer only creates: a create cannot be narrowed by resourceNames (the
+# object has no name yet), so builders leave these rules unnamed.
+CREATE_ONLY_RESOURCES = ("events",)
+
 TRAINER_RULES: list[Rule] = [
     # The trainer reports step/reward/checkpoint by patching its own run's status; builders
     # add resourceNames: [<run>] so a trainer can touch only its run.
     {"apiGroups": [GROUP], "resources": ["trainingruns/status"], "verbs": ["get", "patch"]},
     # Reading the run itself (spec) is useful for a trainer that re-reads suspend/maxSteps.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": ["get"]},
+    # Stage started/finished Events on its run (only the trainer sees stage boundaries).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
 

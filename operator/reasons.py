@@ -17,6 +17,8 @@ class ConditionType:
     SUSPENDED: Final = "Suspended"
     SUCCEEDED: Final = "Succeeded"
     FAILED: Final = "Failed"
+    SANDBOX_AVAILABLE: Final = "SandboxAvailable"
+    """TrainingRun: whether the trainer's sandbox performs executions (from status.sandbox)."""
 
 
 class Reason:
@@ -37,6 +39,12 @@ class Reason:
     STORAGE_KEPT: Final = "StorageKept"
     RAY_CLUSTER_CREATED: Final = "RayClusterCreated"
     RAY_CLUSTER_PENDING: Final = "RayClusterPending"
+    SANDBOX_WORKING: Final = "SandboxWorking"
+    SANDBOX_UNAVAILABLE: Final = "SandboxUnavailable"
+    WAITING_FOR_ADMISSION: Final = "WaitingForAdmission"  # Kueue has not admitted the Workload
+    ADMITTED: Final = "Admitted"
+    EVICTED: Final = "Evicted"  # Kueue took the admission back (preemption, deactivation)
+    MANAGED_ELSEWHERE: Final = "ManagedElsewhere"  # spec.managedBy names another controller
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"

@@ -29,8 +29,10 @@ from posttrain.api.labels import (
     LABEL_GANG,
     LABEL_RANK,
 )
+from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from .builders import ray_cluster_name, sandbox_pod_name
+from .kueue import WorkloadView, workload_name
 from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")
@@ -439,6 +441,44 @@ class RunPlan:
     delete_ray_clusters: list[str] = field(default_factory=list)
     status_patch: dict[str, Any] = field(default_factory=dict)
     events: list[EventSpec] = field(default_factory=list)
+    create_workload: bool = False
+    """Create the run's Kueue Workload (admission through Kueue, see kueue.py)."""
+    workload_active: bool | None = None
+    """Set the Workload's spec.active (False on suspend gives the quota back)."""
+    finish_workload: bool = False
+    """Mark the Workload Finished (the run ended), so Kueue releases its quota."""
+
+
+@dataclass(frozen=True)
+class KueueGate:
+    """A run admitted through Kueue: its LocalQueue and its Workload (None: not created yet)."""
+
+    queue: str
+    workload: WorkloadView | None
+
+
+# Reasons for Suspended=True while Kueue holds the run back.
+_KUEUE_WAITING = (Reason.WAITING_FOR_ADMISSION, Reason.EVICTED)
+
+
+def managed_elsewhere(managed_by: str | None) -> str | None:
+    """Why the operator must leave a run alone, given its ``spec.managedBy``; None: it is ours.
+
+    ``managedBy`` as Kubeflow Trainer and JobSet define it: unset or
+    ``posttrain.io/trainingrun-controller`` means this operator; any other value names the
+    controller that owns the run (e.g. ``kueue.x-k8s.io/multikueue``, which mirrors the run to
+    a worker cluster), and this operator must create nothing and write no status for it.
+
+    >>> managed_elsewhere(None) is None, managed_elsewhere(MANAGED_BY_POSTTRAIN) is None
+    (True, True)
+    >>> print(managed_elsewhere("kueue.x-k8s.io/multikueue"))
+    spec.managedBy is 'kueue.x-k8s.io/multikueue', not 'posttrain.io/trainingrun-controller': that controller owns this run, so the posttrain operator creates nothing for it and writes no status
+    """
+    if managed_by is None or managed_by == MANAGED_BY_POSTTRAIN:
+        return None
+    return (f"spec.managedBy is {managed_by!r}, not {MANAGED_BY_POSTTRAIN!r}: that controller "
+            "owns this run, so the posttrain operator creates nothing for it and writes no "
+            "status")
 
 
 def plan_training_run(
@@ -447,6 +487,7 @@ def plan_training_run(
     incarnation: int,
     now: datetime,
     ray_clusters: list[RayClusterView] | None = None,
+    kueue: KueueGate | None = None,
 ) -> RunPlan:
     """Decide the next step of a TrainingRun from its pods (gang semantics).
 
@@ -459,6 +500,11 @@ def plan_training_run(
     the gang is one RayCluster ``<run>-g<incarnation>`` whose pods KubeRay creates; a
     RayCluster in state ``failed`` or any failed pod of it is a gang failure, with the same
     backoffLimit accounting. None = the plain pod path.
+
+    ``kueue`` (a run labelled with a LocalQueue while Kueue is installed): no pod or
+    RayCluster exists until Kueue admits the run's Workload; an eviction deletes the gang and
+    re-admission starts a new one from the last checkpoint; suspend deactivates the Workload
+    and a finished run marks it Finished, so the quota is released either way.
     """
     spec, status = run.spec, run.status
     gen = run.metadata.generation
@@ -468,7 +514,7 @@ def plan_training_run(
     live_clusters = [c for c in ray_clusters or [] if not c.deleting]
     kuberay = ray_clusters is not None
     conditions = list(status.conditions)
-    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.algorithm.max_steps}
+    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.total_steps()}
 
     def fail(reason: str, message: str) -> None:
         nonlocal conditions
@@ -481,13 +527,18 @@ def plan_training_run(
         plan.create_ray_cluster = False
         plan.events.append(EventSpec("Warning", reason, message))
 
+    workload = kueue.workload if kueue is not None else None
     if status.phase in TERMINAL:
         # Finished runs keep no pods (Ray workers would otherwise block forever).
         plan.delete_pods = [p.name for p in live if not p.finished]
         plan.delete_ray_clusters = [c.name for c in live_clusters]
+        plan.finish_workload = workload is not None and not workload.finished
         return plan
 
+    conditions = _sandbox_condition(run, conditions, plan)
     if spec.suspend:
+        if workload is not None and workload.active:
+            plan.workload_active = False  # Kueue evicts it and gives the quota back
         plan.delete_pods = [p.name for p in live]
         plan.delete_ray_clusters = [c.name for c in live_clusters]
         if status.ray_cluster is not None:
@@ -515,6 +566,16 @@ def plan_training_run(
     elif get_condition(conditions, ConditionType.SUSPENDED) is None:
         conditions = set_condition(conditions, ConditionType.SUSPENDED, "False",
                                    Reason.NOT_SUSPENDED, "", gen)
+
+    if kueue is not None:
+        waiting = _plan_kueue_admission(run, kueue, live, live_clusters, plan, desired,
+                                        conditions)
+        if waiting is not None:
+            desired["conditions"] = _conditions_wire(waiting)
+            plan.status_patch = status_diff(status.to_wire(), desired)
+            return plan
+        conditions = _mark_admitted(run, kueue, plan, conditions)
+        incarnation = plan.incarnation
 
     start = status.start_time or now
     if status.start_time is None:
@@ -590,6 +651,87 @@ def plan_training_run(
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _sandbox_condition(run: TrainingRun, conditions: list[Condition],
+                       plan: RunPlan) -> list[Condition]:
+    """SandboxAvailable from what the trainer reported in status.sandbox (absent until the
+    trainer first verified with it); a change posts an event naming the sandbox."""
+    health = run.status.sandbox
+    if health is None:
+        return conditions
+    gen = run.metadata.generation
+    where = f"{health.mode} sandbox {health.endpoint or ''}".rstrip()
+    if health.available:
+        status, reason = "True", Reason.SANDBOX_WORKING
+        message = f"{where} performs executions ({health.infra_failures} failure(s) retried)"
+    else:
+        status, reason = "False", Reason.SANDBOX_UNAVAILABLE
+        message = (f"{where}: {health.last_error or 'executions fail'}; retried "
+                   f"{health.infra_failures} time(s), no sample scored while it fails")
+    before = get_condition(conditions, ConditionType.SANDBOX_AVAILABLE)
+    if before is None or before.status != status:
+        plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason,
+                                     message))
+    return set_condition(conditions, ConditionType.SANDBOX_AVAILABLE, status, reason,
+                         message[:1000], gen)
+
+
+def _plan_kueue_admission(
+    run: TrainingRun, kueue: KueueGate, live: list[PodView], live_clusters: list[RayClusterView],
+    plan: RunPlan, desired: dict[str, Any], conditions: list[Condition],
+) -> list[Condition] | None:
+    """Hold the run back until Kueue admits its Workload: the conditions to write while it
+    waits (no pods, no RayCluster), or None once it is admitted."""
+    gen = run.metadata.generation
+    workload = kueue.workload
+    if workload is None:
+        plan.create_workload = True
+    elif not workload.active:
+        plan.workload_active = True  # resumed after a suspend
+    if workload is not None and workload.admitted and workload.active:
+        return None
+    name = workload_name(run)
+    evicted = workload is not None and bool(workload.evicted_reason) and bool(
+        live or live_clusters)
+    if evicted:
+        assert workload is not None
+        reason = Reason.EVICTED
+        message = (f"Kueue evicted Workload {name} ({workload.evicted_reason}: "
+                   f"{workload.evicted_message or 'no message'}); the trainer pods were deleted "
+                   "and the run resumes from its last checkpoint when admitted again")
+        plan.events.append(EventSpec("Warning", reason, message))
+    else:
+        previous = get_condition(conditions, ConditionType.SUSPENDED)
+        reason = previous.reason if previous is not None and previous.status == "True" and (
+            previous.reason == Reason.EVICTED) else Reason.WAITING_FOR_ADMISSION
+        why = workload.pending_message if workload is not None else ""
+        message = (f"waiting for Kueue to admit Workload {name} in LocalQueue {kueue.queue}"
+                   + (f": {why}" if why else ""))
+        if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
+            plan.events.append(EventSpec("Normal", Reason.WAITING_FOR_ADMISSION, message))
+    plan.delete_pods = [p.name for p in live]
+    plan.delete_ray_clusters = [c.name for c in live_clusters]
+    desired.update(phase="Pending", message=message)
+    conditions = set_condition(conditions, ConditionType.SUSPENDED, "True", reason, message, gen)
+    return set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
+
+
+def _mark_admitted(run: TrainingRun, kueue: KueueGate, plan: RunPlan,
+                   conditions: list[Condition]) -> list[Condition]:
+    """Admitted: Suspended=False; after an eviction the gang restarts as a new incarnation
+    (the old pods may still be terminating under the old names)."""
+    previous = get_condition(conditions, ConditionType.SUSPENDED)
+    if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
+        return conditions
+    assert kueue.workload is not None
+    if previous.reason == Reason.EVICTED:
+        plan.incarnation += 1
+    message = (f"Kueue admitted Workload {kueue.workload.name} to ClusterQueue "
+               f"{kueue.workload.cluster_queue or '?'}")
+    plan.events.append(EventSpec("Normal", Reason.ADMITTED, message))
+    return set_condition(conditions, ConditionType.SUSPENDED, "False", Reason.ADMITTED, message,
+                         run.metadata.generation)
 
 
 def _mark_trainer_succeeded(

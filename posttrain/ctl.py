@@ -200,13 +200,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "length, rollout throughput and, if recorded, the sandbox latency histogram.",
         epilog="example: posttrain report runs/local --out report.html",
     )
-    report.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the run's --out directory")
+    report.add_argument(
+        "run_dir", metavar="RUN_DIR|S3_URI",
+        help="the run's --out directory, or where a cluster run uploads its outputs "
+        "(status.reportsUri, shown by `posttrain describe tr NAME`: s3://BUCKET/runs/NS/NAME"
+        "/reports, or the run's prefix above it)")
     report.add_argument(
         "--out",
         type=Path,
         default=None,
         metavar="FILE.html|FILE.md",
-        help="report file; the suffix picks the format (default: RUN_DIR/report.html)",
+        help="report file; the suffix picks the format (default: RUN_DIR/report.html; for an "
+        "s3:// URI, <run name>-report.html here)",
     )
     report.add_argument(
         "--manifest",

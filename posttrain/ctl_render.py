@@ -265,7 +265,13 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
         f"Checkpoint:   {status.get('lastCheckpoint') or MISSING}",
         f"Weights:      {format_number(status.get('weightVersion'))}",
         f"Restarts:     {status.get('restarts', 0)}",
+        f"Outputs:      {status.get('reportsUri') or MISSING}",
     ]
+    sandbox = status.get("sandbox")
+    if sandbox:
+        state = "available" if sandbox.get("available", True) else "UNAVAILABLE"
+        lines.append(f"Sandbox:      {sandbox.get('mode')} {sandbox.get('endpoint', '')}: {state}, "
+                     f"{sandbox.get('infraFailures', 0)} failure(s) retried")
     if status.get("message"):
         lines.append(f"Message:      {status['message']}")
     domains = sorted(set(status.get("domainRewards", {})) | set(status.get("evalAccuracy", {})))

@@ -169,6 +169,7 @@ def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
 
 def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     """Read the run directory and draw every figure (the trainer's plots plus ours)."""
+    from posttrain.trainer.many_domains import readable_rows
     from posttrain.trainer.progress import load_metrics
     from posttrain.trainer.report import (
         comparison_rows,
@@ -211,7 +212,10 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
             notes.append("Sandbox latency: this run recorded no sandbox_latency_ms.")
     evals = latest_eval_per_step(run_dir, "heldout")
     pair = trained_comparison(evals)
-    rows = comparison_rows(*pair) if pair else []
+    rows, left_out = readable_rows(comparison_rows(*pair) if pair else [])
+    if left_out and pair is not None:
+        notes.append(f"Held-out accuracy table: {left_out}; the eval matrix heatmap and "
+                     f"eval/heldout_step{pair[1].step:04d}.json hold every domain.")
     if not evals:
         notes.append("Held-out accuracy: no eval/heldout_step*.json in the run directory.")
     elif pair is None:
@@ -233,11 +237,14 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
                 for before, after in pairs[:EXAMPLES_PER_VERDICT]
             ]
     last = metrics[-1]
+    # SFT/DPO stage lines carry no reward: the last RL line's (if the run has an RL stage)
+    last_rl = next((m for m in reversed(metrics) if "reward_mean" in m), None)
     facts = [
         ("run directory", str(run_dir)),
         ("steps", str(last["step"])),
-        ("final reward mean", f"{float(last['reward_mean']):.3f}"),
-        ("domains", ", ".join(sorted(last.get("domain_rewards", {}))) or "-"),
+        ("final reward mean",
+         f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)"),
+        ("domains", _domain_names((last_rl or {}).get("domain_rewards", {}))),
     ]
     if pair is not None:
         facts.append(
@@ -257,11 +264,26 @@ EXAMPLES_PER_VERDICT = 3  # fixed and broken items shown verbatim (all are in ev
 EXAMPLE_CHARS = 400  # of each completion
 
 
+def _domain_names(rewards: Mapping[str, Any]) -> str:
+    """The domains' names, or their count and the first few when there are many.
+
+    >>> _domain_names({"b": 1.0, "a": 0.0}), _domain_names({f"d{i:02d}": 0 for i in range(40)})
+    ('a, b', '40 domains (d00, d01, d02, ...)')
+    """
+    from posttrain.trainer.many_domains import MANY_DOMAINS
+
+    names = sorted(rewards)
+    if len(names) > MANY_DOMAINS:
+        return f"{len(names)} domains ({', '.join(names[:3])}, ...)"
+    return ", ".join(names) or "-"
+
+
 TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.report.plot_run
     "reward_accuracy": "Reward and held-out accuracy per domain",
     "kl": "KL to the reference model",
     "response_length": "Response length",
     "loss": "Policy loss",
+    "eval_matrix": "Held-out accuracy per domain and evaluation (heatmap)",
 }
 
 
@@ -385,7 +407,35 @@ def write_report(run_dir: Path, out: Path | None, manifest: Path | None = None) 
     return out
 
 
+def fetch_reports(uri: str, local_dir: Path) -> Path:
+    """Download a cluster run's uploaded outputs (``s3://.../reports`` or the run prefix
+    above it) into ``local_dir``; the directory to build the report from."""
+    from posttrain.storage.reports import REPORTS_DIR, download_reports
+    from posttrain.storage.store import open_store
+
+    prefix_uri = uri.rstrip("/")
+    if prefix_uri.endswith(f"/{REPORTS_DIR}"):
+        prefix_uri = prefix_uri[: -len(REPORTS_DIR) - 1]
+    store = open_store(prefix_uri, create_bucket=False)
+    count = download_reports(store, local_dir)
+    if count == 0:
+        raise UsageError(
+            f"{uri}: no outputs under {store.uri(REPORTS_DIR)}/; pass a run's status.reportsUri "
+            "(posttrain describe tr NAME shows it) or its s3:// prefix")
+    log.info("downloaded %d output file(s) from %s", count, store.uri(REPORTS_DIR))
+    return local_dir
+
+
 def report_command(args: argparse.Namespace) -> int:
-    path = write_report(args.run_dir, args.out, args.manifest)
+    source = str(args.run_dir)
+    if source.startswith("s3://"):
+        import tempfile
+
+        name = [p for p in source.rstrip("/").split("/") if p and p != "reports"][-1]
+        with tempfile.TemporaryDirectory(prefix="posttrain-report-") as tmp:
+            run_dir = fetch_reports(source, Path(tmp) / name)
+            path = write_report(run_dir, args.out or Path(f"{name}-report.html"), args.manifest)
+    else:
+        path = write_report(Path(source), args.out, args.manifest)
     print(f"wrote {path}")
     return 0

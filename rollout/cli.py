@@ -174,7 +174,7 @@ def _spec(args: argparse.Namespace, model: str) -> VllmServeSpec:
         raise UsageError(f"--engine-args must be a JSON object, got {args.engine_args!r}")
     internal_port = args.internal_port
     if internal_port == 0:  # any free port: replicas sharing a host network do not collide
-        from posttrain.devenv.process import free_port
+        from posttrain.processes import free_port
 
         internal_port = free_port()
     try:

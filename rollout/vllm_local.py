@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from posttrain.devenv.process import free_port, tail
+from posttrain.processes import free_port, tail
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from posttrain.telemetry import get_tracer, inject_headers
 
-from .executor import ExecRequest, ExecResult
+from .executor import ExecRequest, ExecResult, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -40,8 +40,9 @@ STALE_CONNECTION = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionR
                     ConnectionAbortedError)
 
 
-class SandboxUnavailable(RuntimeError):
-    """The runner could not be reached, or stayed saturated, through every retry."""
+class SandboxUnavailable(SandboxError):
+    """The runner could not be reached, or stayed saturated, through every retry (a failure
+    of the sandbox, never of the program: callers must not score it)."""
 
 
 class _Response:
@@ -206,6 +207,9 @@ class SandboxClient:
                 else:
                     if response.status == 200:
                         return ExecResult.from_dict(response.json())
+                    if response.status == 500:  # the runner's sandbox failed (SandboxError)
+                        raise SandboxError(
+                            f"runner {self.url} could not run the sandbox: {response.text[:500]}")
                     if response.status not in RETRYABLE_STATUS:
                         raise RuntimeError(
                             f"runner {self.url} refused the request "

@@ -74,13 +74,13 @@ class TransferProgress:
         rate = done / elapsed
         remaining = (self.total_bytes - done) / rate if rate > 0 else 0.0
         log.info(
-            "%s: %s / %s (%.0f%%) at %s/s, ETA %s",
+            "%s: %s / %s (%.0f%%) at %s/s%s",
             self.label,
             format_bytes(done),
             format_bytes(self.total_bytes),
             100.0 * done / max(self.total_bytes, 1),
             format_bytes(rate),
-            format_duration(remaining),
+            f", ETA {format_duration(remaining)}" if done < self.total_bytes else "",
         )
 
 

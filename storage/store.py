@@ -527,6 +527,19 @@ class S3Store:
         UPLOAD_SECONDS.labels(kind="bytes").observe(time.monotonic() - start)
         return Digest(size=len(data), checksum=checksum(data))
 
+    def iter_chunks(self, key: str, chunk_size: int = 1 << 20) -> Iterator[bytes]:
+        """The object's bytes as they arrive, one streaming GET (datasets read line by line
+        without holding the whole file). Opening is retried; a failure mid-stream raises."""
+        name = self._name(key)
+        response = self._call("get", key, lambda: self._client.get_object(self.bucket, name))
+        try:
+            for chunk in response.stream(chunk_size):
+                BYTES_DOWNLOADED.labels(store="s3").inc(len(chunk))
+                yield chunk
+        finally:
+            response.close()
+            response.release_conn()
+
     def get_bytes(self, key: str) -> bytes:
         name = self._name(key)
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.trainer.advantages import compute_advantages
 from posttrain.trainer.audit import Trajectory, round_logprobs, verifier_record
-from posttrain.trainer.loss import LossConfig, normalised_domain_weights, sequence_coefficients
+from posttrain.trainer.loss import LossConfig, sequence_coefficients
 from posttrain.trainer.policy import TrainSample
 from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
 from posttrain.trainer.rollouts import RolloutBatch
@@ -104,7 +104,6 @@ def prepare_batch(
     *,
     algorithm: str,
     dynamic_sampling: bool,
-    domain_weights: dict[str, float],
     loss_config: LossConfig,
     step: int,
 ) -> PreparedBatch:
@@ -125,11 +124,8 @@ def prepare_batch(
                 kept.append((i, j, a))
     # Only the policy's tokens count towards the normaliser (episodes carry tool output).
     lengths = [_model_tokens(completions[i][j]) for i, j, _ in kept]
-    weights = normalised_domain_weights([tasks[i].domain for i, _, _ in kept], domain_weights) \
-        if kept else []
-    coefficients = sequence_coefficients(
-        lengths, weights, loss_config.aggregation, loss_config.max_new_tokens
-    )
+    coefficients = sequence_coefficients(lengths, loss_config.aggregation,
+                                         loss_config.max_new_tokens)
     samples = [
         TrainSample(
             prompt_ids=_prompt_ids(batch, i, completions[i][j]),

@@ -36,7 +36,8 @@ def register(subparsers: Any) -> None:
     run.add_argument("manifest", type=Path, help="TrainingRun YAML, e.g. examples/local-demo.yaml")
     run.add_argument("--local", action="store_true", help="start a local CPU rollout server")
     run.add_argument("--out", type=Path, default=Path("runs/local"), help="output directory")
-    run.add_argument("--max-steps", type=int, default=None, help="override algorithm.maxSteps")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="override algorithm.maxSteps (the length of an rl stage without one)")
     run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
     run.set_defaults(func=run_command)
 
@@ -55,6 +56,24 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.set_defaults(func=eval_command)
+
+    ck = subparsers.add_parser(
+        "eval-checkpoints",
+        help="score a run's committed checkpoints, off the training path",
+        description="Held-out (and regression) evaluation of the base model and of every "
+        "checkpoint the run commits, on this process's own CPU rollout server, while the "
+        "trainer keeps training (set spec.evaluation.inline: false so it does not evaluate "
+        "too). Results go to --out/eval/ and to the run's storage under reports/eval/.",
+    )
+    ck.add_argument("manifest", type=Path, help="the run's TrainingRun YAML")
+    ck.add_argument("--storage", default=None,
+                    help="the run's storage URI (default: spec.checkpoint.storageUri)")
+    ck.add_argument("--out", type=Path, default=Path("runs/eval"), help="output directory")
+    ck.add_argument("--watch", action="store_true",
+                    help="keep polling until the final checkpoint (maxSteps) is scored")
+    ck.add_argument("--poll-seconds", type=float, default=30.0)
+    ck.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
+    ck.set_defaults(func=eval_checkpoints_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -259,4 +278,46 @@ def eval_command(args: argparse.Namespace) -> int:
         payload = {"model": args.model, "tasks": str(args.tasks), **result.to_json()}
         args.out.write_text(json.dumps(payload, indent=1))
         print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def eval_checkpoints_command(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from posttrain.api import TrainingRun, load_manifest
+    from posttrain.models import resolve_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.storage.store import open_store
+    from posttrain.telemetry import start_metrics_server
+    from posttrain.trainer.evaluator import CheckpointEvaluator
+    from posttrain.trainer.policy import chat_prompt_ids
+    from posttrain.trainer.rundata import build_run_data
+    from posttrain.trainer.server_process import LocalRolloutServer
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    spec = load_manifest(args.manifest, TrainingRun).spec
+    storage = args.storage or spec.checkpoint.storage_uri
+    if not storage:
+        raise UsageError(
+            f"{args.manifest}: no spec.checkpoint.storageUri; pass --storage with the run's "
+            "storage (s3://BUCKET/PREFIX, or the --out directory of a local run)"
+        )
+    start_metrics_server(args.metrics_port)
+    store = open_store(storage)
+    data = build_run_data(spec)
+    model_dir = resolve_model(spec.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with LocalRolloutServer(str(model_dir), args.out / "eval-rollout-server.log") as server:
+        client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
+                               max_in_flight=8)
+        try:
+            evaluator = CheckpointEvaluator(spec, store, data, client,
+                                            lambda p: chat_prompt_ids(tokenizer, p), args.out)
+            scored = evaluator.run(watch=args.watch, poll_seconds=args.poll_seconds)
+        finally:
+            client.close()
+    print(f"scored step(s) {scored or 'none (all done already)'}; results in "
+          f"{args.out / 'eval'} and {store.uri('reports/eval')}")
     return 0

@@ -53,16 +53,30 @@ def allocate_slots(
     Each domain first gets ``floor(min_fraction * n)`` slots; the remaining slots are
     sampled with probability proportional to weight. Output order is shuffled.
 
+    With many domains the quotas can exceed the batch (300 domains, quota 1, 64 slots).
+    Then this batch's quota slots go to domains drawn by weight without replacement
+    (Efraimidis-Spirakis keys ``u ** (1 / w)``), so over the steps each domain receives
+    quota slots in proportion to its weight; taking them in name order instead would give
+    every quota slot of every batch to the alphabetically first domains.
+
     >>> sorted(allocate_slots(4, {"a": 1.0, "b": 0.0}, 0.25, random.Random(0)))
     ['a', 'a', 'a', 'b']
+    >>> len(set(allocate_slots(3, {f"d{i}": 1.0 for i in range(9)}, 0.34, random.Random(0))))
+    3
     """
     names = sorted(weights)
     quota = int(min_fraction * n)
-    slots = [name for name in names for _ in range(quota)][:n]
     total = sum(weights[x] for x in names)
+    if total <= 0:
+        raise ValueError(f"domain weights must not all be zero: {weights}")
+    if quota * len(names) <= n:
+        slots = [name for name in names for _ in range(quota)]
+    else:
+        drawn = [x for x in names if weights[x] > 0]  # weight 0 never wins a draw
+        keys = {x: rng.random() ** (1.0 / weights[x]) for x in drawn}
+        winners = sorted(drawn, key=lambda x: keys[x], reverse=True)
+        slots = [name for name in winners for _ in range(quota)][:n]
     if len(slots) < n:
-        if total <= 0:
-            raise ValueError(f"domain weights must not all be zero: {weights}")
         slots += rng.choices(names, weights=[weights[x] for x in names], k=n - len(slots))
     rng.shuffle(slots)
     return slots

@@ -1,4 +1,5 @@
-"""Task records: loading JSONL task files and the built-in generated domains.
+"""Task records: loading task files (JSONL, Parquet, Arrow; local or s3://, see
+task_sources.py) and the built-in generated domains.
 
 A task is one prompt with what its verifier needs (``answer`` or ``tests``) and a
 difficulty stratum the curriculum uses. Built-in generators (``builtin:arithmetic``,
@@ -9,7 +10,6 @@ task's *content*, so a held-out item can never appear in training, whatever the 
 from __future__ import annotations
 
 import hashlib
-import json
 import operator
 import random
 from collections.abc import Iterable
@@ -91,16 +91,8 @@ def stratum_sort_key(name: str) -> tuple[int, str]:
 # --------------------------------------------------------------------------- JSONL files
 
 
-def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
-    """Parse one JSONL line into a Task; ``where`` is ``file:line`` for error messages."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"{where}: not valid JSON ({exc.msg}); each line must be one object"
-        ) from None
-    if not isinstance(record, dict):
-        raise UsageError(f"{where}: expected a JSON object, got {type(record).__name__}")
+def parse_task_record(record: dict[str, Any], where: str, default_domain: str | None) -> Task:
+    """Check one task record (a JSONL line's object, a Parquet or Arrow row) into a Task."""
     if "domain" not in record:
         if default_domain is None:
             raise UsageError(f'{where}: missing "domain" (e.g. "arithmetic" or "code")')
@@ -117,14 +109,12 @@ def parse_task_line(line: str, where: str, default_domain: str | None) -> Task:
 
 
 def load_jsonl_tasks(path: str | Path, default_domain: str | None = None) -> list[Task]:
-    """Read a task file; blank lines and ``#`` comments are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"task file {str(path)!r} does not exist; pass a JSONL file path")
-    tasks = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip() and not line.lstrip().startswith("#"):
-            tasks.append(parse_task_line(line, f"{path}:{lineno}", default_domain))
+    """Read a task file: JSONL, Parquet or Arrow, local or ``s3://`` (see task_sources.py);
+    blank JSONL lines and ``#`` comments are skipped."""
+    from posttrain.trainer.task_sources import iter_records
+
+    tasks = [parse_task_record(record, where, default_domain)
+             for where, record in iter_records(str(path))]
     if not tasks:
         raise UsageError(f"task file {str(path)!r} holds no tasks")
     return tasks
@@ -254,9 +244,10 @@ def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> 
 
 
 def load_tasks(source: str, domain: str, split: str = "train") -> list[Task]:
-    """Tasks for one domain from ``builtin:NAME`` or a JSONL path.
+    """Tasks for one domain from ``builtin:NAME`` or a task file (JSONL, Parquet, Arrow; a
+    path or ``s3://`` URI).
 
-    For a JSONL training file the held-out rule still applies when the spec gives no
+    For a training file the held-out rule still applies when the spec gives no
     separate eval file: ``split="eval"`` returns the hash-held-out items and ``train``
     the rest, so the two never overlap.
     """

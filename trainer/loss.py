@@ -34,37 +34,30 @@ class LossConfig:
     max_new_tokens: int = 128
 
 
-def normalised_domain_weights(domains: Sequence[str], weights: dict[str, float]) -> list[float]:
-    """Per-sample weights scaled so their mean over the batch is 1.
-
-    >>> normalised_domain_weights(["a", "a", "b", "b"], {"a": 1.0, "b": 3.0})
-    [0.5, 0.5, 1.5, 1.5]
-    """
-    raw = [weights.get(d, 1.0) for d in domains]
-    mean = sum(raw) / len(raw)
-    return [w / mean for w in raw]
-
-
 def sequence_coefficients(
-    lengths: Sequence[int], sample_weights: Sequence[float], aggregation: str, max_new_tokens: int
+    lengths: Sequence[int], aggregation: str, max_new_tokens: int
 ) -> list[float]:
     """Factor multiplying each sequence's token-loss *sum* so the batch loss is the mean.
 
-    >>> sequence_coefficients([2, 4], [1.0, 1.0], "token_mean", 8)
+    Every sequence gets the same factor whatever its domain: a domain's weight is applied
+    once, when the curriculum shares out the batch's prompts (docs/trainer.md, "Domain
+    weights"), so scaling its gradient too would square it.
+
+    >>> sequence_coefficients([2, 4], "token_mean", 8)
     [0.16666666666666666, 0.16666666666666666]
-    >>> sequence_coefficients([2, 4], [1.0, 1.0], "sequence_mean", 8)
+    >>> sequence_coefficients([2, 4], "sequence_mean", 8)
     [0.25, 0.125]
-    >>> sequence_coefficients([2, 4], [1.0, 1.0], "constant", 8)
+    >>> sequence_coefficients([2, 4], "constant", 8)
     [0.0625, 0.0625]
     """
     n = len(lengths)
     if aggregation == "token_mean":
         total = max(1, sum(lengths))
-        return [w / total for w in sample_weights]
+        return [1.0 / total] * n
     if aggregation == "sequence_mean":
-        return [w / (max(1, length) * n) for w, length in zip(sample_weights, lengths, strict=True)]
+        return [1.0 / (max(1, length) * n) for length in lengths]
     if aggregation == "constant":
-        return [w / (n * max_new_tokens) for w in sample_weights]
+        return [1.0 / (n * max_new_tokens)] * n
     raise ValueError(
         f"unknown loss aggregation {aggregation!r}; use token_mean, sequence_mean or constant"
     )

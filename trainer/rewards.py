@@ -66,11 +66,27 @@ def verifier_kind(task: Task, domain_kind: str | None) -> str:
 VerifyFn = Callable[[str, str, dict[str, Any], dict[str, Any]], Any]
 
 
-def default_verify() -> VerifyFn:
-    """The sandboxes component's verifier entry point (imported late: it is optional)."""
-    from posttrain.sandboxes.verifiers import verify
+class VerificationUnavailable(RuntimeError):
+    """The sandbox could not verify a sample for longer than the run allows: the step fails
+    (and with it the run) rather than scoring the sample as if the model had been wrong."""
 
-    return verify
+
+def _infra_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that say the sandbox, not the completion, failed: they are never a reward."""
+    try:
+        from posttrain.sandboxes.executor import SandboxError
+    except ImportError:  # the sandboxes component is optional
+        return (VerificationUnavailable,)
+    return (VerificationUnavailable, SandboxError)
+
+
+def default_verify() -> VerifyFn:
+    """Verification with the local executor and the default sandbox policy (tests, evals
+    outside a run); a run builds its own from spec.sandbox (trainer/verification.py)."""
+    from posttrain.api.trainingrun import SandboxPolicy
+    from posttrain.trainer.verification import build_verification
+
+    return build_verification(SandboxPolicy()).verify
 
 
 def score_samples(
@@ -87,10 +103,13 @@ def score_samples(
 ) -> list[ScoredSample]:
     """Score completions ``texts[i]`` of ``tasks[i]``; ``verifier_specs[domain] = (kind, config)``.
 
-    A verifier that raises scores 0 with the error in ``details`` (a crash in one
-    sandbox must not kill the run) and is logged.
+    A verifier that raises on the task or the completion (a malformed task, a setup script
+    that fails) scores 0 with the error in ``details`` and is logged. A failure of the sandbox
+    itself (:func:`_infra_errors`) is raised instead: the sample was never judged, and
+    training on a made-up 0 would teach the model that a right answer was wrong.
     """
     verify = verify or default_verify()
+    infra_errors = _infra_errors()
 
     def score(i: int) -> ScoredSample:
         task = tasks[i]
@@ -99,6 +118,8 @@ def score_samples(
         try:
             result = verify(kind, texts[i], task.to_dict(), dict(config))
             value, passed, details = float(result.reward), bool(result.passed), result.details
+        except infra_errors:
+            raise
         except Exception as exc:  # scored as a failure, reported, run continues
             log.warning("verifier %s failed on task %s: %s", kind, task.task_id, exc)
             value, passed, details = 0.0, False, {"error": str(exc)}

@@ -33,7 +33,10 @@ class RunData:
     heldout: list[Task]
     regression: list[Task]
     verifiers: VerifierSpecs
-    domain_weights: dict[str, float]
+
+    def executes_code(self) -> bool:
+        """Whether a domain's verifier runs completions in the sandbox (unit_tests, shell)."""
+        return any(kind in ("unit_tests", "shell") for kind, _ in self.verifiers.values())
 
 
 def balanced_subset(tasks: list[Task], limit: int) -> list[Task]:
@@ -106,7 +109,7 @@ def check_dataset_sources(spec: Any) -> None:
 
 def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
     """Load every domain of ``spec`` (a TrainingRunSpec) and build the curriculum."""
-    pools, heldout, verifiers, weights = [], [], {}, {}
+    pools, heldout, verifiers = [], [], {}
     limit = spec.evaluation.max_items_per_domain
     for domain in spec.domains:
         train, held = domain_tasks(domain.name, domain.dataset, domain.eval_dataset)
@@ -116,7 +119,6 @@ def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
             raise UsageError(str(exc)) from exc
         heldout += balanced_subset(held, limit)
         verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
-        weights[domain.name] = domain.weight
     regression: list[Task] = []
     if spec.evaluation.regression_dataset:
         regression = load_jsonl_tasks(spec.evaluation.regression_dataset)
@@ -130,7 +132,7 @@ def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
         min_domain_fraction=curriculum_spec.min_domain_fraction,
         seed=spec.algorithm.seed + seed_offset,
     )
-    return RunData(curriculum, heldout, regression, verifiers, weights)
+    return RunData(curriculum, heldout, regression, verifiers)
 
 
 def loss_config(algorithm: Any) -> LossConfig:

@@ -2,9 +2,13 @@
 
 The operator reconciles TrainingRuns from ``.status``; the trainer is the only one who
 knows the step, rewards and checkpoints, so it patches the status subresource itself
-(merge patch: it only touches the fields it owns, never ``conditions`` or
-``observedGeneration``, which belong to the operator). Reporting must never kill a run:
-API errors are logged and the next report retries with fresh numbers.
+(merge patch: it only touches the fields it owns). ``phase``, ``message``, ``conditions``
+and ``observedGeneration`` belong to the operator alone: it moves the run to Succeeded when
+the trainer pod exits 0, with the Succeeded condition, completionTime and an event. (A
+trainer that wrote ``phase: Succeeded`` itself made the operator treat the run as already
+finished and skip all of that.) ``status.json`` of a local run, which has no operator, keeps
+the phase. Reporting must never kill a run: API errors are logged and the next report
+retries with fresh numbers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ log = logging.getLogger(__name__)
 
 # Shows in managedFields who owns step/rewardMean/...: the operator owns phase and conditions.
 FIELD_MANAGER = "posttrain-trainer"
+OPERATOR_OWNED = ("phase", "message")
+"""RunStatus fields a trainer in a cluster never patches: the operator writes them."""
 
 RUN_NAME_ENV = "POSTTRAIN_RUN_NAME"
 RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
@@ -30,7 +36,7 @@ RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
 class RunStatus:
     """The trainer-owned part of ``TrainingRunStatus`` (snake_case here, camelCase on the wire)."""
 
-    phase: str = "Running"  # Pending | Running | Succeeded | Failed
+    phase: str = "Running"  # Running | Succeeded: status.json only (see OPERATOR_OWNED)
     step: int = 0
     max_steps: int = 0
     reward_mean: float | None = None
@@ -39,6 +45,10 @@ class RunStatus:
     last_checkpoint: str | None = None
     weight_version: int | None = None
     message: str | None = None
+    stage: str | None = None  # the pipeline stage being trained
+    stages: list[dict[str, Any]] = field(default_factory=list)  # StageStatus wire dicts
+    sandbox: dict[str, Any] | None = None  # verification.SandboxHealth.to_wire()
+    reports_uri: str | None = None  # where the outputs are uploaded as they are written
 
     def to_wire(self) -> dict[str, Any]:
         """camelCase, Nones dropped (a merge patch with null would *delete* the field).
@@ -60,6 +70,16 @@ class StatusReporter(Protocol):
 
     def report(self, status: RunStatus) -> None: ...
 
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Record a Kubernetes-style Event (stage started/finished): only the trainer sees
+        stage boundaries, so it posts these itself; the operator posts the pod-level ones."""
+        ...
+
+
+# Event reasons the trainer posts (CamelCase, as the operator's in operator/reasons.py).
+STAGE_STARTED = "StageStarted"
+STAGE_SUCCEEDED = "StageSucceeded"
+
 
 class LocalStatusReporter:
     """Writes ``status.json`` atomically (readers never see half a file)."""
@@ -72,6 +92,14 @@ class LocalStatusReporter:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         tmp.replace(self.path)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Append to ``events.jsonl`` beside ``status.json`` (and log it)."""
+        log.info("event %s %s: %s", type_, reason, message)
+        record = {"type": type_, "reason": reason, "message": message,
+                  "time": datetime.now(UTC).isoformat()}
+        with (self.path.parent / "events.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
 
 class KubeStatusReporter:
@@ -93,6 +121,7 @@ class KubeStatusReporter:
     def report(self, status: RunStatus) -> None:
         from posttrain.api.base import GROUP, VERSION
 
+        wire = {k: v for k, v in status.to_wire().items() if k not in OPERATOR_OWNED}
         try:
             self.api.patch_namespaced_custom_object_status(
                 GROUP,
@@ -100,11 +129,41 @@ class KubeStatusReporter:
                 self.namespace,
                 "trainingruns",
                 self.name,
-                {"status": status.to_wire()},
+                {"status": wire},
                 field_manager=FIELD_MANAGER,
             )
         except Exception as exc:  # a flaky apiserver must not stop training
             log.warning("could not patch status of %s/%s: %s", self.namespace, self.name, exc)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Create a core/v1 Event on the TrainingRun (``kubectl describe tr`` lists it)."""
+        from kubernetes import client
+
+        from posttrain.api.base import API_VERSION, GROUP, VERSION
+
+        now = datetime.now(UTC)
+        try:
+            run = self.api.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, "trainingruns", self.name)
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
+                "involvedObject": {"apiVersion": API_VERSION, "kind": "TrainingRun",
+                                   "name": self.name, "namespace": self.namespace,
+                                   "uid": run["metadata"]["uid"]},
+                "type": type_,
+                "reason": reason,
+                "message": message,
+                "source": {"component": FIELD_MANAGER},
+                "firstTimestamp": now.isoformat(),
+                "lastTimestamp": now.isoformat(),
+                "count": 1,
+            }
+            client.CoreV1Api(self.api.api_client).create_namespaced_event(self.namespace, body)
+        except Exception as exc:  # an Event is a courtesy: never a reason to stop training
+            log.warning("could not post event %s on %s/%s: %s", reason, self.namespace,
+                        self.name, exc)
 
 
 class FanOutStatusReporter:
@@ -116,6 +175,10 @@ class FanOutStatusReporter:
     def report(self, status: RunStatus) -> None:
         for reporter in self.reporters:
             reporter.report(status)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        for reporter in self.reporters:
+            reporter.event(type_, reason, message)
 
 
 def status_reporter_from_env(out_dir: Path) -> StatusReporter:

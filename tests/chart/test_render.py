@@ -20,7 +20,7 @@ CASES = [None, *VALUES_FILES]
 CASE_IDS = ["defaults", *(p.stem for p in VALUES_FILES)]
 # Kinds kubernetes-validate has no schema for; they are checked against the real apiserver
 # (server-side dry-run) in test_install.py, or structurally below.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor"}
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
 # OperatorConfig fields the chart sets ahead of the operator: GPU placement, pull secrets and the
 # default sandbox RuntimeClass are chart values the operator must put on the pods it creates.
 # Listed here so that a renamed field fails this test instead of being silently ignored.
@@ -182,7 +182,10 @@ def test_production_values(render: Render) -> None:
     # Namespaced mode: Roles only in the watched namespaces, nothing namespaced cluster-wide.
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team-a", "ml-team-b"]
-    assert not by_kind(objects, "ClusterRole"), "namespaced mode needs no ClusterRole today"
+    # The one cluster-scoped read: Kueue's ResourceFlavors (their node labels go on the pods).
+    (cluster_role,) = by_kind(objects, "ClusterRole")
+    assert cluster_role["rules"] == [{"apiGroups": ["kueue.x-k8s.io"],
+                                      "resources": ["resourceflavors"], "verbs": ["get"]}]
     peerings = by_kind(objects, "KopfPeering")
     assert {p["metadata"]["namespace"] for p in peerings} == {"ml-team-a", "ml-team-b"}
     deny = [o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"].endswith("deny")]

@@ -175,3 +175,19 @@ def test_every_component_registers_posttrain_metrics(component: str) -> None:
     for metric in own:
         assert metric._name.startswith("posttrain_"), metric._name
         assert metric._name in registered or metric._name.removesuffix("_total") in registered
+
+
+def test_a_taken_metrics_port_is_a_warning_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    """Trainer pods serve /metrics; where pods are host processes (the dev node agent) the
+    port may be taken, and the run must go on without metrics rather than fail."""
+    import socket
+
+    from posttrain.telemetry import start_metrics_server
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with caplog.at_level("WARNING", logger="posttrain.telemetry"):
+            start_metrics_server(port)
+    assert f"cannot serve Prometheus metrics on :{port}" in caplog.text

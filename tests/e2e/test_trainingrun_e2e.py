@@ -238,7 +238,7 @@ def test_killing_operator_and_trainer_mid_run_resumes_from_the_last_checkpoint(
             cluster.namespace, label_selector=f"posttrain.io/run={name}"
         ).items
 
-    # The trainer reports Succeeded just before its process exits; then no pod is left running.
+    # The operator ends the run once the trainer pod exited 0; then no pod is left running.
     wait_for(
         lambda: not any(p.status.phase == "Running" for p in trainer_pods()),
         60,

@@ -41,7 +41,7 @@ def test_group_advantages_mask_and_errored_episodes() -> None:
                          verify=lambda *a: pytest.fail("episodes need no verifier"))
     assert [s.verifier for s in scored[0]] == ["env:terminal"] * 4
     prepared = prepare_batch(sampled, scored, algorithm="dr_grpo", dynamic_sampling=True,
-                             domain_weights={}, loss_config=LossConfig(), step=1)
+                             loss_config=LossConfig(), step=1)
     # The errored episode takes no part: 3 samples, advantages relative to the other three.
     assert [s.advantage for s in prepared.samples] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
     assert all(s.loss_mask == [1, 1, 0, 0, 0, 1] for s in prepared.samples)
@@ -54,7 +54,7 @@ def test_group_advantages_mask_and_errored_episodes() -> None:
     all_errored = batch([episode(0.0, "errored"), episode(0.0, "errored")])
     nothing = prepare_batch(all_errored, score_batch(all_errored, {}, algorithm,
                                                      max_concurrency=1),
-                            algorithm="grpo", dynamic_sampling=False, domain_weights={},
+                            algorithm="grpo", dynamic_sampling=False,
                             loss_config=LossConfig(), step=1)
     assert nothing.samples == [] and nothing.group_pass_rates == [None]
 

@@ -204,9 +204,12 @@ def test_run_config_map_renders_spec_with_default_storage() -> None:
 def test_trainer_rbac_is_narrow() -> None:
     sa, role, binding = b.build_trainer_rbac(make_run())
     assert sa["metadata"]["name"] == "demo-trainer"
-    assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
-    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
-    assert verbs == {"get", "patch"}
+    named = [rule for rule in role["rules"] if rule["resources"] != ["events"]]
+    assert all(rule["resourceNames"] == ["demo"] for rule in named)
+    assert {v for rule in named for v in rule["verbs"]} == {"get", "patch"}
+    # Events (stage boundaries) can only be created: no name to narrow to, no other verb.
+    events = [rule for rule in role["rules"] if rule["resources"] == ["events"]]
+    assert events == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "ml"}
     ]
@@ -365,3 +368,99 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
     )
     names = {e["name"] for e in explicit["spec"]["containers"][0]["env"]}
     assert b.ROLLOUT_ENDPOINTS_ENV not in names
+
+
+CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}}
+
+
+def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
+    from posttrain.operator import sandbox_runner as sr
+
+    run = make_run(domains=[CODE_DOMAIN], sandbox={"mode": "runner", "maxConcurrency": 3,
+                                                   "memoryMb": 256, "runtimeClassName": "gvisor"})
+    children = {c["kind"]: c for c in b.build_trainer_children(run, CONFIG)}
+    deployment, service = children["Deployment"], children["Service"]
+    assert deployment["metadata"]["name"] == service["metadata"]["name"] == "demo-sandbox-runner"
+    assert deployment["metadata"]["ownerReferences"][0]["uid"] == "uid-run"
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == CONFIG.sandbox_runner_image
+    assert container["command"][:3] == ["posttrain", "sandbox", "serve"]
+    assert container["command"][-2:] == ["--concurrency", "3"]
+    assert container["resources"]["limits"] == {"cpu": "3", "memory": "1024Mi"}
+    assert pod["automountServiceAccountToken"] is False and pod["hostUsers"] is False
+    assert pod["runtimeClassName"] == "gvisor"
+    context = container["securityContext"]
+    assert context["runAsNonRoot"] and context["runAsUser"] == 65534
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    assert context["allowPrivilegeEscalation"] is False
+    # Exactly what bubblewrap needs beyond "restricted", nothing else.
+    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"},
+                                                                  "Unmasked")
+    policy = children["NetworkPolicy"]["spec"]
+    assert policy["policyTypes"] == ["Ingress", "Egress"] and "egress" not in policy
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {
+        b.LABEL_COMPONENT: b.COMPONENT_TRAINER, b.LABEL_RUN: "demo"}
+    env = {e["name"]: e.get("value") for e in
+           b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]}
+    assert env[sr.RUNNER_URL_ENV] == "http://demo-sandbox-runner.ml.svc:8090"
+
+
+def test_runner_url_given_means_no_runner_of_our_own() -> None:
+    run = make_run(domains=[CODE_DOMAIN],
+                   sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"})
+    kinds = [c["kind"] for c in b.build_trainer_children(run, CONFIG)]
+    assert "Deployment" not in kinds
+    env = [e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]]
+    assert "POSTTRAIN_SANDBOX_RUNNER_URL" not in env
+
+
+def test_local_mode_gives_the_trainer_what_bubblewrap_needs_only_when_code_runs() -> None:
+    code = b.build_trainer_pod(make_run(domains=[CODE_DOMAIN]), CONFIG, 0, 0)["spec"]
+    assert code["hostUsers"] is False
+    context = code["containers"][0]["securityContext"]
+    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"},
+                                                                  "Unmasked")
+    assert context["capabilities"] == {"drop": ["ALL"]}
+    numeric = b.build_trainer_pod(make_run(), CONFIG, 0, 0)["spec"]
+    assert "hostUsers" not in numeric and "securityContext" not in numeric["containers"][0]
+
+
+def test_task_mode_lets_the_trainer_create_sandbox_tasks_and_nothing_more() -> None:
+    role = next(m for m in b.build_trainer_rbac(make_run(sandbox={"mode": "task"}))
+                if m["kind"] == "Role")
+    rules = [r for r in role["rules"] if r["resources"] == ["sandboxtasks"]]
+    assert rules == [{"apiGroups": ["posttrain.io"], "resources": ["sandboxtasks"],
+                      "verbs": ["get", "create", "delete"]}]
+    # The operator holds what it grants (RBAC escalation check).
+    held = next(r for r in OPERATOR_RULES if r["resources"] == ["sandboxtasks"])
+    assert {"get", "create", "delete"} <= set(held["verbs"])
+    local = next(m for m in b.build_trainer_rbac(make_run()) if m["kind"] == "Role")
+    assert all("sandboxtasks" not in r["resources"] for r in local["rules"])
+
+
+def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> None:
+    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    container = pod["spec"]["containers"][0]
+    assert container["command"][-2:] == ["--metrics-port", str(CONFIG.pod_metrics_port)]
+    assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(container)  # none configured
+    # A Ray worker runs no trainer process, so it has nothing to scrape.
+    worker = b.build_trainer_pod(make_run(resources={"nodes": 2}), CONFIG, 0, 1)
+    assert "ports" not in worker["spec"]["containers"][0]
+    assert "annotations" not in worker["metadata"]
+
+    traced = CONFIG.model_copy(update={"otlp_endpoint": "http://collector.monitoring:4318"})
+    env = env_of(b.build_trainer_pod(make_run(), traced, 0, 0)["spec"]["containers"][0])
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.monitoring:4318"
+    assert env["OTEL_SERVICE_NAME"]["value"] == "posttrain-trainer"
+    deployment = b.build_rollout_deployment(make_pool(), traced)
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == str(
+        template["spec"]["containers"][0]["ports"][0]["containerPort"])
+    rollout_env = env_of(template["spec"]["containers"][0])
+    assert rollout_env["OTEL_SERVICE_NAME"]["value"] == "posttrain-rollout"
+    off = CONFIG.model_copy(update={"pod_metrics_port": 0})
+    assert "--metrics-port" not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"][
+        "containers"][0]["command"]

@@ -9,7 +9,7 @@ import pytest
 
 # Every operator module with examples (the others have none to run).
 MODULES = ["builders", "config", "reconcile", "warmpool", "kube", "controllers", "warm_entrypoint",
-           "informer"]
+           "informer", "kueue", "sandbox_runner"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -86,7 +86,8 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
     head_cmd = head["spec"]["containers"][0]["command"]
     assert "ray start --head" in head_cmd[2] and "posttrain run" in head_cmd[2]
     ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
-    assert ports == {"gcs-server": CONFIG.ray_port, "dist": CONFIG.trainer_master_port}
+    assert ports == {"gcs-server": CONFIG.ray_port, "dist": CONFIG.trainer_master_port,
+                     "metrics": CONFIG.pod_metrics_port}  # the trainer's /metrics
     assert head["metadata"]["labels"][b.LABEL_RANK] == "0"
     worker_cmd = worker["spec"]["containers"][0]["command"]
     assert worker_cmd == ["ray", "start", f"--address=r-g4-head-svc.ns.svc:{CONFIG.ray_port}",

@@ -192,11 +192,16 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
     operator_config: OperatorConfig,
 ) -> None:
     """Runs last in this module: removes the CRD, starts the operator without it, installs
-    it again. kopf then has no RayCluster watch; discovery (re-asked every second here) and
-    the resync's re-list must carry the KubeRay path alone."""
+    it again. kopf then has no RayCluster watch; discovery and the resync's re-list must carry
+    the KubeRay path alone.
+
+    The periodic discovery answer is cached for an hour here, so the only way the resumed gang
+    can become a RayCluster is the fresh discovery a gang start does. (With a short cache
+    instead, this test once depended on timing: a "not installed" answer cached less than a
+    second before the resume put gang 1 on plain pods, and RayCluster late-g1 never came.)"""
     kubectl("delete", "crd", "rayclusters.ray.io", "--wait=true")
     wait_for(lambda: not kube.serves("ray.io/v1", "rayclusters"), what="rayclusters gone")
-    config = operator_config.model_copy(update={"kuberay_discovery_seconds": 1.0})
+    config = operator_config.model_copy(update={"kuberay_discovery_seconds": 3600.0})
     with OperatorThread(config):
         create_cr(kube, "trainingruns", namespace, run_body("late", resources={"nodes": 2}))
         wait_for(lambda: trainer_pods(kube, namespace) == ["late-g0-0", "late-g0-1"],

@@ -202,3 +202,30 @@ def test_pod_view_reads_kubelet_status() -> None:
     assert view.deleting and not view.ready and view.terminated is not None
     assert view.terminated.exit_code == 3
     assert parse_sandbox_result(view).duration_ms == 1000.0
+
+
+def test_sandbox_health_from_the_trainer_becomes_the_sandbox_available_condition() -> None:
+    url = "http://gone.ns.svc:8090"
+    status = {"phase": "Running", "startTime": NOW.isoformat(),
+              "sandbox": {"mode": "runner", "endpoint": url, "available": False,
+                          "infraFailures": 7, "lastError": f"sandbox runner {url} failed 5 times"}}
+    plan = plan_training_run(run(status), [trainer_pod(0, 0)], 0, NOW)
+    (cond,) = [c for c in plan.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
+    assert (cond["status"], cond["reason"]) == ("False", "SandboxUnavailable")
+    assert url in cond["message"] and "7 time(s)" in cond["message"]
+    assert [(e.type, e.reason) for e in plan.events] == [("Warning", "SandboxUnavailable")]
+    # The operator never writes the trainer's sandbox report itself.
+    assert "sandbox" not in plan.status_patch
+
+    recovered = dict(status, conditions=plan.status_patch["conditions"],
+                     sandbox={**status["sandbox"], "available": True})
+    again = plan_training_run(run(recovered), [trainer_pod(0, 0)], 0, NOW)
+    (cond,) = [c for c in again.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
+    assert (cond["status"], cond["reason"]) == ("True", "SandboxWorking")
+    assert [e.reason for e in again.events] == ["SandboxWorking"]
+
+
+def test_a_run_without_sandbox_reports_has_no_sandbox_condition() -> None:
+    plan = plan_training_run(run({"phase": "Running", "startTime": NOW.isoformat()}),
+                             [trainer_pod(0, 0)], 0, NOW)
+    assert all(c["type"] != "SandboxAvailable" for c in plan.status_patch.get("conditions", []))

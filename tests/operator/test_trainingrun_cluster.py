@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from posttrain.operator.kube import KubeClient, KubeError, resource_path
@@ -48,7 +50,8 @@ def test_single_node_run_children_status_split_and_success(
     assert (owner["kind"], owner["uid"]) == ("TrainingRun", run["metadata"]["uid"])
     main = pod["spec"]["containers"][0]
     assert main["command"] == ["posttrain", "run", "/etc/posttrain/run.yaml", "--out",
-                               "/workspace"]
+                               "/workspace", "--metrics-port", "9090"]
+    assert main["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
     env = {e["name"]: e for e in main["env"]}
     assert env["WORLD_SIZE"]["value"] == "1" and env["RANK"]["value"] == "0"
@@ -64,8 +67,9 @@ def test_single_node_run_children_status_split_and_success(
     assert f"s3://posttrain/runs/{namespace}/r1" in config_map["data"]["run.yaml"]
     role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
     assert role is not None
-    assert {r["resources"][0] for r in role["rules"]} == {"trainingruns/status", "trainingruns"}
-    assert all(r["resourceNames"] == ["r1"] for r in role["rules"])
+    assert {r["resources"][0] for r in role["rules"]} == {
+        "trainingruns/status", "trainingruns", "events"}
+    assert all(r["resourceNames"] == ["r1"] for r in role["rules"] if r["resources"] != ["events"])
     # No cleanup needed -> no finalizer.
     assert not get_cr(kube, "trainingruns", namespace, "r1")["metadata"].get("finalizers")
 
@@ -183,3 +187,41 @@ def test_trainer_pod_is_pointed_at_its_rollout_pool(
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r-pool-g0-0"), what="trainer pod")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["POSTTRAIN_ROLLOUT_ENDPOINTS"] == f"http://gen.{namespace}.svc:8011"
+
+
+def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_step(
+    operator: OperatorThread, kube: KubeClient, kube_api: object, kubectl: Any, namespace: str
+) -> None:
+    """The order a real run produces: the trainer's final report (step = maxSteps, as
+    ``Run.finish`` sends it), then its pod exits 0. Only the pod's exit ends the run, and the
+    operator then writes everything a user waits for."""
+    from kubernetes import client
+
+    from posttrain.trainer.status import KubeStatusReporter, RunStatus
+
+    create_cr(kube, "trainingruns", namespace, run_body("fin", algorithm={"maxSteps": 3}))
+    wait_for(lambda: kube.get("v1", "Pod", namespace, "fin-g0-0"), what="trainer pod")
+    set_pod_running(kube, namespace, "fin-g0-0")
+    wait_phase(kube, namespace, "fin", "Running")
+
+    reporter = KubeStatusReporter("fin", namespace, api=client.CustomObjectsApi(kube_api))
+    reporter.report(RunStatus(phase="Succeeded", step=3, max_steps=3, reward_mean=0.5,
+                              last_checkpoint="s3://b/fin/step-3"))
+    reported = wait_for(lambda: (s := run_status(kube, namespace, "fin")).get("step") == 3 and s,
+                        what="the trainer's last report")
+    assert reported["phase"] == "Running"  # the report is progress, not the end of the run
+
+    set_pod_terminated(kube, namespace, "fin-g0-0", 0)
+    done = kubectl("wait", "--for=condition=Succeeded", "trainingrun/fin", "-n", namespace,
+                   "--timeout=120s", check=False)
+    assert done.returncode == 0, done.stderr
+    status = run_status(kube, namespace, "fin")
+    conditions = {c["type"]: c for c in status["conditions"]}
+    assert status["phase"] == "Succeeded" and status["completionTime"]
+    assert status["message"] == "trainer finished at step 3"
+    assert (conditions["Succeeded"]["status"], conditions["Succeeded"]["reason"]) == (
+        "True", "TrainerSucceeded")
+    assert conditions["Ready"]["status"] == "False"
+    events = kube.request("GET", resource_path("v1", "events", namespace))[1]["items"]
+    assert any(e["reason"] == "TrainerSucceeded" and e["involvedObject"]["name"] == "fin"
+               for e in events)

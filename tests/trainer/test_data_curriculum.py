@@ -9,8 +9,13 @@ from pathlib import Path
 import pytest
 
 from posttrain.errors import UsageError
+from posttrain.rollout.protocol import Completion
+from posttrain.trainer.batch import prepare_batch
 from posttrain.trainer.curriculum import Curriculum, DomainPool, allocate_slots
 from posttrain.trainer.datasets import Task, builtin_tasks, load_jsonl_tasks, load_tasks
+from posttrain.trainer.loss import LossConfig
+from posttrain.trainer.rewards import ScoredSample
+from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
 from posttrain.trainer.rundata import balanced_subset, domain_tasks
 
 
@@ -73,6 +78,51 @@ def test_slot_allocation_quota_and_weights() -> None:
     assert slots.count("b") == 2 and slots.count("a") == 8
     slots = allocate_slots(1000, {"a": 3.0, "b": 1.0}, 0.0, random.Random(0))
     assert 700 < slots.count("a") < 800
+
+
+def test_quota_slots_beyond_the_batch_are_shared_out_by_weight() -> None:
+    # 300 domains with a quota of 1 slot each cannot all fit in 64 slots. Over many
+    # batches each domain's quota slots must follow its weight; the alphabetically first
+    # domains must not take every quota slot of every batch.
+    weights = {f"d{i:03d}": (3.0 if i % 2 else 1.0) for i in range(300)}
+    rng = random.Random(0)
+    counts = dict.fromkeys(weights, 0)
+    for _ in range(400):
+        slots = allocate_slots(64, weights, 1 / 64, rng)
+        assert len(slots) == 64 and len(set(slots)) == 64  # one quota slot per drawn domain
+        for name in slots:
+            counts[name] += 1
+    assert min(counts.values()) > 0  # every domain got slots
+    heavy = sum(v for k, v in counts.items() if weights[k] == 3.0)
+    light = sum(v for k, v in counts.items() if weights[k] == 1.0)
+    # Sampling without replacement flattens the 3:1 a little (a heavy domain cannot take
+    # two quota slots of one batch), but the share still clearly follows the weight.
+    assert 2.0 < heavy / light < 3.2
+    first, last = sum(counts[f"d{i:03d}"] for i in range(64)), sum(
+        counts[f"d{i:03d}"] for i in range(236, 300))
+    assert abs(first - last) / last < 0.15  # name order no longer decides
+
+
+def test_a_domain_weight_is_applied_once() -> None:
+    # 3:1 weights give ~3:1 prompts, and prepare_batch gives a sample of either domain the
+    # same loss coefficient, so the domains' gradient shares are ~3:1, not 9:1
+    # (docs/trainer.md, "Domain weights").
+    tasks = {d: [Task(d, f"{d} {i}", "1") for i in range(50)] for d in ("a", "b")}
+    cur = Curriculum([DomainPool.from_tasks("a", tasks["a"], 3.0),
+                      DomainPool.from_tasks("b", tasks["b"], 1.0)], seed=0)
+    share = {"a": 0.0, "b": 0.0}
+    for step in range(1, 101):
+        chosen = cur.next_prompts(16)
+        groups = [[Completion(i, "x", [1] * 5, [-1.0] * 5, "stop", 0) for _ in range(2)]
+                  for i in range(len(chosen))]
+        batch = RolloutBatch(RolloutRequest(step, chosen, [[0]] * len(chosen), 0), groups, 0.0)
+        scored = [[ScoredSample(r, r, 0.0, r > 0) for r in (1.0, 0.0)] for _ in chosen]
+        prepared = prepare_batch(batch, scored, algorithm="grpo", dynamic_sampling=True,
+                                 loss_config=LossConfig(), step=step)
+        for sample, (task, _) in zip(prepared.samples,
+                                     [(t, j) for t in chosen for j in range(2)], strict=True):
+            share[task.domain] += sample.coefficient
+    assert 2.6 < share["a"] / share["b"] < 3.4
 
 
 def _pool() -> DomainPool:

@@ -215,7 +215,7 @@ def _replay_step(model: Path, records: list[dict[str, Any]], spec: Any) -> Any:
     algo = spec.algorithm
     config = loss_config(algo)
     lengths = [len(r["completion_token_ids"]) for r in records]
-    coefficients = sequence_coefficients(lengths, [1.0] * len(records), config.aggregation,
+    coefficients = sequence_coefficients(lengths, config.aggregation,
                                          config.max_new_tokens)
     samples = [TrainSample(r["prompt_token_ids"], r["completion_token_ids"],
                            r["completion_logprobs"], r["advantage"], c)

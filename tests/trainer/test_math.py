@@ -12,7 +12,6 @@ from posttrain.trainer.loss import (
     LossConfig,
     clipped_policy_loss,
     k3_kl,
-    normalised_domain_weights,
     sequence_coefficients,
 )
 from posttrain.trainer.rewards import overlong_penalty
@@ -62,17 +61,11 @@ def test_k3_kl_is_zero_on_equal_policies_and_positive_otherwise() -> None:
 
 def test_normalisations() -> None:
     # lengths 1 and 3: token_mean weighs each token 1/4, sequence_mean 1/(2*len), constant 1/(2*4)
-    assert sequence_coefficients([1, 3], [1.0, 1.0], "token_mean", 4) == [0.25, 0.25]
-    assert sequence_coefficients([1, 3], [1.0, 1.0], "sequence_mean", 4) == [0.5, 1 / 6]
-    assert sequence_coefficients([1, 3], [1.0, 1.0], "constant", 4) == [0.125, 0.125]
+    assert sequence_coefficients([1, 3], "token_mean", 4) == [0.25, 0.25]
+    assert sequence_coefficients([1, 3], "sequence_mean", 4) == [0.5, 1 / 6]
+    assert sequence_coefficients([1, 3], "constant", 4) == [0.125, 0.125]
     with pytest.raises(ValueError, match="aggregation"):
-        sequence_coefficients([1], [1.0], "median", 4)
-
-
-def test_domain_weights_scale_contributions_around_one() -> None:
-    assert normalised_domain_weights(["m", "c", "c", "c"], {"m": 2.0, "c": 1.0}) == [
-        pytest.approx(1.6), pytest.approx(0.8), pytest.approx(0.8), pytest.approx(0.8)
-    ]
+        sequence_coefficients([1], "median", 4)
 
 
 def _loss(logp: list[float], behaviour: list[float], advantage: float, **cfg: float) -> float:

@@ -23,7 +23,7 @@ def _samples(policy: Policy) -> list[TrainSample]:
     prompt = policy.encode_prompt("What is 2 + 2?")
     completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37]]
     advantages = [1.0, -1.0, 0.5, -0.5]
-    coefficients = sequence_coefficients([len(c) for c in completions], [1.0] * 4,
+    coefficients = sequence_coefficients([len(c) for c in completions],
                                          "token_mean", 8)
     draft = [TrainSample(prompt, c, [0.0] * len(c), a, k)
              for c, a, k in zip(completions, advantages, coefficients, strict=True)]

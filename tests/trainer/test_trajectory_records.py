@@ -67,7 +67,7 @@ def test_records_round_trip_with_tokens_logprobs_and_verifier(
     batch = RolloutBatch(RolloutRequest(1, tasks, prompt_ids, seed=7), completions, 0.0)
     scored = score_batch(batch, {"arithmetic": ("numeric", {})}, algo, max_concurrency=2)
     prepared = prepare_batch(batch, scored, algorithm="grpo", dynamic_sampling=False,
-                             domain_weights={"arithmetic": 1.0}, loss_config=loss_config(algo),
+                             loss_config=loss_config(algo),
                              step=1)
 
     store = open_store(str(tmp_path / "run"))

@@ -1,0 +1,151 @@
+"""Kueue admission for TrainingRuns, on the controller side: discovery, the Workload cache,
+and executing what :func:`.reconcile.plan_training_run` decided about a run's Workload.
+
+Kept beside :class:`.controllers.Controller` (which owns one instance) so the run reconciler
+only asks :meth:`KueueAdmission.gate` and hands the plan back to :meth:`KueueAdmission.apply`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from posttrain.api import TrainingRun
+
+from . import builders as b
+from .config import OperatorConfig
+from .kube import KubeClient, KubeError, resource_path
+from .kueue import (
+    FLAVOR_PLURAL,
+    KUEUE_API_VERSION,
+    WORKLOAD_PLURAL,
+    build_workload,
+    finished_condition,
+    queue_name,
+    workload_name,
+    workload_view,
+)
+from .reconcile import KueueGate, RunPlan
+
+log = logging.getLogger(__name__)
+
+Body = dict[str, Any]
+
+
+class KueueAdmission:
+    """Whether Kueue is installed, the Workloads of runs, and their create/patch calls."""
+
+    def __init__(self, config: OperatorConfig, kube: KubeClient, store: Any) -> None:
+        self.config, self.kube = config, kube
+        self.workloads = store  # a controllers.Store keyed by the posttrain.io/run label
+        self._lock = threading.Lock()
+        self._installed = False
+        self._checked_at = float("-inf")
+
+    def installed(self) -> bool:
+        """Whether the apiserver serves Kueue's workloads, asked through API discovery at
+        most once per ``kueue_discovery_seconds`` (Kueue installed later is picked up then)."""
+        if not self.config.kueue:
+            return False
+        with self._lock:
+            if time.monotonic() - self._checked_at < self.config.kueue_discovery_seconds:
+                return self._installed
+        try:
+            found = self.kube.serves(KUEUE_API_VERSION, WORKLOAD_PLURAL)
+        except (KubeError, httpx.HTTPError) as exc:
+            log.warning("API discovery of %s failed (%s); keeping the last answer",
+                        KUEUE_API_VERSION, exc)
+            found = self._installed
+        with self._lock:
+            if found != self._installed:
+                log.info("Kueue %s: runs labelled %s=<LocalQueue> %s", KUEUE_API_VERSION
+                         + (" found" if found else " not found"), "kueue.x-k8s.io/queue-name",
+                         "wait for admission" if found else "start without admission")
+            self._installed, self._checked_at = found, time.monotonic()
+        return found
+
+    def gate(self, run: TrainingRun) -> KueueGate | None:
+        """The run's admission state when it goes through Kueue, else None.
+
+        A run whose Workload exists keeps going through Kueue even if discovery briefly
+        fails; a labelled run without one asks discovery.
+        """
+        queue = queue_name(run)
+        if queue is None:
+            return None
+        body = self.workloads.get(run.metadata.namespace, workload_name(run))
+        if body is None and not self.installed():
+            return None
+        return KueueGate(queue, workload_view(body) if body is not None else None)
+
+    def apply(self, run: TrainingRun, plan: RunPlan, pod_template: Body | None) -> None:
+        """Create, (de)activate or finish the run's Workload as the plan says."""
+        namespace, name = run.metadata.namespace, workload_name(run)
+        if plan.create_workload and pod_template is not None:
+            labels = {b.LABEL_COMPONENT: b.COMPONENT_TRAINER, b.LABEL_RUN: run.metadata.name}
+            manifest = build_workload(run, pod_template, labels, b.owner_reference(run))
+            _, body = self.kube.create_or_adopt(manifest)
+            self.workloads.put(body)
+            log.info("TrainingRun %s/%s: created Workload %s in LocalQueue %s", namespace,
+                     run.metadata.name, name, queue_name(run))
+        path = resource_path(KUEUE_API_VERSION, WORKLOAD_PLURAL, namespace, name)
+        if plan.workload_active is not None:
+            self.workloads.put(self.kube.patch(path, {"spec": {"active": plan.workload_active}}))
+        if plan.finish_workload:
+            current = self.workloads.get(namespace, name) or {}
+            kept = [c for c in (current.get("status") or {}).get("conditions") or []
+                    if c.get("type") != "Finished"]
+            finished = finished_condition(run.status.phase or "Failed", run.status.message or "",
+                                          datetime.now(UTC), current.get("metadata", {}).get(
+                                              "generation"))
+            # A merge patch replaces the list: Kueue's own conditions are kept in it.
+            self.workloads.put(self.kube.patch(
+                path, {"status": {"conditions": [*kept, finished]}}, "status"))
+
+    def placed(self, run: TrainingRun, gate: KueueGate | None) -> TrainingRun:
+        """``run`` with the node labels of the ResourceFlavors Kueue admitted it to added to
+        its node selector, so the pods land where the quota was taken (what Kueue's own
+        integrations inject on start). Unchanged when not admitted through Kueue."""
+        workload = gate.workload if gate is not None else None
+        if workload is None or not workload.flavors:
+            return run
+        labels: dict[str, str] = {}
+        for flavor in workload.flavors:
+            status, body = self.kube.request(
+                "GET", f"/apis/{KUEUE_API_VERSION}/{FLAVOR_PLURAL}/{flavor}",
+                ok=(200, 403, 404))
+            if status != 200:  # 403: a namespaced install without the ClusterRole part
+                log.warning("cannot read ResourceFlavor %s assigned by Kueue (HTTP %d); the "
+                            "pods get no node labels from it", flavor, status)
+                continue
+            labels.update((body.get("spec") or {}).get("nodeLabels") or {})
+        if not labels:
+            return run
+        placed = run.model_copy(deep=True)
+        placed.spec.resources.node_selector = {**run.spec.resources.node_selector, **labels}
+        return placed
+
+    def refresh(self, namespaces: list[str]) -> None:
+        """Re-list the Workloads of namespaces with queue-labelled runs (resync safety net:
+        the kopf watch serves workloads only when Kueue's CRD existed at operator start)."""
+        if not namespaces or not self.installed():
+            return
+        selector = f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}"
+        for namespace in namespaces:
+            try:
+                items = self.kube.list(KUEUE_API_VERSION, "Workload", namespace, selector)
+            except (KubeError, httpx.HTTPError) as exc:
+                log.warning("listing Workloads in %s failed: %s", namespace, exc)
+                continue
+            seen = set()
+            for item in items:
+                self.workloads.put(item)
+                seen.add(item["metadata"]["name"])
+            for ns, name in self.workloads.snapshot_keys():
+                if ns == namespace and name not in seen:
+                    self.workloads.remove(ns, name)
