@@ -264,6 +264,11 @@ class Policy:
         if reference_dir is not None:
             self.reference = _load_model(reference_dir).requires_grad_(False)
             self.reference_module = self._place(self.reference, trainable=False)
+        self.reset_optimizer(learning_rate, weight_decay)
+
+    def reset_optimizer(self, learning_rate: float, weight_decay: float = 0.0) -> None:
+        """A fresh AdamW: every stage of a pipeline starts with its own rate and no moments."""
+        self.base_learning_rate = learning_rate
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
         # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
@@ -455,33 +460,53 @@ class Policy:
             sums = reduced.cpu()
             sums[0] /= self.rank.world_size  # the step's loss: the mean of the ranks' losses
         total_loss, clipped, tokens, ratio_sum, kl_sum = sums.tolist()
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
-        grad_norm = float(to_full(torch.nn.utils.clip_grad_norm_(parameters, grad_clip)))
-        stats = StepStats(
+        if tokens == 0:  # every rank agrees: the sums are global
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepStats(total_loss, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
+        grad_norm, applied, skip_reason = self.apply_gradients(
+            total_loss, grad_clip=grad_clip, step=step)
+        return StepStats(
             loss=total_loss,
             grad_norm=grad_norm,
-            applied=True,
+            applied=applied,
             clip_fraction=clipped / max(tokens, 1.0),
             ratio_mean=ratio_sum / max(tokens, 1.0),
             kl=kl_sum / max(tokens, 1.0),
             tokens=int(tokens),
+            skip_reason=skip_reason,
         )
-        if not (math.isfinite(total_loss) and math.isfinite(grad_norm)):
+
+    def apply_gradients(
+        self, loss: float, *, grad_clip: float, world_size: int = 1, step: int | None = None
+    ) -> tuple[float, bool, str]:
+        """Clip and step: ``(grad_norm, applied, skip_reason)``.
+
+        Every objective (RL, SFT, DPO) ends its step here, so all share the same clipping,
+        learning-rate schedule (``step``) and refusal to apply a non-finite update.
+        Gradients are already averaged over ranks by FSDP's reduce-scatter; the norm is the
+        global one, and a non-finite ``loss`` on any rank skips the step on every rank.
+        ``world_size`` is unused (the process group decides; kept for callers).
+        """
+        del world_size
+        parameters = [p for p in self.module.parameters() if p.requires_grad]
+        grad_norm = float(to_full(torch.nn.utils.clip_grad_norm_(parameters, grad_clip)))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if self.rank.world_size > 1:
+            import torch.distributed as dist
+
+            flag = torch.tensor([0 if finite else 1], device=self.plan.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            finite = not bool(flag.item())
+        if not finite:
             # Applying a NaN/inf update would silently destroy the weights; skip and say so.
-            # Both figures are global, so every rank takes the same decision.
             self.optimizer.zero_grad(set_to_none=True)
-            stats.applied = False
-            stats.skip_reason = f"non-finite loss={total_loss} grad_norm={grad_norm}"
-            log.warning("optimizer step skipped: %s", stats.skip_reason)
-            return stats
-        if tokens == 0:
-            self.optimizer.zero_grad(set_to_none=True)
-            stats.applied, stats.skip_reason = False, "no samples with signal"
-            return stats
+            reason = f"non-finite loss={loss} grad_norm={grad_norm}"
+            log.warning("optimizer step skipped: %s", reason)
+            return grad_norm, False, reason
         if step is not None:
             self.set_learning_rate(step)
         self.optimizer.step()
-        return stats
+        return grad_norm, True, ""
 
     def set_learning_rate(self, step: int) -> float:
         """Apply the schedule's learning rate for optimizer step ``step``; returns it."""
