@@ -54,6 +54,7 @@ RESOURCES: tuple[ResourceDef, ...] = (
             {"name": "Step", "type": "integer", "jsonPath": ".status.step"},
             {"name": "Max", "type": "integer", "jsonPath": ".status.maxSteps"},
             {"name": "Reward", "type": "number", "jsonPath": ".status.rewardMean"},
+            {"name": "Stage", "type": "string", "jsonPath": ".status.stage"},
             AGE,
             {
                 "name": "Checkpoint",

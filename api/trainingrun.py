@@ -76,6 +76,116 @@ class AlgorithmSpec(ApiModel):
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
 
 
+StageType = Literal["sft", "dpo", "rl"]
+
+# Defaults of the stage hyper-parameters left unset, per stage type. SFT and DPO take TRL's
+# defaults (SFTConfig / DPOConfig), so a pipeline ported from TRL behaves as there.
+STAGE_DEFAULTS: dict[str, dict[str, float | int]] = {
+    "sft": {"learning_rate": 2e-5, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024},
+    "dpo": {"learning_rate": 1e-6, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024,
+            "beta": 0.1},
+}
+
+
+class StageSpec(ApiModel):
+    """One stage of a post-training pipeline; it starts from the previous stage's weights."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.type == 'rl' || (has(self.datasets) && size(self.datasets) > 0)",
+                    "message": "datasets is required for sft and dpo stages",
+                    "fieldPath": ".datasets",
+                },
+                {
+                    "rule": "self.type != 'rl' || !has(self.datasets)",
+                    "message": "datasets must be empty for an rl stage: it trains on spec.domains",
+                    "fieldPath": ".datasets",
+                },
+                {
+                    "rule": "self.type != 'rl' || (!has(self.batchSize) && "
+                    "!has(self.microBatchSize) && !has(self.maxLength))",
+                    "message": "batchSize, microBatchSize and maxLength are for sft and dpo "
+                    "stages; an rl stage takes them from spec.algorithm",
+                    "fieldPath": ".type",
+                },
+                {
+                    "rule": "self.type == 'dpo' || !has(self.beta)",
+                    "message": "beta applies to dpo stages only",
+                    "fieldPath": ".beta",
+                },
+                {
+                    "rule": "self.type == 'sft' || !has(self.packing)",
+                    "message": "packing applies to sft stages only",
+                    "fieldPath": ".packing",
+                },
+                {
+                    "rule": "self.type == 'rl' || has(self.maxSteps)",
+                    "message": "maxSteps is required for sft and dpo stages",
+                    "fieldPath": ".maxSteps",
+                },
+            ]
+        }
+    )
+
+    name: str = Field(pattern=DNS_LABEL, max_length=63)
+    """Unique within the run; shown in status.stage, metrics and events."""
+    type: StageType
+    """sft: next-token loss on completions; dpo: direct preference optimisation (sigmoid loss)
+    against the stage-start model; rl: the GRPO-family loop on spec.domains."""
+    datasets: list[str] | None = Field(default=None, max_length=64)
+    """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
+    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
+    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    max_steps: int | None = Field(default=None, ge=1)
+    """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
+    learning_rate: float | None = Field(default=None, gt=0, le=1.0)
+    """AdamW learning rate of this stage (a fresh optimizer per stage). Default: sft 2e-5,
+    dpo 1e-6 (TRL's defaults), rl algorithm.learningRate."""
+    batch_size: int | None = Field(default=None, ge=1, le=65536)
+    """sft: examples per optimizer step, dpo: pairs per step (default 8). Data is reshuffled
+    every pass."""
+    micro_batch_size: int | None = Field(default=None, ge=1, le=65536)
+    """Examples (sft) or pairs (dpo) per forward/backward; memory only, never changes the
+    update (default 4)."""
+    max_length: int | None = Field(default=None, ge=8, le=1048576)
+    """Context length in tokens (prompt + completion; default 1024). A prompt that leaves no
+    room for a completion token is skipped and counted; longer completions are truncated."""
+    beta: float | None = Field(default=None, gt=0, le=100)
+    """dpo only: the DPO temperature (default 0.1); larger keeps the policy closer to the
+    stage-start reference."""
+    packing: bool | None = None
+    """sft only: pack several examples into one row of up to maxLength tokens (default true).
+    Packed examples never attend to each other (block-diagonal attention, positions restart
+    per example), so the loss equals the unpacked one; only padding work is saved."""
+    weight_decay: float | None = Field(default=None, ge=0)
+    """AdamW weight decay of this stage (default algorithm.weightDecay)."""
+
+    def resolved(self, algorithm: AlgorithmSpec) -> StageSpec:
+        """This stage with every unset hyper-parameter filled in from its type's defaults.
+
+        >>> StageSpec(name="s", type="sft", datasets=["x"], max_steps=3).resolved(
+        ...     AlgorithmSpec()).learning_rate
+        2e-05
+        >>> StageSpec(name="r", type="rl").resolved(AlgorithmSpec(max_steps=7)).max_steps
+        7
+        """
+        values = self.model_dump()
+        if self.type == "rl":
+            values["max_steps"] = self.max_steps or algorithm.max_steps
+            values["learning_rate"] = self.learning_rate or algorithm.learning_rate
+        else:
+            for key, default in STAGE_DEFAULTS[self.type].items():
+                if values.get(key) is None:
+                    values[key] = default
+            if self.type == "sft" and self.packing is None:
+                values["packing"] = True
+        if self.weight_decay is None:
+            values["weight_decay"] = algorithm.weight_decay
+        return StageSpec.model_validate(values)
+
+
 class EnvironmentSpec(ApiModel):
     """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
     completion: the episode's task-completion reward replaces the verifier's."""
@@ -259,6 +369,18 @@ class TrainingRunSpec(ApiModel):
                     "fieldPath": ".domains",
                 },
                 {
+                    "rule": "!has(self.stages) || self.stages.filter(s, s.type == 'rl').size() <= 1",
+                    "message": "stages: at most one rl stage",
+                    "fieldPath": ".stages",
+                },
+                {
+                    "rule": "!has(self.stages) || self.stages.size() == 0 || "
+                    "!self.stages.exists(s, s.type == 'rl') || "
+                    "self.stages[self.stages.size() - 1].type == 'rl'",
+                    "message": "stages: the rl stage must be the last one",
+                    "fieldPath": ".stages",
+                },
+                {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
                     "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
                     "message": "managedBy is immutable",
@@ -289,6 +411,25 @@ class TrainingRunSpec(ApiModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
     )
     """Task domains (hundreds allowed); names are unique."""
+    stages: list[StageSpec] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["name"],
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self == oldSelf",
+                    "message": "stages is immutable; a resumed run must find the stages "
+                    "its checkpoints were written for",
+                }
+            ],
+        },
+    )
+    """The pipeline, in order: e.g. sft, then dpo, then rl. Each stage starts from the previous
+    stage's final weights (checkpointed at every stage end). Empty: one rl stage, exactly the
+    algorithm section (what a run without stages always was). domains are still required:
+    they are the held-out evaluation run at step 0 and at the end of every stage."""
     curriculum: CurriculumSpec = Field(default_factory=CurriculumSpec)
     """What to practise next."""
     rollout: RolloutSource = Field(default_factory=RolloutSource)
@@ -324,7 +465,77 @@ class TrainingRunSpec(ApiModel):
             raise ValueError(f"domains: names must be unique, repeated: {dupes}")
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
+        _check_stages(self.stages)
         return self
+
+    def pipeline(self) -> list[StageSpec]:
+        """The stages to run, resolved (defaults filled in); one rl stage when none are listed.
+
+        >>> spec = TrainingRunSpec(model="m", domains=[DomainSpec(
+        ...     name="a", dataset="builtin:arithmetic", verifier=VerifierSpec(kind="numeric"))])
+        >>> [(s.name, s.type, s.max_steps) for s in spec.pipeline()]
+        [('rl', 'rl', 20)]
+        """
+        stages = self.stages or [StageSpec(name="rl", type="rl")]
+        return [stage.resolved(self.algorithm) for stage in stages]
+
+    def total_steps(self) -> int:
+        """Optimizer steps over every stage (status.maxSteps): steps are numbered globally."""
+        return sum(int(stage.max_steps or 0) for stage in self.pipeline())
+
+
+def _check_stages(stages: list[StageSpec]) -> None:
+    """The stage-list rules the apiserver checks with CEL, with the same messages."""
+    names = [s.name for s in stages]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"stages: names must be unique, repeated: {dupes}")
+    for i, stage in enumerate(stages):
+        where = f"stages[{i}]"
+        if stage.type != "rl" and not stage.datasets:
+            raise ValueError(f"{where}.datasets: datasets is required for sft and dpo stages")
+        if stage.type == "rl" and stage.datasets is not None:
+            raise ValueError(f"{where}.datasets: datasets must be empty for an rl stage: it "
+                             "trains on spec.domains")
+        if stage.type == "rl" and any(v is not None for v in (
+                stage.batch_size, stage.micro_batch_size, stage.max_length)):
+            raise ValueError(f"{where}: batchSize, microBatchSize and maxLength are for sft and "
+                             "dpo stages; an rl stage takes them from spec.algorithm")
+        if stage.type != "dpo" and stage.beta is not None:
+            raise ValueError(f"{where}.beta: beta applies to dpo stages only")
+        if stage.type != "sft" and stage.packing is not None:
+            raise ValueError(f"{where}.packing: packing applies to sft stages only")
+        if stage.type != "rl" and stage.max_steps is None:
+            raise ValueError(f"{where}.maxSteps: maxSteps is required for sft and dpo stages")
+    rl = [i for i, s in enumerate(stages) if s.type == "rl"]
+    if len(rl) > 1:
+        raise ValueError("stages: at most one rl stage")
+    if rl and rl[0] != len(stages) - 1:
+        raise ValueError("stages: the rl stage must be the last one")
+
+
+StagePhase = Literal["Running", "Succeeded"]
+
+
+class StageStatus(ApiModel):
+    """What one stage did, written by the trainer when the stage starts and ends."""
+
+    name: str
+    """spec.stages[].name (rl for a run without stages)."""
+    type: StageType
+    phase: StagePhase
+    """Running or Succeeded."""
+    first_step: int
+    """Global step of the stage's first optimizer step."""
+    last_step: int
+    """Global step of the stage's last optimizer step (its final checkpoint)."""
+    start_time: datetime | None = None
+    completion_time: datetime | None = None
+    eval_accuracy: dict[str, float] = Field(default_factory=dict)
+    """Held-out accuracy per domain after the stage (the report compares consecutive stages)."""
+    skipped_examples: dict[str, int] = Field(default_factory=dict)
+    """sft/dpo examples skipped as unusable, by reason (identicalPair, emptyCompletion,
+    promptTooLong)."""
 
 
 class SandboxHealth(ApiModel):
@@ -356,7 +567,12 @@ class TrainingRunStatus(ApiModel):
     step: int | None = None
     """Last completed optimizer step."""
     max_steps: int | None = None
-    """spec.algorithm.maxSteps, copied for the printer column."""
+    """Optimizer steps over all stages (spec.algorithm.maxSteps without stages), copied for
+    the printer column."""
+    stage: str | None = None
+    """Name of the stage being trained (the last one once the run succeeded)."""
+    stages: list[StageStatus] = Field(default_factory=list)
+    """Every stage started so far, in order."""
     reward_mean: float | None = None
     """Mean reward of the last step's rollouts."""
     domain_rewards: dict[str, float] = Field(default_factory=dict)

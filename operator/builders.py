@@ -208,11 +208,12 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     resourceNames pins the Role to this one TrainingRun, so a compromised trainer cannot
     touch other runs (the Role's rules come from rbac.TRAINER_RULES, one source of truth).
     """
-    from .rbac import TRAINER_RULES
+    from .rbac import CREATE_ONLY_RESOURCES, TRAINER_RULES
 
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
-    rules = [{**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules = [rule if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
+             else {**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
     rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
     if run.spec.rollout.pool and not run.spec.rollout.endpoints:
         # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.

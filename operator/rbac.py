@@ -91,12 +91,18 @@ OPERATOR_RULES: list[Rule] = [
     # and kopf's CRD scanning is disabled in settings.py.
 ]
 
+# Resources the trainer only creates: a create cannot be narrowed by resourceNames (the
+# object has no name yet), so builders leave these rules unnamed.
+CREATE_ONLY_RESOURCES = ("events",)
+
 TRAINER_RULES: list[Rule] = [
     # The trainer reports step/reward/checkpoint by patching its own run's status; builders
     # add resourceNames: [<run>] so a trainer can touch only its run.
     {"apiGroups": [GROUP], "resources": ["trainingruns/status"], "verbs": ["get", "patch"]},
     # Reading the run itself (spec) is useful for a trainer that re-reads suspend/maxSteps.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": ["get"]},
+    # Stage started/finished Events on its run (only the trainer sees stage boundaries).
+    {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]},
 ]
 
 

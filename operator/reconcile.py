@@ -514,7 +514,7 @@ def plan_training_run(
     live_clusters = [c for c in ray_clusters or [] if not c.deleting]
     kuberay = ray_clusters is not None
     conditions = list(status.conditions)
-    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.algorithm.max_steps}
+    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.total_steps()}
 
     def fail(reason: str, message: str) -> None:
         nonlocal conditions

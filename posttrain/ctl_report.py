@@ -237,11 +237,14 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
                 for before, after in pairs[:EXAMPLES_PER_VERDICT]
             ]
     last = metrics[-1]
+    # SFT/DPO stage lines carry no reward: the last RL line's (if the run has an RL stage)
+    last_rl = next((m for m in reversed(metrics) if "reward_mean" in m), None)
     facts = [
         ("run directory", str(run_dir)),
         ("steps", str(last["step"])),
-        ("final reward mean", f"{float(last['reward_mean']):.3f}"),
-        ("domains", _domain_names(last.get("domain_rewards", {}))),
+        ("final reward mean",
+         f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)"),
+        ("domains", _domain_names((last_rl or {}).get("domain_rewards", {}))),
     ]
     if pair is not None:
         facts.append(

@@ -18,7 +18,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,9 @@ class TrainerState:
     pending_requests: list[dict[str, Any]]
     sampled_batches: list[dict[str, Any]]
     seed: int
+    stage: str = ""  # the pipeline stage that wrote it ("" before stages existed: rl)
+    stage_state: dict[str, Any] = field(default_factory=dict)  # e.g. DPO reference log-probs
+    stages: list[dict[str, Any]] = field(default_factory=list)  # status.stages so far
 
 
 def request_to_json(request: RolloutRequest) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def register(subparsers: Any) -> None:
     run.add_argument("manifest", type=Path, help="TrainingRun YAML, e.g. examples/local-demo.yaml")
     run.add_argument("--local", action="store_true", help="start a local CPU rollout server")
     run.add_argument("--out", type=Path, default=Path("runs/local"), help="output directory")
-    run.add_argument("--max-steps", type=int, default=None, help="override algorithm.maxSteps")
+    run.add_argument("--max-steps", type=int, default=None,
+                     help="override algorithm.maxSteps (the length of an rl stage without one)")
     run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
     run.set_defaults(func=run_command)
 

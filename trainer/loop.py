@@ -1,7 +1,9 @@
-"""The RL loop: sample -> score -> advantages -> clipped policy step -> publish weights.
+"""The training loop: the run's stages in order (SFT -> DPO -> RL; by default RL alone).
 
-Read :func:`train` top to bottom to know what a step does; every stage lives in its own
-module, and set-up / resume / teardown live in :class:`Run` below it. The rollout server is
+An RL step: sample -> score -> advantages -> clipped policy step -> publish weights. Read
+:func:`train` and :func:`rl_stage` top to bottom to know what a step does; every part lives
+in its own module (SFT/DPO steps in :mod:`posttrain.trainer.pipeline`), and set-up / resume /
+stage boundaries / teardown live in :class:`Run` below them. The rollout server is
 only ever reached over HTTP through ``client`` (a
 :class:`posttrain.rollout.client.RolloutClient`), so the same loop drives a local CPU
 server or a pool of vLLM servers in a cluster.
@@ -15,6 +17,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,28 @@ from posttrain.trainer.checkpoint import (
 from posttrain.trainer.distributed import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.interrupt import INTERRUPTED
+from posttrain.trainer.pipeline import (
+    StagePlan,
+    load_pipeline_data,
+    offline_step,
+    plan_stages,
+    reference_logps,
+    stage_batch,
+    stage_record,
+)
 from posttrain.trainer.policy import Policy
 from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
 from posttrain.trainer.rundata import build_run_data, loss_config
-from posttrain.trainer.status import LocalStatusReporter, RunStatus, StatusReporter
+from posttrain.trainer.status import (
+    STAGE_STARTED,
+    STAGE_SUCCEEDED,
+    LocalStatusReporter,
+    RunStatus,
+    StatusReporter,
+)
 from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host
 
 log = logging.getLogger(__name__)
@@ -86,113 +104,182 @@ def train(
     stop: threading.Event | None = None,  # set by Ctrl-C: checkpoint this step, then stop
 ) -> RunResult:
     run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
-    algo = run.algo
-    stop_at = algo.max_steps if stop_after_step is None else min(algo.max_steps, stop_after_step)
-    inline_eval = run.dist.is_main and spec.evaluation.inline  # else: trainer/evaluator.py
-    base_eval = run.evaluate(0) if run.step == 0 and inline_eval else None
-    final_eval, last_checkpoint, steps_started = base_eval, None, time.monotonic()
-    interrupted = False
-    with ProgressReporter(out_dir, algo.max_steps, start_step=run.step) as progress:
-        while run.step < stop_at:
-            if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
-                interrupted = True
+    total = run.plans[-1].last_step
+    stop_at = total if stop_after_step is None else min(total, stop_after_step)
+    base_eval = run.evaluate(0) if run.step == 0 and run.inline_eval else None
+    run.final_eval = base_eval
+    with ProgressReporter(out_dir, total, start_step=run.step) as progress:
+        for plan in run.plans:
+            if run.step >= plan.last_step:
+                continue  # finished before a resume
+            if run.step >= stop_at or (stop is not None and stop.is_set()):
                 break
-            run.step += 1
-            step = run.step
-            with progress.step_span(step) as span:
-                step_started = time.monotonic()
-                # 1. choose prompts for every batch allowed to be in flight (curriculum)
-                run.submit_ahead()
-                # 2. take this step's batch (sampled in the background)
-                batch = run.producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
-                if batch.error:
-                    raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
-                staleness = run.version - batch.weight_version  # versions behind, before step
-                stale = is_too_stale(batch, run.version, algo.max_policy_lag)
-                # 3. rewards: verifiers + overlong penalty
-                scored = score_batch(batch, run.data.verifiers, algo, verify=run.verify,
-                                     max_concurrency=spec.sandbox.max_concurrency)
-                # 4. group advantages + dynamic sampling + loss coefficients
-                prepared = prepare_batch(batch, scored, algorithm=algo.name,
-                                         dynamic_sampling=algo.dynamic_sampling,
-                                         loss_config=run.loss_config, step=step)
-                run.observe(batch, prepared)
-                # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
-                train_started = time.monotonic()
-                stats = run.policy.train_step([] if stale else prepared.samples, run.loss_config,
-                                              micro_batch_size=algo.micro_batch_size,
-                                              grad_clip=algo.grad_clip,
-                                              temperature=algo.temperature,
-                                              world_size=run.dist.world_size)
-                if stale:
-                    stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
-                # 6. publish the new weights so the server samples from them; this also
-                #    releases the producer to sample the batch k+1 steps ahead
-                last = step == algo.max_steps
-                budget_spent = wall_budget_s is not None and (
-                    time.monotonic() - steps_started >= wall_budget_s)
-                checkpoint_due = (step % spec.checkpoint.every_steps == 0 or last
-                                  or step == stop_after_step or budget_spent)
-                if stats.applied:
-                    run.version += 1
-                    if run.dist.is_main:
-                        run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
-                run.dist.barrier()  # multi-node: no rank samples before rank 0 published
-                run.producer.step_finished(step)
-                metrics = StepMetrics(
-                    step=step, reward_mean=prepared.reward_mean,
-                    domain_rewards=prepared.domain_rewards,
-                    domain_pass_rates=prepared.domain_pass_rates, loss=stats.loss,
-                    grad_norm=stats.grad_norm, kl=stats.kl, clip_fraction=stats.clip_fraction,
-                    ratio_mean=stats.ratio_mean, response_length=prepared.response_length,
-                    kept_groups=prepared.kept_groups, total_groups=len(batch.completions),
-                    weight_version=run.version, staleness=staleness,
-                    applied=stats.applied, skip_reason=stats.skip_reason,
-                    rollout_seconds=batch.seconds,
-                    train_seconds=time.monotonic() - train_started,
-                    step_seconds=time.monotonic() - step_started,
-                    strata={d: run.data.curriculum.current_stratum(d)
-                            for d in run.data.curriculum.pools})
-                progress.record(metrics, span)
-            # 7. evaluate and checkpoint at their intervals
-            if inline_eval and (step % spec.evaluation.every_steps == 0 or last):
-                final_eval = run.evaluate(step)
-                run.auditor.observe_eval(step, prepared.domain_rewards, final_eval.accuracy)
-                run.auditor.write_spot_checks()  # the export is refreshed at each eval
-                run.status.eval_accuracy = final_eval.accuracy
-            interrupted = stop is not None and stop.is_set()
-            if run.dist.is_main and (checkpoint_due or interrupted):
-                score = final_eval.overall if final_eval and final_eval.step == step else None
-                last_checkpoint = run.save_checkpoint(score)
-            run.report_step(metrics)
-            run.sync_outputs()
-            if budget_spent:
-                log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
+            run.enter_stage(plan)
+            if plan.type == "rl":
+                ended = rl_stage(run, plan, progress, stop_at, stop_after_step, wall_budget_s,
+                                 stop)
+            else:
+                ended = offline_stage(run, plan, progress, stop_at, stop)
+            if ended:
                 break
-            if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
-                if not (interrupted or checkpoint_due) and run.dist.is_main:
-                    last_checkpoint = run.save_checkpoint(None)  # pressed during reporting
-                interrupted = True
-                log.info("stopped by Ctrl-C after step %d (checkpointed)", step)
-                break
+    interrupted = stop is not None and stop.is_set()
+    if interrupted:
+        log.info("stopped by Ctrl-C after step %d (checkpointed)", run.step)
     wall = run.finish(interrupted)
-    return RunResult(out_dir, run.step, base_eval, final_eval, last_checkpoint, wall,
+    return RunResult(out_dir, run.step, base_eval, run.final_eval, run.last_checkpoint, wall,
                      interrupted)
 
 
+def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
+                  stop: threading.Event | None) -> bool:
+    """An SFT or DPO stage: fixed batches of the stage's data, no rollouts. True when
+    stopped by Ctrl-C (after checkpointing the step)."""
+    spec = run.spec
+    data = run.stage_data[plan.name]
+    while run.step < min(plan.last_step, stop_at):
+        if stop is not None and stop.is_set():  # Ctrl-C before this stage's first step
+            return True
+        run.step += 1
+        step = run.step
+        with progress.step_span(step) as span:
+            indices = stage_batch(plan, data, step, run.algo.seed, run.dist.rank,
+                                  run.dist.world_size)
+            metrics = offline_step(run.policy, plan, data, indices, run.stage_state,
+                                   grad_clip=run.algo.grad_clip,
+                                   world_size=run.dist.world_size, step=step)
+            progress.record_stage_step(metrics, span)
+        interrupted = stop is not None and stop.is_set()
+        saved = step == plan.last_step or step % spec.checkpoint.every_steps == 0 or (
+            step == stop_at) or interrupted
+        if step == plan.last_step:
+            run.end_stage(plan)  # publish, evaluate, checkpoint: the next stage's start
+        elif run.dist.is_main and saved:
+            run.save_checkpoint(None)
+        run.report_progress()
+        run.sync_outputs()
+        if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+            if not saved and run.dist.is_main:
+                run.save_checkpoint(None)  # pressed during reporting
+            return True
+    return False
+
+
+def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
+             stop_after_step: int | None, wall_budget_s: float | None,
+             stop: threading.Event | None = None) -> bool:
+    """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
+    checkpointing the step)."""
+    spec, algo = run.spec, run.algo
+    steps_started = time.monotonic()
+    while run.step < stop_at:
+        if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
+            return True
+        run.step += 1
+        step = run.step
+        with progress.step_span(step) as span:
+            step_started = time.monotonic()
+            # 1. choose prompts for every batch allowed to be in flight (curriculum)
+            run.submit_ahead()
+            # 2. take this step's batch (sampled in the background)
+            batch = run.producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
+            if batch.error:
+                raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
+            staleness = run.version - batch.weight_version  # versions behind, before step
+            stale = is_too_stale(batch, run.version, algo.max_policy_lag)
+            # 3. rewards: verifiers + overlong penalty
+            scored = score_batch(batch, run.data.verifiers, algo, verify=run.verify,
+                                 max_concurrency=spec.sandbox.max_concurrency)
+            # 4. group advantages + dynamic sampling + loss coefficients
+            prepared = prepare_batch(batch, scored, algorithm=algo.name,
+                                     dynamic_sampling=algo.dynamic_sampling,
+                                     loss_config=run.loss_config, step=step)
+            run.observe(batch, prepared)
+            # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
+            train_started = time.monotonic()
+            stats = run.policy.train_step([] if stale else prepared.samples, run.loss_config,
+                                          micro_batch_size=algo.micro_batch_size,
+                                          grad_clip=algo.grad_clip,
+                                          temperature=algo.temperature,
+                                          world_size=run.dist.world_size)
+            if stale:
+                stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
+            # 6. publish the new weights so the server samples from them; this also
+            #    releases the producer to sample the batch k+1 steps ahead
+            last = step == plan.last_step
+            budget_spent = wall_budget_s is not None and (
+                time.monotonic() - steps_started >= wall_budget_s)
+            checkpoint_due = (step % spec.checkpoint.every_steps == 0 or last
+                              or step == stop_after_step or budget_spent)
+            if stats.applied:
+                run.version += 1
+                if run.dist.is_main:
+                    run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
+            run.dist.barrier()  # multi-node: no rank samples before rank 0 published
+            run.producer.step_finished(step)
+            metrics = StepMetrics(
+                step=step, reward_mean=prepared.reward_mean,
+                domain_rewards=prepared.domain_rewards,
+                domain_pass_rates=prepared.domain_pass_rates, loss=stats.loss,
+                grad_norm=stats.grad_norm, kl=stats.kl, clip_fraction=stats.clip_fraction,
+                ratio_mean=stats.ratio_mean, response_length=prepared.response_length,
+                kept_groups=prepared.kept_groups, total_groups=len(batch.completions),
+                weight_version=run.version, staleness=staleness,
+                applied=stats.applied, skip_reason=stats.skip_reason,
+                rollout_seconds=batch.seconds,
+                train_seconds=time.monotonic() - train_started,
+                step_seconds=time.monotonic() - step_started,
+                strata={d: run.data.curriculum.current_stratum(d)
+                        for d in run.data.curriculum.pools},
+                stage=plan.name)
+            progress.record(metrics, span)
+        # 7. evaluate and checkpoint at their intervals (the stage's end is both)
+        if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
+            run.final_eval = run.evaluate(step)
+            run.auditor.observe_eval(step, prepared.domain_rewards, run.final_eval.accuracy)
+            run.auditor.write_spot_checks()  # the export is refreshed at each eval
+            run.status.eval_accuracy = run.final_eval.accuracy
+        if last:
+            run.close_stage_record(plan)
+        interrupted = stop is not None and stop.is_set()
+        if run.dist.is_main and (checkpoint_due or interrupted):
+            evaluated = run.final_eval is not None and run.final_eval.step == step
+            run.save_checkpoint(run.final_eval.overall if evaluated else None)
+        if last:
+            run.announce_stage_end(plan)
+        with run._status_lock:
+            run.status.reward_mean = metrics.reward_mean
+            run.status.domain_rewards = metrics.domain_rewards
+        run.report_progress()
+        run.sync_outputs()
+        if budget_spent:
+            log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
+            return True
+        if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+            if not (interrupted or checkpoint_due) and run.dist.is_main:
+                run.save_checkpoint(None)  # pressed during reporting
+            return True
+    return False
+
+
 class Run:
-    """State of one training run plus the stages :func:`train` calls around each step."""
+    """State of one training run plus the parts :func:`train` calls around each step."""
 
     policy: Policy
-    step: int  # optimizer steps taken (or skipped) so far
-    version: int  # weight version the servers serve: one per applied step
+    step: int  # optimizer steps taken (or skipped) so far, over all stages
+    version: int  # weight version the servers serve: one per publish
     submitted: int  # highest batch index whose prompts were chosen
-    producer: RolloutProducer
+    producer: RolloutProducer | None  # started when the RL stage starts
     episodes: Any  # posttrain.envs.training.EpisodeSampler, or None (no environment domain)
     status: RunStatus
+    plan: StagePlan  # the stage being trained
+    stage_state: dict[str, Any]  # the current stage's own state (DPO: reference log-probs)
+    final_eval: EvalResult | None
+    last_checkpoint: str | None
 
     def __init__(self, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter,
                  dist: DistContext, verify: VerifyFn | None) -> None:
+        from transformers import AutoTokenizer
+
         from posttrain.models import resolve_model
         from posttrain.rollout.protocol import SamplingParams
         from posttrain.storage.checkpoints import WeightRegistry
@@ -213,6 +300,11 @@ class Run:
         self.verify: VerifyFn = verify
         out_dir.mkdir(parents=True, exist_ok=True)
         self.data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompts
+        self.plans = plan_stages(spec)
+        self.base_dir = resolve_model(spec.model)
+        # SFT/DPO data is read now, so a missing file fails the run before any training.
+        self.stage_data = load_pipeline_data(self.plans,
+                                             AutoTokenizer.from_pretrained(self.base_dir))
         self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
         store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
         # With storage of its own (always in a cluster), the run's outputs go there as they
@@ -221,7 +313,6 @@ class Run:
                         else None)
         self.checkpointer = Checkpointer(store, spec.checkpoint.keep_last,
                                          spec.checkpoint.keep_best)
-        self.base_dir = resolve_model(spec.model)
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
         self.publisher = WeightPublisher(
             WeightRegistry(store, "weights", keep_last=2), store.uri("weights"), client,
@@ -234,15 +325,19 @@ class Run:
         self.loss_config = loss_config(self.algo)
         self.sampling = SamplingParams(n=self.algo.group_size, max_tokens=self.algo.max_new_tokens,
                                        temperature=self.algo.temperature, top_p=self.algo.top_p)
+        self.producer, self.final_eval, self.last_checkpoint = None, None, None
+        # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluator.py)
+        self.inline_eval = dist.is_main and spec.evaluation.inline
+        self.stage_state, self.stage_records = {}, []
+        self.pending: list[RolloutRequest] = []  # restored RL work, handed to the producer
+        self.sampled: list[Any] = []
 
     @classmethod
     def start(cls, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter | None,
               dist: DistContext, verify: VerifyFn | None) -> Run:
-        """Set up, resume from the newest checkpoint if any, start the rollout producer."""
+        """Set up and resume from the newest checkpoint if any (stage, step and state)."""
         run = cls(spec, out_dir, client, reporter or LocalStatusReporter(out_dir), dist, verify)
         resumed = run.checkpointer.restore(run.make_policy, run.scratch)
-        pending: list[RolloutRequest] = []
-        sampled: list[Any] = []
         if resumed is None:  # fresh run: the server already serves the base model as v0
             run.policy, run.step, run.version = run.make_policy(run.base_dir), 0, 0
         else:
@@ -250,8 +345,9 @@ class Run:
             run.step, run.version = state.step, state.weight_version
             run.data.curriculum.load_state_dict(state.curriculum)
             run.auditor.load_state_dict(state.audit)
-            pending = [request_from_json(r) for r in state.pending_requests]
-            sampled = [batch_from_json(b) for b in state.sampled_batches]
+            run.pending = [request_from_json(r) for r in state.pending_requests]
+            run.sampled = [batch_from_json(b) for b in state.sampled_batches]
+            run.stage_state, run.stage_records = state.stage_state, state.stages
             if dist.is_main:  # the server restarted with the base model: give it our weights
                 run.publisher.publish(run.policy, run.version)
         if dist.is_main:
@@ -260,16 +356,11 @@ class Run:
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
         run.episodes = run.make_episode_sampler()
-        run.producer = RolloutProducer(client, run.sampling, run.algo.max_policy_lag,
-                                       steps_done=run.step, sample=run.episodes)
-        for batch in sampled:
-            run.producer.preload(batch)
-        for request in pending:
-            run.producer.submit(request)
-        run.submitted = max([run.step, *[r.batch_index for r in pending],
-                             *[b.request.batch_index for b in sampled]])
-        run.status = RunStatus(phase="Running", step=run.step, max_steps=run.algo.max_steps,
-                               weight_version=run.version,
+        run.plan = run.plans[0]
+        current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
+        run.status = RunStatus(phase="Running", step=run.step,
+                               max_steps=run.plans[-1].last_step, weight_version=run.version,
+                               stage=current, stages=list(run.stage_records),
                                reports_uri=run.outputs.uri() if run.outputs else None,
                                sandbox=run.verification.health.to_wire()
                                if run.verification and run.data.executes_code() else None)
@@ -290,9 +381,84 @@ class Run:
                         self.checkpointer.store.uri("checkpoints"), dropped)
 
     def make_policy(self, model_dir: Path) -> Policy:
-        return Policy(model_dir, learning_rate=self.algo.learning_rate,
-                      weight_decay=self.algo.weight_decay, seed=self.algo.seed,
+        first = self.plans[0].spec
+        return Policy(model_dir, learning_rate=first.learning_rate,
+                      weight_decay=first.weight_decay, seed=self.algo.seed,
                       reference_dir=self.base_dir if self.algo.kl_coef > 0 else None)
+
+    def enter_stage(self, plan: StagePlan) -> None:
+        """Start ``plan`` (fresh optimizer, DPO reference) or continue it after a resume."""
+        self.plan = plan
+        fresh = self.step == plan.first_step - 1
+        if fresh:
+            stage = plan.spec
+            self.policy.reset_optimizer(stage.learning_rate, stage.weight_decay)
+            self.stage_state = {}
+            if plan.type == "dpo":
+                self.stage_state = reference_logps(self.policy, plan, self.stage_data[plan.name],
+                                                   self.algo.seed)
+            self.stage_records.append(stage_record(
+                plan, "Running", _now(), None, {}, self.stage_skips(plan)))
+            self.reporter.event("Normal", STAGE_STARTED,
+                                f"stage {plan.name} ({plan.type}) started: steps "
+                                f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}")
+        else:
+            log.info("resuming stage %s (%s) after step %d of %d-%d", plan.name, plan.type,
+                     self.step, plan.first_step, plan.last_step)
+        if plan.type == "rl":
+            self.start_rollouts(plan)
+        self.status.stage = plan.name
+        self.report_progress()
+
+    def start_rollouts(self, plan: StagePlan) -> None:
+        """Start the rollout producer, with the requests and batches a checkpoint held."""
+        self.rl_last_step = plan.last_step
+        self.producer = RolloutProducer(self.client, self.sampling, self.algo.max_policy_lag,
+                                        steps_done=self.step, sample=self.episodes)
+        for batch in self.sampled:
+            self.producer.preload(batch)
+        for request in self.pending:
+            self.producer.submit(request)
+        self.submitted = max([self.step, *[r.batch_index for r in self.pending],
+                              *[b.request.batch_index for b in self.sampled]])
+        self.pending, self.sampled = [], []
+
+    def end_stage(self, plan: StagePlan) -> None:
+        """After an SFT/DPO stage's last step: publish, evaluate, checkpoint (the next stage
+        starts from exactly these weights), then announce."""
+        self.version += 1
+        if self.dist.is_main:
+            self.publisher.publish(self.policy, self.version, durable=True)
+        self.dist.barrier()
+        score = None
+        if self.inline_eval:
+            self.final_eval = self.evaluate(self.step)
+            self.status.eval_accuracy = self.final_eval.accuracy
+            score = self.final_eval.overall
+        self.close_stage_record(plan)
+        if self.dist.is_main:
+            self.save_checkpoint(score)
+        self.announce_stage_end(plan)
+
+    def close_stage_record(self, plan: StagePlan) -> None:
+        """Mark ``plan`` Succeeded in status.stages, with the held-out accuracy after it."""
+        accuracy = (self.final_eval.accuracy if self.final_eval is not None
+                    and self.final_eval.step == plan.last_step else {})
+        started = next((r.get("startTime") for r in self.stage_records
+                        if r["name"] == plan.name), None)
+        record = stage_record(plan, "Succeeded", started, _now(), accuracy,
+                              self.stage_skips(plan))
+        self.stage_records = [r for r in self.stage_records if r["name"] != plan.name] + [record]
+
+    def announce_stage_end(self, plan: StagePlan) -> None:
+        accuracy = ", ".join(f"{d}={a:.1%}" for d, a in self.status.eval_accuracy.items())
+        self.reporter.event("Normal", STAGE_SUCCEEDED,
+                            f"stage {plan.name} ({plan.type}) finished at step {plan.last_step}"
+                            + (f"; held-out accuracy {accuracy}" if accuracy else ""))
+
+    def stage_skips(self, plan: StagePlan) -> dict[str, int]:
+        data = self.stage_data.get(plan.name)
+        return dict(data.skipped) if data is not None else {}
 
     def make_episode_sampler(self) -> Any:
         """Domains with an ``environment`` are sampled as multi-turn episodes (None: none)."""
@@ -308,7 +474,8 @@ class Run:
     def submit_ahead(self) -> None:
         """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
         algo = self.algo
-        while self.submitted < min(self.step + algo.max_policy_lag, algo.max_steps):
+        assert self.producer is not None, "submit_ahead outside the RL stage"
+        while self.submitted < min(self.step + algo.max_policy_lag, self.rl_last_step):
             self.submitted += 1
             tasks = self.data.curriculum.next_prompts(self.prompts_per_rank)
             self.producer.submit(RolloutRequest(
@@ -344,16 +511,19 @@ class Run:
         return result
 
     def save_checkpoint(self, eval_score: float | None) -> str:
-        """Checkpoint weights, optimizer, curriculum and the not-yet-trained rollouts."""
-        waiting, done = self.producer.buffered()
+        """Checkpoint weights, optimizer, curriculum, the not-yet-trained rollouts and the
+        current stage's state."""
+        waiting, done = self.producer.buffered() if self.producer is not None else ([], [])
         state = TrainerState(self.step, self.version, self.data.curriculum.state_dict(),
                              self.auditor.state_dict(), [request_to_json(r) for r in waiting],
-                             [batch_to_json(b) for b in done], self.algo.seed)
+                             [batch_to_json(b) for b in done], self.algo.seed,
+                             stage=self.plan.name, stage_state=self.stage_state,
+                             stages=self.stage_records)
         # Trajectories up to this step become durable before the checkpoint that covers
         # them: a resumed run re-samples only what no checkpoint covers (none lost).
         self.trajectories.flush()
         path = self.checkpointer.save(self.policy, state, eval_score=eval_score)
-        self.status.last_checkpoint = path
+        self.status.last_checkpoint = self.last_checkpoint = path
         return path
 
     def sync_outputs(self) -> None:
@@ -366,11 +536,10 @@ class Run:
             log.warning("could not upload outputs to %s (retried at the next step): %s",
                         self.outputs.uri(), exc)
 
-    def report_step(self, metrics: StepMetrics) -> None:
+    def report_progress(self) -> None:
         with self._status_lock:
             self.status.step, self.status.weight_version = self.step, self.version
-            self.status.reward_mean = metrics.reward_mean
-            self.status.domain_rewards = metrics.domain_rewards
+            self.status.stages = list(self.stage_records)
             if self.verification is not None and self.status.sandbox is not None:
                 self.status.sandbox = self.verification.health.to_wire()
             self.reporter.report(self.status)
@@ -393,21 +562,46 @@ class Run:
 
     def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
-        self.producer.close()
+        if self.producer is not None:
+            self.producer.close()
         self.publisher.close()
         self.trajectories.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
         self.auditor.write_spot_checks()
         plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
+        total = self.plans[-1].last_step
         with self._status_lock:  # phase, message: status.json only; in a cluster the operator's
-            self.status.phase = "Succeeded" if self.step >= self.algo.max_steps else "Running"
-            if interrupted and self.step < self.algo.max_steps:
+            self.status.phase = "Succeeded" if self.step >= total else "Running"
+            if interrupted and self.step < total:
                 self.status.phase = INTERRUPTED
                 self.status.message = f"stopped by Ctrl-C after step {self.step}"
-            self.reporter.report(self.status)
+        self.report_progress()
         wall = time.monotonic() - self.started
-        write_report(self.out_dir, "posttrain run report",
-                     {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
-                      "algorithm": self.algo.name})
+        facts = {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
+                 "algorithm": self.algo.name,
+                 "stages": " -> ".join(f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})"
+                                       for p in self.plans)}
+        write_report(self.out_dir, "posttrain run report", facts, stages=self.stage_records)
         self.sync_outputs()
         return wall
+
+
+def _now() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
+
+
+def _stage_summary(plan: StagePlan) -> str:
+    """The hyper-parameters an event about ``plan`` names.
+
+    >>> from posttrain.api import StageSpec
+    >>> _stage_summary(StagePlan(0, StageSpec(name="d", type="dpo", learning_rate=1e-6,
+    ...                                       batch_size=8, beta=0.1), 1, 2))
+    'lr 1e-06, batch 8, beta 0.1'
+    """
+    stage = plan.spec
+    parts = [f"lr {stage.learning_rate:g}"]
+    if plan.type != "rl":
+        parts.append(f"batch {stage.batch_size}")
+    if plan.type == "dpo":
+        parts.append(f"beta {stage.beta:g}")
+    return ", ".join(parts)

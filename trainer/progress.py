@@ -61,6 +61,36 @@ class StepMetrics:
     train_seconds: float
     step_seconds: float
     strata: dict[str, str] = field(default_factory=dict)
+    stage: str = "rl"  # the pipeline stage (spec.stages[].name) this step belongs to
+    stage_type: str = "rl"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StageStepMetrics:
+    """One SFT or DPO step; one line of ``metrics.jsonl`` (``stage_type`` tells them apart
+    from RL lines). DPO fields are None for SFT, as TRL logs them."""
+
+    step: int  # global step, numbered across stages
+    stage: str
+    stage_type: str  # sft | dpo
+    stage_step: int  # 1-based step within the stage
+    loss: float
+    grad_norm: float
+    applied: bool
+    skip_reason: str
+    examples: int  # examples (sft) or pairs (dpo) in the step
+    tokens: int  # completion tokens the loss covered
+    learning_rate: float
+    step_seconds: float
+    skipped_examples: dict[str, int] = field(default_factory=dict)  # the stage's data, by reason
+    truncated_examples: int = 0
+    reward_chosen: float | None = None  # mean beta * (log pi - log pi_ref) of chosen answers
+    reward_rejected: float | None = None
+    reward_margin: float | None = None
+    reward_accuracy: float | None = None  # share of pairs with chosen reward > rejected
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +103,7 @@ class ProgressReporter:
         self.metrics_path = out_dir / "metrics.jsonl"
         self.console = Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]RL"),
+            TextColumn("[bold]train"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
@@ -123,6 +153,31 @@ class ProgressReporter:
         summary = f"reward {metrics.reward_mean:.3f} loss {metrics.loss:+.4f}"
         self.progress.update(self.task, completed=metrics.step, summary=summary)
         self.progress.console.print(self._row_table(metrics))
+
+    def record_stage_step(self, metrics: StageStepMetrics, span: Span | None = None) -> None:
+        """Publish one SFT/DPO step to every sink (file, gauges, span, terminal)."""
+        with self.metrics_path.open("a") as fh:
+            fh.write(json.dumps(metrics.to_json()) + "\n")
+        STEP.set(metrics.step)
+        LOSS.set(metrics.loss)
+        STEP_SECONDS.set(metrics.step_seconds)
+        if not metrics.applied:
+            SKIPPED_STEPS.labels(metrics.skip_reason.split(" ")[0] or "unknown").inc()
+        if span is not None:
+            span.set_attribute("stage", metrics.stage)
+            span.set_attribute("loss", metrics.loss)
+            span.set_attribute("applied", metrics.applied)
+        summary = f"{metrics.stage} loss {metrics.loss:.4f}"
+        line = (f"step {metrics.step} [{metrics.stage} {metrics.stage_step}] "
+                f"loss {metrics.loss:.4f} grad {metrics.grad_norm:.3f} "
+                f"tokens {metrics.tokens} {metrics.step_seconds:.1f}s")
+        if metrics.reward_accuracy is not None:
+            summary += f" acc {metrics.reward_accuracy:.2f}"
+            line += (f" margin {metrics.reward_margin:+.4f} acc {metrics.reward_accuracy:.2f}")
+        if not metrics.applied:
+            line += f" skipped: {metrics.skip_reason}"
+        self.progress.update(self.task, completed=metrics.step, summary=summary)
+        self.progress.console.print(line)
 
     def log(self, message: str) -> None:
         self.progress.console.print(message)

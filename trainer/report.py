@@ -45,7 +45,8 @@ def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
     with a weight of 0 no reference model is loaded and KL is not measured.
     """
     plt = _pyplot()
-    metrics = load_metrics(out_dir)
+    every_step = load_metrics(out_dir)
+    metrics = [m for m in every_step if m.get("stage_type", "rl") == "rl"]  # SFT/DPO: loss only
     evals = latest_eval_per_step(out_dir, "heldout")
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -56,19 +57,20 @@ def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
         written += [heatmap] if heatmap else []
     else:
         written = [plot_reward_accuracy(plt, metrics, evals, plots / "reward_accuracy.png")]
-    steps = [m["step"] for m in metrics]
     for key, title, ylabel, name in [
         ("kl", "KL to the reference model (k3 estimate)", "KL (nats / token)", "kl.png"),
         ("response_length", "Mean response length", "tokens", "response_length.png"),
-        ("loss", "Policy loss", "loss (per token)", "loss.png"),
+        ("loss", "Loss (policy; SFT cross-entropy and DPO loss in their stages)",
+         "loss (per token)", "loss.png"),
     ]:
         fig, ax = plt.subplots(figsize=(6.5, 3))
-        values = [m[key] for m in metrics]
-        ax.plot(steps, values, marker="o")
+        shown = every_step if key == "loss" else metrics
+        values = [m[key] for m in shown]
+        ax.plot([m["step"] for m in shown], values, marker="o")
         _step_axis(ax)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        mark_curriculum_changes(ax, metrics)
+        mark_curriculum_changes(ax, shown)
         if key == "kl":
             note = kl_note(kl_coef, values)
             if note:
@@ -201,13 +203,40 @@ def trained_comparison(evals: list[EvalResult]) -> tuple[EvalResult, EvalResult]
     return evals[0], evals[-1]
 
 
-def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None) -> Path:
-    """``report.md``: base vs trained held-out accuracy, flips, plots, alerts, spot checks."""
+def stage_rows(
+    stages: list[dict[str, Any]], evals: list[EvalResult]
+) -> list[tuple[str, str, int, int, float | None, float | None]]:
+    """(stage, type, first step, last step, held-out before, after) for each stage: what
+    each stage did, from the evaluations at its boundaries (None where none ran).
+
+    >>> r = lambda step, acc: EvalResult(step, "heldout", {"a": acc}, {"a": 4}, 0.0)
+    >>> stage_rows([{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}],
+    ...            [r(0, 0.25), r(3, 0.5)])
+    [('sft', 'sft', 1, 3, 0.25, 0.5)]
+    """
+    by_step = {e.step: e.overall for e in evals}
+    return [(s["name"], s["type"], s["firstStep"], s["lastStep"],
+             by_step.get(s["firstStep"] - 1), by_step.get(s["lastStep"])) for s in stages]
+
+
+def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
+                 stages: list[dict[str, Any]] | None = None) -> Path:
+    """``report.md``: base vs trained held-out accuracy, what each stage did, flips, plots,
+    alerts, spot checks."""
     evals = latest_eval_per_step(out_dir, "heldout")
     lines = [f"# {title}", ""]
     for key, value in (extra or {}).items():
         lines.append(f"- **{key}:** {value}")
     lines.append("")
+    if stages and len(stages) > 1:
+        lines += ["## Held-out accuracy by stage", "",
+                  "| stage | type | steps | before | after | change |",
+                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        for name, kind, first, last, before, after in stage_rows(stages, evals):
+            change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
+            lines.append(f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} "
+                         f"| {change} |")
+        lines.append("")
     pair = trained_comparison(evals)
     if pair is not None:
         base, trained = pair
@@ -320,3 +349,7 @@ def _flip_examples(base: EvalResult, trained: EvalResult, limit: int = 3) -> lis
                 fence = code_fence(text)
                 lines += [f"{name}:", "", f"{fence}text", text, fence, ""]
     return lines
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"

@@ -45,6 +45,8 @@ class RunStatus:
     last_checkpoint: str | None = None
     weight_version: int | None = None
     message: str | None = None
+    stage: str | None = None  # the pipeline stage being trained
+    stages: list[dict[str, Any]] = field(default_factory=list)  # StageStatus wire dicts
     sandbox: dict[str, Any] | None = None  # verification.SandboxHealth.to_wire()
     reports_uri: str | None = None  # where the outputs are uploaded as they are written
 
@@ -68,6 +70,16 @@ class StatusReporter(Protocol):
 
     def report(self, status: RunStatus) -> None: ...
 
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Record a Kubernetes-style Event (stage started/finished): only the trainer sees
+        stage boundaries, so it posts these itself; the operator posts the pod-level ones."""
+        ...
+
+
+# Event reasons the trainer posts (CamelCase, as the operator's in operator/reasons.py).
+STAGE_STARTED = "StageStarted"
+STAGE_SUCCEEDED = "StageSucceeded"
+
 
 class LocalStatusReporter:
     """Writes ``status.json`` atomically (readers never see half a file)."""
@@ -80,6 +92,14 @@ class LocalStatusReporter:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(payload, indent=1))
         tmp.replace(self.path)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Append to ``events.jsonl`` beside ``status.json`` (and log it)."""
+        log.info("event %s %s: %s", type_, reason, message)
+        record = {"type": type_, "reason": reason, "message": message,
+                  "time": datetime.now(UTC).isoformat()}
+        with (self.path.parent / "events.jsonl").open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
 
 
 class KubeStatusReporter:
@@ -115,6 +135,36 @@ class KubeStatusReporter:
         except Exception as exc:  # a flaky apiserver must not stop training
             log.warning("could not patch status of %s/%s: %s", self.namespace, self.name, exc)
 
+    def event(self, type_: str, reason: str, message: str) -> None:
+        """Create a core/v1 Event on the TrainingRun (``kubectl describe tr`` lists it)."""
+        from kubernetes import client
+
+        from posttrain.api.base import API_VERSION, GROUP, VERSION
+
+        now = datetime.now(UTC)
+        try:
+            run = self.api.get_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, "trainingruns", self.name)
+            body = {
+                "apiVersion": "v1",
+                "kind": "Event",
+                "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
+                "involvedObject": {"apiVersion": API_VERSION, "kind": "TrainingRun",
+                                   "name": self.name, "namespace": self.namespace,
+                                   "uid": run["metadata"]["uid"]},
+                "type": type_,
+                "reason": reason,
+                "message": message,
+                "source": {"component": FIELD_MANAGER},
+                "firstTimestamp": now.isoformat(),
+                "lastTimestamp": now.isoformat(),
+                "count": 1,
+            }
+            client.CoreV1Api(self.api.api_client).create_namespaced_event(self.namespace, body)
+        except Exception as exc:  # an Event is a courtesy: never a reason to stop training
+            log.warning("could not post event %s on %s/%s: %s", reason, self.namespace,
+                        self.name, exc)
+
 
 class FanOutStatusReporter:
     """Reports to several sinks (status.json is always kept, even in a pod)."""
@@ -125,6 +175,10 @@ class FanOutStatusReporter:
     def report(self, status: RunStatus) -> None:
         for reporter in self.reporters:
             reporter.report(status)
+
+    def event(self, type_: str, reason: str, message: str) -> None:
+        for reporter in self.reporters:
+            reporter.event(type_, reason, message)
 
 
 def status_reporter_from_env(out_dir: Path) -> StatusReporter:

@@ -75,7 +75,7 @@ def test_apiserver_accepts_examples_and_prints_columns(
     for short in ("tr", "rp", "st"):
         assert f" {short} " in api_resources
     table = kubectl("get", "tr", "-n", namespace).stdout
-    assert table.split()[:6] == ["NAME", "PHASE", "STEP", "MAX", "REWARD", "AGE"]
+    assert table.split()[:7] == ["NAME", "PHASE", "STEP", "MAX", "REWARD", "STAGE", "AGE"]
     pools = kubectl("get", "rp", "-n", namespace).stdout.splitlines()
     assert pools[0].split()[:4] == ["NAME", "READY", "DESIRED", "VERSION"]
     # Ready and Version are empty until the operator reports; Desired comes from the spec.

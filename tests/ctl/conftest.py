@@ -110,10 +110,13 @@ class Kube:
         return sorted(i["metadata"]["name"] for i in items)
 
     def report_progress(self, name: str, **fields: Any) -> None:
-        """Patch /status through the trainer's own reporter (RunStatus -> merge patch)."""
+        """Patch /status through the trainer's own reporter (RunStatus -> merge patch); a
+        ``phase`` is written as the operator writes it (the trainer never sends one)."""
         from posttrain.trainer.status import KubeStatusReporter, RunStatus
 
         KubeStatusReporter(name, self.namespace, api=self.custom).report(RunStatus(**fields))
+        if "phase" in fields:
+            self.patch_status(name, {"phase": fields["phase"]})
 
     def patch_status(self, name: str, status: dict[str, Any]) -> None:
         """Merge-patch fields the operator owns (phase, conditions) into /status."""

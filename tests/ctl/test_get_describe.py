@@ -20,6 +20,7 @@ PROGRESS = dict(
     eval_accuracy={"arith": 0.5, "code": 0.125},
     last_checkpoint="s3://posttrain/runs/demo/checkpoints/step-000002",
     weight_version=2,
+    stage="rl",
 )
 
 
@@ -62,14 +63,15 @@ def test_kubectl_get_and_posttrain_get_agree(kcli: CliRunner, kube: Any, kubectl
     ours = row_of(kcli("get", "tr").out, "demo")
     theirs = row_of(
         kubectl("get", "tr", "-n", kube.namespace, "-o", "wide").stdout, "demo"
-    )  # NAME PHASE STEP MAX REWARD AGE CHECKPOINT MESSAGE
+    )  # NAME PHASE STEP MAX REWARD STAGE AGE CHECKPOINT MESSAGE
     assert theirs[1] == ours[1] == "Running"
     step, max_steps = ours[2].split("/")
     assert (theirs[2], theirs[3]) == (step, max_steps)
     assert float(theirs[4]) == pytest.approx(
         float(ours[3]), abs=6e-4
     )  # ours is rounded to 3 digits
-    assert theirs[6].endswith("step-000002") and ours[8].endswith("step-000002")
+    assert theirs[5] == "rl"
+    assert theirs[7].endswith("step-000002") and ours[8].endswith("step-000002")
 
 
 def test_get_errors_have_exit_codes(kcli: CliRunner, kube: Any) -> None:
@@ -137,6 +139,31 @@ def test_describe_explains_conditions_events_and_children(
     described = kubectl("describe", "tr", "demo", "-n", kube.namespace).stdout
     assert "BackoffLimitExceeded" in described  # kubectl shows the same conditions...
     assert "TrainerRestarted" in described  # ...and the same events
+
+
+def test_trainer_stage_events_and_records_reach_kubectl(kube: Any, kubectl: Any) -> None:
+    """The trainer's stage boundary Events and status.stages, through its own reporter."""
+    from posttrain.api import TrainingRun
+    from posttrain.trainer.status import STAGE_STARTED, KubeStatusReporter, RunStatus
+
+    kube.create_run("staged")
+    reporter = KubeStatusReporter("staged", kube.namespace, api=kube.custom)
+    reporter.event("Normal", STAGE_STARTED, "stage sft (sft) started: steps 1-8, lr 2e-05")
+    record = {"name": "sft", "type": "sft", "phase": "Running", "firstStep": 1, "lastStep": 8,
+              "startTime": "2026-12-03T13:00:00+00:00", "skippedExamples": {"emptyCompletion": 2}}
+    reporter.report(RunStatus(step=3, max_steps=12, reward_mean=0.5, stage="sft", stages=[record]))
+    kube.patch_status("staged", {"phase": "Running"})  # the operator's field
+    described = kubectl("describe", "tr", "staged", "-n", kube.namespace).stdout
+    assert "StageStarted" in described and "stage sft (sft) started: steps 1-8" in described
+    row = row_of(kubectl("get", "tr", "-n", kube.namespace).stdout, "staged")
+    assert row[2:4] == ["3", "12"] and row[5] == "sft"  # STEP MAX ... STAGE
+    stored = kube.get_run("staged")
+    # what the trainer wrote is valid against the CRD and reads back through the API model
+    status = TrainingRun.model_validate(
+        {"metadata": {"name": "staged"}, "spec": stored["spec"], "status": stored["status"]}
+    ).status
+    assert status.stages[0].skipped_examples == {"emptyCompletion": 2}
+    assert status.stage == "sft"
 
 
 def test_describe_missing_run_is_exit_1(kcli: CliRunner, kube: Any) -> None:

@@ -204,9 +204,12 @@ def test_run_config_map_renders_spec_with_default_storage() -> None:
 def test_trainer_rbac_is_narrow() -> None:
     sa, role, binding = b.build_trainer_rbac(make_run())
     assert sa["metadata"]["name"] == "demo-trainer"
-    assert all(rule["resourceNames"] == ["demo"] for rule in role["rules"])
-    verbs = {v for rule in role["rules"] for v in rule["verbs"]}
-    assert verbs == {"get", "patch"}
+    named = [rule for rule in role["rules"] if rule["resources"] != ["events"]]
+    assert all(rule["resourceNames"] == ["demo"] for rule in named)
+    assert {v for rule in named for v in rule["verbs"]} == {"get", "patch"}
+    # Events (stage boundaries) can only be created: no name to narrow to, no other verb.
+    events = [rule for rule in role["rules"] if rule["resources"] == ["events"]]
+    assert events == [{"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": "demo-trainer", "namespace": "ml"}
     ]

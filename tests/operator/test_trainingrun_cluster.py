@@ -67,8 +67,9 @@ def test_single_node_run_children_status_split_and_success(
     assert f"s3://posttrain/runs/{namespace}/r1" in config_map["data"]["run.yaml"]
     role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
     assert role is not None
-    assert {r["resources"][0] for r in role["rules"]} == {"trainingruns/status", "trainingruns"}
-    assert all(r["resourceNames"] == ["r1"] for r in role["rules"])
+    assert {r["resources"][0] for r in role["rules"]} == {
+        "trainingruns/status", "trainingruns", "events"}
+    assert all(r["resourceNames"] == ["r1"] for r in role["rules"] if r["resources"] != ["events"])
     # No cleanup needed -> no finalizer.
     assert not get_cr(kube, "trainingruns", namespace, "r1")["metadata"].get("finalizers")
 

@@ -171,6 +171,9 @@ def test_ctrl_c_checkpoints_and_a_rerun_resumes_without_duplicate_records(
             if status.step >= 1:
                 stop.set()
 
+        def event(self, type_: str, reason: str, message: str) -> None:
+            """Stage events go to the LocalStatusReporter beside it."""
+
     reporter = FanOutStatusReporter([LocalStatusReporter(tmp_path), PressCtrlC()])
     first = run_with_server(spec, tmp_path, reporter=reporter, stop=stop)
     assert first.interrupted and first.steps_done == 1  # pressed while step 1 reported

@@ -1,0 +1,78 @@
+"""Direct Preference Optimization (Rafailov et al., arXiv:2305.18290), sigmoid loss.
+
+Per pair: ``-log sigmoid(beta * ((log π(c) - log π(r)) - (log π_ref(c) - log π_ref(r))))``
+with ``log π(y)`` the summed log-probability of the answer's tokens after the prompt. The
+reference is the *frozen stage-start model*: its log-probs are computed once per pair
+before the stage's first update (:func:`sequence_logps` under ``no_grad``) and checkpointed
+with the stage, so no second model is held in memory and a resumed stage uses the same
+reference (not the partly trained weights). TRL calls this ``precompute_ref_log_probs``.
+
+Metrics follow TRL: implicit rewards ``β · (log π - log π_ref)`` of the chosen and the
+rejected answer, their margin, and accuracy (the share of pairs whose chosen reward is
+higher).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.trainer.policy import completion_logits
+from posttrain.trainer.stage_data import PreferencePair
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """What :func:`completion_logits` reads of a sample."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+
+
+def sequence_logps(
+    model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs (B,) of the chosen and of the rejected answers under ``model``.
+
+    Both answers of a pair share their prompt, so the prompt runs through the decoder once
+    (the RL loss forward, :func:`posttrain.trainer.policy.completion_logits`).
+    """
+    answers = [_Answer(p.prompt_ids, ids) for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    logits = completion_logits(model, answers, pad_id)  # (N, V)
+    targets = torch.tensor([t for a in answers for t in a.completion_ids])  # (N,)
+    token_logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
+    owner = torch.tensor([i for i, a in enumerate(answers) for _ in a.completion_ids])  # (N,)
+    sums = torch.zeros(len(answers), dtype=token_logp.dtype).index_add(0, owner, token_logp)  # (2B,)
+    return sums[0::2], sums[1::2]  # (B,), (B,)
+
+
+@dataclass
+class DpoTerms:
+    """Per-pair losses (B,) to average, and the detached implicit rewards (B,)."""
+
+    losses: torch.Tensor
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+
+def dpo_loss(
+    policy_chosen: torch.Tensor,  # (B,) summed log-probs under the policy
+    policy_rejected: torch.Tensor,  # (B,)
+    reference_chosen: torch.Tensor,  # (B,) under the frozen stage-start model
+    reference_rejected: torch.Tensor,  # (B,)
+    beta: float,
+) -> DpoTerms:
+    """The sigmoid DPO loss per pair.
+
+    >>> t = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
+    ...              torch.tensor([-2.0]), beta=0.5)
+    >>> round(float(t.losses[0]), 4), float(t.chosen_rewards[0]), float(t.rejected_rewards[0])
+    (0.3133, 0.5, -0.5)
+    """
+    logits = (policy_chosen - policy_rejected) - (reference_chosen - reference_rejected)  # (B,)
+    losses = -torch.nn.functional.logsigmoid(beta * logits)  # (B,)
+    chosen_rewards = beta * (policy_chosen - reference_chosen).detach()  # (B,)
+    rejected_rewards = beta * (policy_rejected - reference_rejected).detach()  # (B,)
+    return DpoTerms(losses, chosen_rewards, rejected_rewards)
