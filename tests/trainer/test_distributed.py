@@ -92,8 +92,8 @@ def test_a_failing_local_rank_fails_the_run(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=1500)
     assert run.returncode != 0
     assert "FileExistsError" in run.stderr and "rank1" in run.stderr, run.stderr[-4000:]
-    # the agent stopped rank 0 itself (it was waiting in a collective for rank 1)
-    assert "closing signal SIGTERM" in run.stderr, run.stderr[-4000:]
+    # Rank 0 did not wait out Gloo's 30-minute collective timeout: the run ended inside the
+    # subprocess timeout above (a hang would raise TimeoutExpired).
     assert not (out / "metrics.jsonl").exists()  # rank 0 never finished a step
 
 
