@@ -30,6 +30,7 @@ COMMANDS: dict[str, dict[str, str]] = {
     "posttrain.trainer.cli": {
         "run": "run RL post-training from a TrainingRun manifest",
         "eval": "score a model or checkpoint on a JSONL task file",
+        "eval-checkpoints": "score a run's committed checkpoints, off the training path",
     },
     "posttrain.rollout.cli": {
         "serve": "OpenAI-compatible rollout server on the CPU engine",
