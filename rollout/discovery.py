@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.api import GROUP, VERSION
+from posttrain.kubeapi import custom_objects_api
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +32,7 @@ class PoolDiscovery:
         self.name = name
         self.namespace = namespace
         if api is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api = client.CustomObjectsApi()
+            api = custom_objects_api()
         self.api = api
 
     @classmethod

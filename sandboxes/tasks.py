@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.kubeapi import custom_objects_api
 from posttrain.telemetry import get_tracer
 
 from .client import SandboxUnavailable
@@ -71,13 +72,7 @@ class SandboxTaskRunner:
         being unavailable. ``finish_margin_s``: time beyond the execution's own timeout for
         the entrypoint's upload and the status to arrive."""
         if api is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api = client.CustomObjectsApi()
+            api = custom_objects_api()
         self.api = api
         self.namespace = namespace
         self.owner = owner

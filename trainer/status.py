@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from posttrain.kubeapi import custom_objects_api
+
 log = logging.getLogger(__name__)
 
 # Shows in managedFields who owns step/rewardMean/...: the operator owns phase and conditions.
@@ -109,13 +111,7 @@ class KubeStatusReporter:
         self.name = name
         self.namespace = namespace
         if api is None:
-            from kubernetes import client, config
-
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()  # running the trainer by hand against a cluster
-            api = client.CustomObjectsApi()
+            api = custom_objects_api()
         self.api = api
 
     def report(self, status: RunStatus) -> None:
