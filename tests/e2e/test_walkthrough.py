@@ -118,8 +118,10 @@ def test_readme_walkthrough_trains_on_the_dev_cluster(
         state = json.loads((Path(dev_dir) / "state.json").read_text())
         kept = Path(state["workdir"]) / "nodeagent"
         trainer_log = (kept / "default_dev-run-g0-0.log").read_text()
-        # Sampled through the Service name, not a pod IP: the agent resolved it.
-        assert "endpoint(s) http://dev-pool.default.svc:8000" in trainer_log, trainer_log[:3000]
+        # The trainer found the pool's ready replicas through the RolloutPool's status (so each
+        # weight version reaches every replica, not one behind a Service) and sampled from them.
+        assert re.search(r"sampling from rollout endpoint\(s\) http://127\.\d+\.\d+\.\d+:8000",
+                         trainer_log), trainer_log[:3000]
         # pods/log through the apiserver, served by the agent (no "no such host").
         kubectl = [str(KUBECTL_ALIAS), "--kubeconfig", state["kubeconfig"]]
         pods = subprocess.run([*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool",

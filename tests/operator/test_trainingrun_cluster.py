@@ -112,7 +112,8 @@ def test_gang_restart_then_backoff_limit(
     head = kube.get("v1", "Service", namespace, "g-head")
     assert head is not None and head["spec"]["clusterIP"] == "None"
     worker = kube.get("v1", "Pod", namespace, "g-g0-1")["spec"]["containers"][0]
-    assert worker["command"][:2] == ["ray", "start"]
+    # Every pod of the plain gang runs the trainer; torchrun's rendezvous joins them (#17).
+    assert worker["command"][:2] == ["posttrain", "run"]
     assert {e["name"]: e.get("value") for e in worker["env"]}["MASTER_ADDR"] == (
         f"g-head.{namespace}.svc")
     for name in ("g-g0-0", "g-g0-1"):
