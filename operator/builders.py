@@ -142,6 +142,18 @@ def _schedule(
         pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
 
 
+def apply_sandbox_runtime(
+    pod_spec: Manifest, runtime_class_name: str | None, config: OperatorConfig
+) -> None:
+    """The runtime every pod running untrusted code gets (SandboxTask pods, sandbox runners):
+    the resource's runtimeClassName, else the operator's default, and the image pull secrets."""
+    runtime_class = runtime_class_name or config.sandbox_runtime_class_name
+    if runtime_class:
+        pod_spec["runtimeClassName"] = runtime_class
+    if config.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
+
+
 # ---------------------------------------------------------------- TrainingRun
 
 
@@ -1000,11 +1012,7 @@ def build_sandbox_pod(
         # deadline leaves the entrypoint time to upload after a timeout.
         pod_spec["activeDeadlineSeconds"] = (
             spec.timeout_seconds + config.sandbox_upload_grace_seconds)
-    runtime_class = spec.runtime_class_name or config.sandbox_runtime_class_name
-    if runtime_class:
-        pod_spec["runtimeClassName"] = runtime_class
-    if config.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
+    apply_sandbox_runtime(pod_spec, spec.runtime_class_name, config)
     return {
         "apiVersion": "v1",
         "kind": "Pod",

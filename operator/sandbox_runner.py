@@ -106,7 +106,7 @@ def _labels(run: TrainingRun) -> dict[str, str]:
 
 def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifest:
     """The run's sandbox runner: one replica with ``maxConcurrency`` slots."""
-    from .builders import _resources, child_metadata
+    from .builders import _resources, apply_sandbox_runtime, child_metadata
 
     sandbox = run.spec.sandbox
     slots = sandbox.max_concurrency
@@ -133,11 +133,7 @@ def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifes
             "securityContext": bubblewrap_container_context(run_as_nobody=True),
         }],
     }
-    runtime_class = sandbox.runtime_class_name or config.sandbox_runtime_class_name
-    if runtime_class:
-        pod_spec["runtimeClassName"] = runtime_class
-    if config.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
+    apply_sandbox_runtime(pod_spec, sandbox.runtime_class_name, config)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
