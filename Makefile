@@ -69,6 +69,7 @@ demo: venv system-deps
 # POSTTRAIN_REQUIRE_VLLM: the real-vLLM tests fail (instead of skipping) without .venv-vllm.
 test: venv venv-vllm system-deps binaries
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/posttrain crds --check
 	$(VENV)/bin/mypy --strict -p posttrain.api
 	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)

@@ -90,8 +90,13 @@ StageType = Literal["sft", "dpo", "rl"]
 # defaults (SFTConfig / DPOConfig), so a pipeline ported from TRL behaves as there.
 STAGE_DEFAULTS: dict[str, dict[str, float | int]] = {
     "sft": {"learning_rate": 2e-5, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024},
-    "dpo": {"learning_rate": 1e-6, "batch_size": 8, "micro_batch_size": 4, "max_length": 1024,
-            "beta": 0.1},
+    "dpo": {
+        "learning_rate": 1e-6,
+        "batch_size": 8,
+        "micro_batch_size": 4,
+        "max_length": 1024,
+        "beta": 0.1,
+    },
 }
 
 
@@ -330,9 +335,18 @@ class LoraSpec(ApiModel):
     alpha: float = Field(default=32.0, gt=0)
     """Scale numerator: the update is (alpha / rank) x B A."""
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                 "up_proj", "down_proj"],
-        min_length=1, max_length=64)
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        min_length=1,
+        max_length=64,
+    )
     """Names of the Linear layers that get adapters (Llama/Qwen/Mistral naming by default:
     every attention and MLP projection)."""
 
@@ -493,8 +507,9 @@ class TrainingRunSpec(ApiModel):
     """Reward-hacking audits."""
     suspend: bool = False
     """True deletes the trainer pods but keeps the run; false resumes from the last checkpoint."""
-    managed_by: str | None = Field(default=None, max_length=63,
-                                   pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$")
+    managed_by: str | None = Field(
+        default=None, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-A-Za-z0-9_.]+$"
+    )
     """The controller that reconciles this run, as a domain-prefixed path (Kubeflow Trainer's
     and JobSet's managedBy). Unset or posttrain.io/trainingrun-controller: the posttrain
     operator. Any other value (e.g. kueue.x-k8s.io/multikueue): the posttrain operator creates
@@ -542,12 +557,17 @@ def _check_stages(stages: list[StageSpec]) -> None:
         if stage.type != "rl" and not stage.datasets:
             raise ValueError(f"{where}.datasets: datasets is required for sft and dpo stages")
         if stage.type == "rl" and stage.datasets is not None:
-            raise ValueError(f"{where}.datasets: datasets must be empty for an rl stage: it "
-                             "trains on spec.domains")
-        if stage.type == "rl" and any(v is not None for v in (
-                stage.batch_size, stage.micro_batch_size, stage.max_length)):
-            raise ValueError(f"{where}: batchSize, microBatchSize and maxLength are for sft and "
-                             "dpo stages; an rl stage takes them from spec.algorithm")
+            raise ValueError(
+                f"{where}.datasets: datasets must be empty for an rl stage: it "
+                "trains on spec.domains"
+            )
+        if stage.type == "rl" and any(
+            v is not None for v in (stage.batch_size, stage.micro_batch_size, stage.max_length)
+        ):
+            raise ValueError(
+                f"{where}: batchSize, microBatchSize and maxLength are for sft and "
+                "dpo stages; an rl stage takes them from spec.algorithm"
+            )
         if stage.type != "dpo" and stage.beta is not None:
             raise ValueError(f"{where}.beta: beta applies to dpo stages only")
         if stage.type != "sft" and stage.packing is not None:

@@ -44,8 +44,13 @@ def measure(argv: list[str]) -> tuple[float, float]:
     """(wall seconds, child CPU seconds) of one run."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=True,
+    )
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -65,8 +70,10 @@ def main() -> None:
     for name, samples in results.items():
         wall = statistics.median(w for w, _ in samples)
         cpu = statistics.median(c for _, c in samples)
-        print(f"{name:<16} {wall:8.3f}s {cpu:8.3f}s {wall / floor_wall:10.1f}x "
-              f"{cpu / max(floor_cpu, 1e-3):9.1f}x")
+        print(
+            f"{name:<16} {wall:8.3f}s {cpu:8.3f}s {wall / floor_wall:10.1f}x "
+            f"{cpu / max(floor_cpu, 1e-3):9.1f}x"
+        )
 
 
 if __name__ == "__main__":

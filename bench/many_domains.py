@@ -48,30 +48,42 @@ def write_domains(folder: Path, count: int, tasks_per_domain: int) -> list[dict[
         lines = []
         for _ in range(tasks_per_domain):
             a, b = rng.randint(1, 99), rng.randint(1, 99)
-            lines.append(json.dumps({"prompt": f"What is {a} + {b}? Answer: <number>",
-                                     "answer": str(a + b)}))
+            lines.append(
+                json.dumps({"prompt": f"What is {a} + {b}? Answer: <number>", "answer": str(a + b)})
+            )
         path.write_text("\n".join(lines) + "\n")
-        domains.append({"name": f"skill-{i:03d}", "dataset": str(path),
-                        "verifier": {"kind": "numeric"}})
+        domains.append(
+            {"name": f"skill-{i:03d}", "dataset": str(path), "verifier": {"kind": "numeric"}}
+        )
     return domains
 
 
-def make_spec(model: str, domains: list[dict[str, Any]], prompts: int, group: int,
-              steps: int) -> TrainingRunSpec:
-    return TrainingRunSpec.model_validate({
-        "model": model,
-        # dynamicSampling off: a tiny random model solves nothing, and dropping every
-        # all-zero group would skip the policy step the loop part is meant to include.
-        "algorithm": {"groupSize": group, "promptsPerStep": prompts, "maxSteps": steps,
-                      "learningRate": 1e-3, "maxNewTokens": 8, "microBatchSize": 32,
-                      "dynamicSampling": False, "seed": 0},
-        "domains": domains,
-        "curriculum": {"window": 8, "minDomainFraction": 0.02},
-        # Evaluation runs after a step's timer stops; keep it small so the bench is short.
-        "evaluation": {"everySteps": 1000, "maxItemsPerDomain": 1},
-        "checkpoint": {"everySteps": 1000, "keepLast": 1},
-        "audit": {"spotCheckSamples": 5},
-    })
+def make_spec(
+    model: str, domains: list[dict[str, Any]], prompts: int, group: int, steps: int
+) -> TrainingRunSpec:
+    return TrainingRunSpec.model_validate(
+        {
+            "model": model,
+            # dynamicSampling off: a tiny random model solves nothing, and dropping every
+            # all-zero group would skip the policy step the loop part is meant to include.
+            "algorithm": {
+                "groupSize": group,
+                "promptsPerStep": prompts,
+                "maxSteps": steps,
+                "learningRate": 1e-3,
+                "maxNewTokens": 8,
+                "microBatchSize": 32,
+                "dynamicSampling": False,
+                "seed": 0,
+            },
+            "domains": domains,
+            "curriculum": {"window": 8, "minDomainFraction": 0.02},
+            # Evaluation runs after a step's timer stops; keep it small so the bench is short.
+            "evaluation": {"everySteps": 1000, "maxItemsPerDomain": 1},
+            "checkpoint": {"everySteps": 1000, "keepLast": 1},
+            "audit": {"spotCheckSamples": 5},
+        }
+    )
 
 
 def synthetic_batch(step: int, tasks: list[Any], group: int) -> RolloutBatch:
@@ -109,31 +121,58 @@ class StageLane:
             tasks = data.curriculum.next_prompts(algo.prompts_per_step)
             batch = synthetic_batch(step, tasks, algo.group_size)
             scored = score_batch(batch, data.verifiers, algo, max_concurrency=2)
-            prepared = prepare_batch(batch, scored, algorithm=algo.name,
-                                     dynamic_sampling=algo.dynamic_sampling,
-                                     loss_config=self.config, step=step)
+            prepared = prepare_batch(
+                batch,
+                scored,
+                algorithm=algo.name,
+                dynamic_sampling=algo.dynamic_sampling,
+                loss_config=self.config,
+                step=step,
+            )
             for task, rate in zip(tasks, prepared.group_pass_rates, strict=True):
                 data.curriculum.observe(task, rate, step)
             self.auditor.observe_batch(step, prepared.trajectories)
-            progress.record(StepMetrics(
-                step=step, reward_mean=prepared.reward_mean,
-                domain_rewards=prepared.domain_rewards,
-                domain_pass_rates=prepared.domain_pass_rates, loss=0.0, grad_norm=0.0,
-                kl=0.0, clip_fraction=0.0, ratio_mean=1.0,
-                response_length=prepared.response_length, kept_groups=prepared.kept_groups,
-                total_groups=len(tasks), weight_version=step, staleness=0, applied=True,
-                skip_reason="", rollout_seconds=0.0, train_seconds=0.0, step_seconds=0.0,
-                strata={d: data.curriculum.current_stratum(d)
-                        for d in data.curriculum.pools}), span)
-            self.status.report(RunStatus(phase="Running", step=step, max_steps=algo.max_steps,
-                                         reward_mean=prepared.reward_mean,
-                                         domain_rewards=prepared.domain_rewards))
+            progress.record(
+                StepMetrics(
+                    step=step,
+                    reward_mean=prepared.reward_mean,
+                    domain_rewards=prepared.domain_rewards,
+                    domain_pass_rates=prepared.domain_pass_rates,
+                    loss=0.0,
+                    grad_norm=0.0,
+                    kl=0.0,
+                    clip_fraction=0.0,
+                    ratio_mean=1.0,
+                    response_length=prepared.response_length,
+                    kept_groups=prepared.kept_groups,
+                    total_groups=len(tasks),
+                    weight_version=step,
+                    staleness=0,
+                    applied=True,
+                    skip_reason="",
+                    rollout_seconds=0.0,
+                    train_seconds=0.0,
+                    step_seconds=0.0,
+                    strata={d: data.curriculum.current_stratum(d) for d in data.curriculum.pools},
+                ),
+                span,
+            )
+            self.status.report(
+                RunStatus(
+                    phase="Running",
+                    step=step,
+                    max_steps=algo.max_steps,
+                    reward_mean=prepared.reward_mean,
+                    domain_rewards=prepared.domain_rewards,
+                )
+            )
         self.wall.append(time.perf_counter() - wall)
         self.cpu.append(time.process_time() - cpu)
 
 
-def stage_step_seconds(specs: dict[int, TrainingRunSpec], root: Path,
-                       steps: int) -> dict[str, float]:
+def stage_step_seconds(
+    specs: dict[int, TrainingRunSpec], root: Path, steps: int
+) -> dict[str, float]:
     """Median wall and CPU seconds per step of each lane, the lanes alternating step by
     step (ABAB...), the first step of each left out (warm-up)."""
     lanes = {n: StageLane(spec, root / f"stages{n}", steps) for n, spec in specs.items()}
@@ -141,7 +180,7 @@ def stage_step_seconds(specs: dict[int, TrainingRunSpec], root: Path,
         lane.progress.__enter__()
     try:
         for step in range(1, steps + 1):
-            for lane in (lanes.values() if step % 2 else reversed(list(lanes.values()))):
+            for lane in lanes.values() if step % 2 else reversed(list(lanes.values())):
                 lane.step(step)
     finally:
         for lane in lanes.values():
@@ -185,25 +224,32 @@ def main() -> None:
         root = Path(tmp)
         model = str(make_tiny_model(root / "model", seed=0)) if args.loop_steps else "tiny"
         domain_lists = {n: write_domains(root / f"data{n}", n, 40) for n in (2, args.domains)}
-        specs = {n: make_spec(model, domain_lists[n], args.prompts, args.group,
-                              args.stage_steps) for n in (2, args.domains)}
+        specs = {
+            n: make_spec(model, domain_lists[n], args.prompts, args.group, args.stage_steps)
+            for n in (2, args.domains)
+        }
         results.update(stage_step_seconds(specs, root, args.stage_steps))
         if args.loop_steps:
             for n in (2, args.domains):
-                spec = make_spec(model, domain_lists[n], args.loop_prompts, args.loop_group,
-                                 args.loop_steps)
+                spec = make_spec(
+                    model, domain_lists[n], args.loop_prompts, args.loop_group, args.loop_steps
+                )
                 results[f"loop_{n}"] = loop_step_seconds(spec, root / f"loop{n}")
     n = args.domains
     print(json.dumps(results, indent=1))
     for clock in ("wall", "cpu"):
         two, many = results[f"stages_2_{clock}"], results[f"stages_{n}_{clock}"]
-        print(f"stages {clock} (batch {args.prompts}x{args.group}): 2 domains {two * 1e3:.1f} "
-              f"ms/step, {n} domains {many * 1e3:.1f} ms/step, ratio {many / two:.2f}")
+        print(
+            f"stages {clock} (batch {args.prompts}x{args.group}): 2 domains {two * 1e3:.1f} "
+            f"ms/step, {n} domains {many * 1e3:.1f} ms/step, ratio {many / two:.2f}"
+        )
     if args.loop_steps:
-        print(f"train() steps (batch {args.loop_prompts}x{args.loop_group}, tiny model): "
-              f"2 domains {results['loop_2']:.2f} s/step, {n} domains "
-              f"{results[f'loop_{n}']:.2f} s/step, ratio "
-              f"{results[f'loop_{n}'] / results['loop_2']:.2f}")
+        print(
+            f"train() steps (batch {args.loop_prompts}x{args.loop_group}, tiny model): "
+            f"2 domains {results['loop_2']:.2f} s/step, {n} domains "
+            f"{results[f'loop_{n}']:.2f} s/step, ratio "
+            f"{results[f'loop_{n}'] / results['loop_2']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -60,24 +60,31 @@ PLURALS = ("trainingruns", "rolloutpools", "sandboxtasks", "sandboxwarmpools")
 def install_crds(kube: KubeClient) -> None:
     for path in sorted((REPO / "crds").glob("posttrain.io_*.yaml")):
         crd = yaml.safe_load(path.read_text())
-        kube.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd,
-                     ok=(201, 409))
+        kube.request(
+            "POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd, ok=(201, 409)
+        )
     for plural in PLURALS:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             crd = kube.request(
-                "GET", f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.posttrain.io"
+                "GET",
+                f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{plural}.posttrain.io",
             )[1]
-            if any(c["type"] == "Established" and c["status"] == "True"
-                   for c in (crd.get("status") or {}).get("conditions") or []):
+            if any(
+                c["type"] == "Established" and c["status"] == "True"
+                for c in (crd.get("status") or {}).get("conditions") or []
+            ):
                 break
             time.sleep(0.1)
 
 
 def new_namespace(kube: KubeClient) -> str:
     name = f"bench-{uuid.uuid4().hex[:6]}"
-    kube.request("POST", "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace",
-                                               "metadata": {"name": name}})
+    kube.request(
+        "POST",
+        "/api/v1/namespaces",
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+    )
     return name
 
 
@@ -114,9 +121,12 @@ class LabelWatch:
         self.done = threading.Event()
         self.finished_at = 0.0
         rv = kube.request("GET", resource_path("v1", "pods", namespace) + "?limit=1")[1][
-            "metadata"]["resourceVersion"]
-        path = (resource_path("v1", "pods", namespace)
-                + f"?watch=1&labelSelector={label}&resourceVersion={rv}")
+            "metadata"
+        ]["resourceVersion"]
+        path = (
+            resource_path("v1", "pods", namespace)
+            + f"?watch=1&labelSelector={label}&resourceVersion={rv}"
+        )
         # The bench's KubeClient has no streaming call; its pooled httpx client does.
         self._stream = kube._http.stream("GET", path, timeout=None)
         self._n = n
@@ -164,9 +174,12 @@ def warm_up(kube: KubeClient, config: OperatorConfig, n: int = 100) -> float:
 
 
 def task_body(name: str, namespace: str) -> dict[str, Any]:
-    return {"apiVersion": GV, "kind": "SandboxTask",
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"command": ["python", "-c", "print(42)"], "files": {"main.py": "print(1)"}}}
+    return {
+        "apiVersion": GV,
+        "kind": "SandboxTask",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"command": ["python", "-c", "print(42)"], "files": {"main.py": "print(1)"}},
+    }
 
 
 def pod_manifest(config: OperatorConfig, name: str, namespace: str) -> dict[str, Any]:
@@ -207,9 +220,19 @@ def start_operator(kubeconfig: Path, namespace: str) -> subprocess.Popen[bytes]:
     """
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "posttrain", "operator", "--standalone", "-n", namespace,
-         f"--kubeconfig={kubeconfig}", f"--liveness-port={port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "posttrain",
+            "operator",
+            "--standalone",
+            "-n",
+            namespace,
+            f"--kubeconfig={kubeconfig}",
+            f"--liveness-port={port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -243,8 +266,10 @@ def bench_operator(kube: KubeClient, kubeconfig: Path, n: int) -> float:
         created = time.perf_counter() - started
         wait_pods(kube, ns, n)
         elapsed = time.perf_counter() - started
-        print(f"  (the loop itself took {created:.2f} s to create {n} SandboxTasks; the operator "
-              f"process used {cpu_seconds(proc.pid) - cpu_before:.2f} CPU-s)")
+        print(
+            f"  (the loop itself took {created:.2f} s to create {n} SandboxTasks; the operator "
+            f"process used {cpu_seconds(proc.pid) - cpu_before:.2f} CPU-s)"
+        )
         return elapsed
     finally:
         proc.terminate()
@@ -255,8 +280,13 @@ def bench_operator(kube: KubeClient, kubeconfig: Path, n: int) -> float:
 def play_kubelet_ready(kube: KubeClient, namespace: str, names: list[str]) -> None:
     """Mark pods Running and Ready (what a kubelet would report); there is none here."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    status = {"status": {"phase": "Running", "startTime": now,
-                         "conditions": [{"type": "Ready", "status": "True"}]}}
+    status = {
+        "status": {
+            "phase": "Running",
+            "startTime": now,
+            "conditions": [{"type": "Ready", "status": "True"}],
+        }
+    }
     for name in names:
         kube.patch(resource_path("v1", "pods", namespace, name), status, "status")
 
@@ -269,9 +299,16 @@ def bench_warm_pool(kube: KubeClient, kubeconfig: Path, n: int) -> tuple[float, 
     ns = new_namespace(kube)
     proc = start_operator(kubeconfig, ns)
     try:
-        kube.request("POST", resource_path(GV, "sandboxwarmpools", ns), {
-            "apiVersion": GV, "kind": "SandboxWarmPool",
-            "metadata": {"name": "py", "namespace": ns}, "spec": {"replicas": n}})
+        kube.request(
+            "POST",
+            resource_path(GV, "sandboxwarmpools", ns),
+            {
+                "apiVersion": GV,
+                "kind": "SandboxWarmPool",
+                "metadata": {"name": "py", "namespace": ns},
+                "spec": {"replicas": n},
+            },
+        )
         wait_pods(kube, ns, n)
         pods = labelled_pods(kube, ns, "posttrain.io/warm-pool=py")
         play_kubelet_ready(kube, ns, [p["metadata"]["name"] for p in pods])
@@ -293,8 +330,10 @@ def bench_warm_pool(kube: KubeClient, kubeconfig: Path, n: int) -> tuple[float, 
         created = time.perf_counter() - started
         elapsed = bound.wait() - started
         cold = len(labelled_pods(kube, ns, "posttrain.io/task,!posttrain.io/warm-pool"))
-        print(f"  (the loop itself took {created:.2f} s; the operator process used "
-              f"{cpu_seconds(proc.pid) - cpu_before:.2f} CPU-s, refills included)")
+        print(
+            f"  (the loop itself took {created:.2f} s; the operator process used "
+            f"{cpu_seconds(proc.pid) - cpu_before:.2f} CPU-s, refills included)"
+        )
         return elapsed, cold
     finally:
         proc.terminate()
@@ -305,10 +344,15 @@ def bench_warm_pool(kube: KubeClient, kubeconfig: Path, n: int) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="interleaved raw / tasks-only / operator rounds; medians reported")
-    parser.add_argument("--warm-pool", action="store_true",
-                        help="add the (separately labelled) warm-pool claim row")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="interleaved raw / tasks-only / operator rounds; medians reported",
+    )
+    parser.add_argument(
+        "--warm-pool", action="store_true", help="add the (separately labelled) warm-pool claim row"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     n = args.tasks
@@ -321,24 +365,34 @@ def main() -> None:
         raws, tasks, ops = [], [], []
         for round_ in range(1, args.repeats + 1):
             raws.append(bench_raw(kube, config, n))
-            print(f"[{round_}] raw client loop: {n} pods in {raws[-1]:.2f} s "
-                  f"({n / raws[-1]:.0f} pods/s)")
+            print(
+                f"[{round_}] raw client loop: {n} pods in {raws[-1]:.2f} s "
+                f"({n / raws[-1]:.0f} pods/s)"
+            )
             tasks.append(bench_tasks_only(kube, n))
             print(f"[{round_}] SandboxTask creates alone (no operator): {tasks[-1]:.2f} s")
             ops.append(bench_operator(kube, cp.kubeconfig, n))
-            print(f"[{round_}] operator: {n} SandboxTasks -> pods in {ops[-1]:.2f} s "
-                  f"({n / ops[-1]:.0f} pods/s); ratio {ops[-1] / raws[-1]:.2f}")
+            print(
+                f"[{round_}] operator: {n} SandboxTasks -> pods in {ops[-1]:.2f} s "
+                f"({n / ops[-1]:.0f} pods/s); ratio {ops[-1] / raws[-1]:.2f}"
+            )
         raw, tasks_only, op = (statistics.median(x) for x in (raws, tasks, ops))
-        print(f"median of {args.repeats}: raw {raw:.2f} s, tasks alone {tasks_only:.2f} s, "
-              f"operator {op:.2f} s")
-        print(f"ratio operator/raw: {op / raw:.2f} (target <= 1.5); "
-              f"operator / (task creates + raw pod creates): {op / (tasks_only + raw):.2f}  "
-              f"[{datetime.now(UTC):%Y-%m-%d %H:%M} UTC]")
+        print(
+            f"median of {args.repeats}: raw {raw:.2f} s, tasks alone {tasks_only:.2f} s, "
+            f"operator {op:.2f} s"
+        )
+        print(
+            f"ratio operator/raw: {op / raw:.2f} (target <= 1.5); "
+            f"operator / (task creates + raw pod creates): {op / (tasks_only + raw):.2f}  "
+            f"[{datetime.now(UTC):%Y-%m-%d %H:%M} UTC]"
+        )
         if args.warm_pool:
             warm, cold = bench_warm_pool(kube, cp.kubeconfig, n)
-            print(f"warm pool (separate row, not the target): {n} SandboxTasks bound to pooled "
-                  f"pods in {warm:.2f} s ({n / warm:.0f} tasks/s; {cold} went cold); "
-                  f"warm / raw pod creates: {warm / raw:.2f}")
+            print(
+                f"warm pool (separate row, not the target): {n} SandboxTasks bound to pooled "
+                f"pods in {warm:.2f} s ({n / warm:.0f} tasks/s; {cold} went cold); "
+                f"warm / raw pod creates: {warm / raw:.2f}"
+            )
         kube.close()
     finally:
         cp.stop()

@@ -48,8 +48,9 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, round(q * len(ordered)) - 1))]
 
 
-def interleaved(calls: dict[str, Callable[[], object]], n: int, every: dict[str, int]
-                ) -> dict[str, list[float]]:
+def interleaved(
+    calls: dict[str, Callable[[], object]], n: int, every: dict[str, int]
+) -> dict[str, list[float]]:
     """Latency samples in ms, modes taking turns so background load hits all of them alike;
     mode m runs only every ``every[m]`` rounds (the CLI is ~100x slower). A short pause
     between calls lets the runner's warm pool refill, as it does between real requests."""
@@ -74,8 +75,7 @@ def cpu_ticks() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields)  # idle + iowait
 
 
-def throughput(call: Callable[[], object], total: int, concurrency: int
-               ) -> tuple[float, float]:
+def throughput(call: Callable[[], object], total: int, concurrency: int) -> tuple[float, float]:
     """(executions per second, fraction of the machine's CPU busy meanwhile). The busy
     fraction counts every process on the machine: near 1.0 means no core sat idle."""
     idle_before, total_before = cpu_ticks()
@@ -95,10 +95,17 @@ def start_runner(concurrency: int | None) -> tuple[subprocess.Popen[bytes], str]
     # What `posttrain sandbox serve` runs, started directly so the bench does not depend on
     # every other component's CLI importing cleanly.
     server = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from posttrain.sandboxes.runner import serve; "
-         "serve('127.0.0.1', int(sys.argv[1]), int(sys.argv[2]) or None, None)",
-         str(port), str(concurrency or 0)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from posttrain.sandboxes.runner import serve; "
+            "serve('127.0.0.1', int(sys.argv[1]), int(sys.argv[2]) or None, None)",
+            str(port),
+            str(concurrency or 0),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     client = SandboxClient(url, retries=0)
     deadline = time.monotonic() + 30
@@ -119,8 +126,12 @@ def main() -> None:
     parser.add_argument("--cli-n", type=int, default=20, help="sequential CLI runs")
     parser.add_argument("--concurrency", type=int, default=2 * (os.cpu_count() or 1))
     parser.add_argument("--total", type=int, default=200, help="runs in the throughput test")
-    parser.add_argument("--runner-concurrency", type=int, default=None,
-                        help="the runner's --concurrency (default: its own, cores + 1)")
+    parser.add_argument(
+        "--runner-concurrency",
+        type=int,
+        default=None,
+        help="the runner's --concurrency (default: its own, cores + 1)",
+    )
     args = parser.parse_args()
 
     def bare() -> None:
@@ -150,47 +161,66 @@ def main() -> None:
         check(client.run(request))
 
     def cli() -> None:
-        subprocess.run([sys.executable, "-m", "posttrain", "sandbox", "exec", "--",
-                        "python3", "-c", SNIPPET], check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "posttrain", "sandbox", "exec", "--", "python3", "-c", SNIPPET],
+            check=True,
+            capture_output=True,
+        )
 
     def pool_takes() -> dict[str, float]:
         """The runner's warm-pool counters: how often a request found a pre-started sandbox."""
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
             text = response.read().decode()
-        found = re.findall(r'posttrain_sandbox_warm_pool_takes_total\{result="(\w+)"\} (\S+)',
-                           text)
+        found = re.findall(r'posttrain_sandbox_warm_pool_takes_total\{result="(\w+)"\} (\S+)', text)
         return {result: float(count) for result, count in found}
 
     try:
-        latency = interleaved({"bare": bare, "library": library, "warm": warm, "runner": runner,
-                               "cli": cli}, args.n, {"cli": max(1, args.n // args.cli_n)})
-        rates = {name: throughput(call, args.total, args.concurrency)
-                 for name, call in (("bare", bare), ("library", library), ("warm", warm))}
+        latency = interleaved(
+            {"bare": bare, "library": library, "warm": warm, "runner": runner, "cli": cli},
+            args.n,
+            {"cli": max(1, args.n // args.cli_n)},
+        )
+        rates = {
+            name: throughput(call, args.total, args.concurrency)
+            for name, call in (("bare", bare), ("library", library), ("warm", warm))
+        }
         takes_before = pool_takes()
         rates["runner"] = throughput(runner, args.total, args.concurrency)
-        takes = {result: count - takes_before.get(result, 0.0)
-                 for result, count in pool_takes().items()}
+        takes = {
+            result: count - takes_before.get(result, 0.0) for result, count in pool_takes().items()
+        }
     finally:
         pooled.close()
         client.close()
         server.terminate()
         server.wait(timeout=10)
 
-    print(f"snippet: python3 -c {SNIPPET!r}  interpreter: {PYTHON}  cores: {os.cpu_count()}  "
-          f"throughput clients: {args.concurrency}  runner concurrency: {runner_slots}  "
-          f"load average: {load_before:.2f} -> {os.getloadavg()[0]:.2f}")
-    print(f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p50/bare':>9} "
-          f"{'exec/s':>8} {'tput/bare':>9} {'cpu busy':>8}")
+    print(
+        f"snippet: python3 -c {SNIPPET!r}  interpreter: {PYTHON}  cores: {os.cpu_count()}  "
+        f"throughput clients: {args.concurrency}  runner concurrency: {runner_slots}  "
+        f"load average: {load_before:.2f} -> {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"{'mode':8} {'n':>4} {'p50 ms':>8} {'p95 ms':>8} {'p50/bare':>9} "
+        f"{'exec/s':>8} {'tput/bare':>9} {'cpu busy':>8}"
+    )
     base_p50 = statistics.median(latency["bare"])
     for name, samples in latency.items():
         p50 = statistics.median(samples)
         rate, busy = rates.get(name, (0.0, 0.0))
-        rate_text = (f"{rate:8.1f} {rate / rates['bare'][0]:9.2f} {busy:8.0%}" if rate
-                     else f"{'-':>8} {'-':>9} {'-':>8}")
-        print(f"{name:8} {len(samples):4d} {p50:8.1f} {percentile(samples, 0.95):8.1f} "
-              f"{p50 / base_p50:9.2f} {rate_text}")
-    print("runner warm pool during its throughput run: "
-          + ", ".join(f"{result} {count:.0f}" for result, count in sorted(takes.items())))
+        rate_text = (
+            f"{rate:8.1f} {rate / rates['bare'][0]:9.2f} {busy:8.0%}"
+            if rate
+            else f"{'-':>8} {'-':>9} {'-':>8}"
+        )
+        print(
+            f"{name:8} {len(samples):4d} {p50:8.1f} {percentile(samples, 0.95):8.1f} "
+            f"{p50 / base_p50:9.2f} {rate_text}"
+        )
+    print(
+        "runner warm pool during its throughput run: "
+        + ", ".join(f"{result} {count:.0f}" for result, count in sorted(takes.items()))
+    )
 
 
 if __name__ == "__main__":

@@ -49,14 +49,17 @@ def batch(policy: Any, samples: int, completion: int) -> list[Any]:
     from posttrain.trainer.loss import sequence_coefficients
     from posttrain.trainer.policy import TrainSample
 
-    prompts = [policy.encode_prompt("What is 12 * 12? Think step by step."),
-               policy.encode_prompt("Write a function that reverses a list.")]
+    prompts = [
+        policy.encode_prompt("What is 12 * 12? Think step by step."),
+        policy.encode_prompt("Write a function that reverses a list."),
+    ]
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 40000, (samples, completion), generator=generator).tolist()
-    coefficients = sequence_coefficients([completion] * samples,
-                                         "token_mean", completion)
-    return [TrainSample(prompts[i % 2], ids[i], [-1.0] * completion, (-1.0) ** i, c)
-            for i, c in enumerate(coefficients)]
+    coefficients = sequence_coefficients([completion] * samples, "token_mean", completion)
+    return [
+        TrainSample(prompts[i % 2], ids[i], [-1.0] * completion, (-1.0) ** i, c)
+        for i, c in enumerate(coefficients)
+    ]
 
 
 def state_bytes(policy: Any) -> int:
@@ -69,13 +72,17 @@ def state_bytes(policy: Any) -> int:
         if p.grad is not None:
             total += local(p.grad).numel() * local(p.grad).element_size()
     for state in policy.optimizer.state.values():
-        total += sum(local(v).numel() * local(v).element_size()
-                     for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        total += sum(
+            local(v).numel() * local(v).element_size()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
     return total
 
 
-def measure(model: Path, rank: int, world: int, samples: int, completion: int,
-            steps: int) -> dict[str, Any]:
+def measure(
+    model: Path, rank: int, world: int, samples: int, completion: int, steps: int
+) -> dict[str, Any]:
     from posttrain.trainer.loss import LossConfig
     from posttrain.trainer.policy import Policy, RankInfo
 
@@ -87,17 +94,35 @@ def measure(model: Path, rank: int, world: int, samples: int, completion: int,
     times = []
     for step in range(1, steps + 1):
         started = time.perf_counter()
-        policy.train_step(mine, LossConfig(), micro_batch_size=max(1, samples // world),
-                          grad_clip=1.0, temperature=1.0, step=step)
+        policy.train_step(
+            mine,
+            LossConfig(),
+            micro_batch_size=max(1, samples // world),
+            grad_clip=1.0,
+            temperature=1.0,
+            step=step,
+        )
         times.append(time.perf_counter() - started)
     # gradients still held (set_to_none happens at the next step): count them too
-    return {"rank": rank, "state_bytes": state_bytes(policy),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "step_seconds": times, "sharded": policy.sharded}
+    return {
+        "rank": rank,
+        "state_bytes": state_bytes(policy),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "step_seconds": times,
+        "sharded": policy.sharded,
+    }
 
 
-def _rank(rank: int, world: int, port: int, model: str, samples: int, completion: int,
-          steps: int, out: Any) -> None:
+def _rank(
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    samples: int,
+    completion: int,
+    steps: int,
+    out: Any,
+) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -130,12 +155,22 @@ def planning_table(bytes_per_param: float) -> list[dict[str, Any]]:
     from posttrain.trainer.engine import decoder_layers, estimate_training_memory
 
     configs = {
-        "Llama-2-7B": LlamaConfig(hidden_size=4096, intermediate_size=11008,
-                                  num_hidden_layers=32, num_attention_heads=32,
-                                  num_key_value_heads=32, vocab_size=32000),
-        "Llama-3-70B": LlamaConfig(hidden_size=8192, intermediate_size=28672,
-                                   num_hidden_layers=80, num_attention_heads=64,
-                                   num_key_value_heads=8, vocab_size=128256),
+        "Llama-2-7B": LlamaConfig(
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+        ),
+        "Llama-3-70B": LlamaConfig(
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+        ),
     }
     rows = []
     for name, config in configs.items():
@@ -145,21 +180,38 @@ def planning_table(bytes_per_param: float) -> list[dict[str, Any]]:
         layers = decoder_layers(model)
         largest = max(sum(p.numel() for p in layer.parameters()) for layer in layers)
         outside = total - sum(sum(p.numel() for p in layer.parameters()) for layer in layers)
-        lora = sum(16 * (m.in_features + m.out_features) for n, m in model.named_modules()
-                   if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1].endswith("_proj"))
+        lora = sum(
+            16 * (m.in_features + m.out_features)
+            for n, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1].endswith("_proj")
+        )
         for mode, trainable in (("full", total), ("LoRA r=16", lora)):
             for gpus in (8, 16):
                 # measured bytes for each trained parameter, 4 (fp32 master) for a frozen one,
                 # all sharded; plus bf16 copies of the root and two blocks, unsharded
-                per_gpu = ((bytes_per_param * trainable + 4 * (total - trainable)) / gpus
-                           + 2 * (outside + 2 * largest))
-                engine = estimate_training_memory(total, trainable, largest, outside,
-                                                  world_size=gpus, compute_bytes=2,
-                                                  reference=False).per_rank_bytes
-                rows.append({"model": name, "params_b": round(total / 1e9, 2), "mode": mode,
-                             "gpus": gpus, "per_gpu_gib": round(per_gpu / GIB, 1),
-                             "engine_estimate_gib": round(engine / GIB, 1),
-                             "fits_80gb": per_gpu <= 0.9 * 80e9})
+                per_gpu = (bytes_per_param * trainable + 4 * (total - trainable)) / gpus + 2 * (
+                    outside + 2 * largest
+                )
+                engine = estimate_training_memory(
+                    total,
+                    trainable,
+                    largest,
+                    outside,
+                    world_size=gpus,
+                    compute_bytes=2,
+                    reference=False,
+                ).per_rank_bytes
+                rows.append(
+                    {
+                        "model": name,
+                        "params_b": round(total / 1e9, 2),
+                        "mode": mode,
+                        "gpus": gpus,
+                        "per_gpu_gib": round(per_gpu / GIB, 1),
+                        "engine_estimate_gib": round(engine / GIB, 1),
+                        "fits_80gb": per_gpu <= 0.9 * 80e9,
+                    }
+                )
     return rows
 
 
@@ -176,40 +228,59 @@ def main() -> None:
 
     root = Path(tempfile.gettempdir()) / f"posttrain-bench-{args.hidden}x{args.layers}"
     model, params = make_model(root / "model", args.hidden, args.layers, args.heads)
-    print(f"model: random Llama, hidden {args.hidden}, {args.layers} layers: "
-          f"{params / 1e6:.0f}M parameters; batch {args.samples} x {args.completion} tokens",
-          flush=True)
+    print(
+        f"model: random Llama, hidden {args.hidden}, {args.layers} layers: "
+        f"{params / 1e6:.0f}M parameters; batch {args.samples} x {args.completion} tokens",
+        flush=True,
+    )
     single = run_unsharded(model, args.samples, args.completion, args.steps)
     from posttrain.processes import free_port
 
     out = mp.Manager().dict()
-    mp.spawn(_rank, args=(2, free_port(), str(model), args.samples, args.completion,
-                          args.steps, out), nprocs=2, join=True)
+    mp.spawn(
+        _rank,
+        args=(2, free_port(), str(model), args.samples, args.completion, args.steps, out),
+        nprocs=2,
+        join=True,
+    )
     ranks = [dict(out[r]) for r in range(2)]
     bytes_per_param = single["state_bytes"] / params
-    result = {"parameters": params, "unsharded": single, "two_ranks": ranks,
-              "state_ratio_per_rank": [r["state_bytes"] / single["state_bytes"] for r in ranks],
-              "peak_rss_ratio_per_rank": [r["peak_rss_bytes"] / single["peak_rss_bytes"]
-                                          for r in ranks],
-              "step_seconds_last": {"1 rank": single["step_seconds"][-1],
-                                    "2 ranks": max(r["step_seconds"][-1] for r in ranks)},
-              "bytes_per_param_measured": bytes_per_param,
-              "plan": planning_table(bytes_per_param),
-              "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
-    print(f"training state per rank: 1 rank {single['state_bytes'] / GIB:.2f} GiB; 2 ranks "
-          + ", ".join(f"{r['state_bytes'] / GIB:.2f} GiB" for r in ranks)
-          + f" (ratio {', '.join(f'{x:.3f}' for x in result['state_ratio_per_rank'])})")
-    print(f"peak RSS per rank: 1 rank {single['peak_rss_bytes'] / GIB:.2f} GiB; 2 ranks "
-          + ", ".join(f"{r['peak_rss_bytes'] / GIB:.2f} GiB" for r in ranks))
-    print(f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "
-          f"{result['step_seconds_last']['2 ranks']:.1f}")
+    result = {
+        "parameters": params,
+        "unsharded": single,
+        "two_ranks": ranks,
+        "state_ratio_per_rank": [r["state_bytes"] / single["state_bytes"] for r in ranks],
+        "peak_rss_ratio_per_rank": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
+        "step_seconds_last": {
+            "1 rank": single["step_seconds"][-1],
+            "2 ranks": max(r["step_seconds"][-1] for r in ranks),
+        },
+        "bytes_per_param_measured": bytes_per_param,
+        "plan": planning_table(bytes_per_param),
+        "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+    }
+    print(
+        f"training state per rank: 1 rank {single['state_bytes'] / GIB:.2f} GiB; 2 ranks "
+        + ", ".join(f"{r['state_bytes'] / GIB:.2f} GiB" for r in ranks)
+        + f" (ratio {', '.join(f'{x:.3f}' for x in result['state_ratio_per_rank'])})"
+    )
+    print(
+        f"peak RSS per rank: 1 rank {single['peak_rss_bytes'] / GIB:.2f} GiB; 2 ranks "
+        + ", ".join(f"{r['peak_rss_bytes'] / GIB:.2f} GiB" for r in ranks)
+    )
+    print(
+        f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "
+        f"{result['step_seconds_last']['2 ranks']:.1f}"
+    )
     print(f"bytes per parameter (weights + grads + AdamW, fp32): {bytes_per_param:.2f}")
     print("plan (bf16 compute, fp32 master + grads + AdamW sharded, activations excluded):")
     for row in result["plan"]:
-        print(f"  {row['model']:<12} {row['params_b']:>6}B {row['mode']:<10} "
-              f"{row['gpus']:>2} GPUs: {row['per_gpu_gib']:>6} GiB/GPU "
-              f"(engine's check {row['engine_estimate_gib']})  "
-              f"{'fits' if row['fits_80gb'] else 'does NOT fit'} 80 GB")
+        print(
+            f"  {row['model']:<12} {row['params_b']:>6}B {row['mode']:<10} "
+            f"{row['gpus']:>2} GPUs: {row['per_gpu_gib']:>6} GiB/GPU "
+            f"(engine's check {row['engine_estimate_gib']})  "
+            f"{'fits' if row['fits_80gb'] else 'does NOT fit'} 80 GB"
+        )
     print(f"load average: {' '.join(result['loadavg'])}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -90,8 +90,10 @@ def main() -> int:
             cpu_tps = tokens_per_second(cpu.url, prompts, params)
         tokens_per_second(vllm.url, prompts[:2], params)
         vllm_tps = tokens_per_second(vllm.url, prompts, params)
-        print(f"engine  cpu {cpu_tps:7.1f} tok/s   vllm {vllm_tps:7.1f} tok/s   "
-              f"vllm/cpu {vllm_tps / cpu_tps:.2f}x")
+        print(
+            f"engine  cpu {cpu_tps:7.1f} tok/s   vllm {vllm_tps:7.1f} tok/s   "
+            f"vllm/cpu {vllm_tps / cpu_tps:.2f}x"
+        )
 
         # 2. Front door vs raw vLLM, alternating.
         door, bare = [], []
@@ -99,9 +101,11 @@ def main() -> int:
             bare.append(tokens_per_second(raw, prompts, params))
             door.append(tokens_per_second(vllm.url, prompts, params))
         ratios = [d / b for d, b in zip(door, bare, strict=True)]
-        print(f"front door {statistics.median(door):7.1f} tok/s  raw vllm "
-              f"{statistics.median(bare):7.1f} tok/s  ratio median {statistics.median(ratios):.3f} "
-              f"(rounds {', '.join(f'{r:.3f}' for r in ratios)})")
+        print(
+            f"front door {statistics.median(door):7.1f} tok/s  raw vllm "
+            f"{statistics.median(bare):7.1f} tok/s  ratio median {statistics.median(ratios):.3f} "
+            f"(rounds {', '.join(f'{r:.3f}' for r in ratios)})"
+        )
 
         # 3. Publish -> every replica serving, fp32 then bf16.
         with RolloutClient([r.url for r in replicas], timeout_s=1800) as client:
@@ -117,8 +121,10 @@ def main() -> int:
                     served = client.weight_versions()
                     assert set(served.values()) == {version}, served
                     name = "fp32" if dtype is None else "bf16"
-                    print(f"publish v{version} {name}: {seconds:6.2f}s  "
-                          f"{publisher.last_bytes / 1e6:7.1f} MB  -> {len(served)} replicas")
+                    print(
+                        f"publish v{version} {name}: {seconds:6.2f}s  "
+                        f"{publisher.last_bytes / 1e6:7.1f} MB  -> {len(served)} replicas"
+                    )
     finally:
         for replica in replicas:
             replica.stop()

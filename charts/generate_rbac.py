@@ -56,7 +56,9 @@ def normalize_rule(rule: Any) -> Rule:
     {'apiGroups': ['apps'], 'resources': ['deployments'], 'verbs': ['get', 'list']}
     """
     if not isinstance(rule, Mapping):
-        rule = {k: getattr(rule, k) for k in ("api_groups", "resources", "verbs") if hasattr(rule, k)}
+        rule = {
+            k: getattr(rule, k) for k in ("api_groups", "resources", "verbs") if hasattr(rule, k)
+        }
     groups = rule.get("apiGroups", rule.get("api_groups"))
     resources, verbs = rule.get("resources"), rule.get("verbs")
     if groups is None or not resources or not verbs:

@@ -34,11 +34,14 @@ CATEGORIES: tuple[str, ...] = ("simple_python", "multiple", "parallel", "paralle
 # Curriculum strata, easiest first: one function; one of several; several calls of one;
 # several calls of several.
 CATEGORY_STRATUM: dict[str, str] = {
-    "simple_python": "easy", "multiple": "medium", "parallel": "hard",
+    "simple_python": "easy",
+    "multiple": "medium",
+    "parallel": "hard",
     "parallel_multiple": "hard",
 }
-INSTALL_HINT = ("install the BFCL data with `uv pip install --no-deps bfcl-eval==2026.3.23` "
-                "(`make venv` does)")
+INSTALL_HINT = (
+    "install the BFCL data with `uv pip install --no-deps bfcl-eval==2026.3.23` (`make venv` does)"
+)
 CHECKER_MODEL_NAME = "posttrain"
 PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
 
@@ -65,13 +68,14 @@ def load_category(category: str) -> list[dict[str, Any]]:
         raise UsageError(f"unknown BFCL category {category!r}; use one of {CATEGORIES}")
     data = bfcl_package_dir() / "data"
     items = _read_jsonl(data / f"BFCL_v4_{category}.json")
-    answers = {a["id"]: a["ground_truth"]
-               for a in _read_jsonl(data / "possible_answer" / f"BFCL_v4_{category}.json")}
+    answers = {
+        a["id"]: a["ground_truth"]
+        for a in _read_jsonl(data / "possible_answer" / f"BFCL_v4_{category}.json")
+    }
     missing = [item["id"] for item in items if item["id"] not in answers]
     if missing:
         raise UsageError(f"BFCL {category}: no possible_answer for {missing[:5]}")
-    return [{**item, "category": category, "ground_truth": answers[item["id"]]}
-            for item in items]
+    return [{**item, "category": category, "ground_truth": answers[item["id"]]} for item in items]
 
 
 # --------------------------------------------------------------------------- prompt
@@ -90,12 +94,18 @@ def system_prompt(functions: list[dict[str, Any]]) -> str:
 
     style = p.PROMPT_STYLE_TEMPLATES["classic"]
     tool_call_format = style["tool_call_no_tag"].format(
-        output_format=p.OUTPUT_FORMAT_MAPPING["python"], param_types=p.PARAM_TYPE_MAPPING["python"])
+        output_format=p.OUTPUT_FORMAT_MAPPING["python"], param_types=p.PARAM_TYPE_MAPPING["python"]
+    )
     available = style["available_tools"].format(
-        format="json", functions=json.dumps(functions_for_prompt(functions), indent=4))
+        format="json", functions=json.dumps(functions_for_prompt(functions), indent=4)
+    )
     return p.PROMPT_TEMPLATE_MAPPING["plaintext"].format(
-        persona=style["persona"], task=style["task"], tool_call_format=tool_call_format,
-        multiturn_behavior=style["multiturn_behavior"], available_tools=available)
+        persona=style["persona"],
+        task=style["task"],
+        tool_call_format=tool_call_format,
+        multiturn_behavior=style["multiturn_behavior"],
+        available_tools=available,
+    )
 
 
 def item_messages(item: dict[str, Any]) -> list[dict[str, str]]:
@@ -109,8 +119,9 @@ def item_messages(item: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, *messages]
 
 
-def canonical_answer(ground_truth: list[dict[str, Any]],
-                     functions: list[dict[str, Any]] | None = None) -> str:
+def canonical_answer(
+    ground_truth: list[dict[str, Any]], functions: list[dict[str, Any]] | None = None
+) -> str:
     """One reply BFCL accepts: each call with the first accepted value of every argument;
     arguments that may be omitted (options include "") are left out unless ``functions``
     marks them required (a few BFCL items accept "" for a required argument, which the
@@ -121,8 +132,9 @@ def canonical_answer(ground_truth: list[dict[str, Any]],
     >>> canonical_answer([{"f": {"d": [{"k": ["a", "A"], "o": ["", 1]}]}}])
     "[f(d={'k': 'a'})]"
     """
-    required = {f["name"]: set(f.get("parameters", {}).get("required", []))
-                for f in functions or []}
+    required = {
+        f["name"]: set(f.get("parameters", {}).get("required", [])) for f in functions or []
+    }
     calls = []
     for call in ground_truth:
         ((name, arguments),) = call.items()
@@ -137,8 +149,11 @@ def canonical_answer(ground_truth: list[dict[str, Any]],
 
 def _accepted_value(option: Any) -> Any:
     if isinstance(option, dict):
-        return {key: _accepted_value(options[0]) for key, options in option.items()
-                if isinstance(options, list) and options and "" not in options}
+        return {
+            key: _accepted_value(options[0])
+            for key, options in option.items()
+            if isinstance(options, list) and options and "" not in options
+        }
     if isinstance(option, list):
         return [_accepted_value(v) if isinstance(v, dict) else v for v in option]
     return option
@@ -147,8 +162,12 @@ def _accepted_value(option: Any) -> Any:
 # --------------------------------------------------------------------------- decoding
 
 _BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
 
@@ -170,8 +189,9 @@ def decode_calls(reply: str) -> list[dict[str, dict[str, Any]]]:
     try:
         parsed = ast.parse(text.strip().strip("'"), mode="eval")
     except SyntaxError as exc:
-        raise ToolCallParseError(f"not python call syntax: {exc.msg} (line {exc.lineno}, "
-                                 f"column {exc.offset})") from None
+        raise ToolCallParseError(
+            f"not python call syntax: {exc.msg} (line {exc.lineno}, column {exc.offset})"
+        ) from None
     body = parsed.body
     if isinstance(body, ast.Call):
         return [_resolve_call(body)]
@@ -180,8 +200,7 @@ def decode_calls(reply: str) -> list[dict[str, dict[str, Any]]]:
     calls = []
     for element in body.elts:
         if not isinstance(element, ast.Call):
-            raise ToolCallParseError(
-                f"expected a function call, got {ast.unparse(element)[:80]!r}")
+            raise ToolCallParseError(f"expected a function call, got {ast.unparse(element)[:80]!r}")
         calls.append(_resolve_call(element))
     return calls
 
@@ -195,8 +214,7 @@ def _resolve_call(node: ast.Call) -> dict[str, dict[str, Any]]:
     if isinstance(func, ast.Name):
         parts.append(func.id)
     name = ".".join(reversed(parts))
-    return {name: {kw.arg: _resolve_value(kw.value) for kw in node.keywords
-                   if kw.arg is not None}}
+    return {name: {kw.arg: _resolve_value(kw.value) for kw in node.keywords if kw.arg is not None}}
 
 
 def _resolve_value(node: ast.expr) -> Any:
@@ -214,8 +232,11 @@ def _resolve_value(node: ast.expr) -> Any:
     if isinstance(node, ast.Tuple):
         return tuple(_resolve_value(v) for v in node.elts)
     if isinstance(node, ast.Dict):
-        return {_resolve_value(k): _resolve_value(v)
-                for k, v in zip(node.keys, node.values, strict=True) if k is not None}
+        return {
+            _resolve_value(k): _resolve_value(v)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
+        }
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _resolve_value(node.left), _resolve_value(node.right)
         if isinstance(left, int | float) and isinstance(right, int | float):
@@ -237,7 +258,8 @@ def is_call_list(decoded: Any) -> bool:
     """BFCL's ``is_function_calling_format_output``: ``[{name: {arg: value}}, ...]``."""
     return isinstance(decoded, list) and all(
         isinstance(item, dict) and len(item) == 1 and isinstance(next(iter(item.values())), dict)
-        for item in decoded)
+        for item in decoded
+    )
 
 
 # --------------------------------------------------------------------------- judging
@@ -272,24 +294,38 @@ def bfcl_ast_checker() -> Callable[..., dict[str, Any]]:
     return ast_checker  # type: ignore[no-any-return]
 
 
-def judge(reply: str, functions: list[dict[str, Any]], ground_truth: list[dict[str, Any]],
-          category: str) -> dict[str, Any]:
+def judge(
+    reply: str, functions: list[dict[str, Any]], ground_truth: list[dict[str, Any]], category: str
+) -> dict[str, Any]:
     """BFCL's verdict on one reply: ``{"valid": bool, "error": [...], "error_type": str,
     "decoded": calls or None}``; a reply that does not decode is invalid (as in BFCL)."""
     try:
         decoded: Any = decode_calls(reply)
     except ToolCallParseError as exc:
-        return {"valid": False, "error": [str(exc)], "error_type": "ast_decoder:decoder_failed",
-                "decoded": None}
+        return {
+            "valid": False,
+            "error": [str(exc)],
+            "error_type": "ast_decoder:decoder_failed",
+            "decoded": None,
+        }
     if not is_call_list(decoded):
-        return {"valid": False, "error": ["not a list of function calls"],
-                "error_type": "ast_decoder:decoder_wrong_output_format", "decoded": None}
+        return {
+            "valid": False,
+            "error": ["not a list of function calls"],
+            "error_type": "ast_decoder:decoder_wrong_output_format",
+            "decoded": None,
+        }
     from bfcl_eval.constants.enums import Language
 
-    verdict = bfcl_ast_checker()(functions, decoded, ground_truth, Language.PYTHON, category,
-                                 CHECKER_MODEL_NAME)
-    return {"valid": bool(verdict["valid"]), "error": list(verdict.get("error", [])),
-            "error_type": verdict.get("error_type", ""), "decoded": decoded}
+    verdict = bfcl_ast_checker()(
+        functions, decoded, ground_truth, Language.PYTHON, category, CHECKER_MODEL_NAME
+    )
+    return {
+        "valid": bool(verdict["valid"]),
+        "error": list(verdict.get("error", [])),
+        "error_type": verdict.get("error_type", ""),
+        "decoded": decoded,
+    }
 
 
 # --------------------------------------------------------------------------- tasks
@@ -305,10 +341,17 @@ def task_records(category: str) -> list[dict[str, Any]]:
     for item in load_category(category):
         messages = item_messages(item)
         prompt = "\n\n".join(m["content"] for m in messages)
-        records.append({
-            "prompt": prompt, "answer": canonical_answer(item["ground_truth"], item["function"]),
-            "difficulty": CATEGORY_STRATUM[category], "verifier": "bfcl_ast",
-            "bfcl_id": item["id"], "bfcl_category": category, "functions": item["function"],
-            "ground_truth": item["ground_truth"], "messages": messages,
-        })
+        records.append(
+            {
+                "prompt": prompt,
+                "answer": canonical_answer(item["ground_truth"], item["function"]),
+                "difficulty": CATEGORY_STRATUM[category],
+                "verifier": "bfcl_ast",
+                "bfcl_id": item["id"],
+                "bfcl_category": category,
+                "functions": item["function"],
+                "ground_truth": item["ground_truth"],
+                "messages": messages,
+            }
+        )
     return records

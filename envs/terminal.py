@@ -35,8 +35,11 @@ log = logging.getLogger(__name__)
 SHELL_TOOL: dict[str, Any] = {
     "name": "shell",
     "description": "Run a bash command in the workspace; returns its exit code and output.",
-    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
-                   "required": ["cmd"]},
+    "parameters": {
+        "type": "object",
+        "properties": {"cmd": {"type": "string"}},
+        "required": ["cmd"],
+    },
 }
 INSTRUCTIONS = (
     "You are working in a Linux shell, in a directory with the task's files. To run a "
@@ -114,9 +117,15 @@ class TerminalEnv:
     observation_role = "user"
     tools = [SHELL_TOOL]
 
-    def __init__(self, executor: Any = None, *, max_turns: int = 8,
-                 command_timeout_s: float = 10.0, memory_mb: int = 512,
-                 setup_cache: SetupCache | None = None) -> None:
+    def __init__(
+        self,
+        executor: Any = None,
+        *,
+        max_turns: int = 8,
+        command_timeout_s: float = 10.0,
+        memory_mb: int = 512,
+        setup_cache: SetupCache | None = None,
+    ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if executor is None:
@@ -136,10 +145,11 @@ class TerminalEnv:
         if isinstance(checks, str):
             checks = [c for c in checks.splitlines() if c.strip() and not c.startswith("#")]
         if not checks:
-            raise EnvFailure(f"terminal task {task.task_id} has no \"verify\" checks")
+            raise EnvFailure(f'terminal task {task.task_id} has no "verify" checks')
         self._checks = list(checks)
-        self.workspace = Workspace(self.executor, timeout_s=self.command_timeout_s,
-                                   memory_mb=self.memory_mb)
+        self.workspace = Workspace(
+            self.executor, timeout_s=self.command_timeout_s, memory_mb=self.memory_mb
+        )
         setup, files = task.extra.get("setup", ""), dict(task.extra.get("files", {}))
         # Keyed by what builds the state (the task id names the prompt only).
         key = content_hash(task.task_id, setup, json.dumps(files, sort_keys=True))
@@ -150,8 +160,10 @@ class TerminalEnv:
             if setup or files:
                 result = self._run(["sh", "-c", setup or "true"], files=files, timeout_s=60.0)
                 if result.status != "ok":
-                    raise EnvFailure(f"setup of task {task.task_id} failed ({result.reason}): "
-                                     f"{result.stderr[-500:]}")
+                    raise EnvFailure(
+                        f"setup of task {task.task_id} failed ({result.reason}): "
+                        f"{result.stderr[-500:]}"
+                    )
             self.setup_cache.put(key, self.workspace.export())
         return [{"role": "user", "content": INSTRUCTIONS + task.prompt}]
 
@@ -171,26 +183,45 @@ class TerminalEnv:
     def step(self, model_turn: str) -> StepResult:
         call, error = parse_tool_call(model_turn)
         if error is not None:
-            return StepResult(f"error: could not parse your tool call: {error}. Call a tool as "
-                              '```json\n{"name": "shell", "arguments": {"cmd": "..."}}\n```',
-                              0.0, False, {"tool_calls": 1, "valid_tool_calls": 0,
-                                           "parse_error": error})
+            return StepResult(
+                f"error: could not parse your tool call: {error}. Call a tool as "
+                '```json\n{"name": "shell", "arguments": {"cmd": "..."}}\n```',
+                0.0,
+                False,
+                {"tool_calls": 1, "valid_tool_calls": 0, "parse_error": error},
+            )
         if call is None:
             return self.score()
         if call.name != "shell" or not isinstance(call.arguments.get("cmd"), str):
-            problem = (f"unknown tool {call.name!r}; the only tool is 'shell'"
-                       if call.name != "shell" else 'shell needs {"cmd": "<command>"}')
-            return StepResult(f"error: {problem}", 0.0, False,
-                              {"tool_calls": 1, "valid_tool_calls": 0, "parse_error": problem})
+            problem = (
+                f"unknown tool {call.name!r}; the only tool is 'shell'"
+                if call.name != "shell"
+                else 'shell needs {"cmd": "<command>"}'
+            )
+            return StepResult(
+                f"error: {problem}",
+                0.0,
+                False,
+                {"tool_calls": 1, "valid_tool_calls": 0, "parse_error": problem},
+            )
         result = self._run(["bash", "-c", call.arguments["cmd"]])
-        info = {"tool_calls": 1, "valid_tool_calls": 1, "exit_code": result.exit_code,
-                "command_status": result.status, "command_failed": result.status != "ok"}
+        info = {
+            "tool_calls": 1,
+            "valid_tool_calls": 1,
+            "exit_code": result.exit_code,
+            "command_status": result.status,
+            "command_failed": result.status != "ok",
+        }
         if result.status == "timeout":
-            observation = (f"error: the command did not finish within {self.command_timeout_s:g}"
-                           " s and was killed; the workspace is unchanged.")
+            observation = (
+                f"error: the command did not finish within {self.command_timeout_s:g}"
+                " s and was killed; the workspace is unchanged."
+            )
         else:
-            observation = (f"exit code: {result.exit_code}\nstdout:\n{_clip(result.stdout)}"
-                           f"\nstderr:\n{_clip(result.stderr)}")
+            observation = (
+                f"exit code: {result.exit_code}\nstdout:\n{_clip(result.stdout)}"
+                f"\nstderr:\n{_clip(result.stderr)}"
+            )
         return StepResult(observation, 0.0, False, info)
 
     def score(self) -> StepResult:
@@ -203,8 +234,12 @@ class TerminalEnv:
             outcomes.append({"command": check, "passed": result.status == "ok"})
             self.workspace.rollback(start)
         passed = sum(o["passed"] for o in outcomes)
-        return StepResult(None, passed / len(outcomes), True, {
-            "passed": passed == len(outcomes), "details": {"checks": outcomes}})
+        return StepResult(
+            None,
+            passed / len(outcomes),
+            True,
+            {"passed": passed == len(outcomes), "details": {"checks": outcomes}},
+        )
 
     def close(self) -> None:
         self.workspace = None

@@ -39,18 +39,34 @@ class EpisodeCompletion(Completion):
     @classmethod
     def from_episode(cls, episode: Episode, prompt_index: int) -> EpisodeCompletion:
         return cls(
-            prompt_index=prompt_index, text=episode.transcript(),
-            token_ids=episode.completion_ids, logprobs=episode.logprobs,
-            finish_reason=episode.status, weight_version=episode.weight_version,
-            prompt_ids=episode.prompt_ids, loss_mask=episode.loss_mask,
-            environment=episode.environment, status=episode.status, reward=episode.reward,
-            passed=episode.passed, error=episode.error, details=episode.details,
+            prompt_index=prompt_index,
+            text=episode.transcript(),
+            token_ids=episode.completion_ids,
+            logprobs=episode.logprobs,
+            finish_reason=episode.status,
+            weight_version=episode.weight_version,
+            prompt_ids=episode.prompt_ids,
+            loss_mask=episode.loss_mask,
+            environment=episode.environment,
+            status=episode.status,
+            reward=episode.reward,
+            passed=episode.passed,
+            error=episode.error,
+            details=episode.details,
             stats=episode.stats(),
-            turns=[{"text": t.text, "observation": t.observation, "tokens": len(t.token_ids),
+            turns=[
+                {
+                    "text": t.text,
+                    "observation": t.observation,
+                    "tokens": len(t.token_ids),
                     "observation_tokens": len(t.observation_ids),
-                    "weight_version": t.weight_version, "finish_reason": t.finish_reason,
-                    "info": {k: v for k, v in t.info.items() if k != "details"}}
-                   for t in episode.turns])
+                    "weight_version": t.weight_version,
+                    "finish_reason": t.finish_reason,
+                    "info": {k: v for k, v in t.info.items() if k != "details"},
+                }
+                for t in episode.turns
+            ],
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "kind": "episode"}
@@ -76,9 +92,11 @@ def make_environment(spec: Any, setup_cache: Any = None) -> Any:
     if spec.kind == "terminal":
         from posttrain.envs.terminal import TerminalEnv
 
-        return TerminalEnv(max_turns=spec.max_turns,
-                           command_timeout_s=spec.command_timeout_seconds,
-                           setup_cache=setup_cache)
+        return TerminalEnv(
+            max_turns=spec.max_turns,
+            command_timeout_s=spec.command_timeout_seconds,
+            setup_cache=setup_cache,
+        )
     raise ValueError(f"unknown environment kind {spec.kind!r}; use function_calling or terminal")
 
 
@@ -86,8 +104,9 @@ class EpisodeSampler:
     """Samples a rollout request: single-turn domains through ``client.generate``, domains
     with an environment as ``n`` episodes per task (the group)."""
 
-    def __init__(self, client: Any, tokenizer: Any, environments: dict[str, Any], *,
-                 max_concurrency: int = 8) -> None:
+    def __init__(
+        self, client: Any, tokenizer: Any, environments: dict[str, Any], *, max_concurrency: int = 8
+    ) -> None:
         from posttrain.envs.terminal import SetupCache
 
         self.client = client
@@ -99,8 +118,9 @@ class EpisodeSampler:
     def handles(self, task: Task) -> bool:
         return task.domain in self.environments
 
-    def episodes(self, tasks: list[Task], params: Any, group_size: int,
-                 label: str = "rollout episodes") -> list[list[Episode]]:
+    def episodes(
+        self, tasks: list[Task], params: Any, group_size: int, label: str = "rollout episodes"
+    ) -> list[list[Episode]]:
         """``group_size`` episodes per task (tasks may mix environment domains)."""
         out: list[list[Episode]] = [[] for _ in tasks]
         by_domain: dict[str, list[int]] = {}
@@ -109,10 +129,16 @@ class EpisodeSampler:
         for domain, indices in by_domain.items():
             spec = self.environments[domain]
             groups = run_episodes(
-                self.client, self.chat, lambda _t, s=spec: make_environment(s, self.setup_cache),
-                [tasks[i] for i in indices], replace(params, n=1), group_size=group_size,
+                self.client,
+                self.chat,
+                lambda _t, s=spec: make_environment(s, self.setup_cache),
+                [tasks[i] for i in indices],
+                replace(params, n=1),
+                group_size=group_size,
                 max_context_tokens=spec.max_context_tokens,
-                max_concurrency=self.max_concurrency, label=f"{label} ({domain})")
+                max_concurrency=self.max_concurrency,
+                label=f"{label} ({domain})",
+            )
             for i, group in zip(indices, groups, strict=True):
                 out[i] = group
         return out
@@ -132,8 +158,9 @@ class EpisodeSampler:
                 result[i] = [EpisodeCompletion.from_episode(e, i) for e in group]
         return result
 
-    def evaluate(self, tasks: list[Task], params: Any) -> tuple[list[Episode],
-                                                                dict[str, dict[str, float]]]:
+    def evaluate(
+        self, tasks: list[Task], params: Any
+    ) -> tuple[list[Episode], dict[str, dict[str, float]]]:
         """One episode per task (greedy by default) and the agent metrics per domain."""
         episodes = [group[0] for group in self.episodes(tasks, params, 1, "eval episodes")]
         by_domain: dict[str, list[Episode]] = {}

@@ -58,14 +58,18 @@ class KueueAdmission:
         try:
             found = self.kube.serves(KUEUE_API_VERSION, WORKLOAD_PLURAL)
         except (KubeError, httpx.HTTPError) as exc:
-            log.warning("API discovery of %s failed (%s); keeping the last answer",
-                        KUEUE_API_VERSION, exc)
+            log.warning(
+                "API discovery of %s failed (%s); keeping the last answer", KUEUE_API_VERSION, exc
+            )
             found = self._installed
         with self._lock:
             if found != self._installed:
-                log.info("Kueue %s: runs labelled %s=<LocalQueue> %s", KUEUE_API_VERSION
-                         + (" found" if found else " not found"), "kueue.x-k8s.io/queue-name",
-                         "wait for admission" if found else "start without admission")
+                log.info(
+                    "Kueue %s: runs labelled %s=<LocalQueue> %s",
+                    KUEUE_API_VERSION + (" found" if found else " not found"),
+                    "kueue.x-k8s.io/queue-name",
+                    "wait for admission" if found else "start without admission",
+                )
             self._installed, self._checked_at = found, time.monotonic()
         return found
 
@@ -91,21 +95,33 @@ class KueueAdmission:
             manifest = build_workload(run, pod_template, labels, b.owner_reference(run))
             _, body = self.kube.create_or_adopt(manifest)
             self.workloads.put(body)
-            log.info("TrainingRun %s/%s: created Workload %s in LocalQueue %s", namespace,
-                     run.metadata.name, name, queue_name(run))
+            log.info(
+                "TrainingRun %s/%s: created Workload %s in LocalQueue %s",
+                namespace,
+                run.metadata.name,
+                name,
+                queue_name(run),
+            )
         path = resource_path(KUEUE_API_VERSION, WORKLOAD_PLURAL, namespace, name)
         if plan.workload_active is not None:
             self.workloads.put(self.kube.patch(path, {"spec": {"active": plan.workload_active}}))
         if plan.finish_workload:
             current = self.workloads.get(namespace, name) or {}
-            kept = [c for c in (current.get("status") or {}).get("conditions") or []
-                    if c.get("type") != "Finished"]
-            finished = finished_condition(run.status.phase or "Failed", run.status.message or "",
-                                          datetime.now(UTC), current.get("metadata", {}).get(
-                                              "generation"))
+            kept = [
+                c
+                for c in (current.get("status") or {}).get("conditions") or []
+                if c.get("type") != "Finished"
+            ]
+            finished = finished_condition(
+                run.status.phase or "Failed",
+                run.status.message or "",
+                datetime.now(UTC),
+                current.get("metadata", {}).get("generation"),
+            )
             # A merge patch replaces the list: Kueue's own conditions are kept in it.
-            self.workloads.put(self.kube.patch(
-                path, {"status": {"conditions": [*kept, finished]}}, "status"))
+            self.workloads.put(
+                self.kube.patch(path, {"status": {"conditions": [*kept, finished]}}, "status")
+            )
 
     def placed(self, run: TrainingRun, gate: KueueGate | None) -> TrainingRun:
         """``run`` with the node labels of the ResourceFlavors Kueue admitted it to added to
@@ -117,11 +133,15 @@ class KueueAdmission:
         labels: dict[str, str] = {}
         for flavor in workload.flavors:
             status, body = self.kube.request(
-                "GET", f"/apis/{KUEUE_API_VERSION}/{FLAVOR_PLURAL}/{flavor}",
-                ok=(200, 403, 404))
+                "GET", f"/apis/{KUEUE_API_VERSION}/{FLAVOR_PLURAL}/{flavor}", ok=(200, 403, 404)
+            )
             if status != 200:  # 403: a namespaced install without the ClusterRole part
-                log.warning("cannot read ResourceFlavor %s assigned by Kueue (HTTP %d); the "
-                            "pods get no node labels from it", flavor, status)
+                log.warning(
+                    "cannot read ResourceFlavor %s assigned by Kueue (HTTP %d); the "
+                    "pods get no node labels from it",
+                    flavor,
+                    status,
+                )
                 continue
             labels.update((body.get("spec") or {}).get("nodeLabels") or {})
         if not labels:

@@ -30,8 +30,13 @@ JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"
 class AsyncKube:
     """One aiohttp session (created on first use, inside the running loop)."""
 
-    def __init__(self, creds: Credentials, pool_size: int = 64, timeout: float = 30.0,
-                 reload: Callable[[], Credentials] | None = None) -> None:
+    def __init__(
+        self,
+        creds: Credentials,
+        pool_size: int = 64,
+        timeout: float = 30.0,
+        reload: Callable[[], Credentials] | None = None,
+    ) -> None:
         """``reload`` re-reads credentials after a 401 (rotated service-account tokens)."""
         self._creds = creds
         self._server = creds.server.rstrip("/")
@@ -47,12 +52,16 @@ class AsyncKube:
         long-lived connection per watch, unlimited: watches must never starve requests)."""
         session = self._watch_session if watch else self._session
         if session is None or session.closed:
-            connector = aiohttp.TCPConnector(ssl=ssl_context(self._creds),
-                                             limit=0 if watch else self._pool_size)
+            connector = aiohttp.TCPConnector(
+                ssl=ssl_context(self._creds), limit=0 if watch else self._pool_size
+            )
             # No cookies: the apiserver sets none, and the jar costs per response.
             session = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), headers=self._auth,
-                timeout=self._timeout)
+                connector=connector,
+                cookie_jar=aiohttp.DummyCookieJar(),
+                headers=self._auth,
+                timeout=self._timeout,
+            )
             if watch:
                 self._watch_session = session
             else:
@@ -74,13 +83,15 @@ class AsyncKube:
         log.info("API token rejected (401); retrying with re-read credentials")
         return True
 
-    async def request(self, method: str, path: str, body: Any = None,
-                      ok: tuple[int, ...] = (200, 201, 202)) -> tuple[int, Body]:
+    async def request(
+        self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200, 201, 202)
+    ) -> tuple[int, Body]:
         """Send one JSON request; statuses outside ``ok`` raise KubeError (as KubeClient)."""
         data = None if body is None else to_json(body)
         for attempt in (1, 2):
-            async with self._http().request(method, self._url(path), data=data,
-                                            headers=JSON_HEADERS) as response:
+            async with self._http().request(
+                method, self._url(path), data=data, headers=JSON_HEADERS
+            ) as response:
                 status, raw = response.status, await response.read()
             if status == 401 and attempt == 1 and await self._reauthenticate():
                 continue
@@ -126,7 +137,10 @@ class AsyncKube:
 
     async def close(self) -> None:
         sessions, self._session, self._watch_session = (
-            [self._session, self._watch_session], None, None)
+            [self._session, self._watch_session],
+            None,
+            None,
+        )
         for session in sessions:
             if session is not None:
                 await session.close()

@@ -68,8 +68,10 @@ def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str,
     ``<plural>/finalizers`` update permission that rbac.OPERATOR_RULES grants.
     """
     if not owner.metadata.uid:
-        raise BuildError(f"{owner.kind} {owner.metadata.name} has no uid; build children from "
-                         "the object read back from the apiserver")
+        raise BuildError(
+            f"{owner.kind} {owner.metadata.name} has no uid; build children from "
+            "the object read back from the apiserver"
+        )
     return {
         "apiVersion": owner.api_version,
         "kind": owner.kind,
@@ -207,7 +209,8 @@ def build_run_config_map(run: TrainingRun, config: OperatorConfig) -> Manifest:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": child_metadata(
-            run, trainer_names(run)["config"],
+            run,
+            trainer_names(run)["config"],
             {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name},
         ),
         "data": {RUN_CONFIG_KEY: render_run_config(run, config)},
@@ -224,8 +227,12 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
 
     names = trainer_names(run)
     labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
-    rules = [rule if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
-             else {**rule, "resourceNames": [run.metadata.name]} for rule in TRAINER_RULES]
+    rules = [
+        rule
+        if set(rule["resources"]) <= set(CREATE_ONLY_RESOURCES)
+        else {**rule, "resourceNames": [run.metadata.name]}
+        for rule in TRAINER_RULES
+    ]
     rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
     if run.spec.rollout.pool and not run.spec.rollout.endpoints:
         # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
@@ -270,7 +277,8 @@ def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": child_metadata(
-            run, trainer_names(run)["head_service"],
+            run,
+            trainer_names(run)["head_service"],
             {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: name},
         ),
         "spec": {
@@ -383,8 +391,11 @@ def build_trainer_pod(
                 "env": env,
                 "resources": _resources(res.cpu, res.memory, res.gpus_per_node),
                 "volumeMounts": [
-                    {"name": "run-config", "mountPath": posixpath.dirname(RUN_CONFIG_PATH),
-                     "readOnly": True},
+                    {
+                        "name": "run-config",
+                        "mountPath": posixpath.dirname(RUN_CONFIG_PATH),
+                        "readOnly": True,
+                    },
                     {"name": "dshm", "mountPath": "/dev/shm"},
                     {"name": "workspace", "mountPath": "/workspace"},
                 ],
@@ -400,21 +411,29 @@ def build_trainer_pod(
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
-    _schedule(pod_spec, config, config.trainer_node_selector, res.node_selector,
-              config.trainer_tolerations, config.trainer_affinity)
+    _schedule(
+        pod_spec,
+        config,
+        config.trainer_node_selector,
+        res.node_selector,
+        config.trainer_tolerations,
+        config.trainer_affinity,
+    )
     sandbox_runner.apply_local_sandbox_context(run, pod_spec)
     if run.spec.active_deadline_seconds:
         pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
     annotations = None
     if serves_metrics:
         pod_spec["containers"][0]["ports"] = [
-            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}]
+            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}
+        ]
         annotations = scrape_annotations(config.pod_metrics_port)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": child_metadata(run, trainer_pod_name(name, incarnation, rank), labels,
-                                   annotations=annotations),
+        "metadata": child_metadata(
+            run, trainer_pod_name(name, incarnation, rank), labels, annotations=annotations
+        ),
         "spec": pod_spec,
     }
 
@@ -429,12 +448,16 @@ def scrape_annotations(port: int) -> dict[str, str]:
     >>> scrape_annotations(9090)["prometheus.io/port"]
     '9090'
     """
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-            "prometheus.io/path": "/metrics"}
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(port),
+        "prometheus.io/path": "/metrics",
+    }
 
 
-def otlp_env(config: OperatorConfig, service: str,
-             owner: TrainingRun | RolloutPool) -> list[dict[str, str]]:
+def otlp_env(
+    config: OperatorConfig, service: str, owner: TrainingRun | RolloutPool
+) -> list[dict[str, str]]:
     """OTEL_* variables that send a child's spans where the operator's go (none when the
     operator has no OTLP endpoint configured).
 
@@ -443,17 +466,24 @@ def otlp_env(config: OperatorConfig, service: str,
     """
     if not config.otlp_endpoint:
         return []
-    attributes = (f"k8s.namespace.name={owner.metadata.namespace},"
-                  f"posttrain.{owner.kind.lower()}={owner.metadata.name}")
-    return [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint},
-            {"name": "OTEL_SERVICE_NAME", "value": service},
-            {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes}]
+    attributes = (
+        f"k8s.namespace.name={owner.metadata.namespace},"
+        f"posttrain.{owner.kind.lower()}={owner.metadata.name}"
+    )
+    return [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": config.otlp_endpoint},
+        {"name": "OTEL_SERVICE_NAME", "value": service},
+        {"name": "OTEL_RESOURCE_ATTRIBUTES", "value": attributes},
+    ]
 
 
-def build_trainer_gang(run: TrainingRun, config: OperatorConfig, incarnation: int) -> list[Manifest]:
+def build_trainer_gang(
+    run: TrainingRun, config: OperatorConfig, incarnation: int
+) -> list[Manifest]:
     """All pods of one gang incarnation, rank 0 first."""
     return [
-        build_trainer_pod(run, config, incarnation, rank) for rank in range(run.spec.resources.nodes)
+        build_trainer_pod(run, config, incarnation, rank)
+        for rank in range(run.spec.resources.nodes)
     ]
 
 
@@ -495,8 +525,12 @@ def _ray_probes(port: int) -> dict[str, Any]:
     check = {"tcpSocket": {"port": port}}
     return {
         "readinessProbe": {**check, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {**check, "initialDelaySeconds": 30, "periodSeconds": 10,
-                          "failureThreshold": 12},
+        "livenessProbe": {
+            **check,
+            "initialDelaySeconds": 30,
+            "periodSeconds": 10,
+            "failureThreshold": 12,
+        },
     }
 
 
@@ -567,17 +601,24 @@ def build_ray_cluster(
     worker = _pod_template(worker_pod, drop_env=("RANK", "POSTTRAIN_NODE_RANK"))
     worker["metadata"]["labels"].pop(LABEL_RANK, None)
     worker_container = worker["spec"]["containers"][0]
-    worker_container["command"] = [*worker_container["command"],
-                                   f"--node-manager-port={RAY_WORKER_RAYLET_PORT}"]
+    worker_container["command"] = [
+        *worker_container["command"],
+        f"--node-manager-port={RAY_WORKER_RAYLET_PORT}",
+    ]
     worker_container.update(_ray_probes(RAY_WORKER_RAYLET_PORT))
     workers = nodes - 1
-    labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name,
-              LABEL_GANG: str(incarnation)}
+    labels = {
+        LABEL_COMPONENT: COMPONENT_TRAINER,
+        LABEL_RUN: run.metadata.name,
+        LABEL_GANG: str(incarnation),
+    }
     return {
         "apiVersion": RAY_API_VERSION,
         "kind": "RayCluster",
         "metadata": child_metadata(
-            run, ray_cluster_name(run.metadata.name, incarnation), labels,
+            run,
+            ray_cluster_name(run.metadata.name, incarnation),
+            labels,
             annotations={RAY_OVERWRITE_CMD_ANNOTATION: "true"},
         ),
         "spec": {
@@ -686,7 +727,10 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     if spec.weight_update.source_uri:
         env += [
             {"name": "POSTTRAIN_WEIGHTS_URI", "value": spec.weight_update.source_uri},
-            {"name": "POSTTRAIN_WEIGHTS_POLL_SECONDS", "value": str(spec.weight_update.poll_seconds)},
+            {
+                "name": "POSTTRAIN_WEIGHTS_POLL_SECONDS",
+                "value": str(spec.weight_update.poll_seconds),
+            },
         ]
     gpus = spec.resources.gpus if spec.engine == "vllm" else 0
     container: dict[str, Any] = {
@@ -735,11 +779,22 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             {"name": "dshm", "emptyDir": {"medium": "Memory"}}
         )
         container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
-    _schedule(pod_spec, config, config.rollout_node_selector, spec.resources.node_selector,
-              config.rollout_tolerations, config.rollout_affinity)
+    _schedule(
+        pod_spec,
+        config,
+        config.rollout_node_selector,
+        spec.resources.node_selector,
+        config.rollout_tolerations,
+        config.rollout_affinity,
+    )
     # Both engines serve Prometheus /metrics on the API port (vLLM's own metrics, or ours).
-    template = {"metadata": {"labels": {**MANAGED_BY, **labels},
-                             "annotations": scrape_annotations(spec.port)}, "spec": pod_spec}
+    template = {
+        "metadata": {
+            "labels": {**MANAGED_BY, **labels},
+            "annotations": scrape_annotations(spec.port),
+        },
+        "spec": pod_spec,
+    }
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -870,8 +925,11 @@ def build_sandbox_entrypoint_config_map(namespace: str) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": sandbox_entrypoint_config_map_name(), "namespace": namespace,
-                     "labels": {**MANAGED_BY, LABEL_COMPONENT: COMPONENT_SANDBOX}},
+        "metadata": {
+            "name": sandbox_entrypoint_config_map_name(),
+            "namespace": namespace,
+            "labels": {**MANAGED_BY, LABEL_COMPONENT: COMPONENT_SANDBOX},
+        },
         "data": {SANDBOX_ENTRYPOINT_KEY: sandbox_entrypoint_source()},
     }
 
@@ -929,12 +987,19 @@ def build_sandbox_pod(
             _check_file_name(file_name)
         key = f"{ANNOTATION_FILE_PREFIX}{index}"
         annotations[key] = content
-        items.append({"path": file_name, "fieldRef": {"fieldPath": f"metadata.annotations['{key}']"}})
+        items.append(
+            {"path": file_name, "fieldRef": {"fieldPath": f"metadata.annotations['{key}']"}}
+        )
     command = list(spec.command) or ["python", "main.py"]
     if spec.stdin is not None:
         # Pods have no stdin pipe; the shell redirects the stdin file into the program.
-        command = ["sh", "-c", f'exec "$@" < {SANDBOX_WORKDIR}/{SANDBOX_STDIN_FILE}', "sandbox",
-                   *command]
+        command = [
+            "sh",
+            "-c",
+            f'exec "$@" < {SANDBOX_WORKDIR}/{SANDBOX_STDIN_FILE}',
+            "sandbox",
+            *command,
+        ]
     restricted = restricted_container_context()
     res = spec.resources
     workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
@@ -973,8 +1038,12 @@ def build_sandbox_pod(
                 "image": config.sandbox_init_image,
                 "imagePullPolicy": config.image_pull_policy,
                 # -L: downward-API files are symlinks into a timestamped dir; copy contents.
-                "command": ["cp", "-rL", *(f"{SANDBOX_FILES_DIR}/{t}" for t in top_level),
-                            SANDBOX_WORKDIR + "/"],
+                "command": [
+                    "cp",
+                    "-rL",
+                    *(f"{SANDBOX_FILES_DIR}/{t}" for t in top_level),
+                    SANDBOX_WORKDIR + "/",
+                ],
                 "resources": _resources("100m", "32Mi", ephemeral_storage="16Mi"),
                 "securityContext": restricted,
                 "volumeMounts": [
@@ -1005,13 +1074,19 @@ def build_sandbox_pod(
         pod_spec["initContainers"] = init_containers
     if artifacts is not None:
         containers[0]["volumeMounts"].append(
-            {"name": "entrypoint", "mountPath": SANDBOX_ENTRYPOINT_DIR, "readOnly": True})
-        volumes.append({"name": "entrypoint", "configMap": {
-            "name": sandbox_entrypoint_config_map_name(), "defaultMode": 0o444}})
+            {"name": "entrypoint", "mountPath": SANDBOX_ENTRYPOINT_DIR, "readOnly": True}
+        )
+        volumes.append(
+            {
+                "name": "entrypoint",
+                "configMap": {"name": sandbox_entrypoint_config_map_name(), "defaultMode": 0o444},
+            }
+        )
         # The program keeps its full timeoutSeconds (the entrypoint enforces it); the pod's
         # deadline leaves the entrypoint time to upload after a timeout.
         pod_spec["activeDeadlineSeconds"] = (
-            spec.timeout_seconds + config.sandbox_upload_grace_seconds)
+            spec.timeout_seconds + config.sandbox_upload_grace_seconds
+        )
     apply_sandbox_runtime(pod_spec, spec.runtime_class_name, config)
     return {
         "apiVersion": "v1",
@@ -1021,9 +1096,7 @@ def build_sandbox_pod(
     }
 
 
-def build_sandbox_network_policy(
-    namespace: str, egress: Sequence[dict[str, Any]] = ()
-) -> Manifest:
+def build_sandbox_network_policy(namespace: str, egress: Sequence[dict[str, Any]] = ()) -> Manifest:
     """One default-deny NetworkPolicy per namespace for every sandbox pod with network=none.
 
     It selects by label, so it is created once per namespace (not per task) and has no

@@ -14,28 +14,64 @@ def register(subparsers: Any) -> None:
         "Every flag can also be set as POSTTRAIN_OPERATOR_<FIELD> (see docs/operator.md).",
     )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--namespace", "-n", action="append", dest="namespaces", metavar="NS",
-                       help="namespace to watch (repeatable; default: default)")
-    where.add_argument("--all-namespaces", "-A", action="store_true", default=None,
-                       help="watch every namespace (needs the ClusterRole bound cluster-wide)")
-    parser.add_argument("--standalone", action="store_true", default=None,
-                        help="no peering (single replica, tests)")
-    parser.add_argument("--peering", dest="peering_name", metavar="NAME", default=None,
-                        help="KopfPeering object shared by replicas (default posttrain-operator)")
-    parser.add_argument("--priority", type=int, default=None,
-                        help="peering priority of this replica (distinct per replica)")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
-                        help="serve Prometheus metrics on :P/metrics (0 = off)")
-    parser.add_argument("--liveness-port", type=int, default=None, metavar="P",
-                        help="serve kopf's /healthz on :P (0 = off)")
-    parser.add_argument("--kubeconfig", default=None,
-                        help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
-    parser.add_argument("--max-workers", type=int, default=None,
-                        help="reconciler threads (default 32)")
+    where.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="namespace to watch (repeatable; default: default)",
+    )
+    where.add_argument(
+        "--all-namespaces",
+        "-A",
+        action="store_true",
+        default=None,
+        help="watch every namespace (needs the ClusterRole bound cluster-wide)",
+    )
+    parser.add_argument(
+        "--standalone", action="store_true", default=None, help="no peering (single replica, tests)"
+    )
+    parser.add_argument(
+        "--peering",
+        dest="peering_name",
+        metavar="NAME",
+        default=None,
+        help="KopfPeering object shared by replicas (default posttrain-operator)",
+    )
+    parser.add_argument(
+        "--priority",
+        type=int,
+        default=None,
+        help="peering priority of this replica (distinct per replica)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics on :P/metrics (0 = off)",
+    )
+    parser.add_argument(
+        "--liveness-port",
+        type=int,
+        default=None,
+        metavar="P",
+        help="serve kopf's /healthz on :P (0 = off)",
+    )
+    parser.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"
+    )
+    parser.add_argument(
+        "--max-workers", type=int, default=None, help="reconciler threads (default 32)"
+    )
     parser.set_defaults(func=_run)
     sub = parser.add_subparsers(dest="operator_command", metavar="SUBCOMMAND")
-    rbac = sub.add_parser("rbac", help="print the operator's ClusterRole (and the trainer's "
-                          "rules) as YAML, the one source of truth for the Helm chart")
+    rbac = sub.add_parser(
+        "rbac",
+        help="print the operator's ClusterRole (and the trainer's "
+        "rules) as YAML, the one source of truth for the Helm chart",
+    )
     rbac.add_argument("--name", default="posttrain-operator", help="ClusterRole name")
     rbac.set_defaults(func=_rbac)
 

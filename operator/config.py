@@ -134,7 +134,9 @@ class OperatorConfig(BaseModel):
     """sizeLimit of the /dev/shm memory emptyDir in trainer pods (NCCL, dataloaders)."""
     sandbox_workdir_size: str = "256Mi"
     """sizeLimit of the writable /workspace emptyDir of sandbox pods."""
-    sandbox_artifacts_uri: str = Field(default="", pattern=r"^(s3://[a-z0-9][a-z0-9.-]+[a-z0-9](/.*)?)?$")
+    sandbox_artifacts_uri: str = Field(
+        default="", pattern=r"^(s3://[a-z0-9][a-z0-9.-]+[a-z0-9](/.*)?)?$"
+    )
     """s3://bucket/prefix where sandbox pods store their full log (status.logsUri) and, with
     spec.snapshot, a workdir tar (status.snapshotUri), through presigned URLs the operator
     signs with its own S3 credentials (POSTTRAIN_S3_* / AWS_* in its environment). Empty =
@@ -155,9 +157,16 @@ class OperatorConfig(BaseModel):
         return value
 
     @field_validator(
-        "image_pull_secrets", "trainer_node_selector", "trainer_tolerations", "trainer_affinity",
-        "rollout_node_selector", "rollout_tolerations", "rollout_affinity",
-        "sandbox_artifacts_egress", mode="before")
+        "image_pull_secrets",
+        "trainer_node_selector",
+        "trainer_tolerations",
+        "trainer_affinity",
+        "rollout_node_selector",
+        "rollout_tolerations",
+        "rollout_affinity",
+        "sandbox_artifacts_egress",
+        mode="before",
+    )
     @classmethod
     def _json(cls, value: Any, info: ValidationInfo) -> Any:
         """Structured fields arrive from the environment as JSON ("null" = unset)."""
@@ -188,9 +197,7 @@ class OperatorConfig(BaseModel):
         return self.namespaces or ("default",)
 
 
-def load_config(
-    env: Mapping[str, str] | None = None, **overrides: Any
-) -> OperatorConfig:
+def load_config(env: Mapping[str, str] | None = None, **overrides: Any) -> OperatorConfig:
     """Build the config from ``POSTTRAIN_OPERATOR_<FIELD>`` variables, then ``overrides``.
 
     Overrides that are None are ignored, so argparse defaults do not mask the environment.

@@ -101,8 +101,10 @@ def _claimable(pod: Body, want_hash: str) -> bool:
         and not meta.get("deletionTimestamp")
         and status.get("phase") == "Running"
         and (meta.get("annotations") or {}).get(b.ANNOTATION_SPEC_HASH) == want_hash
-        and any(c.get("type") == "Ready" and c.get("status") == "True"
-                for c in status.get("conditions") or [])
+        and any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in status.get("conditions") or []
+        )
     )
 
 
@@ -155,7 +157,8 @@ class Store:
                 uid, removed_rv, _ = tombstone
                 new_rv = _rv(body)
                 if uid == meta.get("uid") and (
-                        removed_rv is None or new_rv is None or new_rv <= removed_rv):
+                    removed_rv is None or new_rv is None or new_rv <= removed_rv
+                ):
                     return False  # an event from before the removal, delivered after it
                 del self._tombstones[key]  # a newer version, or a new object of that name
             old = self._items.get(key)
@@ -179,12 +182,18 @@ class Store:
             if final is not None:
                 now = time.monotonic()
                 if now - self._pruned_at > self.TOMBSTONE_SECONDS:  # amortised: O(1) a removal
-                    self._tombstones = {k: t for k, t in self._tombstones.items()
-                                        if now - t[2] < self.TOMBSTONE_SECONDS}
+                    self._tombstones = {
+                        k: t
+                        for k, t in self._tombstones.items()
+                        if now - t[2] < self.TOMBSTONE_SECONDS
+                    }
                     self._pruned_at = now
                 rvs = [v for v in (_rv(final), _rv(body) if body else None) if v is not None]
                 self._tombstones[(namespace, name)] = (
-                    (final.get("metadata") or {}).get("uid"), max(rvs) if rvs else None, now)
+                    (final.get("metadata") or {}).get("uid"),
+                    max(rvs) if rvs else None,
+                    now,
+                )
             owner = self._owner_key(body) if body else None
             if owner and owner in self._by_owner:
                 self._by_owner[owner].discard(name)
@@ -248,6 +257,7 @@ def served_weight_versions(pods: list[Any], port: int) -> dict[str, int]:
         answers = list(executor.map(ask, ready))
     return {name: version for name, version in answers if version is not None}
 
+
 class Controller:
     """Owns the caches and the three reconcilers; one instance per operator process."""
 
@@ -293,8 +303,14 @@ class Controller:
             self._locks.pop((kind, namespace, name), None)
 
     @contextmanager
-    def _reconciling(self, kind: str, namespace: str, name: str, locked: bool = False,
-                     started: float | None = None) -> Iterator[None]:
+    def _reconciling(
+        self,
+        kind: str,
+        namespace: str,
+        name: str,
+        locked: bool = False,
+        started: float | None = None,
+    ) -> Iterator[None]:
         """Per-object lock (``locked``: the caller holds it) + OpenTelemetry span + Prometheus
         metrics around one reconcile."""
         started = time.perf_counter() if started is None else started
@@ -316,8 +332,14 @@ class Controller:
 
     def _emit(self, body: Body, events: list[EventSpec]) -> None:
         for event in events:
-            log.info("%s %s/%s: %s: %s", body.get("kind"), body["metadata"].get("namespace"),
-                     body["metadata"].get("name"), event.reason, event.message)
+            log.info(
+                "%s %s/%s: %s: %s",
+                body.get("kind"),
+                body["metadata"].get("namespace"),
+                body["metadata"].get("name"),
+                event.reason,
+                event.message,
+            )
             self.post_event(body, event)
 
     def _create(self, parent: str, manifest: Body) -> Body:
@@ -331,7 +353,8 @@ class Controller:
         meta = body["metadata"]
         path = self.kube.path_of(
             {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": meta},
-            with_name=True)
+            with_name=True,
+        )
         updated = self.kube.patch(path, {"status": patch}, subresource="status")
         store.put(updated)
 
@@ -381,8 +404,9 @@ class Controller:
                     self._ensure_network_policy(namespace)
                 try:
                     artifacts = self._sandbox_artifacts(task, plan.create_attempt)
-                    manifest = b.build_sandbox_pod(task, self.config, plan.create_attempt,
-                                                   artifacts=artifacts)
+                    manifest = b.build_sandbox_pod(
+                        task, self.config, plan.create_attempt, artifacts=artifacts
+                    )
                 except b.BuildError as exc:
                     self._invalid(self.tasks, body, exc, terminal_phase="Failed")
                     return
@@ -393,7 +417,9 @@ class Controller:
             self._emit(body, plan.events)
 
     async def reconcile_task_on_loop(
-        self, namespace: str, name: str,
+        self,
+        namespace: str,
+        name: str,
         create: Callable[[Body], Awaitable[tuple[bool, Body]]],
     ) -> bool:
         """reconcile_task for the burst case without leaving the event loop; False when the
@@ -439,9 +465,13 @@ class Controller:
         if plan.create_attempt is None:
             return _NOOP
         spec = task.spec
-        if (spec.warm_pool_ref or spec.snapshot or spec.restore_from
-                or self.config.sandbox_artifacts_uri
-                or (spec.network == "none" and namespace not in self._policy_namespaces)):
+        if (
+            spec.warm_pool_ref
+            or spec.snapshot
+            or spec.restore_from
+            or self.config.sandbox_artifacts_uri
+            or (spec.network == "none" and namespace not in self._policy_namespaces)
+        ):
             return _FULL
         try:
             return b.build_sandbox_pod(task, self.config, plan.create_attempt)
@@ -466,7 +496,7 @@ class Controller:
         if self._artifacts is None:
             from posttrain.storage.store import s3_store_from_env
 
-            bucket = self.config.sandbox_artifacts_uri[len("s3://"):].partition("/")[0]
+            bucket = self.config.sandbox_artifacts_uri[len("s3://") :].partition("/")[0]
             self._artifacts = s3_store_from_env(bucket, create_bucket=True)
         return self._artifacts
 
@@ -485,39 +515,54 @@ class Controller:
                 raise b.BuildError(
                     "spec.snapshot / spec.restoreFrom need sandbox artifact storage, which this "
                     "operator has not got: set POSTTRAIN_OPERATOR_SANDBOX_ARTIFACTS_URI "
-                    "(s3://bucket/prefix) or drop those fields")
+                    "(s3://bucket/prefix) or drop those fields"
+                )
             return None
-        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        bucket, _, prefix = uri[len("s3://") :].partition("/")
         namespace_prefix = "/".join(p for p in (prefix.strip("/"), task.metadata.namespace) if p)
         if spec.restore_from and not spec.restore_from.startswith(
-                f"s3://{bucket}/{namespace_prefix}/"):
+            f"s3://{bucket}/{namespace_prefix}/"
+        ):
             raise b.BuildError(
                 f"spec.restoreFrom {spec.restore_from!r} is not a sandbox snapshot of this "
-                f"namespace; use a status.snapshotUri under s3://{bucket}/{namespace_prefix}/")
-        expires = timedelta(seconds=min(
-            spec.timeout_seconds + self.config.sandbox_upload_grace_seconds + 3600,
-            7 * 24 * 3600))  # S3's longest presigned lifetime
+                f"namespace; use a status.snapshotUri under s3://{bucket}/{namespace_prefix}/"
+            )
+        expires = timedelta(
+            seconds=min(
+                spec.timeout_seconds + self.config.sandbox_upload_grace_seconds + 3600,
+                7 * 24 * 3600,
+            )
+        )  # S3's longest presigned lifetime
         self._ensure_entrypoint(task.metadata.namespace)
         try:
             client = self._artifact_store().client
             logs_key = b.sandbox_artifact_key(prefix, task, attempt, "logs.txt")
             artifacts = b.SandboxArtifacts(
                 logs_uri=f"s3://{bucket}/{logs_key}",
-                logs_url=client.presigned_put_object(bucket, logs_key, expires=expires))
+                logs_url=client.presigned_put_object(bucket, logs_key, expires=expires),
+            )
             if spec.snapshot:
                 key = b.sandbox_artifact_key(prefix, task, attempt, "snapshot.tar")
                 artifacts = replace(
-                    artifacts, snapshot_uri=f"s3://{bucket}/{key}",
-                    snapshot_url=client.presigned_put_object(bucket, key, expires=expires))
+                    artifacts,
+                    snapshot_uri=f"s3://{bucket}/{key}",
+                    snapshot_url=client.presigned_put_object(bucket, key, expires=expires),
+                )
             if spec.restore_from:
-                key = spec.restore_from[len(f"s3://{bucket}/"):]
-                artifacts = replace(artifacts, restore_url=client.presigned_get_object(
-                    bucket, key, expires=expires))
+                key = spec.restore_from[len(f"s3://{bucket}/") :]
+                artifacts = replace(
+                    artifacts, restore_url=client.presigned_get_object(bucket, key, expires=expires)
+                )
         except (MinioException, urllib3.exceptions.HTTPError, UsageError, OSError) as exc:
             if spec.snapshot or spec.restore_from:
                 raise  # retried by the next event or resync; the task needs the store
-            log.warning("SandboxTask %s/%s runs without a stored log: cannot sign URLs "
-                        "for %s (%s)", task.metadata.namespace, task.metadata.name, uri, exc)
+            log.warning(
+                "SandboxTask %s/%s runs without a stored log: cannot sign URLs for %s (%s)",
+                task.metadata.namespace,
+                task.metadata.name,
+                uri,
+                exc,
+            )
             return None
         SANDBOX_ARTIFACT_URLS.inc()
         return artifacts
@@ -545,19 +590,33 @@ class Controller:
         pool_body = self.warm_pools.get(namespace, ref)
         if pool_body is None:
             WARM_POOL_CLAIMS.labels("missing").inc()
-            self._emit(body, [EventSpec(
-                "Warning", Reason.WARM_POOL_NOT_FOUND,
-                f"spec.warmPoolRef {ref!r}: no SandboxWarmPool of that name in {namespace}; "
-                "started a cold pod (create the pool or fix the name)")])
+            self._emit(
+                body,
+                [
+                    EventSpec(
+                        "Warning",
+                        Reason.WARM_POOL_NOT_FOUND,
+                        f"spec.warmPoolRef {ref!r}: no SandboxWarmPool of that name in {namespace}; "
+                        "started a cold pod (create the pool or fix the name)",
+                    )
+                ],
+            )
             return None
         pool = SandboxWarmPool.model_validate(pool_body)
         mismatch = wp.claim_mismatch(task, pool, self.config)
         if mismatch:
             WARM_POOL_CLAIMS.labels("mismatch").inc()
-            self._emit(body, [EventSpec(
-                "Warning", Reason.WARM_POOL_MISMATCH,
-                f"SandboxWarmPool {ref} cannot serve this task ({mismatch}); started a cold "
-                "pod (make the task's image/resources/network/runtimeClassName match)")])
+            self._emit(
+                body,
+                [
+                    EventSpec(
+                        "Warning",
+                        Reason.WARM_POOL_MISMATCH,
+                        f"SandboxWarmPool {ref} cannot serve this task ({mismatch}); started a cold "
+                        "pod (make the task's image/resources/network/runtimeClassName match)",
+                    )
+                ],
+            )
             return None
         want_hash = wp.template_hash(wp.pool_template(pool, self.config))
         started = time.perf_counter()
@@ -569,8 +628,10 @@ class Controller:
             pod_name = pod["metadata"]["name"]
             tried.add(pod_name)
             try:
-                claimed = self.kube.patch(resource_path("v1", "pods", namespace, pod_name),
-                                          wp.build_claim_patch(task, pod, _now()))
+                claimed = self.kube.patch(
+                    resource_path("v1", "pods", namespace, pod_name),
+                    wp.build_claim_patch(task, pod, _now()),
+                )
             except KubeError as exc:
                 if exc.status not in (404, 409):
                     raise
@@ -588,8 +649,9 @@ class Controller:
         WARM_POOL_CLAIMS.labels("empty").inc()
         return None
 
-    def _reserve_idle_pod(self, namespace: str, pool: str, want_hash: str,
-                          skip: set[str]) -> Body | None:
+    def _reserve_idle_pod(
+        self, namespace: str, pool: str, want_hash: str, skip: set[str]
+    ) -> Body | None:
         with self._claim_lock:
             for pod in self.warm_pods.children(namespace, pool):
                 name = pod["metadata"]["name"]
@@ -609,8 +671,9 @@ class Controller:
         plan.status_patch["warmPool"] = task.spec.warm_pool_ref
         if "startTime" in plan.status_patch:
             plan.status_patch["startTime"] = _now().isoformat().replace("+00:00", "Z")
-        log.debug("SandboxTask %s/%s claimed warm pod %s", namespace, name,
-                  claimed["metadata"]["name"])
+        log.debug(
+            "SandboxTask %s/%s claimed warm pod %s", namespace, name, claimed["metadata"]["name"]
+        )
         return plan
 
     def request_pool_reconcile(self, namespace: str, pool: str) -> None:
@@ -634,12 +697,17 @@ class Controller:
             try:
                 self.reconcile_warm_pool(namespace, pool)
             except (KubeError, OSError, httpx.HTTPError) as exc:
-                log.warning("refill of SandboxWarmPool %s/%s failed: %s (resync retries)",
-                            namespace, pool, exc)
+                log.warning(
+                    "refill of SandboxWarmPool %s/%s failed: %s (resync retries)",
+                    namespace,
+                    pool,
+                    exc,
+                )
 
         context = contextvars.copy_context()  # kopf's event poster lives in context variables
-        threading.Thread(target=context.run, args=(refill,), name=f"refill-{pool}",
-                         daemon=True).start()
+        threading.Thread(
+            target=context.run, args=(refill,), name=f"refill-{pool}", daemon=True
+        ).start()
 
     def reconcile_warm_pool(self, namespace: str, name: str) -> None:
         body = self.warm_pools.get(namespace, name)
@@ -677,15 +745,18 @@ class Controller:
         in the meantime (new resourceVersion) is refused with 409 and kept."""
         pod = self.warm_pods.get(namespace, name)
         rv = ((pod or {}).get("metadata") or {}).get("resourceVersion")
-        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1",
-                                "propagationPolicy": "Background"}
+        body: dict[str, Any] = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
         if rv:
             body["preconditions"] = {"resourceVersion": rv}
-        status, _ = self.kube.request("DELETE", resource_path("v1", "pods", namespace, name),
-                                      body, ok=(200, 202, 404, 409))
+        status, _ = self.kube.request(
+            "DELETE", resource_path("v1", "pods", namespace, name), body, ok=(200, 202, 404, 409)
+        )
         if status == 409:
-            log.info("idle pod %s/%s changed before its deletion (claimed?); kept", namespace,
-                     name)
+            log.info("idle pod %s/%s changed before its deletion (claimed?); kept", namespace, name)
 
     def warm_pool_deleted(self, namespace: str, name: str) -> None:
         """Delete the idle pods of a deleted pool (the garbage collector does the same
@@ -693,12 +764,13 @@ class Controller:
         their tasks and stay."""
         for pod in self.warm_pods.children(namespace, name):
             meta = pod["metadata"]
-            if b.LABEL_TASK not in (meta.get("labels") or {}) and not meta.get(
-                    "deletionTimestamp"):
+            if b.LABEL_TASK not in (meta.get("labels") or {}) and not meta.get("deletionTimestamp"):
                 self._delete_idle_pod(namespace, meta["name"])
         self.forget("SandboxWarmPool", namespace, name)
 
-    def _invalid(self, store: Store, body: Body, exc: Exception, terminal_phase: str | None) -> None:
+    def _invalid(
+        self, store: Store, body: Body, exc: Exception, terminal_phase: str | None
+    ) -> None:
         """A spec the builders cannot turn into children: say so on the object, don't retry."""
         message = f"cannot build children: {exc}"[:1000]
         gen = (body.get("metadata") or {}).get("generation")
@@ -740,8 +812,9 @@ class Controller:
             pods = [pod_view(p) for p in self.trainer_pods.children(namespace, name)]
             clusters = self._ray_clusters_of(run, pods)
             kueue = self.kueue.gate(run)
-            plan = plan_training_run(run, pods, incarnation, _now(), ray_clusters=clusters,
-                                     kueue=kueue)
+            plan = plan_training_run(
+                run, pods, incarnation, _now(), ray_clusters=clusters, kueue=kueue
+            )
             for pod in plan.delete_pods:
                 self.kube.delete("v1", "Pod", namespace, pod)
                 self.trainer_pods.remove(namespace, pod)
@@ -752,15 +825,21 @@ class Controller:
                 # Persist the new incarnation before its pods exist, so a restarted operator
                 # continues this gang instead of recreating the old one.
                 updated = self.kube.patch(
-                    {"apiVersion": body["apiVersion"], "kind": "TrainingRun",
-                     "metadata": body["metadata"]},
-                    {"metadata": {"annotations": {
-                        ANNOTATION_INCARNATION: str(plan.incarnation)}}})
+                    {
+                        "apiVersion": body["apiVersion"],
+                        "kind": "TrainingRun",
+                        "metadata": body["metadata"],
+                    },
+                    {"metadata": {"annotations": {ANNOTATION_INCARNATION: str(plan.incarnation)}}},
+                )
                 self.runs.put(updated)
                 body = updated
             if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
-                template = b.build_trainer_pod(run, self.config, plan.incarnation, 0) \
-                    if plan.create_workload else None
+                template = (
+                    b.build_trainer_pod(run, self.config, plan.incarnation, 0)
+                    if plan.create_workload
+                    else None
+                )
                 self.kueue.apply(run, plan, template)
             if plan.ensure_children:
                 self._ensure_run_children(run, ray_cluster=clusters is not None)
@@ -777,12 +856,12 @@ class Controller:
                 self.trainer_pods.put(self._create("TrainingRun", manifest))
             self._patch_status(self.runs, body, plan.status_patch)
             self._emit(body, plan.events)
-            if (plan.status_patch.get("phase") in TERMINAL
-                    and sandbox_runner.needs_own_runner(run)):
+            if plan.status_patch.get("phase") in TERMINAL and sandbox_runner.needs_own_runner(run):
                 # The run's own runner has nothing left to verify (its Service and
                 # NetworkPolicy cost nothing and go with the run).
-                self.kube.delete("apps/v1", "Deployment", namespace,
-                                 sandbox_runner.runner_name(run))
+                self.kube.delete(
+                    "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
+                )
 
     def _leave_alone(self, body: Body, why: str) -> None:
         """One Event per run (per operator process) saying why it is left alone."""
@@ -816,14 +895,17 @@ class Controller:
         try:
             installed = self.kube.serves(b.RAY_API_VERSION, b.RAY_CLUSTER_PLURAL)
         except (KubeError, httpx.HTTPError) as exc:
-            log.warning("API discovery of %s failed (%s); keeping the last answer",
-                        b.RAY_API_VERSION, exc)
+            log.warning(
+                "API discovery of %s failed (%s); keeping the last answer", b.RAY_API_VERSION, exc
+            )
             installed = self._kuberay_installed
         with self._kuberay_lock:
             if installed != self._kuberay_installed:
-                log.info("KubeRay RayCluster CRD %s: multi-node runs use %s",
-                         "found" if installed else "not found",
-                         "RayClusters" if installed else "plain head + worker pods")
+                log.info(
+                    "KubeRay RayCluster CRD %s: multi-node runs use %s",
+                    "found" if installed else "not found",
+                    "RayClusters" if installed else "plain head + worker pods",
+                )
             self._kuberay_installed = installed
             self._kuberay_checked_at = time.monotonic()
         return installed
@@ -858,8 +940,7 @@ class Controller:
             return None  # no gang will start: no discovery needed
         return [] if self.kuberay_installed(fresh=True) else None
 
-    def _create_ray_cluster(self, run: TrainingRun, incarnation: int,
-                            endpoints: list[str]) -> None:
+    def _create_ray_cluster(self, run: TrainingRun, incarnation: int, endpoints: list[str]) -> None:
         manifest = b.build_ray_cluster(run, self.config, incarnation, rollout_endpoints=endpoints)
         try:
             self.ray_clusters.put(self._create("TrainingRun", manifest))
@@ -874,9 +955,9 @@ class Controller:
         The kopf watch only serves RayClusters when the CRD existed at operator start; with
         KubeRay installed later this list keeps the cache right, one LIST per namespace.
         """
-        namespaces = sorted({
-            ns for ns, name in self.runs.snapshot_keys() if _nodes(self.runs.get(ns, name)) > 1
-        })
+        namespaces = sorted(
+            {ns for ns, name in self.runs.snapshot_keys() if _nodes(self.runs.get(ns, name)) > 1}
+        )
         if not namespaces or not self.kuberay_installed():
             return
         selector = f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}"
@@ -911,8 +992,12 @@ class Controller:
             API_VERSION, "RolloutPool", run.metadata.namespace, pool_name
         )
         if body is None:
-            log.warning("TrainingRun %s/%s: RolloutPool %r not found",
-                        run.metadata.namespace, run.metadata.name, pool_name)
+            log.warning(
+                "TrainingRun %s/%s: RolloutPool %r not found",
+                run.metadata.namespace,
+                run.metadata.name,
+                pool_name,
+            )
             return []
         return [b.pool_endpoint(RolloutPool.model_validate(body))]
 
@@ -934,8 +1019,14 @@ class Controller:
         keys = store.list("")
         for key in keys:
             store.delete(key)
-        self._emit(body, [EventSpec("Normal", Reason.STORAGE_DELETED,
-                                    f"deleted {len(keys)} object(s) under {uri}")])
+        self._emit(
+            body,
+            [
+                EventSpec(
+                    "Normal", Reason.STORAGE_DELETED, f"deleted {len(keys)} object(s) under {uri}"
+                )
+            ],
+        )
         return len(keys)
 
     # ------------------------------------------------------------ RolloutPool
@@ -956,8 +1047,9 @@ class Controller:
             pods = [pod_view(p) for p in self.rollout_pods.children(namespace, name)]
             selector = b.selector_string(b.pool_selector(name))
             served = served_weight_versions(pods, pool.spec.port)
-            plan = plan_rollout_pool(pool, desired, deployment, pods, selector,
-                                     b.pool_endpoint(pool), served)
+            plan = plan_rollout_pool(
+                pool, desired, deployment, pods, selector, b.pool_endpoint(pool), served
+            )
             service_key = ("Service", namespace, f"{name}/{pool.metadata.uid}")
             if service_key not in self._ensured:
                 self._create("RolloutPool", b.build_rollout_service(pool))
@@ -971,8 +1063,9 @@ class Controller:
 
     # ------------------------------------------------------------ routing
 
-    def route_pod(self, event_type: str | None,
-                  body: Body) -> tuple[Key | None, Callable[[], None] | None]:
+    def route_pod(
+        self, event_type: str | None, body: Body
+    ) -> tuple[Key | None, Callable[[], None] | None]:
         """Cache a pod event; return (the SandboxTask it calls to reconcile, other blocking
         work), each None when there is none (the echo of our own write needs nothing).
         The informer caches inline, reconciles the task on the loop when it can
@@ -1006,10 +1099,17 @@ class Controller:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
         self.refresh_ray_clusters()
-        self.kueue.refresh(sorted({
-            ns for ns, name in self.runs.snapshot_keys()
-            if ((self.runs.get(ns, name) or {}).get("metadata") or {}).get("labels", {}).get(
-                "kueue.x-k8s.io/queue-name")}))
+        self.kueue.refresh(
+            sorted(
+                {
+                    ns
+                    for ns, name in self.runs.snapshot_keys()
+                    if ((self.runs.get(ns, name) or {}).get("metadata") or {})
+                    .get("labels", {})
+                    .get("kueue.x-k8s.io/queue-name")
+                }
+            )
+        )
         for store, reconcile in (
             (self.runs, self.reconcile_run),
             (self.pools, self.reconcile_pool),

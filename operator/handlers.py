@@ -97,12 +97,14 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     """
     context = contextvars.copy_context()
     await asyncio.get_running_loop().run_in_executor(
-        getattr(memo, "executor", None), context.run, work)
+        getattr(memo, "executor", None), context.run, work
+    )
 
 
 @kopf.on.event(GROUP, VERSION, "sandboxwarmpools", registry=REGISTRY)
-async def sandbox_warm_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
-                                  **_: Any) -> None:
+async def sandbox_warm_pool_event(
+    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+) -> None:
     controller = _controller(memo)
     changed = controller.observe(controller.warm_pools, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
@@ -112,8 +114,9 @@ async def sandbox_warm_pool_event(event: kopf.RawEvent, memo: Any, namespace: st
 
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
-def training_run_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
-                       **_: Any) -> None:
+def training_run_event(
+    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+) -> None:
     _on_resource_event("TrainingRun", event, memo, namespace, name)
 
 
@@ -128,13 +131,15 @@ def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, "rolloutpools", registry=REGISTRY)
-def rollout_pool_event(event: kopf.RawEvent, memo: Any, namespace: str, name: str,
-                       **_: Any) -> None:
+def rollout_pool_event(
+    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+) -> None:
     _on_resource_event("RolloutPool", event, memo, namespace, name)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT},
-               registry=REGISTRY)
+@kopf.on.event(
+    "apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT}, registry=REGISTRY
+)
 def deployment_event(event: kopf.RawEvent, memo: Any, namespace: str, **_: Any) -> None:
     controller = _controller(memo)
     body = event["object"]
@@ -144,16 +149,22 @@ def deployment_event(event: kopf.RawEvent, memo: Any, namespace: str, **_: Any) 
         controller.reconcile_pool(namespace, pool)
 
 
-@kopf.on.event("ray.io", "v1", "rayclusters", labels={LABEL_COMPONENT: COMPONENT_TRAINER},
-               registry=REGISTRY)
+@kopf.on.event(
+    "ray.io", "v1", "rayclusters", labels={LABEL_COMPONENT: COMPONENT_TRAINER}, registry=REGISTRY
+)
 def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """KubeRay's RayClusters of multi-node runs. Served only when the CRD exists at start-up
     (kopf warns "Unresolved resources" otherwise); the resync's re-list covers the rest."""
     _controller(memo).on_ray_cluster(event.get("type"), event["object"])
 
 
-@kopf.on.event("kueue.x-k8s.io", "v1beta2", "workloads", labels={LABEL_COMPONENT: COMPONENT_TRAINER},
-               registry=REGISTRY)
+@kopf.on.event(
+    "kueue.x-k8s.io",
+    "v1beta2",
+    "workloads",
+    labels={LABEL_COMPONENT: COMPONENT_TRAINER},
+    registry=REGISTRY,
+)
 def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """Kueue's Workloads of queued runs (Kueue writes admission and eviction into them).
     Served only when Kueue's CRD exists at start-up; the resync's re-list covers the rest."""
@@ -193,7 +204,8 @@ async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
     try:
         while True:
             if not await controller.reconcile_task_on_loop(
-                    namespace, name, memo.akube.create_or_adopt):
+                namespace, name, memo.akube.create_or_adopt
+            ):
                 await _in_thread(memo, lambda: controller.reconcile_task(namespace, name))
             if not queue[key]:
                 break
@@ -223,5 +235,6 @@ def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
 def _finished(memo: Any, task: asyncio.Task[None]) -> None:
     memo.inflight.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.error("reconcile failed (the resync retries): %r", task.exception(),
-                  exc_info=task.exception())
+        log.error(
+            "reconcile failed (the resync retries): %r", task.exception(), exc_info=task.exception()
+        )

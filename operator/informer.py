@@ -102,9 +102,18 @@ class Informer:
     stream goes on (the periodic resync is the safety net, as with kopf's on.event).
     """
 
-    def __init__(self, kube: AsyncKube, api_version: str, kind: str, plural: str,
-                 namespace: str | None, on_event: OnEvent, label_selector: str = "",
-                 server_timeout: int = 300, client_timeout: float = 330.0) -> None:
+    def __init__(
+        self,
+        kube: AsyncKube,
+        api_version: str,
+        kind: str,
+        plural: str,
+        namespace: str | None,
+        on_event: OnEvent,
+        label_selector: str = "",
+        server_timeout: int = 300,
+        client_timeout: float = 330.0,
+    ) -> None:
         self.kube = kube
         self.api_version, self.kind = api_version, kind
         base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
@@ -156,8 +165,9 @@ class Informer:
             except (TimeoutError, aiohttp.ClientError, OSError, KubeError, ValueError) as exc:
                 if isinstance(exc, KubeError) and exc.status == 410:
                     rv = None
-                log.warning("%s: %s; watching again in %.1f s", self.name, exc or type(exc),
-                            backoff)
+                log.warning(
+                    "%s: %s; watching again in %.1f s", self.name, exc or type(exc), backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
 
@@ -191,8 +201,12 @@ class Informer:
 
     async def watch(self, rv: str) -> str:
         """Stream events from ``rv`` until the server ends the watch; the last version seen."""
-        path = self._query(watch=1, resourceVersion=rv, allowWatchBookmarks="true",
-                           timeoutSeconds=self.server_timeout)
+        path = self._query(
+            watch=1,
+            resourceVersion=rv,
+            allowWatchBookmarks="true",
+            timeoutSeconds=self.server_timeout,
+        )
         lines = self.kube.lines(path, self.client_timeout)
         async with contextlib.aclosing(lines):
             async for line in lines:
@@ -201,8 +215,9 @@ class Informer:
                 if event_type == "ERROR":
                     if body.get("code") == 410:
                         raise Gone(body.get("message"))
-                    raise KubeError(int(body.get("code") or 500), "WATCH", self.path,
-                                    json.dumps(body))
+                    raise KubeError(
+                        int(body.get("code") or 500), "WATCH", self.path, json.dumps(body)
+                    )
                 rv = (body.get("metadata") or {}).get("resourceVersion") or rv
                 if event_type == "BOOKMARK":
                     continue

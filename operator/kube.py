@@ -79,7 +79,8 @@ def load_credentials(kubeconfig: str | None) -> Credentials:
         except config.ConfigException:
             config.load_kube_config(client_configuration=cfg)
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix(
-        "authorization")
+        "authorization"
+    )
     token = header.split(" ", 1)[-1] if header else None
     return Credentials(
         server=cfg.host,
@@ -182,7 +183,9 @@ class KubeClient:
     def path_of(self, manifest: dict[str, Any], with_name: bool = False) -> str:
         meta = manifest["metadata"]
         return resource_path(
-            manifest["apiVersion"], PLURALS[manifest["kind"]], meta["namespace"],
+            manifest["apiVersion"],
+            PLURALS[manifest["kind"]],
+            meta["namespace"],
             meta["name"] if with_name else "",
         )
 
@@ -197,11 +200,15 @@ class KubeClient:
             return False, data
         return True, data
 
-    def patch(self, manifest_or_path: dict[str, Any] | str, patch: dict[str, Any],
-              subresource: str = "") -> dict[str, Any]:
+    def patch(
+        self, manifest_or_path: dict[str, Any] | str, patch: dict[str, Any], subresource: str = ""
+    ) -> dict[str, Any]:
         """JSON merge patch (RFC 7386) of an object or its status subresource."""
-        path = (manifest_or_path if isinstance(manifest_or_path, str)
-                else self.path_of(manifest_or_path, with_name=True))
+        path = (
+            manifest_or_path
+            if isinstance(manifest_or_path, str)
+            else self.path_of(manifest_or_path, with_name=True)
+        )
         if subresource:
             path = f"{path}/{subresource}"
         return self.request("PATCH", path, patch, content_type=MERGE_PATCH)[1]
@@ -225,8 +232,9 @@ class KubeClient:
             return False
         return any(r.get("name") == plural for r in data.get("resources") or [])
 
-    def list(self, api_version: str, kind: str, namespace: str,
-             label_selector: str = "") -> list[dict[str, Any]]:
+    def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str = ""
+    ) -> list[dict[str, Any]]:
         """Objects of ``kind`` in ``namespace`` (optionally filtered by a label selector)."""
         path = resource_path(api_version, PLURALS[kind], namespace)
         if label_selector:
@@ -240,5 +248,6 @@ class KubeClient:
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         status, data = self.request(
-            "GET", resource_path(api_version, PLURALS[kind], namespace, name), ok=(200, 404))
+            "GET", resource_path(api_version, PLURALS[kind], namespace, name), ok=(200, 404)
+        )
         return data if status == 200 else None

@@ -45,8 +45,9 @@ def workload_name(run: TrainingRun) -> str:
     return f"trainingrun-{run.metadata.name}"
 
 
-def build_workload(run: TrainingRun, pod_template: dict[str, Any], labels: dict[str, str],
-                   owner: dict[str, Any]) -> dict[str, Any]:
+def build_workload(
+    run: TrainingRun, pod_template: dict[str, Any], labels: dict[str, str], owner: dict[str, Any]
+) -> dict[str, Any]:
     """The Workload of ``run``: one pod set of ``spec.resources.nodes`` pods, gang-sized.
 
     ``pod_template`` is a trainer pod as the builders make it (its requests are what Kueue
@@ -57,8 +58,10 @@ def build_workload(run: TrainingRun, pod_template: dict[str, Any], labels: dict[
     if queue is None:
         raise ValueError(f"TrainingRun {run.metadata.name} has no {QUEUE_NAME_LABEL} label")
     spec = pod_template["spec"]
-    template = {"metadata": {"labels": dict(pod_template["metadata"].get("labels") or {})},
-                "spec": {k: v for k, v in spec.items() if k in _TEMPLATE_FIELDS}}
+    template = {
+        "metadata": {"labels": dict(pod_template["metadata"].get("labels") or {})},
+        "spec": {k: v for k, v in spec.items() if k in _TEMPLATE_FIELDS},
+    }
     return {
         "apiVersion": KUEUE_API_VERSION,
         "kind": "Workload",
@@ -70,16 +73,26 @@ def build_workload(run: TrainingRun, pod_template: dict[str, Any], labels: dict[
         },
         "spec": {
             "queueName": queue,
-            "podSets": [{"name": POD_SET_NAME, "count": run.spec.resources.nodes,
-                         "template": template}],
+            "podSets": [
+                {"name": POD_SET_NAME, "count": run.spec.resources.nodes, "template": template}
+            ],
         },
     }
 
 
 # Pod spec fields Kueue reads for quota and flavor fit; the rest (env, volumes' contents)
 # would only make the Workload large.
-_TEMPLATE_FIELDS = ("containers", "initContainers", "nodeSelector", "tolerations", "affinity",
-                    "priorityClassName", "runtimeClassName", "overhead", "restartPolicy")
+_TEMPLATE_FIELDS = (
+    "containers",
+    "initContainers",
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+    "priorityClassName",
+    "runtimeClassName",
+    "overhead",
+    "restartPolicy",
+)
 
 
 @dataclass(frozen=True)
@@ -116,28 +129,37 @@ def workload_view(body: dict[str, Any]) -> WorkloadView:
     meta = body.get("metadata") or {}
     status = body.get("status") or {}
     admitted = _condition(status, "Admitted").get("status") == "True" and bool(
-        status.get("admission"))
+        status.get("admission")
+    )
     evicted = _condition(status, "Evicted")
     reserved = _condition(status, "QuotaReserved")
     return WorkloadView(
         name=meta.get("name", ""),
         admitted=admitted,
         cluster_queue=str((status.get("admission") or {}).get("clusterQueue") or ""),
-        evicted_reason=str(evicted.get("reason") or "") if evicted.get("status") == "True"
-        else "",
+        evicted_reason=str(evicted.get("reason") or "") if evicted.get("status") == "True" else "",
         evicted_message=str(evicted.get("message") or ""),
         pending_message=str(reserved.get("message") or "")
-        if reserved.get("status") == "False" else "",
+        if reserved.get("status") == "False"
+        else "",
         finished=_condition(status, "Finished").get("status") == "True",
-        flavors=tuple(sorted({str(f) for a in (status.get("admission") or {}).get(
-            "podSetAssignments") or [] for f in (a.get("flavors") or {}).values()})),
+        flavors=tuple(
+            sorted(
+                {
+                    str(f)
+                    for a in (status.get("admission") or {}).get("podSetAssignments") or []
+                    for f in (a.get("flavors") or {}).values()
+                }
+            )
+        ),
         active=(body.get("spec") or {}).get("active", True) is not False,
         deleting=bool(meta.get("deletionTimestamp")),
     )
 
 
-def finished_condition(phase: str, message: str, now: datetime,
-                       generation: int | None) -> dict[str, Any]:
+def finished_condition(
+    phase: str, message: str, now: datetime, generation: int | None
+) -> dict[str, Any]:
     """The ``Finished`` condition the owner of a Workload writes when its job ends; Kueue
     then releases the quota. Reason Succeeded or Failed, as Kueue's own integrations use."""
     return {

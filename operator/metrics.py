@@ -8,12 +8,15 @@ RECONCILES = Counter(
     "posttrain_operator_reconciles_total", "Reconciles run, by resource kind.", ["kind"]
 )
 RECONCILE_ERRORS = Counter(
-    "posttrain_operator_reconcile_errors_total", "Reconciles that raised, by resource kind.",
+    "posttrain_operator_reconcile_errors_total",
+    "Reconciles that raised, by resource kind.",
     ["kind"],
 )
 RECONCILE_SECONDS = Histogram(
-    "posttrain_operator_reconcile_duration_seconds", "Wall time of one reconcile, by kind.",
-    ["kind"], buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+    "posttrain_operator_reconcile_duration_seconds",
+    "Wall time of one reconcile, by kind.",
+    ["kind"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
 CHILDREN_CREATED = Counter(
     "posttrain_operator_children_created_total",

@@ -28,15 +28,23 @@ OPERATOR_RULES: list[Rule] = [
     # Status is ours to write (phase, conditions, results), through merge patches.
     {
         "apiGroups": [GROUP],
-        "resources": ["trainingruns/status", "rolloutpools/status", "sandboxtasks/status",
-                      "sandboxwarmpools/status"],
+        "resources": [
+            "trainingruns/status",
+            "rolloutpools/status",
+            "sandboxtasks/status",
+            "sandboxwarmpools/status",
+        ],
         "verbs": ["get", "patch"],
     },
     # ownerReferences with blockOwnerDeletion=true require update on the owner's finalizers.
     {
         "apiGroups": [GROUP],
-        "resources": ["trainingruns/finalizers", "rolloutpools/finalizers",
-                      "sandboxtasks/finalizers", "sandboxwarmpools/finalizers"],
+        "resources": [
+            "trainingruns/finalizers",
+            "rolloutpools/finalizers",
+            "sandboxtasks/finalizers",
+            "sandboxwarmpools/finalizers",
+        ],
         "verbs": ["update"],
     },
     # Trainer gangs and sandboxes are pods the operator creates, watches and deletes; patch
@@ -60,8 +68,11 @@ OPERATOR_RULES: list[Rule] = [
     # Admission through Kueue (runs labelled kueue.x-k8s.io/queue-name, when Kueue is
     # installed): one Workload per run; patch sets spec.active on suspend/resume, and the
     # status patch marks it Finished when the run ends so Kueue releases the quota.
-    {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"],
-     "verbs": [*READ, "create", "patch"]},
+    {
+        "apiGroups": ["kueue.x-k8s.io"],
+        "resources": ["workloads"],
+        "verbs": [*READ, "create", "patch"],
+    },
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads/status"], "verbs": ["patch"]},
     # The node labels of the ResourceFlavors a Workload was admitted to go on its pods.
     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]},
@@ -125,8 +136,10 @@ def rbac_yaml(name: str = "posttrain-operator") -> str:
     trainer = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "ClusterRole",
-        "metadata": {"name": f"{name}-trainer-template",
-                     "labels": {"app.kubernetes.io/name": "posttrain-operator"}},
+        "metadata": {
+            "name": f"{name}-trainer-template",
+            "labels": {"app.kubernetes.io/name": "posttrain-operator"},
+        },
         "rules": TRAINER_RULES,
     }
     return yaml.safe_dump_all([cluster_role(name), trainer], sort_keys=False)

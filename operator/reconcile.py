@@ -274,8 +274,10 @@ def parse_sandbox_result(pod: PodView) -> SandboxResult:
     if term.reason == "OOMKilled":
         reason = SandboxExitReason.OOM_KILLED
     else:
-        reason = str(result.get("reason") or (
-            SandboxExitReason.COMPLETED if exit_code == 0 else SandboxExitReason.ERROR))
+        reason = str(
+            result.get("reason")
+            or (SandboxExitReason.COMPLETED if exit_code == 0 else SandboxExitReason.ERROR)
+        )
     reward = result.get("reward")
     if reward is None:
         reward = 1.0 if exit_code == 0 and reason == SandboxExitReason.COMPLETED else 0.0
@@ -284,10 +286,18 @@ def parse_sandbox_result(pod: PodView) -> SandboxResult:
     # The pod's annotations say where its entrypoint was told to store; its result says
     # whether that worked.
     logs_uri = pod.annotations.get(ANNOTATION_LOGS_URI) if result.get("logs_uploaded") else None
-    snapshot_uri = (pod.annotations.get(ANNOTATION_SNAPSHOT_URI)
-                    if result.get("snapshot_uploaded") else None)
-    return SandboxResult(exit_code, float(reward), duration_ms, reason, False,
-                         logs_uri=logs_uri, snapshot_uri=snapshot_uri)
+    snapshot_uri = (
+        pod.annotations.get(ANNOTATION_SNAPSHOT_URI) if result.get("snapshot_uploaded") else None
+    )
+    return SandboxResult(
+        exit_code,
+        float(reward),
+        duration_ms,
+        reason,
+        False,
+        logs_uri=logs_uri,
+        snapshot_uri=snapshot_uri,
+    )
 
 
 @dataclass
@@ -317,16 +327,20 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
         if ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl):
             plan.delete_task = True
             plan.delete_pods = [p.name for p in pods if not p.deleting]
-            plan.events.append(EventSpec("Normal", Reason.TTL_EXPIRED,
-                                         f"deleted {ttl} s after it finished"))
+            plan.events.append(
+                EventSpec("Normal", Reason.TTL_EXPIRED, f"deleted {ttl} s after it finished")
+            )
         return plan
 
     # Attempt 1 is implied: its pod is created without a status write, so a burst of tasks
     # costs one pod create each; attempts/podName are written with the first transition.
     attempts = max(status.attempts, 1)
     current_name = sandbox_pod_name(task.metadata.name, attempts)
-    desired: dict[str, Any] = {"observedGeneration": gen, "attempts": attempts,
-                               "podName": current_name}
+    desired: dict[str, Any] = {
+        "observedGeneration": gen,
+        "attempts": attempts,
+        "podName": current_name,
+    }
     conditions = list(status.conditions)
     current = next((p for p in pods if p.name == current_name), None)
     if current is None:
@@ -342,10 +356,17 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
             return plan  # nothing to record yet
     elif not current.finished:
         if current.phase == "Running" and status.phase != "Running":
-            desired.update(phase="Running", startTime=_iso(
-                status.start_time or current.start_time or now))
-            conditions = set_condition(conditions, ConditionType.READY, "True",
-                                       Reason.POD_RUNNING, "the program is running", gen)
+            desired.update(
+                phase="Running", startTime=_iso(status.start_time or current.start_time or now)
+            )
+            conditions = set_condition(
+                conditions,
+                ConditionType.READY,
+                "True",
+                Reason.POD_RUNNING,
+                "the program is running",
+                gen,
+            )
         elif status.attempts == 0:
             return plan  # created, not started: still nothing to record
     else:
@@ -353,14 +374,20 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
         if result.sandbox_failed and attempts < 1 + task.spec.retries:
             attempts += 1
             plan.create_attempt = attempts
-            desired.update(attempts=attempts,
-                           podName=sandbox_pod_name(task.metadata.name, attempts),
-                           phase="Pending")
+            desired.update(
+                attempts=attempts,
+                podName=sandbox_pod_name(task.metadata.name, attempts),
+                phase="Pending",
+            )
             why = current.reason or current.message or "the pod failed before the program ran"
-            plan.events.append(EventSpec(
-                "Warning", Reason.SANDBOX_RETRY,
-                f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
-                f"({attempts}/{1 + task.spec.retries})"))
+            plan.events.append(
+                EventSpec(
+                    "Warning",
+                    Reason.SANDBOX_RETRY,
+                    f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
+                    f"({attempts}/{1 + task.spec.retries})",
+                )
+            )
         else:
             desired["startTime"] = _iso(status.start_time or current.start_time or now)
             _finish_sandbox(task, result, attempts, now, desired, plan)
@@ -378,8 +405,11 @@ def _finish_sandbox(
     desired: dict[str, Any],
     plan: SandboxPlan,
 ) -> None:
-    succeeded = not result.sandbox_failed and result.exit_code == 0 and (
-        result.reason == SandboxExitReason.COMPLETED)
+    succeeded = (
+        not result.sandbox_failed
+        and result.exit_code == 0
+        and (result.reason == SandboxExitReason.COMPLETED)
+    )
     desired.update(
         phase="Succeeded" if succeeded else "Failed",
         exitCode=result.exit_code,
@@ -393,17 +423,26 @@ def _finish_sandbox(
     for key in [k for k, v in desired.items() if v is None]:
         del desired[key]  # e.g. no duration known: leave the field unset, not null
     if succeeded:
-        plan.events.append(EventSpec("Normal", Reason.COMPLETED,
-                                     f"exit 0, reward {desired['reward']}"))
+        plan.events.append(
+            EventSpec("Normal", Reason.COMPLETED, f"exit 0, reward {desired['reward']}")
+        )
     elif result.sandbox_failed:
-        plan.events.append(EventSpec(
-            "Warning", Reason.SANDBOX_FAILED,
-            f"the sandbox failed on all {attempts} attempt(s) (spec.retries="
-            f"{task.spec.retries}); check node capacity, the image and the RuntimeClass"))
+        plan.events.append(
+            EventSpec(
+                "Warning",
+                Reason.SANDBOX_FAILED,
+                f"the sandbox failed on all {attempts} attempt(s) (spec.retries="
+                f"{task.spec.retries}); check node capacity, the image and the RuntimeClass",
+            )
+        )
     else:
-        plan.events.append(EventSpec(
-            "Warning", Reason.PROGRAM_FAILED,
-            f"the program ended with {result.reason} (exit {result.exit_code})"))
+        plan.events.append(
+            EventSpec(
+                "Warning",
+                Reason.PROGRAM_FAILED,
+                f"the program ended with {result.reason} (exit {result.exit_code})",
+            )
+        )
 
 
 def _sandbox_final_conditions(
@@ -412,15 +451,36 @@ def _sandbox_final_conditions(
     ok = desired["phase"] == "Succeeded"
     reason = desired.get("reason", "")
     if ok:
-        conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True", Reason.COMPLETED,
-                                   "the program exited 0", gen)
+        conditions = set_condition(
+            conditions,
+            ConditionType.SUCCEEDED,
+            "True",
+            Reason.COMPLETED,
+            "the program exited 0",
+            gen,
+        )
     else:
-        why = (Reason.SANDBOX_FAILED if reason == SandboxExitReason.SANDBOX_FAILED
-               else Reason.PROGRAM_FAILED)
-        conditions = set_condition(conditions, ConditionType.FAILED, "True", why,
-                                   f"ended with {reason} (exit {desired.get('exitCode')})", gen)
-    return set_condition(conditions, ConditionType.READY, "False",
-                         Reason.COMPLETED if ok else Reason.PROGRAM_FAILED, "finished", gen)
+        why = (
+            Reason.SANDBOX_FAILED
+            if reason == SandboxExitReason.SANDBOX_FAILED
+            else Reason.PROGRAM_FAILED
+        )
+        conditions = set_condition(
+            conditions,
+            ConditionType.FAILED,
+            "True",
+            why,
+            f"ended with {reason} (exit {desired.get('exitCode')})",
+            gen,
+        )
+    return set_condition(
+        conditions,
+        ConditionType.READY,
+        "False",
+        Reason.COMPLETED if ok else Reason.PROGRAM_FAILED,
+        "finished",
+        gen,
+    )
 
 
 # ---------------------------------------------------------------- TrainingRun
@@ -476,9 +536,11 @@ def managed_elsewhere(managed_by: str | None) -> str | None:
     """
     if managed_by is None or managed_by == MANAGED_BY_POSTTRAIN:
         return None
-    return (f"spec.managedBy is {managed_by!r}, not {MANAGED_BY_POSTTRAIN!r}: that controller "
-            "owns this run, so the posttrain operator creates nothing for it and writes no "
-            "status")
+    return (
+        f"spec.managedBy is {managed_by!r}, not {MANAGED_BY_POSTTRAIN!r}: that controller "
+        "owns this run, so the posttrain operator creates nothing for it and writes no "
+        "status"
+    )
 
 
 def plan_training_run(
@@ -546,30 +608,48 @@ def plan_training_run(
             desired.update(rayCluster=None, rayClusterState=None, availableWorkers=None)
         if status.phase != "Suspended":
             desired.update(phase="Suspended", message="suspended: trainer pods deleted")
-            plan.events.append(EventSpec("Normal", Reason.SUSPENDED,
-                                         "spec.suspend=true: deleted the trainer pods"))
-        conditions = set_condition(conditions, ConditionType.SUSPENDED, "True", Reason.SUSPENDED,
-                                   "spec.suspend is true", gen)
-        conditions = set_condition(conditions, ConditionType.READY, "False", Reason.SUSPENDED,
-                                   "suspended", gen)
+            plan.events.append(
+                EventSpec("Normal", Reason.SUSPENDED, "spec.suspend=true: deleted the trainer pods")
+            )
+        conditions = set_condition(
+            conditions,
+            ConditionType.SUSPENDED,
+            "True",
+            Reason.SUSPENDED,
+            "spec.suspend is true",
+            gen,
+        )
+        conditions = set_condition(
+            conditions, ConditionType.READY, "False", Reason.SUSPENDED, "suspended", gen
+        )
         desired["conditions"] = _conditions_wire(conditions)
         plan.status_patch = status_diff(status.to_wire(), desired)
         return plan
 
     if status.phase == "Suspended":
         plan.incarnation = incarnation = incarnation + 1
-        conditions = set_condition(conditions, ConditionType.SUSPENDED, "False", Reason.RESUMED,
-                                   "resumed from the last checkpoint", gen)
-        plan.events.append(EventSpec(
-            "Normal", Reason.RESUMED,
-            f"resumed from {status.last_checkpoint or 'the start (no checkpoint yet)'}"))
+        conditions = set_condition(
+            conditions,
+            ConditionType.SUSPENDED,
+            "False",
+            Reason.RESUMED,
+            "resumed from the last checkpoint",
+            gen,
+        )
+        plan.events.append(
+            EventSpec(
+                "Normal",
+                Reason.RESUMED,
+                f"resumed from {status.last_checkpoint or 'the start (no checkpoint yet)'}",
+            )
+        )
     elif get_condition(conditions, ConditionType.SUSPENDED) is None:
-        conditions = set_condition(conditions, ConditionType.SUSPENDED, "False",
-                                   Reason.NOT_SUSPENDED, "", gen)
+        conditions = set_condition(
+            conditions, ConditionType.SUSPENDED, "False", Reason.NOT_SUSPENDED, "", gen
+        )
 
     if kueue is not None:
-        waiting = _plan_kueue_admission(run, kueue, live, live_clusters, plan, desired,
-                                        conditions)
+        waiting = _plan_kueue_admission(run, kueue, live, live_clusters, plan, desired, conditions)
         if waiting is not None:
             desired["conditions"] = _conditions_wire(waiting)
             plan.status_patch = status_diff(status.to_wire(), desired)
@@ -582,23 +662,28 @@ def plan_training_run(
         desired["startTime"] = _iso(now)
     deadline = spec.active_deadline_seconds
     if deadline is not None and now >= start + timedelta(seconds=deadline):
-        fail(Reason.DEADLINE_EXCEEDED,
-             f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
-             f"{status.last_checkpoint or 'scratch'} in a new run")
+        fail(
+            Reason.DEADLINE_EXCEEDED,
+            f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
+            f"{status.last_checkpoint or 'scratch'} in a new run",
+        )
         desired["conditions"] = _conditions_wire(conditions)
         plan.status_patch = status_diff(status.to_wire(), desired)
         return plan
 
     if kuberay:
         conditions, failure = _plan_ray_cluster_gang(
-            run, live, live_clusters, plan, desired, conditions, now)
+            run, live, live_clusters, plan, desired, conditions, now
+        )
         if failure is not None:
             fail(*failure)
         desired["conditions"] = _conditions_wire(conditions)
         plan.status_patch = status_diff(status.to_wire(), desired)
         return plan
 
-    gang = {p.labels.get(LABEL_RANK): p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)}
+    gang = {
+        p.labels.get(LABEL_RANK): p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)
+    }
     stale = [p.name for p in live if p.labels.get(LABEL_GANG) != str(incarnation)]
     plan.delete_pods = stale
     failed = [p for p in gang.values() if p.phase == "Failed"]
@@ -610,21 +695,33 @@ def plan_training_run(
         desired["restarts"] = restarts
         why = ", ".join(f"{p.name} ({p.reason or _exit_text(p)})" for p in failed)
         if restarts > spec.backoff_limit:
-            fail(Reason.BACKOFF_LIMIT_EXCEEDED,
-                 _backoff_exceeded(restarts, spec.backoff_limit, why))
+            fail(
+                Reason.BACKOFF_LIMIT_EXCEEDED, _backoff_exceeded(restarts, spec.backoff_limit, why)
+            )
         else:
             plan.delete_pods = stale + [p.name for p in gang.values()]
             plan.incarnation = incarnation + 1
             plan.create_ranks = list(range(nodes))
             plan.ensure_children = True
-            desired.update(phase="Pending",
-                           message=f"restart {restarts}/{spec.backoff_limit} after {why}")
-            conditions = set_condition(conditions, ConditionType.READY, "False",
-                                       Reason.GANG_RESTART, desired["message"], gen)
-            plan.events.append(EventSpec(
-                "Warning", Reason.GANG_RESTART,
-                f"{why} failed: recreating all {nodes} pod(s) as gang {plan.incarnation} "
-                f"(restart {restarts} of {spec.backoff_limit})"))
+            desired.update(
+                phase="Pending", message=f"restart {restarts}/{spec.backoff_limit} after {why}"
+            )
+            conditions = set_condition(
+                conditions,
+                ConditionType.READY,
+                "False",
+                Reason.GANG_RESTART,
+                desired["message"],
+                gen,
+            )
+            plan.events.append(
+                EventSpec(
+                    "Warning",
+                    Reason.GANG_RESTART,
+                    f"{why} failed: recreating all {nodes} pod(s) as gang {plan.incarnation} "
+                    f"(restart {restarts} of {spec.backoff_limit})",
+                )
+            )
     elif head is not None and head.phase == "Succeeded":
         conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
         plan.delete_pods = stale + [p.name for p in gang.values() if not p.finished]
@@ -635,26 +732,40 @@ def plan_training_run(
             plan.ensure_children = True
         if not missing and all(p.phase == "Running" for p in gang.values()):
             if status.phase != "Running":
-                plan.events.append(EventSpec("Normal", Reason.RUNNING,
-                                             f"all {nodes} trainer pod(s) running"))
+                plan.events.append(
+                    EventSpec("Normal", Reason.RUNNING, f"all {nodes} trainer pod(s) running")
+                )
             desired.update(phase="Running", message=f"{nodes} trainer pod(s) running")
-            conditions = set_condition(conditions, ConditionType.READY, "True", Reason.RUNNING,
-                                       desired["message"], gen)
+            conditions = set_condition(
+                conditions, ConditionType.READY, "True", Reason.RUNNING, desired["message"], gen
+            )
         else:
             if status.phase in (None, "Suspended"):
-                plan.events.append(EventSpec("Normal", Reason.PODS_CREATED,
-                                             f"creating gang {incarnation} of {nodes} pod(s)"))
+                plan.events.append(
+                    EventSpec(
+                        "Normal",
+                        Reason.PODS_CREATED,
+                        f"creating gang {incarnation} of {nodes} pod(s)",
+                    )
+                )
             pending = nodes - sum(p.phase == "Running" for p in gang.values())
             desired.update(phase="Pending", message=f"waiting for {pending}/{nodes} pod(s)")
-            conditions = set_condition(conditions, ConditionType.READY, "False",
-                                       Reason.PODS_PENDING, desired["message"], gen)
+            conditions = set_condition(
+                conditions,
+                ConditionType.READY,
+                "False",
+                Reason.PODS_PENDING,
+                desired["message"],
+                gen,
+            )
     desired["conditions"] = _conditions_wire(conditions)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
 
 
-def _sandbox_condition(run: TrainingRun, conditions: list[Condition],
-                       plan: RunPlan) -> list[Condition]:
+def _sandbox_condition(
+    run: TrainingRun, conditions: list[Condition], plan: RunPlan
+) -> list[Condition]:
     """SandboxAvailable from what the trainer reported in status.sandbox (absent until the
     trainer first verified with it); a change posts an event naming the sandbox."""
     health = run.status.sandbox
@@ -667,19 +778,26 @@ def _sandbox_condition(run: TrainingRun, conditions: list[Condition],
         message = f"{where} performs executions ({health.infra_failures} failure(s) retried)"
     else:
         status, reason = "False", Reason.SANDBOX_UNAVAILABLE
-        message = (f"{where}: {health.last_error or 'executions fail'}; retried "
-                   f"{health.infra_failures} time(s), no sample scored while it fails")
+        message = (
+            f"{where}: {health.last_error or 'executions fail'}; retried "
+            f"{health.infra_failures} time(s), no sample scored while it fails"
+        )
     before = get_condition(conditions, ConditionType.SANDBOX_AVAILABLE)
     if before is None or before.status != status:
-        plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason,
-                                     message))
-    return set_condition(conditions, ConditionType.SANDBOX_AVAILABLE, status, reason,
-                         message[:1000], gen)
+        plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason, message))
+    return set_condition(
+        conditions, ConditionType.SANDBOX_AVAILABLE, status, reason, message[:1000], gen
+    )
 
 
 def _plan_kueue_admission(
-    run: TrainingRun, kueue: KueueGate, live: list[PodView], live_clusters: list[RayClusterView],
-    plan: RunPlan, desired: dict[str, Any], conditions: list[Condition],
+    run: TrainingRun,
+    kueue: KueueGate,
+    live: list[PodView],
+    live_clusters: list[RayClusterView],
+    plan: RunPlan,
+    desired: dict[str, Any],
+    conditions: list[Condition],
 ) -> list[Condition] | None:
     """Hold the run back until Kueue admits its Workload: the conditions to write while it
     waits (no pods, no RayCluster), or None once it is admitted."""
@@ -692,22 +810,29 @@ def _plan_kueue_admission(
     if workload is not None and workload.admitted and workload.active:
         return None
     name = workload_name(run)
-    evicted = workload is not None and bool(workload.evicted_reason) and bool(
-        live or live_clusters)
+    evicted = workload is not None and bool(workload.evicted_reason) and bool(live or live_clusters)
     if evicted:
         assert workload is not None
         reason = Reason.EVICTED
-        message = (f"Kueue evicted Workload {name} ({workload.evicted_reason}: "
-                   f"{workload.evicted_message or 'no message'}); the trainer pods were deleted "
-                   "and the run resumes from its last checkpoint when admitted again")
+        message = (
+            f"Kueue evicted Workload {name} ({workload.evicted_reason}: "
+            f"{workload.evicted_message or 'no message'}); the trainer pods were deleted "
+            "and the run resumes from its last checkpoint when admitted again"
+        )
         plan.events.append(EventSpec("Warning", reason, message))
     else:
         previous = get_condition(conditions, ConditionType.SUSPENDED)
-        reason = previous.reason if previous is not None and previous.status == "True" and (
-            previous.reason == Reason.EVICTED) else Reason.WAITING_FOR_ADMISSION
+        reason = (
+            previous.reason
+            if previous is not None
+            and previous.status == "True"
+            and (previous.reason == Reason.EVICTED)
+            else Reason.WAITING_FOR_ADMISSION
+        )
         why = workload.pending_message if workload is not None else ""
-        message = (f"waiting for Kueue to admit Workload {name} in LocalQueue {kueue.queue}"
-                   + (f": {why}" if why else ""))
+        message = f"waiting for Kueue to admit Workload {name} in LocalQueue {kueue.queue}" + (
+            f": {why}" if why else ""
+        )
         if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
             plan.events.append(EventSpec("Normal", Reason.WAITING_FOR_ADMISSION, message))
     plan.delete_pods = [p.name for p in live]
@@ -717,8 +842,9 @@ def _plan_kueue_admission(
     return set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
 
 
-def _mark_admitted(run: TrainingRun, kueue: KueueGate, plan: RunPlan,
-                   conditions: list[Condition]) -> list[Condition]:
+def _mark_admitted(
+    run: TrainingRun, kueue: KueueGate, plan: RunPlan, conditions: list[Condition]
+) -> list[Condition]:
     """Admitted: Suspended=False; after an eviction the gang restarts as a new incarnation
     (the old pods may still be terminating under the old names)."""
     previous = get_condition(conditions, ConditionType.SUSPENDED)
@@ -727,25 +853,42 @@ def _mark_admitted(run: TrainingRun, kueue: KueueGate, plan: RunPlan,
     assert kueue.workload is not None
     if previous.reason == Reason.EVICTED:
         plan.incarnation += 1
-    message = (f"Kueue admitted Workload {kueue.workload.name} to ClusterQueue "
-               f"{kueue.workload.cluster_queue or '?'}")
+    message = (
+        f"Kueue admitted Workload {kueue.workload.name} to ClusterQueue "
+        f"{kueue.workload.cluster_queue or '?'}"
+    )
     plan.events.append(EventSpec("Normal", Reason.ADMITTED, message))
-    return set_condition(conditions, ConditionType.SUSPENDED, "False", Reason.ADMITTED, message,
-                         run.metadata.generation)
+    return set_condition(
+        conditions,
+        ConditionType.SUSPENDED,
+        "False",
+        Reason.ADMITTED,
+        message,
+        run.metadata.generation,
+    )
 
 
 def _mark_trainer_succeeded(
-    status: TrainingRunStatus, desired: dict[str, Any], conditions: list[Condition], plan: RunPlan,
-    now: datetime, gen: int | None,
+    status: TrainingRunStatus,
+    desired: dict[str, Any],
+    conditions: list[Condition],
+    plan: RunPlan,
+    now: datetime,
+    gen: int | None,
 ) -> list[Condition]:
     """The head pod (rank 0) succeeded: the run is Succeeded, for pod gangs and RayClusters."""
-    message = f"trainer finished at step {status.step}" if status.step is not None else (
-        "trainer finished")
+    message = (
+        f"trainer finished at step {status.step}"
+        if status.step is not None
+        else ("trainer finished")
+    )
     desired.update(phase="Succeeded", message=message, completionTime=_iso(now))
-    conditions = set_condition(conditions, ConditionType.SUCCEEDED, "True",
-                               Reason.TRAINER_SUCCEEDED, message, gen)
-    conditions = set_condition(conditions, ConditionType.READY, "False",
-                               Reason.TRAINER_SUCCEEDED, message, gen)
+    conditions = set_condition(
+        conditions, ConditionType.SUCCEEDED, "True", Reason.TRAINER_SUCCEEDED, message, gen
+    )
+    conditions = set_condition(
+        conditions, ConditionType.READY, "False", Reason.TRAINER_SUCCEEDED, message, gen
+    )
     plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
     return conditions
 
@@ -788,8 +931,11 @@ def _plan_ray_cluster_gang(
     failed = [f"{p.name} ({p.reason or _exit_text(p)})" for p in gang if p.phase == "Failed"]
     if current is not None and current.failed:
         failed.insert(0, f"RayCluster {name} failed ({current.reason or 'no reason given'})")
-    desired.update(rayCluster=name, rayClusterState=current.state if current else None,
-                   availableWorkers=current.available_workers if current else 0)
+    desired.update(
+        rayCluster=name,
+        rayClusterState=current.state if current else None,
+        availableWorkers=current.available_workers if current else 0,
+    )
     if desired["rayClusterState"] is None:
         del desired["rayClusterState"]
 
@@ -799,22 +945,33 @@ def _plan_ray_cluster_gang(
         why = ", ".join(failed)
         if restarts > spec.backoff_limit:
             return conditions, (
-                Reason.BACKOFF_LIMIT_EXCEEDED, _backoff_exceeded(restarts, spec.backoff_limit, why))
+                Reason.BACKOFF_LIMIT_EXCEEDED,
+                _backoff_exceeded(restarts, spec.backoff_limit, why),
+            )
         plan.delete_ray_clusters.append(name)
         plan.delete_pods += [p.name for p in gang]
         plan.incarnation = incarnation + 1
         plan.create_ray_cluster = True
         plan.ensure_children = True
         new_name = ray_cluster_name(run.metadata.name, plan.incarnation)
-        desired.update(phase="Pending", rayCluster=new_name, availableWorkers=0,
-                       message=f"restart {restarts}/{spec.backoff_limit} after {why}")
+        desired.update(
+            phase="Pending",
+            rayCluster=new_name,
+            availableWorkers=0,
+            message=f"restart {restarts}/{spec.backoff_limit} after {why}",
+        )
         desired.pop("rayClusterState", None)
-        conditions = set_condition(conditions, ConditionType.READY, "False",
-                                   Reason.GANG_RESTART, desired["message"], gen)
-        plan.events.append(EventSpec(
-            "Warning", Reason.GANG_RESTART,
-            f"{why}: recreating the RayCluster as {new_name} "
-            f"(restart {restarts} of {spec.backoff_limit})"))
+        conditions = set_condition(
+            conditions, ConditionType.READY, "False", Reason.GANG_RESTART, desired["message"], gen
+        )
+        plan.events.append(
+            EventSpec(
+                "Warning",
+                Reason.GANG_RESTART,
+                f"{why}: recreating the RayCluster as {new_name} "
+                f"(restart {restarts} of {spec.backoff_limit})",
+            )
+        )
     elif head is not None and head.phase == "Succeeded":
         conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
         plan.delete_ray_clusters.append(name)
@@ -823,26 +980,48 @@ def _plan_ray_cluster_gang(
         plan.create_ray_cluster = True
         plan.ensure_children = True
         if status.phase in (None, "Suspended"):
-            plan.events.append(EventSpec(
-                "Normal", Reason.RAY_CLUSTER_CREATED,
-                f"creating RayCluster {name}: a head and {workers} worker(s)"))
+            plan.events.append(
+                EventSpec(
+                    "Normal",
+                    Reason.RAY_CLUSTER_CREATED,
+                    f"creating RayCluster {name}: a head and {workers} worker(s)",
+                )
+            )
         desired.update(phase="Pending", message=f"waiting for RayCluster {name}")
-        conditions = set_condition(conditions, ConditionType.READY, "False",
-                                   Reason.RAY_CLUSTER_PENDING, desired["message"], gen)
+        conditions = set_condition(
+            conditions,
+            ConditionType.READY,
+            "False",
+            Reason.RAY_CLUSTER_PENDING,
+            desired["message"],
+            gen,
+        )
     elif current.state == "ready":
-        message = (f"RayCluster {name} ready: {current.available_workers}/{workers} "
-                   "worker(s) available")
+        message = (
+            f"RayCluster {name} ready: {current.available_workers}/{workers} worker(s) available"
+        )
         if status.phase != "Running":
             plan.events.append(EventSpec("Normal", Reason.RUNNING, message))
         desired.update(phase="Running", message=message)
-        conditions = set_condition(conditions, ConditionType.READY, "True", Reason.RUNNING,
-                                   message, gen)
+        conditions = set_condition(
+            conditions, ConditionType.READY, "True", Reason.RUNNING, message, gen
+        )
     else:
-        desired.update(phase="Pending", message=(
-            f"waiting for RayCluster {name} (state {current.state or 'not reported yet'}, "
-            f"{current.available_workers}/{workers} worker(s) available)"))
-        conditions = set_condition(conditions, ConditionType.READY, "False",
-                                   Reason.RAY_CLUSTER_PENDING, desired["message"], gen)
+        desired.update(
+            phase="Pending",
+            message=(
+                f"waiting for RayCluster {name} (state {current.state or 'not reported yet'}, "
+                f"{current.available_workers}/{workers} worker(s) available)"
+            ),
+        )
+        conditions = set_condition(
+            conditions,
+            ConditionType.READY,
+            "False",
+            Reason.RAY_CLUSTER_PENDING,
+            desired["message"],
+            gen,
+        )
     return conditions, None
 
 
@@ -887,28 +1066,43 @@ def plan_rollout_pool(
     want_replicas = pool.spec.replicas
     if deployment is None:
         plan.create_deployment = True
-        plan.events.append(EventSpec("Normal", Reason.DEPLOYMENT_CREATED,
-                                     f"created Deployment with {want_replicas} replica(s)"))
+        plan.events.append(
+            EventSpec(
+                "Normal",
+                Reason.DEPLOYMENT_CREATED,
+                f"created Deployment with {want_replicas} replica(s)",
+            )
+        )
         replicas = ready = updated = 0
     else:
         have_hash = ((deployment.get("metadata") or {}).get("annotations") or {}).get(
-            ANNOTATION_SPEC_HASH)
+            ANNOTATION_SPEC_HASH
+        )
         want_hash = desired_deployment["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
         patch: dict[str, Any] = {}
         if have_hash != want_hash:
             patch = {
                 "metadata": {"annotations": {ANNOTATION_SPEC_HASH: want_hash}},
-                "spec": {"template": desired_deployment["spec"]["template"],
-                         "replicas": want_replicas},
+                "spec": {
+                    "template": desired_deployment["spec"]["template"],
+                    "replicas": want_replicas,
+                },
             }
-            plan.events.append(EventSpec("Normal", Reason.DEPLOYMENT_UPDATED,
-                                         "server template changed: rolling update"))
+            plan.events.append(
+                EventSpec(
+                    "Normal", Reason.DEPLOYMENT_UPDATED, "server template changed: rolling update"
+                )
+            )
         elif (deployment.get("spec") or {}).get("replicas") != want_replicas:
             patch = {"spec": {"replicas": want_replicas}}
-            plan.events.append(EventSpec(
-                "Normal", Reason.DEPLOYMENT_UPDATED,
-                f"scaled from {(deployment.get('spec') or {}).get('replicas')} to "
-                f"{want_replicas} replica(s)"))
+            plan.events.append(
+                EventSpec(
+                    "Normal",
+                    Reason.DEPLOYMENT_UPDATED,
+                    f"scaled from {(deployment.get('spec') or {}).get('replicas')} to "
+                    f"{want_replicas} replica(s)",
+                )
+            )
         plan.patch_deployment = patch or None
         dstatus = deployment.get("status") or {}
         replicas = int(dstatus.get("replicas") or 0)
@@ -930,8 +1124,13 @@ def plan_rollout_pool(
         reason, detail = trouble
         message = f"{message}; {detail}"
     if phase != status.phase and status.phase is not None:
-        plan.events.append(EventSpec("Normal" if cond == "True" else "Warning", reason,
-                                     f"{status.phase} -> {phase}: {message}"))
+        plan.events.append(
+            EventSpec(
+                "Normal" if cond == "True" else "Warning",
+                reason,
+                f"{status.phase} -> {phase}: {message}",
+            )
+        )
     conditions = set_condition(conditions, ConditionType.READY, cond, reason, message, gen)
     desired: dict[str, Any] = {
         "observedGeneration": gen,
@@ -975,12 +1174,14 @@ def replica_trouble(pods: list[PodView], model: str) -> tuple[str, str] | None:
     for pod in live:
         if pod.init_failure:
             return Reason.MODEL_UNAVAILABLE, (
-                f"model {model} is unavailable on replica {pod.name}: {pod.init_failure[-400:]}")
+                f"model {model} is unavailable on replica {pod.name}: {pod.init_failure[-400:]}"
+            )
     for pod in live:
         if pod.waiting_reason == "CrashLoopBackOff" or pod.restarts >= CRASH_LOOP_RESTARTS:
             last = f": {pod.last_message[-400:]}" if pod.last_message else ""
             return Reason.REPLICA_CRASH_LOOP, (
-                f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}")
+                f"replica {pod.name} is crash-looping ({pod.restarts} restart(s)){last}"
+            )
     return None
 
 
@@ -994,9 +1195,7 @@ def replica_endpoints(pods: list[PodView], port: int) -> list[str]:
     return sorted(f"http://{p.ip}:{port}" for p in pods if p.ready and p.ip and not p.deleting)
 
 
-def pool_weight_version(
-    pods: list[PodView], served: dict[str, int] | None = None
-) -> int | None:
+def pool_weight_version(pods: list[PodView], served: dict[str, int] | None = None) -> int | None:
     """The weights version every ready replica serves: the minimum over ready replicas.
 
     A replica's version is what its front door answered (``served``, pod name -> version),

@@ -39,10 +39,18 @@ def post_kopf_event(body: dict[str, Any], event: EventSpec) -> None:
 def build_memo(config: OperatorConfig) -> kopf.Memo:
     """Credentials, the shared REST client and the controller, handed to every handler."""
     creds = load_credentials(config.kubeconfig)
-    kube = KubeClient(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout,
-                      reload=lambda: load_credentials(config.kubeconfig))
-    akube = AsyncKube(creds, pool_size=config.max_workers + 8, timeout=config.request_timeout,
-                      reload=lambda: load_credentials(config.kubeconfig))
+    kube = KubeClient(
+        creds,
+        pool_size=config.max_workers + 8,
+        timeout=config.request_timeout,
+        reload=lambda: load_credentials(config.kubeconfig),
+    )
+    akube = AsyncKube(
+        creds,
+        pool_size=config.max_workers + 8,
+        timeout=config.request_timeout,
+        reload=lambda: load_credentials(config.kubeconfig),
+    )
     controller = Controller(config, kube, post_kopf_event)
     return kopf.Memo(config=config, credentials=creds, controller=controller, akube=akube)
 
@@ -81,35 +89,60 @@ async def run_async(
         liveness_endpoint=liveness,
     )
     paused, event_queue = kopf_internals(tasks)
-    peering = () if config.standalone else peering_toggle_names(
-        config.peering_name, None if config.all_namespaces else config.watched_namespaces)
+    peering = (
+        ()
+        if config.standalone
+        else peering_toggle_names(
+            config.peering_name, None if config.all_namespaces else config.watched_namespaces
+        )
+    )
     informers = asyncio.create_task(
-        run_informers(memo, config, Gate(paused, peering), event_queue),
-        name="posttrain informers")
+        run_informers(memo, config, Gate(paused, peering), event_queue), name="posttrain informers"
+    )
     await kopf.run_tasks([*tasks, informers], ignored=existing)
 
 
 def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
     """SandboxTasks and labelled pods (the burst path), per watched namespace or cluster-wide."""
     namespaces: list[str | None] = (
-        [None] if config.all_namespaces else list(config.watched_namespaces))
+        [None] if config.all_namespaces else list(config.watched_namespaces)
+    )
     from .handlers import on_pod, on_sandbox_task
 
     informers = []
     for namespace in namespaces:
-        common = {"namespace": namespace, "server_timeout": config.watch_server_timeout,
-                  "client_timeout": config.watch_client_timeout}
-        informers.append(Informer(
-            memo.akube, API_VERSION, "SandboxTask", "sandboxtasks",
-            on_event=lambda event, body: on_sandbox_task(memo, event, body), **common))
-        informers.append(Informer(
-            memo.akube, "v1", "Pod", "pods", label_selector=LABEL_COMPONENT,
-            on_event=lambda event, body: on_pod(memo, event, body), **common))
+        common = {
+            "namespace": namespace,
+            "server_timeout": config.watch_server_timeout,
+            "client_timeout": config.watch_client_timeout,
+        }
+        informers.append(
+            Informer(
+                memo.akube,
+                API_VERSION,
+                "SandboxTask",
+                "sandboxtasks",
+                on_event=lambda event, body: on_sandbox_task(memo, event, body),
+                **common,
+            )
+        )
+        informers.append(
+            Informer(
+                memo.akube,
+                "v1",
+                "Pod",
+                "pods",
+                label_selector=LABEL_COMPONENT,
+                on_event=lambda event, body: on_pod(memo, event, body),
+                **common,
+            )
+        )
     return informers
 
 
-async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate,
-                        event_queue: Any) -> None:
+async def run_informers(
+    memo: kopf.Memo, config: OperatorConfig, gate: Gate, event_queue: Any
+) -> None:
     """The informers until cancelled (at shutdown), then close their HTTP session."""
     # kopf.event() (Kubernetes Events from reconciles) reads its queue from these context
     # variables, which kopf sets only in its own per-object workers.
@@ -130,8 +163,11 @@ def run_forever(config: OperatorConfig) -> None:
     logging.getLogger().setLevel(config.log_level)
     start_metrics_server(config.metrics_port)
     where = "all namespaces" if config.all_namespaces else ", ".join(config.watched_namespaces)
-    log.info("posttrain operator watching %s (%s)", where,
-             "standalone" if config.standalone else f"peering {config.peering_name}")
+    log.info(
+        "posttrain operator watching %s (%s)",
+        where,
+        "standalone" if config.standalone else f"peering {config.peering_name}",
+    )
     from . import handlers  # noqa: F401  (imported before the freeze)
 
     # What exists now (every module, the config, the clients) lives as long as the process:

@@ -34,8 +34,11 @@ EXECUTING_BUILTINS = frozenset({"builtin:code"})
 # The SandboxTasks a task-mode trainer creates, reads and deletes (no resourceNames: their
 # names are not known in advance; only SandboxTasks, only in the run's namespace).
 TRAINER_TASK_RULES: list[dict[str, Any]] = [
-    {"apiGroups": ["posttrain.io"], "resources": ["sandboxtasks"],
-     "verbs": ["get", "create", "delete"]},
+    {
+        "apiGroups": ["posttrain.io"],
+        "resources": ["sandboxtasks"],
+        "verbs": ["get", "create", "delete"],
+    },
 ]
 
 
@@ -94,8 +97,10 @@ def apply_local_sandbox_context(run: TrainingRun, pod_spec: Manifest) -> None:
         return
     pod_spec["hostUsers"] = False
     container = pod_spec["containers"][0]
-    container["securityContext"] = {**container.get("securityContext", {}),
-                                    **bubblewrap_container_context(run_as_nobody=False)}
+    container["securityContext"] = {
+        **container.get("securityContext", {}),
+        **bubblewrap_container_context(run_as_nobody=False),
+    }
 
 
 def _labels(run: TrainingRun) -> dict[str, str]:
@@ -117,21 +122,40 @@ def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifes
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "hostUsers": False,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65534, "runAsGroup": 65534,
-                            "fsGroup": 65534},
-        "containers": [{
-            "name": "runner",
-            "image": config.sandbox_runner_image,
-            "imagePullPolicy": config.image_pull_policy,
-            "command": ["posttrain", "sandbox", "serve", "--host", "$(POD_IP)",
-                        "--port", str(SANDBOX_RUNNER_PORT), "--concurrency", str(slots)],
-            "env": [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}],
-            "ports": [{"name": "http", "containerPort": SANDBOX_RUNNER_PORT}],
-            "readinessProbe": {"httpGet": {"path": "/health", "port": SANDBOX_RUNNER_PORT},
-                               "periodSeconds": 2},
-            "resources": _resources(str(slots), memory),
-            "securityContext": bubblewrap_container_context(run_as_nobody=True),
-        }],
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65534,
+            "runAsGroup": 65534,
+            "fsGroup": 65534,
+        },
+        "containers": [
+            {
+                "name": "runner",
+                "image": config.sandbox_runner_image,
+                "imagePullPolicy": config.image_pull_policy,
+                "command": [
+                    "posttrain",
+                    "sandbox",
+                    "serve",
+                    "--host",
+                    "$(POD_IP)",
+                    "--port",
+                    str(SANDBOX_RUNNER_PORT),
+                    "--concurrency",
+                    str(slots),
+                ],
+                "env": [
+                    {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+                ],
+                "ports": [{"name": "http", "containerPort": SANDBOX_RUNNER_PORT}],
+                "readinessProbe": {
+                    "httpGet": {"path": "/health", "port": SANDBOX_RUNNER_PORT},
+                    "periodSeconds": 2,
+                },
+                "resources": _resources(str(slots), memory),
+                "securityContext": bubblewrap_container_context(run_as_nobody=True),
+            }
+        ],
     }
     apply_sandbox_runtime(pod_spec, sandbox.runtime_class_name, config)
     return {
@@ -153,9 +177,12 @@ def build_runner_service(run: TrainingRun) -> Manifest:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": child_metadata(run, runner_name(run), _labels(run)),
-        "spec": {"selector": _labels(run),
-                 "ports": [{"name": "http", "port": SANDBOX_RUNNER_PORT,
-                            "targetPort": SANDBOX_RUNNER_PORT}]},
+        "spec": {
+            "selector": _labels(run),
+            "ports": [
+                {"name": "http", "port": SANDBOX_RUNNER_PORT, "targetPort": SANDBOX_RUNNER_PORT}
+            ],
+        },
     }
 
 
@@ -170,11 +197,21 @@ def build_runner_network_policy(run: TrainingRun) -> Manifest:
         "spec": {
             "podSelector": {"matchLabels": _labels(run)},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [{
-                "from": [{"podSelector": {"matchLabels": {
-                    LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}}}],
-                "ports": [{"port": SANDBOX_RUNNER_PORT}],
-            }],
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "podSelector": {
+                                "matchLabels": {
+                                    LABEL_COMPONENT: COMPONENT_TRAINER,
+                                    LABEL_RUN: run.metadata.name,
+                                }
+                            }
+                        }
+                    ],
+                    "ports": [{"port": SANDBOX_RUNNER_PORT}],
+                }
+            ],
         },
     }
 
@@ -183,8 +220,11 @@ def build_runner_children(run: TrainingRun, config: OperatorConfig) -> list[Mani
     """What mode runner without runnerUrl adds to the run's children (else nothing)."""
     if not needs_own_runner(run):
         return []
-    return [build_runner_network_policy(run), build_runner_service(run),
-            build_runner_deployment(run, config)]
+    return [
+        build_runner_network_policy(run),
+        build_runner_service(run),
+        build_runner_deployment(run, config),
+    ]
 
 
 def trainer_rbac_rules(run: TrainingRun) -> list[dict[str, Any]]:

@@ -31,8 +31,9 @@ class ChangeHandlerDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
     py-spy). Their essence is now empty: no diff, no change cause, nothing stored.
     """
 
-    def build(self, *, body: kopf.Body,
-              extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+    def build(
+        self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None
+    ) -> kopf.BodyEssence:
         if body.get("kind") not in KINDS_WITH_CHANGE_HANDLERS:
             return kopf.BodyEssence()
         return super().build(body=body, extra_fields=extra_fields)
@@ -74,9 +75,12 @@ class _ExpectedAtStartup(logging.Filter):
             any(f"group='{group}'" in selector for group in self.OPTIONAL_CRDS)
             for selector in re.findall(r"Selector\([^)]*\)", message) or [""]
         ):
-            self._to_info(record, "optional CRDs not installed, not watched: "
-                          + message.split(":", 1)[1].strip()
-                          + " (KubeRay: without it multi-node runs use pod gangs)")
+            self._to_info(
+                record,
+                "optional CRDs not installed, not watched: "
+                + message.split(":", 1)[1].strip()
+                + " (KubeRay: without it multi-node runs use pod gangs)",
+            )
         return True
 
     @staticmethod
@@ -121,9 +125,11 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
-        prefix=ANNOTATIONS_PREFIX)
+        prefix=ANNOTATIONS_PREFIX
+    )
     settings.persistence.diffbase_storage = ChangeHandlerDiffBaseStorage(
-        prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration")
+        prefix=ANNOTATIONS_PREFIX, key="last-handled-configuration"
+    )
     settings.watching.server_timeout = config.watch_server_timeout
     settings.watching.client_timeout = config.watch_client_timeout
     settings.watching.connect_timeout = 30

@@ -57,7 +57,6 @@ CLAIM_FILE = "task.json"
 ENTRYPOINT_SOURCE = (Path(__file__).parent / "warm_entrypoint.py").read_text()
 
 
-
 def idle_selector(pool_name: str) -> str:
     """Label selector of a pool's idle pods (status.selector, for scale and HPA).
 
@@ -67,25 +66,47 @@ def idle_selector(pool_name: str) -> str:
     return f"{LABEL_WARM_POOL}={pool_name},!{LABEL_TASK}"
 
 
-def pod_template(image: str, cpu: str, memory: str, ephemeral_storage: str, network: str,
-                 runtime_class: str | None) -> dict[str, Any]:
+def pod_template(
+    image: str,
+    cpu: str,
+    memory: str,
+    ephemeral_storage: str,
+    network: str,
+    runtime_class: str | None,
+) -> dict[str, Any]:
     """The fields that decide whether a pooled pod can serve a task (compared on claim)."""
-    return {"image": image, "cpu": cpu, "memory": memory, "ephemeralStorage": ephemeral_storage,
-            "network": network, "runtimeClassName": runtime_class}
+    return {
+        "image": image,
+        "cpu": cpu,
+        "memory": memory,
+        "ephemeralStorage": ephemeral_storage,
+        "network": network,
+        "runtimeClassName": runtime_class,
+    }
 
 
 def pool_template(pool: SandboxWarmPool, config: OperatorConfig) -> dict[str, Any]:
     spec = pool.spec
-    return pod_template(spec.image, spec.resources.cpu, spec.resources.memory,
-                        spec.resources.ephemeral_storage, spec.network,
-                        spec.runtime_class_name or config.sandbox_runtime_class_name)
+    return pod_template(
+        spec.image,
+        spec.resources.cpu,
+        spec.resources.memory,
+        spec.resources.ephemeral_storage,
+        spec.network,
+        spec.runtime_class_name or config.sandbox_runtime_class_name,
+    )
 
 
 def task_template(task: SandboxTask, config: OperatorConfig) -> dict[str, Any]:
     spec = task.spec
-    return pod_template(spec.image or config.sandbox_image, spec.resources.cpu,
-                        spec.resources.memory, spec.resources.ephemeral_storage, spec.network,
-                        spec.runtime_class_name or config.sandbox_runtime_class_name)
+    return pod_template(
+        spec.image or config.sandbox_image,
+        spec.resources.cpu,
+        spec.resources.memory,
+        spec.resources.ephemeral_storage,
+        spec.network,
+        spec.runtime_class_name or config.sandbox_runtime_class_name,
+    )
 
 
 def template_hash(template: dict[str, Any]) -> str:
@@ -130,14 +151,19 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
             {"name": "POSTTRAIN_WORKDIR", "value": SANDBOX_WORKDIR},
             {"name": "POSTTRAIN_CLAIM_FILE", "value": f"{CLAIM_DIR}/{CLAIM_FILE}"},
         ],
-        "resources": _resources(spec.resources.cpu, spec.resources.memory,
-                                ephemeral_storage=spec.resources.ephemeral_storage),
+        "resources": _resources(
+            spec.resources.cpu,
+            spec.resources.memory,
+            ephemeral_storage=spec.resources.ephemeral_storage,
+        ),
         # The cold sandbox pod's contexts: a pooled pod runs the same untrusted code.
         "securityContext": restricted_container_context(),
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "volumeMounts": [workdir_mount,
-                         {"name": "claim", "mountPath": CLAIM_DIR, "readOnly": True}],
+        "volumeMounts": [
+            workdir_mount,
+            {"name": "claim", "mountPath": CLAIM_DIR, "readOnly": True},
+        ],
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -148,9 +174,19 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
         "containers": [container],
         "volumes": [
             {"name": "workdir", "emptyDir": {"sizeLimit": config.sandbox_workdir_size}},
-            {"name": "claim", "downwardAPI": {"items": [{
-                "path": CLAIM_FILE,
-                "fieldRef": {"fieldPath": f"metadata.annotations['{ANNOTATION_CLAIM}']"}}]}},
+            {
+                "name": "claim",
+                "downwardAPI": {
+                    "items": [
+                        {
+                            "path": CLAIM_FILE,
+                            "fieldRef": {
+                                "fieldPath": f"metadata.annotations['{ANNOTATION_CLAIM}']"
+                            },
+                        }
+                    ]
+                },
+            },
         ],
     }
     if template["runtimeClassName"]:
@@ -178,8 +214,11 @@ def claim_payload(task: SandboxTask) -> str:
     """
     for name in task.spec.files:
         _check_file_name(name)
-    payload: dict[str, Any] = {"task": task.metadata.name, "command": list(task.spec.command),
-                               "files": dict(task.spec.files)}
+    payload: dict[str, Any] = {
+        "task": task.metadata.name,
+        "command": list(task.spec.command),
+        "files": dict(task.spec.files),
+    }
     if task.spec.stdin is not None:
         payload["stdin"] = task.spec.stdin
     return json.dumps(payload)
@@ -204,8 +243,7 @@ def build_claim_patch(task: SandboxTask, pod: Manifest, now: datetime) -> Manife
             "annotations": {ANNOTATION_CLAIM: claim_payload(task)},
             "ownerReferences": [owner_reference(task)],
         },
-        "spec": {"activeDeadlineSeconds": pod_age_seconds(pod, now)
-                 + task.spec.timeout_seconds},
+        "spec": {"activeDeadlineSeconds": pod_age_seconds(pod, now) + task.spec.timeout_seconds},
     }
 
 
@@ -216,8 +254,12 @@ def is_idle(pod: PodView) -> bool:
 
 def is_claimable(pod: PodView, want_hash: str) -> bool:
     """Idle, running, ready and built from the pool's current template."""
-    return (is_idle(pod) and pod.phase == "Running" and pod.ready
-            and pod.annotations.get(ANNOTATION_SPEC_HASH) == want_hash)
+    return (
+        is_idle(pod)
+        and pod.phase == "Running"
+        and pod.ready
+        and pod.annotations.get(ANNOTATION_SPEC_HASH) == want_hash
+    )
 
 
 @dataclass
@@ -230,8 +272,12 @@ class WarmPoolPlan:
     events: list[EventSpec] = field(default_factory=list)
 
 
-def plan_warm_pool(pool: SandboxWarmPool, pods: list[PodView], want_hash: str,
-                   reserved: frozenset[str] = frozenset()) -> WarmPoolPlan:
+def plan_warm_pool(
+    pool: SandboxWarmPool,
+    pods: list[PodView],
+    want_hash: str,
+    reserved: frozenset[str] = frozenset(),
+) -> WarmPoolPlan:
     """Keep ``spec.replicas`` idle pods of the current template; mirror counts into status.
 
     Idle pods that finished (crashed before a claim) or carry an old template hash are
@@ -249,23 +295,34 @@ def plan_warm_pool(pool: SandboxWarmPool, pods: list[PodView], want_hash: str,
     live = [p for p in pods if not p.deleting]
     claimed = sum(1 for p in live if LABEL_TASK in p.labels)
     broken = [p for p in live if LABEL_TASK not in p.labels and p.finished]
-    stale = [p for p in live if is_idle(p) and p.annotations.get(ANNOTATION_SPEC_HASH) != want_hash
-             and p.name not in reserved]
+    stale = [
+        p
+        for p in live
+        if is_idle(p)
+        and p.annotations.get(ANNOTATION_SPEC_HASH) != want_hash
+        and p.name not in reserved
+    ]
     idle = [p for p in live if is_idle(p) and p not in stale]
     plan.delete_pods = [p.name for p in broken + stale]
     if len(idle) > want:
         # Not-ready first, then by name descending (generated suffixes are random, so this is
         # just a deterministic order); reserved pods are about to be claimed.
-        candidates = sorted((p for p in idle if p.name not in reserved),
-                            key=lambda p: (p.ready, p.name))
+        candidates = sorted(
+            (p for p in idle if p.name not in reserved), key=lambda p: (p.ready, p.name)
+        )
         extra = candidates[: len(idle) - want]
         plan.delete_pods += [p.name for p in extra]
         idle = [p for p in idle if p not in extra]
     plan.create = max(0, want - len(idle))
     ready = sum(1 for p in idle if p.phase == "Running" and p.ready)
     if plan.create:
-        plan.events.append(EventSpec("Normal", Reason.WARM_PODS_CREATED,
-                                     f"creating {plan.create} idle pod(s) ({len(idle)}/{want})"))
+        plan.events.append(
+            EventSpec(
+                "Normal",
+                Reason.WARM_PODS_CREATED,
+                f"creating {plan.create} idle pod(s) ({len(idle)}/{want})",
+            )
+        )
     removed = len(plan.delete_pods)
     if removed:
         why = []
@@ -275,17 +332,24 @@ def plan_warm_pool(pool: SandboxWarmPool, pods: list[PodView], want_hash: str,
             why.append(f"{len(stale)} from an old template")
         if removed - len(broken) - len(stale):
             why.append(f"{removed - len(broken) - len(stale)} above spec.replicas")
-        plan.events.append(EventSpec("Normal", Reason.WARM_PODS_DELETED,
-                                     f"deleting {removed} pod(s): {', '.join(why)}"))
+        plan.events.append(
+            EventSpec(
+                "Normal", Reason.WARM_PODS_DELETED, f"deleting {removed} pod(s): {', '.join(why)}"
+            )
+        )
     gen = pool.metadata.generation
     status = pool.status
     if ready >= want:
         cond, reason, message = "True", Reason.WARM_POOL_READY, f"{ready}/{want} idle pod(s) ready"
     else:
-        cond, reason, message = ("False", Reason.WARM_POOL_FILLING,
-                                 f"{ready}/{want} idle pod(s) ready; the rest are starting")
-    conditions = set_condition(list(status.conditions), ConditionType.READY, cond, reason,
-                               message, gen)
+        cond, reason, message = (
+            "False",
+            Reason.WARM_POOL_FILLING,
+            f"{ready}/{want} idle pod(s) ready; the rest are starting",
+        )
+    conditions = set_condition(
+        list(status.conditions), ConditionType.READY, cond, reason, message, gen
+    )
     desired = {
         "observedGeneration": gen,
         "replicas": len(idle) + plan.create,

@@ -201,10 +201,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog="example: posttrain report runs/local --out report.html",
     )
     report.add_argument(
-        "run_dir", metavar="RUN_DIR|S3_URI",
+        "run_dir",
+        metavar="RUN_DIR|S3_URI",
         help="the run's --out directory, or where a cluster run uploads its outputs "
         "(status.reportsUri, shown by `posttrain describe tr NAME`: s3://BUCKET/runs/NS/NAME"
-        "/reports, or the run's prefix above it)")
+        "/reports, or the run's prefix above it)",
+    )
     report.add_argument(
         "--out",
         type=Path,

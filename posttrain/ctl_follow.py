@@ -268,12 +268,17 @@ def stream_trainer_logs(
     if pod is None:
         kept = dev_agent_log(cluster, name)
         if kept is not None:  # the dev node agent keeps a deleted pod's log on disk
-            print(f"# trainer pod {kept.stem.split('_', 1)[1]} is gone (the run is {phase}); "
-                  f"its log, kept by `posttrain dev agent` until `posttrain dev down`: {kept}",
-                  file=sys.stderr)
+            print(
+                f"# trainer pod {kept.stem.split('_', 1)[1]} is gone (the run is {phase}); "
+                f"its log, kept by `posttrain dev agent` until `posttrain dev down`: {kept}",
+                file=sys.stderr,
+            )
             text = kept.read_text(errors="replace")
-            sys.stdout.write(text if tail is None else "".join(
-                text.splitlines(keepends=True)[-tail:] if tail else []))
+            sys.stdout.write(
+                text
+                if tail is None
+                else "".join(text.splitlines(keepends=True)[-tail:] if tail else [])
+            )
             return 0
         if phase in TERMINAL_PHASES:
             return fail(

@@ -270,8 +270,10 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
     sandbox = status.get("sandbox")
     if sandbox:
         state = "available" if sandbox.get("available", True) else "UNAVAILABLE"
-        lines.append(f"Sandbox:      {sandbox.get('mode')} {sandbox.get('endpoint', '')}: {state}, "
-                     f"{sandbox.get('infraFailures', 0)} failure(s) retried")
+        lines.append(
+            f"Sandbox:      {sandbox.get('mode')} {sandbox.get('endpoint', '')}: {state}, "
+            f"{sandbox.get('infraFailures', 0)} failure(s) retried"
+        )
     if status.get("message"):
         lines.append(f"Message:      {status['message']}")
     domains = sorted(set(status.get("domainRewards", {})) | set(status.get("evalAccuracy", {})))

@@ -214,8 +214,10 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     pair = trained_comparison(evals)
     rows, left_out = readable_rows(comparison_rows(*pair) if pair else [])
     if left_out and pair is not None:
-        notes.append(f"Held-out accuracy table: {left_out}; the eval matrix heatmap and "
-                     f"eval/heldout_step{pair[1].step:04d}.json hold every domain.")
+        notes.append(
+            f"Held-out accuracy table: {left_out}; the eval matrix heatmap and "
+            f"eval/heldout_step{pair[1].step:04d}.json hold every domain."
+        )
     if not evals:
         notes.append("Held-out accuracy: no eval/heldout_step*.json in the run directory.")
     elif pair is None:
@@ -242,8 +244,10 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     facts = [
         ("run directory", str(run_dir)),
         ("steps", str(last["step"])),
-        ("final reward mean",
-         f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)"),
+        (
+            "final reward mean",
+            f"{float(last_rl['reward_mean']):.3f}" if last_rl is not None else "- (no RL step)",
+        ),
         ("domains", _domain_names((last_rl or {}).get("domain_rewards", {}))),
     ]
     if pair is not None:
@@ -256,8 +260,17 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
         )
     elif evals:
         facts.append(("held-out accuracy", f"{evals[0].overall:.1%} (step {evals[0].step} only)"))
-    return ReportData(f"posttrain report: {run_dir.name}", facts, rows, figures, notes,
-                      overall, steps, flips, examples)
+    return ReportData(
+        f"posttrain report: {run_dir.name}",
+        facts,
+        rows,
+        figures,
+        notes,
+        overall,
+        steps,
+        flips,
+        examples,
+    )
 
 
 EXAMPLES_PER_VERDICT = 3  # fixed and broken items shown verbatim (all are in eval/*.json)
@@ -325,9 +338,14 @@ def render_markdown(data: ReportData) -> str:
             )
         lines += ["", f"{data.flips[0]} held-out items fixed, {data.flips[1]} broken.", ""]
         for example in data.examples:
-            lines += [f"**{example.verdict.capitalize()}** ({example.domain}): {example.prompt}", ""]
-            for name, text in (("Base", example.base_completion),
-                               ("Trained", example.trained_completion)):
+            lines += [
+                f"**{example.verdict.capitalize()}** ({example.domain}): {example.prompt}",
+                "",
+            ]
+            for name, text in (
+                ("Base", example.base_completion),
+                ("Trained", example.trained_completion),
+            ):
                 shown = text.strip()[:EXAMPLE_CHARS]
                 fence = code_fence(shown)
                 lines += [f"{name}:", "", f"{fence}text", shown, fence, ""]
@@ -421,7 +439,8 @@ def fetch_reports(uri: str, local_dir: Path) -> Path:
     if count == 0:
         raise UsageError(
             f"{uri}: no outputs under {store.uri(REPORTS_DIR)}/; pass a run's status.reportsUri "
-            "(posttrain describe tr NAME shows it) or its s3:// prefix")
+            "(posttrain describe tr NAME shows it) or its s3:// prefix"
+        )
     log.info("downloaded %d output file(s) from %s", count, store.uri(REPORTS_DIR))
     return local_dir
 

@@ -145,8 +145,10 @@ def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True
     started = time.monotonic()
     say("converting %s (%.0f MB) to safetensors in %s", gguf.name, gguf.stat().st_size / 1e6, dest)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    say("tokenizer loaded (%d tokens); dequantising weights (one-time, about a minute on "
-        "2 cores)", len(tokenizer))
+    say(
+        "tokenizer loaded (%d tokens); dequantising weights (one-time, about a minute on 2 cores)",
+        len(tokenizer),
+    )
     with still_working(f"dequantising {gguf.name}", emit=say):
         loaded = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -212,8 +214,9 @@ def download_prefix(store: object, prefix: str, dest: Path, *, progress: bool = 
     """
     prefix = prefix.rstrip("/") + "/" if prefix else ""
     keys = list(store.list(prefix))  # type: ignore[attr-defined]
-    files = ItemProgress(f"downloading {prefix or 'model'}", len(keys), unit="files",
-                         interval_s=5.0)
+    files = ItemProgress(
+        f"downloading {prefix or 'model'}", len(keys), unit="files", interval_s=5.0
+    )
     for index, key in enumerate(keys, 1):
         key_str = getattr(key, "key", key)
         relative = str(key_str)[len(prefix) :]

@@ -166,7 +166,8 @@ def start_metrics_server(port: int) -> None:
         except OSError as exc:
             # Metrics are not worth failing a run for: on a shared host (the dev node agent
             # runs pods as host processes) the port may be taken.
-            log.warning("cannot serve Prometheus metrics on :%d (%s); continuing without", port,
-                        exc)
+            log.warning(
+                "cannot serve Prometheus metrics on :%d (%s); continuing without", port, exc
+            )
             return
         log.info("Prometheus metrics on :%d/metrics", port)

@@ -26,11 +26,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         epilog="example: posttrain serve --model smollm2-135m-instruct --port 8000",
     )
     serve.add_argument("--model", required=True, help="packaged id, local dir, file:// or s3://")
-    serve.add_argument("--host", default="0.0.0.0",
-                       help="address to listen on (default 0.0.0.0: every interface; "
-                       "127.0.0.1 keeps it on this machine)")
-    serve.add_argument("--port", type=int, default=8000,
-                       help="TCP port of the OpenAI API, /health and /metrics (default 8000)")
+    serve.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address to listen on (default 0.0.0.0: every interface; "
+        "127.0.0.1 keeps it on this machine)",
+    )
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="TCP port of the OpenAI API, /health and /metrics (default 8000)",
+    )
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models")
     serve.add_argument(
         "--weights-uri",
@@ -96,7 +103,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Resolve a packaged id, s3:// checkpoint or HF-format directory to a local "
         "directory and point --link at it, so the server starts from local files.",
     )
-    fetch.add_argument("--model", required=True, help="packaged id, HF-format dir, file:// or s3://")
+    fetch.add_argument(
+        "--model", required=True, help="packaged id, HF-format dir, file:// or s3://"
+    )
     fetch.add_argument("--link", required=True, type=Path, help="symlink to create (replaced)")
     fetch.set_defaults(func=_fetch_model)
 

@@ -17,8 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     sandbox = subparsers.add_parser(
         "sandbox", help="run untrusted code in a bubblewrap sandbox, or serve a runner"
     )
-    commands = sandbox.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND",
-                                      required=True)
+    commands = sandbox.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND", required=True)
 
     run = commands.add_parser(
         "exec",
@@ -27,27 +26,60 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "(ok|error|timeout|killed|oom), exit_code, stdout, stderr, duration_ms, reason. "
         "Exits 0 whenever the sandbox worked, whatever the program did.",
     )
-    run.add_argument("--timeout", type=float, default=10.0, metavar="S",
-                     help="wall-clock limit in seconds (default 10)")
-    run.add_argument("--memory-mb", type=int, default=512, metavar="M",
-                     help="address-space limit in MiB (default 512)")
-    run.add_argument("--network", choices=("none", "host"), default="none",
-                     help="none: no network namespace access (default); host: share the host's")
-    run.add_argument("--max-output-bytes", type=int, default=1 << 20, metavar="N",
-                     help="bytes of stdout and of stderr kept before truncation (default 1 MiB)")
-    run.add_argument("--workdir-mb", type=int, default=64, metavar="M",
-                     help="size cap of the /workspace and /tmp tmpfs (default 64)")
-    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
-                     help="the program and its arguments, after --")
+    run.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="wall-clock limit in seconds (default 10)",
+    )
+    run.add_argument(
+        "--memory-mb",
+        type=int,
+        default=512,
+        metavar="M",
+        help="address-space limit in MiB (default 512)",
+    )
+    run.add_argument(
+        "--network",
+        choices=("none", "host"),
+        default="none",
+        help="none: no network namespace access (default); host: share the host's",
+    )
+    run.add_argument(
+        "--max-output-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="N",
+        help="bytes of stdout and of stderr kept before truncation (default 1 MiB)",
+    )
+    run.add_argument(
+        "--workdir-mb",
+        type=int,
+        default=64,
+        metavar="M",
+        help="size cap of the /workspace and /tmp tmpfs (default 64)",
+    )
+    run.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="-- CMD ARGS",
+        help="the program and its arguments, after --",
+    )
     run.set_defaults(func=run_exec)
 
     serve = commands.add_parser("serve", help="serve POST /v1/exec, /health and /metrics")
     serve.add_argument("--host", default="0.0.0.0")
     serve.add_argument("--port", type=int, default=8090)
-    serve.add_argument("--concurrency", type=int, default=None,
-                       help="executions at once (default: CPU count + 1)")
-    serve.add_argument("--max-queue", type=int, default=None,
-                       help="requests allowed to wait before 429 (default 8 per slot)")
+    serve.add_argument(
+        "--concurrency", type=int, default=None, help="executions at once (default: CPU count + 1)"
+    )
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="requests allowed to wait before 429 (default 8 per slot)",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -64,10 +96,15 @@ def run_exec(args: argparse.Namespace) -> int:
         raise UsageError("no command given; use `posttrain sandbox exec [options] -- CMD ARGS`")
     stdin = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     try:
-        request = ExecRequest(command=command, stdin=stdin, timeout_s=args.timeout,
-                              memory_mb=args.memory_mb, network=args.network,
-                              max_output_bytes=args.max_output_bytes,
-                              workdir_mb=args.workdir_mb)
+        request = ExecRequest(
+            command=command,
+            stdin=stdin,
+            timeout_s=args.timeout,
+            memory_mb=args.memory_mb,
+            network=args.network,
+            max_output_bytes=args.max_output_bytes,
+            workdir_mb=args.workdir_mb,
+        )
     except ValueError as exc:
         raise UsageError(f"invalid sandbox options: {exc}") from exc
     try:

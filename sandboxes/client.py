@@ -36,8 +36,12 @@ RETRYABLE_STATUS = (429, 502, 503)
 CONNECT_TIMEOUT_S = 5.0
 # How a kept-alive connection that the server closed while idle fails on its next use. A
 # timeout is not among them: that request did run, for as long as it was allowed to.
-STALE_CONNECTION = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
-                    ConnectionAbortedError)
+STALE_CONNECTION = (
+    http.client.RemoteDisconnected,
+    BrokenPipeError,
+    ConnectionResetError,
+    ConnectionAbortedError,
+)
 
 
 class SandboxUnavailable(SandboxError):
@@ -87,8 +91,7 @@ class ConnectionPool:
             if self._idle:
                 return self._idle.pop(), True
             self.opened += 1
-        kind = (http.client.HTTPSConnection if self.scheme == "https"
-                else http.client.HTTPConnection)
+        kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return kind(self.host, self.port, timeout=CONNECT_TIMEOUT_S), False
 
     def _give_back(self, connection: http.client.HTTPConnection) -> None:
@@ -98,8 +101,9 @@ class ConnectionPool:
                 return
         connection.close()
 
-    def request(self, method: str, path: str, body: bytes | None, headers: dict[str, str],
-                timeout_s: float) -> _Response:
+    def request(
+        self, method: str, path: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+    ) -> _Response:
         """One request; raises ``OSError`` / ``http.client.HTTPException`` when the
         connection fails. A kept-alive connection the server has meanwhile closed is
         retried once on a fresh one before anything is reported."""
@@ -185,9 +189,16 @@ class SandboxClient:
         **limits: Any,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox on the runner."""
-        request = ExecRequest(command=command, stdin=stdin, timeout_s=timeout_s,
-                              memory_mb=memory_mb, network=network,  # type: ignore[arg-type]
-                              files=files or {}, env=env or {}, **limits)
+        request = ExecRequest(
+            command=command,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            network=network,  # type: ignore[arg-type]
+            files=files or {},
+            env=env or {},
+            **limits,
+        )
         return self.run(request)
 
     def run(self, request: ExecRequest) -> ExecResult:
@@ -199,8 +210,8 @@ class SandboxClient:
             for attempt in range(self.retries + 1):
                 try:
                     response = self.connections.request(
-                        "POST", "/v1/exec", body, headers,
-                        request.timeout_s + self.timeout_margin_s)
+                        "POST", "/v1/exec", body, headers, request.timeout_s + self.timeout_margin_s
+                    )
                 except (OSError, http.client.HTTPException) as exc:
                     last_problem = f"{_failure_name(exc)}: {exc!r}"
                     wait = self._backoff(attempt)
@@ -209,7 +220,8 @@ class SandboxClient:
                         return ExecResult.from_dict(response.json())
                     if response.status == 500:  # the runner's sandbox failed (SandboxError)
                         raise SandboxError(
-                            f"runner {self.url} could not run the sandbox: {response.text[:500]}")
+                            f"runner {self.url} could not run the sandbox: {response.text[:500]}"
+                        )
                     if response.status not in RETRYABLE_STATUS:
                         raise RuntimeError(
                             f"runner {self.url} refused the request "
@@ -217,11 +229,18 @@ class SandboxClient:
                         )
                     last_problem = f"HTTP {response.status}: {response.text[:200]}"
                     retry_after = response.retry_after
-                    wait = (float(retry_after) if retry_after.replace(".", "", 1).isdigit()
-                            else self._backoff(attempt))
+                    wait = (
+                        float(retry_after)
+                        if retry_after.replace(".", "", 1).isdigit()
+                        else self._backoff(attempt)
+                    )
                 if attempt < self.retries:
-                    log.debug("runner attempt %d failed (%s); retrying in %.2f s",
-                              attempt + 1, last_problem, wait)
+                    log.debug(
+                        "runner attempt %d failed (%s); retrying in %.2f s",
+                        attempt + 1,
+                        last_problem,
+                        wait,
+                    )
                     time.sleep(wait)
         raise SandboxUnavailable(
             f"sandbox runner {self.url} failed {self.retries + 1} times; last: {last_problem}. "
@@ -236,8 +255,9 @@ class SandboxClient:
         """The runner's ``/health`` (slots, queue); raises if it is unreachable or unwell."""
         response = self.connections.request("GET", "/health", None, {}, CONNECT_TIMEOUT_S)
         if response.status != 200:
-            raise RuntimeError(f"runner {self.url} /health answered {response.status}: "
-                               f"{response.text[:200]}")
+            raise RuntimeError(
+                f"runner {self.url} /health answered {response.status}: {response.text[:200]}"
+            )
         return response.json()
 
     def close(self) -> None:
@@ -247,7 +267,9 @@ class SandboxClient:
         return self
 
     def __exit__(
-        self, kind: type[BaseException] | None, value: BaseException | None,
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
         self.close()

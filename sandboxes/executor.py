@@ -150,12 +150,18 @@ def validate_request(request: ExecRequest) -> list[str]:
     """Every problem with a request, phrased so the caller can fix it (empty list = valid)."""
     problems: list[str] = []
     # Requests arrive as JSON from other processes: check types, not just values.
-    for name, kind in (("stdin", str), ("files", dict), ("env", dict),
-                       ("timeout_s", (int, float)), ("memory_mb", int), ("max_processes", int),
-                       ("max_file_mb", int), ("workdir_mb", int), ("max_output_bytes", int)):
-        if not isinstance(getattr(request, name), kind) or isinstance(
-            getattr(request, name), bool
-        ):
+    for name, kind in (
+        ("stdin", str),
+        ("files", dict),
+        ("env", dict),
+        ("timeout_s", (int, float)),
+        ("memory_mb", int),
+        ("max_processes", int),
+        ("max_file_mb", int),
+        ("workdir_mb", int),
+        ("max_output_bytes", int),
+    ):
+        if not isinstance(getattr(request, name), kind) or isinstance(getattr(request, name), bool):
             problems.append(f"{name} has the wrong type: {getattr(request, name)!r}")
     if problems:
         return problems
@@ -170,8 +176,9 @@ def validate_request(request: ExecRequest) -> list[str]:
     if not 0 < request.timeout_s <= 3600:
         problems.append(f"timeout_s must be in (0, 3600], got {request.timeout_s}")
     if request.memory_mb < 32:
-        problems.append(f"memory_mb must be >= 32 (an interpreter needs that), got "
-                        f"{request.memory_mb}")
+        problems.append(
+            f"memory_mb must be >= 32 (an interpreter needs that), got {request.memory_mb}"
+        )
     if request.network not in ("none", "host"):
         problems.append(f"network must be 'none' or 'host', got {request.network!r}")
     if request.max_processes < 1 or request.max_file_mb < 1 or request.workdir_mb < 1:
@@ -375,8 +382,10 @@ class Executor:
             )
         self.setpriv = shutil.which("setpriv") or ""
         if not self.prlimit or not self.setpriv:
-            raise SandboxError("prlimit and setpriv are needed; they ship in util-linux "
-                               "(`apt-get install -y util-linux`)")
+            raise SandboxError(
+                "prlimit and setpriv are needed; they ship in util-linux "
+                "(`apt-get install -y util-linux`)"
+            )
         if not self._supports("--size"):
             raise SandboxError(
                 f"{self.bwrap} is too old: posttrain needs bubblewrap >= 0.7 for size-capped "
@@ -423,8 +432,9 @@ class Executor:
     def _supports(self, option: str) -> bool:
         """Whether this bwrap knows ``option`` (older distributions ship older versions)."""
         try:
-            usage = subprocess.run([self.bwrap, "--help"], capture_output=True, text=True,
-                                   timeout=10).stdout
+            usage = subprocess.run(
+                [self.bwrap, "--help"], capture_output=True, text=True, timeout=10
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return False
         return option in usage
@@ -444,8 +454,11 @@ class Executor:
         with tracer.start_as_current_span("sandbox.exec") as span:
             span.set_attribute("sandbox.command", " ".join(request.command)[:200])
             span.set_attribute("sandbox.network", request.network)
-            pooled = (self.pool.take(request) if self.pool is not None and workspace_tar is None
-                      and not capture_workspace else None)
+            pooled = (
+                self.pool.take(request)
+                if self.pool is not None and workspace_tar is None and not capture_workspace
+                else None
+            )
             span.set_attribute("sandbox.warm", pooled is not None)
             if pooled is not None:
                 try:
@@ -471,8 +484,9 @@ class Executor:
             if pooled is not None:
                 try:
                     started = self._dispatch(pooled, request)
-                    collected = await _collect_async(pooled.proc, request, started,
-                                                     pooled.status_read)
+                    collected = await _collect_async(
+                        pooled.proc, request, started, pooled.status_read
+                    )
                 finally:
                     os.close(pooled.status_read)
                     pooled.release()
@@ -505,13 +519,15 @@ class Executor:
     @staticmethod
     def _record(span: Any, request: ExecRequest, result: ExecResult) -> None:
         span.set_attribute("sandbox.status", result.status)
-        span.set_attribute("sandbox.exit_code", -1 if result.exit_code is None
-                           else result.exit_code)
+        span.set_attribute(
+            "sandbox.exit_code", -1 if result.exit_code is None else result.exit_code
+        )
         span.set_attribute("sandbox.duration_ms", result.duration_ms)
         SANDBOX_LATENCY.observe(result.duration_ms / 1000)
         SANDBOX_EXECUTIONS.labels(result.status).inc()
-        log.debug("sandbox %s: %s (%.1f ms)", request.command[:1], result.reason,
-                  result.duration_ms)
+        log.debug(
+            "sandbox %s: %s (%.1f ms)", request.command[:1], result.reason, result.duration_ms
+        )
 
     def _drop_to(self, host_uid: int | None) -> list[str]:
         """The ``setpriv`` prefix that switches to the unprivileged host uid.
@@ -543,14 +559,20 @@ class Executor:
 
     def _limits(self, request: ExecRequest) -> list[str]:
         """The ``prlimit`` prefix that applies :meth:`rlimits` before bwrap starts."""
-        return [self.prlimit,
-                *(f"--{name}={soft}:{hard}" for name, (soft, hard) in
-                  self.rlimits(request).items()),
-                "--"]
+        return [
+            self.prlimit,
+            *(f"--{name}={soft}:{hard}" for name, (soft, hard) in self.rlimits(request).items()),
+            "--",
+        ]
 
     def _spawn(
-        self, request: ExecRequest, host_uid: int | None, command: list[str],
-        inherited_fds: list[int], *, limits_inside: bool = False,
+        self,
+        request: ExecRequest,
+        host_uid: int | None,
+        command: list[str],
+        inherited_fds: list[int],
+        *,
+        limits_inside: bool = False,
     ) -> tuple[subprocess.Popen[bytes], int]:
         """Start bwrap for ``request``'s limits running ``command``; returns the process and
         the read end of its --json-status-fd. ``inherited_fds`` are handed to the sandbox and
@@ -559,16 +581,23 @@ class Executor:
         untrusted (the warm pool's launcher does, saving the ``prlimit`` exec)."""
         owned: list[int] = []
         try:
-            args = [*self._drop_to(host_uid), *([] if limits_inside else self._limits(request)),
-                    self.bwrap, *self._static_args]
+            args = [
+                *self._drop_to(host_uid),
+                *([] if limits_inside else self._limits(request)),
+                self.bwrap,
+                *self._static_args,
+            ]
             if request.network != "none":
                 args.append("--share-net")
                 args += [a for p in ETC_NETWORK if os.path.exists(p) for a in ("--ro-bind", p, p)]
             size = str(request.workdir_mb << 20)
             args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", WORKDIR]
             for path, content in (
-                ("/etc/passwd", f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKDIR}:/bin/sh\n"
-                                "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n"),
+                (
+                    "/etc/passwd",
+                    f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::{WORKDIR}:/bin/sh\n"
+                    "nobody:x:65534:65534::/nonexistent:/usr/sbin/nologin\n",
+                ),
                 ("/etc/group", f"sandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n"),
             ):
                 fd = _memfd(os.path.basename(path), content.encode())
@@ -577,8 +606,14 @@ class Executor:
             status_read, status_write = os.pipe()
             owned.append(status_write)
             args += ["--json-status-fd", str(status_write), "--chdir", WORKDIR, "--clearenv"]
-            env = {"PATH": SANDBOX_PATH, "HOME": WORKDIR, "LANG": "C.UTF-8", "TMPDIR": "/tmp",
-                   "USER": "sandbox", **request.env}
+            env = {
+                "PATH": SANDBOX_PATH,
+                "HOME": WORKDIR,
+                "LANG": "C.UTF-8",
+                "TMPDIR": "/tmp",
+                "USER": "sandbox",
+                **request.env,
+            }
             for name, value in env.items():
                 args += ["--setenv", name, value]
             args += ["--", *command]
@@ -652,12 +687,17 @@ class Executor:
 
 
 def _wait_for(
-    proc: subprocess.Popen[bytes], request: ExecRequest, started: float, status_read: int,
-    out_read: int, capture_workspace: bool,
+    proc: subprocess.Popen[bytes],
+    request: ExecRequest,
+    started: float,
+    status_read: int,
+    out_read: int,
+    capture_workspace: bool,
 ) -> ExecResult:
     try:
-        collected = _collect(proc, request, started, status_read,
-                             out_read if capture_workspace else None)
+        collected = _collect(
+            proc, request, started, status_read, out_read if capture_workspace else None
+        )
         duration_ms = (time.monotonic() - started) * 1000
         return _finish(request, collected, duration_ms, capture_workspace)
     finally:
@@ -676,9 +716,10 @@ def _merge_seed(workspace_tar: bytes | None, files: Mapping[str, str]) -> bytes 
     if not files:
         return workspace_tar
     merged = io.BytesIO()
-    with tarfile.open(fileobj=io.BytesIO(workspace_tar)) as base, tarfile.open(
-        fileobj=merged, mode="w", format=tarfile.PAX_FORMAT
-    ) as out:
+    with (
+        tarfile.open(fileobj=io.BytesIO(workspace_tar)) as base,
+        tarfile.open(fileobj=merged, mode="w", format=tarfile.PAX_FORMAT) as out,
+    ):
         overridden = {safe_relative_path(p) for p in files}
         for member in base.getmembers():
             if os.path.normpath(member.name) not in overridden:
@@ -695,7 +736,7 @@ def _workspace_wrapper(seed_fd: int, out_fd: int, command: list[str]) -> list[st
     with both descriptors closed, so it can neither read the seed twice nor forge the output.
     """
     script = (
-        'seed=$1; out=$2; shift 2; '
+        "seed=$1; out=$2; shift 2; "
         # Redirections, not /dev/fd/N paths: reopening a pipe created by the host is denied.
         'eval "tar -xf - -C /workspace --no-same-owner --no-same-permissions <&$seed" '
         '|| { echo "sandbox: could not unpack the workspace" >&2; exit 125; }; '
@@ -728,8 +769,10 @@ class _Collected:
             room = max(0, request.max_output_bytes - len(kept))
             kept += chunk[:room]
             self.dropped[name] += len(chunk) - min(room, len(chunk))
-            if (self.flood is None
-                    and self.dropped[name] > OUTPUT_FLOOD_FACTOR * request.max_output_bytes):
+            if (
+                self.flood is None
+                and self.dropped[name] > OUTPUT_FLOOD_FACTOR * request.max_output_bytes
+            ):
                 self.flood = name
                 return True
         elif name == "status":
@@ -835,8 +878,7 @@ async def _collect_async(
     deadline = started + request.timeout_s
     all_closed: asyncio.Future[None] = loop.create_future()
     assert proc.stdin and proc.stdout and proc.stderr
-    readers = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr",
-               status_fd: "status"}
+    readers = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr", status_fd: "status"}
     stdin_fd = proc.stdin.fileno()
     stdin_data = memoryview(request.stdin.encode())
 
@@ -853,7 +895,7 @@ async def _collect_async(
     def on_writable() -> None:
         nonlocal stdin_data
         try:
-            stdin_data = stdin_data[os.write(stdin_fd, stdin_data[:65536]):]
+            stdin_data = stdin_data[os.write(stdin_fd, stdin_data[:65536]) :]
         except BlockingIOError:
             return
         except BrokenPipeError:
@@ -871,8 +913,9 @@ async def _collect_async(
         loop.add_reader(fd, on_readable, fd)
     try:
         try:
-            await asyncio.wait_for(asyncio.shield(all_closed),
-                                   max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(
+                asyncio.shield(all_closed), max(0.0, deadline - time.monotonic())
+            )
         except TimeoutError:
             got.timed_out = True
             _kill(proc)
@@ -946,13 +989,25 @@ def _finish(
     stderr = truncate_output(bytes(got.stderr), got.dropped["stderr"])
     started, exit_code = _program_exit_code(bytes(got.status_json))
     if got.timed_out:
-        return ExecResult("timeout", None, stdout, stderr, duration_ms,
-                          f"wall-clock limit of {request.timeout_s:g} s exceeded; "
-                          "every process in the sandbox was killed")
+        return ExecResult(
+            "timeout",
+            None,
+            stdout,
+            stderr,
+            duration_ms,
+            f"wall-clock limit of {request.timeout_s:g} s exceeded; "
+            "every process in the sandbox was killed",
+        )
     if got.flood:
-        return ExecResult("killed", None, stdout, stderr, duration_ms,
-                          f"{got.flood} exceeded {OUTPUT_FLOOD_FACTOR}x the "
-                          f"{request.max_output_bytes}-byte output limit; sandbox killed")
+        return ExecResult(
+            "killed",
+            None,
+            stdout,
+            stderr,
+            duration_ms,
+            f"{got.flood} exceeded {OUTPUT_FLOOD_FACTOR}x the "
+            f"{request.max_output_bytes}-byte output limit; sandbox killed",
+        )
     if not started:
         raise SandboxError(f"bubblewrap could not create the sandbox: {stderr.strip()[:2000]}")
     if exit_code is None:
@@ -960,11 +1015,23 @@ def _finish(
         if setup_error and got.returncode == 1:
             # bwrap could not exec the command (not found, not executable): the caller's
             # mistake, reported like a shell would (127).
-            return ExecResult("error", 127, stdout, stderr, duration_ms,
-                              f"could not start the program: {setup_error.group(1)}")
+            return ExecResult(
+                "error",
+                127,
+                stdout,
+                stderr,
+                duration_ms,
+                f"could not start the program: {setup_error.group(1)}",
+            )
         # bwrap itself was killed from outside before reporting; treat as a kill.
-        return ExecResult("killed", None, stdout, stderr, duration_ms,
-                          "the sandbox was terminated before the program reported an exit code")
+        return ExecResult(
+            "killed",
+            None,
+            stdout,
+            stderr,
+            duration_ms,
+            "the sandbox was terminated before the program reported an exit code",
+        )
     status, reason = classify_exit(exit_code, stderr)
     if exit_code == 125 and "sandbox: could not unpack the workspace" in stderr:
         raise SandboxError(f"could not seed /workspace: {stderr.strip()[:2000]}")

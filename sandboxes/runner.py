@@ -149,20 +149,37 @@ class RunnerApp:
             await _send_json(send, status, payload, headers)
         elif route == ("GET", "/health"):
             gate = self.gate
-            await _send_json(send, 200, {
-                "status": "ok", "running": gate.running, "queued": gate.waiting,
-                "concurrency": gate.concurrency, "max_queue": gate.max_queue})
+            await _send_json(
+                send,
+                200,
+                {
+                    "status": "ok",
+                    "running": gate.running,
+                    "queued": gate.waiting,
+                    "concurrency": gate.concurrency,
+                    "max_queue": gate.max_queue,
+                },
+            )
         elif route == ("GET", "/metrics"):
             await _send(send, 200, generate_latest(), CONTENT_TYPE_LATEST.encode())
         elif scope["path"] in ROUTE_METHODS:
             allowed = ROUTE_METHODS[scope["path"]]
-            await _send_json(send, 405, {"error": f"{scope['method']} is not allowed on "
-                                                  f"{scope['path']}; use {allowed}"},
-                             [(b"allow", allowed.encode())])
+            await _send_json(
+                send,
+                405,
+                {"error": f"{scope['method']} is not allowed on {scope['path']}; use {allowed}"},
+                [(b"allow", allowed.encode())],
+            )
         else:
-            await _send_json(send, 404, {"error": f"no route {scope['path']!r}; the runner "
-                                                  "serves POST /v1/exec, GET /health, "
-                                                  "GET /metrics"})
+            await _send_json(
+                send,
+                404,
+                {
+                    "error": f"no route {scope['path']!r}; the runner "
+                    "serves POST /v1/exec, GET /health, "
+                    "GET /metrics"
+                },
+            )
 
     async def execute(
         self, scope: Scope, receive: Receive
@@ -175,10 +192,19 @@ class RunnerApp:
         gate = self.gate
         if not gate.admit():
             REJECTED.inc()
-            return 429, {"error": f"queue full ({gate.waiting} waiting, {gate.running} "
-                                  "running); retry later"}, [(b"retry-after", b"1")]
-        carrier = {name.decode(): value.decode("latin-1")
-                   for name, value in scope["headers"] if name in TRACE_HEADERS}
+            return (
+                429,
+                {
+                    "error": f"queue full ({gate.waiting} waiting, {gate.running} "
+                    "running); retry later"
+                },
+                [(b"retry-after", b"1")],
+            )
+        carrier = {
+            name.decode(): value.decode("latin-1")
+            for name, value in scope["headers"]
+            if name in TRACE_HEADERS
+        }
         parent = extract_context(carrier) if carrier else None
         with tracer.start_as_current_span("sandbox.runner.exec", context=parent) as span:
             gate.waiting += 1
@@ -215,23 +241,43 @@ async def _read_body(receive: Receive) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY_BYTES:
-            raise BadRequest(413, f"request body over {MAX_BODY_BYTES >> 20} MiB; send "
-                                  "smaller files (the workspace tmpfs is smaller anyway)")
+            raise BadRequest(
+                413,
+                f"request body over {MAX_BODY_BYTES >> 20} MiB; send "
+                "smaller files (the workspace tmpfs is smaller anyway)",
+            )
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
-async def _send(send: Send, status: int, body: bytes, content_type: bytes,
-                headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", content_type),
-                            (b"content-length", str(len(body)).encode()), *(headers or [])]})
+async def _send(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *(headers or []),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
-async def _send_json(send: Send, status: int, payload: dict[str, Any],
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def _send_json(
+    send: Send,
+    status: int,
+    payload: dict[str, Any],
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
     body = json.dumps(payload, separators=(",", ":")).encode()
     await _send(send, status, body, b"application/json", headers)
 
@@ -283,11 +329,26 @@ def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) 
         app = create_app(executor, concurrency, max_queue)
         loop = fastest_available("uvloop", "asyncio")
         http = fastest_available("httptools", "h11")
-        log.info("sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d; %s, %s)",
-                 host, port, *app.limits, warm, loop, http)
+        log.info(
+            "sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d; %s, %s)",
+            host,
+            port,
+            *app.limits,
+            warm,
+            loop,
+            http,
+        )
         # Keep-alive well above the 5 s default: a trainer's verifier calls come in bursts
         # per step, and a reconnect per burst is pure overhead.
-        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                    loop=loop, http=http, timeout_keep_alive=75)
+        uvicorn.run(
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            loop=loop,
+            http=http,
+            timeout_keep_alive=75,
+        )
     finally:
         executor.close()

@@ -38,7 +38,10 @@ class WorkspaceExecutor(Protocol):
     """What a workspace needs from an executor (the local bubblewrap :class:`Executor`)."""
 
     def run(
-        self, request: ExecRequest, *, workspace_tar: bytes | None = ...,
+        self,
+        request: ExecRequest,
+        *,
+        workspace_tar: bytes | None = ...,
         capture_workspace: bool = ...,
     ) -> ExecResult: ...
 
@@ -78,13 +81,21 @@ class Workspace:
         self.history: list[Step] = []
 
     def run(
-        self, command: list[str], *, stdin: str = "", files: dict[str, str] | None = None,
+        self,
+        command: list[str],
+        *,
+        stdin: str = "",
+        files: dict[str, str] | None = None,
         **overrides: Any,
     ) -> ExecResult:
         """Run one step in a fresh sandbox seeded with the current workspace; keep its
         changes unless it timed out or lost its state (then nothing changes)."""
-        request = ExecRequest(command=command, stdin=stdin, files=files or {},
-                              **{**self.request_defaults, **overrides})
+        request = ExecRequest(
+            command=command,
+            stdin=stdin,
+            files=files or {},
+            **{**self.request_defaults, **overrides},
+        )
         return self._execute(request, self._state)
 
     def _execute(self, request: ExecRequest, state_before: bytes) -> ExecResult:

@@ -171,14 +171,20 @@ def oom_kills() -> int:
     return 0
 
 
-def run_program(command: Sequence[str], timeout_s: float | None,
-                log_limit: int) -> tuple[int, str, float, bytes]:
+def run_program(
+    command: Sequence[str], timeout_s: float | None, log_limit: int
+) -> tuple[int, str, float, bytes]:
     """Run ``command``; returns (exit code, reason, duration in ms, kept log bytes)."""
     oom_before = oom_kills()
     started = time.monotonic()
     try:
-        proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            list(command),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     except OSError as exc:
         message = f"cannot start {command[0]!r}: {exc}\n".encode()
         return 127, "Error", 0.0, message
@@ -269,9 +275,16 @@ def main(argv: Sequence[str], env: dict[str, str] | None = None) -> int:
         program_message = result_path.read_text(errors="replace") if result_path.exists() else ""
     except OSError:
         program_message = ""
-    result = merged_result(program_message, {
-        "exit_code": code, "duration_ms": round(duration_ms, 3), "reason": reason,
-        "logs_uploaded": logs_uploaded, "snapshot_uploaded": snapshot_uploaded})
+    result = merged_result(
+        program_message,
+        {
+            "exit_code": code,
+            "duration_ms": round(duration_ms, 3),
+            "reason": reason,
+            "logs_uploaded": logs_uploaded,
+            "snapshot_uploaded": snapshot_uploaded,
+        },
+    )
     try:
         result_path.write_text(result)
     except OSError as exc:

@@ -45,7 +45,7 @@ def read_s3_text(uri: str) -> str:
     """The text of one object, with the trainer's own S3 credentials (``AWS_*`` env)."""
     from posttrain.storage.store import open_store
 
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, _, key = uri[len("s3://") :].partition("/")
     store = open_store(f"s3://{bucket}", create_bucket=False)
     return store.get_bytes(key).decode("utf-8", errors="replace")
 
@@ -106,12 +106,19 @@ class SandboxTaskRunner:
             spec["stdin"] = request.stdin
         if self.runtime_class_name:
             spec["runtimeClassName"] = self.runtime_class_name
-        metadata: dict[str, Any] = {"name": name, "namespace": self.namespace,
-                                    "labels": {LABEL_PURPOSE: self.name_prefix}}
+        metadata: dict[str, Any] = {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": {LABEL_PURPOSE: self.name_prefix},
+        }
         if self.owner:
             metadata["ownerReferences"] = [self.owner]
-        return {"apiVersion": f"{GROUP}/{VERSION}", "kind": "SandboxTask",
-                "metadata": metadata, "spec": spec}
+        return {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SandboxTask",
+            "metadata": metadata,
+            "spec": spec,
+        }
 
     def run(self, request: ExecRequest) -> ExecResult:
         name = f"{self.name_prefix}-{uuid.uuid4().hex[:12]}"
@@ -119,10 +126,12 @@ class SandboxTaskRunner:
             span.set_attribute("posttrain.sandbox_task", name)
             try:
                 self.api.create_namespaced_custom_object(
-                    GROUP, VERSION, self.namespace, PLURAL, self.body(name, request))
+                    GROUP, VERSION, self.namespace, PLURAL, self.body(name, request)
+                )
             except Exception as exc:
                 raise SandboxUnavailable(
-                    f"could not create SandboxTask {self.namespace}/{name}: {exc}") from exc
+                    f"could not create SandboxTask {self.namespace}/{name}: {exc}"
+                ) from exc
             try:
                 status = self._wait(name, request.timeout_s)
                 return self._result(name, status)
@@ -137,7 +146,8 @@ class SandboxTaskRunner:
         while True:
             try:
                 obj = self.api.get_namespaced_custom_object(
-                    GROUP, VERSION, self.namespace, PLURAL, name)
+                    GROUP, VERSION, self.namespace, PLURAL, name
+                )
             except Exception as exc:  # an apiserver hiccup: keep waiting within the limits
                 log.debug("reading SandboxTask %s failed: %s", name, exc)
                 obj = {}
@@ -153,11 +163,13 @@ class SandboxTaskRunner:
                     f"SandboxTask {self.namespace}/{name} did not start within "
                     f"{self.start_timeout_s:.0f} s (phase {phase or 'none yet'}): its pod was "
                     "not scheduled or could not start; check node capacity, the sandbox "
-                    "image and the RuntimeClass")
+                    "image and the RuntimeClass"
+                )
             if started is not None and now - started > timeout_s + self.finish_margin_s:
                 raise SandboxUnavailable(
                     f"SandboxTask {self.namespace}/{name} ran {now - started:.0f} s, past its "
-                    f"timeout of {timeout_s:.0f} s, without finishing")
+                    f"timeout of {timeout_s:.0f} s, without finishing"
+                )
             time.sleep(self.poll_s)
 
     def _result(self, name: str, status: dict[str, Any]) -> ExecResult:
@@ -165,14 +177,16 @@ class SandboxTaskRunner:
         if reason == "SandboxFailed":
             raise SandboxUnavailable(
                 f"SandboxTask {self.namespace}/{name}: the sandbox pod failed on all "
-                f"{status.get('attempts', 1)} attempt(s) before the program ran")
+                f"{status.get('attempts', 1)} attempt(s) before the program ran"
+            )
         logs_uri = status.get("logsUri")
         if not logs_uri:
             raise SandboxConfigError(
                 f"SandboxTask {self.namespace}/{name} finished without a stored log "
                 "(status.logsUri): sandbox.mode task reads the program's output from there, so "
                 "the operator needs sandbox artifact storage (POSTTRAIN_OPERATOR_SANDBOX_"
-                "ARTIFACTS_URI, chart value sandbox.artifactsUri); or use sandbox.mode runner")
+                "ARTIFACTS_URI, chart value sandbox.artifactsUri); or use sandbox.mode runner"
+            )
         try:
             output = self.read_log(logs_uri)
         except Exception as exc:

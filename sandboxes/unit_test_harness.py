@@ -59,8 +59,9 @@ def _child(solution: str, setup: str, case_source: str, report_fd: int, timeout:
         report["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
     signal.setitimer(signal.ITIMER_REAL, 0)
     after = {name: id(value) for name, value in vars(builtins).items()}
-    report["builtins_modified"] = sorted(n for n in set(before) | set(after)
-                                         if before.get(n) != after.get(n))
+    report["builtins_modified"] = sorted(
+        n for n in set(before) | set(after) if before.get(n) != after.get(n)
+    )
     os.write(report_fd, json.dumps(report).encode())
     os._exit(0)
 
@@ -104,8 +105,11 @@ def _run_case(index: int, solution: str, setup: str, case: dict, timeout: float)
     result = {"name": case["name"], "passed": False, "error": "", "builtins_modified": []}
     if raw:
         report = json.loads(raw.decode())
-        result.update(passed=report["ok"], error=report["error"],
-                      builtins_modified=report["builtins_modified"])
+        result.update(
+            passed=report["ok"],
+            error=report["error"],
+            builtins_modified=report["builtins_modified"],
+        )
     elif status is None:
         result["error"] = f"killed after the {timeout:.1f} s case time limit"
     else:

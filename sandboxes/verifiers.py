@@ -37,13 +37,22 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 VerifierKind = Literal[
-    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell"]
+    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell"
+]
 VERIFIER_KINDS: tuple[str, ...] = (
-    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell",
+    "exact",
+    "numeric",
+    "regex",
+    "json_tool_call",
+    "bfcl_ast",
+    "unit_tests",
+    "shell",
 )
 
 VERIFIER_REWARD = Histogram(
-    "posttrain_verifier_reward", "Rewards handed out, by verifier kind.", ["kind"],
+    "posttrain_verifier_reward",
+    "Rewards handed out, by verifier kind.",
+    ["kind"],
     buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
 )
 HACK_SIGNALS = Counter(
@@ -216,30 +225,48 @@ def verify_exact(
     case_sensitive = bool(config.get("case_sensitive", False))
     answers = explicit_answers(completion)
     candidate = answers[-1] if answers else completion
-    got, want = (normalize_answer(candidate, case_sensitive),
-                 normalize_answer(str(expected), case_sensitive))
+    got, want = (
+        normalize_answer(candidate, case_sensitive),
+        normalize_answer(str(expected), case_sensitive),
+    )
     passed = got == want
-    return VerifierResult(float(passed), passed, {
-        "extracted": got, "expected": want, "hack_signals": _answer_signals(completion),
-    })
+    return VerifierResult(
+        float(passed),
+        passed,
+        {
+            "extracted": got,
+            "expected": want,
+            "hack_signals": _answer_signals(completion),
+        },
+    )
 
 
 def verify_numeric(
     completion: str, task: Mapping[str, Any], config: Mapping[str, Any], _: Any
 ) -> VerifierResult:
     expected_raw = _required(task, "answer", "numeric")
-    expected = (float(expected_raw) if isinstance(expected_raw, int | float)
-                else parse_number(str(expected_raw)))
+    expected = (
+        float(expected_raw)
+        if isinstance(expected_raw, int | float)
+        else parse_number(str(expected_raw))
+    )
     if expected is None:
         raise ValueError(f"task answer {expected_raw!r} is not a number")
     rel_tol = float(config.get("rel_tol", 1e-6))
     abs_tol = float(config.get("abs_tol", 1e-9))
     got = final_number(completion)
     passed = got is not None and math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol)
-    return VerifierResult(float(passed), passed, {
-        "extracted": got, "expected": expected, "rel_tol": rel_tol, "abs_tol": abs_tol,
-        "hack_signals": _answer_signals(completion),
-    })
+    return VerifierResult(
+        float(passed),
+        passed,
+        {
+            "extracted": got,
+            "expected": expected,
+            "rel_tol": rel_tol,
+            "abs_tol": abs_tol,
+            "hack_signals": _answer_signals(completion),
+        },
+    )
 
 
 def verify_regex(
@@ -258,9 +285,15 @@ def verify_regex(
         raise ValueError(f"regex pattern {pattern!r} does not compile: {exc}") from exc
     text = completion.strip() if config.get("strip", True) else completion
     match = compiled.fullmatch(text) if config.get("fullmatch", False) else compiled.search(text)
-    return VerifierResult(float(match is not None), match is not None, {
-        "pattern": pattern, "fullmatch": bool(config.get("fullmatch", False)), "hack_signals": [],
-    })
+    return VerifierResult(
+        float(match is not None),
+        match is not None,
+        {
+            "pattern": pattern,
+            "fullmatch": bool(config.get("fullmatch", False)),
+            "hack_signals": [],
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- tool calls
@@ -311,8 +344,11 @@ def schema_problems(arguments: Any, schema: Mapping[str, Any]) -> list[str]:
     """
     if not isinstance(arguments, dict):
         return [f"arguments must be an object, got {type(arguments).__name__}"]
-    problems = [f"missing required argument {name!r}" for name in schema.get("required", [])
-                if name not in arguments]
+    problems = [
+        f"missing required argument {name!r}"
+        for name in schema.get("required", [])
+        if name not in arguments
+    ]
     properties = schema.get("properties", {})
     for name, value in arguments.items():
         spec = properties.get(name)
@@ -339,8 +375,9 @@ def verify_json_tool_call(
     calls = find_tool_calls(completion)
     signals = ["multiple_tool_calls"] if len(calls) > 1 else []
     if not calls:
-        return VerifierResult(0.0, False, {"problems": ["no JSON tool call found"],
-                                           "hack_signals": signals})
+        return VerifierResult(
+            0.0, False, {"problems": ["no JSON tool call found"], "hack_signals": signals}
+        )
     call = calls[0]
     problems = []
     if "name" in tool_schema and call["name"] != tool_schema["name"]:
@@ -350,9 +387,15 @@ def verify_json_tool_call(
     if expected is not None and call["arguments"] != expected:
         problems.append(f"arguments {call['arguments']!r} differ from expected {expected!r}")
     passed = not problems
-    return VerifierResult(float(passed), passed, {
-        "call": call, "problems": problems, "hack_signals": signals,
-    })
+    return VerifierResult(
+        float(passed),
+        passed,
+        {
+            "call": call,
+            "problems": problems,
+            "hack_signals": signals,
+        },
+    )
 
 
 def verify_bfcl_ast(
@@ -362,14 +405,23 @@ def verify_bfcl_ast(
     checker is BFCL's own; see :mod:`posttrain.envs.bfcl`)."""
     from posttrain.envs.bfcl import judge
 
-    verdict = judge(completion, _required(task, "functions", "bfcl_ast"),
-                    _required(task, "ground_truth", "bfcl_ast"),
-                    str(task.get("bfcl_category", "simple_python")))
+    verdict = judge(
+        completion,
+        _required(task, "functions", "bfcl_ast"),
+        _required(task, "ground_truth", "bfcl_ast"),
+        str(task.get("bfcl_category", "simple_python")),
+    )
     valid = verdict["valid"]
-    return VerifierResult(float(valid), valid, {
-        "error": [str(e)[:500] for e in verdict["error"]], "error_type": verdict["error_type"],
-        "decoded": verdict["decoded"], "hack_signals": [],
-    })
+    return VerifierResult(
+        float(valid),
+        valid,
+        {
+            "error": [str(e)[:500] for e in verdict["error"]],
+            "error_type": verdict["error_type"],
+            "decoded": verdict["decoded"],
+            "hack_signals": [],
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- code
@@ -413,8 +465,12 @@ def split_tests(tests: str | list[str]) -> tuple[str, list[dict[str, str]]]:
             setup.append(ast.get_source_segment(tests, node) or "")
             cases.append({"name": node.name, "source": f"{node.name}()"})
         elif isinstance(node, ast.Assert):
-            cases.append({"name": f"assert_line_{node.lineno}",
-                          "source": ast.get_source_segment(tests, node) or ""})
+            cases.append(
+                {
+                    "name": f"assert_line_{node.lineno}",
+                    "source": ast.get_source_segment(tests, node) or "",
+                }
+            )
         else:
             setup.append(ast.get_source_segment(tests, node) or "")
     if not cases:
@@ -425,16 +481,28 @@ def split_tests(tests: str | list[str]) -> tuple[str, list[dict[str, str]]]:
 # (signal name, pattern) pairs over the solution's source.
 _CODE_HACK_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("exits_process", re.compile(r"\b(?:sys\.exit|os\._exit|os\.abort|exit|quit)\s*\(")),
-    ("prints_pass_marker", re.compile(
-        r"print\s*\(\s*[fbru]?['\"][^'\"]*\b(?:PASS(?:ED)?|OK|All tests passed|SUCCESS)\b",
-        re.IGNORECASE)),
-    ("tampers_builtins", re.compile(
-        r"\b(?:import\s+builtins|__builtins__|builtins\.|sys\.modules\s*\[|"
-        r"setattr\s*\(\s*builtins)")),
-    ("patches_test_machinery", re.compile(
-        r"\b(?:unittest\.mock|AssertionError\s*=|sys\.settrace|sys\.setprofile|"
-        r"sys\.excepthook|atexit\.register|signal\.signal|os\.fork|os\.kill|gc\.get_objects|"
-        r"sys\._getframe|inspect\.stack)")),
+    (
+        "prints_pass_marker",
+        re.compile(
+            r"print\s*\(\s*[fbru]?['\"][^'\"]*\b(?:PASS(?:ED)?|OK|All tests passed|SUCCESS)\b",
+            re.IGNORECASE,
+        ),
+    ),
+    (
+        "tampers_builtins",
+        re.compile(
+            r"\b(?:import\s+builtins|__builtins__|builtins\.|sys\.modules\s*\[|"
+            r"setattr\s*\(\s*builtins)"
+        ),
+    ),
+    (
+        "patches_test_machinery",
+        re.compile(
+            r"\b(?:unittest\.mock|AssertionError\s*=|sys\.settrace|sys\.setprofile|"
+            r"sys\.excepthook|atexit\.register|signal\.signal|os\.fork|os\.kill|gc\.get_objects|"
+            r"sys\._getframe|inspect\.stack)"
+        ),
+    ),
     ("reads_test_files", re.compile(r"(?:cases\.json|harness\.py|tests\.py)")),
 )
 
@@ -451,7 +519,7 @@ def code_hack_signals(code: str) -> list[str]:
 def _last_marker_line(stdout: str, marker: str) -> str | None:
     for line in reversed(stdout.splitlines()):
         if line.startswith(marker):
-            return line[len(marker):]
+            return line[len(marker) :]
     return None
 
 
@@ -477,11 +545,18 @@ def verify_unit_tests(
     if payload is None:
         # The harness never reported: the sandbox timed out or something killed the harness.
         signals.append("harness_output_missing")
-        return VerifierResult(0.0, False, {
-            "sandbox_status": execution.status, "reason": execution.reason,
-            "stderr": execution.stderr[-2000:], "tests_total": len(cases), "tests_passed": 0,
-            "hack_signals": signals,
-        })
+        return VerifierResult(
+            0.0,
+            False,
+            {
+                "sandbox_status": execution.status,
+                "reason": execution.reason,
+                "stderr": execution.stderr[-2000:],
+                "tests_total": len(cases),
+                "tests_passed": 0,
+                "hack_signals": signals,
+            },
+        )
     results = json.loads(payload)
     if any(r.get("exited_early") for r in results):
         signals.append("process_exit_during_tests")
@@ -489,11 +564,18 @@ def verify_unit_tests(
         signals.append("builtins_modified")
     passed_count = sum(1 for r in results if r["passed"])
     reward = passed_count / len(cases)
-    return VerifierResult(reward, passed_count == len(cases), {
-        "tests_total": len(cases), "tests_passed": passed_count, "results": results,
-        "sandbox_status": execution.status, "duration_ms": execution.duration_ms,
-        "hack_signals": sorted(set(signals), key=signals.index),
-    })
+    return VerifierResult(
+        reward,
+        passed_count == len(cases),
+        {
+            "tests_total": len(cases),
+            "tests_passed": passed_count,
+            "results": results,
+            "sandbox_status": execution.status,
+            "duration_ms": execution.duration_ms,
+            "hack_signals": sorted(set(signals), key=signals.index),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- shell
@@ -505,18 +587,20 @@ SHELL_MARKER = "__POSTTRAIN_CHECK__"
 # solution could edit.
 _SHELL_HARNESS = (
     'sh setup.sh > setup.log 2>&1 || { echo "setup failed" >&2; cat setup.log >&2; exit 3; }; '
-    'if command -v bash > /dev/null; then shell=bash; else shell=sh; fi; '
+    "if command -v bash > /dev/null; then shell=bash; else shell=sh; fi; "
     '$shell solution.sh > solution.log 2>&1; echo "solution exit $?" >&2; '
-    'kill -9 -1 2>/dev/null; i=0; '
+    "kill -9 -1 2>/dev/null; i=0; "
     'for check in "$@"; do '
     '  if sh -c "$check" > /dev/null 2>&1; then r=pass; else r=fail; fi; '
     f'  echo "{SHELL_MARKER} $i $r"; i=$((i+1)); '
-    'done'
+    "done"
 )
 _SHELL_HACK_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("kills_processes", re.compile(r"\b(?:kill\s+-9\s+-1|pkill|killall)\b")),
-    ("prints_pass_marker", re.compile(r"\b(?:echo|printf)\s+['\"]?(?:PASS(?:ED)?|OK)\b",
-                                      re.IGNORECASE)),
+    (
+        "prints_pass_marker",
+        re.compile(r"\b(?:echo|printf)\s+['\"]?(?:PASS(?:ED)?|OK)\b", re.IGNORECASE),
+    ),
     ("fakes_check_marker", re.compile(re.escape(SHELL_MARKER))),
 )
 
@@ -525,9 +609,15 @@ def verify_shell(
     completion: str, task: Mapping[str, Any], config: Mapping[str, Any], executor: SandboxRunner
 ) -> VerifierResult:
     verify_spec = _required(task, "verify", "shell")
-    checks = ([c for c in verify_spec if c.strip()] if isinstance(verify_spec, list) else
-              [line for line in verify_spec.splitlines()
-               if line.strip() and not line.strip().startswith("#")])
+    checks = (
+        [c for c in verify_spec if c.strip()]
+        if isinstance(verify_spec, list)
+        else [
+            line
+            for line in verify_spec.splitlines()
+            if line.strip() and not line.strip().startswith("#")
+        ]
+    )
     if not checks:
         raise ValueError('task["verify"] has no checks (one shell command per check)')
     commands = extract_code(completion, ("bash", "sh", "shell", "console"))
@@ -551,13 +641,21 @@ def verify_shell(
     if len(outcomes) < len(checks):
         signals.append("harness_output_missing")
     passed_count = sum(outcomes.get(i, False) for i in range(len(checks)))
-    return VerifierResult(passed_count / len(checks), passed_count == len(checks), {
-        "checks_total": len(checks), "checks_passed": passed_count,
-        "checks": [{"command": c, "passed": outcomes.get(i, False)}
-                   for i, c in enumerate(checks)],
-        "sandbox_status": execution.status, "reason": execution.reason,
-        "stderr": execution.stderr[-2000:], "hack_signals": signals,
-    })
+    return VerifierResult(
+        passed_count / len(checks),
+        passed_count == len(checks),
+        {
+            "checks_total": len(checks),
+            "checks_passed": passed_count,
+            "checks": [
+                {"command": c, "passed": outcomes.get(i, False)} for i, c in enumerate(checks)
+            ],
+            "sandbox_status": execution.status,
+            "reason": execution.reason,
+            "stderr": execution.stderr[-2000:],
+            "hack_signals": signals,
+        },
+    )
 
 
 def _required(task: Mapping[str, Any], key: str, kind: str) -> Any:

@@ -48,12 +48,18 @@ POOL_TAKES = Counter(
 # become the program. bash: `mapfile -d ''` reads NUL-separated records, so any argv
 # survives unquoted.
 _LAUNCHER = (
-    'eval "mapfile -d \'\' -u $1 argv; exec $1<&-"; '
+    "eval \"mapfile -d '' -u $1 argv; exec $1<&-\"; "
     '[ ${#argv[@]} -gt 0 ] || exit 126; exec "${argv[@]}"'
 )
 # bash's ulimit option per resource, and its unit in bytes (1 = unscaled) outside POSIX mode.
-_ULIMIT_OPTIONS = {"as": ("-v", 1024), "cpu": ("-t", 1), "nproc": ("-u", 1),
-                   "fsize": ("-f", 1024), "nofile": ("-n", 1), "core": ("-c", 1024)}
+_ULIMIT_OPTIONS = {
+    "as": ("-v", 1024),
+    "cpu": ("-t", 1),
+    "nproc": ("-u", 1),
+    "fsize": ("-f", 1024),
+    "nofile": ("-n", 1),
+    "core": ("-c", 1024),
+}
 
 
 def bash_ulimits(limits: dict[str, tuple[int, int]]) -> str:
@@ -68,10 +74,15 @@ def bash_ulimits(limits: dict[str, tuple[int, int]]) -> str:
     >>> bash_ulimits({"as": (1 << 20, 1 << 20), "cpu": (11, 12), "core": (0, 0)})
     'ulimit -v 1024 -t 12 -c 0 && ulimit -S -t 11 || exit 125'
     """
-    both = " ".join(f"{_ULIMIT_OPTIONS[name][0]} {hard // _ULIMIT_OPTIONS[name][1]}"
-                    for name, (_, hard) in limits.items())
-    soft = " ".join(f"{_ULIMIT_OPTIONS[name][0]} {soft // _ULIMIT_OPTIONS[name][1]}"
-                    for name, (soft, hard) in limits.items() if soft != hard)
+    both = " ".join(
+        f"{_ULIMIT_OPTIONS[name][0]} {hard // _ULIMIT_OPTIONS[name][1]}"
+        for name, (_, hard) in limits.items()
+    )
+    soft = " ".join(
+        f"{_ULIMIT_OPTIONS[name][0]} {soft // _ULIMIT_OPTIONS[name][1]}"
+        for name, (soft, hard) in limits.items()
+        if soft != hard
+    )
     return f"ulimit {both}" + (f" && ulimit -S {soft}" if soft else "") + " || exit 125"
 
 
@@ -107,19 +118,22 @@ class WarmPool:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self._refill, name="sandbox-warm-pool",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._refill, name="sandbox-warm-pool", daemon=True)
         self._thread.start()
 
     def fits(self, request: ExecRequest) -> bool:
         shape = self.shape
         # Small argv only: it goes through a pipe the launcher may not be reading yet.
-        return (not request.files and not request.env and request.cpu_time_s is None
-                and sum(len(arg) + 1 for arg in request.command) < 32768
-                and request.timeout_s <= shape.timeout_s and request.network == shape.network
-                and (request.memory_mb, request.max_processes, request.max_file_mb,
-                     request.workdir_mb)
-                == (shape.memory_mb, shape.max_processes, shape.max_file_mb, shape.workdir_mb))
+        return (
+            not request.files
+            and not request.env
+            and request.cpu_time_s is None
+            and sum(len(arg) + 1 for arg in request.command) < 32768
+            and request.timeout_s <= shape.timeout_s
+            and request.network == shape.network
+            and (request.memory_mb, request.max_processes, request.max_file_mb, request.workdir_mb)
+            == (shape.memory_mb, shape.max_processes, shape.max_file_mb, shape.workdir_mb)
+        )
 
     def take(self, request: ExecRequest) -> PooledSandbox | None:
         """A ready sandbox for ``request``, or None (cold path) if it does not fit or none
@@ -137,8 +151,10 @@ class WarmPool:
                     self._busy += 1
                     return sandbox
                 # Only something broken ends a launcher early (e.g. a limit it could not set).
-                log.warning("a pooled sandbox exited before use (code %s); discarding it",
-                            sandbox.proc.returncode)
+                log.warning(
+                    "a pooled sandbox exited before use (code %s); discarding it",
+                    sandbox.proc.returncode,
+                )
                 self._discard(sandbox)
         POOL_TAKES.labels("empty").inc()
         self.replenish()
@@ -168,8 +184,12 @@ class WarmPool:
         try:
             launcher = f"{bash_ulimits(executor.rlimits(self.shape))}; {_LAUNCHER}"
             proc, status_read = executor._spawn(
-                self.shape, uid, ["bash", "-c", launcher, "sandbox-launcher",
-                                  str(control_read)], [control_read], limits_inside=True)
+                self.shape,
+                uid,
+                ["bash", "-c", launcher, "sandbox-launcher", str(control_read)],
+                [control_read],
+                limits_inside=True,
+            )
         except BaseException:
             os.close(control_write)
             if uid is not None:

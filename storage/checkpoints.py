@@ -122,12 +122,16 @@ class _CommittedSeries:
         return sorted(n for n, committed in seen.items() if not committed)
 
     def commit(
-        self, number: int, local_dir: str | os.PathLike[str], metadata: dict[str, Any],
+        self,
+        number: int,
+        local_dir: str | os.PathLike[str],
+        metadata: dict[str, Any],
         extra_files: tuple[ManifestFile, ...] = (),
     ) -> Manifest:
         """Upload + manifest, then move the pointer (a single put) to this directory."""
-        manifest = upload_dir(self.store, self.dir_key(number), local_dir, metadata=metadata,
-                              extra_files=extra_files)
+        manifest = upload_dir(
+            self.store, self.dir_key(number), local_dir, metadata=metadata, extra_files=extra_files
+        )
         pointer = {
             self.layout.number_field: number,
             "dir": self.layout.dir_name(number),

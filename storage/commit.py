@@ -277,7 +277,8 @@ def upload_dir(
             files=tuple(
                 ManifestFile(rel, digests[rel].size, digests[rel].checksum, digests[rel].algorithm)
                 for rel, _ in files
-            ) + tuple(sorted(extra_files, key=lambda f: f.path)),
+            )
+            + tuple(sorted(extra_files, key=lambda f: f.path)),
             metadata=dict(metadata or {}),
             created=datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         )

@@ -76,7 +76,7 @@ def download_reports(store: ArtifactStore, local_dir: Path, run_prefix: str = ""
     prefix = join_key(run_prefix, REPORTS_DIR) + "/"
     keys = store.list(prefix)
     for key in keys:
-        rel = key[len(prefix):]
+        rel = key[len(prefix) :]
         if not rel or ".." in Path(rel).parts:
             continue
         target = local_dir / rel

@@ -61,7 +61,9 @@ def helm_bin() -> Path:
 def kubectl(kubectl_bin: Path, kubeconfig: Path) -> Any:
     """Run the real kubectl against the test control plane: kubectl("get", "tr")."""
 
-    def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    def run(
+        *args: str, check: bool = True, stdin: str | None = None
+    ) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [str(kubectl_bin), f"--kubeconfig={kubeconfig}", *args],
             capture_output=True,

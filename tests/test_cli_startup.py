@@ -42,8 +42,9 @@ def test_help_imports_no_component() -> None:
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy or "
         "m.startswith(heavy)))\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]", result.stdout
 
 
@@ -59,8 +60,13 @@ def test_sandbox_exec_loads_no_tracing_sdk() -> None:
         "'pydantic', 'kubernetes', 'torch'))))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
 

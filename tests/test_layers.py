@@ -77,15 +77,22 @@ def _violations(sources: tuple[str, ...], forbidden: tuple[str, ...]) -> list[st
 def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
     # The contracts below are only as good as this walk: it must not miss a deferred import.
     sample = tmp_path / "probe.py"
-    sample.write_text("def f():\n    from posttrain.operator import builders\n    from . import loop\n")
+    sample.write_text(
+        "def f():\n    from posttrain.operator import builders\n    from . import loop\n"
+    )
     found = set(imported_modules(sample, package="posttrain.trainer"))
     assert {"posttrain.operator.builders", "posttrain.trainer.loop"} <= found
 
 
 def test_api_imports_nothing_of_ours() -> None:
     components = tuple(f"posttrain.{c}" for c in COMPONENTS if c != "api")
-    cli_and_tools = ("posttrain.devenv", "posttrain.cli", "posttrain.ctl", "posttrain.telemetry",
-                     "posttrain.processes")
+    cli_and_tools = (
+        "posttrain.devenv",
+        "posttrain.cli",
+        "posttrain.ctl",
+        "posttrain.telemetry",
+        "posttrain.processes",
+    )
     ours = (*components, *cli_and_tools)
     assert _violations(("api",), ours) == []
 

@@ -21,16 +21,25 @@ def test_operator_folder_is_not_an_importable_package() -> None:
     # From the repository root (where '' is first on sys.path), `operator` is still stdlib.
     out = subprocess.run(
         [sys.executable, "-c", "import operator, sys; print(operator.__file__)"],
-        cwd=REPO_ROOT, capture_output=True, text=True, check=True,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
-    assert Path(out).parent == Path(subprocess.run(
-        [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
-        capture_output=True, text=True, check=True).stdout.strip())
+    assert Path(out).parent == Path(
+        subprocess.run(
+            [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
 
 
 def test_every_component_folder_is_packaged_and_linked() -> None:
     packages = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]
+        "packages"
+    ]
     for package in packages:
         parts = package.split(".")
         assert parts[0] == "posttrain"
@@ -72,8 +81,9 @@ def test_the_built_wheel_works_in_a_clean_environment(tmp_path: Path) -> None:
     if uv is None:
         pytest.fail("uv is missing: `make venv` installs it")
     run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=600)
-    built = run([uv, "build", "--quiet", "--wheel", "--out-dir", str(tmp_path / "dist"),
-                 str(REPO_ROOT)])
+    built = run(
+        [uv, "build", "--quiet", "--wheel", "--out-dir", str(tmp_path / "dist"), str(REPO_ROOT)]
+    )
     assert built.returncode == 0, built.stderr
     (wheel,) = (tmp_path / "dist").glob("posttrain-*.whl")
     venv = tmp_path / "venv"

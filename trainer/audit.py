@@ -97,8 +97,7 @@ def trajectory_record(t: Trajectory) -> dict[str, Any]:
     ([17], [-0.5], [])
     """
     record = asdict(t)
-    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids",
-                 "completion_logprobs"):
+    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids", "completion_logprobs"):
         record[name] = list(record[name])
     return record
 
@@ -108,8 +107,7 @@ def trajectory_from_record(record: dict[str, Any]) -> Trajectory:
     default (older checkpoints and trajectory logs stay readable)."""
     known = {f.name for f in fields(Trajectory)}
     values = {k: v for k, v in record.items() if k in known}
-    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids",
-                 "completion_logprobs"):
+    for name in ("hack_signals", "prompt_token_ids", "completion_token_ids", "completion_logprobs"):
         if name in values:
             values[name] = tuple(values[name])
     return Trajectory(**values)
@@ -144,8 +142,10 @@ def verifier_summary(verifier: dict[str, Any]) -> str:
     if verifier.get("overlong_penalty"):
         parts.append(f"overlong penalty {float(verifier['overlong_penalty']):.2f}")
     details = verifier.get("details", {})
-    for done, total, noun in (("tests_passed", "tests_total", "tests"),
-                              ("checks_passed", "checks_total", "checks")):
+    for done, total, noun in (
+        ("tests_passed", "tests_total", "tests"),
+        ("checks_passed", "checks_total", "checks"),
+    ):
         if total in details:
             parts.append(f"{details.get(done, 0)}/{details[total]} {noun} passed")
     if "error" in details:

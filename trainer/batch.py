@@ -41,8 +41,11 @@ def score_batch(
     verify: VerifyFn | None = None,
 ) -> list[list[ScoredSample]]:
     """Score every completion of the batch; ``result[i][j]`` is sample j of prompt i."""
-    flat = [(task, c) for task, group in zip(batch.request.tasks, batch.completions, strict=True)
-            for c in group]
+    flat = [
+        (task, c)
+        for task, group in zip(batch.request.tasks, batch.completions, strict=True)
+        for c in group
+    ]
     # Episodes (multi-turn, see posttrain.envs.training) come judged by their environment.
     plain = [k for k, (_, c) in enumerate(flat) if not is_episode(c)]
     judged = score_samples(
@@ -72,10 +75,19 @@ def is_episode(completion: Any) -> bool:
 def episode_score(episode: Any) -> ScoredSample:
     """An episode's reward is its environment's task-completion verdict."""
     return ScoredSample(
-        reward=episode.reward, verifier_reward=episode.reward, overlong_penalty=0.0,
-        passed=episode.passed, verifier=f"env:{episode.environment}",
-        details={"status": episode.status, "error": episode.error, "stats": episode.stats,
-                 "judge": episode.details, "turns": episode.turns})
+        reward=episode.reward,
+        verifier_reward=episode.reward,
+        overlong_penalty=0.0,
+        passed=episode.passed,
+        verifier=f"env:{episode.environment}",
+        details={
+            "status": episode.status,
+            "error": episode.error,
+            "stats": episode.stats,
+            "judge": episode.details,
+            "turns": episode.turns,
+        },
+    )
 
 
 def is_errored(completion: Any) -> bool:
@@ -113,8 +125,9 @@ def prepare_batch(
     # Errored episodes (the environment failed, not the policy) take no part in a group.
     usable = [[j for j, c in enumerate(group) if not is_errored(c)] for group in completions]
     rewards = [[scored[i][j].reward for j in members] for i, members in enumerate(usable)]
-    groups = compute_advantages([r or [0.0] for r in rewards], algorithm=algorithm,
-                                dynamic_sampling=dynamic_sampling)
+    groups = compute_advantages(
+        [r or [0.0] for r in rewards], algorithm=algorithm, dynamic_sampling=dynamic_sampling
+    )
     advantage_of: dict[tuple[int, int], float] = {}
     kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
     for i, group in enumerate(groups):
@@ -124,8 +137,9 @@ def prepare_batch(
                 kept.append((i, j, a))
     # Only the policy's tokens count towards the normaliser (episodes carry tool output).
     lengths = [_model_tokens(completions[i][j]) for i, j, _ in kept]
-    coefficients = sequence_coefficients(lengths, loss_config.aggregation,
-                                         loss_config.max_new_tokens)
+    coefficients = sequence_coefficients(
+        lengths, loss_config.aggregation, loss_config.max_new_tokens
+    )
     samples = [
         TrainSample(
             prompt_ids=_prompt_ids(batch, i, completions[i][j]),
@@ -150,15 +164,23 @@ def prepare_batch(
                 by_domain_pass.setdefault(domain, []).append(float(s.passed))
             trajectories.append(
                 Trajectory(
-                    step, domain, tasks[i].task_id, tasks[i].prompt, c.text, s.reward,
-                    s.passed, c.weight_version, tuple(s.hack_signals),
+                    step,
+                    domain,
+                    tasks[i].task_id,
+                    tasks[i].prompt,
+                    c.text,
+                    s.reward,
+                    s.passed,
+                    c.weight_version,
+                    tuple(s.hack_signals),
                     prompt_token_ids=prompt_ids,
                     completion_token_ids=tuple(c.token_ids),
                     completion_logprobs=round_logprobs(c.logprobs),
                     advantage=advantage_of.get((i, j)),
                     finish_reason=c.finish_reason,
-                    verifier=verifier_record(s.verifier, s.verifier_reward, s.overlong_penalty,
-                                             s.details),
+                    verifier=verifier_record(
+                        s.verifier, s.verifier_reward, s.overlong_penalty, s.details
+                    ),
                 )
             )
     all_rewards = [r for group in rewards for r in group]
@@ -166,8 +188,10 @@ def prepare_batch(
         samples=samples,
         domain_rewards={d: _mean(v) for d, v in sorted(by_domain_reward.items())},
         domain_pass_rates={d: _mean(v) for d, v in sorted(by_domain_pass.items())},
-        group_pass_rates=[_mean([float(scored[i][j].passed) for j in members])
-                          if members else None for i, members in enumerate(usable)],
+        group_pass_rates=[
+            _mean([float(scored[i][j].passed) for j in members]) if members else None
+            for i, members in enumerate(usable)
+        ],
         reward_mean=_mean(all_rewards),
         response_length=_mean([_model_tokens(c) for g in completions for c in g]),
         kept_groups=len({i for i, _, _ in kept}),

@@ -80,7 +80,9 @@ def batch_to_json(batch: RolloutBatch) -> dict[str, Any]:
         "error": batch.error,
         "completions": [
             [
-                c.to_json() if hasattr(c, "to_json") else {  # episodes carry their turns
+                c.to_json()
+                if hasattr(c, "to_json")
+                else {  # episodes carry their turns
                     "prompt_index": c.prompt_index,
                     "text": c.text,
                     "token_ids": c.token_ids,
@@ -131,8 +133,11 @@ def save_training_state(policy: Any, dest: Path) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(dest),
-             no_dist=not _distributed())
+    dcp.save(
+        {"model": model_state, "optim": optim_state},
+        checkpoint_id=str(dest),
+        no_dist=not _distributed(),
+    )
 
 
 def load_training_state(policy: Any, source: Path) -> None:
@@ -144,8 +149,12 @@ def load_training_state(policy: Any, source: Path) -> None:
     model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(source), no_dist=not _distributed())
-    set_state_dict(policy.module, policy.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(
+        policy.module,
+        policy.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
 
 
 def _distributed() -> bool:
@@ -174,9 +183,7 @@ class Checkpointer:
         self.keep_best = keep_best
         self.manager = CheckpointManager(store, "checkpoints", keep_last=keep_last)
 
-    def save(
-        self, policy: Any, state: TrainerState, eval_score: float | None = None
-    ) -> str:
+    def save(self, policy: Any, state: TrainerState, eval_score: float | None = None) -> str:
         """Commit a checkpoint of ``state.step``; returns its URI.
 
         Collective: every rank calls it. Each rank writes and uploads its own files; rank 0
@@ -239,10 +246,13 @@ class Checkpointer:
         if (dest / SHARDED_DIR).is_dir():
             load_training_state(policy, dest / SHARDED_DIR)
         else:  # written before sharded checkpoints: one process, full optimizer state
-            policy.optimizer.load_state_dict(
-                torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+            policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
         restore_rng(torch.load(dest / RNG_FILE, weights_only=False))
         state = TrainerState(**json.loads((dest / STATE_FILE).read_text()))
-        log.info("resumed from checkpoint step %d (weight version %d; written by %s rank(s))",
-                 step, state.weight_version, manifest.metadata.get("world_size", 1))
+        log.info(
+            "resumed from checkpoint step %d (weight version %d; written by %s rank(s))",
+            step,
+            state.weight_version,
+            manifest.metadata.get("world_size", 1),
+        )
         return policy, state

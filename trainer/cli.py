@@ -36,8 +36,12 @@ def register(subparsers: Any) -> None:
     run.add_argument("manifest", type=Path, help="TrainingRun YAML, e.g. examples/local-demo.yaml")
     run.add_argument("--local", action="store_true", help="start a local CPU rollout server")
     run.add_argument("--out", type=Path, default=Path("runs/local"), help="output directory")
-    run.add_argument("--max-steps", type=int, default=None,
-                     help="override algorithm.maxSteps (the length of an rl stage without one)")
+    run.add_argument(
+        "--max-steps",
+        type=int,
+        default=None,
+        help="override algorithm.maxSteps (the length of an rl stage without one)",
+    )
     run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
     run.set_defaults(func=run_command)
 
@@ -51,8 +55,9 @@ def register(subparsers: Any) -> None:
     ev.add_argument("--model", required=True, help="packaged id, checkpoint dir or s3:// URI")
     ev.add_argument("--tasks", required=True, type=Path, help="JSONL task file")
     ev.add_argument("--out", type=Path, default=None, help="write results JSON here")
-    ev.add_argument("--server", default=None,
-                    help="use this running rollout server URL instead of starting one")
+    ev.add_argument(
+        "--server", default=None, help="use this running rollout server URL instead of starting one"
+    )
     ev.add_argument("--max-new-tokens", type=int, default=128)
     ev.add_argument("--temperature", type=float, default=0.0)
     ev.set_defaults(func=eval_command)
@@ -66,11 +71,17 @@ def register(subparsers: Any) -> None:
         "too). Results go to --out/eval/ and to the run's storage under reports/eval/.",
     )
     ck.add_argument("manifest", type=Path, help="the run's TrainingRun YAML")
-    ck.add_argument("--storage", default=None,
-                    help="the run's storage URI (default: spec.checkpoint.storageUri)")
+    ck.add_argument(
+        "--storage",
+        default=None,
+        help="the run's storage URI (default: spec.checkpoint.storageUri)",
+    )
     ck.add_argument("--out", type=Path, default=Path("runs/eval"), help="output directory")
-    ck.add_argument("--watch", action="store_true",
-                    help="keep polling until the final checkpoint (maxSteps) is scored")
+    ck.add_argument(
+        "--watch",
+        action="store_true",
+        help="keep polling until the final checkpoint (maxSteps) is scored",
+    )
     ck.add_argument("--poll-seconds", type=float, default=30.0)
     ck.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus on this port")
     ck.set_defaults(func=eval_checkpoints_command)
@@ -125,8 +136,9 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(run: Any, out: Path, endpoints: list[str] | None, stop: Any, *,
-           wait_for_servers: bool) -> Any:
+def _train(
+    run: Any, out: Path, endpoints: list[str] | None, stop: Any, *, wait_for_servers: bool
+) -> Any:
     """Train in this process, or as several ranks (:mod:`posttrain.trainer.distributed`)."""
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.distributed import launch_if_distributed
@@ -146,9 +158,12 @@ def _train(run: Any, out: Path, endpoints: list[str] | None, stop: Any, *,
             endpoints = _endpoints(spec)
     log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
     max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
-    client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                           max_in_flight=max_in_flight,
-                           discover=discovery.ready_endpoints if discovery else None)
+    client = RolloutClient(
+        endpoints,
+        timeout_s=spec.rollout.timeout_seconds,
+        max_in_flight=max_in_flight,
+        discover=discovery.ready_endpoints if discovery else None,
+    )
     following = None
     if discovery is not None:
         from posttrain.rollout.discovery import follow_pool
@@ -161,8 +176,7 @@ def _train(run: Any, out: Path, endpoints: list[str] | None, stop: Any, *,
         distributed = launch_if_distributed(run, out, endpoints)
         if distributed is not None:  # rank 0's result of a multi-rank run
             return distributed
-        return train(spec, out, client, reporter=status_reporter_from_env(out),
-                     stop=stop.requested)
+        return train(spec, out, client, reporter=status_reporter_from_env(out), stop=stop.requested)
     finally:
         if following is not None:
             following.set()
@@ -230,14 +244,18 @@ def _require_healthy(client: Any, endpoints: list[str], timeout_s: float) -> Non
 
 def _print_summary(result: Any) -> None:
     base, final = result.base_eval, result.final_eval
-    print(f"\nrun finished: {result.steps_done} steps in {result.wall_seconds:.0f}s; "
-          f"outputs in {result.out_dir}")
+    print(
+        f"\nrun finished: {result.steps_done} steps in {result.wall_seconds:.0f}s; "
+        f"outputs in {result.out_dir}"
+    )
     if base is not None and final is not None:
         print("held-out accuracy (base -> trained):")
         for domain in final.accuracy:
             before = base.accuracy.get(domain, float("nan"))
-            print(f"  {domain:<12} {before:6.1%} -> {final.accuracy[domain]:6.1%}  "
-                  f"({final.counts[domain]} items)")
+            print(
+                f"  {domain:<12} {before:6.1%} -> {final.accuracy[domain]:6.1%}  "
+                f"({final.counts[domain]} items)"
+            )
         print(f"  {'all':<12} {base.overall:6.1%} -> {final.overall:6.1%}")
     if result.last_checkpoint:
         print(f"latest checkpoint: {result.last_checkpoint}")
@@ -259,8 +277,8 @@ def eval_command(args: argparse.Namespace) -> int:
     for task in tasks:
         if task.verifier is None and task.domain not in DEFAULT_VERIFIER_BY_DOMAIN:
             raise UsageError(
-                f"{args.tasks}: unknown domain {task.domain!r} with no \"verifier\" key; use "
-                f"{' or '.join(DEFAULT_VERIFIER_BY_DOMAIN)} or add e.g. \"verifier\": \"exact\""
+                f'{args.tasks}: unknown domain {task.domain!r} with no "verifier" key; use '
+                f'{" or ".join(DEFAULT_VERIFIER_BY_DOMAIN)} or add e.g. "verifier": "exact"'
             )
     model_dir = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -269,8 +287,16 @@ def eval_command(args: argparse.Namespace) -> int:
         return chat_prompt_ids(tokenizer, prompt)
 
     def score(client: Any) -> Any:
-        return evaluate_tasks(client, encode, tasks, {}, step=0, split="eval",
-                              max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+        return evaluate_tasks(
+            client,
+            encode,
+            tasks,
+            {},
+            step=0,
+            split="eval",
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+        )
 
     if args.server:
         client = RolloutClient([args.server], timeout_s=600, max_in_flight=8)
@@ -323,14 +349,18 @@ def eval_checkpoints_command(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     args.out.mkdir(parents=True, exist_ok=True)
     with LocalRolloutServer(str(model_dir), args.out / "eval-rollout-server.log") as server:
-        client = RolloutClient([server.url], timeout_s=spec.rollout.timeout_seconds,
-                               max_in_flight=8)
+        client = RolloutClient(
+            [server.url], timeout_s=spec.rollout.timeout_seconds, max_in_flight=8
+        )
         try:
-            evaluator = CheckpointEvaluator(spec, store, data, client,
-                                            lambda p: chat_prompt_ids(tokenizer, p), args.out)
+            evaluator = CheckpointEvaluator(
+                spec, store, data, client, lambda p: chat_prompt_ids(tokenizer, p), args.out
+            )
             scored = evaluator.run(watch=args.watch, poll_seconds=args.poll_seconds)
         finally:
             client.close()
-    print(f"scored step(s) {scored or 'none (all done already)'}; results in "
-          f"{args.out / 'eval'} and {store.uri('reports/eval')}")
+    print(
+        f"scored step(s) {scored or 'none (all done already)'}; results in "
+        f"{args.out / 'eval'} and {store.uri('reports/eval')}"
+    )
     return 0

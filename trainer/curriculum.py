@@ -176,8 +176,6 @@ class Curriculum:
         version, internal, gauss = state["rng"]
         self.rng.setstate((version, tuple(internal), gauss))
         self.level = {k: int(state["level"].get(k, 0)) for k in self.pools}
-        self.recent = {
-            k: deque(state["recent"].get(k, []), maxlen=self.window) for k in self.pools
-        }
+        self.recent = {k: deque(state["recent"].get(k, []), maxlen=self.window) for k in self.pools}
         self.replay = {k: list(state["replay"].get(k, [])) for k in self.pools}
         self.promotions = list(state["promotions"])

@@ -26,8 +26,7 @@ STRATUM_ORDER: tuple[str, ...] = ("easy", "medium", "hard")
 HELD_OUT_MODULUS = 5  # one content-hash bucket in five is held out (20 %)
 BUILTIN_POOL_PER_STRATUM = 400  # training items generated per stratum (cheap, deterministic)
 BUILTIN_EVAL_PER_STRATUM = 64
-KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests",
-                   "shell")
+KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell")
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,10 @@ def parse_task_record(record: dict[str, Any], where: str, default_domain: str | 
     if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
         raise UsageError(f'{where}: missing or empty "prompt" string')
     if record.get("answer") is None and not record.get("tests") and not record.get("verify"):
-        raise UsageError(f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts) '
-                         'or "verify" (shell checks of a terminal task)')
+        raise UsageError(
+            f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts) '
+            'or "verify" (shell checks of a terminal task)'
+        )
     verifier = record.get("verifier")
     if verifier is not None and verifier not in KNOWN_VERIFIERS:
         raise UsageError(f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS}")
@@ -113,8 +114,10 @@ def load_jsonl_tasks(path: str | Path, default_domain: str | None = None) -> lis
     blank JSONL lines and ``#`` comments are skipped."""
     from posttrain.trainer.task_sources import iter_records
 
-    tasks = [parse_task_record(record, where, default_domain)
-             for where, record in iter_records(str(path))]
+    tasks = [
+        parse_task_record(record, where, default_domain)
+        for where, record in iter_records(str(path))
+    ]
     if not tasks:
         raise UsageError(f"task file {str(path)!r} holds no tasks")
     return tasks
@@ -153,10 +156,16 @@ CODE_FAMILIES: dict[str, list[tuple[str, str, str]]] = {
         ("is_multiple", "returns True if x is divisible by {k}, else False", "return x % {k} == 0"),
     ],
     "hard": [
-        ("count_big", "returns how many items of the list xs are greater than {k}",
-         "return sum(1 for v in xs if v > {k})"),
-        ("keep_small", "returns a list of the items of xs that are less than {k}, in order",
-         "return [v for v in xs if v < {k}]"),
+        (
+            "count_big",
+            "returns how many items of the list xs are greater than {k}",
+            "return sum(1 for v in xs if v > {k})",
+        ),
+        (
+            "keep_small",
+            "returns a list of the items of xs that are less than {k}, in order",
+            "return [v for v in xs if v < {k}]",
+        ),
         ("sum_plus", "returns the sum of the list xs plus {k}", "return sum(xs) + {k}"),
         ("repeat_str", "returns the string s repeated {k} times", "return s * {k}"),
     ],
@@ -169,7 +178,10 @@ def code_task(rng: random.Random, stratum: str) -> Task:
     name, description, body = rng.choice(CODE_FAMILIES[stratum])
     k = rng.randint(2, 49)
     if name in {"count_big", "keep_small", "sum_plus"}:
-        arg, inputs = "xs", [[rng.randint(0, 30) for _ in range(rng.randint(0, 6))] for _ in range(4)]
+        arg, inputs = (
+            "xs",
+            [[rng.randint(0, 30) for _ in range(rng.randint(0, 6))] for _ in range(4)],
+        )
     elif name == "repeat_str":
         k = rng.randint(2, 4)
         arg, inputs = "s", [rng.choice(["ab", "x", "", "hi!"]) for _ in range(3)]
@@ -179,7 +191,9 @@ def code_task(rng: random.Random, stratum: str) -> Task:
     source = f"def {name}({arg}):\n    {body.format(k=k)}\n"
     exec(source, reference)  # our own reference implementation, never model output
     tests = "\n".join(f"assert {name}({v!r}) == {reference[name](v)!r}" for v in inputs)
-    prompt = f"Write a Python function `{name}({arg})` that {description.format(k=k)}. {CODE_FORMAT}"
+    prompt = (
+        f"Write a Python function `{name}({arg})` that {description.format(k=k)}. {CODE_FORMAT}"
+    )
     return Task(domain="code", prompt=prompt, tests=tests + "\n", difficulty=stratum)
 
 
@@ -205,9 +219,11 @@ def benchmark_records(name: str) -> list[dict[str, Any]] | None:
     return None
 
 
-BENCHMARK_NAMES = ("bfcl", *(f"bfcl_{c}" for c in
-                             ("simple_python", "multiple", "parallel", "parallel_multiple")),
-                   "humaneval")
+BENCHMARK_NAMES = (
+    "bfcl",
+    *(f"bfcl_{c}" for c in ("simple_python", "multiple", "parallel", "parallel_multiple")),
+    "humaneval",
+)
 
 
 def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> list[Task]:

@@ -137,8 +137,9 @@ def world_plan(run: Any, environ: dict[str, str] | None = None) -> WorldPlan:
     nodes = int(env.get(NODES_ENV, run.spec.resources.nodes))
     node_rank = int(env.get(NODE_RANK_ENV, "0"))
     if not 0 <= node_rank < nodes:
-        raise UsageError(f"${NODE_RANK_ENV}={node_rank} is outside 0..{nodes - 1} "
-                         f"({nodes} nodes requested)")
+        raise UsageError(
+            f"${NODE_RANK_ENV}={node_rank} is outside 0..{nodes - 1} ({nodes} nodes requested)"
+        )
     if nodes > 1 and "MASTER_ADDR" not in env:
         raise UsageError(
             f"{nodes} nodes requested but $MASTER_ADDR is not set; the operator sets it to "
@@ -146,8 +147,9 @@ def world_plan(run: Any, environ: dict[str, str] | None = None) -> WorldPlan:
             "when starting the nodes yourself)"
         )
     port = int(env.get("MASTER_PORT", "0")) or free_port()
-    return WorldPlan(nodes, ranks_per_node(run.spec), node_rank,
-                     env.get("MASTER_ADDR", "127.0.0.1"), port)
+    return WorldPlan(
+        nodes, ranks_per_node(run.spec), node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port
+    )
 
 
 def rank_out_dir(out_dir: Path, rank: int) -> Path:
@@ -171,8 +173,11 @@ def launch_if_distributed(run: Any, out_dir: Path, endpoints: list[str] | None =
     on other nodes a result without evaluations. ``endpoints`` defaults to the spec's.
     """
     if under_external_launcher():
-        return run_rank(run.spec.model_dump(mode="json"), str(out_dir.resolve()),
-                        endpoints or _resolve_endpoints(run.spec))
+        return run_rank(
+            run.spec.model_dump(mode="json"),
+            str(out_dir.resolve()),
+            endpoints or _resolve_endpoints(run.spec),
+        )
     if os.environ.get("RAY_ADDRESS"):
         return _launch_on_ray(run, out_dir, endpoints)
     plan = world_plan(run)
@@ -193,21 +198,32 @@ def launch_node(run: Any, out_dir: Path, plan: WorldPlan, endpoints: list[str]) 
 
     timeout = int(os.environ.get(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT_S))
     config = LaunchConfig(
-        min_nodes=plan.nodes, max_nodes=plan.nodes, nproc_per_node=plan.ranks_per_node,
+        min_nodes=plan.nodes,
+        max_nodes=plan.nodes,
+        nproc_per_node=plan.ranks_per_node,
         run_id=f"{run.metadata.name}-{os.environ.get('POSTTRAIN_GANG', '0')}",
-        rdzv_backend="static", rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
         rdzv_configs={"rank": plan.node_rank, "timeout": timeout},
         max_restarts=0,  # a failed rank fails the gang; the operator restarts from a checkpoint
-        start_method="spawn", monitor_interval=1.0,
+        start_method="spawn",
+        monitor_interval=1.0,
     )
-    log.info("starting %d rank(s) on node %d of %d (world %d, rendezvous %s:%d)",
-             plan.ranks_per_node, plan.node_rank, plan.nodes, plan.world_size,
-             plan.master_addr, plan.master_port)
+    log.info(
+        "starting %d rank(s) on node %d of %d (world %d, rendezvous %s:%d)",
+        plan.ranks_per_node,
+        plan.node_rank,
+        plan.nodes,
+        plan.world_size,
+        plan.master_addr,
+        plan.master_port,
+    )
     with tracer.start_as_current_span("trainer.distributed_run") as span:
         span.set_attribute("nodes", plan.nodes)
         span.set_attribute("world_size", plan.world_size)
         results = elastic_launch(config, run_rank)(
-            run.spec.model_dump(mode="json"), str(out_dir.resolve()), endpoints)
+            run.spec.model_dump(mode="json"), str(out_dir.resolve()), endpoints
+        )
     return results[0]
 
 
@@ -227,8 +243,9 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> A
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    logging.basicConfig(level=logging.INFO,
-                        format=f"rank{rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format=f"rank{rank} %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("httpx").setLevel(logging.WARNING)
     spec = TrainingRunSpec.model_validate(spec_json)
     plan = plan_device(spec.resources.gpus_per_node, local_rank)
@@ -238,9 +255,11 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> A
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(plan.backend, device_id=plan.device if plan.is_cuda else None)
     context = DistContext(rank, world, local_rank, local_world)
-    client = RolloutClient(endpoints, timeout_s=spec.rollout.timeout_seconds,
-                           max_in_flight=max(spec.rollout.max_in_flight,
-                                             spec.algorithm.prompts_per_step))
+    client = RolloutClient(
+        endpoints,
+        timeout_s=spec.rollout.timeout_seconds,
+        max_in_flight=max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step),
+    )
     out = rank_out_dir(Path(out_dir), rank)
     reporter = status_reporter_from_env(out) if context.is_main else None
     try:
@@ -271,9 +290,13 @@ def _wait_for_nodes(ray: Any, nodes: int, gpus: int, timeout_s: float) -> list[s
     deadline = time.monotonic() + timeout_s
     next_log = 0.0
     while True:
-        usable = [n["NodeID"] for n in ray.nodes() if n.get("Alive")
-                  and n.get("Resources", {}).get("CPU", 0) >= 1
-                  and n.get("Resources", {}).get("GPU", 0) >= gpus]
+        usable = [
+            n["NodeID"]
+            for n in ray.nodes()
+            if n.get("Alive")
+            and n.get("Resources", {}).get("CPU", 0) >= 1
+            and n.get("Resources", {}).get("GPU", 0) >= gpus
+        ]
         if len(usable) >= nodes:
             return usable
         now = time.monotonic()
@@ -315,8 +338,9 @@ class RankActor:
 
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def run(self, env: dict[str, str], spec_json: dict[str, Any], out_dir: str,
-            endpoints: list[str]) -> Any:
+    def run(
+        self, env: dict[str, str], spec_json: dict[str, Any], out_dir: str, endpoints: list[str]
+    ) -> Any:
         os.environ.update(env)
         return run_rank(spec_json, out_dir, endpoints)
 
@@ -346,26 +370,43 @@ def _launch_on_ray(run: Any, out_dir: Path, endpoints: list[str] | None) -> Any:
             placement = assign_nodes(ray.get_runtime_context().get_node_id(), alive, nodes)
             log.info("starting %d trainer ranks on Ray nodes %s", nodes * per_node, placement)
             workers = [
-                ray.remote(RankActor).options(
-                    num_cpus=1, num_gpus=1 if gpus else 0, max_restarts=0,
+                ray.remote(RankActor)
+                .options(
+                    num_cpus=1,
+                    num_gpus=1 if gpus else 0,
+                    max_restarts=0,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                ).remote()
-                for node_id in placement for _ in range(per_node)
+                )
+                .remote()
+                for node_id in placement
+                for _ in range(per_node)
             ]
             addr, port = ray.get(workers[0].master_address.remote()).rsplit(":", 1)
             world = len(workers)
             spec_json = run.spec.model_dump(mode="json")
             refs = [
-                w.run.remote({"RANK": str(r), "WORLD_SIZE": str(world),
-                              # Ray shows an actor only its own GPU, so that GPU is its device 0.
-                              "LOCAL_RANK": "0" if gpus else str(r % per_node), "LOCAL_WORLD_SIZE": str(per_node),
-                              "MASTER_ADDR": addr, "MASTER_PORT": port},
-                             spec_json, str(out_dir.resolve()), endpoints)
+                w.run.remote(
+                    {
+                        "RANK": str(r),
+                        "WORLD_SIZE": str(world),
+                        # Ray shows an actor only its own GPU, so that GPU is its device 0.
+                        "LOCAL_RANK": "0" if gpus else str(r % per_node),
+                        "LOCAL_WORLD_SIZE": str(per_node),
+                        "MASTER_ADDR": addr,
+                        "MASTER_PORT": port,
+                    },
+                    spec_json,
+                    str(out_dir.resolve()),
+                    endpoints,
+                )
                 for r, w in enumerate(workers)
             ]
             results = _gather_or_kill(ray, refs, workers)
-        log.info("distributed run finished on %d nodes; steps per rank: %s", nodes,
-                 [r.steps_done for r in results])
+        log.info(
+            "distributed run finished on %d nodes; steps per rank: %s",
+            nodes,
+            [r.steps_done for r in results],
+        )
         return results[0]
     finally:
         ray.shutdown()

@@ -44,7 +44,9 @@ def sequence_logps(
     targets = torch.tensor([t for a in answers for t in a.completion_ids])  # (N,)
     token_logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
     owner = torch.tensor([i for i, a in enumerate(answers) for _ in a.completion_ids])  # (N,)
-    sums = torch.zeros(len(answers), dtype=token_logp.dtype).index_add(0, owner, token_logp)  # (2B,)
+    sums = torch.zeros(len(answers), dtype=token_logp.dtype).index_add(
+        0, owner, token_logp
+    )  # (2B,)
     return sums[0::2], sums[1::2]  # (B,), (B,)
 
 

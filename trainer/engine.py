@@ -199,8 +199,9 @@ def to_full(tensor: torch.Tensor) -> torch.Tensor:
     return full() if full is not None else tensor
 
 
-def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str,
-              min_ratio: float) -> float:
+def lr_factor(
+    step: int, *, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
+) -> float:
     """Learning-rate multiplier for optimizer step ``step`` (1-based): linear warm-up, then
     constant or cosine decay to ``min_ratio`` at ``total_steps``.
 
@@ -238,9 +239,11 @@ class MemoryEstimate:
     detail: str
 
     def describe(self) -> str:
-        return (f"{self.parameters / 1e9:.2f}B parameters ({self.trainable / 1e9:.3f}B trained) "
-                f"on {self.world_size} rank(s): ~{self.per_rank_bytes / GIB:.1f} GiB per rank "
-                f"({self.detail})")
+        return (
+            f"{self.parameters / 1e9:.2f}B parameters ({self.trainable / 1e9:.3f}B trained) "
+            f"on {self.world_size} rank(s): ~{self.per_rank_bytes / GIB:.1f} GiB per rank "
+            f"({self.detail})"
+        )
 
 
 def estimate_training_memory(
@@ -271,7 +274,10 @@ def estimate_training_memory(
     if world_size == 1 and compute_bytes == 4:
         unsharded = 0  # the plain module: its weights are the fp32 ones counted above
     return MemoryEstimate(
-        parameters, trainable, world_size, per_rank_state + unsharded,
+        parameters,
+        trainable,
+        world_size,
+        per_rank_state + unsharded,
         f"sharded fp32 state {per_rank_state / GIB:.1f} GiB + unsharded compute copies "
         f"{unsharded / GIB:.1f} GiB; activations not included",
     )
@@ -328,5 +334,6 @@ def check_fits(estimate: MemoryEstimate, available: int, where: str) -> None:
             "training state). Use more GPUs or nodes (spec.resources), LoRA "
             "(spec.engine.lora), or a smaller model"
         )
-    log.info("memory plan: %s; a rank has %.1f GiB (%s)", estimate.describe(),
-             available / GIB, where)
+    log.info(
+        "memory plan: %s; a rank has %.1f GiB (%s)", estimate.describe(), available / GIB, where
+    )

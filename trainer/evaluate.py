@@ -93,7 +93,9 @@ def accuracy_by_domain(items: Sequence[EvalItem]) -> tuple[dict[str, float], dic
     for item in items:
         counts[item.domain] = counts.get(item.domain, 0) + 1
         passed[item.domain] = passed.get(item.domain, 0) + int(item.passed)
-    return {d: passed[d] / counts[d] for d in sorted(counts)}, {d: counts[d] for d in sorted(counts)}
+    return {d: passed[d] / counts[d] for d in sorted(counts)}, {
+        d: counts[d] for d in sorted(counts)
+    }
 
 
 def evaluate_tasks(
@@ -164,12 +166,21 @@ def evaluate_tasks(
             finished, agent = episodes.evaluate(played, params)
             # An errored episode is the environment's failure: counted in ``agent``, never
             # an item scored wrong.
-            items += [EvalItem(e.task.task_id, e.task.domain, e.task.prompt,
-                               e.task.answer or "", e.transcript(), e.passed, e.reward)
-                      for e in finished if e.status != "errored"]
+            items += [
+                EvalItem(
+                    e.task.task_id,
+                    e.task.domain,
+                    e.task.prompt,
+                    e.task.answer or "",
+                    e.transcript(),
+                    e.passed,
+                    e.reward,
+                )
+                for e in finished
+                if e.status != "errored"
+            ]
         accuracy, counts = accuracy_by_domain(items)
-        result = EvalResult(step, split, accuracy, counts, time.monotonic() - started, items,
-                            agent)
+        result = EvalResult(step, split, accuracy, counts, time.monotonic() - started, items, agent)
         span.set_attribute("accuracy", result.overall)
     if split == "heldout":
         for domain, value in accuracy.items():

@@ -36,8 +36,9 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 EVALUATED_STEP = Gauge("posttrain_evaluator_step", "Newest checkpoint step the evaluator scored")
-EVAL_LAG = Gauge("posttrain_evaluator_lag_steps",
-                 "Committed checkpoint steps not yet scored by the evaluator")
+EVAL_LAG = Gauge(
+    "posttrain_evaluator_lag_steps", "Committed checkpoint steps not yet scored by the evaluator"
+)
 REPORTS_EVAL = "reports/eval"  # under the run prefix: storage.reports.REPORTS_DIR + "/eval"
 
 
@@ -53,14 +54,22 @@ def result_key(split: str, step: int) -> str:
 class CheckpointEvaluator:
     """Scores the base model and each committed checkpoint of one run, oldest first."""
 
-    def __init__(self, spec: Any, store: Any, data: RunData, client: Any,
-                 encode_prompt: Callable[[str], list[int]], out_dir: Path) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        store: Any,
+        data: RunData,
+        client: Any,
+        encode_prompt: Callable[[str], list[int]],
+        out_dir: Path,
+    ) -> None:
         from posttrain.storage.checkpoints import CheckpointManager
 
         self.spec, self.store, self.data, self.client = spec, store, data, client
         self.encode_prompt, self.out_dir = encode_prompt, out_dir
-        self.checkpoints = CheckpointManager(store, "checkpoints",
-                                             keep_last=spec.checkpoint.keep_last)
+        self.checkpoints = CheckpointManager(
+            store, "checkpoints", keep_last=spec.checkpoint.keep_last
+        )
 
     def done_steps(self) -> set[int]:
         """Steps whose held-out result is already in the store."""
@@ -104,19 +113,32 @@ class CheckpointEvaluator:
 
     def _score(self, step: int, split: str, tasks: list[Any]) -> EvalResult:
         evaluation, algo = self.spec.evaluation, self.spec.algorithm
-        result = evaluate_tasks(self.client, self.encode_prompt, tasks, self.data.verifiers,
-                                step=step, split=split, max_new_tokens=algo.max_new_tokens,
-                                temperature=evaluation.temperature,
-                                max_concurrency=self.spec.sandbox.max_concurrency)
+        result = evaluate_tasks(
+            self.client,
+            self.encode_prompt,
+            tasks,
+            self.data.verifiers,
+            step=step,
+            split=split,
+            max_new_tokens=algo.max_new_tokens,
+            temperature=evaluation.temperature,
+            max_concurrency=self.spec.sandbox.max_concurrency,
+        )
         path = save_eval(result, self.out_dir)
         # The held-out file is written last: its presence marks the step as done.
         self.store.put_bytes(result_key(split, step), json.dumps(result.to_json()).encode())
-        log.info("evaluated step %d (%s): %.1f%% -> %s", step, split, 100 * result.overall,
-                 self.store.uri(result_key(split, step)) if split == "heldout" else path)
+        log.info(
+            "evaluated step %d (%s): %.1f%% -> %s",
+            step,
+            split,
+            100 * result.overall,
+            self.store.uri(result_key(split, step)) if split == "heldout" else path,
+        )
         return result
 
-    def run(self, *, watch: bool, poll_seconds: float = 30.0,
-            stop: Callable[[], bool] = lambda: False) -> list[int]:
+    def run(
+        self, *, watch: bool, poll_seconds: float = 30.0, stop: Callable[[], bool] = lambda: False
+    ) -> list[int]:
         """Score every pending step; with ``watch``, keep polling until the run's final
         checkpoint (``maxSteps``) is scored or ``stop()`` says the trainer is gone (one
         last pass then). Returns the steps scored."""
@@ -133,7 +155,11 @@ class CheckpointEvaluator:
             if not watch or stopping or final in self.done_steps():
                 return scored
             if time.monotonic() >= next_log:
-                log.info("waiting for checkpoints under %s (final step %d; polling every "
-                         "%.0f s)", self.store.uri("checkpoints"), final, poll_seconds)
+                log.info(
+                    "waiting for checkpoints under %s (final step %d; polling every %.0f s)",
+                    self.store.uri("checkpoints"),
+                    final,
+                    poll_seconds,
+                )
                 next_log = time.monotonic() + 300
             time.sleep(poll_seconds)

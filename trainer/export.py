@@ -66,15 +66,23 @@ def write_safetensors_shards(
         files[0].rename(single)
         return [single]
     total = sum(f.stat().st_size for f in files)
-    (dest / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
-        indent=2))
+    (dest / INDEX_FILE).write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2,
+        )
+    )
     return files
 
 
-def write_hf_directory(policy: Any, dest: Path, *, weights_only: bool = False,
-                       dtype: torch.dtype | None = None,
-                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path | None:
+def write_hf_directory(
+    policy: Any,
+    dest: Path,
+    *,
+    weights_only: bool = False,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path | None:
     """Config, generation config, tokenizer and streamed weights of ``policy`` in ``dest``
     (only the safetensors with ``weights_only``: what a rollout server reloads each step).
 
@@ -85,8 +93,9 @@ def write_hf_directory(policy: Any, dest: Path, *, weights_only: bool = False,
         dest.mkdir(parents=True, exist_ok=True)
         for stale in [*dest.glob("*.safetensors"), dest / INDEX_FILE]:
             stale.unlink(missing_ok=True)
-    write_safetensors_shards(policy.full_weights(dtype), dest if main else None,
-                             max_shard_bytes=max_shard_bytes)
+    write_safetensors_shards(
+        policy.full_weights(dtype), dest if main else None, max_shard_bytes=max_shard_bytes
+    )
     if not main or weights_only:
         return dest if main else None
     config = _plain_model(policy.model).config

@@ -115,7 +115,9 @@ def interrupted_message(
             "progress before it stops)"
         )
     saved, uri = checkpoint
-    lost = f"steps {saved + 1}..{step} came after it and will be taken again\n" if step > saved else ""
+    lost = (
+        f"steps {saved + 1}..{step} came after it and will be taken again\n" if step > saved else ""
+    )
     return (
         f"interrupted at step {step}; last checkpoint: step {saved} ({uri})\n{lost}"
         f"resume from it with: {command}"
@@ -135,9 +137,7 @@ def mark_status_interrupted(out_dir: Path, message: str) -> None:
         status = json.loads(path.read_text())
     except ValueError:
         status = {}
-    status.update(
-        phase=INTERRUPTED, message=message, updatedAt=datetime.now(UTC).isoformat()
-    )
+    status.update(phase=INTERRUPTED, message=message, updatedAt=datetime.now(UTC).isoformat())
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(status, indent=1))
     tmp.replace(path)

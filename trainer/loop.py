@@ -116,8 +116,7 @@ def train(
                 break
             run.enter_stage(plan)
             if plan.type == "rl":
-                ended = rl_stage(run, plan, progress, stop_at, stop_after_step, wall_budget_s,
-                                 stop)
+                ended = rl_stage(run, plan, progress, stop_at, stop_after_step, wall_budget_s, stop)
             else:
                 ended = offline_stage(run, plan, progress, stop_at, stop)
             if ended:
@@ -126,12 +125,18 @@ def train(
     if interrupted:
         log.info("stopped by Ctrl-C after step %d (checkpointed)", run.step)
     wall = run.finish(interrupted)
-    return RunResult(out_dir, run.step, base_eval, run.final_eval, run.last_checkpoint, wall,
-                     interrupted)
+    return RunResult(
+        out_dir, run.step, base_eval, run.final_eval, run.last_checkpoint, wall, interrupted
+    )
 
 
-def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
-                  stop: threading.Event | None) -> bool:
+def offline_stage(
+    run: Run,
+    plan: StagePlan,
+    progress: ProgressReporter,
+    stop_at: int,
+    stop: threading.Event | None,
+) -> bool:
     """An SFT or DPO stage: fixed batches of the stage's data, no rollouts. True when
     stopped by Ctrl-C (after checkpointing the step)."""
     spec = run.spec
@@ -142,15 +147,27 @@ def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at
         run.step += 1
         step = run.step
         with progress.step_span(step) as span:
-            indices = stage_batch(plan, data, step, run.algo.seed, run.dist.rank,
-                                  run.dist.world_size)
-            metrics = offline_step(run.policy, plan, data, indices, run.stage_state,
-                                   grad_clip=run.algo.grad_clip,
-                                   world_size=run.dist.world_size, step=step)
+            indices = stage_batch(
+                plan, data, step, run.algo.seed, run.dist.rank, run.dist.world_size
+            )
+            metrics = offline_step(
+                run.policy,
+                plan,
+                data,
+                indices,
+                run.stage_state,
+                grad_clip=run.algo.grad_clip,
+                world_size=run.dist.world_size,
+                step=step,
+            )
             progress.record_stage_step(metrics, span)
         interrupted = stop is not None and stop.is_set()
-        saved = step == plan.last_step or step % spec.checkpoint.every_steps == 0 or (
-            step == stop_at) or interrupted
+        saved = (
+            step == plan.last_step
+            or step % spec.checkpoint.every_steps == 0
+            or (step == stop_at)
+            or interrupted
+        )
         if step == plan.last_step:
             run.end_stage(plan)  # publish, evaluate, checkpoint: the next stage's start
         elif saved:  # every rank writes its shards; rank 0 commits
@@ -164,9 +181,15 @@ def offline_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at
     return False
 
 
-def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int,
-             stop_after_step: int | None, wall_budget_s: float | None,
-             stop: threading.Event | None = None) -> bool:
+def rl_stage(
+    run: Run,
+    plan: StagePlan,
+    progress: ProgressReporter,
+    stop_at: int,
+    stop_after_step: int | None,
+    wall_budget_s: float | None,
+    stop: threading.Event | None = None,
+) -> bool:
     """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
     checkpointing the step)."""
     spec, algo = run.spec, run.algo
@@ -187,28 +210,47 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
             staleness = run.version - batch.weight_version  # versions behind, before step
             stale = is_too_stale(batch, run.version, algo.max_policy_lag)
             # 3. rewards: verifiers + overlong penalty
-            scored = score_batch(batch, run.data.verifiers, algo, verify=run.verify,
-                                 max_concurrency=spec.sandbox.max_concurrency)
+            scored = score_batch(
+                batch,
+                run.data.verifiers,
+                algo,
+                verify=run.verify,
+                max_concurrency=spec.sandbox.max_concurrency,
+            )
             # 4. group advantages + dynamic sampling + loss coefficients
-            prepared = prepare_batch(batch, scored, algorithm=algo.name,
-                                     dynamic_sampling=algo.dynamic_sampling,
-                                     loss_config=run.loss_config, step=step)
+            prepared = prepare_batch(
+                batch,
+                scored,
+                algorithm=algo.name,
+                dynamic_sampling=algo.dynamic_sampling,
+                loss_config=run.loss_config,
+                step=step,
+            )
             run.observe(batch, prepared)
             # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
             train_started = time.monotonic()
-            stats = run.policy.train_step([] if stale else prepared.samples, run.loss_config,
-                                          micro_batch_size=algo.micro_batch_size,
-                                          grad_clip=algo.grad_clip,
-                                          temperature=algo.temperature, step=step)
+            stats = run.policy.train_step(
+                [] if stale else prepared.samples,
+                run.loss_config,
+                micro_batch_size=algo.micro_batch_size,
+                grad_clip=algo.grad_clip,
+                temperature=algo.temperature,
+                step=step,
+            )
             if stale:
                 stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
             # 6. publish the new weights so the server samples from them; this also
             #    releases the producer to sample the batch k+1 steps ahead
             last = step == plan.last_step
             budget_spent = wall_budget_s is not None and (
-                time.monotonic() - steps_started >= wall_budget_s)
-            checkpoint_due = (step % spec.checkpoint.every_steps == 0 or last
-                              or step == stop_after_step or budget_spent)
+                time.monotonic() - steps_started >= wall_budget_s
+            )
+            checkpoint_due = (
+                step % spec.checkpoint.every_steps == 0
+                or last
+                or step == stop_after_step
+                or budget_spent
+            )
             if stats.applied:
                 run.version += 1
                 # every rank: the weights are gathered from the shards as they stream out
@@ -216,20 +258,30 @@ def rl_stage(run: Run, plan: StagePlan, progress: ProgressReporter, stop_at: int
             run.dist.barrier()  # multi-node: no rank samples before rank 0 published
             run.producer.step_finished(step)
             metrics = StepMetrics(
-                step=step, reward_mean=prepared.reward_mean,
+                step=step,
+                reward_mean=prepared.reward_mean,
                 domain_rewards=prepared.domain_rewards,
-                domain_pass_rates=prepared.domain_pass_rates, loss=stats.loss,
-                grad_norm=stats.grad_norm, kl=stats.kl, clip_fraction=stats.clip_fraction,
-                ratio_mean=stats.ratio_mean, response_length=prepared.response_length,
-                kept_groups=prepared.kept_groups, total_groups=len(batch.completions),
-                weight_version=run.version, staleness=staleness,
-                applied=stats.applied, skip_reason=stats.skip_reason,
+                domain_pass_rates=prepared.domain_pass_rates,
+                loss=stats.loss,
+                grad_norm=stats.grad_norm,
+                kl=stats.kl,
+                clip_fraction=stats.clip_fraction,
+                ratio_mean=stats.ratio_mean,
+                response_length=prepared.response_length,
+                kept_groups=prepared.kept_groups,
+                total_groups=len(batch.completions),
+                weight_version=run.version,
+                staleness=staleness,
+                applied=stats.applied,
+                skip_reason=stats.skip_reason,
                 rollout_seconds=batch.seconds,
                 train_seconds=time.monotonic() - train_started,
                 step_seconds=time.monotonic() - step_started,
-                strata={d: run.data.curriculum.current_stratum(d)
-                        for d in run.data.curriculum.pools},
-                stage=plan.name)
+                strata={
+                    d: run.data.curriculum.current_stratum(d) for d in run.data.curriculum.pools
+                },
+                stage=plan.name,
+            )
             progress.record(metrics, span)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)
         if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
@@ -275,8 +327,15 @@ class Run:
     final_eval: EvalResult | None
     last_checkpoint: str | None
 
-    def __init__(self, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter,
-                 dist: DistContext, verify: VerifyFn | None) -> None:
+    def __init__(
+        self,
+        spec: Any,
+        out_dir: Path,
+        client: Any,
+        reporter: StatusReporter,
+        dist: DistContext,
+        verify: VerifyFn | None,
+    ) -> None:
         from transformers import AutoTokenizer
 
         from posttrain.models import resolve_model
@@ -302,28 +361,39 @@ class Run:
         self.plans = plan_stages(spec)
         self.base_dir = resolve_model(spec.model)
         # SFT/DPO data is read now, so a missing file fails the run before any training.
-        self.stage_data = load_pipeline_data(self.plans,
-                                             AutoTokenizer.from_pretrained(self.base_dir))
+        self.stage_data = load_pipeline_data(
+            self.plans, AutoTokenizer.from_pretrained(self.base_dir)
+        )
         self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
         store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
         # With storage of its own (always in a cluster), the run's outputs go there as they
         # are written: a pod's emptyDir dies with the pod and with every gang restart.
-        self.outputs = (ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main
-                        else None)
-        self.checkpointer = Checkpointer(store, spec.checkpoint.keep_last,
-                                         spec.checkpoint.keep_best)
+        self.outputs = ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main else None
+        self.checkpointer = Checkpointer(
+            store, spec.checkpoint.keep_last, spec.checkpoint.keep_best
+        )
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
         self.publisher = WeightPublisher(
-            WeightRegistry(store, "weights", keep_last=2), store.uri("weights"), client,
-            self.scratch, shared=all_on_this_host(getattr(client, "urls", [])))
+            WeightRegistry(store, "weights", keep_last=2),
+            store.uri("weights"),
+            client,
+            self.scratch,
+            shared=all_on_this_host(getattr(client, "urls", [])),
+        )
         # Every scored sample goes to durable storage for later analysis and audits.
-        self.trajectories = TrajectoryWriter(store, "trajectories", out_dir / "spool",
-                                             writer_id=f"rank{dist.rank}")
-        self.auditor = Auditor(out_dir, spec.audit.spot_check_samples if spec.audit.enabled
-                               else 0, self.algo.seed)
+        self.trajectories = TrajectoryWriter(
+            store, "trajectories", out_dir / "spool", writer_id=f"rank{dist.rank}"
+        )
+        self.auditor = Auditor(
+            out_dir, spec.audit.spot_check_samples if spec.audit.enabled else 0, self.algo.seed
+        )
         self.loss_config = loss_config(self.algo)
-        self.sampling = SamplingParams(n=self.algo.group_size, max_tokens=self.algo.max_new_tokens,
-                                       temperature=self.algo.temperature, top_p=self.algo.top_p)
+        self.sampling = SamplingParams(
+            n=self.algo.group_size,
+            max_tokens=self.algo.max_new_tokens,
+            temperature=self.algo.temperature,
+            top_p=self.algo.top_p,
+        )
         self.producer, self.final_eval, self.last_checkpoint = None, None, None
         # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluator.py)
         self.inline_eval = dist.is_main and spec.evaluation.inline
@@ -332,8 +402,15 @@ class Run:
         self.sampled: list[Any] = []
 
     @classmethod
-    def start(cls, spec: Any, out_dir: Path, client: Any, reporter: StatusReporter | None,
-              dist: DistContext, verify: VerifyFn | None) -> Run:
+    def start(
+        cls,
+        spec: Any,
+        out_dir: Path,
+        client: Any,
+        reporter: StatusReporter | None,
+        dist: DistContext,
+        verify: VerifyFn | None,
+    ) -> Run:
         """Set up and resume from the newest checkpoint if any (stage, step and state)."""
         run = cls(spec, out_dir, client, reporter or LocalStatusReporter(out_dir), dist, verify)
         resumed = run.checkpointer.restore(run.make_policy, run.scratch)
@@ -358,12 +435,18 @@ class Run:
         run.episodes = run.make_episode_sampler()
         run.plan = run.plans[0]
         current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
-        run.status = RunStatus(phase="Running", step=run.step,
-                               max_steps=run.plans[-1].last_step, weight_version=run.version,
-                               stage=current, stages=list(run.stage_records),
-                               reports_uri=run.outputs.uri() if run.outputs else None,
-                               sandbox=run.verification.health.to_wire()
-                               if run.verification and run.data.executes_code() else None)
+        run.status = RunStatus(
+            phase="Running",
+            step=run.step,
+            max_steps=run.plans[-1].last_step,
+            weight_version=run.version,
+            stage=current,
+            stages=list(run.stage_records),
+            reports_uri=run.outputs.uri() if run.outputs else None,
+            sandbox=run.verification.health.to_wire()
+            if run.verification and run.data.executes_code()
+            else None,
+        )
         return run
 
     def announce_start(self, resumed: bool) -> None:
@@ -371,22 +454,31 @@ class Run:
         # A fresh start evaluates the base model again, so even step 0's records go.
         dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
         if resumed:
-            log.info("resuming from the checkpoint of step %d (%s)%s", self.step,
-                     self.checkpointer.store.uri("checkpoints"),
-                     f"; dropped {dropped} later step(s) an earlier attempt recorded"
-                     if dropped else "")
+            log.info(
+                "resuming from the checkpoint of step %d (%s)%s",
+                self.step,
+                self.checkpointer.store.uri("checkpoints"),
+                f"; dropped {dropped} later step(s) an earlier attempt recorded" if dropped else "",
+            )
         elif dropped:
-            log.warning("no checkpoint under %s: starting over from step 0 (the %d step(s) "
-                        "an earlier attempt recorded there are dropped)",
-                        self.checkpointer.store.uri("checkpoints"), dropped)
+            log.warning(
+                "no checkpoint under %s: starting over from step 0 (the %d step(s) "
+                "an earlier attempt recorded there are dropped)",
+                self.checkpointer.store.uri("checkpoints"),
+                dropped,
+            )
 
     def make_policy(self, model_dir: Path) -> Policy:
         first = self.plans[0].spec
-        return Policy(model_dir, learning_rate=first.learning_rate,
-                      weight_decay=first.weight_decay, seed=self.algo.seed,
-                      reference_dir=self.base_dir if self.algo.kl_coef > 0 else None,
-                      engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
-                      rank=RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank))
+        return Policy(
+            model_dir,
+            learning_rate=first.learning_rate,
+            weight_decay=first.weight_decay,
+            seed=self.algo.seed,
+            reference_dir=self.base_dir if self.algo.kl_coef > 0 else None,
+            engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
+            rank=RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank),
+        )
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Start ``plan`` (fresh optimizer, DPO reference) or continue it after a resume."""
@@ -397,16 +489,27 @@ class Run:
             self.policy.reset_optimizer(stage.learning_rate, stage.weight_decay)
             self.stage_state = {}
             if plan.type == "dpo":
-                self.stage_state = reference_logps(self.policy, plan, self.stage_data[plan.name],
-                                                   self.algo.seed)
-            self.stage_records.append(stage_record(
-                plan, "Running", _now(), None, {}, self.stage_skips(plan)))
-            self.reporter.event("Normal", STAGE_STARTED,
-                                f"stage {plan.name} ({plan.type}) started: steps "
-                                f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}")
+                self.stage_state = reference_logps(
+                    self.policy, plan, self.stage_data[plan.name], self.algo.seed
+                )
+            self.stage_records.append(
+                stage_record(plan, "Running", _now(), None, {}, self.stage_skips(plan))
+            )
+            self.reporter.event(
+                "Normal",
+                STAGE_STARTED,
+                f"stage {plan.name} ({plan.type}) started: steps "
+                f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}",
+            )
         else:
-            log.info("resuming stage %s (%s) after step %d of %d-%d", plan.name, plan.type,
-                     self.step, plan.first_step, plan.last_step)
+            log.info(
+                "resuming stage %s (%s) after step %d of %d-%d",
+                plan.name,
+                plan.type,
+                self.step,
+                plan.first_step,
+                plan.last_step,
+            )
         if plan.type == "rl":
             self.start_rollouts(plan)
         self.status.stage = plan.name
@@ -415,14 +518,24 @@ class Run:
     def start_rollouts(self, plan: StagePlan) -> None:
         """Start the rollout producer, with the requests and batches a checkpoint held."""
         self.rl_last_step = plan.last_step
-        self.producer = RolloutProducer(self.client, self.sampling, self.algo.max_policy_lag,
-                                        steps_done=self.step, sample=self.episodes)
+        self.producer = RolloutProducer(
+            self.client,
+            self.sampling,
+            self.algo.max_policy_lag,
+            steps_done=self.step,
+            sample=self.episodes,
+        )
         for batch in self.sampled:
             self.producer.preload(batch)
         for request in self.pending:
             self.producer.submit(request)
-        self.submitted = max([self.step, *[r.batch_index for r in self.pending],
-                              *[b.request.batch_index for b in self.sampled]])
+        self.submitted = max(
+            [
+                self.step,
+                *[r.batch_index for r in self.pending],
+                *[b.request.batch_index for b in self.sampled],
+            ]
+        )
         self.pending, self.sampled = [], []
 
     def end_stage(self, plan: StagePlan) -> None:
@@ -442,19 +555,25 @@ class Run:
 
     def close_stage_record(self, plan: StagePlan) -> None:
         """Mark ``plan`` Succeeded in status.stages, with the held-out accuracy after it."""
-        accuracy = (self.final_eval.accuracy if self.final_eval is not None
-                    and self.final_eval.step == plan.last_step else {})
-        started = next((r.get("startTime") for r in self.stage_records
-                        if r["name"] == plan.name), None)
-        record = stage_record(plan, "Succeeded", started, _now(), accuracy,
-                              self.stage_skips(plan))
+        accuracy = (
+            self.final_eval.accuracy
+            if self.final_eval is not None and self.final_eval.step == plan.last_step
+            else {}
+        )
+        started = next(
+            (r.get("startTime") for r in self.stage_records if r["name"] == plan.name), None
+        )
+        record = stage_record(plan, "Succeeded", started, _now(), accuracy, self.stage_skips(plan))
         self.stage_records = [r for r in self.stage_records if r["name"] != plan.name] + [record]
 
     def announce_stage_end(self, plan: StagePlan) -> None:
         accuracy = ", ".join(f"{d}={a:.1%}" for d, a in self.status.eval_accuracy.items())
-        self.reporter.event("Normal", STAGE_SUCCEEDED,
-                            f"stage {plan.name} ({plan.type}) finished at step {plan.last_step}"
-                            + (f"; held-out accuracy {accuracy}" if accuracy else ""))
+        self.reporter.event(
+            "Normal",
+            STAGE_SUCCEEDED,
+            f"stage {plan.name} ({plan.type}) finished at step {plan.last_step}"
+            + (f"; held-out accuracy {accuracy}" if accuracy else ""),
+        )
 
     def stage_skips(self, plan: StagePlan) -> dict[str, int]:
         data = self.stage_data.get(plan.name)
@@ -462,14 +581,21 @@ class Run:
 
     def make_episode_sampler(self) -> Any:
         """Domains with an ``environment`` are sampled as multi-turn episodes (None: none)."""
-        environments = {d.name: d.environment for d in self.spec.domains
-                        if getattr(d, "environment", None) is not None}
+        environments = {
+            d.name: d.environment
+            for d in self.spec.domains
+            if getattr(d, "environment", None) is not None
+        }
         if not environments:
             return None
         from posttrain.envs.training import EpisodeSampler
 
-        return EpisodeSampler(self.client, self.policy.tokenizer, environments,
-                              max_concurrency=self.spec.rollout.max_in_flight)
+        return EpisodeSampler(
+            self.client,
+            self.policy.tokenizer,
+            environments,
+            max_concurrency=self.spec.rollout.max_in_flight,
+        )
 
     def submit_ahead(self) -> None:
         """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
@@ -478,9 +604,14 @@ class Run:
         while self.submitted < min(self.step + algo.max_policy_lag, self.rl_last_step):
             self.submitted += 1
             tasks = self.data.curriculum.next_prompts(self.prompts_per_rank)
-            self.producer.submit(RolloutRequest(
-                self.submitted, tasks, [self.policy.encode_prompt(t.prompt) for t in tasks],
-                seed=algo.seed * 1_000_003 + self.submitted))
+            self.producer.submit(
+                RolloutRequest(
+                    self.submitted,
+                    tasks,
+                    [self.policy.encode_prompt(t.prompt) for t in tasks],
+                    seed=algo.seed * 1_000_003 + self.submitted,
+                )
+            )
 
     def observe(self, batch: Any, prepared: Any) -> None:
         """Feed the curriculum, the audit and the trajectory store with a scored batch."""
@@ -494,31 +625,54 @@ class Run:
     def evaluate(self, at_step: int) -> EvalResult:
         """Greedy held-out accuracy (and the regression set) from the rollout server."""
         algo, evaluation = self.algo, self.spec.evaluation
-        result = evaluate_tasks(self.client, self.policy.encode_prompt, self.data.heldout,
-                                self.data.verifiers, step=at_step, split="heldout",
-                                max_new_tokens=algo.max_new_tokens,
-                                temperature=evaluation.temperature,
-                                max_concurrency=self.spec.sandbox.max_concurrency,
-                                verify=self.verify, episodes=self.episodes)
+        result = evaluate_tasks(
+            self.client,
+            self.policy.encode_prompt,
+            self.data.heldout,
+            self.data.verifiers,
+            step=at_step,
+            split="heldout",
+            max_new_tokens=algo.max_new_tokens,
+            temperature=evaluation.temperature,
+            max_concurrency=self.spec.sandbox.max_concurrency,
+            verify=self.verify,
+            episodes=self.episodes,
+        )
         save_eval(result, self.out_dir)
         if self.data.regression:
-            save_eval(evaluate_tasks(self.client, self.policy.encode_prompt,
-                                     self.data.regression, self.data.verifiers, step=at_step,
-                                     split="regression", max_new_tokens=algo.max_new_tokens,
-                                     verify=self.verify, temperature=evaluation.temperature,
-                                     episodes=self.episodes),
-                      self.out_dir)
+            save_eval(
+                evaluate_tasks(
+                    self.client,
+                    self.policy.encode_prompt,
+                    self.data.regression,
+                    self.data.verifiers,
+                    step=at_step,
+                    split="regression",
+                    max_new_tokens=algo.max_new_tokens,
+                    verify=self.verify,
+                    temperature=evaluation.temperature,
+                    episodes=self.episodes,
+                ),
+                self.out_dir,
+            )
         return result
 
     def save_checkpoint(self, eval_score: float | None) -> str:
         """Checkpoint weights, optimizer, curriculum, the not-yet-trained rollouts and the
         current stage's state."""
         waiting, done = self.producer.buffered() if self.producer is not None else ([], [])
-        state = TrainerState(self.step, self.version, self.data.curriculum.state_dict(),
-                             self.auditor.state_dict(), [request_to_json(r) for r in waiting],
-                             [batch_to_json(b) for b in done], self.algo.seed,
-                             stage=self.plan.name, stage_state=self.stage_state,
-                             stages=self.stage_records)
+        state = TrainerState(
+            self.step,
+            self.version,
+            self.data.curriculum.state_dict(),
+            self.auditor.state_dict(),
+            [request_to_json(r) for r in waiting],
+            [batch_to_json(b) for b in done],
+            self.algo.seed,
+            stage=self.plan.name,
+            stage_state=self.stage_state,
+            stages=self.stage_records,
+        )
         # Trajectories up to this step become durable before the checkpoint that covers
         # them: a resumed run re-samples only what no checkpoint covers (none lost).
         self.trajectories.flush()
@@ -533,8 +687,11 @@ class Run:
         try:
             self.outputs.sync(output_files(self.out_dir))
         except Exception as exc:
-            log.warning("could not upload outputs to %s (retried at the next step): %s",
-                        self.outputs.uri(), exc)
+            log.warning(
+                "could not upload outputs to %s (retried at the next step): %s",
+                self.outputs.uri(),
+                exc,
+            )
 
     def report_progress(self) -> None:
         with self._status_lock:
@@ -577,10 +734,15 @@ class Run:
                 self.status.message = f"stopped by Ctrl-C after step {self.step}"
         self.report_progress()
         wall = time.monotonic() - self.started
-        facts = {"steps": self.step, "wall time": f"{wall:.0f}s", "model": self.spec.model,
-                 "algorithm": self.algo.name,
-                 "stages": " -> ".join(f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})"
-                                       for p in self.plans)}
+        facts = {
+            "steps": self.step,
+            "wall time": f"{wall:.0f}s",
+            "model": self.spec.model,
+            "algorithm": self.algo.name,
+            "stages": " -> ".join(
+                f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})" for p in self.plans
+            ),
+        }
         write_report(self.out_dir, "posttrain run report", facts, stages=self.stage_records)
         self.sync_outputs()
         return wall

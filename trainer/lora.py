@@ -35,9 +35,14 @@ def add_adapters(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Modul
         raise UsageError(
             "spec.engine.lora needs the peft package: pip install 'posttrain[train]'"
         ) from None
-    config = LoraConfig(r=options.rank, lora_alpha=options.alpha, lora_dropout=0.0,
-                        target_modules=list(options.target_modules), bias="none",
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=options.rank,
+        lora_alpha=options.alpha,
+        lora_dropout=0.0,
+        target_modules=list(options.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, config)
 
 
@@ -50,7 +55,8 @@ def estimate_adapter_parameters(model_dir: Path, options: LoraOptions) -> int:
     total = 0
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] in options.target_modules and isinstance(
-                module, torch.nn.Linear):
+            module, torch.nn.Linear
+        ):
             total += options.rank * (module.in_features + module.out_features)
     return total
 
@@ -92,6 +98,8 @@ def _scalings(model: Any) -> dict[str, float]:
         return {}
 
     # Activation checkpointing wraps blocks; the state dict hides the wrapper, so do we.
-    return {name.replace("._checkpoint_wrapped_module", ""): float(module.scaling[ADAPTER])
-            for name, module in model.named_modules()
-            if isinstance(module, LoraLayer) and ADAPTER in module.scaling}
+    return {
+        name.replace("._checkpoint_wrapped_module", ""): float(module.scaling[ADAPTER])
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer) and ADAPTER in module.scaling
+    }

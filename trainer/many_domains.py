@@ -40,8 +40,10 @@ def table_summary(values: Mapping[str, float], k: int = TABLE_K) -> tuple[str, s
     ('d=0.00\na=0.25', 'b=1.00\nc=0.50')
     """
     worst, best = worst_and_best(values, k)
-    return ("\n".join(f"{d}={values[d]:.2f}" for d in worst),
-            "\n".join(f"{d}={values[d]:.2f}" for d in best))
+    return (
+        "\n".join(f"{d}={values[d]:.2f}" for d in worst),
+        "\n".join(f"{d}={values[d]:.2f}" for d in best),
+    )
 
 
 def readable_rows(
@@ -71,8 +73,13 @@ def _recent_mean(metrics: Sequence[Mapping[str, Any]], domain: str, last: int = 
     return sum(tail) / len(tail) if tail else 0.0
 
 
-def plot_reward_summary(plt: Any, metrics: Sequence[Mapping[str, Any]], evals: Sequence[Any],
-                        path: Path, k: int = SHOW_K) -> Path:
+def plot_reward_summary(
+    plt: Any,
+    metrics: Sequence[Mapping[str, Any]],
+    evals: Sequence[Any],
+    path: Path,
+    k: int = SHOW_K,
+) -> Path:
     """Overall train reward and held-out accuracy, plus the worst-k and best-k domains.
 
     Domains are ranked by their mean reward over the last five steps that sampled them,
@@ -81,18 +88,36 @@ def plot_reward_summary(plt: Any, metrics: Sequence[Mapping[str, Any]], evals: S
     domains = sorted({d for m in metrics for d in m["domain_rewards"]})
     worst, best = worst_and_best({d: _recent_mean(metrics, d) for d in domains}, k)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([m["step"] for m in metrics], [m["reward_mean"] for m in metrics], color="black",
-            linewidth=2.5, label="train reward: all domains")
+    ax.plot(
+        [m["step"] for m in metrics],
+        [m["reward_mean"] for m in metrics],
+        color="black",
+        linewidth=2.5,
+        label="train reward: all domains",
+    )
     if evals:
-        ax.plot([r.step for r in evals], [r.overall for r in evals], color="black",
-                linestyle="--", marker="s", label="held-out acc: all domains")
-    for names, cmap, label in ((worst, plt.get_cmap("Reds"), "worst"),
-                               (best, plt.get_cmap("Greens"), "best")):
+        ax.plot(
+            [r.step for r in evals],
+            [r.overall for r in evals],
+            color="black",
+            linestyle="--",
+            marker="s",
+            label="held-out acc: all domains",
+        )
+    for names, cmap, label in (
+        (worst, plt.get_cmap("Reds"), "worst"),
+        (best, plt.get_cmap("Greens"), "best"),
+    ):
         for i, domain in enumerate(names):
             xs = [m["step"] for m in metrics if domain in m["domain_rewards"]]
             ys = [m["domain_rewards"][domain] for m in metrics if domain in m["domain_rewards"]]
-            ax.plot(xs, ys, color=cmap(0.45 + 0.5 * i / max(1, len(names))), linewidth=1,
-                    label=f"{label}: {domain}")
+            ax.plot(
+                xs,
+                ys,
+                color=cmap(0.45 + 0.5 * i / max(1, len(names))),
+                linewidth=1,
+                label=f"{label}: {domain}",
+            )
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.05, 1.05)
@@ -114,8 +139,9 @@ def plot_eval_heatmap(plt: Any, evals: Sequence[Any], path: Path) -> Path | None
     matrix = [[r.accuracy.get(d, float("nan")) for r in evals] for d in domains]  # (D, E)
     height = min(14.0, 2.5 + 0.04 * len(domains))  # inches: 300 domains fit one screen
     fig, ax = plt.subplots(figsize=(min(12.0, max(6.0, 2.0 + 0.4 * len(evals))), height))
-    image = ax.imshow(matrix, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
-                      interpolation="nearest")
+    image = ax.imshow(
+        matrix, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest"
+    )
     ax.set_xticks(range(len(evals)), [str(r.step) for r in evals])
     every = max(1, -(-len(domains) // 50))  # at most 50 labels stay legible
     ax.set_yticks(range(0, len(domains), every), domains[::every], fontsize=6)

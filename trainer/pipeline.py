@@ -82,19 +82,36 @@ def load_pipeline_data(plans: list[StagePlan], tokenizer: Any) -> dict[str, Stag
         if plan.type == "rl":
             continue
         stage = plan.spec
-        data[plan.name] = load_stage_data(plan.type, list(stage.datasets), encode_prompt,
-                                          encode_completion, int(stage.max_length), plan.name)
+        data[plan.name] = load_stage_data(
+            plan.type,
+            list(stage.datasets),
+            encode_prompt,
+            encode_completion,
+            int(stage.max_length),
+            plan.name,
+        )
         loaded = data[plan.name]
-        log.info("stage %s: %d %s examples (skipped %s, truncated %d)", plan.name,
-                 len(loaded.examples), plan.type, loaded.skipped or "none", loaded.truncated)
+        log.info(
+            "stage %s: %d %s examples (skipped %s, truncated %d)",
+            plan.name,
+            len(loaded.examples),
+            plan.type,
+            loaded.skipped or "none",
+            loaded.truncated,
+        )
     return data
 
 
-def stage_batch(plan: StagePlan, data: StageData, step: int, seed: int, rank: int,
-                world_size: int) -> list[int]:
+def stage_batch(
+    plan: StagePlan, data: StageData, step: int, seed: int, rank: int, world_size: int
+) -> list[int]:
     """This rank's example indices for global ``step`` (ranks split the step's batch)."""
-    indices = batch_indices(len(data.examples), int(plan.spec.batch_size),
-                            step - plan.first_step + 1, seed=_data_seed(seed, plan))
+    indices = batch_indices(
+        len(data.examples),
+        int(plan.spec.batch_size),
+        step - plan.first_step + 1,
+        seed=_data_seed(seed, plan),
+    )
     return indices[rank::world_size]
 
 
@@ -105,26 +122,44 @@ def _data_seed(seed: int, plan: StagePlan) -> int:
 def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
     """The frozen stage-start model's log-probs of every pair the stage will train on,
     computed once per pair before the first update: ``{"reference_logps": {index: [c, r]}}``."""
-    used = sorted({i for step in range(plan.first_step, plan.last_step + 1)
-                   for i in stage_batch(plan, data, step, seed, 0, 1)})
+    used = sorted(
+        {
+            i
+            for step in range(plan.first_step, plan.last_step + 1)
+            for i in stage_batch(plan, data, step, seed, 0, 1)
+        }
+    )
     out: dict[str, list[float]] = {}
     micro = int(plan.spec.micro_batch_size)
     started = time.monotonic()
     with torch.no_grad():
         for start in range(0, len(used), micro):
             chunk = used[start : start + micro]
-            chosen, rejected = sequence_logps(policy.model, [data.examples[i] for i in chunk],
-                                              policy.pad_id)
+            chosen, rejected = sequence_logps(
+                policy.model, [data.examples[i] for i in chunk], policy.pad_id
+            )
             for i, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
                 out[str(i)] = [c, r]
-    log.info("stage %s: reference log-probs of %d pairs in %.0fs", plan.name, len(used),
-             time.monotonic() - started)
+    log.info(
+        "stage %s: reference log-probs of %d pairs in %.0fs",
+        plan.name,
+        len(used),
+        time.monotonic() - started,
+    )
     return {"reference_logps": out}
 
 
-def offline_step(policy: Any, plan: StagePlan, data: StageData, indices: list[int],
-                 stage_state: dict[str, Any], *, grad_clip: float, world_size: int,
-                 step: int) -> StageStepMetrics:
+def offline_step(
+    policy: Any,
+    plan: StagePlan,
+    data: StageData,
+    indices: list[int],
+    stage_state: dict[str, Any],
+    *,
+    grad_clip: float,
+    world_size: int,
+    step: int,
+) -> StageStepMetrics:
     """One SFT or DPO optimizer step over ``indices`` (micro-batched; same update for any
     micro-batch size because every micro-batch is scaled by a step-level coefficient)."""
     stage = plan.spec
@@ -139,9 +174,13 @@ def offline_step(policy: Any, plan: StagePlan, data: StageData, indices: list[in
         # token mean over the whole step (TRL divides by the step's completion tokens too)
         step_tokens = sum(len(e.completion_ids) for e in examples)
         for start in range(0, len(examples), micro):
-            loss_sum, n = sft_loss_sum(policy.model, examples[start : start + micro],
-                                       max_length=int(stage.max_length), pad_id=policy.pad_id,
-                                       packing=bool(stage.packing))
+            loss_sum, n = sft_loss_sum(
+                policy.model,
+                examples[start : start + micro],
+                max_length=int(stage.max_length),
+                pad_id=policy.pad_id,
+                packing=bool(stage.packing),
+            )
             loss = loss_sum / max(step_tokens, 1)
             loss.backward()
             total_loss += float(loss.detach())
@@ -161,14 +200,24 @@ def offline_step(policy: Any, plan: StagePlan, data: StageData, indices: list[in
             chosen_rewards.append(terms.chosen_rewards)
             rejected_rewards.append(terms.rejected_rewards)
     grad_norm, applied, skip_reason = policy.apply_gradients(
-        total_loss, grad_clip=grad_clip, world_size=world_size)
+        total_loss, grad_clip=grad_clip, world_size=world_size
+    )
     metrics = StageStepMetrics(
-        step=step, stage=plan.name, stage_type=plan.type,
-        stage_step=step - plan.first_step + 1, loss=total_loss, grad_norm=grad_norm,
-        applied=applied, skip_reason=skip_reason, examples=len(examples), tokens=tokens,
+        step=step,
+        stage=plan.name,
+        stage_type=plan.type,
+        stage_step=step - plan.first_step + 1,
+        loss=total_loss,
+        grad_norm=grad_norm,
+        applied=applied,
+        skip_reason=skip_reason,
+        examples=len(examples),
+        tokens=tokens,
         learning_rate=float(policy.optimizer.param_groups[0]["lr"]),
-        step_seconds=time.monotonic() - started, skipped_examples=dict(data.skipped),
-        truncated_examples=data.truncated)
+        step_seconds=time.monotonic() - started,
+        skipped_examples=dict(data.skipped),
+        truncated_examples=data.truncated,
+    )
     if chosen_rewards:
         chosen_all, rejected_all = torch.cat(chosen_rewards), torch.cat(rejected_rewards)
         metrics.reward_chosen = float(chosen_all.mean())
@@ -178,8 +227,14 @@ def offline_step(policy: Any, plan: StagePlan, data: StageData, indices: list[in
     return metrics
 
 
-def stage_record(plan: StagePlan, phase: str, started: str | None, finished: str | None,
-                 accuracy: dict[str, float], skipped: dict[str, int]) -> dict[str, Any]:
+def stage_record(
+    plan: StagePlan,
+    phase: str,
+    started: str | None,
+    finished: str | None,
+    accuracy: dict[str, float],
+    skipped: dict[str, int],
+) -> dict[str, Any]:
     """One ``status.stages[]`` entry (StageStatus on the wire).
 
     >>> from posttrain.api import StageSpec
@@ -187,8 +242,13 @@ def stage_record(plan: StagePlan, phase: str, started: str | None, finished: str
     ...              "2026-12-03T00:00:00+00:00", None, {}, {})["lastStep"]
     3
     """
-    record: dict[str, Any] = {"name": plan.name, "type": plan.type, "phase": phase,
-                              "firstStep": plan.first_step, "lastStep": plan.last_step}
+    record: dict[str, Any] = {
+        "name": plan.name,
+        "type": plan.type,
+        "phase": phase,
+        "firstStep": plan.first_step,
+        "lastStep": plan.last_step,
+    }
     if started:
         record["startTime"] = started
     if finished:

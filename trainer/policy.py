@@ -92,8 +92,15 @@ class LoraOptions:
 
     rank: int = 16
     alpha: float = 32.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj",
-                                       "gate_proj", "up_proj", "down_proj")
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
 
 @dataclass(frozen=True)
@@ -117,14 +124,21 @@ class EngineOptions:
         engine, algo = spec.engine, spec.algorithm
         lora = None
         if engine.lora is not None:
-            lora = LoraOptions(engine.lora.rank, engine.lora.alpha,
-                               tuple(engine.lora.target_modules))
-        return cls(gpus_per_node=spec.resources.gpus_per_node, precision=engine.precision,
-                   activation_checkpointing=engine.activation_checkpointing,
-                   logprob_chunk_tokens=engine.logprob_chunk_tokens,
-                   lr_schedule=algo.lr_schedule, lr_warmup_steps=algo.lr_warmup_steps,
-                   min_lr_ratio=algo.min_lr_ratio, total_steps=algo.max_steps, lora=lora,
-                   ranks_on_node=ranks_on_node)
+            lora = LoraOptions(
+                engine.lora.rank, engine.lora.alpha, tuple(engine.lora.target_modules)
+            )
+        return cls(
+            gpus_per_node=spec.resources.gpus_per_node,
+            precision=engine.precision,
+            activation_checkpointing=engine.activation_checkpointing,
+            logprob_chunk_tokens=engine.logprob_chunk_tokens,
+            lr_schedule=algo.lr_schedule,
+            lr_warmup_steps=algo.lr_warmup_steps,
+            min_lr_ratio=algo.min_lr_ratio,
+            total_steps=algo.max_steps,
+            lora=lora,
+            ranks_on_node=ranks_on_node,
+        )
 
 
 @dataclass(frozen=True)
@@ -145,8 +159,9 @@ class TokenLogprobs(torch.nn.Module):
     is bounded by the chunk, not by completion tokens x vocabulary.
     """
 
-    def __init__(self, model: torch.nn.Module, pad_id: int, chunk_tokens: int,
-                 share_prompts: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, pad_id: int, chunk_tokens: int, share_prompts: bool
+    ) -> None:
         super().__init__()
         self.model = model
         self.pad_id = pad_id
@@ -155,8 +170,9 @@ class TokenLogprobs(torch.nn.Module):
 
     def forward(self, samples: Sequence[TrainSample], temperature: float) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
-        targets = torch.tensor([t for s in samples for t in s.completion_ids],
-                               device=device)  # (N,)
+        targets = torch.tensor(
+            [t for s in samples for t in s.completion_ids], device=device
+        )  # (N,)
         if _post_processes_logits(self.model):
             logits = _full_forward_logits(self.model, samples, self.pad_id)  # (N, V)
             return _token_logprobs_from_logits(logits, targets, temperature)  # (N,)
@@ -165,20 +181,21 @@ class TokenLogprobs(torch.nn.Module):
         else:
             hidden = _full_forward_hidden(self.model, samples, self.pad_id)  # (N, H)
         head = self.model.get_output_embeddings()
-        return chunked_token_logprobs(hidden, head, targets, temperature,
-                                      self.chunk_tokens)  # (N,)
+        return chunked_token_logprobs(hidden, head, targets, temperature, self.chunk_tokens)  # (N,)
 
 
-def _token_logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                                temperature: float) -> torch.Tensor:
+def _token_logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     """log softmax(logits / T)[target] without materialising a second (n, V) tensor."""
     scaled = logits.float() / max(temperature, 1e-6)  # (n, V)
     chosen = scaled.gather(-1, targets[:, None]).squeeze(-1)  # (n,)
     return chosen - torch.logsumexp(scaled, dim=-1)  # (n,)
 
 
-def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
+def _head_logprobs(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
     return _token_logprobs_from_logits(head(hidden), targets, temperature)  # (n,)
 
 
@@ -201,15 +218,15 @@ def chunked_token_logprobs(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     from torch.utils.checkpoint import checkpoint
 
-    recompute = (torch.is_grad_enabled() and hidden.requires_grad
-                 and hidden.shape[0] > chunk_tokens)
+    recompute = torch.is_grad_enabled() and hidden.requires_grad and hidden.shape[0] > chunk_tokens
     pieces = []
     for start in range(0, hidden.shape[0], chunk_tokens):
         rows = hidden[start : start + chunk_tokens]  # (n, H)
         wanted = targets[start : start + chunk_tokens]  # (n,)
         if recompute:
-            pieces.append(checkpoint(_head_logprobs, head, rows, wanted, temperature,
-                                     use_reentrant=False))
+            pieces.append(
+                checkpoint(_head_logprobs, head, rows, wanted, temperature, use_reentrant=False)
+            )
         else:
             pieces.append(_head_logprobs(head, rows, wanted, temperature))
     return torch.cat(pieces) if pieces else hidden.new_zeros(0)  # (N,)
@@ -274,7 +291,9 @@ class Policy:
         # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
         # Sharded (DTensor) parameters take the foreach kernels, which support them everywhere.
         self.optimizer = torch.optim.AdamW(
-            trainable, lr=learning_rate, weight_decay=weight_decay,
+            trainable,
+            lr=learning_rate,
+            weight_decay=weight_decay,
             **({"foreach": True} if self.sharded else {"fused": True}),
         )
 
@@ -288,10 +307,19 @@ class Policy:
             trainable = estimate_adapter_parameters(model_dir, self.engine.lora)
         world = self.rank.world_size if self.sharded else 1
         estimate = estimate_training_memory(
-            total, trainable, largest, outside, world_size=world,
-            compute_bytes=self.dtype.itemsize, reference=reference)
-        where = (f"{self.plan.device}" if self.plan.is_cuda
-                 else f"host memory shared by {self.engine.ranks_on_node} rank(s)")
+            total,
+            trainable,
+            largest,
+            outside,
+            world_size=world,
+            compute_bytes=self.dtype.itemsize,
+            reference=reference,
+        )
+        where = (
+            f"{self.plan.device}"
+            if self.plan.is_cuda
+            else f"host memory shared by {self.engine.ranks_on_node} rank(s)"
+        )
         check_fits(estimate, available_bytes(self.plan, self.engine.ranks_on_node), where)
 
     def _place(self, model: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
@@ -305,8 +333,9 @@ class Policy:
         checkpointing = self.engine.activation_checkpointing and trainable
         # A recomputed block would append its keys/values to the shared prompt cache twice,
         # so activation checkpointing takes one full forward per sample instead.
-        wrapper = TokenLogprobs(model, self.pad_id, self.engine.logprob_chunk_tokens,
-                                share_prompts=not checkpointing)
+        wrapper = TokenLogprobs(
+            model, self.pad_id, self.engine.logprob_chunk_tokens, share_prompts=not checkpointing
+        )
         if checkpointing:
             from posttrain.trainer.engine import apply_activation_checkpointing
 
@@ -342,11 +371,14 @@ class Policy:
 
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         yield from servable_weights(
-            self.model, dtype=dtype or self.export_dtype,
-            skip=frozenset({"lm_head.weight"}) if tied else frozenset())
+            self.model,
+            dtype=dtype or self.export_dtype,
+            skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+        )
 
-    def save_weights(self, dest: Path, *, weights_only: bool = False,
-                     dtype: torch.dtype | None = None) -> Path | None:
+    def save_weights(
+        self, dest: Path, *, weights_only: bool = False, dtype: torch.dtype | None = None
+    ) -> Path | None:
         """Write an HF directory (safetensors + config + tokenizer), streamed tensor by tensor;
         ``weights_only`` writes just the safetensors.
 
@@ -376,29 +408,35 @@ class Policy:
         for i, s in enumerate(samples):
             n = len(s.completion_ids)
             if s.loss_mask is not None and len(s.loss_mask) != n:
-                raise ValueError(f"loss_mask has {len(s.loss_mask)} entries for {n} "
-                                 "completion tokens; it needs one per token")
+                raise ValueError(
+                    f"loss_mask has {len(s.loss_mask)} entries for {n} "
+                    "completion tokens; it needs one per token"
+                )
             rows += [i] * n
             columns += range(n)
             behaviour[i, :n] = torch.tensor(s.behaviour_logprobs[:n])
-            mask[i, :n] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask[:n],
-                                                                       dtype=torch.float32)
+            mask[i, :n] = (
+                1.0 if s.loss_mask is None else torch.tensor(s.loss_mask[:n], dtype=torch.float32)
+            )
         chosen = module(samples, temperature)  # (N,)
         index = (torch.tensor(rows, device=device), torch.tensor(columns, device=device))
         logp = torch.zeros((batch, longest), device=device).index_put(index, chosen)  # (B, L)
         return logp, behaviour, mask
 
-    def _micro_batches(self, samples: Sequence[TrainSample],
-                       micro_batch_size: int) -> list[tuple[list[TrainSample], bool]]:
+    def _micro_batches(
+        self, samples: Sequence[TrainSample], micro_batch_size: int
+    ) -> list[tuple[list[TrainSample], bool]]:
         """This rank's micro-batches, padded so every rank runs as many forwards.
 
         FSDP's gathers are collectives: a rank with fewer samples (dynamic sampling keeps
         different numbers of groups per rank) runs a one-token micro-batch with coefficient
         0, which adds nothing to the gradient.
         """
-        chunks = [(c, False) for start in range(0, len(samples), micro_batch_size)
-                  if (c := [s for s in samples[start : start + micro_batch_size]
-                            if s.completion_ids])]
+        chunks = [
+            (c, False)
+            for start in range(0, len(samples), micro_batch_size)
+            if (c := [s for s in samples[start : start + micro_batch_size] if s.completion_ids])
+        ]
         if self.rank.world_size > 1:
             import torch.distributed as dist
 
@@ -449,9 +487,16 @@ class Policy:
             )
             terms.loss.backward()
             if not is_filler:
-                sums += torch.tensor([float(terms.loss.detach()), terms.clipped_tokens,
-                                      terms.tokens, terms.ratio_sum, terms.kl_sum],
-                                     dtype=torch.float64)
+                sums += torch.tensor(
+                    [
+                        float(terms.loss.detach()),
+                        terms.clipped_tokens,
+                        terms.tokens,
+                        terms.ratio_sum,
+                        terms.kl_sum,
+                    ],
+                    dtype=torch.float64,
+                )
         if self.rank.world_size > 1:
             import torch.distributed as dist
 
@@ -464,7 +509,8 @@ class Policy:
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(total_loss, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
         grad_norm, applied, skip_reason = self.apply_gradients(
-            total_loss, grad_clip=grad_clip, step=step)
+            total_loss, grad_clip=grad_clip, step=step
+        )
         return StepStats(
             loss=total_loss,
             grad_norm=grad_norm,
@@ -512,8 +558,12 @@ class Policy:
         """Apply the schedule's learning rate for optimizer step ``step``; returns it."""
         engine = self.engine
         lr = self.base_learning_rate * lr_factor(
-            step, warmup_steps=engine.lr_warmup_steps, total_steps=engine.total_steps,
-            schedule=engine.lr_schedule, min_ratio=engine.min_lr_ratio)
+            step,
+            warmup_steps=engine.lr_warmup_steps,
+            total_steps=engine.total_steps,
+            schedule=engine.lr_schedule,
+            min_ratio=engine.min_lr_ratio,
+        )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -558,7 +608,8 @@ def completion_hidden(
     decoder = getattr(model, model.base_model_prefix)
     prompts, group = distinct_prompts(s.prompt_ids for s in samples)
     prompt_ids, prompt_mask, prompt_positions = (
-        t.to(device) for t in left_padded(prompts, pad_id))  # (G, P) each
+        t.to(device) for t in left_padded(prompts, pad_id)
+    )  # (G, P) each
     out = decoder(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
@@ -581,8 +632,9 @@ def completion_hidden(
         starts = torch.tensor([len(prompts[g]) for g in group], device=device)  # (B,)
         later = decoder(
             input_ids=ids.to(device),
-            attention_mask=torch.cat([prompt_mask[group_index], mask.to(device)],
-                                     dim=1),  # (B, P+C)
+            attention_mask=torch.cat(
+                [prompt_mask[group_index], mask.to(device)], dim=1
+            ),  # (B, P+C)
             position_ids=starts[:, None] + torch.arange(rest, device=device)[None, :],  # (B, C)
             past_key_values=cache,
             use_cache=True,
@@ -610,9 +662,9 @@ def completion_logits(
     return model.get_output_embeddings()(hidden).float()  # (N, V)
 
 
-def _full_batch(samples: Sequence[TrainSample], pad_id: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                               torch.Tensor]:
+def _full_batch(
+    samples: Sequence[TrainSample], pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded prompt + completion ids, their mask, and where completion tokens are
     predicted: ``(input_ids (B, T), attention (B, T), rows (N,), positions (N,))``."""
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
@@ -626,8 +678,12 @@ def _full_batch(samples: Sequence[TrainSample], pad_id: int,
         start, n = len(s.prompt_ids), len(s.completion_ids)
         rows += [i] * n
         positions += range(start - 1, start - 1 + n)  # logits at t predict token t+1
-    return (input_ids.to(device), attention.to(device), torch.tensor(rows, device=device),
-            torch.tensor(positions, device=device))
+    return (
+        input_ids.to(device),
+        attention.to(device),
+        torch.tensor(rows, device=device),
+        torch.tensor(positions, device=device),
+    )
 
 
 def _full_forward_logits(
@@ -649,6 +705,7 @@ def _full_forward_hidden(
     device = model.get_input_embeddings().weight.device
     input_ids, attention, rows, positions = _full_batch(samples, pad_id, device)
     decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=input_ids, attention_mask=attention,
-                     use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention, use_cache=False
+    ).last_hidden_state  # (B, T, H)
     return hidden[rows, positions]  # (N, H)

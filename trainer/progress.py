@@ -30,8 +30,10 @@ REWARD = Gauge("posttrain_trainer_reward_mean", "Mean reward of the last batch",
 LOSS = Gauge("posttrain_trainer_loss", "Policy loss of the last step")
 KL = Gauge("posttrain_trainer_kl", "Mean per-token KL to the reference at the last step")
 STEP_SECONDS = Gauge("posttrain_trainer_step_seconds", "Wall time of the last step")
-STALENESS = Gauge("posttrain_trainer_staleness_steps",
-                  "Weight versions the last batch's samples were behind the trainer's weights")
+STALENESS = Gauge(
+    "posttrain_trainer_staleness_steps",
+    "Weight versions the last batch's samples were behind the trainer's weights",
+)
 SKIPPED_STEPS = Counter(
     "posttrain_trainer_skipped_steps_total", "Steps whose update was not applied", ["reason"]
 )
@@ -168,12 +170,14 @@ class ProgressReporter:
             span.set_attribute("loss", metrics.loss)
             span.set_attribute("applied", metrics.applied)
         summary = f"{metrics.stage} loss {metrics.loss:.4f}"
-        line = (f"step {metrics.step} [{metrics.stage} {metrics.stage_step}] "
-                f"loss {metrics.loss:.4f} grad {metrics.grad_norm:.3f} "
-                f"tokens {metrics.tokens} {metrics.step_seconds:.1f}s")
+        line = (
+            f"step {metrics.step} [{metrics.stage} {metrics.stage_step}] "
+            f"loss {metrics.loss:.4f} grad {metrics.grad_norm:.3f} "
+            f"tokens {metrics.tokens} {metrics.step_seconds:.1f}s"
+        )
         if metrics.reward_accuracy is not None:
             summary += f" acc {metrics.reward_accuracy:.2f}"
-            line += (f" margin {metrics.reward_margin:+.4f} acc {metrics.reward_accuracy:.2f}")
+            line += f" margin {metrics.reward_margin:+.4f} acc {metrics.reward_accuracy:.2f}"
         if not metrics.applied:
             line += f" skipped: {metrics.skip_reason}"
         self.progress.update(self.task, completed=metrics.step, summary=summary)
@@ -191,12 +195,21 @@ class ProgressReporter:
         else:
             domain_columns = [f"r:{d}" for d in m.domain_rewards]
             domain_cells = [f"{v:.3f}" for v in m.domain_rewards.values()]
-        columns = ["step", "reward", *domain_columns, "loss", "kl",
-                   "clip", "len", "groups", "v", "secs"]
+        columns = [
+            "step",
+            "reward",
+            *domain_columns,
+            "loss",
+            "kl",
+            "clip",
+            "len",
+            "groups",
+            "v",
+            "secs",
+        ]
         for name in columns:
             wide = name in domain_columns and len(m.domain_rewards) > MANY_DOMAINS
-            table.add_column(name, justify="right", min_width=16 if wide else 7,
-                             overflow="fold")
+            table.add_column(name, justify="right", min_width=16 if wide else 7, overflow="fold")
         table.add_row(
             str(m.step),
             f"{m.reward_mean:.3f}",

@@ -60,8 +60,12 @@ def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
     for key, title, ylabel, name in [
         ("kl", "KL to the reference model (k3 estimate)", "KL (nats / token)", "kl.png"),
         ("response_length", "Mean response length", "tokens", "response_length.png"),
-        ("loss", "Loss (policy; SFT cross-entropy and DPO loss in their stages)",
-         "loss (per token)", "loss.png"),
+        (
+            "loss",
+            "Loss (policy; SFT cross-entropy and DPO loss in their stages)",
+            "loss (per token)",
+            "loss.png",
+        ),
     ]:
         fig, ax = plt.subplots(figsize=(6.5, 3))
         shown = every_step if key == "loss" else metrics
@@ -74,8 +78,16 @@ def plot_run(out_dir: Path, kl_coef: float | None = None) -> list[Path]:
         if key == "kl":
             note = kl_note(kl_coef, values)
             if note:
-                ax.text(0.5, 0.5, note, transform=ax.transAxes, ha="center", va="center",
-                        fontsize=9, bbox={"facecolor": "white", "edgecolor": "#999"})
+                ax.text(
+                    0.5,
+                    0.5,
+                    note,
+                    transform=ax.transAxes,
+                    ha="center",
+                    va="center",
+                    fontsize=9,
+                    bbox={"facecolor": "white", "edgecolor": "#999"},
+                )
         fig.tight_layout()
         written.append(plots / name)
         fig.savefig(written[-1], dpi=100)
@@ -108,8 +120,17 @@ def plot_reward_accuracy(
         dodge = 0.015 * last_step * (index - (len(eval_domains) - 1) / 2)
         xs = [r.step + dodge for r in evals if domain in r.accuracy]
         ys = [r.accuracy[domain] for r in evals if domain in r.accuracy]
-        ax.plot(xs, ys, marker="D", markersize=8, linestyle="none", markeredgecolor="black",
-                color=colors.get(domain), label=f"held-out accuracy: {domain}", zorder=3)
+        ax.plot(
+            xs,
+            ys,
+            marker="D",
+            markersize=8,
+            linestyle="none",
+            markeredgecolor="black",
+            color=colors.get(domain),
+            label=f"held-out accuracy: {domain}",
+            zorder=3,
+        )
     _step_axis(ax)
     ax.set_ylabel("reward / accuracy (0-1)")
     ax.set_ylim(-0.05, 1.05)
@@ -162,9 +183,17 @@ def mark_curriculum_changes(ax: Any, metrics: list[dict[str, Any]]) -> bool:
         labels.setdefault(step, []).append(label)
     for step, names in labels.items():
         ax.axvline(step - 0.5, color="#777", linestyle=":", linewidth=1)
-        ax.annotate(", ".join(names), xy=(step - 0.5, 0.98), xycoords=("data", "axes fraction"),
-                    rotation=90, fontsize=7, color="#333", ha="right", va="top",
-                    bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1})
+        ax.annotate(
+            ", ".join(names),
+            xy=(step - 0.5, 0.98),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            fontsize=7,
+            color="#333",
+            ha="right",
+            va="top",
+            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8, "pad": 1},
+        )
     return bool(changes)
 
 
@@ -215,12 +244,25 @@ def stage_rows(
     [('sft', 'sft', 1, 3, 0.25, 0.5)]
     """
     by_step = {e.step: e.overall for e in evals}
-    return [(s["name"], s["type"], s["firstStep"], s["lastStep"],
-             by_step.get(s["firstStep"] - 1), by_step.get(s["lastStep"])) for s in stages]
+    return [
+        (
+            s["name"],
+            s["type"],
+            s["firstStep"],
+            s["lastStep"],
+            by_step.get(s["firstStep"] - 1),
+            by_step.get(s["lastStep"]),
+        )
+        for s in stages
+    ]
 
 
-def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
-                 stages: list[dict[str, Any]] | None = None) -> Path:
+def write_report(
+    out_dir: Path,
+    title: str,
+    extra: dict[str, Any] | None = None,
+    stages: list[dict[str, Any]] | None = None,
+) -> Path:
     """``report.md``: base vs trained held-out accuracy, what each stage did, flips, plots,
     alerts, spot checks."""
     evals = latest_eval_per_step(out_dir, "heldout")
@@ -229,13 +271,17 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
         lines.append(f"- **{key}:** {value}")
     lines.append("")
     if stages and len(stages) > 1:
-        lines += ["## Held-out accuracy by stage", "",
-                  "| stage | type | steps | before | after | change |",
-                  "| --- | --- | --- | ---: | ---: | ---: |"]
+        lines += [
+            "## Held-out accuracy by stage",
+            "",
+            "| stage | type | steps | before | after | change |",
+            "| --- | --- | --- | ---: | ---: | ---: |",
+        ]
         for name, kind, first, last, before, after in stage_rows(stages, evals):
             change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
-            lines.append(f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} "
-                         f"| {change} |")
+            lines.append(
+                f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} | {change} |"
+            )
         lines.append("")
     pair = trained_comparison(evals)
     if pair is not None:
@@ -254,8 +300,11 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
             f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
         )
         if left_out:
-            lines += ["", f"Shown: {left_out}; every domain is in "
-                      f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png."]
+            lines += [
+                "",
+                f"Shown: {left_out}; every domain is in "
+                f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png.",
+            ]
         lines += ["", *_agent_rows(base, trained), *_flip_examples(base, trained)]
     elif evals:
         only = evals[0]
@@ -285,8 +334,13 @@ def write_report(out_dir: Path, title: str, extra: dict[str, Any] | None = None,
         lines.append(f"![{png.stem}](plots/{png.name})")
     alerts = out_dir / "audit" / "alerts.jsonl"
     count = len(alerts.read_text().splitlines()) if alerts.is_file() else 0
-    lines += ["", "## Audit", "", f"{count} reward-hacking alert(s); see audit/alerts.jsonl and "
-              "audit/spot_checks.md.", ""]
+    lines += [
+        "",
+        "## Audit",
+        "",
+        f"{count} reward-hacking alert(s); see audit/alerts.jsonl and audit/spot_checks.md.",
+        "",
+    ]
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
@@ -296,20 +350,29 @@ def _agent_rows(base: EvalResult, trained: EvalResult) -> list[str]:
     """Episode metrics of environment domains, base vs trained (empty when there are none)."""
     if not trained.agent:
         return []
-    lines = ["## Agent episodes (held-out): base -> trained", "",
-             "| domain | success | mean turns | valid tool calls | recovery after failure "
-             "| errored |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "## Agent episodes (held-out): base -> trained",
+        "",
+        "| domain | success | mean turns | valid tool calls | recovery after failure | errored |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for domain, after in sorted(trained.agent.items()):
         before = base.agent.get(domain, {})
 
-        def pair(key: str, percent: bool = True, b: dict[str, float] = before,
-                 a: dict[str, float] = after) -> str:
+        def pair(
+            key: str,
+            percent: bool = True,
+            b: dict[str, float] = before,
+            a: dict[str, float] = after,
+        ) -> str:
             shown = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.2f}")
             return (f"{shown(b[key])} -> " if key in b else "") + shown(a.get(key, 0.0))
 
-        lines.append(f"| {domain} | {pair('success_rate')} | {pair('mean_turns', False)} | "
-                     f"{pair('valid_tool_call_rate')} | {pair('recovery_rate')} | "
-                     f"{int(after.get('errored', 0))} |")
+        lines.append(
+            f"| {domain} | {pair('success_rate')} | {pair('mean_turns', False)} | "
+            f"{pair('valid_tool_call_rate')} | {pair('recovery_rate')} | "
+            f"{int(after.get('errored', 0))} |"
+        )
     return [*lines, ""]
 
 
@@ -319,10 +382,16 @@ def flipped_items(
     """(fixed, broken): held-out items that went fail -> pass and pass -> fail, as
     (base item, trained item) pairs. The Markdown and the HTML report both show them."""
     before = {i.task_id: i for i in base.items}
-    fixed = [(before[i.task_id], i) for i in trained.items
-             if i.task_id in before and i.passed and not before[i.task_id].passed]
-    broken = [(before[i.task_id], i) for i in trained.items
-              if i.task_id in before and not i.passed and before[i.task_id].passed]
+    fixed = [
+        (before[i.task_id], i)
+        for i in trained.items
+        if i.task_id in before and i.passed and not before[i.task_id].passed
+    ]
+    broken = [
+        (before[i.task_id], i)
+        for i in trained.items
+        if i.task_id in before and not i.passed and before[i.task_id].passed
+    ]
     return fixed, broken
 
 

@@ -75,14 +75,19 @@ class RolloutProducer:
     """Runs ``client.generate`` for submitted requests in order, on a background thread."""
 
     def __init__(
-        self, client: Any, sampling_params: Any, max_policy_lag: int, steps_done: int = 0,
+        self,
+        client: Any,
+        sampling_params: Any,
+        max_policy_lag: int,
+        steps_done: int = 0,
         sample: Any = None,
     ) -> None:
         self.client = client
         # sample(request, params) -> one group per prompt; multi-turn domains pass an
         # episode sampler (posttrain.envs.training.EpisodeSampler).
-        self.sample = sample or (lambda request, params: client.generate(request.prompt_ids,
-                                                                         params))
+        self.sample = sample or (
+            lambda request, params: client.generate(request.prompt_ids, params)
+        )
         self.sampling_params = sampling_params  # SamplingParams; seed replaced per batch
         self.max_policy_lag = max_policy_lag
         self._gate = _Gate(steps_done=steps_done)

@@ -55,7 +55,9 @@ def balanced_subset(tasks: list[Task], limit: int) -> list[Task]:
     return out
 
 
-def domain_tasks(name: str, dataset: str, eval_dataset: str | None) -> tuple[list[Task], list[Task]]:
+def domain_tasks(
+    name: str, dataset: str, eval_dataset: str | None
+) -> tuple[list[Task], list[Task]]:
     """(train, held-out) tasks of one domain; never overlapping.
 
     Built-ins split by content hash; a JSONL file without an eval file is split the same
@@ -63,8 +65,10 @@ def domain_tasks(name: str, dataset: str, eval_dataset: str | None) -> tuple[lis
     """
     if dataset.startswith("builtin:"):
         train = load_tasks(dataset, name, "train")
-        held = load_tasks(eval_dataset, name, "eval") if eval_dataset else load_tasks(
-            dataset, name, "eval"
+        held = (
+            load_tasks(eval_dataset, name, "eval")
+            if eval_dataset
+            else load_tasks(dataset, name, "eval")
         )
     elif eval_dataset:
         held = load_tasks(eval_dataset, name, "eval")
@@ -95,8 +99,7 @@ def check_dataset_sources(spec: Any) -> None:
         if source.startswith("builtin:"):
             name = source.removeprefix("builtin:")
             if name not in BUILTIN_GENERATORS and name not in BENCHMARK_NAMES:
-                known = ", ".join(f"builtin:{n}" for n in (*BUILTIN_GENERATORS,
-                                                           *BENCHMARK_NAMES))
+                known = ", ".join(f"builtin:{n}" for n in (*BUILTIN_GENERATORS, *BENCHMARK_NAMES))
                 raise UsageError(f"{field_path}: unknown built-in dataset {source!r}; use {known}")
         elif "://" in source and not source.startswith("file://"):
             continue  # remote (s3://): checked where it is read, with the store's own errors

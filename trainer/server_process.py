@@ -46,8 +46,16 @@ class LocalRolloutServer:
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "posttrain", "serve", "--model", model,
-                   "--port", str(self.port)]
+        command = [
+            sys.executable,
+            "-m",
+            "posttrain",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+        ]
         self.process = ManagedProcess(
             name="rollout server",
             command=command,
@@ -57,8 +65,11 @@ class LocalRolloutServer:
         )
 
     def __enter__(self) -> LocalRolloutServer:
-        log.info("starting rollout server: %s (log: %s)", " ".join(self.process.command),
-                 self.process.log_path)
+        log.info(
+            "starting rollout server: %s (log: %s)",
+            " ".join(self.process.command),
+            self.process.log_path,
+        )
         try:
             self.process.start(self.ready_timeout)
         except StartError as exc:

@@ -76,8 +76,9 @@ def packed_batch(
             targets += examples[i].completion_ids
             offset += len(ids)
         position_ids[r, offset:] = torch.arange(width - offset)  # padding: its own sequence
-    return PackedBatch(input_ids, position_ids, torch.tensor(rows), torch.tensor(columns),
-                       torch.tensor(targets))
+    return PackedBatch(
+        input_ids, position_ids, torch.tensor(rows), torch.tensor(columns), torch.tensor(targets)
+    )
 
 
 def completion_token_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -88,8 +89,9 @@ def completion_token_logits(model: torch.nn.Module, batch: PackedBatch) -> torch
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
         return logits[batch.rows, batch.columns].float()  # (N, V)
     decoder = getattr(model, model.base_model_prefix)
-    hidden = decoder(input_ids=batch.input_ids, position_ids=batch.position_ids,
-                     use_cache=False).last_hidden_state  # (R, T, H)
+    hidden = decoder(
+        input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
+    ).last_hidden_state  # (R, T, H)
     return model.get_output_embeddings()(hidden[batch.rows, batch.columns]).float()  # (N, V)
 
 

@@ -140,8 +140,9 @@ def load_stage_data(
                         f"{'missing' if value is None else type(value).__name__}"
                     )
                 texts[key] = value
-            example = _tokenized(kind, texts, raw.where, encode_prompt, encode_completion,
-                                 max_length, data)
+            example = _tokenized(
+                kind, texts, raw.where, encode_prompt, encode_completion, max_length, data
+            )
             if example is not None:
                 data.examples.append(example)
     for reason, count in data.skipped.items():
@@ -215,7 +216,10 @@ def batch_indices(n_examples: int, batch_size: int, stage_step: int, seed: int) 
 
 ARITHMETIC_PROMPT = re.compile(r"What is (-?\d+) ([+\-*]) (\d+)\?")
 ARITHMETIC_OPS: dict[str, Callable[[int, int], int]] = {
-    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+}
 
 
 def arithmetic_answer(task: Task, wrong_by: int = 0) -> str:
@@ -244,7 +248,7 @@ def code_answer(task: Task, wrong_by: int = 0) -> str:
             match = re.search(pattern, task.prompt)
             if match is None:
                 continue
-            arg = task.prompt[len(head):].split(")", 1)[0]
+            arg = task.prompt[len(head) :].split(")", 1)[0]
             source = f"def {name}({arg}):\n    {body.format(k=int(match[1]) + wrong_by)}\n"
             return f"```python\n{source}```"
     raise ValueError(f"not a built-in code prompt: {task.prompt!r}")
@@ -262,7 +266,9 @@ def _passes(task: Task, answer: str) -> bool:
 
 
 BUILTIN_ANSWERS: dict[str, Callable[[Task, int], str]] = {
-    "arithmetic": arithmetic_answer, "code": code_answer}
+    "arithmetic": arithmetic_answer,
+    "code": code_answer,
+}
 
 
 def builtin_records(name: str, kind: str) -> Iterator[RawRecord]:

@@ -98,8 +98,12 @@ class LocalStatusReporter:
     def event(self, type_: str, reason: str, message: str) -> None:
         """Append to ``events.jsonl`` beside ``status.json`` (and log it)."""
         log.info("event %s %s: %s", type_, reason, message)
-        record = {"type": type_, "reason": reason, "message": message,
-                  "time": datetime.now(UTC).isoformat()}
+        record = {
+            "type": type_,
+            "reason": reason,
+            "message": message,
+            "time": datetime.now(UTC).isoformat(),
+        }
         with (self.path.parent / "events.jsonl").open("a") as fh:
             fh.write(json.dumps(record) + "\n")
 
@@ -140,14 +144,19 @@ class KubeStatusReporter:
         now = datetime.now(UTC)
         try:
             run = self.api.get_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, "trainingruns", self.name)
+                GROUP, VERSION, self.namespace, "trainingruns", self.name
+            )
             body = {
                 "apiVersion": "v1",
                 "kind": "Event",
                 "metadata": {"generateName": f"{self.name}.", "namespace": self.namespace},
-                "involvedObject": {"apiVersion": API_VERSION, "kind": "TrainingRun",
-                                   "name": self.name, "namespace": self.namespace,
-                                   "uid": run["metadata"]["uid"]},
+                "involvedObject": {
+                    "apiVersion": API_VERSION,
+                    "kind": "TrainingRun",
+                    "name": self.name,
+                    "namespace": self.namespace,
+                    "uid": run["metadata"]["uid"],
+                },
                 "type": type_,
                 "reason": reason,
                 "message": message,
@@ -158,8 +167,9 @@ class KubeStatusReporter:
             }
             client.CoreV1Api(self.api.api_client).create_namespaced_event(self.namespace, body)
         except Exception as exc:  # an Event is a courtesy: never a reason to stop training
-            log.warning("could not post event %s on %s/%s: %s", reason, self.namespace,
-                        self.name, exc)
+            log.warning(
+                "could not post event %s on %s/%s: %s", reason, self.namespace, self.name, exc
+            )
 
 
 class FanOutStatusReporter:

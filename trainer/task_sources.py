@@ -80,8 +80,10 @@ def _jsonl_lines(source: str) -> Iterator[str]:
         return
     path = Path(source)
     if not path.is_file():
-        raise UsageError(f"task file {source!r} does not exist; pass a JSONL, Parquet or Arrow "
-                         "file path or an s3:// URI")
+        raise UsageError(
+            f"task file {source!r} does not exist; pass a JSONL, Parquet or Arrow "
+            "file path or an s3:// URI"
+        )
     with path.open(encoding="utf-8") as fh:
         for line in fh:
             yield line.rstrip("\n")

@@ -68,9 +68,14 @@ class SandboxHealth:
         >>> SandboxHealth("runner", "http://r:8090").to_wire()
         {'mode': 'runner', 'endpoint': 'http://r:8090', 'available': True, 'infraFailures': 0}
         """
-        wire = {"mode": self.mode, "endpoint": self.endpoint, "available": self.available,
-                "infraFailures": self.infra_failures, "lastError": self.last_error,
-                "lastFailureTime": self.last_failure_time}
+        wire = {
+            "mode": self.mode,
+            "endpoint": self.endpoint,
+            "available": self.available,
+            "infraFailures": self.infra_failures,
+            "lastError": self.last_error,
+            "lastFailureTime": self.last_failure_time,
+        }
         return {k: v for k, v in wire.items() if v is not None}
 
 
@@ -98,8 +103,11 @@ class CappedRunner:
                     raise
                 except SandboxError as exc:  # bwrap missing or too old: waiting won't help
                     raise SandboxConfigError(str(exc)) from exc
-        capped = replace(request, timeout_s=min(request.timeout_s, self.timeout_s),
-                         memory_mb=min(request.memory_mb, self.memory_mb))
+        capped = replace(
+            request,
+            timeout_s=min(request.timeout_s, self.timeout_s),
+            memory_mb=min(request.memory_mb, self.memory_mb),
+        )
         return self._runner.run(capped)
 
 
@@ -126,8 +134,9 @@ class Verification:
         self._lock = threading.Lock()
         SANDBOX_AVAILABLE.labels(mode).set(1)
 
-    def verify(self, kind: str, completion: str, task: Mapping[str, Any],
-               config: Mapping[str, Any]) -> Any:
+    def verify(
+        self, kind: str, completion: str, task: Mapping[str, Any], config: Mapping[str, Any]
+    ) -> Any:
         from posttrain.sandboxes.executor import SandboxError
         from posttrain.sandboxes.tasks import SandboxConfigError
         from posttrain.sandboxes.verifiers import verify
@@ -149,13 +158,24 @@ class Verification:
                     raise VerificationUnavailable(
                         f"the {self.mode} sandbox ({self.health.endpoint}) failed for "
                         f"{waited:.0f} s (sandbox.unavailableTimeoutSeconds="
-                        f"{self.unavailable_timeout_s:g}); last error: {exc}") from exc
-                backoff = min(MAX_BACKOFF_S, self.first_backoff_s * 2**attempt,
-                              max(0.0, self.unavailable_timeout_s - waited))
-                log.warning("sandbox (%s %s) could not run a %s verification: %s; retrying "
-                            "in %.1f s (waited %.0f of %g s; the sample is not scored)",
-                            self.mode, self.health.endpoint, kind, exc, backoff, waited,
-                            self.unavailable_timeout_s)
+                        f"{self.unavailable_timeout_s:g}); last error: {exc}"
+                    ) from exc
+                backoff = min(
+                    MAX_BACKOFF_S,
+                    self.first_backoff_s * 2**attempt,
+                    max(0.0, self.unavailable_timeout_s - waited),
+                )
+                log.warning(
+                    "sandbox (%s %s) could not run a %s verification: %s; retrying "
+                    "in %.1f s (waited %.0f of %g s; the sample is not scored)",
+                    self.mode,
+                    self.health.endpoint,
+                    kind,
+                    exc,
+                    backoff,
+                    waited,
+                    self.unavailable_timeout_s,
+                )
                 self.sleep(backoff)
                 attempt += 1
                 continue
@@ -168,10 +188,15 @@ class Verification:
         SANDBOX_AVAILABLE.labels(self.mode).set(0)
         with self._lock:
             self.health = replace(
-                self.health, available=False, infra_failures=self.health.infra_failures + 1,
+                self.health,
+                available=False,
+                infra_failures=self.health.infra_failures + 1,
                 last_error=str(exc)[:500],
-                last_failure_time=datetime.now(UTC).replace(microsecond=0).isoformat()
-                .replace("+00:00", "Z"))
+                last_failure_time=datetime.now(UTC)
+                .replace(microsecond=0)
+                .isoformat()
+                .replace("+00:00", "Z"),
+            )
             health = self.health
         if self.on_health:
             self.on_health(health)
@@ -183,8 +208,12 @@ class Verification:
             self.health = replace(self.health, available=True)
             health = self.health
         SANDBOX_AVAILABLE.labels(self.mode).set(1)
-        log.info("sandbox (%s %s) works again after %d failed execution(s)", self.mode,
-                 health.endpoint, health.infra_failures)
+        log.info(
+            "sandbox (%s %s) works again after %d failed execution(s)",
+            self.mode,
+            health.endpoint,
+            health.infra_failures,
+        )
         if self.on_health:
             self.on_health(health)
 
@@ -199,13 +228,21 @@ def _own_run_owner(namespace: str, name: str) -> dict[str, Any] | None:
         except config.ConfigException:
             config.load_kube_config()
         run = client.CustomObjectsApi().get_namespaced_custom_object(
-            "posttrain.io", "v1alpha1", namespace, "trainingruns", name)
+            "posttrain.io", "v1alpha1", namespace, "trainingruns", name
+        )
     except Exception as exc:  # tasks still work; they are deleted after use and by TTL
-        log.warning("could not read TrainingRun %s/%s to own its SandboxTasks: %s",
-                    namespace, name, exc)
+        log.warning(
+            "could not read TrainingRun %s/%s to own its SandboxTasks: %s", namespace, name, exc
+        )
         return None
-    return {"apiVersion": "posttrain.io/v1alpha1", "kind": "TrainingRun", "name": name,
-            "uid": run["metadata"]["uid"], "controller": False, "blockOwnerDeletion": False}
+    return {
+        "apiVersion": "posttrain.io/v1alpha1",
+        "kind": "TrainingRun",
+        "name": name,
+        "uid": run["metadata"]["uid"],
+        "controller": False,
+        "blockOwnerDeletion": False,
+    }
 
 
 def build_verification(
@@ -227,7 +264,8 @@ def build_verification(
         if not url:
             raise UsageError(
                 "sandbox.mode is runner but there is no runner: set sandbox.runnerUrl, or run "
-                f"the TrainingRun through the operator (it starts one and sets ${RUNNER_URL_ENV})")
+                f"the TrainingRun through the operator (it starts one and sets ${RUNNER_URL_ENV})"
+            )
         from posttrain.sandboxes.client import SandboxClient
 
         endpoint = url
@@ -240,17 +278,22 @@ def build_verification(
             raise UsageError(
                 "sandbox.mode is task: SandboxTasks are created in the run's namespace, so the "
                 f"trainer needs ${RUN_NAMESPACE_ENV} and ${RUN_NAME_ENV} (the operator sets "
-                "them); on a laptop use sandbox.mode local")
+                "them); on a laptop use sandbox.mode local"
+            )
         endpoint = f"SandboxTasks in namespace {namespace}"
 
         def make() -> Any:
             from posttrain.sandboxes.tasks import SandboxTaskRunner
 
-            return SandboxTaskRunner(namespace, owner=_own_run_owner(namespace, name),
-                                     runtime_class_name=policy.runtime_class_name,
-                                     name_prefix=f"{name}-verify"[:40])
+            return SandboxTaskRunner(
+                namespace,
+                owner=_own_run_owner(namespace, name),
+                runtime_class_name=policy.runtime_class_name,
+                name_prefix=f"{name}-verify"[:40],
+            )
     else:  # the API's Literal makes this unreachable for a validated spec
         raise UsageError(f"sandbox.mode {mode!r}: use local, runner or task")
     runner = CappedRunner(make, policy.timeout_seconds, policy.memory_mb)
-    return Verification(mode, endpoint, runner, policy.unavailable_timeout_seconds,
-                        on_health=on_health)
+    return Verification(
+        mode, endpoint, runner, policy.unavailable_timeout_seconds, on_health=on_health
+    )

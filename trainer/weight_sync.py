@@ -140,8 +140,7 @@ class WeightPublisher:
             span.set_attribute("weights.version", version)
             # A same-host server reloads only the safetensors, and cast versions are for
             # servers, not for resuming: weights only. Otherwise a full HF directory.
-            weights_only = self.dtype is not None or (self.shared_dir is not None
-                                                      and not durable)
+            weights_only = self.dtype is not None or (self.shared_dir is not None and not durable)
             local = self._write(policy, version, weights_only=weights_only)
             if local is None:  # not rank 0: it only took part in the gathers
                 return
@@ -183,8 +182,12 @@ class WeightPublisher:
         try:
             self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
-            log.warning("rollout server cannot read weights from %s (%s); publishing through "
-                        "the weight registry from now on", self.shared_dir, exc)
+            log.warning(
+                "rollout server cannot read weights from %s (%s); publishing through "
+                "the weight registry from now on",
+                self.shared_dir,
+                exc,
+            )
             return False
         # The server has copied the tensors into its model: older files are dead weight.
         for old in self.shared_dir.iterdir():

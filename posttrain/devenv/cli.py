@@ -236,8 +236,11 @@ def dev_agent(args: argparse.Namespace) -> int:
     )
     # Recorded so `posttrain dev down` stops this agent (and it its pods) with the rest.
     register_this_process("agent", str(kubeconfig))
-    print(f"node agent running pods of {kubeconfig} as local processes "
-          "(Ctrl-C or `posttrain dev down` stops it)", flush=True)
+    print(
+        f"node agent running pods of {kubeconfig} as local processes "
+        "(Ctrl-C or `posttrain dev down` stops it)",
+        flush=True,
+    )
     print(f"  pod logs: {workdir}/<namespace>_<pod>.log", flush=True)
     # SIGTERM (kill, a supervisor) stops the pods too: their processes live in their own
     # sessions and would otherwise outlive the agent.
@@ -272,12 +275,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         epilog='next: eval "$(posttrain dev env)"; posttrain dev agent & posttrain operator '
         "--standalone &  (see README.md, 'End to end on the dev control plane')",
     )
-    up.add_argument("--apiserver-port", type=int, default=0,
-                    help="kube-apiserver's HTTPS port (default: a free port)")
-    up.add_argument("--etcd-port", type=int, default=0,
-                    help="etcd's client port (default: a free port)")
-    up.add_argument("--minio-port", type=int, default=0,
-                    help="MinIO's S3 port (default: a free port)")
+    up.add_argument(
+        "--apiserver-port",
+        type=int,
+        default=0,
+        help="kube-apiserver's HTTPS port (default: a free port)",
+    )
+    up.add_argument(
+        "--etcd-port", type=int, default=0, help="etcd's client port (default: a free port)"
+    )
+    up.add_argument(
+        "--minio-port", type=int, default=0, help="MinIO's S3 port (default: a free port)"
+    )
     up.set_defaults(func=dev_up)
     down = dev_sub.add_parser(
         "down",
@@ -302,6 +311,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "down`; stops its pods when it stops.",
         epilog="pod logs are kept in <dev workdir>/nodeagent/<namespace>_<pod>.log",
     )
-    agent.add_argument("--kubeconfig", default=None,
-                       help="cluster to serve (default: the one `posttrain dev up` started)")
+    agent.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="cluster to serve (default: the one `posttrain dev up` started)",
+    )
     agent.set_defaults(func=dev_agent)

@@ -44,7 +44,7 @@ def container_section(text: str, container: str) -> str:
     inside = False
     for line in text.splitlines(keepends=True):
         if line.startswith(CONTAINER_MARKER):
-            inside = line[len(CONTAINER_MARKER):].split(":", 1)[0] == container
+            inside = line[len(CONTAINER_MARKER) :].split(":", 1)[0] == container
             continue
         if inside:
             out.append(line)
@@ -137,7 +137,12 @@ class KubeletLogServer:
             pass  # the client stopped reading (Ctrl-C on `kubectl logs -f`)
 
     def _chunks(
-        self, path: Path, namespace: str, pod: str, container: str, tail: int | None,
+        self,
+        path: Path,
+        namespace: str,
+        pod: str,
+        container: str,
+        tail: int | None,
         follow: bool,
     ) -> Iterator[str]:
         """The container's log so far, then (with ``follow``) what is appended to it."""
@@ -167,6 +172,6 @@ class KubeletLogServer:
         """The last container marker line before ``offset``: which section new text is in."""
         marker = text.rfind("\n" + CONTAINER_MARKER, 0, offset)
         if marker < 0:
-            return text[:text.find("\n") + 1] if text.startswith(CONTAINER_MARKER) else ""
+            return text[: text.find("\n") + 1] if text.startswith(CONTAINER_MARKER) else ""
         end = text.find("\n", marker + 1)
         return text[marker + 1 : end + 1]

@@ -1035,8 +1035,11 @@ class SyncErrors:
         if is_unreachable(exc):
             if self.unreachable_since is None:
                 self.unreachable_since = now
-                log.warning("cannot reach the apiserver at %s (%s); retrying", self.apiserver,
-                            getattr(exc, "reason", exc))
+                log.warning(
+                    "cannot reach the apiserver at %s (%s); retrying",
+                    self.apiserver,
+                    getattr(exc, "reason", exc),
+                )
             gone_for = now - self.unreachable_since
             if self.give_up_s is not None and gone_for >= self.give_up_s:
                 return (

@@ -41,9 +41,13 @@ def registry_dir() -> Path:
 def _cmdline(pid: int) -> str | None:
     """The process's command line, None when it no longer exists."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
-            errors="replace"
-        ).strip()
+        return (
+            Path(f"/proc/{pid}/cmdline")
+            .read_bytes()
+            .replace(b"\0", b" ")
+            .decode(errors="replace")
+            .strip()
+        )
     except OSError:
         return None
 
@@ -138,8 +142,12 @@ def stop_registered(grace_s: float = 15.0) -> list[Registered]:
             time.sleep(0.1)
         for entry in entries:
             if entry.alive():
-                log.warning("%s (pid %d) outlived SIGTERM by %.0f s; killing it",
-                            entry.role, entry.pid, grace_s)
+                log.warning(
+                    "%s (pid %d) outlived SIGTERM by %.0f s; killing it",
+                    entry.role,
+                    entry.pid,
+                    grace_s,
+                )
                 entry.signal(signal.SIGKILL)
         stopped += entries
     for entry in stopped:

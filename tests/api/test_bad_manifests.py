@@ -138,9 +138,15 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     ),
     (
         "stage-rl-not-last",
-        run_with(_set("stages", [{"name": "rl", "type": "rl"},
-                                 {"name": "tune", "type": "sft", "datasets": ["d.jsonl"],
-                                  "maxSteps": 2}])),
+        run_with(
+            _set(
+                "stages",
+                [
+                    {"name": "rl", "type": "rl"},
+                    {"name": "tune", "type": "sft", "datasets": ["d.jsonl"], "maxSteps": 2},
+                ],
+            )
+        ),
         ["spec.stages", "stages: the rl stage must be the last one"],
         ["stages: the rl stage must be the last one"],
     ),
@@ -158,8 +164,20 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     ),
     (
         "stage-beta-on-sft",
-        run_with(_set("stages", [{"name": "tune", "type": "sft", "datasets": ["d.jsonl"],
-                                  "maxSteps": 2, "beta": 0.1}])),
+        run_with(
+            _set(
+                "stages",
+                [
+                    {
+                        "name": "tune",
+                        "type": "sft",
+                        "datasets": ["d.jsonl"],
+                        "maxSteps": 2,
+                        "beta": 0.1,
+                    }
+                ],
+            )
+        ),
         ["spec.stages[0].beta", "beta applies to dpo stages only"],
         ["stages[0].beta", "beta applies to dpo stages only"],
     ),
@@ -171,8 +189,15 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     ),
     (
         "stage-duplicate-name",
-        run_with(_set("stages", [{"name": "a", "type": "sft", "datasets": ["d"], "maxSteps": 1},
-                                 {"name": "a", "type": "dpo", "datasets": ["d"], "maxSteps": 1}])),
+        run_with(
+            _set(
+                "stages",
+                [
+                    {"name": "a", "type": "sft", "datasets": ["d"], "maxSteps": 1},
+                    {"name": "a", "type": "dpo", "datasets": ["d"], "maxSteps": 1},
+                ],
+            )
+        ),
         ["spec.stages[1]", "Duplicate value"],
         ["stages: names must be unique", "'a'"],
     ),

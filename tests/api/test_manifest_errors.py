@@ -50,9 +50,7 @@ def test_a_typo_gets_did_you_mean(
 def test_a_huge_value_is_not_echoed_whole(demo: dict[str, Any]) -> None:
     """1001 domains broke a list limit: the message names it without printing 84 KB."""
     domain = demo["spec"]["domains"][0]
-    demo["spec"]["domains"] = [
-        {**copy.deepcopy(domain), "name": f"d{i}"} for i in range(1001)
-    ]
+    demo["spec"]["domains"] = [{**copy.deepcopy(domain), "name": f"d{i}"} for i in range(1001)]
     message = error_of(demo)
     assert "spec.domains" in message, message
     longest = max(len(line) for line in message.splitlines())

@@ -22,8 +22,9 @@ Render = Callable[..., list[dict[str, Any]]]
 Helm = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def run_helm(helm_bin: Path, *args: str, kubeconfig: Path | None = None, check: bool = True
-             ) -> subprocess.CompletedProcess[str]:
+def run_helm(
+    helm_bin: Path, *args: str, kubeconfig: Path | None = None, check: bool = True
+) -> subprocess.CompletedProcess[str]:
     cmd = [str(helm_bin), *args]
     if kubeconfig is not None:
         cmd.append(f"--kubeconfig={kubeconfig}")

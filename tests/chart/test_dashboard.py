@@ -20,10 +20,18 @@ from .test_render import operator_config_from
 DASHBOARD = CHART_DIR / "dashboards" / "posttrain.json"
 # Every module that defines Prometheus metrics a pod of a run exports.
 METRIC_MODULES = [
-    "posttrain.trainer.progress", "posttrain.trainer.evaluate", "posttrain.trainer.evaluator",
-    "posttrain.trainer.rollouts", "posttrain.trainer.audit", "posttrain.rollout.engine",
-    "posttrain.rollout.server", "posttrain.rollout.client", "posttrain.sandboxes.executor",
-    "posttrain.sandboxes.runner", "posttrain.sandboxes.verifiers", "posttrain.storage.metrics",
+    "posttrain.trainer.progress",
+    "posttrain.trainer.evaluate",
+    "posttrain.trainer.evaluator",
+    "posttrain.trainer.rollouts",
+    "posttrain.trainer.audit",
+    "posttrain.rollout.engine",
+    "posttrain.rollout.server",
+    "posttrain.rollout.client",
+    "posttrain.sandboxes.executor",
+    "posttrain.sandboxes.runner",
+    "posttrain.sandboxes.verifiers",
+    "posttrain.storage.metrics",
     "posttrain.operator.metrics",
 ]
 MONITORING = ["monitoring.coreos.com/v1"]
@@ -37,8 +45,11 @@ def exported_series() -> set[str]:
 
 
 def panel_exprs(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
-    return [(panel["title"], target["expr"]) for panel in dashboard["panels"]
-            for target in panel.get("targets", [])]
+    return [
+        (panel["title"], target["expr"])
+        for panel in dashboard["panels"]
+        for target in panel.get("targets", [])
+    ]
 
 
 def test_every_dashboard_query_uses_a_metric_posttrain_exports() -> None:
@@ -54,8 +65,12 @@ def test_every_dashboard_query_uses_a_metric_posttrain_exports() -> None:
         assert not missing, f"panel {title!r} queries {sorted(missing)}, which nothing exports"
         used |= names
     # What the issue asks the dashboard to show is there.
-    for needed in ("posttrain_trainer_reward_mean", "posttrain_trainer_eval_accuracy",
-                   "posttrain_trainer_staleness_steps", "posttrain_sandbox_exec_seconds_bucket"):
+    for needed in (
+        "posttrain_trainer_reward_mean",
+        "posttrain_trainer_eval_accuracy",
+        "posttrain_trainer_staleness_steps",
+        "posttrain_sandbox_exec_seconds_bucket",
+    ):
         assert needed in used, needed
     titles = [p["title"] for p in dashboard["panels"]]
     assert "Worst 5 domains (train reward)" in titles and "Best 5 domains (train reward)" in titles
@@ -63,26 +78,39 @@ def test_every_dashboard_query_uses_a_metric_posttrain_exports() -> None:
 
 def test_dashboard_configmap_and_pod_monitors_render(render: Render) -> None:
     assert not by_kind(render(api_versions=MONITORING), "PodMonitor"), "off by default"
-    objects = render(sets={"metrics.grafanaDashboard.enabled": "true",
-                           "metrics.podMonitors.enabled": "true",
-                           "operator.watchNamespaces[0]": "team-a"},
-                     api_versions=MONITORING)
+    objects = render(
+        sets={
+            "metrics.grafanaDashboard.enabled": "true",
+            "metrics.podMonitors.enabled": "true",
+            "operator.watchNamespaces[0]": "team-a",
+        },
+        api_versions=MONITORING,
+    )
     dashboard = one(objects, "ConfigMap", "-dashboard")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["posttrain.json"]) == json.loads(DASHBOARD.read_text())
-    monitors = {m["spec"]["selector"]["matchLabels"][b.LABEL_COMPONENT]: m
-                for m in by_kind(objects, "PodMonitor")}
+    monitors = {
+        m["spec"]["selector"]["matchLabels"][b.LABEL_COMPONENT]: m
+        for m in by_kind(objects, "PodMonitor")
+    }
     assert set(monitors) == {b.COMPONENT_TRAINER, b.COMPONENT_ROLLOUT, "sandbox-runner"}
     for monitor in monitors.values():
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
     # The ports they scrape are the ones the operator's builders give the pods.
     config = operator_config_from(one(objects, "ConfigMap", "-operator")["data"])
-    run = TrainingRun.model_validate({"metadata": {"name": "r", "namespace": "team-a", "uid": "u"}, "spec": {
-        "model": "m", "domains": [{"name": "d", "dataset": "builtin:x",
-                                   "verifier": {"kind": "exact"}}]}})
+    run = TrainingRun.model_validate(
+        {
+            "metadata": {"name": "r", "namespace": "team-a", "uid": "u"},
+            "spec": {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": "builtin:x", "verifier": {"kind": "exact"}}],
+            },
+        }
+    )
     trainer = b.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]
-    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "team-a", "uid": "u"},
-                                       "spec": {"model": "m"}})
+    pool = RolloutPool.model_validate(
+        {"metadata": {"name": "p", "namespace": "team-a", "uid": "u"}, "spec": {"model": "m"}}
+    )
     rollout = b.build_rollout_deployment(pool, config)["spec"]["template"]["spec"]["containers"][0]
     for component, container in ((b.COMPONENT_TRAINER, trainer), (b.COMPONENT_ROLLOUT, rollout)):
         port = monitors[component]["spec"]["podMetricsEndpoints"][0]["port"]
@@ -96,10 +124,18 @@ def test_otlp_endpoint_reaches_the_operator_and_its_pods(render: Render) -> None
     data = one(render(sets={"tracing.otlpEndpoint": endpoint}), "ConfigMap", "-operator")["data"]
     assert data["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint  # the operator's own spans
     config = operator_config_from(data)
-    run = TrainingRun.model_validate({"metadata": {"name": "r", "namespace": "ns", "uid": "u"}, "spec": {
-        "model": "m", "domains": [{"name": "d", "dataset": "builtin:x",
-                                   "verifier": {"kind": "exact"}}]}})
-    env = {e["name"]: e.get("value") for e in
-           b.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]["env"]}
+    run = TrainingRun.model_validate(
+        {
+            "metadata": {"name": "r", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": "builtin:x", "verifier": {"kind": "exact"}}],
+            },
+        }
+    )
+    env = {
+        e["name"]: e.get("value")
+        for e in b.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]["env"]
+    }
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in one(render(), "ConfigMap", "-operator")["data"]

@@ -31,8 +31,14 @@ def paragraph(block: str, starting_with: str) -> str:
 
 
 def run_bash(script: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_evaluation_install_and_uninstall_work_as_written(
@@ -58,6 +64,9 @@ def test_evaluation_install_and_uninstall_work_as_written(
         left = run_bash("helm list -n posttrain-system -q", env)
         assert left.stdout.strip() == ""
     finally:
-        run_bash("helm uninstall posttrain -n posttrain-system --ignore-not-found; "
-                 "kubectl delete namespace ml-demo posttrain-system --ignore-not-found "
-                 "--wait=false", env)
+        run_bash(
+            "helm uninstall posttrain -n posttrain-system --ignore-not-found; "
+            "kubectl delete namespace ml-demo posttrain-system --ignore-not-found "
+            "--wait=false",
+            env,
+        )

@@ -14,7 +14,11 @@ from .conftest import CHART_DIR, REPO_ROOT, VALUES_FILES, Helm
 
 pytestmark = pytest.mark.cluster
 
-POSTTRAIN_CRDS = ("trainingruns.posttrain.io", "rolloutpools.posttrain.io", "sandboxtasks.posttrain.io")
+POSTTRAIN_CRDS = (
+    "trainingruns.posttrain.io",
+    "rolloutpools.posttrain.io",
+    "sandboxtasks.posttrain.io",
+)
 PEERING_CRDS = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 
@@ -28,7 +32,11 @@ def exists(kubectl: Any, *args: str) -> bool:
 
 
 def test_install_upgrade_uninstall(
-    helm: Helm, kubectl: Any, kube_api: Any, control_plane: ControlPlane, namespace: str,
+    helm: Helm,
+    kubectl: Any,
+    kube_api: Any,
+    control_plane: ControlPlane,
+    namespace: str,
     release: str,
 ) -> None:
     full = f"{release}-posttrain"
@@ -53,18 +61,35 @@ def test_install_upgrade_uninstall(
         result = kubectl("apply", "--dry-run=server", "-n", namespace, "-f", str(example))
         assert "(server dry run)" in result.stdout
     bad = kubectl(
-        "apply", "--dry-run=server", "-n", namespace, "-f", "-", check=False,
-        stdin=json.dumps({
-            "apiVersion": "posttrain.io/v1alpha1", "kind": "SandboxTask",
-            "metadata": {"name": "bad"}, "spec": {"command": ["true"], "timeoutSeconds": 0},
-        }),
+        "apply",
+        "--dry-run=server",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        check=False,
+        stdin=json.dumps(
+            {
+                "apiVersion": "posttrain.io/v1alpha1",
+                "kind": "SandboxTask",
+                "metadata": {"name": "bad"},
+                "spec": {"command": ["true"], "timeoutSeconds": 0},
+            }
+        ),
     )
     assert bad.returncode != 0 and "spec.timeoutSeconds" in bad.stderr
 
     # Upgrade: a changed value reaches the Deployment; state that must survive does.
     helm(
-        "upgrade", release, str(CHART_DIR), "--namespace", namespace,
-        "--set", "operator.replicas=2", "--set", "operator.logLevel=DEBUG",
+        "upgrade",
+        release,
+        str(CHART_DIR),
+        "--namespace",
+        namespace,
+        "--set",
+        "operator.replicas=2",
+        "--set",
+        "operator.logLevel=DEBUG",
     )
     upgraded = get_json(kubectl, "deployment", f"{full}-operator", "-n", namespace)
     assert upgraded["spec"]["replicas"] == 2
@@ -108,8 +133,15 @@ def test_non_default_values_install(
     try:
         production = next(p for p in VALUES_FILES if p.stem == "production")
         helm(
-            "install", release, str(CHART_DIR), "--namespace", namespace, "-f", str(production),
-            "--set", "operator.watchNamespaces={" + ",".join(watched) + "}",
+            "install",
+            release,
+            str(CHART_DIR),
+            "--namespace",
+            namespace,
+            "-f",
+            str(production),
+            "--set",
+            "operator.watchNamespaces={" + ",".join(watched) + "}",
         )
         full = f"{release}-posttrain"
         deployment = get_json(kubectl, "deployment", f"{full}-operator", "-n", namespace)

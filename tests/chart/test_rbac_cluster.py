@@ -60,8 +60,9 @@ def grants(rules: list[dict[str, Any]]) -> Iterator[tuple[str, str, str, bool]]:
                     yield verb, qualified, sub, base in CLUSTER_SCOPED
 
 
-def can_i(kubectl: Any, sa: str, verb: str, resource: str, sub: str = "", ns: str | None = None
-          ) -> bool:
+def can_i(
+    kubectl: Any, sa: str, verb: str, resource: str, sub: str = "", ns: str | None = None
+) -> bool:
     base, _, group = resource.partition(".")
     if group in OPTIONAL_API_GROUPS:
         return review(kubectl, sa, verb, base, group, sub, ns)
@@ -93,7 +94,11 @@ def review(
     body = {
         "apiVersion": "authorization.k8s.io/v1",
         "kind": "SubjectAccessReview",
-        "spec": {"user": sa, "groups": ["system:serviceaccounts"], "resourceAttributes": attributes},
+        "spec": {
+            "user": sa,
+            "groups": ["system:serviceaccounts"],
+            "resourceAttributes": attributes,
+        },
     }
     out = kubectl("create", "-o", "json", "-f", "-", stdin=json.dumps(body)).stdout
     return bool(json.loads(out)["status"].get("allowed"))
@@ -114,27 +119,33 @@ def test_cluster_wide_rbac_is_sufficient_and_narrow(
     assert not missing, f"the operator's ServiceAccount lacks {missing}"
     assert not can_i(kubectl, sa, "patch", "kopfpeerings.kopf.dev", ns=anywhere)
     allowed = [
-        (verb, res, sub) for verb, res, sub in FORBIDDEN_EVERYWHERE
+        (verb, res, sub)
+        for verb, res, sub in FORBIDDEN_EVERYWHERE
         if can_i(kubectl, sa, verb, res, sub, anywhere) or can_i(kubectl, sa, verb, res, sub)
     ]
     allowed += [(v, r, s) for v, r, s in FORBIDDEN_CLUSTER if can_i(kubectl, sa, v, r, s)]
     assert not allowed, f"the operator's ServiceAccount may do more than it needs: {allowed}"
 
 
-def write_token_kubeconfig(kubectl: Any, admin_kubeconfig: Path, namespace: str, sa: str,
-                           path: Path) -> Path:
+def write_token_kubeconfig(
+    kubectl: Any, admin_kubeconfig: Path, namespace: str, sa: str, path: Path
+) -> Path:
     """A kubeconfig that authenticates as ``sa`` with a TokenRequest token (as a pod would)."""
     token = kubectl("create", "token", sa, "-n", namespace, "--duration=30m").stdout.strip()
     admin = yaml.safe_load(admin_kubeconfig.read_text())
     cluster = admin["clusters"][0]
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [cluster],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": sa, "context": {"cluster": cluster["name"], "user": sa}}],
-        "current-context": sa,
-    }))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [cluster],
+                "users": [{"name": sa, "user": {"token": token}}],
+                "contexts": [{"name": sa, "context": {"cluster": cluster["name"], "user": sa}}],
+                "current-context": sa,
+            }
+        )
+    )
     return path
 
 
@@ -143,8 +154,9 @@ def rbac_denials(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if "forbidden: User" in r.getMessage()]
 
 
-def wait_exists(kubectl: Any, caplog: pytest.LogCaptureFixture, *args: str,
-                timeout_s: float = 60.0) -> dict[str, Any]:
+def wait_exists(
+    kubectl: Any, caplog: pytest.LogCaptureFixture, *args: str, timeout_s: float = 60.0
+) -> dict[str, Any]:
     """The object, once it exists; fails at once (with the reason) when RBAC denied something."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -158,13 +170,23 @@ def wait_exists(kubectl: Any, caplog: pytest.LogCaptureFixture, *args: str,
 
 
 def test_operator_runs_on_its_service_account_token(
-    helm: Helm, kubectl: Any, kubeconfig: Path, namespace: str, release: str, tmp_path: Path,
+    helm: Helm,
+    kubectl: Any,
+    kubeconfig: Path,
+    namespace: str,
+    release: str,
+    tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Namespaced mode (Roles only), peering on: the operator reconciles all three examples."""
     helm(
-        "install", release, str(CHART_DIR), "--namespace", namespace,
-        "--set", f"operator.watchNamespaces={{{namespace}}}",
+        "install",
+        release,
+        str(CHART_DIR),
+        "--namespace",
+        namespace,
+        "--set",
+        f"operator.watchNamespaces={{{namespace}}}",
     )
     full = f"{release}-posttrain"
     sa = f"system:serviceaccount:{namespace}:{full}"
@@ -176,10 +198,15 @@ def test_operator_runs_on_its_service_account_token(
     chart_env = json.loads(
         kubectl("get", "configmap", f"{full}-operator", "-n", namespace, "-o", "json").stdout
     )["data"]
-    token_kubeconfig = write_token_kubeconfig(kubectl, kubeconfig, namespace, full,
-                                              tmp_path / "sa-kubeconfig")
+    token_kubeconfig = write_token_kubeconfig(
+        kubectl, kubeconfig, namespace, full, tmp_path / "sa-kubeconfig"
+    )
     config = load_config(
-        chart_env, kubeconfig=str(token_kubeconfig), priority=5, liveness_port=0, metrics_port=0,
+        chart_env,
+        kubeconfig=str(token_kubeconfig),
+        priority=5,
+        liveness_port=0,
+        metrics_port=0,
         resync_seconds=1.0,
     )
     assert config.namespaces == (namespace,) and not config.standalone
@@ -200,8 +227,10 @@ def test_operator_runs_on_its_service_account_token(
         assert [p["priority"] for p in peering.get("status", {}).values()] == [5], peering
 
     trainer = f"system:serviceaccount:{namespace}:arith-code-trainer"
-    assert can_i(kubectl, trainer, "patch", "trainingruns.posttrain.io/arith-code", "status",
-                 namespace)
-    assert not can_i(kubectl, trainer, "patch", "trainingruns.posttrain.io/other-run", "status",
-                     namespace)
+    assert can_i(
+        kubectl, trainer, "patch", "trainingruns.posttrain.io/arith-code", "status", namespace
+    )
+    assert not can_i(
+        kubectl, trainer, "patch", "trainingruns.posttrain.io/other-run", "status", namespace
+    )
     assert not rbac_denials(caplog), f"RBAC denied the operator: {rbac_denials(caplog)[:3]}"

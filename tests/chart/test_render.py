@@ -153,8 +153,10 @@ def test_sandbox_artifacts_and_kuberay_values_reach_the_operator(
                 "sandbox": {
                     "artifactsUri": "s3://posttrain/sandbox",
                     "artifactsEgress": [
-                        {"to": [{"podSelector": {"matchLabels": {"app": "minio"}}}],
-                         "ports": [{"port": 9000}]}
+                        {
+                            "to": [{"podSelector": {"matchLabels": {"app": "minio"}}}],
+                            "ports": [{"port": 9000}],
+                        }
                     ],
                 },
             }
@@ -177,15 +179,18 @@ def test_production_values(render: Render) -> None:
     data = one(objects, "ConfigMap", "-operator")["data"]
     assert data["POSTTRAIN_OPERATOR_NAMESPACES"] == "ml-team-a,ml-team-b"
     assert data["POSTTRAIN_OPERATOR_S3_CREDENTIALS_SECRET"] == "posttrain-s3"
-    assert yaml.safe_load(data["POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
+    assert (
+        yaml.safe_load(data["POSTTRAIN_OPERATOR_TRAINER_TOLERATIONS"])[0]["key"] == "nvidia.com/gpu"
+    )
     assert data["POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME"] == "gvisor"
     # Namespaced mode: Roles only in the watched namespaces, nothing namespaced cluster-wide.
     roles = by_kind(objects, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team-a", "ml-team-b"]
     # The one cluster-scoped read: Kueue's ResourceFlavors (their node labels go on the pods).
     (cluster_role,) = by_kind(objects, "ClusterRole")
-    assert cluster_role["rules"] == [{"apiGroups": ["kueue.x-k8s.io"],
-                                      "resources": ["resourceflavors"], "verbs": ["get"]}]
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]}
+    ]
     peerings = by_kind(objects, "KopfPeering")
     assert {p["metadata"]["namespace"] for p in peerings} == {"ml-team-a", "ml-team-b"}
     deny = [o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"].endswith("deny")]

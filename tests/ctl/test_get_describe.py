@@ -149,8 +149,15 @@ def test_trainer_stage_events_and_records_reach_kubectl(kube: Any, kubectl: Any)
     kube.create_run("staged")
     reporter = KubeStatusReporter("staged", kube.namespace, api=kube.custom)
     reporter.event("Normal", STAGE_STARTED, "stage sft (sft) started: steps 1-8, lr 2e-05")
-    record = {"name": "sft", "type": "sft", "phase": "Running", "firstStep": 1, "lastStep": 8,
-              "startTime": "2026-12-03T13:00:00+00:00", "skippedExamples": {"emptyCompletion": 2}}
+    record = {
+        "name": "sft",
+        "type": "sft",
+        "phase": "Running",
+        "firstStep": 1,
+        "lastStep": 8,
+        "startTime": "2026-12-03T13:00:00+00:00",
+        "skippedExamples": {"emptyCompletion": 2},
+    }
     reporter.report(RunStatus(step=3, max_steps=12, reward_mean=0.5, stage="sft", stages=[record]))
     kube.patch_status("staged", {"phase": "Running"})  # the operator's field
     described = kubectl("describe", "tr", "staged", "-n", kube.namespace).stdout

@@ -158,9 +158,19 @@ def test_logs_after_the_run_ended_say_where_the_log_went(
     kept.parent.mkdir(parents=True)
     (kept.parent / f"{kube.namespace}_done-g0-0.log").write_text("older gang\n")
     kept.write_text("step 1\nstep 2\nrun finished: 3 steps\n")
-    (dev / "state.json").write_text(json.dumps({
-        "workdir": str(dev / "env"), "kubeconfig": str(kubeconfig), "apiserver": "",
-        "minio_endpoint": "", "minio_access_key": "", "minio_secret_key": "", "pids": []}))
+    (dev / "state.json").write_text(
+        json.dumps(
+            {
+                "workdir": str(dev / "env"),
+                "kubeconfig": str(kubeconfig),
+                "apiserver": "",
+                "minio_endpoint": "",
+                "minio_access_key": "",
+                "minio_secret_key": "",
+                "pids": [],
+            }
+        )
+    )
     monkeypatch.setenv("POSTTRAIN_DEV_DIR", str(dev))
     shown = kcli("logs", "tr", "done", "--tail", "1")
     assert shown.code == 0, shown.err

@@ -18,7 +18,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 def posttrain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "posttrain", *args],
-        capture_output=True, text=True, env={**os.environ, **env}, timeout=180,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=180,
     )
 
 
@@ -36,8 +39,16 @@ def test_up_is_idempotent_and_down_stops_everything(tmp_path: Path, kubectl_bin:
         assert second.returncode == 0 and "already running" in second.stdout
         assert json.loads((tmp_path / "state.json").read_text())["pids"] == state["pids"]
         resources = subprocess.run(
-            [str(kubectl_bin), "--kubeconfig", state["kubeconfig"], "api-resources",
-             "--api-group=posttrain.io"], capture_output=True, text=True, check=True,
+            [
+                str(kubectl_bin),
+                "--kubeconfig",
+                state["kubeconfig"],
+                "api-resources",
+                "--api-group=posttrain.io",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         assert "trainingruns" in resources and "rolloutpools" in resources
         exports = posttrain("dev", "env", env=env).stdout
@@ -45,9 +56,21 @@ def test_up_is_idempotent_and_down_stops_everything(tmp_path: Path, kubectl_bin:
         assert f"export POSTTRAIN_OPERATOR_S3_ENDPOINT={state['minio_endpoint']}" in exports
         # The Secret the operator hands trainer pods, with the MinIO keys of this environment.
         key = subprocess.run(
-            [str(kubectl_bin), "--kubeconfig", state["kubeconfig"], "get", "secret",
-             "posttrain-s3", "-n", "default", "-o", "jsonpath={.data.AWS_ACCESS_KEY_ID}"],
-            capture_output=True, text=True, check=True,
+            [
+                str(kubectl_bin),
+                "--kubeconfig",
+                state["kubeconfig"],
+                "get",
+                "secret",
+                "posttrain-s3",
+                "-n",
+                "default",
+                "-o",
+                "jsonpath={.data.AWS_ACCESS_KEY_ID}",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         import base64
 
@@ -65,8 +88,9 @@ def test_port_in_use_is_reported_and_nothing_is_left_running(tmp_path: Path) -> 
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = posttrain("dev", "up", "--minio-port", str(port),
-                           env={"POSTTRAIN_DEV_DIR": str(tmp_path)})
+        result = posttrain(
+            "dev", "up", "--minio-port", str(port), env={"POSTTRAIN_DEV_DIR": str(tmp_path)}
+        )
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
     assert not (tmp_path / "state.json").exists()
@@ -79,7 +103,10 @@ def test_missing_go_toolchain_is_explained(tmp_path: Path) -> None:
     env = {"PATH": "/usr/bin:/bin", "POSTTRAIN_BIN_DIR": str(tmp_path), "HOME": str(tmp_path)}
     result = subprocess.run(
         ["bash", str(REPO_ROOT / "tools" / "ensure-binaries.sh")],
-        capture_output=True, text=True, env=env, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
     )
     assert result.returncode == 2
     assert "the Go toolchain is missing" in result.stderr

@@ -363,7 +363,9 @@ def test_warm_pool_pod_is_claimed_and_runs_the_task(
     core = client.CoreV1Api(kube_api)
 
     def get(plural: str, name: str) -> dict[str, Any]:
-        obj = custom.get_namespaced_custom_object("posttrain.io", "v1alpha1", namespace, plural, name)
+        obj = custom.get_namespaced_custom_object(
+            "posttrain.io", "v1alpha1", namespace, plural, name
+        )
         return obj.get("status") or {}
 
     operator = OperatorThread(config).start()
@@ -389,8 +391,10 @@ def test_warm_pool_pod_is_claimed_and_runs_the_task(
                       "files": {"main.py": "print('hello from a warm pod')\n"}}},
         )  # fmt: skip
         final = wait_for(
-            lambda: (s := get("sandboxtasks", "warm-task")).get("phase") in ("Succeeded", "Failed")
-            and s,
+            lambda: (
+                (s := get("sandboxtasks", "warm-task")).get("phase") in ("Succeeded", "Failed")
+                and s
+            ),
             timeout_s=60,
             what="warm SandboxTask finished",
         )

@@ -57,8 +57,13 @@ def test_agent_stops_with_one_message_when_the_apiserver_is_gone(
     configuration.host = f"https://127.0.0.1:{port}"
     configuration.verify_ssl = False
     configuration.retries = 0
-    agent = nodeagent.NodeAgent(client.ApiClient(configuration), workdir=tmp_path,
-                                serve_logs=False, poll_interval_s=0.05, unreachable_exit_s=1.0)
+    agent = nodeagent.NodeAgent(
+        client.ApiClient(configuration),
+        workdir=tmp_path,
+        serve_logs=False,
+        poll_interval_s=0.05,
+        unreachable_exit_s=1.0,
+    )
     with caplog.at_level(logging.INFO, logger="posttrain.devenv.nodeagent"):
         agent._loop()  # returns on its own once the apiserver was gone for 1 s
     assert agent.gave_up is not None and "unreachable" in agent.gave_up

@@ -30,8 +30,12 @@ CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "
 
 @pytest.fixture
 def cluster(
-    crds_installed: None, kube_api: Any, kubeconfig: Path, minio_server: MinioServer,
-    agent: NodeAgent, namespace: str,
+    crds_installed: None,
+    kube_api: Any,
+    kubeconfig: Path,
+    minio_server: MinioServer,
+    agent: NodeAgent,
+    namespace: str,
 ) -> Iterator[Cluster]:
     """As test_trainingrun_e2e's, plus sandbox artifact storage (task mode reads the
     program's output from the log its pod stores there)."""
@@ -42,39 +46,66 @@ def cluster(
 
     core = client.CoreV1Api(kube_api)
     env = minio_server.env()
-    core.create_namespaced_secret(namespace, {
-        "metadata": {"name": "posttrain-s3"},
-        "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}})
+    core.create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "posttrain-s3"},
+            "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+        },
+    )
     bucket = f"e2e-{namespace}"
     config = OperatorConfig(
-        kubeconfig=str(kubeconfig), namespaces=(namespace,), standalone=True,
-        resync_seconds=1.0, s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"], s3_bucket=bucket,
-        sandbox_artifacts_uri=f"s3://{bucket}/sandboxes", max_workers=4)
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
+        s3_bucket=bucket,
+        sandbox_artifacts_uri=f"s3://{bucket}/sandboxes",
+        max_workers=4,
+    )
     minio = minio_server.client()
     if not minio.bucket_exists(bucket):
         minio.make_bucket(bucket)
     c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, bucket)
     c.operator = OperatorThread(config).start()  # type: ignore[attr-defined]
     try:
-        c.create("rolloutpools", {
-            "kind": "RolloutPool", "metadata": {"name": "pool"},
-            "spec": {"model": "smollm2-135m-instruct", "replicas": 1, "engine": "cpu",
-                     "port": free_port(), "resources": {"cpu": "1", "memory": "2Gi"}}})
+        c.create(
+            "rolloutpools",
+            {
+                "kind": "RolloutPool",
+                "metadata": {"name": "pool"},
+                "spec": {
+                    "model": "smollm2-135m-instruct",
+                    "replicas": 1,
+                    "engine": "cpu",
+                    "port": free_port(),
+                    "resources": {"cpu": "1", "memory": "2Gi"},
+                },
+            },
+        )
         wait_for(lambda: c.status("rolloutpools", "pool").get("phase") == "Ready", 180, "pool")
         yield c
     finally:
         c.operator.stop()  # type: ignore[attr-defined]
 
 
-def code_run(name: str, sandbox: dict[str, Any], max_steps: int = 1,
-             backoff_limit: int = 0) -> dict[str, Any]:
+def code_run(
+    name: str, sandbox: dict[str, Any], max_steps: int = 1, backoff_limit: int = 0
+) -> dict[str, Any]:
     return {
         "kind": "TrainingRun",
         "metadata": {"name": name},
         "spec": {
             "model": "smollm2-135m-instruct",
-            "algorithm": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": max_steps,
-                          "maxNewTokens": 48, "microBatchSize": 4, "dynamicSampling": False},
+            "algorithm": {
+                "groupSize": 2,
+                "promptsPerStep": 2,
+                "maxSteps": max_steps,
+                "maxNewTokens": 48,
+                "microBatchSize": 4,
+                "dynamicSampling": False,
+            },
             "domains": [CODE_DOMAIN],
             "rollout": {"pool": "pool", "timeoutSeconds": 900},
             "sandbox": sandbox,
@@ -87,8 +118,13 @@ def code_run(name: str, sandbox: dict[str, Any], max_steps: int = 1,
 
 
 def run_store(minio_server: MinioServer, c: Cluster, run: str) -> S3Store:
-    return S3Store(minio_server.endpoint, c.bucket, f"runs/{c.namespace}/{run}",
-                   access_key=minio_server.access_key, secret_key=minio_server.secret_key)
+    return S3Store(
+        minio_server.endpoint,
+        c.bucket,
+        f"runs/{c.namespace}/{run}",
+        access_key=minio_server.access_key,
+        secret_key=minio_server.secret_key,
+    )
 
 
 def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
@@ -112,16 +148,21 @@ def status_or_empty(c: Cluster, name: str) -> dict[str, Any]:
 
 
 def wait_finished(c: Cluster, name: str) -> dict[str, Any]:
-    return wait_for(lambda: (s := status_or_empty(c, name)).get("phase") in (
-        "Succeeded", "Failed") and s, RUN_TIMEOUT_S, f"TrainingRun {name} finished")
+    return wait_for(
+        lambda: (s := status_or_empty(c, name)).get("phase") in ("Succeeded", "Failed") and s,
+        RUN_TIMEOUT_S,
+        f"TrainingRun {name} finished",
+    )
 
 
 def test_a_runner_url_that_never_answers_fails_the_run_with_a_condition_naming_it(
     cluster: Cluster, minio_server: MinioServer, agent: NodeAgent
 ) -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    cluster.create("trainingruns", code_run("dead", {"mode": "runner", "runnerUrl": url,
-                                                      "unavailableTimeoutSeconds": 20}))
+    cluster.create(
+        "trainingruns",
+        code_run("dead", {"mode": "runner", "runnerUrl": url, "unavailableTimeoutSeconds": 20}),
+    )
     final = wait_finished(cluster, "dead")
     assert final["phase"] == "Failed"
     down = condition(final, "SandboxAvailable")

@@ -39,13 +39,18 @@ def readme_block(heading: str) -> list[str]:
 def readme_env(tmp_path: Path, kubectl_bin: Path) -> dict[str, str]:
     """The environment of a person in the repository root, with a private dev state dir."""
     if Path(sys.executable).parent != REPO_ROOT / ".venv" / "bin":
-        pytest.skip("the README's commands call .venv/bin/posttrain: run the tests with the "
-                    "repository's own .venv (make venv)")
+        pytest.skip(
+            "the README's commands call .venv/bin/posttrain: run the tests with the "
+            "repository's own .venv (make venv)"
+        )
     bindir = tmp_path / "bin"  # the first block says plain `kubectl`
     bindir.mkdir()
     (bindir / "kubectl").symlink_to(kubectl_bin)
-    return {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev"),
-            "PATH": f"{bindir}:{os.environ['PATH']}"}
+    return {
+        **os.environ,
+        "POSTTRAIN_DEV_DIR": str(tmp_path / "dev"),
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+    }
 
 
 def run_script(lines: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
@@ -54,8 +59,14 @@ def run_script(lines: list[str], env: dict[str, str], log: Path, timeout_s: floa
     keep writing after bash exits)."""
     script = "shopt -s expand_aliases\nset -e\n" + "\n".join(lines) + "\n"
     with open(log, "ab") as out:
-        return subprocess.run(["bash", "-c", script], cwd=REPO_ROOT, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        return subprocess.run(
+            ["bash", "-c", script],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+        ).returncode
 
 
 def processes_of(markers: list[str]) -> set[int]:
@@ -92,8 +103,13 @@ def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -
         assert "trainingrun.posttrain.io/arith-code created" in output, output
         assert "posttrain dev environment stopped and removed" in output, output
     finally:
-        subprocess.run([".venv/bin/posttrain", "dev", "down"], cwd=REPO_ROOT, env=readme_env,
-                       capture_output=True, timeout=120)
+        subprocess.run(
+            [".venv/bin/posttrain", "dev", "down"],
+            cwd=REPO_ROOT,
+            env=readme_env,
+            capture_output=True,
+            timeout=120,
+        )
 
 
 @pytest.mark.slow
@@ -120,23 +136,36 @@ def test_readme_walkthrough_trains_on_the_dev_cluster(
         trainer_log = (kept / "default_dev-run-g0-0.log").read_text()
         # The trainer found the pool's ready replicas through the RolloutPool's status (so each
         # weight version reaches every replica, not one behind a Service) and sampled from them.
-        assert re.search(r"sampling from rollout endpoint\(s\) http://127\.\d+\.\d+\.\d+:8000",
-                         trainer_log), trainer_log[:3000]
+        assert re.search(
+            r"sampling from rollout endpoint\(s\) http://127\.\d+\.\d+\.\d+:8000", trainer_log
+        ), trainer_log[:3000]
         # pods/log through the apiserver, served by the agent (no "no such host").
         kubectl = [str(KUBECTL_ALIAS), "--kubeconfig", state["kubeconfig"]]
-        pods = subprocess.run([*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool",
-                               "-o", "name"], env=readme_env, capture_output=True, text=True,
-                              check=True).stdout.split()
+        pods = subprocess.run(
+            [*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool", "-o", "name"],
+            env=readme_env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
         assert pods, "no pool pod"
-        pool_log = subprocess.run([*kubectl, "logs", pods[0]], env=readme_env,
-                                  capture_output=True, text=True)
+        pool_log = subprocess.run(
+            [*kubectl, "logs", pods[0]], env=readme_env, capture_output=True, text=True
+        )
         assert pool_log.returncode == 0 and pool_log.stdout.strip(), pool_log.stderr
-        started = processes_of([f"POSTTRAIN_DEV_DIR={dev_dir}", state["minio_endpoint"],
-                                state["workdir"]])
+        started = processes_of(
+            [f"POSTTRAIN_DEV_DIR={dev_dir}", state["minio_endpoint"], state["workdir"]]
+        )
         assert len(started) >= 3, started  # the agent, the operator and the pool's server
     finally:
-        stopped = subprocess.run(["bash", "-c", down], cwd=REPO_ROOT, env=readme_env,
-                                 capture_output=True, text=True, timeout=300)
+        stopped = subprocess.run(
+            ["bash", "-c", down],
+            cwd=REPO_ROOT,
+            env=readme_env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     assert stopped.returncode == 0, stopped.stderr
     assert "stopped operator" in stopped.stdout and "stopped agent" in stopped.stdout, (
         stopped.stdout

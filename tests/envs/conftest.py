@@ -38,6 +38,8 @@ class ScriptedPolicy:
         assert len(prompts) == 1 and params.n == 1
         self.contexts.append(list(prompts[0]))
         text = self.replies.pop(0)
-        ids = [*self.tokenizer(text, add_special_tokens=False)["input_ids"],
-               self.tokenizer.eos_token_id]
+        ids = [
+            *self.tokenizer(text, add_special_tokens=False)["input_ids"],
+            self.tokenizer.eos_token_id,
+        ]
         return [[Completion(0, text, ids, [-0.25] * len(ids), "stop", self.weight_version)]]

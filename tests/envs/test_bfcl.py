@@ -19,8 +19,11 @@ from posttrain.trainer.datasets import builtin_tasks, is_held_out
 
 
 def _task(item: dict[str, Any]) -> dict[str, Any]:
-    return {"functions": item["function"], "ground_truth": item["ground_truth"],
-            "bfcl_category": item["category"]}
+    return {
+        "functions": item["function"],
+        "ground_truth": item["ground_truth"],
+        "bfcl_category": item["category"],
+    }
 
 
 def _wrong_value(value: Any) -> Any:
@@ -47,8 +50,11 @@ def test_every_shipped_answer_passes_and_every_perturbation_fails(category: str)
         assert result.passed, (item["id"], reply, result.details["error"])
         tree = ast.parse(reply, mode="eval").body
         assert isinstance(tree, ast.List)
-        written = [{ast.unparse(c.func): {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
-                   for c in tree.elts if isinstance(c, ast.Call)]
+        written = [
+            {ast.unparse(c.func): {k.arg: ast.literal_eval(k.value) for k in c.keywords}}
+            for c in tree.elts
+            if isinstance(c, ast.Call)
+        ]
         assert result.details["decoded"] == written
         decoded = result.details["decoded"]
         # 2. a wrong function name fails
@@ -61,13 +67,22 @@ def test_every_shipped_answer_passes_and_every_perturbation_fails(category: str)
             changed = copy.deepcopy(decoded)
             key = next(iter(arguments))
             changed[0][first_name][key] = _wrong_value(arguments[key])
-            text = "[" + ", ".join(
-                f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-                for call in changed for name, args in call.items()) + "]"
+            text = (
+                "["
+                + ", ".join(
+                    f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+                    for call in changed
+                    for name, args in call.items()
+                )
+                + "]"
+            )
             assert not verify("bfcl_ast", text, task).passed, (item["id"], text)
         # 4. one call too few (parallel / multi-call items) or too many (single-call) fails
-        calls = [f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-                 for call in decoded for name, args in call.items()]
+        calls = [
+            f"{name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+            for call in decoded
+            for name, args in call.items()
+        ]
         fewer_or_more = calls[:-1] if len(calls) > 1 else calls * 2
         assert not verify("bfcl_ast", "[" + ", ".join(fewer_or_more) + "]", task).passed
         # 5. prose instead of calls fails with a decoder error
@@ -78,9 +93,12 @@ def test_every_shipped_answer_passes_and_every_perturbation_fails(category: str)
 
 def test_decoder_follows_bfcl_and_never_evaluates_code() -> None:
     assert bfcl.decode_calls("```\n[f(a=1), g.h(b='x')]\n```") == [
-        {"f": {"a": 1}}, {"g.h": {"b": "x"}}]
+        {"f": {"a": 1}},
+        {"g.h": {"b": "x"}},
+    ]
     assert bfcl.decode_calls("f(x=2**10, y=-3.5, z=(1, 2))") == [
-        {"f": {"x": 1024, "y": -3.5, "z": (1, 2)}}]
+        {"f": {"x": 1024, "y": -3.5, "z": (1, 2)}}
+    ]
     with pytest.raises(bfcl.ToolCallParseError, match="not python call syntax"):
         bfcl.decode_calls("[f(a=1]")
     with pytest.raises(bfcl.ToolCallParseError, match="unsupported argument value"):
@@ -96,8 +114,9 @@ def test_prompt_is_bfcl_default_system_prompt_plus_question() -> None:
     assert "[func_name1(params_name1=params_value1, params_name2=params_value2...)" in prompt
     assert '"name": "calculate_triangle_area"' in prompt
     assert "Note that the provided function is in Python 3 syntax." in prompt
-    assert prompt.endswith("Find the area of a triangle with a base of 10 units and height "
-                           "of 5 units.")
+    assert prompt.endswith(
+        "Find the area of a triangle with a base of 10 units and height of 5 units."
+    )
 
 
 def test_builtin_bfcl_splits_by_content_hash_without_overlap() -> None:
@@ -118,8 +137,12 @@ def test_run_spec_accepts_the_benchmark_datasets() -> None:
     from posttrain.trainer.rundata import check_dataset_sources
 
     def spec(dataset: str) -> TrainingRunSpec:
-        return TrainingRunSpec.model_validate({"model": "m", "domains": [
-            {"name": "d", "dataset": dataset, "verifier": {"kind": "bfcl_ast"}}]})
+        return TrainingRunSpec.model_validate(
+            {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": dataset, "verifier": {"kind": "bfcl_ast"}}],
+            }
+        )
 
     for name in ("bfcl", "bfcl_parallel_multiple", "humaneval"):
         check_dataset_sources(spec(f"builtin:{name}"))

@@ -28,10 +28,12 @@ def test_token_sequence_is_the_chat_template_of_the_conversation(tokenizer: Any)
     first, second = episode.turns
     # The whole sequence is exactly the template applied to the conversation as messages
     # (the model's turns closed by its own end-of-turn token).
-    messages = [*TerminalEnv().reset(TASK),
-                {"role": "assistant", "content": CALL},
-                {"role": "user", "content": first.observation},
-                {"role": "assistant", "content": "I made it."}]
+    messages = [
+        *TerminalEnv().reset(TASK),
+        {"role": "assistant", "content": CALL},
+        {"role": "user", "content": first.observation},
+        {"role": "assistant", "content": "I made it."},
+    ]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False)
     sequence = episode.prompt_ids + episode.completion_ids
     assert tokenizer.decode(sequence) + "\n" == rendered
@@ -40,8 +42,9 @@ def test_token_sequence_is_the_chat_template_of_the_conversation(tokenizer: Any)
     # Token by token: 1 on each model token, 0 on each environment token.
     mask = episode.loss_mask
     assert len(mask) == len(episode.completion_ids) == len(episode.logprobs)
-    expected = [1] * len(first.token_ids) + [0] * len(first.observation_ids) + \
-        [1] * len(second.token_ids)
+    expected = (
+        [1] * len(first.token_ids) + [0] * len(first.observation_ids) + [1] * len(second.token_ids)
+    )
     assert mask == expected
     for position, (token, bit) in enumerate(zip(episode.completion_ids, mask, strict=True)):
         owner = "model" if bit else "environment"
@@ -51,8 +54,9 @@ def test_token_sequence_is_the_chat_template_of_the_conversation(tokenizer: Any)
             assert owner == "environment"
         else:
             assert owner == "model"
-    assert [lp for lp, bit in zip(episode.logprobs, mask, strict=True) if not bit] == \
-        [0.0] * len(first.observation_ids)
+    assert [lp for lp, bit in zip(episode.logprobs, mask, strict=True) if not bit] == [0.0] * len(
+        first.observation_ids
+    )
     assert {t.weight_version for t in episode.turns} == {3}
     # A single-message prompt gets the same ids as the trainer's single-turn encoding.
     assert chat.prompt_ids([{"role": "user", "content": "hi"}]) == chat_prompt_ids(tokenizer, "hi")
@@ -73,18 +77,35 @@ def test_episode_through_the_real_rollout_server(tiny_model_dir: Path, tokenizer
     contexts: list[list[int]] = []
     try:
         with RolloutClient([server.url]) as client:
+
             class Recording:
                 def generate(self, prompts: list[list[int]], params: SamplingParams) -> Any:
                     contexts.append(list(prompts[0]))
                     return client.generate(prompts, params)
 
-            task = Task("bfcl", "Call f.", "", extra={
-                "functions": [{"name": "f", "description": "d", "parameters": {
-                    "type": "dict", "properties": {}, "required": []}}],
-                "ground_truth": [{"f": {}}], "bfcl_category": "simple_python"})
-            episode = run_episode(Recording(), ChatTokens(tokenizer),
-                                  FunctionCallingEnv(max_turns=3), task,
-                                  SamplingParams(max_tokens=6, seed=0, temperature=1.0))
+            task = Task(
+                "bfcl",
+                "Call f.",
+                "",
+                extra={
+                    "functions": [
+                        {
+                            "name": "f",
+                            "description": "d",
+                            "parameters": {"type": "dict", "properties": {}, "required": []},
+                        }
+                    ],
+                    "ground_truth": [{"f": {}}],
+                    "bfcl_category": "simple_python",
+                },
+            )
+            episode = run_episode(
+                Recording(),
+                ChatTokens(tokenizer),
+                FunctionCallingEnv(max_turns=3),
+                task,
+                SamplingParams(max_tokens=6, seed=0, temperature=1.0),
+            )
     finally:
         server.stop()
     assert episode.status in {"done", "truncated"} and episode.turns
@@ -96,9 +117,12 @@ def test_episode_through_the_real_rollout_server(tiny_model_dir: Path, tokenizer
         # turn k was sampled after the prompt plus everything before it
         before = episode.turns[:k]
         assert contexts[k] == episode.prompt_ids + [
-            t for b in before for t in b.token_ids + b.observation_ids]
+            t for b in before for t in b.token_ids + b.observation_ids
+        ]
     model_positions = [i for i, bit in enumerate(episode.loss_mask) if bit]
     assert [episode.completion_ids[i] for i in model_positions] == [
-        t for turn in episode.turns for t in turn.token_ids]
+        t for turn in episode.turns for t in turn.token_ids
+    ]
     assert [episode.logprobs[i] for i in model_positions] == [
-        lp for turn in episode.turns for lp in turn.logprobs]
+        lp for turn in episode.turns for lp in turn.logprobs
+    ]

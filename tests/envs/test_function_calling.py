@@ -14,14 +14,20 @@ from .conftest import ScriptedPolicy
 
 def triangle_task() -> Task:
     tasks = builtin_tasks("bfcl_simple_python", "train", 0) + builtin_tasks(
-        "bfcl_simple_python", "eval", 0)
+        "bfcl_simple_python", "eval", 0
+    )
     (task,) = [t for t in tasks if t.extra["bfcl_id"] == "simple_python_0"]
     return task
 
 
 def play(tokenizer: Any, replies: list[str], **options: Any) -> Any:
-    return run_episode(ScriptedPolicy(tokenizer, replies), ChatTokens(tokenizer),
-                       FunctionCallingEnv(**options), triangle_task(), SamplingParams())
+    return run_episode(
+        ScriptedPolicy(tokenizer, replies),
+        ChatTokens(tokenizer),
+        FunctionCallingEnv(**options),
+        triangle_task(),
+        SamplingParams(),
+    )
 
 
 def test_bfcl_chat_is_played_with_its_system_prompt(tokenizer: Any) -> None:
@@ -44,11 +50,13 @@ def test_accepted_call_wrong_arguments_and_format_reward(tokenizer: Any) -> None
 
 
 def test_unparseable_reply_gets_the_error_and_may_recover(tokenizer: Any) -> None:
-    episode = play(tokenizer, ["The area is 25.", "[calculate_triangle_area(base=10, height=5)]"],
-                   max_turns=2)
+    episode = play(
+        tokenizer, ["The area is 25.", "[calculate_triangle_area(base=10, height=5)]"], max_turns=2
+    )
     first = episode.turns[0]
-    assert first.observation.startswith("Your reply could not be parsed as function calls: "
-                                        "not python call syntax")
+    assert first.observation.startswith(
+        "Your reply could not be parsed as function calls: not python call syntax"
+    )
     assert episode.passed and len(episode.turns) == 2 and episode.status == "done"
     metrics = agent_metrics([episode])
     assert metrics["valid_tool_call_rate"] == 0.5 and metrics["success_rate"] == 1.0

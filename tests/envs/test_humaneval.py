@@ -23,8 +23,9 @@ def test_canonical_solutions_pass_and_stubs_fail_in_the_sandbox() -> None:
         canonical = verify("unit_tests", humaneval.reference_completion(problem), record)
         stub = verify("unit_tests", f"```python\n{problem['prompt']}    pass\n```", record)
         # A solution that returns a constant of the wrong kind: still a real function.
-        wrong = verify("unit_tests",
-                       f"```python\n{problem['prompt']}    return object()\n```", record)
+        wrong = verify(
+            "unit_tests", f"```python\n{problem['prompt']}    return object()\n```", record
+        )
         return problem["task_id"], canonical.passed, stub.passed, wrong.passed
 
     with ThreadPoolExecutor(max_workers=2) as pool:

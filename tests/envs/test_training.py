@@ -22,12 +22,21 @@ TASK = Task("shell", "make a.txt", "", extra={"verify": ["test -f a.txt"]})
 def episode(reward: float, status: str = "done") -> EpisodeCompletion:
     # model 2 tokens, tool output 3 tokens, model 1 token
     return EpisodeCompletion(
-        prompt_index=0, text="[model turn 1] ...", token_ids=[5, 6, 70, 71, 72, 7],
-        logprobs=[-0.1, -0.2, 0.0, 0.0, 0.0, -0.3], finish_reason=status, weight_version=4,
-        prompt_ids=[1, 2, 3], loss_mask=[1, 1, 0, 0, 0, 1], environment="terminal",
-        status=status, reward=reward, passed=reward == 1.0,
+        prompt_index=0,
+        text="[model turn 1] ...",
+        token_ids=[5, 6, 70, 71, 72, 7],
+        logprobs=[-0.1, -0.2, 0.0, 0.0, 0.0, -0.3],
+        finish_reason=status,
+        weight_version=4,
+        prompt_ids=[1, 2, 3],
+        loss_mask=[1, 1, 0, 0, 0, 1],
+        environment="terminal",
+        status=status,
+        reward=reward,
+        passed=reward == 1.0,
         error="sandbox down" if status == "errored" else "",
-        stats={"turns": 2, "tool_calls": 1, "valid_tool_calls": 1})
+        stats={"turns": 2, "tool_calls": 1, "valid_tool_calls": 1},
+    )
 
 
 def batch(completions: list[EpisodeCompletion]) -> RolloutBatch:
@@ -37,11 +46,22 @@ def batch(completions: list[EpisodeCompletion]) -> RolloutBatch:
 def test_group_advantages_mask_and_errored_episodes() -> None:
     sampled = batch([episode(1.0), episode(0.0), episode(0.0), episode(0.0, "errored")])
     algorithm = SimpleNamespace(max_new_tokens=8, overlong_buffer_tokens=0, overlong_penalty=0.0)
-    scored = score_batch(sampled, {}, algorithm, max_concurrency=1,
-                         verify=lambda *a: pytest.fail("episodes need no verifier"))
+    scored = score_batch(
+        sampled,
+        {},
+        algorithm,
+        max_concurrency=1,
+        verify=lambda *a: pytest.fail("episodes need no verifier"),
+    )
     assert [s.verifier for s in scored[0]] == ["env:terminal"] * 4
-    prepared = prepare_batch(sampled, scored, algorithm="dr_grpo", dynamic_sampling=True,
-                             loss_config=LossConfig(), step=1)
+    prepared = prepare_batch(
+        sampled,
+        scored,
+        algorithm="dr_grpo",
+        dynamic_sampling=True,
+        loss_config=LossConfig(),
+        step=1,
+    )
     # The errored episode takes no part: 3 samples, advantages relative to the other three.
     assert [s.advantage for s in prepared.samples] == pytest.approx([2 / 3, -1 / 3, -1 / 3])
     assert all(s.loss_mask == [1, 1, 0, 0, 0, 1] for s in prepared.samples)
@@ -52,10 +72,14 @@ def test_group_advantages_mask_and_errored_episodes() -> None:
     assert prepared.domain_pass_rates == {"shell": pytest.approx(1 / 3)}
     assert [t.advantage is None for t in prepared.trajectories] == [False, False, False, True]
     all_errored = batch([episode(0.0, "errored"), episode(0.0, "errored")])
-    nothing = prepare_batch(all_errored, score_batch(all_errored, {}, algorithm,
-                                                     max_concurrency=1),
-                            algorithm="grpo", dynamic_sampling=False,
-                            loss_config=LossConfig(), step=1)
+    nothing = prepare_batch(
+        all_errored,
+        score_batch(all_errored, {}, algorithm, max_concurrency=1),
+        algorithm="grpo",
+        dynamic_sampling=False,
+        loss_config=LossConfig(),
+        step=1,
+    )
     assert nothing.samples == [] and nothing.group_pass_rates == [None]
 
 
@@ -74,17 +98,31 @@ def test_training_loop_plays_bfcl_episodes(tmp_path: Path, tiny_model_dir: Path)
     from posttrain.trainer.progress import load_metrics
     from posttrain.trainer.server_process import LocalRolloutServer
 
-    spec = TrainingRunSpec.model_validate({
-        "model": str(tiny_model_dir),
-        "algorithm": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": 2, "learningRate": 1e-3,
-                      "maxNewTokens": 6, "microBatchSize": 2, "dynamicSampling": False,
-                      "seed": 1},
-        "domains": [{"name": "tools", "dataset": "builtin:bfcl_simple_python",
-                     "verifier": {"kind": "bfcl_ast"},
-                     "environment": {"kind": "function_calling", "maxTurns": 2}}],
-        "evaluation": {"everySteps": 2, "maxItemsPerDomain": 2},
-        "checkpoint": {"everySteps": 2, "keepLast": 1},
-    })
+    spec = TrainingRunSpec.model_validate(
+        {
+            "model": str(tiny_model_dir),
+            "algorithm": {
+                "groupSize": 2,
+                "promptsPerStep": 2,
+                "maxSteps": 2,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 2,
+                "dynamicSampling": False,
+                "seed": 1,
+            },
+            "domains": [
+                {
+                    "name": "tools",
+                    "dataset": "builtin:bfcl_simple_python",
+                    "verifier": {"kind": "bfcl_ast"},
+                    "environment": {"kind": "function_calling", "maxTurns": 2},
+                }
+            ],
+            "evaluation": {"everySteps": 2, "maxItemsPerDomain": 2},
+            "checkpoint": {"everySteps": 2, "keepLast": 1},
+        }
+    )
     out = tmp_path / "run"
     with LocalRolloutServer(spec.model, out / "server.log") as server:
         client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)

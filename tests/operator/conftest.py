@@ -69,8 +69,9 @@ def run_body(name: str, **spec: object) -> dict[str, object]:
         "metadata": {"name": name},
         "spec": {
             "model": "smollm2-135m-instruct",
-            "domains": [{"name": "math", "dataset": "builtin:arith",
-                         "verifier": {"kind": "numeric"}}],
+            "domains": [
+                {"name": "math", "dataset": "builtin:arith", "verifier": {"kind": "numeric"}}
+            ],
             **spec,
         },
     }

@@ -379,8 +379,15 @@ CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "
 def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     from posttrain.operator import sandbox_runner as sr
 
-    run = make_run(domains=[CODE_DOMAIN], sandbox={"mode": "runner", "maxConcurrency": 3,
-                                                   "memoryMb": 256, "runtimeClassName": "gvisor"})
+    run = make_run(
+        domains=[CODE_DOMAIN],
+        sandbox={
+            "mode": "runner",
+            "maxConcurrency": 3,
+            "memoryMb": 256,
+            "runtimeClassName": "gvisor",
+        },
+    )
     children = {c["kind"]: c for c in b.build_trainer_children(run, CONFIG)}
     deployment, service = children["Deployment"], children["Service"]
     assert deployment["metadata"]["name"] == service["metadata"]["name"] == "demo-sandbox-runner"
@@ -398,23 +405,29 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     assert context["capabilities"] == {"drop": ["ALL"]}
     assert context["allowPrivilegeEscalation"] is False
     # Exactly what bubblewrap needs beyond "restricted", nothing else.
-    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"},
-                                                                  "Unmasked")
+    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"}, "Unmasked")
     policy = children["NetworkPolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"] and "egress" not in policy
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {
-        b.LABEL_COMPONENT: b.COMPONENT_TRAINER, b.LABEL_RUN: "demo"}
-    env = {e["name"]: e.get("value") for e in
-           b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]}
+        b.LABEL_COMPONENT: b.COMPONENT_TRAINER,
+        b.LABEL_RUN: "demo",
+    }
+    env = {
+        e["name"]: e.get("value")
+        for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+    }
     assert env[sr.RUNNER_URL_ENV] == "http://demo-sandbox-runner.ml.svc:8090"
 
 
 def test_runner_url_given_means_no_runner_of_our_own() -> None:
-    run = make_run(domains=[CODE_DOMAIN],
-                   sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"})
+    run = make_run(
+        domains=[CODE_DOMAIN], sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"}
+    )
     kinds = [c["kind"] for c in b.build_trainer_children(run, CONFIG)]
     assert "Deployment" not in kinds
-    env = [e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]]
+    env = [
+        e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+    ]
     assert "POSTTRAIN_SANDBOX_RUNNER_URL" not in env
 
 
@@ -422,19 +435,24 @@ def test_local_mode_gives_the_trainer_what_bubblewrap_needs_only_when_code_runs(
     code = b.build_trainer_pod(make_run(domains=[CODE_DOMAIN]), CONFIG, 0, 0)["spec"]
     assert code["hostUsers"] is False
     context = code["containers"][0]["securityContext"]
-    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"},
-                                                                  "Unmasked")
+    assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"}, "Unmasked")
     assert context["capabilities"] == {"drop": ["ALL"]}
     numeric = b.build_trainer_pod(make_run(), CONFIG, 0, 0)["spec"]
     assert "hostUsers" not in numeric and "securityContext" not in numeric["containers"][0]
 
 
 def test_task_mode_lets_the_trainer_create_sandbox_tasks_and_nothing_more() -> None:
-    role = next(m for m in b.build_trainer_rbac(make_run(sandbox={"mode": "task"}))
-                if m["kind"] == "Role")
+    role = next(
+        m for m in b.build_trainer_rbac(make_run(sandbox={"mode": "task"})) if m["kind"] == "Role"
+    )
     rules = [r for r in role["rules"] if r["resources"] == ["sandboxtasks"]]
-    assert rules == [{"apiGroups": ["posttrain.io"], "resources": ["sandboxtasks"],
-                      "verbs": ["get", "create", "delete"]}]
+    assert rules == [
+        {
+            "apiGroups": ["posttrain.io"],
+            "resources": ["sandboxtasks"],
+            "verbs": ["get", "create", "delete"],
+        }
+    ]
     # The operator holds what it grants (RBAC escalation check).
     held = next(r for r in OPERATOR_RULES if r["resources"] == ["sandboxtasks"])
     assert {"get", "create", "delete"} <= set(held["verbs"])
@@ -461,9 +479,12 @@ def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> 
     deployment = b.build_rollout_deployment(make_pool(), traced)
     template = deployment["spec"]["template"]
     assert template["metadata"]["annotations"]["prometheus.io/port"] == str(
-        template["spec"]["containers"][0]["ports"][0]["containerPort"])
+        template["spec"]["containers"][0]["ports"][0]["containerPort"]
+    )
     rollout_env = env_of(template["spec"]["containers"][0])
     assert rollout_env["OTEL_SERVICE_NAME"]["value"] == "posttrain-rollout"
     off = CONFIG.model_copy(update={"pod_metrics_port": 0})
-    assert "--metrics-port" not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"][
-        "containers"][0]["command"]
+    assert (
+        "--metrics-port"
+        not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"]["containers"][0]["command"]
+    )

@@ -8,8 +8,18 @@ import importlib
 import pytest
 
 # Every operator module with examples (the others have none to run).
-MODULES = ["builders", "config", "reconcile", "warmpool", "kube", "controllers", "warm_entrypoint",
-           "informer", "kueue", "sandbox_runner"]
+MODULES = [
+    "builders",
+    "config",
+    "reconcile",
+    "warmpool",
+    "kube",
+    "controllers",
+    "warm_entrypoint",
+    "informer",
+    "kueue",
+    "sandbox_runner",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

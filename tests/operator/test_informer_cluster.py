@@ -20,8 +20,10 @@ from posttrain.operator.kube import KubeClient, load_credentials, resource_path
 pytestmark = pytest.mark.cluster
 
 LABEL = "posttrain.io/informer-test"
-GONE = (b'{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","status":"Failure",'
-        b'"message":"too old resource version: 1 (2)","reason":"Expired","code":410}}')
+GONE = (
+    b'{"type":"ERROR","object":{"kind":"Status","apiVersion":"v1","status":"Failure",'
+    b'"message":"too old resource version: 1 (2)","reason":"Expired","code":410}}'
+)
 
 
 class FaultyKube(AsyncKube):
@@ -48,9 +50,16 @@ class FaultyKube(AsyncKube):
 
 
 def _config_map(kube: KubeClient, namespace: str, name: str) -> None:
-    kube.request("POST", resource_path("v1", "configmaps", namespace), {
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": name, "labels": {LABEL: "yes"}}, "data": {"k": name}})
+    kube.request(
+        "POST",
+        resource_path("v1", "configmaps", namespace),
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {"name": name, "labels": {LABEL: "yes"}},
+            "data": {"k": name},
+        },
+    )
 
 
 def _delete(kube: KubeClient, namespace: str, name: str) -> None:
@@ -94,8 +103,9 @@ def test_converges_after_410_and_a_dropped_connection(
         _config_map(kube, namespace, "before")
         client = FaultyKube(kubeconfig, {1: "gone", 2: "drop"})
         view = View()
-        informer = Informer(client, "v1", "ConfigMap", "configmaps", namespace, view,
-                            label_selector=LABEL)
+        informer = Informer(
+            client, "v1", "ConfigMap", "configmaps", namespace, view, label_selector=LABEL
+        )
         running = asyncio.create_task(informer.run(Gate(None)))
         try:
             # Watch 1 answers 410: the informer lists again (2 lists) and watches from there.
@@ -132,8 +142,9 @@ def test_gate_holds_until_the_peering_toggle_exists_and_is_off(
         client = AsyncKube(load_credentials(str(kubeconfig)))
         toggles = ToggleSet(any)
         view = View()
-        informer = Informer(client, "v1", "ConfigMap", "configmaps", namespace, view,
-                            label_selector=LABEL)
+        informer = Informer(
+            client, "v1", "ConfigMap", "configmaps", namespace, view, label_selector=LABEL
+        )
         running = asyncio.create_task(informer.run(Gate(toggles, {f"op@{namespace}"})))
         try:
             await asyncio.sleep(0.5)

@@ -24,22 +24,33 @@ CONFIG = OperatorConfig(s3_endpoint="minio:9000", shm_size="4Gi", trainer_image=
 
 
 def run(status: dict[str, Any] | None = None, nodes: int = 3, **spec: Any) -> TrainingRun:
-    return TrainingRun.model_validate({
-        "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 2},
-        "spec": {"model": "m", "domains": [{"name": "d", "dataset": "builtin:x",
-                                            "verifier": {"kind": "exact"}}],
-                 "resources": {"nodes": nodes, "gpusPerNode": 2, "cpu": "8", "memory": "32Gi"},
-                 **spec},
-        "status": status or {}})
+    return TrainingRun.model_validate(
+        {
+            "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 2},
+            "spec": {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": "builtin:x", "verifier": {"kind": "exact"}}],
+                "resources": {"nodes": nodes, "gpusPerNode": 2, "cpu": "8", "memory": "32Gi"},
+                **spec,
+            },
+            "status": status or {},
+        }
+    )
 
 
 def cluster(incarnation: int, state: str = "", available: int = 0) -> RayClusterView:
-    return RayClusterView(b.ray_cluster_name("r", incarnation), {b.LABEL_GANG: str(incarnation)},
-                          state=state, available_workers=available, desired_workers=2)
+    return RayClusterView(
+        b.ray_cluster_name("r", incarnation),
+        {b.LABEL_GANG: str(incarnation)},
+        state=state,
+        available_workers=available,
+        desired_workers=2,
+    )
 
 
-def ray_pod(incarnation: int, node_type: str, phase: str = "Running",
-            exit_code: int | None = None) -> PodView:
+def ray_pod(
+    incarnation: int, node_type: str, phase: str = "Running", exit_code: int | None = None
+) -> PodView:
     labels = {b.LABEL_GANG: str(incarnation), b.RAY_NODE_TYPE_LABEL: node_type}
     if node_type == "head":
         labels[b.LABEL_RANK] = "0"
@@ -86,12 +97,20 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
     head_cmd = head["spec"]["containers"][0]["command"]
     assert "ray start --head" in head_cmd[2] and "posttrain run" in head_cmd[2]
     ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
-    assert ports == {"gcs-server": CONFIG.ray_port, "dist": CONFIG.trainer_master_port,
-                     "metrics": CONFIG.pod_metrics_port}  # the trainer's /metrics
+    assert ports == {
+        "gcs-server": CONFIG.ray_port,
+        "dist": CONFIG.trainer_master_port,
+        "metrics": CONFIG.pod_metrics_port,
+    }  # the trainer's /metrics
     assert head["metadata"]["labels"][b.LABEL_RANK] == "0"
     worker_cmd = worker["spec"]["containers"][0]["command"]
-    assert worker_cmd == ["ray", "start", f"--address=r-g4-head-svc.ns.svc:{CONFIG.ray_port}",
-                          "--block", f"--node-manager-port={b.RAY_WORKER_RAYLET_PORT}"]
+    assert worker_cmd == [
+        "ray",
+        "start",
+        f"--address=r-g4-head-svc.ns.svc:{CONFIG.ray_port}",
+        "--block",
+        f"--node-manager-port={b.RAY_WORKER_RAYLET_PORT}",
+    ]
     # Our own probes (KubeRay would otherwise inject dashboard-agent probes): GCS on the
     # head, the pinned raylet port on workers.
     head_probe = head["spec"]["containers"][0]["readinessProbe"]["tcpSocket"]["port"]
@@ -111,11 +130,13 @@ def test_ray_cluster_is_only_for_multi_node_and_drops_our_head_service() -> None
 
 
 def test_ray_cluster_view_reads_kuberay_status() -> None:
-    view = ray_cluster_view({
-        "metadata": {"name": "r-g0", "labels": {b.LABEL_GANG: "0"}},
-        "spec": {"workerGroupSpecs": [{"replicas": 2}]},
-        "status": {"state": "failed", "reason": "HeadPodFailed", "availableWorkerReplicas": 1},
-    })
+    view = ray_cluster_view(
+        {
+            "metadata": {"name": "r-g0", "labels": {b.LABEL_GANG: "0"}},
+            "spec": {"workerGroupSpecs": [{"replicas": 2}]},
+            "status": {"state": "failed", "reason": "HeadPodFailed", "availableWorkerReplicas": 1},
+        }
+    )
     assert view.failed and view.reason == "HeadPodFailed"
     assert (view.available_workers, view.desired_workers) == (1, 2)
 
@@ -131,24 +152,34 @@ def test_new_multi_node_run_creates_one_ray_cluster_and_no_pods() -> None:
 
 
 def test_ray_cluster_state_maps_to_phase_and_available_workers() -> None:
-    pending = plan_training_run(run({"phase": "Pending"}), [], 0, NOW,
-                                ray_clusters=[cluster(0, state="", available=0)])
+    pending = plan_training_run(
+        run({"phase": "Pending"}), [], 0, NOW, ray_clusters=[cluster(0, state="", available=0)]
+    )
     assert not pending.create_ray_cluster
     assert pending.status_patch["availableWorkers"] == 0
     assert "state not reported yet" in pending.status_patch["message"]
-    ready = plan_training_run(run({"phase": "Pending"}), [], 0, NOW,
-                              ray_clusters=[cluster(0, state="ready", available=2)])
+    ready = plan_training_run(
+        run({"phase": "Pending"}), [], 0, NOW, ray_clusters=[cluster(0, state="ready", available=2)]
+    )
     patch = ready.status_patch
     assert (patch["phase"], patch["rayClusterState"], patch["availableWorkers"]) == (
-        "Running", "ready", 2)
+        "Running",
+        "ready",
+        2,
+    )
     assert patch["message"] == "RayCluster r-g0 ready: 2/2 worker(s) available"
     cond = next(c for c in patch["conditions"] if c["type"] == "Ready")
     assert (cond["status"], cond["reason"]) == ("True", "Running")
 
 
 def test_failed_ray_cluster_is_recreated_against_backoff_limit() -> None:
-    plan = plan_training_run(run({"phase": "Running"}, backoffLimit=1), [ray_pod(0, "head")],
-                             0, NOW, ray_clusters=[cluster(0, state="failed")])
+    plan = plan_training_run(
+        run({"phase": "Running"}, backoffLimit=1),
+        [ray_pod(0, "head")],
+        0,
+        NOW,
+        ray_clusters=[cluster(0, state="failed")],
+    )
     assert plan.incarnation == 1 and plan.create_ray_cluster
     assert plan.delete_ray_clusters == ["r-g0"] and plan.delete_pods == ["r-g0-head-x"]
     assert plan.status_patch["restarts"] == 1 and plan.status_patch["rayCluster"] == "r-g1"
@@ -156,7 +187,10 @@ def test_failed_ray_cluster_is_recreated_against_backoff_limit() -> None:
     second = plan_training_run(
         run({"phase": "Running", "restarts": 1}, backoffLimit=1),
         [ray_pod(1, "head"), ray_pod(1, "worker", phase="Failed", exit_code=137)],
-        1, NOW, ray_clusters=[cluster(1, state="ready")])
+        1,
+        NOW,
+        ray_clusters=[cluster(1, state="ready")],
+    )
     assert second.status_patch["phase"] == "Failed" and not second.create_ray_cluster
     assert second.delete_ray_clusters == ["r-g1"]
     failed = next(c for c in second.status_patch["conditions"] if c["type"] == "Failed")
@@ -164,21 +198,30 @@ def test_failed_ray_cluster_is_recreated_against_backoff_limit() -> None:
 
 
 def test_head_success_finishes_the_run_and_removes_the_cluster() -> None:
-    plan = plan_training_run(run({"phase": "Running", "step": 9}),
-                             [ray_pod(0, "head", "Succeeded", 0), ray_pod(0, "worker")],
-                             0, NOW, ray_clusters=[cluster(0, state="ready", available=2)])
+    plan = plan_training_run(
+        run({"phase": "Running", "step": 9}),
+        [ray_pod(0, "head", "Succeeded", 0), ray_pod(0, "worker")],
+        0,
+        NOW,
+        ray_clusters=[cluster(0, state="ready", available=2)],
+    )
     assert plan.status_patch["phase"] == "Succeeded"
     assert plan.delete_ray_clusters == ["r-g0"] and plan.delete_pods == ["r-g0-worker-x"]
     # Finished runs keep no cluster, whatever is observed later.
-    after = plan_training_run(run({"phase": "Succeeded"}), [], 0, NOW,
-                              ray_clusters=[cluster(0, state="ready")])
+    after = plan_training_run(
+        run({"phase": "Succeeded"}), [], 0, NOW, ray_clusters=[cluster(0, state="ready")]
+    )
     assert after.delete_ray_clusters == ["r-g0"] and not after.create_ray_cluster
 
 
 def test_suspend_deletes_the_cluster_and_resume_starts_the_next_incarnation() -> None:
     suspended = plan_training_run(
         run({"phase": "Running", "rayCluster": "r-g0", "availableWorkers": 2}, suspend=True),
-        [], 0, NOW, ray_clusters=[cluster(0, state="ready")])
+        [],
+        0,
+        NOW,
+        ray_clusters=[cluster(0, state="ready")],
+    )
     assert suspended.delete_ray_clusters == ["r-g0"]
     assert suspended.status_patch["phase"] == "Suspended"
     assert suspended.status_patch["rayCluster"] is None  # merge patch: remove the field
@@ -188,6 +231,7 @@ def test_suspend_deletes_the_cluster_and_resume_starts_the_next_incarnation() ->
 
 
 def test_stale_incarnation_clusters_are_deleted() -> None:
-    plan = plan_training_run(run({"phase": "Pending"}), [], 2, NOW,
-                             ray_clusters=[cluster(1, state="ready"), cluster(2)])
+    plan = plan_training_run(
+        run({"phase": "Pending"}), [], 2, NOW, ray_clusters=[cluster(1, state="ready"), cluster(2)]
+    )
     assert plan.delete_ray_clusters == ["r-g1"] and not plan.create_ray_cluster

@@ -51,29 +51,41 @@ def ray_cluster(kube: KubeClient, namespace: str, name: str) -> dict[str, Any] |
     return kube.get("ray.io/v1", "RayCluster", namespace, name)
 
 
-def set_ray_cluster_status(kube: KubeClient, namespace: str, name: str,
-                           status: dict[str, Any]) -> None:
+def set_ray_cluster_status(
+    kube: KubeClient, namespace: str, name: str, status: dict[str, Any]
+) -> None:
     """Play the KubeRay controller: write the RayCluster's status subresource."""
-    kube.patch(resource_path("ray.io/v1", "rayclusters", namespace, name), {"status": status},
-               "status")
+    kube.patch(
+        resource_path("ray.io/v1", "rayclusters", namespace, name), {"status": status}, "status"
+    )
 
 
 def trainer_pods(kube: KubeClient, namespace: str) -> list[str]:
-    return sorted(p["metadata"]["name"] for p in list_pods(
-        kube, namespace, f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}")
-        if not p["metadata"].get("deletionTimestamp"))
+    return sorted(
+        p["metadata"]["name"]
+        for p in list_pods(kube, namespace, f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}")
+        if not p["metadata"].get("deletionTimestamp")
+    )
 
 
 def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
     rayclusters_crd: None, operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    run = create_cr(kube, "trainingruns", namespace, run_body(
-        "mr", resources={"nodes": 3, "gpusPerNode": 1, "cpu": "4", "memory": "16Gi"}))
+    run = create_cr(
+        kube,
+        "trainingruns",
+        namespace,
+        run_body("mr", resources={"nodes": 3, "gpusPerNode": 1, "cpu": "4", "memory": "16Gi"}),
+    )
     rc = wait_for(lambda: ray_cluster(kube, namespace, "mr-g0"), what="RayCluster mr-g0")
     owner = rc["metadata"]["ownerReferences"][0]
     # Deleting the run garbage-collects the RayCluster (and KubeRay's pods with it).
     assert (owner["kind"], owner["uid"], owner["controller"], owner["blockOwnerDeletion"]) == (
-        "TrainingRun", run["metadata"]["uid"], True, True)
+        "TrainingRun",
+        run["metadata"]["uid"],
+        True,
+        True,
+    )
     spec = rc["spec"]
     (workers,) = spec["workerGroupSpecs"]
     assert (workers["replicas"], workers["minReplicas"], workers["maxReplicas"]) == (2, 2, 2)
@@ -87,28 +99,44 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
     assert trainer_pods(kube, namespace) == []
     assert kube.get("v1", "Service", namespace, "mr-head") is None
     assert kube.get("v1", "ConfigMap", namespace, "mr-config") is not None
-    pending = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("rayCluster") and s,
-                       what="status.rayCluster")
+    pending = wait_for(
+        lambda: (s := run_status(kube, namespace, "mr")).get("rayCluster") and s,
+        what="status.rayCluster",
+    )
     assert pending["phase"] == "Pending" and pending["rayCluster"] == "mr-g0"
 
-    set_ray_cluster_status(kube, namespace, "mr-g0", {
-        "state": "ready", "availableWorkerReplicas": 2, "desiredWorkerReplicas": 2})
-    running = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Running"
-                       and s, what="run Running")
+    set_ray_cluster_status(
+        kube,
+        namespace,
+        "mr-g0",
+        {"state": "ready", "availableWorkerReplicas": 2, "desiredWorkerReplicas": 2},
+    )
+    running = wait_for(
+        lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Running" and s,
+        what="run Running",
+    )
     assert (running["rayClusterState"], running["availableWorkers"]) == ("ready", 2)
     ready = next(c for c in running["conditions"] if c["type"] == "Ready")
     assert ready["status"] == "True" and "2/2 worker(s)" in ready["message"]
 
     # KubeRay's head pod (our template labels + its node-type label) finishes the trainer.
     template = spec["headGroupSpec"]["template"]
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-        "name": "mr-g0-head-abcde", "namespace": namespace,
-        "labels": {**template["metadata"]["labels"], b.RAY_NODE_TYPE_LABEL: "head"}},
-        "spec": template["spec"]}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "mr-g0-head-abcde",
+            "namespace": namespace,
+            "labels": {**template["metadata"]["labels"], b.RAY_NODE_TYPE_LABEL: "head"},
+        },
+        "spec": template["spec"],
+    }
     kube.create_or_adopt(pod)
     set_pod_terminated(kube, namespace, "mr-g0-head-abcde", 0)
-    done = wait_for(lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Succeeded"
-                    and s, what="run Succeeded")
+    done = wait_for(
+        lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Succeeded" and s,
+        what="run Succeeded",
+    )
     assert done["restarts"] == 0
     wait_for(lambda: ray_cluster(kube, namespace, "mr-g0") is None, what="RayCluster deleted")
 
@@ -116,28 +144,37 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
 def test_failed_ray_cluster_is_recreated_then_fails_the_run_past_backoff_limit(
     rayclusters_crd: None, operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    create_cr(kube, "trainingruns", namespace, run_body(
-        "fr", resources={"nodes": 2}, backoffLimit=1))
+    create_cr(
+        kube, "trainingruns", namespace, run_body("fr", resources={"nodes": 2}, backoffLimit=1)
+    )
     wait_for(lambda: ray_cluster(kube, namespace, "fr-g0"), what="RayCluster fr-g0")
-    set_ray_cluster_status(kube, namespace, "fr-g0", {"state": "failed",
-                                                      "reason": "HeadPodCrashLooping"})
+    set_ray_cluster_status(
+        kube, namespace, "fr-g0", {"state": "failed", "reason": "HeadPodCrashLooping"}
+    )
     wait_for(lambda: ray_cluster(kube, namespace, "fr-g1"), what="RayCluster fr-g1")
     wait_for(lambda: ray_cluster(kube, namespace, "fr-g0") is None, what="fr-g0 deleted")
-    status = wait_for(lambda: (s := run_status(kube, namespace, "fr")).get("rayCluster") == "fr-g1"
-                      and s, what="status on fr-g1")
+    status = wait_for(
+        lambda: (s := run_status(kube, namespace, "fr")).get("rayCluster") == "fr-g1" and s,
+        what="status on fr-g1",
+    )
     assert status["restarts"] == 1
     # The restart is explained on the run, with KubeRay's reason.
-    wait_for(lambda: any(e.get("reason") == "GangRestart" and "HeadPodCrashLooping" in
-                         e.get("message", "") for e in kube.request(
-                             "GET", resource_path("v1", "events", namespace))[1]["items"]),
-             what="GangRestart event naming KubeRay's reason")
+    wait_for(
+        lambda: any(
+            e.get("reason") == "GangRestart" and "HeadPodCrashLooping" in e.get("message", "")
+            for e in kube.request("GET", resource_path("v1", "events", namespace))[1]["items"]
+        ),
+        what="GangRestart event naming KubeRay's reason",
+    )
     run = get_cr(kube, "trainingruns", namespace, "fr")
     assert run is not None
     assert run["metadata"]["annotations"][labels.ANNOTATION_INCARNATION] == "1"
 
     set_ray_cluster_status(kube, namespace, "fr-g1", {"state": "failed", "reason": "Again"})
-    failed = wait_for(lambda: (s := run_status(kube, namespace, "fr")).get("phase") == "Failed"
-                      and s, what="run Failed")
+    failed = wait_for(
+        lambda: (s := run_status(kube, namespace, "fr")).get("phase") == "Failed" and s,
+        what="run Failed",
+    )
     assert failed["restarts"] == 2
     reason = next(c for c in failed["conditions"] if c["type"] == "Failed")["reason"]
     assert reason == "BackoffLimitExceeded"
@@ -152,8 +189,10 @@ def test_suspend_deletes_the_ray_cluster_and_resume_recreates_it(
     wait_for(lambda: ray_cluster(kube, namespace, "sr-g0"), what="RayCluster sr-g0")
     kube.patch(cr_path("trainingruns", namespace, "sr"), {"spec": {"suspend": True}})
     wait_for(lambda: ray_cluster(kube, namespace, "sr-g0") is None, what="sr-g0 deleted")
-    suspended = wait_for(lambda: (s := run_status(kube, namespace, "sr")).get("phase")
-                         == "Suspended" and s, what="run Suspended")
+    suspended = wait_for(
+        lambda: (s := run_status(kube, namespace, "sr")).get("phase") == "Suspended" and s,
+        what="run Suspended",
+    )
     assert "rayCluster" not in suspended and suspended["restarts"] == 0
     kube.patch(cr_path("trainingruns", namespace, "sr"), {"spec": {"suspend": False}})
     wait_for(lambda: ray_cluster(kube, namespace, "sr-g1"), what="RayCluster sr-g1 on resume")
@@ -170,7 +209,10 @@ def test_single_node_run_stays_a_pod_with_kuberay_installed(
 
 
 def test_kuberay_path_works_with_exactly_the_operator_rbac(
-    rayclusters_crd: None, control_plane: ControlPlane, kube: KubeClient, namespace: str,
+    rayclusters_crd: None,
+    control_plane: ControlPlane,
+    kube: KubeClient,
+    namespace: str,
     tmp_path: Path,
 ) -> None:
     """rbac.OPERATOR_RULES cover the KubeRay path: create, watch, list and delete
@@ -178,17 +220,25 @@ def test_kuberay_path_works_with_exactly_the_operator_rbac(
     with operator_with_exactly_its_rbac(kube, control_plane, namespace, tmp_path):
         create_cr(kube, "trainingruns", namespace, run_body("rb", resources={"nodes": 2}))
         wait_for(lambda: ray_cluster(kube, namespace, "rb-g0"), what="RayCluster rb-g0")
-        set_ray_cluster_status(kube, namespace, "rb-g0", {"state": "ready",
-                                                          "availableWorkerReplicas": 1})
-        wait_for(lambda: run_status(kube, namespace, "rb").get("phase") == "Running",
-                 what="run Running from the watched RayCluster")
+        set_ray_cluster_status(
+            kube, namespace, "rb-g0", {"state": "ready", "availableWorkerReplicas": 1}
+        )
+        wait_for(
+            lambda: run_status(kube, namespace, "rb").get("phase") == "Running",
+            what="run Running from the watched RayCluster",
+        )
         kube.patch(cr_path("trainingruns", namespace, "rb"), {"spec": {"suspend": True}})
-        wait_for(lambda: ray_cluster(kube, namespace, "rb-g0") is None,
-                 what="RayCluster deleted by the operator's ServiceAccount")
+        wait_for(
+            lambda: ray_cluster(kube, namespace, "rb-g0") is None,
+            what="RayCluster deleted by the operator's ServiceAccount",
+        )
 
 
 def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
-    rayclusters_crd: None, kubectl: Any, kube: KubeClient, namespace: str,
+    rayclusters_crd: None,
+    kubectl: Any,
+    kube: KubeClient,
+    namespace: str,
     operator_config: OperatorConfig,
 ) -> None:
     """Runs last in this module: removes the CRD, starts the operator without it, installs
@@ -204,8 +254,10 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
     config = operator_config.model_copy(update={"kuberay_discovery_seconds": 3600.0})
     with OperatorThread(config):
         create_cr(kube, "trainingruns", namespace, run_body("late", resources={"nodes": 2}))
-        wait_for(lambda: trainer_pods(kube, namespace) == ["late-g0-0", "late-g0-1"],
-                 what="plain head + worker pods without KubeRay")
+        wait_for(
+            lambda: trainer_pods(kube, namespace) == ["late-g0-0", "late-g0-1"],
+            what="plain head + worker pods without KubeRay",
+        )
         assert kube.get("v1", "Service", namespace, "late-head") is not None
 
         kubectl("apply", "--server-side", "--force-conflicts", "-f", str(RAY_CRD))
@@ -213,17 +265,26 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
         # A running plain gang is not switched over...
         set_pod_running(kube, namespace, "late-g0-0")
         set_pod_running(kube, namespace, "late-g0-1")
-        wait_for(lambda: run_status(kube, namespace, "late").get("phase") == "Running",
-                 what="plain gang Running")
+        wait_for(
+            lambda: run_status(kube, namespace, "late").get("phase") == "Running",
+            what="plain gang Running",
+        )
         assert ray_cluster(kube, namespace, "late-g1") is None
         # ...the next gang, started from nothing, is a RayCluster.
         kube.patch(cr_path("trainingruns", namespace, "late"), {"spec": {"suspend": True}})
-        wait_for(lambda: run_status(kube, namespace, "late").get("phase") == "Suspended",
-                 what="suspended")
+        wait_for(
+            lambda: run_status(kube, namespace, "late").get("phase") == "Suspended",
+            what="suspended",
+        )
         kube.patch(cr_path("trainingruns", namespace, "late"), {"spec": {"suspend": False}})
         wait_for(lambda: ray_cluster(kube, namespace, "late-g1"), what="RayCluster late-g1")
-        set_ray_cluster_status(kube, namespace, "late-g1", {"state": "ready",
-                                                            "availableWorkerReplicas": 1})
-        running = wait_for(lambda: (s := run_status(kube, namespace, "late")).get(
-            "rayClusterState") == "ready" and s, what="status from the re-listed RayCluster")
+        set_ray_cluster_status(
+            kube, namespace, "late-g1", {"state": "ready", "availableWorkerReplicas": 1}
+        )
+        running = wait_for(
+            lambda: (
+                (s := run_status(kube, namespace, "late")).get("rayClusterState") == "ready" and s
+            ),
+            what="status from the re-listed RayCluster",
+        )
         assert running["phase"] == "Running" and running["availableWorkers"] == 1

@@ -28,14 +28,24 @@ NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def queued_run(status: dict[str, Any] | None = None, **spec: Any) -> TrainingRun:
-    return TrainingRun.model_validate({
-        "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 1,
-                     "labels": {QUEUE_NAME_LABEL: "team-a"}},
-        "spec": {"model": "m", "domains": [{"name": "d", "dataset": "builtin:x",
-                                            "verifier": {"kind": "exact"}}],
-                 "resources": {"nodes": 2, "cpu": "4", "memory": "16Gi", "gpusPerNode": 1},
-                 **spec},
-        "status": status or {}})
+    return TrainingRun.model_validate(
+        {
+            "metadata": {
+                "name": "r",
+                "namespace": "ns",
+                "uid": "u",
+                "generation": 1,
+                "labels": {QUEUE_NAME_LABEL: "team-a"},
+            },
+            "spec": {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": "builtin:x", "verifier": {"kind": "exact"}}],
+                "resources": {"nodes": 2, "cpu": "4", "memory": "16Gi", "gpusPerNode": 1},
+                **spec,
+            },
+            "status": status or {},
+        }
+    )
 
 
 def condition(plan_status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -58,15 +68,39 @@ def test_workload_is_one_gang_sized_pod_set_owned_by_the_run() -> None:
 
 
 def test_kueue_answer_is_read_from_conditions_and_admission() -> None:
-    pending = workload_view({"metadata": {"name": "w"}, "status": {"conditions": [
-        {"type": "QuotaReserved", "status": "False", "reason": "Pending",
-         "message": "couldn't assign flavors: insufficient quota for cpu"}]}})
+    pending = workload_view(
+        {
+            "metadata": {"name": "w"},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "QuotaReserved",
+                        "status": "False",
+                        "reason": "Pending",
+                        "message": "couldn't assign flavors: insufficient quota for cpu",
+                    }
+                ]
+            },
+        }
+    )
     assert not pending.admitted and "insufficient quota" in pending.pending_message
-    evicted = workload_view({"metadata": {"name": "w"}, "spec": {"active": False}, "status": {
-        "conditions": [{"type": "Evicted", "status": "True", "reason": "Preempted",
-                        "message": "preempted by a higher priority workload"}]}})
-    assert (evicted.admitted, evicted.evicted_reason, evicted.active) == (False, "Preempted",
-                                                                          False)
+    evicted = workload_view(
+        {
+            "metadata": {"name": "w"},
+            "spec": {"active": False},
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Evicted",
+                        "status": "True",
+                        "reason": "Preempted",
+                        "message": "preempted by a higher priority workload",
+                    }
+                ]
+            },
+        }
+    )
+    assert (evicted.admitted, evicted.evicted_reason, evicted.active) == (False, "Preempted", False)
 
 
 def test_waiting_run_has_no_pods_and_says_why() -> None:
@@ -87,8 +121,11 @@ def test_waiting_run_has_no_pods_and_says_why() -> None:
 
 
 def test_admission_starts_the_gang_and_eviction_deletes_it() -> None:
-    waiting = queued_run(status=plan_training_run(
-        queued_run(), [], 0, NOW, kueue=KueueGate("team-a", None)).status_patch)
+    waiting = queued_run(
+        status=plan_training_run(
+            queued_run(), [], 0, NOW, kueue=KueueGate("team-a", None)
+        ).status_patch
+    )
     admitted = WorkloadView("trainingrun-r", admitted=True, cluster_queue="cq")
     start = plan_training_run(waiting, [], 0, NOW, kueue=KueueGate("team-a", admitted))
     assert start.create_ranks == [0, 1] and start.ensure_children
@@ -96,8 +133,10 @@ def test_admission_starts_the_gang_and_eviction_deletes_it() -> None:
     assert Reason.ADMITTED in [e.reason for e in start.events]
 
     running = queued_run(status={**waiting.status.to_wire(), **start.status_patch})
-    pods = [PodView(f"r-g0-{i}", {b.LABEL_GANG: "0", b.LABEL_RANK: str(i)}, phase="Running")
-            for i in range(2)]
+    pods = [
+        PodView(f"r-g0-{i}", {b.LABEL_GANG: "0", b.LABEL_RANK: str(i)}, phase="Running")
+        for i in range(2)
+    ]
     evicted = WorkloadView("trainingrun-r", admitted=False, evicted_reason="Preempted")
     stop = plan_training_run(running, pods, 0, NOW, kueue=KueueGate("team-a", evicted))
     assert sorted(stop.delete_pods) == ["r-g0-0", "r-g0-1"] and stop.create_ranks == []
@@ -112,19 +151,23 @@ def test_admission_starts_the_gang_and_eviction_deletes_it() -> None:
 
 def test_suspend_deactivates_the_workload_and_finishing_releases_it() -> None:
     admitted = WorkloadView("trainingrun-r", admitted=True)
-    plan = plan_training_run(queued_run(suspend=True), [], 0, NOW,
-                             kueue=KueueGate("team-a", admitted))
+    plan = plan_training_run(
+        queued_run(suspend=True), [], 0, NOW, kueue=KueueGate("team-a", admitted)
+    )
     assert plan.workload_active is False
     inactive = WorkloadView("trainingrun-r", admitted=False, active=False)
-    resumed = plan_training_run(queued_run(status=plan.status_patch), [], 0, NOW,
-                                kueue=KueueGate("team-a", inactive))
+    resumed = plan_training_run(
+        queued_run(status=plan.status_patch), [], 0, NOW, kueue=KueueGate("team-a", inactive)
+    )
     assert resumed.workload_active is True and resumed.create_ranks == []
-    done = plan_training_run(queued_run(status={"phase": "Succeeded"}), [], 0, NOW,
-                             kueue=KueueGate("team-a", admitted))
+    done = plan_training_run(
+        queued_run(status={"phase": "Succeeded"}), [], 0, NOW, kueue=KueueGate("team-a", admitted)
+    )
     assert done.finish_workload
     finished = WorkloadView("trainingrun-r", admitted=True, finished=True)
-    assert not plan_training_run(queued_run(status={"phase": "Succeeded"}), [], 0, NOW,
-                                 kueue=KueueGate("team-a", finished)).finish_workload
+    assert not plan_training_run(
+        queued_run(status={"phase": "Succeeded"}), [], 0, NOW, kueue=KueueGate("team-a", finished)
+    ).finish_workload
 
 
 def test_managed_by_another_controller_is_left_alone() -> None:

@@ -41,8 +41,13 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def kueue_crds(crds_installed: None, kubectl: Any, kube: KubeClient) -> Iterator[None]:
     """Kueue's CRDs, for this module only (elsewhere runs start without admission)."""
     for name in KUEUE_CRDS:
-        kubectl("apply", "--server-side", "--force-conflicts", "-f",
-                str(CRDS / f"kueue.x-k8s.io_{name}.yaml"))
+        kubectl(
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            str(CRDS / f"kueue.x-k8s.io_{name}.yaml"),
+        )
     for name in KUEUE_CRDS:
         wait_for(lambda name=name: kube.serves(KUEUE_API_VERSION, name), what=f"{name} served")
     yield
@@ -55,24 +60,39 @@ def workload(kube: KubeClient, namespace: str, name: str) -> dict[str, Any] | No
 
 
 def _condition(kind: str, status: str, reason: str, message: str) -> dict[str, Any]:
-    return {"type": kind, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
 
 
-def admit(kube: KubeClient, namespace: str, name: str, count: int,
-          flavor: str = "default-flavor") -> None:
+def admit(
+    kube: KubeClient, namespace: str, name: str, count: int, flavor: str = "default-flavor"
+) -> None:
     """Play Kueue's scheduler: reserve quota in ClusterQueue ``posttrain`` and admit."""
     status = {
-        "admission": {"clusterQueue": "posttrain", "podSetAssignments": [
-            {"name": "trainer", "count": count, "flavors": {"cpu": flavor},
-             "resourceUsage": {"cpu": str(2 * count)}}]},
+        "admission": {
+            "clusterQueue": "posttrain",
+            "podSetAssignments": [
+                {
+                    "name": "trainer",
+                    "count": count,
+                    "flavors": {"cpu": flavor},
+                    "resourceUsage": {"cpu": str(2 * count)},
+                }
+            ],
+        },
         "conditions": [
             _condition("QuotaReserved", "True", "QuotaReserved", "Quota reserved in posttrain"),
             _condition("Admitted", "True", "Admitted", "The workload is admitted"),
         ],
     }
-    kube.patch(resource_path(KUEUE_API_VERSION, "workloads", namespace, name),
-               {"status": status}, "status")
+    kube.patch(
+        resource_path(KUEUE_API_VERSION, "workloads", namespace, name), {"status": status}, "status"
+    )
 
 
 def evict(kube: KubeClient, namespace: str, name: str) -> None:
@@ -85,13 +105,17 @@ def evict(kube: KubeClient, namespace: str, name: str) -> None:
             _condition("Evicted", "True", "Preempted", "Preempted to accommodate a workload"),
         ],
     }
-    kube.patch(resource_path(KUEUE_API_VERSION, "workloads", namespace, name),
-               {"status": status}, "status")
+    kube.patch(
+        resource_path(KUEUE_API_VERSION, "workloads", namespace, name), {"status": status}, "status"
+    )
 
 
 def trainer_pods(kube: KubeClient, namespace: str, run: str) -> list[str]:
-    return sorted(p["metadata"]["name"] for p in list_pods(kube, namespace, f"{b.LABEL_RUN}={run}")
-                  if not p["metadata"].get("deletionTimestamp"))
+    return sorted(
+        p["metadata"]["name"]
+        for p in list_pods(kube, namespace, f"{b.LABEL_RUN}={run}")
+        if not p["metadata"].get("deletionTimestamp")
+    )
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
@@ -105,13 +129,23 @@ def events(kube: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
 
 
 def test_queued_run_stays_suspended_until_its_workload_is_admitted(
-    kueue_crds: None, control_plane: ControlPlane, kube: KubeClient, kubectl: Any,
-    namespace: str, tmp_path: Path,
+    kueue_crds: None,
+    control_plane: ControlPlane,
+    kube: KubeClient,
+    kubectl: Any,
+    namespace: str,
+    tmp_path: Path,
 ) -> None:
     """The whole lifecycle, as the operator's ServiceAccount with exactly its RBAC."""
     for example in ("kueue-queues.yaml", "evaluator-job.yaml"):  # the documented manifests
-        kubectl("apply", "--dry-run=server", "-n", namespace, "-f",
-                str(EXAMPLES / "kubernetes" / example))
+        kubectl(
+            "apply",
+            "--dry-run=server",
+            "-n",
+            namespace,
+            "-f",
+            str(EXAMPLES / "kubernetes" / example),
+        )
     labels = {"kueue.x-k8s.io/queue-name": "team-a"}
     with operator_with_exactly_its_rbac(kube, control_plane, namespace, tmp_path):
         body = run_body("q", resources={"nodes": 2, "cpu": "2", "memory": "4Gi"})
@@ -120,28 +154,48 @@ def test_queued_run_stays_suspended_until_its_workload_is_admitted(
         wl = wait_for(lambda: workload(kube, namespace, "trainingrun-q"), what="Workload")
         owner = wl["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["uid"], owner["controller"]) == (
-            "TrainingRun", run["metadata"]["uid"], True)
+            "TrainingRun",
+            run["metadata"]["uid"],
+            True,
+        )
         assert wl["spec"]["queueName"] == "team-a"
         (pod_set,) = wl["spec"]["podSets"]
         assert pod_set["count"] == 2
         assert pod_set["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "2"
 
-        waiting = wait_for(lambda: (s := run_status(kube, namespace, "q")).get("message")
-                           and condition(s, "Suspended").get("status") == "True" and s,
-                           what="run waiting for admission")
+        waiting = wait_for(
+            lambda: (
+                (s := run_status(kube, namespace, "q")).get("message")
+                and condition(s, "Suspended").get("status") == "True"
+                and s
+            ),
+            what="run waiting for admission",
+        )
         assert waiting["phase"] == "Pending"
         assert condition(waiting, "Suspended")["reason"] == "WaitingForAdmission"
         assert "trainingrun-q" in waiting["message"] and "team-a" in waiting["message"]
         # Several resyncs later (resync_seconds=1) still no pod: the gate holds.
-        wait_for(lambda: any(e.get("reason") == "WaitingForAdmission"
-                             for e in events(kube, namespace, "q")), what="waiting event")
+        wait_for(
+            lambda: any(
+                e.get("reason") == "WaitingForAdmission" for e in events(kube, namespace, "q")
+            ),
+            what="waiting event",
+        )
         assert trainer_pods(kube, namespace, "q") == []
 
         admit(kube, namespace, "trainingrun-q", 2)
-        wait_for(lambda: trainer_pods(kube, namespace, "q") == ["q-g0-0", "q-g0-1"],
-                 what="the gang created on admission")
-        admitted = wait_for(lambda: (s := run_status(kube, namespace, "q")) and condition(
-            s, "Suspended").get("reason") == "Admitted" and s, what="Suspended=False/Admitted")
+        wait_for(
+            lambda: trainer_pods(kube, namespace, "q") == ["q-g0-0", "q-g0-1"],
+            what="the gang created on admission",
+        )
+        admitted = wait_for(
+            lambda: (
+                (s := run_status(kube, namespace, "q"))
+                and condition(s, "Suspended").get("reason") == "Admitted"
+                and s
+            ),
+            what="Suspended=False/Admitted",
+        )
         assert condition(admitted, "Suspended")["status"] == "False"
         assert "posttrain" in condition(admitted, "Suspended")["message"]
 
@@ -152,14 +206,23 @@ def test_queued_run_stays_suspended_until_its_workload_is_admitted(
         assert evicted.get("restarts", 0) == 0  # preemption is not a failure
 
         admit(kube, namespace, "trainingrun-q", 2)
-        wait_for(lambda: trainer_pods(kube, namespace, "q") == ["q-g1-0", "q-g1-1"],
-                 what="a new gang on re-admission")
+        wait_for(
+            lambda: trainer_pods(kube, namespace, "q") == ["q-g1-0", "q-g1-1"],
+            what="a new gang on re-admission",
+        )
         set_pod_terminated(kube, namespace, "q-g1-0", 0)
-        wait_for(lambda: run_status(kube, namespace, "q").get("phase") == "Succeeded",
-                 what="run Succeeded")
-        done = wait_for(lambda: (w := workload(kube, namespace, "trainingrun-q")) and condition(
-            w.get("status") or {}, "Finished").get("status") == "True" and w,
-            what="Workload Finished (quota released)")
+        wait_for(
+            lambda: run_status(kube, namespace, "q").get("phase") == "Succeeded",
+            what="run Succeeded",
+        )
+        done = wait_for(
+            lambda: (
+                (w := workload(kube, namespace, "trainingrun-q"))
+                and condition(w.get("status") or {}, "Finished").get("status") == "True"
+                and w
+            ),
+            what="Workload Finished (quota released)",
+        )
         assert condition(done["status"], "Finished")["reason"] == "Succeeded"
         assert condition(done["status"], "Admitted")["status"] == "True"  # Kueue's kept
 
@@ -168,9 +231,16 @@ def test_suspending_a_queued_run_deactivates_its_workload(
     kueue_crds: None, operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
     flavor = f"gpu-{namespace}"
-    kube.request("POST", f"/apis/{KUEUE_API_VERSION}/resourceflavors", {
-        "apiVersion": KUEUE_API_VERSION, "kind": "ResourceFlavor", "metadata": {"name": flavor},
-        "spec": {"nodeLabels": {"cloud.example.com/pool": "a100"}}})
+    kube.request(
+        "POST",
+        f"/apis/{KUEUE_API_VERSION}/resourceflavors",
+        {
+            "apiVersion": KUEUE_API_VERSION,
+            "kind": "ResourceFlavor",
+            "metadata": {"name": flavor},
+            "spec": {"nodeLabels": {"cloud.example.com/pool": "a100"}},
+        },
+    )
     body = run_body("s")
     body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "team-a"}  # type: ignore[index]
     create_cr(kube, "trainingruns", namespace, body)
@@ -182,12 +252,16 @@ def test_suspending_a_queued_run_deactivates_its_workload(
     assert pod is not None
     assert pod["spec"]["nodeSelector"]["cloud.example.com/pool"] == "a100"
     kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": True}})
-    wait_for(lambda: (workload(kube, namespace, "trainingrun-s") or {})["spec"].get("active")
-             is False, what="Workload deactivated (Kueue then releases the quota)")
+    wait_for(
+        lambda: (workload(kube, namespace, "trainingrun-s") or {})["spec"].get("active") is False,
+        what="Workload deactivated (Kueue then releases the quota)",
+    )
     wait_for(lambda: trainer_pods(kube, namespace, "s") == [], what="pod deleted")
     kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": False}})
-    wait_for(lambda: (workload(kube, namespace, "trainingrun-s") or {})["spec"].get("active")
-             is True, what="Workload active again")
+    wait_for(
+        lambda: (workload(kube, namespace, "trainingrun-s") or {})["spec"].get("active") is True,
+        what="Workload active again",
+    )
 
 
 def test_run_managed_by_another_controller_is_left_alone(
@@ -199,9 +273,13 @@ def test_run_managed_by_another_controller_is_left_alone(
     create_cr(kube, "trainingruns", namespace, run_body("ours"))
     # The operator is alive and reconciling (it created the other run's pod)...
     wait_for(lambda: kube.get("v1", "Pod", namespace, "ours-g0-0"), what="the other run's pod")
-    event = wait_for(lambda: next((e for e in events(kube, namespace, "mk")
-                                   if e.get("reason") == "ManagedElsewhere"), None),
-                     what="ManagedElsewhere event")
+    event = wait_for(
+        lambda: next(
+            (e for e in events(kube, namespace, "mk") if e.get("reason") == "ManagedElsewhere"),
+            None,
+        ),
+        what="ManagedElsewhere event",
+    )
     assert "kueue.x-k8s.io/multikueue" in event["message"]
     # ...and left this one alone: no pods, no Workload, no status written.
     assert trainer_pods(kube, namespace, "mk") == []

@@ -18,8 +18,11 @@ pytestmark = pytest.mark.cluster
 
 
 def task_body(name: str) -> dict[str, object]:
-    return {"kind": "SandboxTask", "metadata": {"name": name},
-            "spec": {"command": ["true"], "ttlSecondsAfterFinished": 3600}}
+    return {
+        "kind": "SandboxTask",
+        "metadata": {"name": name},
+        "spec": {"command": ["true"], "ttlSecondsAfterFinished": 3600},
+    }
 
 
 def test_restarted_operator_adopts_instead_of_duplicating(
@@ -27,8 +30,9 @@ def test_restarted_operator_adopts_instead_of_duplicating(
 ) -> None:
     # A previous operator crashed right after creating a pod, before patching the status.
     crashed = create_cr(kube, "sandboxtasks", namespace, task_body("crashed"))
-    _, orphan = kube.create_or_adopt(builders.build_sandbox_pod(
-        SandboxTask.model_validate(crashed), operator_config, attempt=1))
+    _, orphan = kube.create_or_adopt(
+        builders.build_sandbox_pod(SandboxTask.model_validate(crashed), operator_config, attempt=1)
+    )
 
     op = OperatorThread(operator_config).start()
     try:
@@ -44,18 +48,24 @@ def test_restarted_operator_adopts_instead_of_duplicating(
         for pod in list_pods(kube, namespace):
             set_pod_terminated(kube, namespace, pod["metadata"]["name"], 0)
         for name in ["crashed", *(f"burst-{i}" for i in range(20))]:
-            status = wait_for(lambda name=name: (get_cr(kube, "sandboxtasks", namespace, name)
-                                                 .get("status") or {}).get("phase") == "Succeeded"
-                              and get_cr(kube, "sandboxtasks", namespace, name)["status"],
-                              what=f"{name} Succeeded")
+            status = wait_for(
+                lambda name=name: (
+                    (get_cr(kube, "sandboxtasks", namespace, name).get("status") or {}).get("phase")
+                    == "Succeeded"
+                    and get_cr(kube, "sandboxtasks", namespace, name)["status"]
+                ),
+                what=f"{name} Succeeded",
+            )
             assert (status["attempts"], status["podName"]) == (1, f"{name}-1")
     finally:
         op.stop()
     names = sorted(p["metadata"]["name"] for p in list_pods(kube, namespace))
     assert names == sorted(["crashed-1", *(f"burst-{i}-1" for i in range(20))])
     # The crashed operator's pod was adopted (same object), not replaced.
-    assert kube.get("v1", "Pod", namespace, "crashed-1")["metadata"]["uid"] == (
-        orphan["metadata"]["uid"])
+    assert (
+        kube.get("v1", "Pod", namespace, "crashed-1")["metadata"]["uid"]
+        == (orphan["metadata"]["uid"])
+    )
 
 
 @pytest.mark.minio
@@ -67,40 +77,67 @@ def test_delete_keeps_storage_unless_asked(
     kube: KubeClient,
     namespace: str,
 ) -> None:
-    config = OperatorConfig(kubeconfig=str(kubeconfig), namespaces=(namespace,), standalone=True,
-                            resync_seconds=1.0, s3_endpoint=minio_server.endpoint,
-                            s3_bucket="runs-test")
-    spec = {"model": "smollm2-135m-instruct",
-            "domains": [{"name": "math", "dataset": "builtin:arith",
-                         "verifier": {"kind": "numeric"}}]}
+    config = OperatorConfig(
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint=minio_server.endpoint,
+        s3_bucket="runs-test",
+    )
+    spec = {
+        "model": "smollm2-135m-instruct",
+        "domains": [{"name": "math", "dataset": "builtin:arith", "verifier": {"kind": "numeric"}}],
+    }
     keep = open_store(f"s3://runs-test/runs/{namespace}/keep")
     drop = open_store(f"s3://runs-test/runs/{namespace}/drop")
     keep.put_bytes("checkpoints/step-1/model.bin", b"weights")
     drop.put_bytes("checkpoints/step-1/model.bin", b"weights")
     drop.put_bytes("trajectories/part-0.jsonl", b"{}")
     with OperatorThread(config):
-        create_cr(kube, "trainingruns", namespace,
-                  {"kind": "TrainingRun", "metadata": {"name": "keep"}, "spec": spec})
-        create_cr(kube, "trainingruns", namespace,
-                  {"kind": "TrainingRun", "metadata": {"name": "drop"},
-                   "spec": {**spec, "checkpoint": {"deleteOnRunDeletion": True}}})
+        create_cr(
+            kube,
+            "trainingruns",
+            namespace,
+            {"kind": "TrainingRun", "metadata": {"name": "keep"}, "spec": spec},
+        )
+        create_cr(
+            kube,
+            "trainingruns",
+            namespace,
+            {
+                "kind": "TrainingRun",
+                "metadata": {"name": "drop"},
+                "spec": {**spec, "checkpoint": {"deleteOnRunDeletion": True}},
+            },
+        )
         pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "keep-g0-0"), what="pod")
         # No garbage collector in this control plane: assert the references it would follow.
         keep_uid = get_cr(kube, "trainingruns", namespace, "keep")["metadata"]["uid"]
-        for child in (pod, kube.get("v1", "ConfigMap", namespace, "keep-config"),
-                      kube.get("v1", "ServiceAccount", namespace, "keep-trainer")):
+        for child in (
+            pod,
+            kube.get("v1", "ConfigMap", namespace, "keep-config"),
+            kube.get("v1", "ServiceAccount", namespace, "keep-trainer"),
+        ):
             assert child is not None
             assert [o["uid"] for o in child["metadata"]["ownerReferences"]] == [keep_uid]
         # Only the run that needs cleanup carries a finalizer.
         assert not get_cr(kube, "trainingruns", namespace, "keep")["metadata"].get("finalizers")
-        wait_for(lambda: get_cr(kube, "trainingruns", namespace, "drop")["metadata"].get(
-            "finalizers") == ["posttrain.io/finalizer"], what="finalizer on drop")
+        wait_for(
+            lambda: (
+                get_cr(kube, "trainingruns", namespace, "drop")["metadata"].get("finalizers")
+                == ["posttrain.io/finalizer"]
+            ),
+            what="finalizer on drop",
+        )
 
         kube.delete("posttrain.io/v1alpha1", "TrainingRun", namespace, "keep")
         assert get_cr(kube, "trainingruns", namespace, "keep") is None  # gone at once
         kube.delete("posttrain.io/v1alpha1", "TrainingRun", namespace, "drop")
-        wait_for(lambda: get_cr(kube, "trainingruns", namespace, "drop") is None,
-                 what="drop deleted after cleanup")
+        wait_for(
+            lambda: get_cr(kube, "trainingruns", namespace, "drop") is None,
+            what="drop deleted after cleanup",
+        )
     assert keep.list("") == ["checkpoints/step-1/model.bin"]
     assert drop.list("") == []
 
@@ -113,6 +150,8 @@ def test_pod_result_after_task_deleted_is_harmless(
     wait_for(lambda: kube.get("v1", "Pod", namespace, "gone-1"), what="pod")
     kube.delete("posttrain.io/v1alpha1", "SandboxTask", namespace, "gone")
     set_pod_terminated(kube, namespace, "gone-1", 0)
-    wait_for(lambda: "gone" not in [k[1] for k in operator.controller.tasks.snapshot_keys()],
-             what="task forgotten")
+    wait_for(
+        lambda: "gone" not in [k[1] for k in operator.controller.tasks.snapshot_keys()],
+        what="task forgotten",
+    )
     assert [p["metadata"]["name"] for p in list_pods(kube, namespace)] == ["gone-1"]

@@ -22,23 +22,36 @@ NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
 
 def task(status: dict[str, Any] | None = None, **spec: Any) -> SandboxTask:
-    return SandboxTask.model_validate({
-        "metadata": {"name": "t", "namespace": "ns", "uid": "u", "generation": 1},
-        "spec": {"command": ["true"], **spec}, "status": status or {}})
+    return SandboxTask.model_validate(
+        {
+            "metadata": {"name": "t", "namespace": "ns", "uid": "u", "generation": 1},
+            "spec": {"command": ["true"], **spec},
+            "status": status or {},
+        }
+    )
 
 
 def run(status: dict[str, Any] | None = None, **spec: Any) -> TrainingRun:
-    return TrainingRun.model_validate({
-        "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 2},
-        "spec": {"model": "m", "domains": [{"name": "d", "dataset": "builtin:x",
-                                            "verifier": {"kind": "exact"}}], **spec},
-        "status": status or {}})
+    return TrainingRun.model_validate(
+        {
+            "metadata": {"name": "r", "namespace": "ns", "uid": "u", "generation": 2},
+            "spec": {
+                "model": "m",
+                "domains": [{"name": "d", "dataset": "builtin:x", "verifier": {"kind": "exact"}}],
+                **spec,
+            },
+            "status": status or {},
+        }
+    )
 
 
 def trainer_pod(incarnation: int, rank: int, phase: str = "Running") -> PodView:
-    return PodView(f"r-g{incarnation}-{rank}",
-                   {b.LABEL_GANG: str(incarnation), b.LABEL_RANK: str(rank)}, phase=phase,
-                   terminated=Terminated(1) if phase == "Failed" else None)
+    return PodView(
+        f"r-g{incarnation}-{rank}",
+        {b.LABEL_GANG: str(incarnation), b.LABEL_RANK: str(rank)},
+        phase=phase,
+        terminated=Terminated(1) if phase == "Failed" else None,
+    )
 
 
 def test_new_task_costs_one_pod_create_and_no_status_write() -> None:
@@ -68,8 +81,16 @@ def test_missing_pod_is_recreated_under_the_same_name() -> None:
 
 
 def test_result_protocol_json_and_fallbacks() -> None:
-    ok = PodView("p", {}, phase="Succeeded", terminated=Terminated(
-        0, "Completed", '{"exit_code": 0, "reward": 0.25, "duration_ms": 9, "reason": "Completed"}'))
+    ok = PodView(
+        "p",
+        {},
+        phase="Succeeded",
+        terminated=Terminated(
+            0,
+            "Completed",
+            '{"exit_code": 0, "reward": 0.25, "duration_ms": 9, "reason": "Completed"}',
+        ),
+    )
     assert parse_sandbox_result(ok).reward == 0.25
     logs = PodView("p", {}, phase="Failed", terminated=Terminated(2, "Error", "Traceback ..."))
     result = parse_sandbox_result(logs)
@@ -108,8 +129,14 @@ def test_run_first_reconcile_creates_gang_and_status() -> None:
     assert patch["phase"] == "Pending" and patch["observedGeneration"] == 2
     assert patch["maxSteps"] == 20 and patch["startTime"]
     # Never a trainer-owned field.
-    trainer_fields = {"step", "rewardMean", "domainRewards", "evalAccuracy", "lastCheckpoint",
-                      "weightVersion"}
+    trainer_fields = {
+        "step",
+        "rewardMean",
+        "domainRewards",
+        "evalAccuracy",
+        "lastCheckpoint",
+        "weightVersion",
+    }
     assert not trainer_fields & patch.keys()
 
 
@@ -128,8 +155,9 @@ def test_run_suspend_and_resume() -> None:
     plan = plan_training_run(run(status, suspend=True), [trainer_pod(0, 0)], 0, NOW)
     assert plan.delete_pods == ["r-g0-0"] and plan.create_ranks == []
     assert plan.status_patch["phase"] == "Suspended"
-    resumed = plan_training_run(run({"phase": "Suspended", "startTime": NOW.isoformat()}), [], 0,
-                                NOW)
+    resumed = plan_training_run(
+        run({"phase": "Suspended", "startTime": NOW.isoformat()}), [], 0, NOW
+    )
     assert resumed.incarnation == 1 and resumed.create_ranks == [0]
     assert [e.reason for e in resumed.events][:1] == ["Resumed"]
 
@@ -143,11 +171,18 @@ def test_run_success_only_from_rank_zero_and_cleans_workers() -> None:
 
 
 def test_pool_plan_scales_and_reports_selector() -> None:
-    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
-                                       "spec": {"model": "m", "engine": "cpu", "replicas": 3}})
+    pool = RolloutPool.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"model": "m", "engine": "cpu", "replicas": 3},
+        }
+    )
     desired = b.build_rollout_deployment(pool, OperatorConfig())
-    have = {**desired, "spec": {**desired["spec"], "replicas": 1},
-            "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}}
+    have = {
+        **desired,
+        "spec": {**desired["spec"], "replicas": 1},
+        "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1},
+    }
     plan = plan_rollout_pool(pool, desired, have, [], "sel", "http://p")
     assert plan.patch_deployment == {"spec": {"replicas": 3}}
     assert plan.status_patch["selector"] == "sel"
@@ -155,8 +190,12 @@ def test_pool_plan_scales_and_reports_selector() -> None:
 
 
 def _vllm_pool_with(pod_status: dict[str, Any], model: str) -> dict[str, Any]:
-    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
-                                       "spec": {"model": model, "replicas": 1}})
+    pool = RolloutPool.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"model": model, "replicas": 1},
+        }
+    )
     desired = b.build_rollout_deployment(pool, OperatorConfig())
     have = {**desired, "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1}}
     pod = pod_view({"metadata": {"name": "p-abc"}, "status": pod_status})
@@ -167,38 +206,84 @@ def _vllm_pool_with(pod_status: dict[str, Any], model: str) -> dict[str, Any]:
 
 def test_pool_unreachable_model_is_not_ready_naming_the_uri() -> None:
     uri = "s3://models/missing-checkpoint"
-    ready = _vllm_pool_with({"phase": "Pending", "initContainerStatuses": [{
-        "name": "fetch-model", "restartCount": 2,
-        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 1, "message":
-                      f"cannot fetch model {uri}: no objects under that prefix"}}}]}, uri)
+    ready = _vllm_pool_with(
+        {
+            "phase": "Pending",
+            "initContainerStatuses": [
+                {
+                    "name": "fetch-model",
+                    "restartCount": 2,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {
+                            "exitCode": 1,
+                            "message": f"cannot fetch model {uri}: no objects under that prefix",
+                        }
+                    },
+                }
+            ],
+        },
+        uri,
+    )
     assert ready["status"] == "False"
     assert ready["reason"] == "ModelUnavailable"
     assert uri in ready["message"] and "p-abc" in ready["message"]
 
 
 def test_pool_crash_looping_replica_surfaces_in_status() -> None:
-    ready = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
-        "name": "server", "restartCount": 4, "ready": False,
-        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-        "lastState": {"terminated": {"exitCode": 1, "message": "RuntimeError: out of memory"}}}]},
-        "smollm2-135m-instruct")
+    ready = _vllm_pool_with(
+        {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "server",
+                    "restartCount": 4,
+                    "ready": False,
+                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                    "lastState": {
+                        "terminated": {"exitCode": 1, "message": "RuntimeError: out of memory"}
+                    },
+                }
+            ],
+        },
+        "smollm2-135m-instruct",
+    )
     assert ready["status"] == "False"
     assert ready["reason"] == "ReplicaCrashLooping"
     assert "4 restart(s)" in ready["message"] and "out of memory" in ready["message"]
-    healthy = _vllm_pool_with({"phase": "Running", "containerStatuses": [{
-        "name": "server", "restartCount": 0, "state": {"running": {}}}]}, "m")
+    healthy = _vllm_pool_with(
+        {
+            "phase": "Running",
+            "containerStatuses": [{"name": "server", "restartCount": 0, "state": {"running": {}}}],
+        },
+        "m",
+    )
     assert healthy["reason"] == "ReplicasUnavailable"
 
 
 def test_pod_view_reads_kubelet_status() -> None:
-    view = pod_view({
-        "metadata": {"name": "p", "labels": {"a": "b"}, "deletionTimestamp": "x"},
-        "status": {"phase": "Failed", "conditions": [{"type": "Ready", "status": "False"}],
-                   "containerStatuses": [{"state": {"terminated": {
-                       "exitCode": 3, "reason": "Error", "message": "m",
-                       "startedAt": "2026-01-01T00:00:00Z",
-                       "finishedAt": "2026-01-01T00:00:01Z"}}}]}})
+    view = pod_view(
+        {
+            "metadata": {"name": "p", "labels": {"a": "b"}, "deletionTimestamp": "x"},
+            "status": {
+                "phase": "Failed",
+                "conditions": [{"type": "Ready", "status": "False"}],
+                "containerStatuses": [
+                    {
+                        "state": {
+                            "terminated": {
+                                "exitCode": 3,
+                                "reason": "Error",
+                                "message": "m",
+                                "startedAt": "2026-01-01T00:00:00Z",
+                                "finishedAt": "2026-01-01T00:00:01Z",
+                            }
+                        }
+                    }
+                ],
+            },
+        }
+    )
     assert view.deleting and not view.ready and view.terminated is not None
     assert view.terminated.exit_code == 3
     assert parse_sandbox_result(view).duration_ms == 1000.0
@@ -206,9 +291,17 @@ def test_pod_view_reads_kubelet_status() -> None:
 
 def test_sandbox_health_from_the_trainer_becomes_the_sandbox_available_condition() -> None:
     url = "http://gone.ns.svc:8090"
-    status = {"phase": "Running", "startTime": NOW.isoformat(),
-              "sandbox": {"mode": "runner", "endpoint": url, "available": False,
-                          "infraFailures": 7, "lastError": f"sandbox runner {url} failed 5 times"}}
+    status = {
+        "phase": "Running",
+        "startTime": NOW.isoformat(),
+        "sandbox": {
+            "mode": "runner",
+            "endpoint": url,
+            "available": False,
+            "infraFailures": 7,
+            "lastError": f"sandbox runner {url} failed 5 times",
+        },
+    }
     plan = plan_training_run(run(status), [trainer_pod(0, 0)], 0, NOW)
     (cond,) = [c for c in plan.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
     assert (cond["status"], cond["reason"]) == ("False", "SandboxUnavailable")
@@ -217,8 +310,11 @@ def test_sandbox_health_from_the_trainer_becomes_the_sandbox_available_condition
     # The operator never writes the trainer's sandbox report itself.
     assert "sandbox" not in plan.status_patch
 
-    recovered = dict(status, conditions=plan.status_patch["conditions"],
-                     sandbox={**status["sandbox"], "available": True})
+    recovered = dict(
+        status,
+        conditions=plan.status_patch["conditions"],
+        sandbox={**status["sandbox"], "available": True},
+    )
     again = plan_training_run(run(recovered), [trainer_pod(0, 0)], 0, NOW)
     (cond,) = [c for c in again.status_patch["conditions"] if c["type"] == "SandboxAvailable"]
     assert (cond["status"], cond["reason"]) == ("True", "SandboxWorking")
@@ -226,6 +322,7 @@ def test_sandbox_health_from_the_trainer_becomes_the_sandbox_available_condition
 
 
 def test_a_run_without_sandbox_reports_has_no_sandbox_condition() -> None:
-    plan = plan_training_run(run({"phase": "Running", "startTime": NOW.isoformat()}),
-                             [trainer_pod(0, 0)], 0, NOW)
+    plan = plan_training_run(
+        run({"phase": "Running", "startTime": NOW.isoformat()}), [trainer_pod(0, 0)], 0, NOW
+    )
     assert all(c["type"] != "SandboxAvailable" for c in plan.status_patch.get("conditions", []))

@@ -15,15 +15,20 @@ from .conftest import create_cr, get_cr, wait_for
 pytestmark = pytest.mark.cluster
 
 
-def set_deployment_status(kube: KubeClient, namespace: str, name: str, ready: int,
-                          updated: int | None = None) -> None:
+def set_deployment_status(
+    kube: KubeClient, namespace: str, name: str, ready: int, updated: int | None = None
+) -> None:
     """Play the Deployment controller (none runs here): report replica counts."""
     dep = kube.get("apps/v1", "Deployment", namespace, name)
     assert dep is not None
     want = dep["spec"]["replicas"]
-    status = {"observedGeneration": dep["metadata"]["generation"], "replicas": want,
-              "readyReplicas": ready, "availableReplicas": ready,
-              "updatedReplicas": want if updated is None else updated}
+    status = {
+        "observedGeneration": dep["metadata"]["generation"],
+        "replicas": want,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        "updatedReplicas": want if updated is None else updated,
+    }
     kube.patch(dep, {"status": status}, subresource="status")
 
 
@@ -34,11 +39,22 @@ def pool_status(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
 def test_pool_deployment_service_and_kubectl_scale(
     operator: OperatorThread, kube: KubeClient, kubectl: Any, namespace: str
 ) -> None:
-    pool = create_cr(kube, "rolloutpools", namespace, {
-        "kind": "RolloutPool", "metadata": {"name": "p"},
-        "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "replicas": 1, "port": 8000,
-                 "resources": {"cpu": "2", "memory": "4Gi"}},
-    })
+    pool = create_cr(
+        kube,
+        "rolloutpools",
+        namespace,
+        {
+            "kind": "RolloutPool",
+            "metadata": {"name": "p"},
+            "spec": {
+                "model": "smollm2-135m-instruct",
+                "engine": "cpu",
+                "replicas": 1,
+                "port": 8000,
+                "resources": {"cpu": "2", "memory": "4Gi"},
+            },
+        },
+    )
     dep = wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "p"), what="Deployment")
     assert dep["metadata"]["ownerReferences"][0]["uid"] == pool["metadata"]["uid"]
     assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
@@ -48,8 +64,10 @@ def test_pool_deployment_service_and_kubectl_scale(
     assert "nvidia.com/gpu" not in server["resources"]["limits"]
     svc = wait_for(lambda: kube.get("v1", "Service", namespace, "p"), what="Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    status = wait_for(lambda: (s := pool_status(kube, namespace, "p")).get("selector") and s,
-                      what="status.selector")
+    status = wait_for(
+        lambda: (s := pool_status(kube, namespace, "p")).get("selector") and s,
+        what="status.selector",
+    )
     assert status["selector"] == "posttrain.io/component=rollout,posttrain.io/pool=p"
     assert status["endpoint"] == f"http://p.{namespace}.svc:8000"
     assert status["phase"] == "Pending"
@@ -59,23 +77,43 @@ def test_pool_deployment_service_and_kubectl_scale(
 
     # The scale subresource, through the real kubectl.
     kubectl("scale", "-n", namespace, "rolloutpool/p", "--replicas=3")
-    wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["replicas"] == 3,
-             what="Deployment scaled to 3")
+    wait_for(
+        lambda: kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["replicas"] == 3,
+        what="Deployment scaled to 3",
+    )
     set_deployment_status(kube, namespace, "p", ready=2)
-    wait_for(lambda: pool_status(kube, namespace, "p").get("phase") == "Degraded",
-             what="Degraded while scaling")
+    wait_for(
+        lambda: pool_status(kube, namespace, "p").get("phase") == "Degraded",
+        what="Degraded while scaling",
+    )
     set_deployment_status(kube, namespace, "p", ready=3)
-    status = wait_for(lambda: (s := pool_status(kube, namespace, "p")).get("readyReplicas") == 3
-                      and s, what="3 ready")
+    status = wait_for(
+        lambda: (s := pool_status(kube, namespace, "p")).get("readyReplicas") == 3 and s,
+        what="3 ready",
+    )
     assert status["phase"] == "Ready" and status["replicas"] == 3
-    out = kubectl("get", "-n", namespace, "--subresource=scale", "rolloutpool/p",
-                  "-o", "jsonpath={.spec.replicas} {.status.replicas} {.status.selector}").stdout
+    out = kubectl(
+        "get",
+        "-n",
+        namespace,
+        "--subresource=scale",
+        "rolloutpool/p",
+        "-o",
+        "jsonpath={.spec.replicas} {.status.replicas} {.status.selector}",
+    ).stdout
     assert out == "3 3 posttrain.io/component=rollout,posttrain.io/pool=p"
 
     # A template change rolls out (new spec hash) without touching replicas.
     kube.patch(get_cr(kube, "rolloutpools", namespace, "p"), {"spec": {"port": 9000}})
-    wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["template"][
-        "spec"]["containers"][0]["ports"][0]["containerPort"] == 9000, what="rolling update")
+    wait_for(
+        lambda: (
+            kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["template"]["spec"][
+                "containers"
+            ][0]["ports"][0]["containerPort"]
+            == 9000
+        ),
+        what="rolling update",
+    )
     assert kube.get("apps/v1", "Deployment", namespace, "p")["spec"]["replicas"] == 3
 
 
@@ -98,7 +136,10 @@ def _patch_pod_status(kube: KubeClient, namespace: str, name: str, status: dict[
 
 
 def test_vllm_pool_reports_unreachable_model_and_ready_replica_urls(
-    operator: OperatorThread, kube: KubeClient, kubeconfig: Any, namespace: str,
+    operator: OperatorThread,
+    kube: KubeClient,
+    kubeconfig: Any,
+    namespace: str,
     tmp_path: Path,
 ) -> None:
     """Ready=False naming the model URI when the fetch step fails; the ready replicas' own
@@ -126,12 +167,31 @@ def test_vllm_pool_reports_unreachable_model_and_ready_replica_urls(
         assert template["containers"][0]["command"][:3] == ["posttrain", "rollout", "vllm-entry"]
         assert template["initContainers"][0]["command"][4] == uri
         _replica_pod(kube, namespace, "v", "v-a")
-        _patch_pod_status(kube, namespace, "v-a", {
-            "phase": "Pending", "initContainerStatuses": [{
-                "name": "fetch-model", "ready": False, "restartCount": 3, "image": "x",
-                "imageID": "", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                "lastState": {"terminated": {"exitCode": 1, "reason": "Error",
-                                             "message": f"cannot fetch model {uri}: not found"}}}]})
+        _patch_pod_status(
+            kube,
+            namespace,
+            "v-a",
+            {
+                "phase": "Pending",
+                "initContainerStatuses": [
+                    {
+                        "name": "fetch-model",
+                        "ready": False,
+                        "restartCount": 3,
+                        "image": "x",
+                        "imageID": "",
+                        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                        "lastState": {
+                            "terminated": {
+                                "exitCode": 1,
+                                "reason": "Error",
+                                "message": f"cannot fetch model {uri}: not found",
+                            }
+                        },
+                    }
+                ],
+            },
+        )
 
         def ready_condition() -> dict[str, Any] | None:
             conditions = pool_status(kube, namespace, "v").get("conditions") or []
@@ -144,9 +204,17 @@ def test_vllm_pool_reports_unreachable_model_and_ready_replica_urls(
         # A healthy replica (the real server above, as if it ran in pod v-b on loopback).
         url = f"http://127.0.0.1:{server.port}"
         _replica_pod(kube, namespace, "v", "v-b")
-        _patch_pod_status(kube, namespace, "v-b", {
-            "phase": "Running", "podIP": "127.0.0.1", "podIPs": [{"ip": "127.0.0.1"}],
-            "conditions": [{"type": "Ready", "status": "True"}]})
+        _patch_pod_status(
+            kube,
+            namespace,
+            "v-b",
+            {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "podIPs": [{"ip": "127.0.0.1"}],
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        )
         status = wait_for(lambda: (s := pool_status(kube, namespace, "v")).get(
             "weightVersion") == 0 and s, what="status.weightVersion 0")  # fmt: skip
         assert status["replicaEndpoints"] == [url]
@@ -157,7 +225,8 @@ def test_vllm_pool_reports_unreachable_model_and_ready_replica_urls(
         # The replica loads v3: the pool's status follows what it serves (resync asks it).
         (tmp_path / "weights" / "v00000003").mkdir(parents=True)
         (tmp_path / "weights" / "v00000003" / "model.safetensors").symlink_to(
-            model / "model.safetensors")
+            model / "model.safetensors"
+        )
         with RolloutClient([url], discover=discovery.ready_endpoints) as client:
             client.load_weights(str(tmp_path / "weights"), 3)
         wait_for(lambda: pool_status(kube, namespace, "v").get("weightVersion") == 3,

@@ -27,29 +27,44 @@ from .conftest import create_cr, get_cr, set_pod_running, set_pod_terminated, wa
 pytestmark = [pytest.mark.cluster, pytest.mark.minio]
 
 ARTIFACTS = "s3://sandbox-artifacts/tasks"
-EGRESS = [{"to": [{"podSelector": {"matchLabels": {"app": "minio"}}}],
-           "ports": [{"protocol": "TCP", "port": 9000}]}]
+EGRESS = [
+    {
+        "to": [{"podSelector": {"matchLabels": {"app": "minio"}}}],
+        "ports": [{"protocol": "TCP", "port": 9000}],
+    }
+]
 
 
 @pytest.fixture
 def storing_operator(
-    crds_installed: None, minio_server: MinioServer, minio_env: dict[str, str],
-    kubeconfig: Path, namespace: str,
+    crds_installed: None,
+    minio_server: MinioServer,
+    minio_env: dict[str, str],
+    kubeconfig: Path,
+    namespace: str,
 ) -> Iterator[OperatorThread]:
     """The operator with artifact storage on; its S3 credentials come from its environment
     (minio_env), never from the pods'."""
     config = OperatorConfig(
-        kubeconfig=str(kubeconfig), namespaces=(namespace,), standalone=True,
-        resync_seconds=1.0, s3_endpoint=minio_server.endpoint,
-        sandbox_artifacts_uri=ARTIFACTS, sandbox_artifacts_egress=EGRESS)
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint=minio_server.endpoint,
+        sandbox_artifacts_uri=ARTIFACTS,
+        sandbox_artifacts_egress=EGRESS,
+    )
     op = OperatorThread(config).start()
     yield op
     op.stop()
 
 
 def task_body(name: str, **spec: object) -> dict[str, object]:
-    return {"kind": "SandboxTask", "metadata": {"name": name},
-            "spec": {"timeoutSeconds": 30, **spec}}
+    return {
+        "kind": "SandboxTask",
+        "metadata": {"name": name},
+        "spec": {"timeoutSeconds": 30, **spec},
+    }
 
 
 def play_kubelet(kube: KubeClient, pod: dict[str, Any], root: Path) -> None:
@@ -66,38 +81,59 @@ def play_kubelet(kube: KubeClient, pod: dict[str, Any], root: Path) -> None:
         target = workdir / item["path"]
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(annotations[key])
-    config_map = kube.get("v1", "ConfigMap", namespace,
-                          volumes["entrypoint"]["configMap"]["name"])
+    config_map = kube.get("v1", "ConfigMap", namespace, volumes["entrypoint"]["configMap"]["name"])
     assert config_map is not None
     entrypoint = root / f"{name}-entrypoint.py"
     entrypoint.write_text(config_map["data"][b.SANDBOX_ENTRYPOINT_KEY])
     (container,) = pod["spec"]["containers"]
-    argv = [str(entrypoint) if a == f"{b.SANDBOX_ENTRYPOINT_DIR}/{b.SANDBOX_ENTRYPOINT_KEY}"
-            else a for a in container["command"]]
+    argv = [
+        str(entrypoint) if a == f"{b.SANDBOX_ENTRYPOINT_DIR}/{b.SANDBOX_ENTRYPOINT_KEY}" else a
+        for a in container["command"]
+    ]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     result_path = root / f"{name}.termination-log"
-    env.update({"PATH": os.environ["PATH"], task_entrypoint.WORKDIR_ENV: str(workdir),
-                task_entrypoint.RESULT_PATH_ENV: str(result_path)})
+    env.update(
+        {
+            "PATH": os.environ["PATH"],
+            task_entrypoint.WORKDIR_ENV: str(workdir),
+            task_entrypoint.RESULT_PATH_ENV: str(result_path),
+        }
+    )
     set_pod_running(kube, namespace, name)
     proc = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, timeout=60)
     set_pod_terminated(kube, namespace, name, proc.returncode, result_path.read_text())
 
 
 def finished(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
-    return wait_for(lambda: (s := ((get_cr(kube, "sandboxtasks", namespace, name) or {})
-                                   .get("status") or {})).get("phase") in ("Succeeded", "Failed")
-                    and s, what=f"{name} finished")
+    return wait_for(
+        lambda: (
+            (s := ((get_cr(kube, "sandboxtasks", namespace, name) or {}).get("status") or {})).get(
+                "phase"
+            )
+            in ("Succeeded", "Failed")
+            and s
+        ),
+        what=f"{name} finished",
+    )
 
 
 def test_logs_and_snapshot_are_stored_and_a_new_task_restores_from_the_snapshot(
     storing_operator: OperatorThread, kube: KubeClient, namespace: str, tmp_path: Path
 ) -> None:
-    program = ("import pathlib, sys\n"
-               "pathlib.Path('state.txt').write_text('step 1 done')\n"
-               "print('hello from the sandbox')\n"
-               "print('and a warning', file=sys.stderr)\n")
-    create_cr(kube, "sandboxtasks", namespace, task_body(
-        "snap", command=["python3", "main.py"], files={"main.py": program}, snapshot=True))
+    program = (
+        "import pathlib, sys\n"
+        "pathlib.Path('state.txt').write_text('step 1 done')\n"
+        "print('hello from the sandbox')\n"
+        "print('and a warning', file=sys.stderr)\n"
+    )
+    create_cr(
+        kube,
+        "sandboxtasks",
+        namespace,
+        task_body(
+            "snap", command=["python3", "main.py"], files={"main.py": program}, snapshot=True
+        ),
+    )
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "snap-1"), what="pod snap-1")
     (container,) = pod["spec"]["containers"]
     assert container["command"][:3] == ["python3", "/sandbox/entrypoint/entrypoint.py", "--"]
@@ -110,8 +146,7 @@ def test_logs_and_snapshot_are_stored_and_a_new_task_restores_from_the_snapshot(
     assert pod["spec"]["activeDeadlineSeconds"] == 30 + 30  # timeout + upload grace
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     # The default-deny policy's one exception is the object store.
-    policy = kube.get("networking.k8s.io/v1", "NetworkPolicy", namespace,
-                      b.SANDBOX_NETWORK_POLICY)
+    policy = kube.get("networking.k8s.io/v1", "NetworkPolicy", namespace, b.SANDBOX_NETWORK_POLICY)
     assert policy is not None and policy["spec"]["egress"] == EGRESS
 
     play_kubelet(kube, pod, tmp_path)
@@ -128,9 +163,16 @@ def test_logs_and_snapshot_are_stored_and_a_new_task_restores_from_the_snapshot(
         assert sorted(tar.getnames()) == ["main.py", "state.txt"]
 
     # Replay from the snapshot: the new program sees the old workdir's state.
-    create_cr(kube, "sandboxtasks", namespace, task_body(
-        "replay", command=["python3", "-c", "print(open('state.txt').read())"],
-        restoreFrom=snapshot_uri))
+    create_cr(
+        kube,
+        "sandboxtasks",
+        namespace,
+        task_body(
+            "replay",
+            command=["python3", "-c", "print(open('state.txt').read())"],
+            restoreFrom=snapshot_uri,
+        ),
+    )
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "replay-1"), what="pod replay-1")
     env = {e["name"]: e.get("value", "") for e in pod["spec"]["containers"][0]["env"]}
     assert "snap/1/snapshot.tar" in env["POSTTRAIN_SANDBOX_RESTORE_URL"]
@@ -145,20 +187,27 @@ def test_logs_and_snapshot_are_stored_and_a_new_task_restores_from_the_snapshot(
 def test_restore_from_outside_the_namespace_is_refused(
     storing_operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    create_cr(kube, "sandboxtasks", namespace, task_body(
-        "steal", command=["true"], restoreFrom=f"{ARTIFACTS}/other-ns/t/1/snapshot.tar"))
+    create_cr(
+        kube,
+        "sandboxtasks",
+        namespace,
+        task_body("steal", command=["true"], restoreFrom=f"{ARTIFACTS}/other-ns/t/1/snapshot.tar"),
+    )
     status = finished(kube, namespace, "steal")
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
-    assert failed["reason"] == "InvalidSpec" and "not a sandbox snapshot of this namespace" in (
-        failed["message"])
+    assert (
+        failed["reason"] == "InvalidSpec"
+        and "not a sandbox snapshot of this namespace" in (failed["message"])
+    )
     assert kube.get("v1", "Pod", namespace, "steal-1") is None
 
 
 def test_snapshot_without_artifact_storage_is_an_invalid_spec(
     operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    create_cr(kube, "sandboxtasks", namespace, task_body("nostore", command=["true"],
-                                                         snapshot=True))
+    create_cr(
+        kube, "sandboxtasks", namespace, task_body("nostore", command=["true"], snapshot=True)
+    )
     status = finished(kube, namespace, "nostore")
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "InvalidSpec"

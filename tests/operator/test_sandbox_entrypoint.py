@@ -51,8 +51,13 @@ def run_entrypoint(workdir: Path, command: list[str], **env: str) -> tuple[int, 
         task_entrypoint.RESULT_PATH_ENV: str(result_path),
         **env,
     }
-    proc = subprocess.run([sys.executable, str(ENTRYPOINT), "--", *command], cwd=workdir,
-                          env=proc_env, capture_output=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(ENTRYPOINT), "--", *command],
+        cwd=workdir,
+        env=proc_env,
+        capture_output=True,
+        timeout=60,
+    )
     return proc.returncode, json.loads(result_path.read_text())
 
 
@@ -76,9 +81,11 @@ def test_entrypoint_stores_log_and_snapshot_then_restores_under_spec_files(
     first.mkdir()
     (first / "main.py").write_text(PROGRAM)
     code, result = run_entrypoint(
-        first, [sys.executable, "main.py"],
+        first,
+        [sys.executable, "main.py"],
         POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "t/1/logs.txt"),
-        POSTTRAIN_SANDBOX_SNAPSHOT_URL=put_url(store, "t/1/snapshot.tar"))
+        POSTTRAIN_SANDBOX_SNAPSHOT_URL=put_url(store, "t/1/snapshot.tar"),
+    )
     assert code == 3
     # Measured facts are ours (the program claimed exit 0); its reward is kept.
     assert result["exit_code"] == 3 and result["reason"] == "Error"
@@ -97,9 +104,11 @@ def test_entrypoint_stores_log_and_snapshot_then_restores_under_spec_files(
     second.mkdir()
     (second / "main.py").write_text("print(open('out/answer.txt').read())")
     code, result = run_entrypoint(
-        second, [sys.executable, "main.py"],
+        second,
+        [sys.executable, "main.py"],
         POSTTRAIN_SANDBOX_RESTORE_URL=get_url(store, "t/1/snapshot.tar"),
-        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "t/2/logs.txt"))
+        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "t/2/logs.txt"),
+    )
     assert (code, result["reason"]) == (0, "Completed")
     assert store.get_bytes("t/2/logs.txt").decode().splitlines()[-1] == "42"
     assert (second / "main.py").read_text().startswith("print(")  # spec.files won
@@ -112,9 +121,11 @@ def test_timeout_kills_the_program_group_and_still_uploads_the_log(
 ) -> None:
     started = time.monotonic()
     code, result = run_entrypoint(
-        tmp_path, ["sh", "-c", "echo started; sleep 30 & sleep 30"],
+        tmp_path,
+        ["sh", "-c", "echo started; sleep 30 & sleep 30"],
         POSTTRAIN_SANDBOX_TIMEOUT="1",
-        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "timeout/logs.txt"))
+        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "timeout/logs.txt"),
+    )
     assert time.monotonic() - started < 15  # the background sleep died with the group
     assert (code, result["exit_code"], result["reason"]) == (124, 124, "Timeout")
     assert 900 < result["duration_ms"] < 10_000
@@ -124,18 +135,22 @@ def test_timeout_kills_the_program_group_and_still_uploads_the_log(
 @pytest.mark.minio
 def test_log_limit_keeps_the_head_and_says_what_was_cut(store: S3Store, tmp_path: Path) -> None:
     code, _ = run_entrypoint(
-        tmp_path, ["sh", "-c", "printf 'abcdefghijklmnopqrstuvwxyz'"],
+        tmp_path,
+        ["sh", "-c", "printf 'abcdefghijklmnopqrstuvwxyz'"],
         POSTTRAIN_SANDBOX_LOG_LIMIT="10",
-        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "limit/logs.txt"))
+        POSTTRAIN_SANDBOX_LOGS_URL=put_url(store, "limit/logs.txt"),
+    )
     assert code == 0
     assert store.get_bytes("limit/logs.txt") == (
-        b"abcdefghij\n[posttrain: 16 more byte(s) not kept]\n")
+        b"abcdefghij\n[posttrain: 16 more byte(s) not kept]\n"
+    )
 
 
 def test_failed_upload_is_reported_not_fatal(tmp_path: Path) -> None:
     # Nothing listens on port 9 (discard): the PUT fails, the result says so.
-    code, result = run_entrypoint(tmp_path, ["true"],
-                                  POSTTRAIN_SANDBOX_LOGS_URL="http://127.0.0.1:9/x")
+    code, result = run_entrypoint(
+        tmp_path, ["true"], POSTTRAIN_SANDBOX_LOGS_URL="http://127.0.0.1:9/x"
+    )
     assert code == 0 and result["logs_uploaded"] is False and result["reason"] == "Completed"
 
 
@@ -153,7 +168,10 @@ def test_restore_skips_members_that_escape_the_workdir(tmp_path: Path) -> None:
     workdir.mkdir()
     assert task_entrypoint.restore(buffer.getvalue(), workdir) == 1
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
-        "w", "w/ok", "w/ok/a.txt"]
+        "w",
+        "w/ok",
+        "w/ok/a.txt",
+    ]
 
 
 @pytest.mark.minio
@@ -171,24 +189,43 @@ def test_presigned_url_is_the_only_grant(minio_env: dict[str, str]) -> None:
 
 
 def storing_task(**spec: Any) -> SandboxTask:
-    return SandboxTask.model_validate({
-        "metadata": {"name": "t", "namespace": "ns", "uid": "u"},
-        "spec": {"command": ["python3", "main.py"], "files": {"main.py": "print(1)"},
-                 "timeoutSeconds": 40, **spec}})
+    return SandboxTask.model_validate(
+        {
+            "metadata": {"name": "t", "namespace": "ns", "uid": "u"},
+            "spec": {
+                "command": ["python3", "main.py"],
+                "files": {"main.py": "print(1)"},
+                "timeoutSeconds": 40,
+                **spec,
+            },
+        }
+    )
 
 
 def test_storing_pod_wraps_the_command_and_mounts_the_entrypoint_read_only() -> None:
     config = OperatorConfig(sandbox_artifacts_uri="s3://bkt/p", sandbox_upload_grace_seconds=20)
-    artifacts = b.SandboxArtifacts(logs_uri="s3://b/p/ns/t/1/logs.txt", logs_url="http://l",
-                                   snapshot_uri="s3://b/p/ns/t/1/snapshot.tar",
-                                   snapshot_url="http://s", restore_url="http://r")
+    artifacts = b.SandboxArtifacts(
+        logs_uri="s3://b/p/ns/t/1/logs.txt",
+        logs_url="http://l",
+        snapshot_uri="s3://b/p/ns/t/1/snapshot.tar",
+        snapshot_url="http://s",
+        restore_url="http://r",
+    )
     pod = b.build_sandbox_pod(storing_task(snapshot=True), config, 1, artifacts=artifacts)
     (container,) = pod["spec"]["containers"]
-    assert container["command"] == ["python3", "/sandbox/entrypoint/entrypoint.py", "--",
-                                    "python3", "main.py"]
+    assert container["command"] == [
+        "python3",
+        "/sandbox/entrypoint/entrypoint.py",
+        "--",
+        "python3",
+        "main.py",
+    ]
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert (env["POSTTRAIN_SANDBOX_LOGS_URL"], env["POSTTRAIN_SANDBOX_SNAPSHOT_URL"],
-            env["POSTTRAIN_SANDBOX_RESTORE_URL"]) == ("http://l", "http://s", "http://r")
+    assert (
+        env["POSTTRAIN_SANDBOX_LOGS_URL"],
+        env["POSTTRAIN_SANDBOX_SNAPSHOT_URL"],
+        env["POSTTRAIN_SANDBOX_RESTORE_URL"],
+    ) == ("http://l", "http://s", "http://r")
     assert env["POSTTRAIN_SANDBOX_TIMEOUT"] == "40"
     assert pod["spec"]["activeDeadlineSeconds"] == 60
     mount = next(m for m in container["volumeMounts"] if m["name"] == "entrypoint")
@@ -208,7 +245,8 @@ def test_entrypoint_config_map_is_named_by_its_content() -> None:
     config_map = b.build_sandbox_entrypoint_config_map("ns")
     assert config_map["data"]["entrypoint.py"] == ENTRYPOINT.read_text()
     assert config_map["metadata"]["name"] == (
-        f"posttrain-sandbox-entrypoint-{b.spec_hash(ENTRYPOINT.read_text())[:10]}")
+        f"posttrain-sandbox-entrypoint-{b.spec_hash(ENTRYPOINT.read_text())[:10]}"
+    )
     assert "ownerReferences" not in config_map["metadata"]  # shared by the namespace's tasks
 
 
@@ -216,13 +254,16 @@ def test_result_uris_come_from_the_pod_only_when_the_upload_worked() -> None:
     annotations = {b.ANNOTATION_LOGS_URI: "s3://b/l", b.ANNOTATION_SNAPSHOT_URI: "s3://b/s"}
 
     def result(message: str) -> tuple[str | None, str | None]:
-        pod = PodView("t-1", {}, annotations, phase="Succeeded",
-                      terminated=Terminated(0, message=message))
+        pod = PodView(
+            "t-1", {}, annotations, phase="Succeeded", terminated=Terminated(0, message=message)
+        )
         parsed = parse_sandbox_result(pod)
         return parsed.logs_uri, parsed.snapshot_uri
 
     ok = '{"exit_code": 0, "logs_uploaded": true, "snapshot_uploaded": true}'
     assert result(ok) == ("s3://b/l", "s3://b/s")
     assert result('{"exit_code": 0, "logs_uploaded": true, "snapshot_uploaded": false}') == (
-        "s3://b/l", None)
+        "s3://b/l",
+        None,
+    )
     assert result("plain crash text") == (None, None)

@@ -32,7 +32,12 @@ def test_200_tasks_all_finish(operator: OperatorThread, kube: KubeClient, namesp
                     continue
                 index = int(name.split("-")[1])
                 if index % 2 == 0:
-                    result = {"exit_code": 0, "reward": 1.0, "duration_ms": 5, "reason": "Completed"}
+                    result = {
+                        "exit_code": 0,
+                        "reward": 1.0,
+                        "duration_ms": 5,
+                        "reason": "Completed",
+                    }
                     set_pod_terminated(kube, namespace, name, 0, json.dumps(result))
                 else:
                     set_pod_terminated(kube, namespace, name, 1, "boom")
@@ -44,9 +49,21 @@ def test_200_tasks_all_finish(operator: OperatorThread, kube: KubeClient, namesp
     started = time.monotonic()
     try:
         with ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda i: create_cr(kube, "sandboxtasks", namespace, {
-                "kind": "SandboxTask", "metadata": {"name": f"task-{i}"},
-                "spec": {"command": ["true"]}}), range(TASKS)))
+            list(
+                pool.map(
+                    lambda i: create_cr(
+                        kube,
+                        "sandboxtasks",
+                        namespace,
+                        {
+                            "kind": "SandboxTask",
+                            "metadata": {"name": f"task-{i}"},
+                            "spec": {"command": ["true"]},
+                        },
+                    ),
+                    range(TASKS),
+                )
+            )
 
         def phases() -> dict[str, int]:
             items = kube.request("GET", cr_path("sandboxtasks", namespace))[1]["items"]
@@ -58,7 +75,9 @@ def test_200_tasks_all_finish(operator: OperatorThread, kube: KubeClient, namesp
 
         counts = wait_for(
             lambda: (c := phases()).get("Succeeded", 0) + c.get("Failed", 0) == TASKS and c,
-            timeout_s=180, what=f"{TASKS} terminal tasks")
+            timeout_s=180,
+            what=f"{TASKS} terminal tasks",
+        )
     finally:
         stop.set()
         thread.join(10)

@@ -19,16 +19,26 @@ from .conftest import cr_path, wait_for
 
 pytestmark = pytest.mark.cluster
 
-REQUEST = ExecRequest(["python3", "-I", "harness.py"], files={"harness.py": "print('hi')"},
-                      timeout_s=4.2, memory_mb=300)
+REQUEST = ExecRequest(
+    ["python3", "-I", "harness.py"],
+    files={"harness.py": "print('hi')"},
+    timeout_s=4.2,
+    memory_mb=300,
+)
 
 
-def runner(kube_api: Any, namespace: str, logs: dict[str, str] | None = None,
-           **kwargs: Any) -> SandboxTaskRunner:
+def runner(
+    kube_api: Any, namespace: str, logs: dict[str, str] | None = None, **kwargs: Any
+) -> SandboxTaskRunner:
     from kubernetes import client
 
-    return SandboxTaskRunner(namespace, api=client.CustomObjectsApi(kube_api),
-                             read_log=lambda uri: (logs or {})[uri], poll_s=0.05, **kwargs)
+    return SandboxTaskRunner(
+        namespace,
+        api=client.CustomObjectsApi(kube_api),
+        read_log=lambda uri: (logs or {})[uri],
+        poll_s=0.05,
+        **kwargs,
+    )
 
 
 @pytest.fixture
@@ -50,7 +60,8 @@ def served(crds_installed: None, kube: Any, namespace: str) -> None:
 
 def tasks(kube: Any, namespace: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = kube.request("GET", cr_path("sandboxtasks", namespace))[1][
-        "items"]
+        "items"
+    ]
     return items
 
 
@@ -66,13 +77,25 @@ def test_a_finished_task_is_an_exec_result_read_from_its_stored_log(
     served: None, kube: Any, kube_api: Any, namespace: str
 ) -> None:
     uri = "s3://b/sandboxes/x/logs.txt"
-    r = runner(kube_api, namespace, logs={uri: "some output\n__RESULT__ [1]\n"},
-               runtime_class_name="gvisor")
+    r = runner(
+        kube_api,
+        namespace,
+        logs={uri: "some output\n__RESULT__ [1]\n"},
+        runtime_class_name="gvisor",
+    )
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(r.run, REQUEST)
-        task = play_operator(kube, namespace, {
-            "phase": "Failed", "reason": "Error", "exitCode": 3, "durationMs": 12.5,
-            "logsUri": uri})
+        task = play_operator(
+            kube,
+            namespace,
+            {
+                "phase": "Failed",
+                "reason": "Error",
+                "exitCode": 3,
+                "durationMs": 12.5,
+                "logsUri": uri,
+            },
+        )
         result = pending.result(timeout=60)
     assert (result.status, result.exit_code, result.duration_ms) == ("error", 3, 12.5)
     assert "__RESULT__ [1]" in result.stdout
@@ -90,8 +113,9 @@ def test_the_sandbox_failing_is_unavailability_not_a_result(
     r = runner(kube_api, namespace)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(r.run, REQUEST)
-        play_operator(kube, namespace, {"phase": "Failed", "reason": "SandboxFailed",
-                                        "attempts": 2})
+        play_operator(
+            kube, namespace, {"phase": "Failed", "reason": "SandboxFailed", "attempts": 2}
+        )
         with pytest.raises(SandboxUnavailable, match="failed on all 2 attempt"):
             pending.result(timeout=60)
 
@@ -111,7 +135,6 @@ def test_without_sandbox_artifact_storage_task_mode_says_what_to_configure(
     r = runner(kube_api, namespace)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(r.run, REQUEST)
-        play_operator(kube, namespace, {"phase": "Succeeded", "reason": "Completed",
-                                        "exitCode": 0})
+        play_operator(kube, namespace, {"phase": "Succeeded", "reason": "Completed", "exitCode": 0})
         with pytest.raises(SandboxConfigError, match="artifactsUri"):
             pending.result(timeout=60)

@@ -15,22 +15,34 @@ def record(name: str, level: int, message: str) -> logging.LogRecord:
 
 def test_expected_start_up_lines_become_info_and_real_problems_stay() -> None:
     keep = _ExpectedAtStartup()
-    retry = record("kopf._cogs.clients.watching", logging.ERROR,
-                   "Request attempt #1/9 failed; will retry: GET https://x/apis/posttrain.io/v1alpha1"
-                   "/sandboxwarmpools -> APITooManyRequestsError('storage is (re)initializing')")
-    ray = record("kopf._core.reactor.observation", logging.WARNING,
-                 "Unresolved resources cannot be served (try creating their CRDs): "
-                 "Selector(group='ray.io', version='v1', any_name='rayclusters')")
+    retry = record(
+        "kopf._cogs.clients.watching",
+        logging.ERROR,
+        "Request attempt #1/9 failed; will retry: GET https://x/apis/posttrain.io/v1alpha1"
+        "/sandboxwarmpools -> APITooManyRequestsError('storage is (re)initializing')",
+    )
+    ray = record(
+        "kopf._core.reactor.observation",
+        logging.WARNING,
+        "Unresolved resources cannot be served (try creating their CRDs): "
+        "Selector(group='ray.io', version='v1', any_name='rayclusters')",
+    )
     for expected in (retry, ray):
         assert keep.filter(expected) and expected.levelno == logging.INFO
     assert "optional CRDs not installed" in ray.getMessage()
 
-    escalated = record("kopf._cogs.clients.watching", logging.ERROR,
-                       "Request attempt #9/9 failed; escalating: GET x -> APIServerError()")
-    ours_missing = record("kopf._core.reactor.observation", logging.WARNING,
-                          "Unresolved resources cannot be served (try creating their CRDs): "
-                          "Selector(group='posttrain.io', version='v1alpha1', "
-                          "any_name='trainingruns')")
+    escalated = record(
+        "kopf._cogs.clients.watching",
+        logging.ERROR,
+        "Request attempt #9/9 failed; escalating: GET x -> APIServerError()",
+    )
+    ours_missing = record(
+        "kopf._core.reactor.observation",
+        logging.WARNING,
+        "Unresolved resources cannot be served (try creating their CRDs): "
+        "Selector(group='posttrain.io', version='v1alpha1', "
+        "any_name='trainingruns')",
+    )
     for real in (escalated, ours_missing):
         level = real.levelno
         assert keep.filter(real) and real.levelno == level

@@ -14,8 +14,13 @@ from posttrain.operator.controllers import Store
 
 
 def pod(name: str, rv: int, uid: str = "u1", deleting: bool = False) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": uid,
-                            "resourceVersion": str(rv), "labels": {"posttrain.io/run": "r"}}
+    meta: dict[str, Any] = {
+        "name": name,
+        "namespace": "ns",
+        "uid": uid,
+        "resourceVersion": str(rv),
+        "labels": {"posttrain.io/run": "r"},
+    }
     if deleting:
         meta["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta}

@@ -25,13 +25,18 @@ pytestmark = pytest.mark.cluster
 
 
 def wait_phase(kube: KubeClient, namespace: str, name: str, phase: str) -> dict[str, object]:
-    return wait_for(lambda: (s := run_status(kube, namespace, name)).get("phase") == phase and s,
-                    what=f"{name} phase {phase}")
+    return wait_for(
+        lambda: (s := run_status(kube, namespace, name)).get("phase") == phase and s,
+        what=f"{name} phase {phase}",
+    )
 
 
 def pod_names(kube: KubeClient, namespace: str) -> list[str]:
-    return sorted(p["metadata"]["name"] for p in list_pods(kube, namespace)
-                  if not p["metadata"].get("deletionTimestamp"))
+    return sorted(
+        p["metadata"]["name"]
+        for p in list_pods(kube, namespace)
+        if not p["metadata"].get("deletionTimestamp")
+    )
 
 
 def as_trainer(namespace: str, run: str) -> dict[str, str]:
@@ -42,15 +47,29 @@ def as_trainer(namespace: str, run: str) -> dict[str, str]:
 def test_single_node_run_children_status_split_and_success(
     operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    run = create_cr(kube, "trainingruns", namespace, run_body(
-        "r1", resources={"gpusPerNode": 2, "cpu": "4", "memory": "16Gi"},
-        algorithm={"maxSteps": 7}))
+    run = create_cr(
+        kube,
+        "trainingruns",
+        namespace,
+        run_body(
+            "r1",
+            resources={"gpusPerNode": 2, "cpu": "4", "memory": "16Gi"},
+            algorithm={"maxSteps": 7},
+        ),
+    )
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r1-g0-0"), what="trainer pod")
     owner = pod["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"]) == ("TrainingRun", run["metadata"]["uid"])
     main = pod["spec"]["containers"][0]
-    assert main["command"] == ["posttrain", "run", "/etc/posttrain/run.yaml", "--out",
-                               "/workspace", "--metrics-port", "9090"]
+    assert main["command"] == [
+        "posttrain",
+        "run",
+        "/etc/posttrain/run.yaml",
+        "--out",
+        "/workspace",
+        "--metrics-port",
+        "9090",
+    ]
     assert main["ports"] == [{"name": "metrics", "containerPort": 9090, "protocol": "TCP"}]
     assert main["resources"]["limits"]["nvidia.com/gpu"] == "2"
     env = {e["name"]: e for e in main["env"]}
@@ -68,7 +87,10 @@ def test_single_node_run_children_status_split_and_success(
     role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
     assert role is not None
     assert {r["resources"][0] for r in role["rules"]} == {
-        "trainingruns/status", "trainingruns", "events"}
+        "trainingruns/status",
+        "trainingruns",
+        "events",
+    }
     assert all(r["resourceNames"] == ["r1"] for r in role["rules"] if r["resources"] != ["events"])
     # No cleanup needed -> no finalizer.
     assert not get_cr(kube, "trainingruns", namespace, "r1")["metadata"].get("finalizers")
@@ -80,24 +102,40 @@ def test_single_node_run_children_status_split_and_success(
 
     # The trainer reports progress through its own narrow identity...
     progress = {"status": {"step": 5, "rewardMean": 0.4, "lastCheckpoint": "s3://b/ckpt/5"}}
-    kube.request("PATCH", cr_path("trainingruns", namespace, "r1") + "/status", progress,
-                 content_type="application/merge-patch+json", headers=as_trainer(namespace, "r1"))
+    kube.request(
+        "PATCH",
+        cr_path("trainingruns", namespace, "r1") + "/status",
+        progress,
+        content_type="application/merge-patch+json",
+        headers=as_trainer(namespace, "r1"),
+    )
     # ...and cannot touch another run or the spec of its own.
     create_cr(kube, "trainingruns", namespace, run_body("other", suspend=True))
     with pytest.raises(KubeError, match="403"):
-        kube.request("PATCH", cr_path("trainingruns", namespace, "other") + "/status", progress,
-                     content_type="application/merge-patch+json",
-                     headers=as_trainer(namespace, "r1"))
+        kube.request(
+            "PATCH",
+            cr_path("trainingruns", namespace, "other") + "/status",
+            progress,
+            content_type="application/merge-patch+json",
+            headers=as_trainer(namespace, "r1"),
+        )
     with pytest.raises(KubeError, match="403"):
-        kube.request("PATCH", cr_path("trainingruns", namespace, "r1"),
-                     {"spec": {"suspend": True}}, content_type="application/merge-patch+json",
-                     headers=as_trainer(namespace, "r1"))
+        kube.request(
+            "PATCH",
+            cr_path("trainingruns", namespace, "r1"),
+            {"spec": {"suspend": True}},
+            content_type="application/merge-patch+json",
+            headers=as_trainer(namespace, "r1"),
+        )
 
     set_pod_terminated(kube, namespace, "r1-g0-0", 0)
     status = wait_phase(kube, namespace, "r1", "Succeeded")
     # The operator's patches never clobber the trainer's fields.
     assert (status["step"], status["rewardMean"], status["lastCheckpoint"]) == (
-        5, 0.4, "s3://b/ckpt/5")
+        5,
+        0.4,
+        "s3://b/ckpt/5",
+    )
     assert status["completionTime"] and status["startTime"]
     succeeded = next(c for c in status["conditions"] if c["type"] == "Succeeded")
     assert (succeeded["status"], succeeded["reason"]) == ("True", "TrainerSucceeded")
@@ -106,8 +144,9 @@ def test_single_node_run_children_status_split_and_success(
 def test_gang_restart_then_backoff_limit(
     operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    create_cr(kube, "trainingruns", namespace,
-              run_body("g", resources={"nodes": 2}, backoffLimit=1))
+    create_cr(
+        kube, "trainingruns", namespace, run_body("g", resources={"nodes": 2}, backoffLimit=1)
+    )
     wait_for(lambda: pod_names(kube, namespace) == ["g-g0-0", "g-g0-1"], what="gang 0")
     head = kube.get("v1", "Service", namespace, "g-head")
     assert head is not None and head["spec"]["clusterIP"] == "None"
@@ -115,7 +154,8 @@ def test_gang_restart_then_backoff_limit(
     # Every pod of the plain gang runs the trainer; torchrun's rendezvous joins them (#17).
     assert worker["command"][:2] == ["posttrain", "run"]
     assert {e["name"]: e.get("value") for e in worker["env"]}["MASTER_ADDR"] == (
-        f"g-head.{namespace}.svc")
+        f"g-head.{namespace}.svc"
+    )
     for name in ("g-g0-0", "g-g0-1"):
         set_pod_running(kube, namespace, name)
     wait_phase(kube, namespace, "g", "Running")
@@ -123,8 +163,10 @@ def test_gang_restart_then_backoff_limit(
     # One worker fails: the whole gang is replaced, one restart counted.
     set_pod_terminated(kube, namespace, "g-g0-1", 137, reason="Error")
     wait_for(lambda: pod_names(kube, namespace) == ["g-g1-0", "g-g1-1"], what="gang 1")
-    status = wait_for(lambda: (s := run_status(kube, namespace, "g")).get("restarts") == 1 and s,
-                      what="restarts == 1")
+    status = wait_for(
+        lambda: (s := run_status(kube, namespace, "g")).get("restarts") == 1 and s,
+        what="restarts == 1",
+    )
     assert status["phase"] == "Pending"
 
     # Failing again exceeds backoffLimit=1: Failed, pods gone, a condition says why.
@@ -135,8 +177,9 @@ def test_gang_restart_then_backoff_limit(
     assert failed["reason"] == "BackoffLimitExceeded"
     assert "backoffLimit=1" in failed["message"]
     wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted")
-    events = kube.request("GET", resource_path("v1", "events", namespace)
-                          + "?fieldSelector=involvedObject.name=g")[1]["items"]
+    events = kube.request(
+        "GET", resource_path("v1", "events", namespace) + "?fieldSelector=involvedObject.name=g"
+    )[1]["items"]
     assert {"GangRestart", "BackoffLimitExceeded"} <= {e["reason"] for e in events}
 
 
@@ -145,8 +188,10 @@ def test_suspend_and_resume(operator: OperatorThread, kube: KubeClient, namespac
     wait_for(lambda: pod_names(kube, namespace) == ["s-g0-0"], what="first pod")
     set_pod_running(kube, namespace, "s-g0-0")
     wait_phase(kube, namespace, "s", "Running")
-    kube.patch(cr_path("trainingruns", namespace, "s") + "/status",
-               {"status": {"lastCheckpoint": "s3://b/ckpt/10"}})
+    kube.patch(
+        cr_path("trainingruns", namespace, "s") + "/status",
+        {"status": {"lastCheckpoint": "s3://b/ckpt/10"}},
+    )
 
     kube.patch(cr_path("trainingruns", namespace, "s"), {"spec": {"suspend": True}})
     status = wait_phase(kube, namespace, "s", "Suspended")
@@ -180,10 +225,16 @@ def test_active_deadline_fails_the_run(
 def test_trainer_pod_is_pointed_at_its_rollout_pool(
     operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
-    create_cr(kube, "rolloutpools", namespace, {
-        "kind": "RolloutPool", "metadata": {"name": "gen"},
-        "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "port": 8011},
-    })
+    create_cr(
+        kube,
+        "rolloutpools",
+        namespace,
+        {
+            "kind": "RolloutPool",
+            "metadata": {"name": "gen"},
+            "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "port": 8011},
+        },
+    )
     create_cr(kube, "trainingruns", namespace, run_body("r-pool", rollout={"pool": "gen"}))
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r-pool-g0-0"), what="trainer pod")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
@@ -206,23 +257,42 @@ def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_ste
     wait_phase(kube, namespace, "fin", "Running")
 
     reporter = KubeStatusReporter("fin", namespace, api=client.CustomObjectsApi(kube_api))
-    reporter.report(RunStatus(phase="Succeeded", step=3, max_steps=3, reward_mean=0.5,
-                              last_checkpoint="s3://b/fin/step-3"))
-    reported = wait_for(lambda: (s := run_status(kube, namespace, "fin")).get("step") == 3 and s,
-                        what="the trainer's last report")
+    reporter.report(
+        RunStatus(
+            phase="Succeeded",
+            step=3,
+            max_steps=3,
+            reward_mean=0.5,
+            last_checkpoint="s3://b/fin/step-3",
+        )
+    )
+    reported = wait_for(
+        lambda: (s := run_status(kube, namespace, "fin")).get("step") == 3 and s,
+        what="the trainer's last report",
+    )
     assert reported["phase"] == "Running"  # the report is progress, not the end of the run
 
     set_pod_terminated(kube, namespace, "fin-g0-0", 0)
-    done = kubectl("wait", "--for=condition=Succeeded", "trainingrun/fin", "-n", namespace,
-                   "--timeout=120s", check=False)
+    done = kubectl(
+        "wait",
+        "--for=condition=Succeeded",
+        "trainingrun/fin",
+        "-n",
+        namespace,
+        "--timeout=120s",
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     status = run_status(kube, namespace, "fin")
     conditions = {c["type"]: c for c in status["conditions"]}
     assert status["phase"] == "Succeeded" and status["completionTime"]
     assert status["message"] == "trainer finished at step 3"
     assert (conditions["Succeeded"]["status"], conditions["Succeeded"]["reason"]) == (
-        "True", "TrainerSucceeded")
+        "True",
+        "TrainerSucceeded",
+    )
     assert conditions["Ready"]["status"] == "False"
     events = kube.request("GET", resource_path("v1", "events", namespace))[1]["items"]
-    assert any(e["reason"] == "TrainerSucceeded" and e["involvedObject"]["name"] == "fin"
-               for e in events)
+    assert any(
+        e["reason"] == "TrainerSucceeded" and e["involvedObject"]["name"] == "fin" for e in events
+    )

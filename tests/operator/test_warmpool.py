@@ -32,24 +32,35 @@ CONFIG = OperatorConfig()
 
 
 def pool(replicas: int = 2, **spec: object) -> SandboxWarmPool:
-    return SandboxWarmPool.model_validate({
-        "metadata": {"name": "py", "namespace": "ns", "uid": "pool-uid", "generation": 1},
-        "spec": {"replicas": replicas, **spec}})
+    return SandboxWarmPool.model_validate(
+        {
+            "metadata": {"name": "py", "namespace": "ns", "uid": "pool-uid", "generation": 1},
+            "spec": {"replicas": replicas, **spec},
+        }
+    )
 
 
 def task(name: str = "t", **spec: object) -> SandboxTask:
-    return SandboxTask.model_validate({
-        "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "generation": 1},
-        "spec": {"command": ["python", "main.py"], "files": {"main.py": "print(1)"},
-                 "warmPoolRef": "py", **spec}})
+    return SandboxTask.model_validate(
+        {
+            "metadata": {"name": name, "namespace": "ns", "uid": f"uid-{name}", "generation": 1},
+            "spec": {
+                "command": ["python", "main.py"],
+                "files": {"main.py": "print(1)"},
+                "warmPoolRef": "py",
+                **spec,
+            },
+        }
+    )
 
 
 HASH = template_hash(pool_template(pool(), CONFIG))
 
 
 def idle(name: str, ready: bool = True, hash_: str = HASH, phase: str = "Running") -> PodView:
-    return PodView(name, {LABEL_WARM_POOL: "py"}, {ANNOTATION_SPEC_HASH: hash_}, phase=phase,
-                   ready=ready)
+    return PodView(
+        name, {LABEL_WARM_POOL: "py"}, {ANNOTATION_SPEC_HASH: hash_}, phase=phase, ready=ready
+    )
 
 
 def test_warm_pod_is_as_restricted_as_a_cold_pod() -> None:
@@ -58,8 +69,12 @@ def test_warm_pod_is_as_restricted_as_a_cold_pod() -> None:
     warm_c, cold_c = warm["spec"]["containers"][0], cold["spec"]["containers"][0]
     assert warm_c["securityContext"] == cold_c["securityContext"]
     assert warm_c["resources"] == cold_c["resources"]
-    for key in ("securityContext", "automountServiceAccountToken", "enableServiceLinks",
-                "restartPolicy"):
+    for key in (
+        "securityContext",
+        "automountServiceAccountToken",
+        "enableServiceLinks",
+        "restartPolicy",
+    ):
         assert warm["spec"][key] == cold["spec"][key], key
     assert "activeDeadlineSeconds" not in warm["spec"]  # set by the claim
     meta = warm["metadata"]
@@ -81,16 +96,21 @@ def test_claim_mismatch_names_every_difference() -> None:
 
 def test_claim_patch_is_conditional_and_moves_ownership() -> None:
     now = datetime(2026, 1, 1, 0, 1, 0, tzinfo=UTC)
-    pod = {"metadata": {"name": "py-abc", "resourceVersion": "42"},
-           "status": {"startTime": (now - timedelta(seconds=30.5)).isoformat()}}
+    pod = {
+        "metadata": {"name": "py-abc", "resourceVersion": "42"},
+        "status": {"startTime": (now - timedelta(seconds=30.5)).isoformat()},
+    }
     patch = build_claim_patch(task(stdin="in", timeoutSeconds=10), pod, now)
     meta = patch["metadata"]
     assert meta["resourceVersion"] == "42"  # the atomicity: 409 if the pod changed
     assert meta["labels"] == {"posttrain.io/task": "t", LABEL_ATTEMPT: "1"}
     assert [o["uid"] for o in meta["ownerReferences"]] == ["uid-t"]
     assert json.loads(meta["annotations"][ANNOTATION_CLAIM]) == {
-        "task": "t", "command": ["python", "main.py"], "files": {"main.py": "print(1)"},
-        "stdin": "in"}
+        "task": "t",
+        "command": ["python", "main.py"],
+        "files": {"main.py": "print(1)"},
+        "stdin": "in",
+    }
     # The deadline counts from the pod's start: its age (rounded up) + the task's timeout.
     assert patch["spec"]["activeDeadlineSeconds"] == 31 + 10
 
@@ -98,8 +118,9 @@ def test_claim_patch_is_conditional_and_moves_ownership() -> None:
 def test_plan_fills_replaces_and_scales_down() -> None:
     assert plan_warm_pool(pool(3), [], HASH).create == 3
     # An idle pod that ended unclaimed and one from an old template are replaced.
-    plan = plan_warm_pool(pool(2), [idle("a"), idle("b", phase="Failed"),
-                                    idle("c", hash_="old")], HASH)
+    plan = plan_warm_pool(
+        pool(2), [idle("a"), idle("b", phase="Failed"), idle("c", hash_="old")], HASH
+    )
     assert sorted(plan.delete_pods) == ["b", "c"] and plan.create == 1
     # Scale-down: not-ready pods go first; a pod being claimed is never deleted.
     pods = [idle("a"), idle("b", ready=False), idle("c"), idle("d")]
@@ -109,8 +130,13 @@ def test_plan_fills_replaces_and_scales_down() -> None:
 
 
 def test_plan_status_counts_idle_ready_and_claimed() -> None:
-    claimed = PodView("x", {LABEL_WARM_POOL: "py", "posttrain.io/task": "t"},
-                      {ANNOTATION_SPEC_HASH: HASH}, phase="Running", ready=True)
+    claimed = PodView(
+        "x",
+        {LABEL_WARM_POOL: "py", "posttrain.io/task": "t"},
+        {ANNOTATION_SPEC_HASH: HASH},
+        phase="Running",
+        ready=True,
+    )
     plan = plan_warm_pool(pool(2), [idle("a"), idle("b", ready=False), claimed], HASH)
     status = plan.status_patch
     assert (status["replicas"], status["readyReplicas"], status["claimed"]) == (2, 1, 1)
@@ -120,8 +146,9 @@ def test_plan_status_counts_idle_ready_and_claimed() -> None:
 
 
 def test_plan_sandbox_follows_a_claimed_pod_by_its_attempt_label() -> None:
-    claimed = PodView("py-abc", {"posttrain.io/task": "t", LABEL_ATTEMPT: "1"},
-                      phase="Running", ready=True)
+    claimed = PodView(
+        "py-abc", {"posttrain.io/task": "t", LABEL_ATTEMPT: "1"}, phase="Running", ready=True
+    )
     plan = plan_sandbox(task(), [claimed], datetime.now(UTC))
     assert plan.create_attempt is None
     assert plan.status_patch["phase"] == "Running"
@@ -134,9 +161,15 @@ def start_entrypoint(tmp_path: Path) -> tuple[subprocess.Popen[str], Path]:
     workdir = tmp_path / "work"
     workdir.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-c", ENTRYPOINT_SOURCE], text=True, stdout=subprocess.PIPE,
-        env={"POSTTRAIN_CLAIM_FILE": str(claim), "POSTTRAIN_WORKDIR": str(workdir),
-             "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"})
+        [sys.executable, "-c", ENTRYPOINT_SOURCE],
+        text=True,
+        stdout=subprocess.PIPE,
+        env={
+            "POSTTRAIN_CLAIM_FILE": str(claim),
+            "POSTTRAIN_WORKDIR": str(workdir),
+            "PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin",
+        },
+    )
     return proc, claim
 
 
@@ -145,9 +178,16 @@ def test_entrypoint_waits_for_its_claim_then_becomes_the_program(tmp_path: Path)
     time.sleep(0.5)
     assert proc.poll() is None  # idle: waiting for a claim
     program = "import sys; print(sys.stdin.read()[::-1], open('lib/x.txt').read()); sys.exit(3)"
-    claim.write_text(json.dumps({"task": "t", "command": ["python3", "main.py"],
-                                 "files": {"main.py": program, "lib/x.txt": "file"},
-                                 "stdin": "abc"}))
+    claim.write_text(
+        json.dumps(
+            {
+                "task": "t",
+                "command": ["python3", "main.py"],
+                "files": {"main.py": program, "lib/x.txt": "file"},
+                "stdin": "abc",
+            }
+        )
+    )
     out, _ = proc.communicate(timeout=10)
     assert out.split() == ["cba", "file"]
     assert proc.returncode == 3  # the program's own exit code

@@ -34,13 +34,19 @@ def warm_pool_crd(control_plane: ControlPlane, kube_api: Any, crds_installed: No
 
 
 def pool_body(name: str, replicas: int, **spec: object) -> dict[str, object]:
-    return {"kind": "SandboxWarmPool", "metadata": {"name": name},
-            "spec": {"replicas": replicas, **spec}}
+    return {
+        "kind": "SandboxWarmPool",
+        "metadata": {"name": name},
+        "spec": {"replicas": replicas, **spec},
+    }
 
 
 def task_body(name: str, pool: str | None = "py", **spec: object) -> dict[str, object]:
-    body: dict[str, Any] = {"command": ["python", "main.py"], "files": {"main.py": "print(7)"},
-                            **spec}
+    body: dict[str, Any] = {
+        "command": ["python", "main.py"],
+        "files": {"main.py": "print(7)"},
+        **spec,
+    }
     if pool:
         body["warmPoolRef"] = pool
     return {"kind": "SandboxTask", "metadata": {"name": name}, "spec": body}
@@ -61,19 +67,25 @@ def task_status(kube: KubeClient, namespace: str, name: str) -> dict[str, Any]:
 
 def fill_ready(kube: KubeClient, namespace: str, pool: str, n: int) -> list[str]:
     """Wait for n idle pods, then start them all (the kubelet's part)."""
-    pods = wait_for(lambda: (p := idle_pods(kube, namespace, pool)) and len(p) == n and p,
-                    what=f"{n} idle pods of {pool}")
+    pods = wait_for(
+        lambda: (p := idle_pods(kube, namespace, pool)) and len(p) == n and p,
+        what=f"{n} idle pods of {pool}",
+    )
     names = [p["metadata"]["name"] for p in pods]
     for name in names:
         set_pod_running(kube, namespace, name)
-    wait_for(lambda: pool_status(kube, namespace, pool).get("readyReplicas") == n,
-             what=f"{pool} readyReplicas={n}")
+    wait_for(
+        lambda: pool_status(kube, namespace, pool).get("readyReplicas") == n,
+        what=f"{pool} readyReplicas={n}",
+    )
     return names
 
 
 def events_of(kube: KubeClient, namespace: str, name: str) -> set[str]:
-    items = kube.request("GET", resource_path("v1", "events", namespace)
-                         + f"?fieldSelector=involvedObject.name={name}")[1]["items"]
+    items = kube.request(
+        "GET",
+        resource_path("v1", "events", namespace) + f"?fieldSelector=involvedObject.name={name}",
+    )[1]["items"]
     return {e["reason"] for e in items}
 
 
@@ -81,8 +93,9 @@ def test_pool_fills_scales_and_reports_ready(
     operator: OperatorThread, kube: KubeClient, namespace: str
 ) -> None:
     pool = create_cr(kube, POOLS, namespace, pool_body("py", 3))
-    pods = wait_for(lambda: (p := idle_pods(kube, namespace, "py")) and len(p) == 3 and p,
-                    what="3 idle pods")
+    pods = wait_for(
+        lambda: (p := idle_pods(kube, namespace, "py")) and len(p) == 3 and p, what="3 idle pods"
+    )
     pod = pods[0]
     owner = pod["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"]) == ("SandboxWarmPool", pool["metadata"]["uid"])
@@ -92,8 +105,10 @@ def test_pool_fills_scales_and_reports_ready(
     assert spec["automountServiceAccountToken"] is False
     assert spec["containers"][0]["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["metadata"]["labels"]["posttrain.io/sandbox-network"] == "none"
-    status = wait_for(lambda: (s := pool_status(kube, namespace, "py")).get("replicas") == 3
-                      and s, what="status.replicas=3")
+    status = wait_for(
+        lambda: (s := pool_status(kube, namespace, "py")).get("replicas") == 3 and s,
+        what="status.replicas=3",
+    )
     assert status["readyReplicas"] == 0
     assert status["selector"] == f"{LABEL_WARM_POOL}=py,!posttrain.io/task"
 
@@ -106,13 +121,17 @@ def test_pool_fills_scales_and_reports_ready(
     kube.patch(scale_path, {"spec": {"replicas": 5}})
     wait_for(lambda: len(idle_pods(kube, namespace, "py")) == 5, what="scale up to 5")
     kube.patch(scale_path, {"spec": {"replicas": 1}})
-    remaining = wait_for(lambda: (p := idle_pods(kube, namespace, "py")) and len(p) == 1 and p,
-                         what="scale down to 1")
+    remaining = wait_for(
+        lambda: (p := idle_pods(kube, namespace, "py")) and len(p) == 1 and p,
+        what="scale down to 1",
+    )
     # Scale-down removes the not-ready (just created) pods before the ready ones.
     assert (remaining[0].get("status") or {}).get("phase") == "Running"
     assert kube.request("GET", scale_path)[1]["status"]["replicas"] == 1
-    wait_for(lambda: {"WarmPodsCreated", "WarmPodsDeleted"} <= events_of(kube, namespace, "py"),
-             what="pool events")
+    wait_for(
+        lambda: {"WarmPodsCreated", "WarmPodsDeleted"} <= events_of(kube, namespace, "py"),
+        what="pool events",
+    )
 
 
 def test_claims_are_exclusive_under_concurrency(
@@ -123,16 +142,22 @@ def test_claims_are_exclusive_under_concurrency(
     ready_pods = set(fill_ready(kube, namespace, "py", 10))
 
     with ThreadPoolExecutor(20) as pool:
-        list(pool.map(lambda i: create_cr(kube, "sandboxtasks", namespace, task_body(f"t{i}")),
-                      range(20)))
+        list(
+            pool.map(
+                lambda i: create_cr(kube, "sandboxtasks", namespace, task_body(f"t{i}")), range(20)
+            )
+        )
 
     def placed() -> dict[str, dict[str, Any]] | None:
         pods = list_pods(kube, namespace, "posttrain.io/task")
         by_task: dict[str, list[dict[str, Any]]] = {}
         for p in pods:
             by_task.setdefault(p["metadata"]["labels"]["posttrain.io/task"], []).append(p)
-        return ({t: ps[0] for t, ps in by_task.items()} if len(by_task) == 20
-                and all(len(ps) == 1 for ps in by_task.values()) else None)
+        return (
+            {t: ps[0] for t, ps in by_task.items()}
+            if len(by_task) == 20 and all(len(ps) == 1 for ps in by_task.values())
+            else None
+        )
 
     pods = wait_for(placed, what="one pod for each of the 20 tasks")
     warm = {t: p for t, p in pods.items() if LABEL_WARM_POOL in p["metadata"]["labels"]}
@@ -147,8 +172,10 @@ def test_claims_are_exclusive_under_concurrency(
         claim = json.loads(meta["annotations"][ANNOTATION_CLAIM])
         assert claim["task"] == task and claim["files"] == {"main.py": "print(7)"}
         assert pod["spec"]["activeDeadlineSeconds"] >= 60  # pod age + timeoutSeconds
-        status = wait_for(lambda t=task: (s := task_status(kube, namespace, t)).get("phase")
-                          == "Running" and s, what=f"{task} Running")
+        status = wait_for(
+            lambda t=task: (s := task_status(kube, namespace, t)).get("phase") == "Running" and s,
+            what=f"{task} Running",
+        )
         assert status["warmPool"] == "py" and status["podName"] == meta["name"]
     assert all("warmPool" not in task_status(kube, namespace, t) for t in cold)
 
@@ -164,15 +191,23 @@ def test_claimed_task_runs_to_completion(
     create_cr(kube, POOLS, namespace, pool_body("py", 1))
     (pod_name,) = fill_ready(kube, namespace, "py", 1)
     create_cr(kube, "sandboxtasks", namespace, task_body("t", stdin="x"))
-    status = wait_for(lambda: (s := task_status(kube, namespace, "t")).get("phase") == "Running"
-                      and s, what="claimed and Running")
+    status = wait_for(
+        lambda: (s := task_status(kube, namespace, "t")).get("phase") == "Running" and s,
+        what="claimed and Running",
+    )
     assert status["podName"] == pod_name
-    assert json.loads(kube.get("v1", "Pod", namespace, pod_name)["metadata"]["annotations"][
-        ANNOTATION_CLAIM])["stdin"] == "x"
+    assert (
+        json.loads(
+            kube.get("v1", "Pod", namespace, pod_name)["metadata"]["annotations"][ANNOTATION_CLAIM]
+        )["stdin"]
+        == "x"
+    )
     result = {"exit_code": 0, "reward": 0.5, "duration_ms": 9.0, "reason": "Completed"}
     set_pod_terminated(kube, namespace, pod_name, 0, json.dumps(result))
-    final = wait_for(lambda: (s := task_status(kube, namespace, "t")).get("phase") == "Succeeded"
-                     and s, what="Succeeded")
+    final = wait_for(
+        lambda: (s := task_status(kube, namespace, "t")).get("phase") == "Succeeded" and s,
+        what="Succeeded",
+    )
     assert (final["reward"], final["warmPool"], final["attempts"]) == (0.5, "py", 1)
     # The finished pod left the pool: it is not counted idle and not replaced twice.
     wait_for(lambda: len(idle_pods(kube, namespace, "py")) == 1, what="refilled")
@@ -181,21 +216,34 @@ def test_claimed_task_runs_to_completion(
 def test_claim_precondition_refuses_a_second_claim(kube: KubeClient, namespace: str) -> None:
     """The apiserver itself enforces exclusivity: a claim built from a stale resourceVersion
     is refused with 409 once another claim changed the pod."""
-    pod = kube.request("POST", resource_path("v1", "pods", namespace), {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "idle", "labels": {LABEL_WARM_POOL: "py"}},
-        "spec": {"containers": [{"name": "c", "image": "x"}]}})[1]
-    tasks = [SandboxTask.model_validate(
-        {"metadata": {"name": n, "namespace": namespace, "uid": f"uid-{n}"},
-         "spec": {"command": ["true"]}}) for n in ("a", "b")]
+    pod = kube.request(
+        "POST",
+        resource_path("v1", "pods", namespace),
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "idle", "labels": {LABEL_WARM_POOL: "py"}},
+            "spec": {"containers": [{"name": "c", "image": "x"}]},
+        },
+    )[1]
+    tasks = [
+        SandboxTask.model_validate(
+            {
+                "metadata": {"name": n, "namespace": namespace, "uid": f"uid-{n}"},
+                "spec": {"command": ["true"]},
+            }
+        )
+        for n in ("a", "b")
+    ]
     now = datetime.now(UTC)
     path = resource_path("v1", "pods", namespace, "idle")
     kube.patch(path, build_claim_patch(tasks[0], pod, now))
     with pytest.raises(KubeError) as refused:
         kube.patch(path, build_claim_patch(tasks[1], pod, now))
     assert refused.value.status == 409
-    assert kube.get("v1", "Pod", namespace, "idle")["metadata"]["labels"][
-        "posttrain.io/task"] == "a"
+    assert (
+        kube.get("v1", "Pod", namespace, "idle")["metadata"]["labels"]["posttrain.io/task"] == "a"
+    )
 
 
 def test_missing_or_different_pool_falls_back_to_a_cold_pod(
@@ -223,6 +271,7 @@ def test_pool_deletion_removes_idle_pods_and_keeps_claimed_ones(
     kube.delete("posttrain.io/v1alpha1", "SandboxWarmPool", namespace, "py")
     wait_for(lambda: not idle_pods(kube, namespace, "py"), what="idle pods deleted")
     assert kube.get("v1", "Pod", namespace, claimed) is not None
-    owners = Counter(o["kind"] for o in kube.get("v1", "Pod", namespace, claimed)["metadata"][
-        "ownerReferences"])
+    owners = Counter(
+        o["kind"] for o in kube.get("v1", "Pod", namespace, claimed)["metadata"]["ownerReferences"]
+    )
     assert owners == Counter({"SandboxTask": 1})

@@ -190,7 +190,8 @@ def test_chat_and_trace_context_propagation(two_servers: list[ServerThread]) -> 
 
 
 def test_weight_loads_reach_replicas_discovered_after_start(
-    two_servers: list[ServerThread], tmp_path: Path,
+    two_servers: list[ServerThread],
+    tmp_path: Path,
     publish_weights: Callable[[Path, int, float], Path],
 ) -> None:
     """A client started on one replica publishes to every replica ``discover`` lists."""

@@ -35,8 +35,10 @@ if _PYTHON is None and _REQUIRED:
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(_PYTHON is None, reason=f"no vLLM environment ({REPO_VLLM_VENV}): "
-                       "run `make venv-vllm` (make test does)"),
+    pytest.mark.skipif(
+        _PYTHON is None,
+        reason=f"no vLLM environment ({REPO_VLLM_VENV}): run `make venv-vllm` (make test does)",
+    ),
     # vLLM boots in ~1 min on an idle core and 5+ under load; the session fixture's set-up
     # counts against the first test.
     pytest.mark.timeout(3600),
@@ -124,9 +126,11 @@ def served_versions(pool: Pool) -> list[int]:
 
 def test_publish_reaches_both_replicas_and_changes_outputs(vllm_pool: Pool) -> None:
     pool = vllm_pool
-    with pool.client() as both, pool.client(pool.replicas[0]) as first, pool.client(
-        pool.replicas[1]
-    ) as second:
+    with (
+        pool.client() as both,
+        pool.client(pool.replicas[0]) as first,
+        pool.client(pool.replicas[1]) as second,
+    ):
         prompts = pool.prompts()
         before = greedy(first, prompts)
         for seed in (1, 2):

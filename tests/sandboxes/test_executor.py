@@ -71,8 +71,12 @@ def sandbox_uid_processes() -> list[int]:
 
 
 def test_runs_program_with_stdin_files_and_unprivileged_identity(executor: Executor) -> None:
-    result = run(executor, ["sh", "-c", "cat input.txt; cat; id -u; pwd; echo oops >&2; exit 3"],
-                 stdin="from stdin\n", files={"input.txt": "from file\n"})
+    result = run(
+        executor,
+        ["sh", "-c", "cat input.txt; cat; id -u; pwd; echo oops >&2; exit 3"],
+        stdin="from stdin\n",
+        files={"input.txt": "from file\n"},
+    )
     assert result.status == "error" and result.exit_code == 3
     assert result.stdout == "from file\nfrom stdin\n1000\n/workspace\n"
     assert result.stderr == "oops\n"
@@ -89,8 +93,12 @@ def test_infinite_loop_times_out_and_is_killed(executor: Executor) -> None:
 
 
 def test_fork_bomb_hits_process_limit_and_host_can_still_fork(executor: Executor) -> None:
-    result = run(executor, ["python3", "-c", "import os\nwhile True: os.fork()"],
-                 timeout_s=5.0, max_processes=32)
+    result = run(
+        executor,
+        ["python3", "-c", "import os\nwhile True: os.fork()"],
+        timeout_s=5.0,
+        max_processes=32,
+    )
     assert result.status in ("error", "timeout"), result
     assert "Resource temporarily unavailable" in result.stderr or result.status == "timeout"
     deadline = time.monotonic() + 3.0  # the kernel tears the pid namespace down async
@@ -101,8 +109,11 @@ def test_fork_bomb_hits_process_limit_and_host_can_still_fork(executor: Executor
 
 
 def test_memory_hog_is_reported_as_oom(executor: Executor) -> None:
-    result = run(executor, ["python3", "-c", "blocks = [bytearray(50 << 20) for _ in range(40)]"],
-                 memory_mb=256)
+    result = run(
+        executor,
+        ["python3", "-c", "blocks = [bytearray(50 << 20) for _ in range(40)]"],
+        memory_mb=256,
+    )
     assert result.status == "oom", result
     assert "memory limit" in result.reason and "MemoryError" in result.stderr
 
@@ -132,13 +143,22 @@ def test_host_secrets_and_environment_do_not_leak(
     executor: Executor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     secret = f"canary-{uuid.uuid4().hex}"
-    canary = Path("/root" if os.access("/root", os.W_OK) else Path.home()) / f".canary-{uuid.uuid4().hex}"
+    canary = (
+        Path("/root" if os.access("/root", os.W_OK) else Path.home())
+        / f".canary-{uuid.uuid4().hex}"
+    )
     canary.write_text(secret)
     monkeypatch.setenv("POSTTRAIN_CANARY_SECRET", secret)
     try:
-        result = run(executor, ["sh", "-c",
-                                f"cat {canary}; env; cat /proc/1/environ; ls -la /root /work "
-                                "/home; grep -r canary /etc 2>/dev/null; cat /etc/shadow"])
+        result = run(
+            executor,
+            [
+                "sh",
+                "-c",
+                f"cat {canary}; env; cat /proc/1/environ; ls -la /root /work "
+                "/home; grep -r canary /etc 2>/dev/null; cat /etc/shadow",
+            ],
+        )
         assert secret not in result.stdout and secret not in result.stderr
         assert "POSTTRAIN_CANARY_SECRET" not in result.stdout
         assert "No such file" in result.stderr
@@ -152,8 +172,10 @@ def test_network_is_unreachable_without_share_net(executor: Executor) -> None:
         listener.listen()
         listener.settimeout(0.2)
         port = listener.getsockname()[1]
-        probe = (f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), 2)\n"
-                 " print('connected')\nexcept OSError as e:\n print('refused', e)")
+        probe = (
+            f"import socket\ntry:\n socket.create_connection(('127.0.0.1', {port}), 2)\n"
+            " print('connected')\nexcept OSError as e:\n print('refused', e)"
+        )
         isolated = run(executor, ["python3", "-c", probe])
         assert isolated.stdout.startswith("refused"), isolated
         with pytest.raises(TimeoutError):
@@ -166,9 +188,15 @@ def test_network_is_unreachable_without_share_net(executor: Executor) -> None:
 
 def test_detached_children_die_with_the_sandbox(executor: Executor) -> None:
     marker = f"{int(uuid.uuid4().int % 10**6) + 5000000}"
-    result = run(executor, ["sh", "-c",
-                            f"setsid sleep {marker} > /dev/null 2>&1 & nohup sleep {marker}1 "
-                            "> /dev/null 2>&1 & echo spawned"])
+    result = run(
+        executor,
+        [
+            "sh",
+            "-c",
+            f"setsid sleep {marker} > /dev/null 2>&1 & nohup sleep {marker}1 "
+            "> /dev/null 2>&1 & echo spawned",
+        ],
+    )
     assert result.status == "ok" and result.stdout == "spawned\n"
     timed_out = run(executor, ["sh", "-c", f"setsid sleep {marker}2 & sleep 100"], timeout_s=1.0)
     assert timed_out.status == "timeout"
@@ -177,9 +205,15 @@ def test_detached_children_die_with_the_sandbox(executor: Executor) -> None:
 
 def test_signals_cannot_reach_the_host(executor: Executor) -> None:
     me = os.getpid()
-    result = run(executor, ["sh", "-c",
-                            f"kill -9 {me}; echo host-pid-rc=$?; kill -9 1; kill -9 -1; "
-                            "kill -9 $PPID; echo still-here"])
+    result = run(
+        executor,
+        [
+            "sh",
+            "-c",
+            f"kill -9 {me}; echo host-pid-rc=$?; kill -9 1; kill -9 -1; "
+            "kill -9 $PPID; echo still-here",
+        ],
+    )
     assert "host-pid-rc=1" in result.stdout  # our pid does not exist in its namespace
     assert result.status in ("ok", "error", "killed")
     os.kill(me, 0)  # we are alive (we would not be executing otherwise; be explicit)
@@ -195,10 +229,17 @@ def test_proc_shows_only_sandbox_processes(executor: Executor) -> None:
 
 
 def test_filling_the_disk_stops_at_the_tmpfs_cap(executor: Executor) -> None:
-    result = run(executor, ["sh", "-c",
-                            "head -c 100000000 /dev/zero > big; echo rc=$?; "
-                            "head -c 100000000 /dev/zero > /tmp/big; du -sk big /tmp/big"],
-                 workdir_mb=8, max_file_mb=200)
+    result = run(
+        executor,
+        [
+            "sh",
+            "-c",
+            "head -c 100000000 /dev/zero > big; echo rc=$?; "
+            "head -c 100000000 /dev/zero > /tmp/big; du -sk big /tmp/big",
+        ],
+        workdir_mb=8,
+        max_file_mb=200,
+    )
     assert "No space left on device" in result.stderr
     sizes = [int(line.split()[0]) for line in result.stdout.splitlines()[1:]]
     assert sizes and all(kib <= 8 * 1024 for kib in sizes), result.stdout
@@ -233,8 +274,12 @@ def test_warm_pool_sandboxes_are_single_use_and_contained() -> None:
         while not pooled.pool._ready and time.monotonic() < deadline:  # type: ignore[union-attr]
             time.sleep(0.02)
         marker = f"{int(uuid.uuid4().int % 10**6) + 7000000}"
-        first = run(pooled, ["sh", "-c", f"echo x > left-behind; setsid sleep {marker} & "
-                                         "cat; exec sleep 100"], stdin="in\n", timeout_s=0.5)
+        first = run(
+            pooled,
+            ["sh", "-c", f"echo x > left-behind; setsid sleep {marker} & cat; exec sleep 100"],
+            stdin="in\n",
+            timeout_s=0.5,
+        )
         assert first.status == "timeout" and first.stdout == "in\n"
         second = run(pooled, ["sh", "-c", "ls; ls /proc | grep -cE '^[0-9]+$'"])
         assert second.status == "ok" and second.stdout.split()[0] != "left-behind"
@@ -270,8 +315,7 @@ def test_warm_pool_refills_after_executions_and_below_its_reserve_during_them() 
         worker.join()
         settled(2, 3)  # topped up once it finished
         # Two at once: the reserve is gone, so a refill starts while they still run.
-        workers = [threading.Thread(target=run, args=(pooled, ["sleep", "1.5"]))
-                   for _ in range(2)]
+        workers = [threading.Thread(target=run, args=(pooled, ["sleep", "1.5"])) for _ in range(2)]
         for thread in workers:
             thread.start()
         deadline = time.monotonic() + 1.2
@@ -299,31 +343,46 @@ def test_warm_pool_sandbox_has_exactly_the_cold_path_limits() -> None:
         exporter.clear()
         warm = pooled.run(ExecRequest(command=command))
         cold = pooled.run(ExecRequest(command=command, env={"COLD": "1"}))  # env: no pool
-        paths = [s.attributes["sandbox.warm"] for s in exporter.get_finished_spans()
-                 if s.name == "sandbox.exec"]
+        paths = [
+            s.attributes["sandbox.warm"]
+            for s in exporter.get_finished_spans()
+            if s.name == "sandbox.exec"
+        ]
     finally:
         pooled.close()
     assert paths == [True, False]
     assert warm.status == cold.status == "ok"
-    limited = ("Max cpu time", "Max file size", "Max core file size", "Max processes",
-               "Max open files", "Max address space")
+    limited = (
+        "Max cpu time",
+        "Max file size",
+        "Max core file size",
+        "Max processes",
+        "Max open files",
+        "Max address space",
+    )
     rows = {line[:26].strip(): line[26:].split()[:2] for line in warm.stdout.splitlines()}
     assert rows["Max cpu time"] == ["11", "12"] and rows["Max address space"][0] == str(512 << 20)
-    assert [r for r in warm.stdout.splitlines() if r.startswith(limited)] == \
-        [r for r in cold.stdout.splitlines() if r.startswith(limited)]
+    assert [r for r in warm.stdout.splitlines() if r.startswith(limited)] == [
+        r for r in cold.stdout.splitlines() if r.startswith(limited)
+    ]
 
 
 def test_async_run_matches_sync_and_cancellation_kills_the_sandbox(executor: Executor) -> None:
     import asyncio
 
     async def scenario() -> tuple[ExecResult, ExecResult]:
-        fast = await executor.run_async(ExecRequest(
-            command=["sh", "-c", "cat; cat data.txt; exit 2"], stdin="in\n",
-            files={"data.txt": "file\n"}))
+        fast = await executor.run_async(
+            ExecRequest(
+                command=["sh", "-c", "cat; cat data.txt; exit 2"],
+                stdin="in\n",
+                files={"data.txt": "file\n"},
+            )
+        )
         slow = await executor.run_async(ExecRequest(command=["sleep", "30"], timeout_s=0.3))
         marker = f"{int(uuid.uuid4().int % 10**6) + 8000000}"
-        task = asyncio.ensure_future(executor.run_async(ExecRequest(
-            command=["sh", "-c", f"sleep {marker}"], timeout_s=30)))
+        task = asyncio.ensure_future(
+            executor.run_async(ExecRequest(command=["sh", "-c", f"sleep {marker}"], timeout_s=30))
+        )
         await asyncio.sleep(0.5)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -10,7 +10,11 @@ import pytest
 from posttrain.sandboxes import client, executor, runner, snapshot, tasks, verifiers, warm_pool
 
 
-@pytest.mark.parametrize("module", [executor, verifiers, snapshot, runner, client, warm_pool, tasks], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module",
+    [executor, verifiers, snapshot, runner, client, warm_pool, tasks],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples(module: object) -> None:
     outcome = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert outcome.attempted > 0

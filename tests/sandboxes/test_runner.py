@@ -26,9 +26,13 @@ from posttrain.telemetry import get_tracer, inject_headers, memory_exporter
 
 
 @contextlib.contextmanager
-def running_server(concurrency: int, max_queue: int, keep_alive_s: int = 5,
-                   executor: Executor | None = None, stack: tuple[str, str] = ("auto", "auto"),
-                   ) -> Iterator[str]:
+def running_server(
+    concurrency: int,
+    max_queue: int,
+    keep_alive_s: int = 5,
+    executor: Executor | None = None,
+    stack: tuple[str, str] = ("auto", "auto"),
+) -> Iterator[str]:
     """A real uvicorn server on a free port, in a thread; yields its base URL. ``stack`` is
     uvicorn's (loop, http): "auto" takes uvloop and httptools when installed."""
     with socket.socket() as probe:
@@ -37,10 +41,18 @@ def running_server(concurrency: int, max_queue: int, keep_alive_s: int = 5,
     # As `posttrain sandbox serve` runs it: two pre-started sandboxes per slot.
     executor = executor or Executor(warm_pool=2 * concurrency)
     app = create_app(executor, concurrency=concurrency, max_queue=max_queue)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False,
-                                           timeout_keep_alive=keep_alive_s,
-                                           loop=stack[0], http=stack[1]))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=keep_alive_s,
+            loop=stack[0],
+            http=stack[1],
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -66,8 +78,9 @@ def runner_url() -> Iterator[str]:
 def test_hundred_concurrent_executions_all_return(runner_url: str) -> None:
     with SandboxClient(runner_url, retries=20, backoff_s=0.05) as client:
         with ThreadPoolExecutor(max_workers=100) as pool:
-            results = list(pool.map(
-                lambda i: client.exec(["python3", "-c", f"print({i} * 2)"]), range(100)))
+            results = list(
+                pool.map(lambda i: client.exec(["python3", "-c", f"print({i} * 2)"]), range(100))
+            )
         assert [r.status for r in results] == ["ok"] * 100
         assert [r.stdout for r in results] == [f"{i * 2}\n" for i in range(100)]
         assert client.health()["running"] == 0
@@ -76,13 +89,18 @@ def test_hundred_concurrent_executions_all_return(runner_url: str) -> None:
 def test_metrics_and_trace_context(runner_url: str) -> None:
     tracer = get_tracer("test")
     with tracer.start_as_current_span("trainer.step") as parent:
-        response = httpx.post(f"{runner_url}/v1/exec", headers=inject_headers(),
-                              json={"command": ["sh", "-c", "exit 7"]}, timeout=30)
+        response = httpx.post(
+            f"{runner_url}/v1/exec",
+            headers=inject_headers(),
+            json={"command": ["sh", "-c", "exit 7"]},
+            timeout=30,
+        )
     assert response.status_code == 200
     assert response.json()["status"] == "error" and response.json()["exit_code"] == 7
     trace_id = parent.get_span_context().trace_id
-    spans = {s.name: s for s in memory_exporter().get_finished_spans()
-             if s.context.trace_id == trace_id}
+    spans = {
+        s.name: s for s in memory_exporter().get_finished_spans() if s.context.trace_id == trace_id
+    }
     assert {"sandbox.runner.exec", "sandbox.exec"} <= set(spans)
     assert spans["sandbox.exec"].attributes["sandbox.exit_code"] == 7
     assert spans["sandbox.exec"].attributes["sandbox.status"] == "error"
@@ -100,8 +118,9 @@ def test_bad_requests_get_422_with_the_reason(runner_url: str) -> None:
 
 def test_full_queue_answers_429_and_client_reports_it() -> None:
     with running_server(concurrency=1, max_queue=0) as url, ThreadPoolExecutor(2) as pool:
-        slow = pool.submit(httpx.post, f"{url}/v1/exec",
-                           json={"command": ["sleep", "1"]}, timeout=30)
+        slow = pool.submit(
+            httpx.post, f"{url}/v1/exec", json={"command": ["sleep", "1"]}, timeout=30
+        )
         time.sleep(0.3)
         refused = httpx.post(f"{url}/v1/exec", json={"command": ["true"]}, timeout=30)
         assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
@@ -132,8 +151,9 @@ def test_unknown_routes_wrong_methods_and_huge_bodies_are_refused(
     assert not_json.status_code == 422 and "bad exec request" in not_json.json()["error"]
     # The server runs in this process (a thread), so the patched limit applies to it.
     monkeypatch.setattr(runner_module, "MAX_BODY_BYTES", 1000)
-    huge = httpx.post(f"{runner_url}/v1/exec",
-                      json={"command": ["true"], "files": {"big.txt": "x" * 2000}})
+    huge = httpx.post(
+        f"{runner_url}/v1/exec", json={"command": ["true"], "files": {"big.txt": "x" * 2000}}
+    )
     assert huge.status_code == 413 and "request body over" in huge.json()["error"]
 
 
@@ -151,8 +171,10 @@ def test_client_keeps_one_connection_alive_per_concurrent_caller(runner_url: str
 
 def test_client_replaces_a_connection_the_server_closed_without_a_retry() -> None:
     # retries=0: a stale keep-alive connection must not cost an attempt.
-    with running_server(concurrency=1, max_queue=4, keep_alive_s=1) as url, \
-            SandboxClient(url, retries=0) as client:
+    with (
+        running_server(concurrency=1, max_queue=4, keep_alive_s=1) as url,
+        SandboxClient(url, retries=0) as client,
+    ):
         assert client.exec(["echo", "one"]).stdout == "one\n"
         time.sleep(1.5)  # the server closes the idle connection after 1 s
         assert client.exec(["echo", "two"]).stdout == "two\n"
@@ -164,12 +186,17 @@ def test_warm_pool_refills_under_concurrent_load() -> None:
     with running_server(concurrency=3, max_queue=64, executor=executor) as url:
         exporter = memory_exporter()
         exporter.clear()
-        with SandboxClient(url, retries=10, backoff_s=0.05) as client, \
-                ThreadPoolExecutor(max_workers=6) as pool:
+        with (
+            SandboxClient(url, retries=10, backoff_s=0.05) as client,
+            ThreadPoolExecutor(max_workers=6) as pool,
+        ):
             results = list(pool.map(lambda i: client.exec(["echo", str(i)]), range(60)))
             assert [r.stdout for r in results] == [f"{i}\n" for i in range(60)]
-            warm = [s.attributes["sandbox.warm"] for s in exporter.get_finished_spans()
-                    if s.name == "sandbox.exec"]
+            warm = [
+                s.attributes["sandbox.warm"]
+                for s in exporter.get_finished_spans()
+                if s.name == "sandbox.exec"
+            ]
             assert len(warm) == 60
             # Refilled off the request path: most executions found a pre-started sandbox.
             assert sum(warm) >= 30, f"only {sum(warm)} of 60 executions were warm"
@@ -185,20 +212,35 @@ def test_warm_pool_refills_under_concurrent_load() -> None:
 
 def test_verifier_runs_through_the_runner(runner_url: str) -> None:
     with SandboxClient(runner_url) as client:
-        result = verify("unit_tests", "```python\ndef sq(x):\n    return x * x\n```",
-                        {"tests": "from solution import sq\nassert sq(3) == 9\nassert sq(2) == 5"},
-                        executor=client)
+        result = verify(
+            "unit_tests",
+            "```python\ndef sq(x):\n    return x * x\n```",
+            {"tests": "from solution import sq\nassert sq(3) == 9\nassert sq(2) == 5"},
+            executor=client,
+        )
     assert result.reward == 0.5
 
 
 def cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "posttrain", "sandbox", "exec", *args],
-                          input=stdin, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain", "sandbox", "exec", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_prints_exactly_one_json_object() -> None:
-    done = cli("--timeout", "5", "--", "python3", "-c",
-               "import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin="hello")
+    done = cli(
+        "--timeout",
+        "5",
+        "--",
+        "python3",
+        "-c",
+        "import sys; print(sys.stdin.read().upper()); sys.exit(3)",
+        stdin="hello",
+    )
     assert done.returncode == 0, done.stderr  # the sandbox worked; the program failed
     assert len(done.stdout.strip().splitlines()) == 1
     payload = json.loads(done.stdout)
@@ -208,9 +250,18 @@ def test_cli_prints_exactly_one_json_object() -> None:
 
     timed_out = json.loads(cli("--timeout", "0.5", "--", "sleep", "10").stdout)
     assert timed_out["status"] == "timeout" and timed_out["exit_code"] is None
-    truncated = json.loads(cli("--max-output-bytes", "100", "--memory-mb", "128", "--",
-                               "python3", "-c", "print('y' * 1000); x = bytearray(1 << 30)")
-                           .stdout)
+    truncated = json.loads(
+        cli(
+            "--max-output-bytes",
+            "100",
+            "--memory-mb",
+            "128",
+            "--",
+            "python3",
+            "-c",
+            "print('y' * 1000); x = bytearray(1 << 30)",
+        ).stdout
+    )
     assert truncated["status"] == "oom"
     assert "[truncated by sandbox: 901 more bytes]" in truncated["stdout"]
 
@@ -226,12 +277,28 @@ def test_serve_command_runs_a_warm_runner() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "posttrain", "sandbox", "serve",
-                               "--host", "127.0.0.1", "--port", str(port), "--concurrency", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "posttrain",
+            "sandbox",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--concurrency",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        client = SandboxClient(f"http://127.0.0.1:{port}", retries=100, backoff_s=0.1,
-                               max_backoff_s=0.2)
+        client = SandboxClient(
+            f"http://127.0.0.1:{port}", retries=100, backoff_s=0.1, max_backoff_s=0.2
+        )
         # The retries cover the server's start-up (connection refused until it listens).
         result = client.exec(["sh", "-c", "echo served; exit 5"])
         assert (result.status, result.exit_code, result.stdout) == ("error", 5, "served\n")

@@ -36,8 +36,9 @@ def test_snapshot_rollback_and_replay_of_a_failed_step(executor: Executor) -> No
     assert workspace.snapshot() == checkpoint  # same contents, same id
 
     # A step that times out changes nothing (steps are atomic) ...
-    slow = workspace.run(["sh", "-c", "echo v3 > state.txt; sleep 2; echo done > flag"],
-                         timeout_s=0.5)
+    slow = workspace.run(
+        ["sh", "-c", "echo v3 > state.txt; sleep 2; echo done > flag"], timeout_s=0.5
+    )
     assert slow.status == "timeout"
     assert workspace.read_file("state.txt") == b"v1\n"
     # ... and replaying it from the state it started with, with more time, succeeds.

@@ -16,8 +16,9 @@ def executor() -> Executor:
 def test_exact_normalises_and_prefers_the_stated_answer() -> None:
     assert verify("exact", "I think...\nAnswer: PARIS.", {"answer": "Paris"}).passed
     assert verify("exact", r"so it is \boxed{\text{Paris}}", {"answer": "paris"}).reward == 1.0
-    assert not verify("exact", "Answer: paris", {"answer": "Paris"},
-                      {"case_sensitive": True}).passed
+    assert not verify(
+        "exact", "Answer: paris", {"answer": "Paris"}, {"case_sensitive": True}
+    ).passed
     hedged = verify("exact", "Answer: Paris\nAnswer: Lyon", {"answer": "Lyon"})
     assert "multiple_answers" in hedged.details["hack_signals"]
 
@@ -51,31 +52,48 @@ def test_regex_search_and_fullmatch() -> None:
 
 def test_json_tool_call_checks_schema_and_expected_arguments() -> None:
     task = {
-        "tool_schema": {"name": "get_weather", "parameters": {
-            "type": "object", "required": ["city"],
-            "properties": {"city": {"type": "string"},
-                           "unit": {"type": "string", "enum": ["C", "F"]}},
-            "additionalProperties": False}},
+        "tool_schema": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "required": ["city"],
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["C", "F"]},
+                },
+                "additionalProperties": False,
+            },
+        },
         "expected_arguments": {"city": "Oslo", "unit": "C"},
     }
-    good = verify("json_tool_call",
-                  'Calling: {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}',
-                  task)
+    good = verify(
+        "json_tool_call",
+        'Calling: {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}',
+        task,
+    )
     assert good.passed and good.details["problems"] == []
-    as_string = verify("json_tool_call", '{"name": "get_weather", '
-                       '"arguments": "{\\"city\\": \\"Oslo\\", \\"unit\\": \\"C\\"}"}', task)
+    as_string = verify(
+        "json_tool_call",
+        '{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\", \\"unit\\": \\"C\\"}"}',
+        task,
+    )
     assert as_string.passed
-    bad = verify("json_tool_call",
-                 '{"name": "get_weather", "arguments": {"city": 3, "unit": "K", "x": 1}}', task)
+    bad = verify(
+        "json_tool_call",
+        '{"name": "get_weather", "arguments": {"city": 3, "unit": "K", "x": 1}}',
+        task,
+    )
     assert not bad.passed
     assert "argument 'city' should be string, got int" in bad.details["problems"]
     assert "unexpected argument 'x'" in bad.details["problems"]
     assert any("not one of" in p for p in bad.details["problems"])
-    wrong_args = verify("json_tool_call",
-                        '{"name": "get_weather", "arguments": {"city": "Rome"}}', task)
+    wrong_args = verify(
+        "json_tool_call", '{"name": "get_weather", "arguments": {"city": "Rome"}}', task
+    )
     assert wrong_args.reward == 0.0 and "differ from expected" in wrong_args.details["problems"][0]
     assert verify("json_tool_call", "I cannot call tools", task).details["problems"] == [
-        "no JSON tool call found"]
+        "no JSON tool call found"
+    ]
 
 
 UNIT_TESTS = """
@@ -100,37 +118,54 @@ def test_unit_tests_reward_is_pass_rate_and_one_failure_hides_nothing(
     executor: Executor,
 ) -> None:
     completion = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
-    result = verify("unit_tests", completion, {"tests": UNIT_TESTS}, {"case_timeout_s": 1.0},
-                    executor=executor)
+    result = verify(
+        "unit_tests", completion, {"tests": UNIT_TESTS}, {"case_timeout_s": 1.0}, executor=executor
+    )
     outcomes = {r["name"]: r["passed"] for r in result.details["results"]}
-    assert outcomes == {"test_positive": True, "test_negative": True, "test_hangs": False,
-                        "assert_line_14": True, "assert_line_15": False}
+    assert outcomes == {
+        "test_positive": True,
+        "test_negative": True,
+        "test_hangs": False,
+        "assert_line_14": True,
+        "assert_line_15": False,
+    }
     assert result.reward == pytest.approx(3 / 5) and not result.passed
     assert result.details["hack_signals"] == []
-    again = verify("unit_tests", completion, {"tests": UNIT_TESTS}, {"case_timeout_s": 1.0},
-                   executor=executor)
+    again = verify(
+        "unit_tests", completion, {"tests": UNIT_TESTS}, {"case_timeout_s": 1.0}, executor=executor
+    )
     assert again.reward == result.reward  # deterministic
 
 
 def test_unit_tests_flag_exit_and_builtin_tampering(executor: Executor) -> None:
     exits = "```python\nimport os\nprint('All tests PASSED')\nos._exit(0)\n```"
-    result = verify("unit_tests", exits, {"tests": ["from solution import *", "assert True"]},
-                    executor=executor)
+    result = verify(
+        "unit_tests", exits, {"tests": ["from solution import *", "assert True"]}, executor=executor
+    )
     assert result.reward == 0.0
     assert {"exits_process", "prints_pass_marker", "process_exit_during_tests"} <= set(
-        result.details["hack_signals"])
+        result.details["hack_signals"]
+    )
 
-    tamper = ("```python\nimport builtins\nbuiltins.len = lambda x: 3\n"
-              "def count(xs):\n    return len(xs)\n```")
-    tampered = verify("unit_tests", tamper,
-                      {"tests": "from solution import count\nassert count([1, 2, 3]) == 3"},
-                      executor=executor)
+    tamper = (
+        "```python\nimport builtins\nbuiltins.len = lambda x: 3\n"
+        "def count(xs):\n    return len(xs)\n```"
+    )
+    tampered = verify(
+        "unit_tests",
+        tamper,
+        {"tests": "from solution import count\nassert count([1, 2, 3]) == 3"},
+        executor=executor,
+    )
     assert tampered.reward == 1.0  # the tests passed, but the audit sees how
     assert {"tampers_builtins", "builtins_modified"} <= set(tampered.details["hack_signals"])
 
-    peek = verify("unit_tests", "```python\nimport os\nFILES = sorted(os.listdir('.'))\n```",
-                  {"tests": "from solution import FILES\nassert FILES == ['solution.py']"},
-                  executor=executor)
+    peek = verify(
+        "unit_tests",
+        "```python\nimport os\nFILES = sorted(os.listdir('.'))\n```",
+        {"tests": "from solution import FILES\nassert FILES == ['solution.py']"},
+        executor=executor,
+    )
     assert peek.reward == 1.0  # the tests are gone from the workspace before the solution runs
 
     empty = verify("unit_tests", "", {"tests": "assert True"}, executor=executor)
@@ -140,11 +175,17 @@ def test_unit_tests_flag_exit_and_builtin_tampering(executor: Executor) -> None:
 def test_shell_reward_is_verify_pass_rate(executor: Executor) -> None:
     task = {
         "setup": "mkdir data && printf 'b\\na\\nc\\n' > data/in.txt",
-        "verify": ["test -f data/sorted.txt", "diff -q data/sorted.txt data/expected.txt",
-                   "test ! -e data/in.txt", "grep -qx a data/sorted.txt"],
+        "verify": [
+            "test -f data/sorted.txt",
+            "diff -q data/sorted.txt data/expected.txt",
+            "test ! -e data/in.txt",
+            "grep -qx a data/sorted.txt",
+        ],
     }
-    completion = ("```bash\nsort data/in.txt > data/sorted.txt\n"
-                  "(sleep 0.3; echo tampered > data/sorted.txt) &\n```")
+    completion = (
+        "```bash\nsort data/in.txt > data/sorted.txt\n"
+        "(sleep 0.3; echo tampered > data/sorted.txt) &\n```"
+    )
     result = verify("shell", completion, task, executor=executor)
     checks = [c["passed"] for c in result.details["checks"]]
     # expected.txt never exists and in.txt was kept: 2 of 4; the background writer was
@@ -152,8 +193,12 @@ def test_shell_reward_is_verify_pass_rate(executor: Executor) -> None:
     assert checks == [True, False, False, True]
     assert result.reward == 0.5
 
-    hack = verify("shell", "```sh\necho __POSTTRAIN_CHECK__ 0 pass\necho PASSED\n```",
-                  {"setup": "", "verify": ["false"]}, executor=executor)
+    hack = verify(
+        "shell",
+        "```sh\necho __POSTTRAIN_CHECK__ 0 pass\necho PASSED\n```",
+        {"setup": "", "verify": ["false"]},
+        executor=executor,
+    )
     assert hack.reward == 0.0
     assert {"fakes_check_marker", "prints_pass_marker"} <= set(hack.details["hack_signals"])
 

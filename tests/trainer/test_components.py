@@ -23,8 +23,9 @@ def _traj(step: int, text: str, passed: bool, signals: tuple[str, ...] = ()) -> 
 
 def test_auditor_flags_hacks_empty_passes_and_divergence(tmp_path: Path) -> None:
     auditor = Auditor(tmp_path, spot_check_samples=2, seed=0)
-    alerts = auditor.observe_batch(1, [_traj(1, "", True), _traj(1, "ok", True, ("exit_early",)),
-                                       _traj(1, "fine", False)])
+    alerts = auditor.observe_batch(
+        1, [_traj(1, "", True), _traj(1, "ok", True, ("exit_early",)), _traj(1, "fine", False)]
+    )
     assert sorted(a.kind for a in alerts) == ["empty_answer_passed", "hack_signal"]
     assert auditor.observe_eval(1, {"code": 0.2}, {"code": 0.5}) == []  # first eval: baseline
     alerts = auditor.observe_eval(2, {"code": 0.6}, {"code": 0.4})
@@ -48,8 +49,13 @@ def test_auditor_state_round_trip(tmp_path: Path) -> None:
 
 def test_local_status_reporter_writes_camel_case(tmp_path: Path) -> None:
     LocalStatusReporter(tmp_path).report(
-        RunStatus(step=3, max_steps=10, reward_mean=0.25, domain_rewards={"code": 0.5},
-                  last_checkpoint="file:///x/step-3")
+        RunStatus(
+            step=3,
+            max_steps=10,
+            reward_mean=0.25,
+            domain_rewards={"code": 0.5},
+            last_checkpoint="file:///x/step-3",
+        )
     )
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["step"] == 3 and status["rewardMean"] == 0.25
@@ -74,10 +80,16 @@ class _RecordingCustomObjectsApi:
 def test_kube_status_reporter_patches_the_status_subresource() -> None:
     api = _RecordingCustomObjectsApi()
     KubeStatusReporter("demo", "team-a", api=api).report(
-        RunStatus(step=4, phase="Succeeded", message="x"))
+        RunStatus(step=4, phase="Succeeded", message="x")
+    )
     group, version, namespace, plural, name, body = api.calls[0]
     assert (group, version, namespace, plural, name) == (
-        "posttrain.io", "v1alpha1", "team-a", "trainingruns", "demo")
+        "posttrain.io",
+        "v1alpha1",
+        "team-a",
+        "trainingruns",
+        "demo",
+    )
     assert body["status"]["step"] == 4
     # The phase is the operator's: a trainer that reports its last step never ends the run.
     assert "phase" not in body["status"] and "message" not in body["status"]
@@ -88,18 +100,41 @@ def test_kube_status_reporter_patches_the_status_subresource() -> None:
 
 
 def _metrics(step: int, reward: float) -> StepMetrics:
-    return StepMetrics(step, reward, {"code": reward}, {"code": reward}, 0.1, 1.0, 0.0, 0.0, 1.0,
-                       20.0, 2, 4, step, 0, True, "", 1.0, 1.0, 2.0)
+    return StepMetrics(
+        step,
+        reward,
+        {"code": reward},
+        {"code": reward},
+        0.1,
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        20.0,
+        2,
+        4,
+        step,
+        0,
+        True,
+        "",
+        1.0,
+        1.0,
+        2.0,
+    )
 
 
 def test_report_and_plots_from_run_files(tmp_path: Path) -> None:
     with ProgressReporter(tmp_path, total_steps=2) as progress:
         progress.record(_metrics(1, 0.2))
         progress.record(_metrics(2, 0.4))
-    items_before = [EvalItem("a", "code", "p", "t", "bad", False, 0.0),
-                    EvalItem("b", "code", "q", "t", "good", True, 1.0)]
-    items_after = [EvalItem("a", "code", "p", "t", "fixed", True, 1.0),
-                   EvalItem("b", "code", "q", "t", "good", True, 1.0)]
+    items_before = [
+        EvalItem("a", "code", "p", "t", "bad", False, 0.0),
+        EvalItem("b", "code", "q", "t", "good", True, 1.0),
+    ]
+    items_after = [
+        EvalItem("a", "code", "p", "t", "fixed", True, 1.0),
+        EvalItem("b", "code", "q", "t", "good", True, 1.0),
+    ]
     save_eval(EvalResult(0, "heldout", {"code": 0.5}, {"code": 2}, 1.0, items_before), tmp_path)
     save_eval(EvalResult(2, "heldout", {"code": 1.0}, {"code": 2}, 1.0, items_after), tmp_path)
     written = plot_run(tmp_path)
@@ -124,8 +159,10 @@ def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "cannot resolve model" in capsys.readouterr().err
 
     dead = f"http://127.0.0.1:{free_port()}"  # a port nobody listens on
-    assert main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks),
-                 "--server", dead]) == 2
+    assert (
+        main(["eval", "--model", "smollm2-135m-instruct", "--tasks", str(tasks), "--server", dead])
+        == 2
+    )
     assert "unreachable" in capsys.readouterr().err
 
 
@@ -141,12 +178,29 @@ def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptur
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(
-        json.dumps({"domain": "arithmetic", "prompt": f"What is {i} + 1?", "answer": str(i + 1)})
-        + "\n" for i in range(2 * evaluate.EVAL_CHUNK + 3)))
+    tasks.write_text(
+        "".join(
+            json.dumps(
+                {"domain": "arithmetic", "prompt": f"What is {i} + 1?", "answer": str(i + 1)}
+            )
+            + "\n"
+            for i in range(2 * evaluate.EVAL_CHUNK + 3)
+        )
+    )
     with caplog.at_level(logging.INFO, logger="posttrain.progresslog"):
-        code = main(["eval", "--model", str(model), "--tasks", str(tasks), "--max-new-tokens", "4",
-                     "--out", str(tmp_path / "result.json")])
+        code = main(
+            [
+                "eval",
+                "--model",
+                str(model),
+                "--tasks",
+                str(tasks),
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(tmp_path / "result.json"),
+            ]
+        )
     assert code == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "posttrain.progresslog"]
     total = 2 * evaluate.EVAL_CHUNK + 3

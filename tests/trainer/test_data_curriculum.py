@@ -98,8 +98,10 @@ def test_quota_slots_beyond_the_batch_are_shared_out_by_weight() -> None:
     # Sampling without replacement flattens the 3:1 a little (a heavy domain cannot take
     # two quota slots of one batch), but the share still clearly follows the weight.
     assert 2.0 < heavy / light < 3.2
-    first, last = sum(counts[f"d{i:03d}"] for i in range(64)), sum(
-        counts[f"d{i:03d}"] for i in range(236, 300))
+    first, last = (
+        sum(counts[f"d{i:03d}"] for i in range(64)),
+        sum(counts[f"d{i:03d}"] for i in range(236, 300)),
+    )
     assert abs(first - last) / last < 0.15  # name order no longer decides
 
 
@@ -108,19 +110,30 @@ def test_a_domain_weight_is_applied_once() -> None:
     # same loss coefficient, so the domains' gradient shares are ~3:1, not 9:1
     # (docs/trainer.md, "Domain weights").
     tasks = {d: [Task(d, f"{d} {i}", "1") for i in range(50)] for d in ("a", "b")}
-    cur = Curriculum([DomainPool.from_tasks("a", tasks["a"], 3.0),
-                      DomainPool.from_tasks("b", tasks["b"], 1.0)], seed=0)
+    cur = Curriculum(
+        [DomainPool.from_tasks("a", tasks["a"], 3.0), DomainPool.from_tasks("b", tasks["b"], 1.0)],
+        seed=0,
+    )
     share = {"a": 0.0, "b": 0.0}
     for step in range(1, 101):
         chosen = cur.next_prompts(16)
-        groups = [[Completion(i, "x", [1] * 5, [-1.0] * 5, "stop", 0) for _ in range(2)]
-                  for i in range(len(chosen))]
+        groups = [
+            [Completion(i, "x", [1] * 5, [-1.0] * 5, "stop", 0) for _ in range(2)]
+            for i in range(len(chosen))
+        ]
         batch = RolloutBatch(RolloutRequest(step, chosen, [[0]] * len(chosen), 0), groups, 0.0)
         scored = [[ScoredSample(r, r, 0.0, r > 0) for r in (1.0, 0.0)] for _ in chosen]
-        prepared = prepare_batch(batch, scored, algorithm="grpo", dynamic_sampling=True,
-                                 loss_config=LossConfig(), step=step)
-        for sample, (task, _) in zip(prepared.samples,
-                                     [(t, j) for t in chosen for j in range(2)], strict=True):
+        prepared = prepare_batch(
+            batch,
+            scored,
+            algorithm="grpo",
+            dynamic_sampling=True,
+            loss_config=LossConfig(),
+            step=step,
+        )
+        for sample, (task, _) in zip(
+            prepared.samples, [(t, j) for t in chosen for j in range(2)], strict=True
+        ):
             share[task.domain] += sample.coefficient
     assert 2.6 < share["a"] / share["b"] < 3.4
 

@@ -40,7 +40,21 @@ def test_local_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"domain": "arithmetic", "prompt": "What is 2 + 3?", "answer": "5"}\n')
     result = tmp_path / "eval.json"
-    assert main(["eval", "--model", str(latest), "--tasks", str(tasks), "--out", str(result),
-                 "--max-new-tokens", "16"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(latest),
+                "--tasks",
+                str(tasks),
+                "--out",
+                str(result),
+                "--max-new-tokens",
+                "16",
+            ]
+        )
+        == 0
+    )
     scored = json.loads(result.read_text())
     assert scored["counts"] == {"arithmetic": 1} and len(scored["items"]) == 1

@@ -46,13 +46,27 @@ def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_tiny_model(root / "model", seed=0)
     manifest = root / "run.yaml"
     manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, root / "store")))
-    run = subprocess.run([str(Path(sys.executable).with_name("posttrain")), "run",
-                          str(manifest), "--local", "--out", str(root / "out")],
-                         capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("posttrain")),
+            "run",
+            str(manifest),
+            "--local",
+            "--out",
+            str(root / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
-    return {"root": root, "log": log, "stdout": run.stdout,
-            "metrics": [load_metrics(root / "out"), load_metrics(root / "out/rank1")]}
+    return {
+        "root": root,
+        "log": log,
+        "stdout": run.stdout,
+        "metrics": [load_metrics(root / "out"), load_metrics(root / "out/rank1")],
+    }
 
 
 @pytest.mark.slow  # two ranks + a rollout server on 2 cores: ~2-3 min
@@ -67,11 +81,18 @@ def test_local_run_trains_on_two_cpu_ranks_in_lockstep(two_local_ranks: dict[str
         assert a["loss"] == b["loss"]  # the step's loss is reduced over ranks too
     assert [m["staleness"] for m in rank0 + rank1] == [0, 0, 0, 0]
     # both ranks' shards are in the committed checkpoint, with rank 0's HF export
-    manifest = json.loads((two_local_ranks["root"] /
-                           "store/checkpoints/step-00000002/manifest.json").read_text())
+    manifest = json.loads(
+        (two_local_ranks["root"] / "store/checkpoints/step-00000002/manifest.json").read_text()
+    )
     files = {f["path"] for f in manifest["files"]}
-    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata", "model.safetensors",
-            "config.json", "trainer_state.json"} <= files
+    assert {
+        "dcp/__0_0.distcp",
+        "dcp/__1_0.distcp",
+        "dcp/.metadata",
+        "model.safetensors",
+        "config.json",
+        "trainer_state.json",
+    } <= files
 
 
 @pytest.mark.slow
@@ -87,9 +108,19 @@ def test_a_failing_local_rank_fails_the_run(tmp_path: Path) -> None:
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, tmp_path / "store")))
     # The timeout only guards the suite: Gloo's collective timeout (30 min) is longer.
-    run = subprocess.run([str(Path(sys.executable).with_name("posttrain")), "run",
-                          str(manifest), "--local", "--out", str(out)],
-                         capture_output=True, text=True, timeout=1500)
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("posttrain")),
+            "run",
+            str(manifest),
+            "--local",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert run.returncode != 0
     assert "FileExistsError" in run.stderr and "rank1" in run.stderr, run.stderr[-4000:]
     # Rank 0 did not wait out Gloo's 30-minute collective timeout: the run ended inside the
@@ -112,10 +143,14 @@ def ray_two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         for attempt in range(3):
             cluster = Cluster()
             try:
-                cluster.add_node(num_cpus=1, gcs_server_port=free_port(),
-                                 include_dashboard=False, temp_dir=str(temp_dir / "ray"),
-                                 dashboard_agent_listen_port=free_port(),
-                                 object_store_memory=100 * 1024 * 1024)
+                cluster.add_node(
+                    num_cpus=1,
+                    gcs_server_port=free_port(),
+                    include_dashboard=False,
+                    temp_dir=str(temp_dir / "ray"),
+                    dashboard_agent_listen_port=free_port(),
+                    object_store_memory=100 * 1024 * 1024,
+                )
                 cluster.add_node(num_cpus=1, object_store_memory=100 * 1024 * 1024)
                 break
             except Exception:
@@ -141,14 +176,27 @@ def _manifest(model: Path, storage: Path) -> dict[str, Any]:
         "spec": {
             "model": str(model),
             "resources": {"nodes": 2},
-            "algorithm": {"name": "grpo", "lossAggregation": "sequence_mean", "groupSize": 4,
-                          "promptsPerStep": 4, "maxSteps": 2, "learningRate": 1e-3,
-                          "maxNewTokens": 6, "microBatchSize": 4, "dynamicSampling": False,
-                          "seed": 3},
+            "algorithm": {
+                "name": "grpo",
+                "lossAggregation": "sequence_mean",
+                "groupSize": 4,
+                "promptsPerStep": 4,
+                "maxSteps": 2,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 4,
+                "dynamicSampling": False,
+                "seed": 3,
+            },
             # A random tiny model never answers arithmetic; "two capital letters" passes about
             # half of its completions, so groups carry signal and the gradient is not zero.
-            "domains": [{"name": "arithmetic", "dataset": "builtin:arithmetic",
-                         "verifier": {"kind": "regex", "config": {"pattern": "[A-Z].*[A-Z]"}}}],
+            "domains": [
+                {
+                    "name": "arithmetic",
+                    "dataset": "builtin:arithmetic",
+                    "verifier": {"kind": "regex", "config": {"pattern": "[A-Z].*[A-Z]"}},
+                }
+            ],
             "evaluation": {"everySteps": 2, "maxItemsPerDomain": 2},
             "checkpoint": {"everySteps": 1, "keepLast": 2, "storageUri": str(storage)},
             "audit": {"spotCheckSamples": 4},
@@ -188,19 +236,37 @@ def two_node_run(ray_two_nodes: str, tmp_path_factory: pytest.TempPathFactory) -
     manifest.write_text(yaml.safe_dump(_manifest(model, storage)))
     spec = load_manifest(manifest, TrainingRun).spec
     with LocalRolloutServer(str(model), root / "server.log") as server:
-        env = {**os.environ, "RAY_ADDRESS": ray_two_nodes,
-               "POSTTRAIN_ROLLOUT_ENDPOINTS": server.url, "POSTTRAIN_RAY_NODE_WAIT_S": "60"}
+        env = {
+            **os.environ,
+            "RAY_ADDRESS": ray_two_nodes,
+            "POSTTRAIN_ROLLOUT_ENDPOINTS": server.url,
+            "POSTTRAIN_RAY_NODE_WAIT_S": "60",
+        }
         env.pop("POSTTRAIN_NODES", None)
         posttrain = Path(sys.executable).with_name("posttrain")
         # A relative --out, as a person types it: the actors must not resolve it in Ray's cwd.
-        run = subprocess.run([str(posttrain), "run", str(manifest), "--out", "out"], cwd=root,
-                             env=env, capture_output=True, text=True, timeout=900)
+        run = subprocess.run(
+            [str(posttrain), "run", str(manifest), "--out", "out"],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
     assert "run finished: 2 steps" in run.stdout, log[-6000:]
     records = list(read_trajectories(open_store(str(storage)), "trajectories"))
-    return TwoNodeRun(ray_two_nodes, model, out, storage, spec, log,
-                      [load_metrics(out), load_metrics(out / "rank1")], records)
+    return TwoNodeRun(
+        ray_two_nodes,
+        model,
+        out,
+        storage,
+        spec,
+        log,
+        [load_metrics(out), load_metrics(out / "rank1")],
+        records,
+    )
 
 
 @pytest.mark.slow  # Ray cluster + two torch actors + a rollout server: ~1.5-2.5 min on 2 cores
@@ -219,14 +285,17 @@ def test_both_ranks_train_in_lockstep_on_two_ray_nodes(two_node_run: TwoNodeRun)
     from posttrain.storage.store import open_store
     from posttrain.storage.trajectories import list_chunks
 
-    writers = {key.rsplit("/", 1)[-1].split("-")[1]
-               for key in list_chunks(open_store(str(run.storage)), "trajectories")}
+    writers = {
+        key.rsplit("/", 1)[-1].split("-")[1]
+        for key in list_chunks(open_store(str(run.storage)), "trajectories")
+    }
     assert writers == {"rank0", "rank1"}
     per_rank_step = run.spec.algorithm.prompts_per_step // 2 * run.spec.algorithm.group_size
     for step in (1, 2):
         assert sum(r["step"] == step for r in run.records) == 2 * per_rank_step, step
-    assert all(len(r["completion_logprobs"]) == len(r["completion_token_ids"]) > 0
-               for r in run.records)
+    assert all(
+        len(r["completion_logprobs"]) == len(r["completion_token_ids"]) > 0 for r in run.records
+    )
 
 
 def _replay_step(model: Path, records: list[dict[str, Any]], spec: Any) -> Any:
@@ -238,15 +307,27 @@ def _replay_step(model: Path, records: list[dict[str, Any]], spec: Any) -> Any:
     algo = spec.algorithm
     config = loss_config(algo)
     lengths = [len(r["completion_token_ids"]) for r in records]
-    coefficients = sequence_coefficients(lengths, config.aggregation,
-                                         config.max_new_tokens)
-    samples = [TrainSample(r["prompt_token_ids"], r["completion_token_ids"],
-                           r["completion_logprobs"], r["advantage"], c)
-               for r, c in zip(records, coefficients, strict=True)]
-    policy = Policy(model, learning_rate=algo.learning_rate, weight_decay=algo.weight_decay,
-                    seed=algo.seed)
-    stats = policy.train_step(samples, config, micro_batch_size=algo.micro_batch_size,
-                              grad_clip=algo.grad_clip, temperature=algo.temperature)
+    coefficients = sequence_coefficients(lengths, config.aggregation, config.max_new_tokens)
+    samples = [
+        TrainSample(
+            r["prompt_token_ids"],
+            r["completion_token_ids"],
+            r["completion_logprobs"],
+            r["advantage"],
+            c,
+        )
+        for r, c in zip(records, coefficients, strict=True)
+    ]
+    policy = Policy(
+        model, learning_rate=algo.learning_rate, weight_decay=algo.weight_decay, seed=algo.seed
+    )
+    stats = policy.train_step(
+        samples,
+        config,
+        micro_batch_size=algo.micro_batch_size,
+        grad_clip=algo.grad_clip,
+        temperature=algo.temperature,
+    )
     return policy, stats
 
 
@@ -282,8 +363,9 @@ def test_two_rank_step_equals_single_process_step_over_global_batch(
 
 
 @pytest.mark.slow
-def test_rank0_checkpoint_loads_with_optimizer_state(two_node_run: TwoNodeRun,
-                                                     tmp_path: Path) -> None:
+def test_rank0_checkpoint_loads_with_optimizer_state(
+    two_node_run: TwoNodeRun, tmp_path: Path
+) -> None:
     from posttrain.storage.store import open_store
     from posttrain.trainer.checkpoint import Checkpointer
     from posttrain.trainer.policy import Policy
@@ -291,7 +373,8 @@ def test_rank0_checkpoint_loads_with_optimizer_state(two_node_run: TwoNodeRun,
     run = two_node_run
     lr = run.spec.algorithm.learning_rate
     restored = Checkpointer(open_store(str(run.storage)), keep_last=2, keep_best=False).restore(
-        lambda d: Policy(d, learning_rate=lr), tmp_path / "scratch")
+        lambda d: Policy(d, learning_rate=lr), tmp_path / "scratch"
+    )
     assert restored is not None
     policy, state = restored
     assert state.step == 2 and state.weight_version == 2
@@ -328,12 +411,25 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging(
     manifest = tmp_path / "run.yaml"
     manifest.write_text(yaml.safe_dump(_manifest(two_node_run.model, tmp_path / "store")))
     with LocalRolloutServer(str(two_node_run.model), tmp_path / "server.log") as server:
-        env = {**os.environ, "RAY_ADDRESS": two_node_run.ray_address,
-               "POSTTRAIN_ROLLOUT_ENDPOINTS": server.url}
+        env = {
+            **os.environ,
+            "RAY_ADDRESS": two_node_run.ray_address,
+            "POSTTRAIN_ROLLOUT_ENDPOINTS": server.url,
+        }
         started = time.monotonic()
         run = subprocess.run(
-            [str(Path(sys.executable).with_name("posttrain")), "run", str(manifest),
-             "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+            [
+                str(Path(sys.executable).with_name("posttrain")),
+                "run",
+                str(manifest),
+                "--out",
+                str(out),
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         seconds = time.monotonic() - started
     assert run.returncode != 0
     assert "FileExistsError" in run.stderr and "rank1" in run.stderr, run.stderr[-4000:]

@@ -7,10 +7,31 @@ import importlib
 
 import pytest
 
-MODULES = ["advantages", "audit", "curriculum", "datasets", "distributed", "dpo", "evaluate",
-           "interrupt", "loop", "loss", "many_domains", "pipeline", "report", "rewards",
-           "rollouts", "rundata", "server_process", "sft", "stage_data", "status",
-           "task_sources", "verification", "weight_sync"]
+MODULES = [
+    "advantages",
+    "audit",
+    "curriculum",
+    "datasets",
+    "distributed",
+    "dpo",
+    "evaluate",
+    "interrupt",
+    "loop",
+    "loss",
+    "many_domains",
+    "pipeline",
+    "report",
+    "rewards",
+    "rollouts",
+    "rundata",
+    "server_process",
+    "sft",
+    "stage_data",
+    "status",
+    "task_sources",
+    "verification",
+    "weight_sync",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -82,10 +82,13 @@ def test_policy_on_a_gpu_computes_in_bf16_with_fp32_master_weights(tiny_model: P
 
     policy = Policy(tiny_model, learning_rate=LR, engine=EngineOptions(gpus_per_node=1))
     assert policy.plan.backend == "nccl" and policy.dtype == torch.bfloat16
-    assert all(p.to_local().device.type == "cuda" and p.dtype == torch.float32
-               for p in policy.module.parameters())
-    stats = policy.train_step(_samples(policy), LossConfig(), micro_batch_size=2,
-                              grad_clip=1.0, temperature=1.0, step=1)
+    assert all(
+        p.to_local().device.type == "cuda" and p.dtype == torch.float32
+        for p in policy.module.parameters()
+    )
+    stats = policy.train_step(
+        _samples(policy), LossConfig(), micro_batch_size=2, grad_clip=1.0, temperature=1.0, step=1
+    )
     assert stats.applied
 
 
@@ -137,8 +140,10 @@ def test_policy_logprobs_do_not_depend_on_the_chunk_size(tiny_model: Path) -> No
 
 
 def _moments_by_name(policy: Policy) -> dict[str, torch.Tensor]:
-    names = {id(p): n.replace("._checkpoint_wrapped_module", "")
-             for n, p in policy.module.named_parameters()}
+    names = {
+        id(p): n.replace("._checkpoint_wrapped_module", "")
+        for n, p in policy.module.named_parameters()
+    }
     return {names[id(p)]: state["exp_avg"] for p, state in policy.optimizer.state.items()}
 
 
@@ -148,13 +153,15 @@ def test_activation_checkpointing_gives_the_same_update(tiny_model: Path) -> Non
     from posttrain.trainer.policy import EngineOptions
 
     plain = Policy(tiny_model, learning_rate=LR)
-    recomputing = Policy(tiny_model, learning_rate=LR,
-                         engine=EngineOptions(activation_checkpointing=True))
+    recomputing = Policy(
+        tiny_model, learning_rate=LR, engine=EngineOptions(activation_checkpointing=True)
+    )
     assert not recomputing.module.share_prompts
     samples = _samples(plain)
     for policy in (plain, recomputing):
-        assert policy.train_step(samples, LossConfig(), micro_batch_size=3, grad_clip=1e9,
-                                 temperature=1.0, step=1).applied
+        assert policy.train_step(
+            samples, LossConfig(), micro_batch_size=3, grad_clip=1e9, temperature=1.0, step=1
+        ).applied
     expected, actual = _moments_by_name(plain), _moments_by_name(recomputing)
     assert expected.keys() == actual.keys()
     for name, moment in expected.items():
@@ -171,8 +178,14 @@ def test_bf16_on_one_cpu_process_keeps_fp32_master_weights(tiny_model: Path) -> 
         policy = Policy(tiny_model, learning_rate=LR, engine=EngineOptions(precision="bf16"))
         assert policy.sharded and policy.dtype == torch.bfloat16
         assert all(p.dtype == torch.float32 for p in policy.module.parameters())
-        stats = policy.train_step(_samples(policy), LossConfig(), micro_batch_size=4,
-                                  grad_clip=1.0, temperature=1.0, step=1)
+        stats = policy.train_step(
+            _samples(policy),
+            LossConfig(),
+            micro_batch_size=4,
+            grad_clip=1.0,
+            temperature=1.0,
+            step=1,
+        )
         assert stats.applied and stats.grad_norm > 0
         exported = dict(policy.full_weights())
         assert {t.dtype for t in exported.values()} == {torch.bfloat16}
@@ -187,25 +200,41 @@ def test_bf16_on_one_cpu_process_keeps_fp32_master_weights(tiny_model: Path) -> 
 def test_warmup_then_cosine_learning_rate(tiny_model: Path) -> None:
     from posttrain.trainer.policy import EngineOptions
 
-    factors = [lr_factor(s, warmup_steps=4, total_steps=20, schedule="cosine", min_ratio=0.1)
-               for s in range(1, 21)]
+    factors = [
+        lr_factor(s, warmup_steps=4, total_steps=20, schedule="cosine", min_ratio=0.1)
+        for s in range(1, 21)
+    ]
     assert factors[:4] == [0.25, 0.5, 0.75, 1.0]
     assert all(a >= b for a, b in itertools.pairwise(factors[3:]))  # decays after warm-up
     assert factors[-1] == pytest.approx(0.1)
-    policy = Policy(tiny_model, learning_rate=LR, engine=EngineOptions(
-        lr_schedule="cosine", lr_warmup_steps=4, total_steps=20, min_lr_ratio=0.1))
-    policy.train_step(_samples(policy), LossConfig(), micro_batch_size=4, grad_clip=1.0,
-                      temperature=1.0, step=2)
+    policy = Policy(
+        tiny_model,
+        learning_rate=LR,
+        engine=EngineOptions(
+            lr_schedule="cosine", lr_warmup_steps=4, total_steps=20, min_lr_ratio=0.1
+        ),
+    )
+    policy.train_step(
+        _samples(policy), LossConfig(), micro_batch_size=4, grad_clip=1.0, temperature=1.0, step=2
+    )
     assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(LR * 0.5)
 
 
-def test_a_model_too_large_for_the_ranks_is_refused_before_loading(tmp_path: Path,
-                                                                   tiny_model: Path) -> None:
+def test_a_model_too_large_for_the_ranks_is_refused_before_loading(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     """A 70B Llama config with no weights at all: the refusal must come from the config."""
     config = json.loads((tiny_model / "config.json").read_text())
-    config.update(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256,
-                  tie_word_embeddings=False)
+    config.update(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    )
     big = tmp_path / "llama-70b-config-only"
     big.mkdir()
     (big / "config.json").write_text(json.dumps(config))
@@ -218,8 +247,9 @@ def test_non_finite_loss_skips_the_step_with_the_engine(tiny_model: Path) -> Non
     samples = _samples(policy)
     samples[0].advantage = float("inf")
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    stats = policy.train_step(samples, LossConfig(), micro_batch_size=4, grad_clip=1.0,
-                              temperature=1.0, step=1)
+    stats = policy.train_step(
+        samples, LossConfig(), micro_batch_size=4, grad_clip=1.0, temperature=1.0, step=1
+    )
     assert not stats.applied and "non-finite" in stats.skip_reason
     for name, value in policy.model.state_dict().items():
         assert torch.equal(value, before[name]), name
@@ -231,14 +261,22 @@ def test_non_finite_loss_skips_the_step_with_the_engine(tiny_model: Path) -> Non
 def _samples(policy: Policy) -> list[TrainSample]:
     """Eight completions of two prompts with on-policy behaviour log-probs."""
     prompts = [policy.encode_prompt("What is 2 + 2?"), policy.encode_prompt("Name a colour.")]
-    completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37], [40, 41], [42],
-                   [43, 44, 45], [46, 47]]
+    completions = [
+        [28, 29, 30],
+        [31, 32],
+        [33, 34, 35, 36],
+        [37],
+        [40, 41],
+        [42],
+        [43, 44, 45],
+        [46, 47],
+    ]
     advantages = [1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.3, -0.3]
-    coefficients = sequence_coefficients([len(c) for c in completions],
-                                         "token_mean", 8)
-    samples = [TrainSample(prompts[i % 2], c, [0.0] * len(c), a, k)
-               for i, (c, a, k) in enumerate(zip(completions, advantages, coefficients,
-                                                 strict=True))]
+    coefficients = sequence_coefficients([len(c) for c in completions], "token_mean", 8)
+    samples = [
+        TrainSample(prompts[i % 2], c, [0.0] * len(c), a, k)
+        for i, (c, a, k) in enumerate(zip(completions, advantages, coefficients, strict=True))
+    ]
     with torch.no_grad():
         logp, _, mask = policy.completion_logprobs(policy.model, samples, temperature=1.0)
     for i, sample in enumerate(samples):
@@ -248,13 +286,17 @@ def _samples(policy: Policy) -> list[TrainSample]:
 
 def _state_bytes(policy: Policy) -> int:
     """Bytes this rank holds of parameters + AdamW state (local shards only)."""
+
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
     total = sum(local(p).numel() * local(p).element_size() for p in policy.module.parameters())
     for state in policy.optimizer.state.values():
-        total += sum(local(v).numel() * local(v).element_size()
-                     for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
+        total += sum(
+            local(v).numel() * local(v).element_size()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
     return total
 
 
@@ -269,8 +311,15 @@ def _full_state(policy: Policy) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return {k: v.clone() for k, v in model.items()}, moments
 
 
-def _two_rank_worker(rank: int, port: int, model: str, samples: list[TrainSample],
-                     single_ckpt: str, rank_ckpt: str, results: Any) -> None:
+def _two_rank_worker(
+    rank: int,
+    port: int,
+    model: str,
+    samples: list[TrainSample],
+    single_ckpt: str,
+    rank_ckpt: str,
+    results: Any,
+) -> None:
     import torch.distributed as dist
 
     from posttrain.storage.store import LocalStore
@@ -284,24 +333,36 @@ def _two_rank_worker(rank: int, port: int, model: str, samples: list[TrainSample
     assert policy.sharded
     # Rank r trains samples r, r+2, ...; FSDP averages the two ranks' gradients, so each
     # rank's coefficients are the global ones x world size.
-    mine = [TrainSample(s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage,
-                        s.coefficient * 2) for s in samples[rank::2]]
-    stats = policy.train_step(mine, LossConfig(), micro_batch_size=2, grad_clip=1.0,
-                              temperature=1.0, step=1)
+    mine = [
+        TrainSample(
+            s.prompt_ids, s.completion_ids, s.behaviour_logprobs, s.advantage, s.coefficient * 2
+        )
+        for s in samples[rank::2]
+    ]
+    stats = policy.train_step(
+        mine, LossConfig(), micro_batch_size=2, grad_clip=1.0, temperature=1.0, step=1
+    )
     weights, moments = _full_state(policy)
     exported = dict(policy.full_weights())  # the streamed export, as publishing uses it
     results[f"bytes{rank}"] = _state_bytes(policy)
     Checkpointer(LocalStore(rank_ckpt), keep_last=2, keep_best=False).save(
-        policy, TrainerState(1, 1, {}, {}, [], [], 0))
+        policy, TrainerState(1, 1, {}, {}, [], [], 0)
+    )
     # ... and resume what one process saved, on these two ranks
     restored = Checkpointer(LocalStore(single_ckpt), keep_last=2, keep_best=False).restore(
-        lambda d: Policy(d, learning_rate=LR, rank=info), Path(single_ckpt) / f"scratch{rank}")
+        lambda d: Policy(d, learning_rate=LR, rank=info), Path(single_ckpt) / f"scratch{rank}"
+    )
     assert restored is not None
     resumed_weights, resumed_moments = _full_state(restored[0])
     if rank == 0:
-        results.update(rank_stats=stats, rank_weights=weights, rank_moments=moments,
-                       rank_exported=exported, resumed_weights=resumed_weights,
-                       resumed_moments=resumed_moments)
+        results.update(
+            rank_stats=stats,
+            rank_weights=weights,
+            rank_moments=moments,
+            rank_exported=exported,
+            resumed_weights=resumed_weights,
+            resumed_moments=resumed_moments,
+        )
     dist.destroy_process_group()
 
 
@@ -315,17 +376,36 @@ def two_ranks(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     single = Policy(tiny_model, learning_rate=LR)
     samples = _samples(single)
     base = {k: v.clone() for k, v in single.module.state_dict().items()}
-    stats = single.train_step(samples, LossConfig(), micro_batch_size=4, grad_clip=1.0,
-                              temperature=1.0, step=1)
+    stats = single.train_step(
+        samples, LossConfig(), micro_batch_size=4, grad_clip=1.0, temperature=1.0, step=1
+    )
     weights, moments = _full_state(single)
     Checkpointer(LocalStore(root / "single"), keep_last=2, keep_best=False).save(
-        single, TrainerState(1, 1, {}, {}, [], [], 0))
+        single, TrainerState(1, 1, {}, {}, [], [], 0)
+    )
     results = mp.Manager().dict()
-    mp.spawn(_two_rank_worker, args=(free_port(), str(tiny_model), samples,
-                                     str(root / "single"), str(root / "ranks"), results),
-             nprocs=2, join=True)
-    return {"stats": stats, "weights": weights, "moments": moments, "base": base,
-            "root": root, "bytes": _state_bytes(single), **results}
+    mp.spawn(
+        _two_rank_worker,
+        args=(
+            free_port(),
+            str(tiny_model),
+            samples,
+            str(root / "single"),
+            str(root / "ranks"),
+            results,
+        ),
+        nprocs=2,
+        join=True,
+    )
+    return {
+        "stats": stats,
+        "weights": weights,
+        "moments": moments,
+        "base": base,
+        "root": root,
+        "bytes": _state_bytes(single),
+        **results,
+    }
 
 
 @pytest.mark.slow  # two spawned ranks loading torch + a tiny model: ~1 min on 2 loaded cores
@@ -377,7 +457,8 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one(two_ranks: dict[str, Any
 
     root = two_ranks["root"]
     restored = Checkpointer(LocalStore(root / "ranks"), keep_last=2, keep_best=False).restore(
-        lambda d: Policy(d, learning_rate=LR), root / "scratch-one")
+        lambda d: Policy(d, learning_rate=LR), root / "scratch-one"
+    )
     assert restored is not None
     policy, state = restored
     assert state.step == 1 and not policy.sharded
@@ -386,8 +467,9 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one(two_ranks: dict[str, Any
         assert torch.equal(weights[name], value), name
     for name, value in two_ranks["rank_moments"].items():
         assert torch.equal(moments[name], value), name
-    manifest = json.loads(next((root / "ranks/checkpoints").glob("step-*/manifest.json"))
-                          .read_text())
+    manifest = json.loads(
+        next((root / "ranks/checkpoints").glob("step-*/manifest.json")).read_text()
+    )
     files = {f["path"] for f in manifest["files"]}
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= files  # both ranks'
     assert manifest["metadata"]["world_size"] == 2

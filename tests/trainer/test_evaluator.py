@@ -32,16 +32,30 @@ def _spec(model: Path, storage: Path | None, inline: bool) -> TrainingRunSpec:
     checkpoint: dict[str, Any] = {"everySteps": 1, "keepLast": 3}
     if storage is not None:
         checkpoint["storageUri"] = str(storage)
-    return TrainingRunSpec.model_validate({
-        "model": str(model),
-        "algorithm": {"groupSize": 4, "promptsPerStep": 3, "maxSteps": 2, "learningRate": 1e-3,
-                      "maxNewTokens": 6, "microBatchSize": 4, "dynamicSampling": False,
-                      "seed": 3},
-        "domains": [{"name": "arithmetic", "dataset": "builtin:arithmetic",
-                     "verifier": {"kind": "numeric"}}],
-        "evaluation": {"everySteps": 1, "maxItemsPerDomain": 4, "inline": inline},
-        "checkpoint": checkpoint,
-    })
+    return TrainingRunSpec.model_validate(
+        {
+            "model": str(model),
+            "algorithm": {
+                "groupSize": 4,
+                "promptsPerStep": 3,
+                "maxSteps": 2,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 4,
+                "dynamicSampling": False,
+                "seed": 3,
+            },
+            "domains": [
+                {
+                    "name": "arithmetic",
+                    "dataset": "builtin:arithmetic",
+                    "verifier": {"kind": "numeric"},
+                }
+            ],
+            "evaluation": {"everySteps": 1, "maxItemsPerDomain": 4, "inline": inline},
+            "checkpoint": checkpoint,
+        }
+    )
 
 
 def run_with_server(spec: TrainingRunSpec, out: Path) -> Any:
@@ -67,10 +81,14 @@ def _evaluate_beside(spec: TrainingRunSpec, out: Path, train: Any) -> tuple[Any,
                 client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
                 try:
                     evaluator = CheckpointEvaluator(
-                        spec, store, build_run_data(spec), client,
-                        lambda p: chat_prompt_ids(tokenizer, p), out / "evaluator")
-                    scored.extend(evaluator.run(watch=True, poll_seconds=0.2,
-                                                stop=trained.is_set))
+                        spec,
+                        store,
+                        build_run_data(spec),
+                        client,
+                        lambda p: chat_prompt_ids(tokenizer, p),
+                        out / "evaluator",
+                    )
+                    scored.extend(evaluator.run(watch=True, poll_seconds=0.2, stop=trained.is_set))
                 finally:
                     client.close()
         except BaseException as exc:  # surfaced in the test thread below
@@ -109,9 +127,11 @@ def test_separate_evaluator_scores_every_checkpoint_like_inline_eval(
         assert local["accuracy"] == separate["accuracy"]
         # Same weights (seeded run), same greedy decoding, same verifiers: same answers.
         reference = json.loads(
-            (tmp_path / "inline/eval" / f"heldout_step{step:04d}.json").read_text())
+            (tmp_path / "inline/eval" / f"heldout_step{step:04d}.json").read_text()
+        )
         assert [i["completion"] for i in separate["items"]] == [
-            i["completion"] for i in reference["items"]], step
+            i["completion"] for i in reference["items"]
+        ], step
         assert separate["accuracy"] == reference["accuracy"], step
 
 

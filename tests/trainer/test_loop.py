@@ -30,12 +30,23 @@ def tiny_spec(model: Path, **algorithm: Any) -> TrainingRunSpec:
     return TrainingRunSpec.model_validate(
         {
             "model": str(model),
-            "algorithm": {"groupSize": 4, "promptsPerStep": 3, "maxSteps": 2,
-                          "learningRate": 1e-3, "maxNewTokens": 6, "microBatchSize": 4,
-                          "dynamicSampling": False, "seed": 3, **algorithm},
+            "algorithm": {
+                "groupSize": 4,
+                "promptsPerStep": 3,
+                "maxSteps": 2,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 4,
+                "dynamicSampling": False,
+                "seed": 3,
+                **algorithm,
+            },
             "domains": [
-                {"name": "arithmetic", "dataset": "builtin:arithmetic",
-                 "verifier": {"kind": "numeric"}},
+                {
+                    "name": "arithmetic",
+                    "dataset": "builtin:arithmetic",
+                    "verifier": {"kind": "numeric"},
+                },
                 {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}},
             ],
             "curriculum": {"window": 4, "minDomainFraction": 0.3},
@@ -80,9 +91,16 @@ def test_interrupted_run_resumes_exactly(tiny_model: Path, tmp_path: Path) -> No
         torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-6, atol=1e-7)
 
     # the outputs a person looks at are all there
-    for rel in ("metrics.jsonl", "report.md", "status.json", "plots/reward_accuracy.png",
-                "eval/heldout_step0000.json", "eval/heldout_step0002.json",
-                "audit/spot_checks.md", "checkpoints/latest/config.json"):
+    for rel in (
+        "metrics.jsonl",
+        "report.md",
+        "status.json",
+        "plots/reward_accuracy.png",
+        "eval/heldout_step0000.json",
+        "eval/heldout_step0002.json",
+        "audit/spot_checks.md",
+        "checkpoints/latest/config.json",
+    ):
         assert (tmp_path / "straight" / rel).is_file(), rel
     status = json.loads((tmp_path / "straight/status.json").read_text())
     assert status["phase"] == "Succeeded" and status["step"] == 2
@@ -187,11 +205,14 @@ def test_ctrl_c_checkpoints_and_a_rerun_resumes_without_duplicate_records(
 
     second = run_with_server(spec, tmp_path)
     assert not second.interrupted and second.steps_done == 3
-    raw_steps = [json.loads(line)["step"] for line in
-                 (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    raw_steps = [
+        json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()
+    ]
     assert raw_steps == [1, 2, 3]
-    history = [json.loads(line)["step"] for line in
-               (tmp_path / "eval" / "history.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "eval" / "history.jsonl").read_text().splitlines()
+    ]
     assert len(history) == len(set(history)), history
     assert json.loads((tmp_path / "eval" / "heldout_step0003.json").read_text())["step"] == 3
     assert json.loads((tmp_path / "status.json").read_text())["phase"] == "Succeeded"

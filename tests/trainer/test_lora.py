@@ -20,23 +20,26 @@ def lora_policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Policy, dict[
     from posttrain.models import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2)
-    policy = Policy(model, learning_rate=1e-2,
-                    engine=EngineOptions(lora=LoraOptions(rank=4, alpha=8.0)))
+    policy = Policy(
+        model, learning_rate=1e-2, engine=EngineOptions(lora=LoraOptions(rank=4, alpha=8.0))
+    )
     before = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
     prompt = policy.encode_prompt("What is 3 + 4?")
     completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37]]
-    coefficients = sequence_coefficients([len(c) for c in completions],
-                                         "token_mean", 8)
-    samples = [TrainSample(prompt, c, [0.0] * len(c), a, k) for c, a, k in
-               zip(completions, [1.0, -1.0, 0.5, -0.5], coefficients, strict=True)]
+    coefficients = sequence_coefficients([len(c) for c in completions], "token_mean", 8)
+    samples = [
+        TrainSample(prompt, c, [0.0] * len(c), a, k)
+        for c, a, k in zip(completions, [1.0, -1.0, 0.5, -0.5], coefficients, strict=True)
+    ]
     with torch.no_grad():
         logp, _, mask = policy.completion_logprobs(policy.model, samples, 1.0)
     for i, sample in enumerate(samples):
         sample.behaviour_logprobs = logp[i, : int(mask[i].sum())].tolist()
     # Step 1 moves only B (A's gradient is B^T ... = 0 while B is still zero); step 2 moves A.
     for step in (1, 2):
-        stats = policy.train_step(samples, LossConfig(), micro_batch_size=2, grad_clip=1.0,
-                                  temperature=1.0, step=step)
+        stats = policy.train_step(
+            samples, LossConfig(), micro_batch_size=2, grad_clip=1.0, temperature=1.0, step=step
+        )
         assert stats.applied
     return policy, before
 
@@ -68,12 +71,14 @@ def test_merged_export_equals_base_plus_adapter(
         torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-7)
     # and the merge did something: the adapted weights differ from the frozen base
     base = policy.model.state_dict()
-    assert not torch.equal(exported[merged[0]],
-                           base[merged[0].replace(".weight", ".base_layer.weight")])
+    assert not torch.equal(
+        exported[merged[0]], base[merged[0].replace(".weight", ".base_layer.weight")]
+    )
 
 
 def test_lora_export_loads_as_a_plain_model(
-    lora_policy: tuple[Policy, dict[str, torch.Tensor]], tmp_path: Path,
+    lora_policy: tuple[Policy, dict[str, torch.Tensor]],
+    tmp_path: Path,
 ) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -13,16 +13,23 @@ from posttrain.trainer.policy import Policy, TrainSample
 def policy(tmp_path_factory: pytest.TempPathFactory) -> Policy:
     from posttrain.models import make_tiny_model
 
-    return Policy(make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2),
-                  learning_rate=1e-3)
+    return Policy(
+        make_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=2), learning_rate=1e-3
+    )
 
 
 def _episode_sample(policy: Policy, behaviour: list[float]) -> TrainSample:
     # model turn (3 tokens), tool output (4 tokens), model turn (2 tokens)
     completion = [40, 41, 42, 50, 51, 52, 53, 43, 44]
     mask = [1, 1, 1, 0, 0, 0, 0, 1, 1]
-    return TrainSample(policy.encode_prompt("list the files"), completion, behaviour, 1.0,
-                       1.0 / sum(mask), loss_mask=mask)
+    return TrainSample(
+        policy.encode_prompt("list the files"),
+        completion,
+        behaviour,
+        1.0,
+        1.0 / sum(mask),
+        loss_mask=mask,
+    )
 
 
 def _loss_and_grad(policy: Policy, sample: TrainSample) -> tuple[float, torch.Tensor]:
@@ -30,8 +37,14 @@ def _loss_and_grad(policy: Policy, sample: TrainSample) -> tuple[float, torch.Te
     logp, behaviour, mask = policy.completion_logprobs(policy.model, [sample], 1.0)
     from posttrain.trainer.loss import clipped_policy_loss
 
-    terms = clipped_policy_loss(logp, behaviour, torch.tensor([sample.advantage]), mask,
-                                torch.tensor([sample.coefficient]), LossConfig())
+    terms = clipped_policy_loss(
+        logp,
+        behaviour,
+        torch.tensor([sample.advantage]),
+        mask,
+        torch.tensor([sample.coefficient]),
+        LossConfig(),
+    )
     terms.loss.backward()
     grad = policy.model.get_output_embeddings().weight.grad.clone()
     return float(terms.loss.detach()), grad
@@ -62,8 +75,13 @@ def test_environment_tokens_carry_no_gradient(policy: Policy) -> None:
 
 
 def test_train_step_counts_only_model_tokens(policy: Policy) -> None:
-    stats = policy.train_step([_episode_sample(policy, [-1.0] * 9)], LossConfig(),
-                              micro_batch_size=1, grad_clip=1e9, temperature=1.0)
+    stats = policy.train_step(
+        [_episode_sample(policy, [-1.0] * 9)],
+        LossConfig(),
+        micro_batch_size=1,
+        grad_clip=1e9,
+        temperature=1.0,
+    )
     assert stats.applied and stats.tokens == 5
 
 

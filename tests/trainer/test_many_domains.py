@@ -24,12 +24,27 @@ def _accuracy(i: int, step: int) -> float:
 
 def _metrics(step: int) -> StepMetrics:
     rewards = {d: _accuracy(i, step) for i, d in enumerate(DOMAINS)}
-    return StepMetrics(step=step, reward_mean=sum(rewards.values()) / len(rewards),
-                       domain_rewards=rewards, domain_pass_rates=rewards, loss=0.1, grad_norm=1.0,
-                       kl=0.0, clip_fraction=0.0, ratio_mean=1.0, response_length=10.0,
-                       kept_groups=4, total_groups=8, weight_version=step, staleness=0,
-                       applied=True, skip_reason="", rollout_seconds=1.0, train_seconds=1.0,
-                       step_seconds=2.0)
+    return StepMetrics(
+        step=step,
+        reward_mean=sum(rewards.values()) / len(rewards),
+        domain_rewards=rewards,
+        domain_pass_rates=rewards,
+        loss=0.1,
+        grad_norm=1.0,
+        kl=0.0,
+        clip_fraction=0.0,
+        ratio_mean=1.0,
+        response_length=10.0,
+        kept_groups=4,
+        total_groups=8,
+        weight_version=step,
+        staleness=0,
+        applied=True,
+        skip_reason="",
+        rollout_seconds=1.0,
+        train_seconds=1.0,
+        step_seconds=2.0,
+    )
 
 
 def _write_run(out: Path, steps: int = 3) -> None:
@@ -38,19 +53,21 @@ def _write_run(out: Path, steps: int = 3) -> None:
         for step in range(1, steps + 1):
             fh.write(json.dumps(_metrics(step).to_json()) + "\n")
     for step in (0, steps):
-        items = [EvalItem(f"{d}-{k}", d, "q", "1", "1", k < 2 + (i % 3), 1.0)
-                 for i, d in enumerate(DOMAINS) for k in range(4)]
+        items = [
+            EvalItem(f"{d}-{k}", d, "q", "1", "1", k < 2 + (i % 3), 1.0)
+            for i, d in enumerate(DOMAINS)
+            for k in range(4)
+        ]
         accuracy = {d: (2 + (i % 3)) / 4 if step else 0.25 for i, d in enumerate(DOMAINS)}
-        save_eval(EvalResult(step, "heldout", accuracy, dict.fromkeys(DOMAINS, 4), 1.0, items),
-                  out)
+        save_eval(EvalResult(step, "heldout", accuracy, dict.fromkeys(DOMAINS, 4), 1.0, items), out)
 
 
 def test_the_step_table_has_the_same_columns_at_300_domains_as_at_two() -> None:
     console = Console(width=400, record=True)
     many = ProgressReporter._row_table(_metrics(1))
     two = ProgressReporter._row_table(
-        _metrics(1).__class__(**{**_metrics(1).to_json(),
-                                 "domain_rewards": {"a": 0.5, "b": 1.0}}))
+        _metrics(1).__class__(**{**_metrics(1).to_json(), "domain_rewards": {"a": 0.5, "b": 1.0}})
+    )
     assert len(many.columns) == len(two.columns)
     console.print(many)
     header, *rows = console.export_text().splitlines()

@@ -98,8 +98,12 @@ def test_asymmetric_clip() -> None:
 def test_clipped_tokens_have_no_gradient() -> None:
     logp = torch.tensor([[-0.5, -1.0]], requires_grad=True)
     terms = clipped_policy_loss(
-        logp, torch.tensor([[-1.0, -1.0]]), torch.tensor([1.0]), torch.ones(1, 2),
-        torch.tensor([0.5]), LossConfig(),
+        logp,
+        torch.tensor([[-1.0, -1.0]]),
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        torch.tensor([0.5]),
+        LossConfig(),
     )
     terms.loss.backward()
     assert logp.grad is not None
@@ -110,8 +114,13 @@ def test_clipped_tokens_have_no_gradient() -> None:
 
 def test_kl_term_is_added_with_its_coefficient() -> None:
     base = clipped_policy_loss(
-        torch.tensor([[-1.0]]), torch.tensor([[-1.0]]), torch.tensor([0.0]), torch.ones(1, 1),
-        torch.tensor([1.0]), LossConfig(kl_coef=0.1), ref_logp=torch.tensor([[-0.5]]),
+        torch.tensor([[-1.0]]),
+        torch.tensor([[-1.0]]),
+        torch.tensor([0.0]),
+        torch.ones(1, 1),
+        torch.tensor([1.0]),
+        LossConfig(kl_coef=0.1),
+        ref_logp=torch.tensor([[-0.5]]),
     )
     assert float(base.loss) == pytest.approx(0.1 * 0.1487212, rel=1e-5)
     assert base.kl_sum == pytest.approx(0.1487212, rel=1e-5)
@@ -119,8 +128,12 @@ def test_kl_term_is_added_with_its_coefficient() -> None:
 
 def test_masked_tokens_do_not_count() -> None:
     terms = clipped_policy_loss(
-        torch.tensor([[-1.0, -9.0]]), torch.tensor([[-1.0, -1.0]]), torch.tensor([1.0]),
-        torch.tensor([[1.0, 0.0]]), torch.tensor([1.0]), LossConfig(),
+        torch.tensor([[-1.0, -9.0]]),
+        torch.tensor([[-1.0, -1.0]]),
+        torch.tensor([1.0]),
+        torch.tensor([[1.0, 0.0]]),
+        torch.tensor([1.0]),
+        LossConfig(),
     )
     assert float(terms.loss) == pytest.approx(-1.0)
     assert terms.tokens == 1.0

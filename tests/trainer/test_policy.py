@@ -23,10 +23,11 @@ def _samples(policy: Policy) -> list[TrainSample]:
     prompt = policy.encode_prompt("What is 2 + 2?")
     completions = [[28, 29, 30], [31, 32], [33, 34, 35, 36], [37]]
     advantages = [1.0, -1.0, 0.5, -0.5]
-    coefficients = sequence_coefficients([len(c) for c in completions],
-                                         "token_mean", 8)
-    draft = [TrainSample(prompt, c, [0.0] * len(c), a, k)
-             for c, a, k in zip(completions, advantages, coefficients, strict=True)]
+    coefficients = sequence_coefficients([len(c) for c in completions], "token_mean", 8)
+    draft = [
+        TrainSample(prompt, c, [0.0] * len(c), a, k)
+        for c, a, k in zip(completions, advantages, coefficients, strict=True)
+    ]
     with torch.no_grad():
         logp, _, mask = policy.completion_logprobs(policy.model, draft, temperature=1.0)
     for i, sample in enumerate(draft):
@@ -37,8 +38,9 @@ def _samples(policy: Policy) -> list[TrainSample]:
 def _grads_after_step(model_dir: Path, micro_batch_size: int) -> dict[str, torch.Tensor]:
     policy = Policy(model_dir, learning_rate=1e-3)
     samples = _samples(policy)
-    stats = policy.train_step(samples, LossConfig(), micro_batch_size=micro_batch_size,
-                              grad_clip=1e9, temperature=1.0)
+    stats = policy.train_step(
+        samples, LossConfig(), micro_batch_size=micro_batch_size, grad_clip=1e9, temperature=1.0
+    )
     assert stats.applied and stats.tokens == 10
     assert stats.ratio_mean == pytest.approx(1.0, abs=1e-5)  # on-policy
     # The accumulated gradient is what micro-batching could change. (Comparing Adam's first
@@ -60,8 +62,9 @@ def test_non_finite_loss_skips_the_step(tiny_model: Path) -> None:
     samples = _samples(policy)
     samples[0].advantage = float("nan")
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    stats = policy.train_step(samples, LossConfig(), micro_batch_size=4, grad_clip=1.0,
-                              temperature=1.0)
+    stats = policy.train_step(
+        samples, LossConfig(), micro_batch_size=4, grad_clip=1.0, temperature=1.0
+    )
     assert not stats.applied and "non-finite" in stats.skip_reason
     for name, value in policy.model.state_dict().items():
         assert torch.equal(value, before[name]), name
@@ -69,8 +72,7 @@ def test_non_finite_loss_skips_the_step(tiny_model: Path) -> None:
 
 def test_no_samples_means_no_step(tiny_model: Path) -> None:
     policy = Policy(tiny_model, learning_rate=1e-3)
-    stats = policy.train_step([], LossConfig(), micro_batch_size=4, grad_clip=1.0,
-                              temperature=1.0)
+    stats = policy.train_step([], LossConfig(), micro_batch_size=4, grad_clip=1.0, temperature=1.0)
     assert not stats.applied and stats.skip_reason == "no samples with signal"
 
 
@@ -92,16 +94,23 @@ def test_shared_prompt_forward_equals_separate_forwards(tiny_model: Path) -> Non
     short, long = policy.encode_prompt("2 + 2?"), policy.encode_prompt("What is 12 * 12? " * 3)
     single = policy.encode_prompt("Alone.")
     assert len(long) > len(short)  # the prompt pass is left-padded
-    completions = [(long, [28, 29, 30]), (short, [31, 32]), (long, [33]), (single, [5, 6]),
-                   (short, [34, 35, 36, 37]), (long, [38, 39])]
+    completions = [
+        (long, [28, 29, 30]),
+        (short, [31, 32]),
+        (long, [33]),
+        (single, [5, 6]),
+        (short, [34, 35, 36, 37]),
+        (long, [38, 39]),
+    ]
     samples = [TrainSample(p, c, [0.0] * len(c), 1.0, 1.0) for p, c in completions]
 
     def logits_and_grads(fn: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         policy.model.zero_grad(set_to_none=True)
         logits = fn(policy.model, samples, policy.pad_id)  # type: ignore[operator]
         (logits.log_softmax(-1)[:, 40] * torch.arange(len(logits))).sum().backward()
-        grads = {k: p.grad.clone() for k, p in policy.model.named_parameters()
-                 if p.grad is not None}
+        grads = {
+            k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None
+        }
         return logits.detach(), grads
 
     shared, shared_grads = logits_and_grads(completion_logits)

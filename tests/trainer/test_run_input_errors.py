@@ -20,7 +20,9 @@ def test_a_missing_dataset_fails_first_and_leaves_no_out_folder(tmp_path: Path) 
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "posttrain", "run", str(path), "--local", "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 2, result.stderr
     assert "spec.domains[1].dataset" in result.stderr and "does not exist" in result.stderr

@@ -42,9 +42,14 @@ def model(tiny_model: Path) -> Any:
 
 def random_examples(lengths: list[tuple[int, int]], seed: int = 0) -> list[SftExample]:
     g = torch.Generator().manual_seed(seed)
-    return [SftExample(torch.randint(3, 1000, (p,), generator=g).tolist(),
-                       torch.randint(3, 1000, (c,), generator=g).tolist(), f"x:{i}")
-            for i, (p, c) in enumerate(lengths)]
+    return [
+        SftExample(
+            torch.randint(3, 1000, (p,), generator=g).tolist(),
+            torch.randint(3, 1000, (c,), generator=g).tolist(),
+            f"x:{i}",
+        )
+        for i, (p, c) in enumerate(lengths)
+    ]
 
 
 def independent_sft_loss(model: Any, examples: list[SftExample]) -> torch.Tensor:
@@ -54,9 +59,13 @@ def independent_sft_loss(model: Any, examples: list[SftExample]) -> torch.Tensor
         ids = torch.tensor([e.prompt_ids + e.completion_ids])
         logits = model(input_ids=ids).logits[0]  # (T, V)
         start = len(e.prompt_ids) - 1  # position t predicts token t + 1
-        losses.append(torch.nn.functional.cross_entropy(
-            logits[start : start + len(e.completion_ids)], torch.tensor(e.completion_ids),
-            reduction="sum"))
+        losses.append(
+            torch.nn.functional.cross_entropy(
+                logits[start : start + len(e.completion_ids)],
+                torch.tensor(e.completion_ids),
+                reduction="sum",
+            )
+        )
         tokens += len(e.completion_ids)
     return torch.stack(losses).sum() / tokens
 
@@ -129,10 +138,16 @@ def test_sequence_logps_sum_completion_token_logprobs(model: Any) -> None:
 
 def test_dpo_loss_reference_values() -> None:
     """Hand-computed: logits = (-1 + 3) - (-2 + 2) = 2, loss = -log sigmoid(0.5 * 2)."""
-    terms = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
-                     torch.tensor([-2.0]), beta=0.5)
-    assert float(terms.losses[0]) == pytest.approx(-torch.nn.functional.logsigmoid(
-        torch.tensor(1.0)).item())
+    terms = dpo_loss(
+        torch.tensor([-1.0]),
+        torch.tensor([-3.0]),
+        torch.tensor([-2.0]),
+        torch.tensor([-2.0]),
+        beta=0.5,
+    )
+    assert float(terms.losses[0]) == pytest.approx(
+        -torch.nn.functional.logsigmoid(torch.tensor(1.0)).item()
+    )
     assert float(terms.chosen_rewards[0]) == pytest.approx(0.5)
     assert float(terms.rejected_rewards[0]) == pytest.approx(-0.5)
 
@@ -156,14 +171,17 @@ def write_jsonl(path: Path, rows: list[Any]) -> Path:
 def test_bad_examples_are_skipped_counted_and_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    path = write_jsonl(tmp_path / "pairs.jsonl", [
-        {"prompt": "ok", "chosen": "yes", "rejected": "no"},
-        {"prompt": "same", "chosen": "a", "rejected": "a"},
-        {"prompt": "empty", "chosen": "  ", "rejected": "no"},
-        {"prompt": "x" * 40, "chosen": "yes", "rejected": "no"},
-        "# a comment",
-        {"prompt": "long answer", "chosen": "y" * 50, "rejected": "n"},
-    ])
+    path = write_jsonl(
+        tmp_path / "pairs.jsonl",
+        [
+            {"prompt": "ok", "chosen": "yes", "rejected": "no"},
+            {"prompt": "same", "chosen": "a", "rejected": "a"},
+            {"prompt": "empty", "chosen": "  ", "rejected": "no"},
+            {"prompt": "x" * 40, "chosen": "yes", "rejected": "no"},
+            "# a comment",
+            {"prompt": "long answer", "chosen": "y" * 50, "rejected": "n"},
+        ],
+    )
     caplog.set_level(logging.WARNING)
     data = load_stage_data("dpo", [str(path)], identity_prompt, identity_completion, 32, "prefs")
     assert len(data.examples) == 2
@@ -174,19 +192,26 @@ def test_bad_examples_are_skipped_counted_and_named(
 
 
 def test_sft_empty_completion_is_skipped(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "sft.jsonl", [
-        {"prompt": "a", "completion": ""}, {"prompt": "b", "completion": "c"}])
+    path = write_jsonl(
+        tmp_path / "sft.jsonl",
+        [{"prompt": "a", "completion": ""}, {"prompt": "b", "completion": "c"}],
+    )
     data = load_stage_data("sft", [str(path)], identity_prompt, identity_completion, 32, "s")
     assert data.skipped == {EMPTY_COMPLETION: 1}
     assert [e.completion_ids for e in data.examples] == [[ord("c"), 2]]
 
 
-@pytest.mark.parametrize(("rows", "message"), [
-    (["{not json"], "sft.jsonl:1: not valid JSON"),
-    ([{"prompt": "a"}], "sft.jsonl:1: sft lines need string keys prompt, completion; "
-                        "'completion' is missing"),
-    ([{"prompt": "a", "completion": ""}], "no usable sft examples"),
-])
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        (["{not json"], "sft.jsonl:1: not valid JSON"),
+        (
+            [{"prompt": "a"}],
+            "sft.jsonl:1: sft lines need string keys prompt, completion; 'completion' is missing",
+        ),
+        ([{"prompt": "a", "completion": ""}], "no usable sft examples"),
+    ],
+)
 def test_broken_files_fail_naming_the_line(tmp_path: Path, rows: list[Any], message: str) -> None:
     path = write_jsonl(tmp_path / "sft.jsonl", rows)
     with pytest.raises(UsageError, match=message):
@@ -194,27 +219,45 @@ def test_broken_files_fail_naming_the_line(tmp_path: Path, rows: list[Any], mess
 
 
 def pipeline_spec(model: str, stages: list[dict[str, Any]], **extra: Any) -> TrainingRunSpec:
-    return TrainingRunSpec.model_validate({
-        "model": model,
-        "algorithm": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": 1, "learningRate": 1e-3,
-                      "maxNewTokens": 6, "microBatchSize": 4, "dynamicSampling": False,
-                      "seed": 3},
-        "domains": [{"name": "arithmetic", "dataset": "builtin:arithmetic",
-                     "verifier": {"kind": "numeric"}}],
-        "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
-        "checkpoint": {"everySteps": 1, "keepLast": 2},
-        "stages": stages,
-        **extra,
-    })
+    return TrainingRunSpec.model_validate(
+        {
+            "model": model,
+            "algorithm": {
+                "groupSize": 2,
+                "promptsPerStep": 2,
+                "maxSteps": 1,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 4,
+                "dynamicSampling": False,
+                "seed": 3,
+            },
+            "domains": [
+                {
+                    "name": "arithmetic",
+                    "dataset": "builtin:arithmetic",
+                    "verifier": {"kind": "numeric"},
+                }
+            ],
+            "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
+            "checkpoint": {"everySteps": 1, "keepLast": 2},
+            "stages": stages,
+            **extra,
+        }
+    )
 
 
 def test_missing_data_file_fails_before_any_training(tiny_model: Path, tmp_path: Path) -> None:
     from posttrain.trainer.loop import train
 
     missing = tmp_path / "nowhere" / "sft.jsonl"
-    spec = pipeline_spec(str(tiny_model), [
-        {"name": "sft", "type": "sft", "datasets": ["builtin:arithmetic"], "maxSteps": 1},
-        {"name": "dpo", "type": "dpo", "datasets": [str(missing)], "maxSteps": 1}])
+    spec = pipeline_spec(
+        str(tiny_model),
+        [
+            {"name": "sft", "type": "sft", "datasets": ["builtin:arithmetic"], "maxSteps": 1},
+            {"name": "dpo", "type": "dpo", "datasets": [str(missing)], "maxSteps": 1},
+        ],
+    )
     out = tmp_path / "out"
     with pytest.raises(UsageError, match=str(missing)):
         train(spec, out, client=None)
@@ -246,9 +289,19 @@ def test_builtin_answers_are_right_and_rejected_ones_wrong() -> None:
 
 
 def test_stage_batches_are_a_function_of_the_step() -> None:
-    spec = pipeline_spec("m", [
-        {"name": "sft", "type": "sft", "datasets": ["builtin:arithmetic"], "maxSteps": 3,
-         "batchSize": 4}, {"name": "rl", "type": "rl", "maxSteps": 2}])
+    spec = pipeline_spec(
+        "m",
+        [
+            {
+                "name": "sft",
+                "type": "sft",
+                "datasets": ["builtin:arithmetic"],
+                "maxSteps": 3,
+                "batchSize": 4,
+            },
+            {"name": "rl", "type": "rl", "maxSteps": 2},
+        ],
+    )
     sft, rl = plan_stages(spec)
     assert (sft.first_step, sft.last_step, rl.first_step, rl.last_step) == (1, 3, 4, 5)
     assert spec.total_steps() == 5
@@ -267,10 +320,27 @@ def test_stage_batches_are_a_function_of_the_step() -> None:
 # --------------------------------------------------------------------------- whole pipeline
 
 PIPELINE = [
-    {"name": "warmup", "type": "sft", "datasets": ["builtin:arithmetic"], "maxSteps": 2,
-     "batchSize": 4, "microBatchSize": 2, "maxLength": 96, "learningRate": 1e-3},
-    {"name": "prefs", "type": "dpo", "datasets": ["builtin:arithmetic"], "maxSteps": 2,
-     "batchSize": 4, "microBatchSize": 4, "maxLength": 96, "learningRate": 1e-3, "beta": 0.5},
+    {
+        "name": "warmup",
+        "type": "sft",
+        "datasets": ["builtin:arithmetic"],
+        "maxSteps": 2,
+        "batchSize": 4,
+        "microBatchSize": 2,
+        "maxLength": 96,
+        "learningRate": 1e-3,
+    },
+    {
+        "name": "prefs",
+        "type": "dpo",
+        "datasets": ["builtin:arithmetic"],
+        "maxSteps": 2,
+        "batchSize": 4,
+        "microBatchSize": 4,
+        "maxLength": 96,
+        "learningRate": 1e-3,
+        "beta": 0.5,
+    },
     {"name": "rl", "type": "rl", "maxSteps": 1},
 ]
 
@@ -308,7 +378,12 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
     # every step ran exactly once, in its stage (no step redone or skipped by a resume)
     lines = [json.loads(line) for line in (broken / "metrics.jsonl").read_text().splitlines()]
     assert [(m["step"], m["stage"]) for m in lines] == [
-        (1, "warmup"), (2, "warmup"), (3, "prefs"), (4, "prefs"), (5, "rl")]
+        (1, "warmup"),
+        (2, "warmup"),
+        (3, "prefs"),
+        (4, "prefs"),
+        (5, "rl"),
+    ]
     assert [m.get("stage_step") for m in lines[:4]] == [1, 2, 1, 2]
     a, b = load_metrics(tmp_path / "straight"), load_metrics(broken)
     for x, y in zip(a, b, strict=True):
@@ -327,16 +402,23 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
         assert status["stage"] == "rl"
         stages = status["stages"]
         assert [(s["name"], s["phase"], s["firstStep"], s["lastStep"]) for s in stages] == [
-            ("warmup", "Succeeded", 1, 2), ("prefs", "Succeeded", 3, 4), ("rl", "Succeeded", 5, 5)]
+            ("warmup", "Succeeded", 1, 2),
+            ("prefs", "Succeeded", 3, 4),
+            ("rl", "Succeeded", 5, 5),
+        ]
         assert all(set(s["evalAccuracy"]) == {"arithmetic"} for s in stages)
         # held-out evaluation at step 0 and at every stage boundary
         for step in (0, 2, 4, 5):
             assert (out / f"eval/heldout_step{step:04d}.json").is_file(), step
         events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
         assert [(e["reason"], e["message"].split()[1]) for e in events] == [
-            ("StageStarted", "warmup"), ("StageSucceeded", "warmup"),
-            ("StageStarted", "prefs"), ("StageSucceeded", "prefs"),
-            ("StageStarted", "rl"), ("StageSucceeded", "rl")]
+            ("StageStarted", "warmup"),
+            ("StageSucceeded", "warmup"),
+            ("StageStarted", "prefs"),
+            ("StageSucceeded", "prefs"),
+            ("StageStarted", "rl"),
+            ("StageSucceeded", "rl"),
+        ]
         report = (out / "report.md").read_text()
         assert "## Held-out accuracy by stage" in report and "| prefs | dpo | 3-4 |" in report
 
@@ -356,14 +438,29 @@ def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> No
         for p in policy.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=g))
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [{"prompt": f"What is {a} + {b}?", "chosen": f"{a + b}", "rejected": f"{a + b + d}"}
-            for a, b, d in ((3, 4, 1), (12, 9, -2), (7, 7, 5), (40, 2, 3))]
+    rows = [
+        {"prompt": f"What is {a} + {b}?", "chosen": f"{a + b}", "rejected": f"{a + b + d}"}
+        for a, b, d in ((3, 4, 1), (12, 9, -2), (7, 7, 5), (40, 2, 3))
+    ]
     beta = 0.3
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=["sigmoid"],
-                     per_device_train_batch_size=4, report_to=[], use_cpu=True,
-                     precompute_ref_log_probs=False, max_length=None, bf16=False)
-    trainer = DPOTrainer(model=policy, ref_model=reference, args=args,
-                         train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "trl"),
+        beta=beta,
+        loss_type=["sigmoid"],
+        per_device_train_batch_size=4,
+        report_to=[],
+        use_cpu=True,
+        precompute_ref_log_probs=False,
+        max_length=None,
+        bf16=False,
+    )
+    trainer = DPOTrainer(
+        model=policy,
+        ref_model=reference,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tokenizer,
+    )
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
     batch = trainer.data_collator(examples)
     trl_loss = trainer.compute_loss(trainer.model, batch)
@@ -372,8 +469,10 @@ def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> No
     mode = "train" if trainer.model.training else "eval"  # TRL files its metrics by mode
     trl_metrics = {k: v[-1] for k, v in trainer._metrics[mode].items()}
 
-    pairs = [PreferencePair(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"], str(i))
-             for i, e in enumerate(examples)]
+    pairs = [
+        PreferencePair(e["prompt_ids"], e["chosen_ids"], e["rejected_ids"], str(i))
+        for i, e in enumerate(examples)
+    ]
     assert all(p.chosen_ids[-1] == tokenizer.eos_token_id for p in pairs)  # same batch as TRL's
     with torch.no_grad():
         ref_chosen, ref_rejected = sequence_logps(reference, pairs, tokenizer.pad_token_id)
@@ -388,8 +487,10 @@ def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> No
     for name in ours:
         torch.testing.assert_close(ours[name], trl_grads[name], rtol=1e-4, atol=1e-6)
     margins = terms.chosen_rewards - terms.rejected_rewards
-    assert float(terms.chosen_rewards.mean()) == pytest.approx(trl_metrics["rewards/chosen"],
-                                                               rel=1e-4, abs=1e-6)
-    assert float(margins.mean()) == pytest.approx(trl_metrics["rewards/margins"], rel=1e-4,
-                                                  abs=1e-6)
+    assert float(terms.chosen_rewards.mean()) == pytest.approx(
+        trl_metrics["rewards/chosen"], rel=1e-4, abs=1e-6
+    )
+    assert float(margins.mean()) == pytest.approx(
+        trl_metrics["rewards/margins"], rel=1e-4, abs=1e-6
+    )
     assert float((margins > 0).float().mean()) == trl_metrics["rewards/accuracies"]

@@ -20,8 +20,12 @@ from posttrain.trainer.rundata import domain_tasks
 
 ROWS = [
     {"prompt": "What is 2 + 3?", "answer": "5", "difficulty": "easy"},
-    {"prompt": "Write f(x) returning x + 1.", "tests": "assert f(1) == 2\n",
-     "difficulty": "hard", "verifier": "unit_tests"},
+    {
+        "prompt": "Write f(x) returning x + 1.",
+        "tests": "assert f(1) == 2\n",
+        "difficulty": "hard",
+        "verifier": "unit_tests",
+    },
     {"prompt": "What is 7 * 6?", "answer": "42", "difficulty": "hard", "source": "gsm"},
 ]
 
@@ -73,8 +77,10 @@ def test_s3_jsonl_and_parquet_from_minio(minio_env: dict[str, str], tmp_path: Pa
     bucket = f"data-{uuid.uuid4().hex[:8]}"
     store = open_store(f"s3://{bucket}")
     # More than one 1 MiB chunk, so lines are split across chunk boundaries while streaming.
-    lines = [json.dumps({"prompt": f"What is {i} + 1? {'pad ' * 32}", "answer": str(i + 1)})
-             for i in range(12_000)]
+    lines = [
+        json.dumps({"prompt": f"What is {i} + 1? {'pad ' * 32}", "answer": str(i + 1)})
+        for i in range(12_000)
+    ]
     body = ("\n".join(lines) + "\n").encode()
     assert len(body) > 2 * (1 << 20)
     store.put_bytes("sets/big.jsonl", body)
@@ -90,8 +96,9 @@ def test_s3_jsonl_and_parquet_from_minio(minio_env: dict[str, str], tmp_path: Pa
     tasks = load_tasks(f"s3://{bucket}/sets/t.parquet", "math")
     assert [t.prompt for t in tasks] == [r["prompt"] for r in ROWS]
     # A domain whose train and eval sets both live in MinIO (the split stays disjoint).
-    train, held = domain_tasks("sums", f"s3://{bucket}/sets/big.jsonl",
-                               f"s3://{bucket}/sets/t.parquet")
+    train, held = domain_tasks(
+        "sums", f"s3://{bucket}/sets/big.jsonl", f"s3://{bucket}/sets/t.parquet"
+    )
     assert len(held) == 3 and not {t.task_id for t in train} & {t.task_id for t in held}
     with pytest.raises(UsageError) as err:
         load_tasks(f"s3://{bucket}/sets/bad.parquet", "math")

@@ -46,29 +46,52 @@ def test_records_round_trip_with_tokens_logprobs_and_verifier(
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    spec = TrainingRunSpec.model_validate({
-        "model": str(tiny_model),
-        "algorithm": {"groupSize": 3, "promptsPerStep": 2, "maxNewTokens": 12,
-                      "dynamicSampling": False, "temperature": 1.0},
-        "domains": [{"name": "arithmetic", "dataset": "builtin:arithmetic",
-                     "verifier": {"kind": "numeric"}}],
-    })
+    spec = TrainingRunSpec.model_validate(
+        {
+            "model": str(tiny_model),
+            "algorithm": {
+                "groupSize": 3,
+                "promptsPerStep": 2,
+                "maxNewTokens": 12,
+                "dynamicSampling": False,
+                "temperature": 1.0,
+            },
+            "domains": [
+                {
+                    "name": "arithmetic",
+                    "dataset": "builtin:arithmetic",
+                    "verifier": {"kind": "numeric"},
+                }
+            ],
+        }
+    )
     algo = spec.algorithm
-    tasks = [Task("arithmetic", "What is 2 + 2?", answer="4"),
-             Task("arithmetic", "What is 3 + 5?", answer="8")]
+    tasks = [
+        Task("arithmetic", "What is 2 + 2?", answer="4"),
+        Task("arithmetic", "What is 3 + 5?", answer="8"),
+    ]
     prompt_ids = [chat_prompt_ids(tokenizer, t.prompt) for t in tasks]
     with LocalRolloutServer(str(tiny_model), tmp_path / "server.log") as server:
         client = RolloutClient([server.url], timeout_s=120, max_in_flight=2)
         try:
-            completions = client.generate(prompt_ids, SamplingParams(
-                n=algo.group_size, max_tokens=algo.max_new_tokens, temperature=1.0, seed=7))
+            completions = client.generate(
+                prompt_ids,
+                SamplingParams(
+                    n=algo.group_size, max_tokens=algo.max_new_tokens, temperature=1.0, seed=7
+                ),
+            )
         finally:
             client.close()
     batch = RolloutBatch(RolloutRequest(1, tasks, prompt_ids, seed=7), completions, 0.0)
     scored = score_batch(batch, {"arithmetic": ("numeric", {})}, algo, max_concurrency=2)
-    prepared = prepare_batch(batch, scored, algorithm="grpo", dynamic_sampling=False,
-                             loss_config=loss_config(algo),
-                             step=1)
+    prepared = prepare_batch(
+        batch,
+        scored,
+        algorithm="grpo",
+        dynamic_sampling=False,
+        loss_config=loss_config(algo),
+        step=1,
+    )
 
     store = open_store(str(tmp_path / "run"))
     with TrajectoryWriter(store, "trajectories", tmp_path / "spool", writer_id="rank0") as writer:
@@ -84,7 +107,7 @@ def test_records_round_trip_with_tokens_logprobs_and_verifier(
         assert len(logprobs) == len(ids)
         # exactly what the server sampled, rounded to LOGPROB_DECIMALS places
         for ours, theirs in zip(logprobs, sampled.logprobs, strict=True):
-            assert ours <= 0.0 and abs(ours - theirs) <= 0.5 * 10 ** -LOGPROB_DECIMALS + 1e-12
+            assert ours <= 0.0 and abs(ours - theirs) <= 0.5 * 10**-LOGPROB_DECIMALS + 1e-12
         assert record["prompt_token_ids"] == prompt_ids[task_index]
         assert tokenizer.decode(ids, skip_special_tokens=True) == record["completion"]
         assert tokenizer.decode(record["prompt_token_ids"]).endswith("assistant\n")
@@ -98,7 +121,7 @@ def test_records_round_trip_with_tokens_logprobs_and_verifier(
         assert trajectory_from_record(record) == prepared.trajectories[records.index(record)]
     # group-relative advantages: each group sums to ~0
     for g in range(len(tasks)):
-        group = records[g * algo.group_size:(g + 1) * algo.group_size]
+        group = records[g * algo.group_size : (g + 1) * algo.group_size]
         assert sum(r["advantage"] for r in group) == pytest.approx(0.0, abs=1e-6)
 
     # spot-check readers: the trainer's own export and storage's CLI over the stored log
@@ -108,19 +131,52 @@ def test_records_round_trip_with_tokens_logprobs_and_verifier(
     assert "**Verifier:** numeric, score" in markdown.read_text()
     exported = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert all(len(r["completion_logprobs"]) == len(r["completion_token_ids"]) for r in exported)
-    assert main(["storage", "spot-check", str(tmp_path / "run"), "--n", "3",
-                 "--out", str(tmp_path / "spot.jsonl")]) == 0
+    assert (
+        main(
+            [
+                "storage",
+                "spot-check",
+                str(tmp_path / "run"),
+                "--n",
+                "3",
+                "--out",
+                str(tmp_path / "spot.jsonl"),
+            ]
+        )
+        == 0
+    )
     spot = [json.loads(line) for line in (tmp_path / "spot.jsonl").read_text().splitlines()]
     assert len(spot) == 3 and all(r in records for r in spot)
-    assert main(["storage", "spot-check", str(tmp_path / "run"), "--n", "2",
-                 "--out", str(tmp_path / "spot.md")]) == 0
+    assert (
+        main(
+            [
+                "storage",
+                "spot-check",
+                str(tmp_path / "run"),
+                "--n",
+                "2",
+                "--out",
+                str(tmp_path / "spot.md"),
+            ]
+        )
+        == 0
+    )
     assert "# Trajectory spot check" in (tmp_path / "spot.md").read_text()
 
 
 def test_old_records_without_new_fields_still_load() -> None:
     """Checkpoints written before the token fields existed must still resume."""
-    old = {"step": 1, "domain": "m", "task_id": "t", "prompt": "p", "completion": "c",
-           "reward": 1.0, "passed": True, "weight_version": 0, "hack_signals": ["x"]}
+    old = {
+        "step": 1,
+        "domain": "m",
+        "task_id": "t",
+        "prompt": "p",
+        "completion": "c",
+        "reward": 1.0,
+        "passed": True,
+        "weight_version": 0,
+        "hack_signals": ["x"],
+    }
     trajectory = trajectory_from_record(old)
     assert trajectory.hack_signals == ("x",) and trajectory.completion_token_ids == ()
     assert trajectory.advantage is None and trajectory.verifier == {}

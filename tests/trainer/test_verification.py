@@ -30,7 +30,9 @@ from posttrain.trainer.verification import (
     build_verification,
 )
 
-TESTS = "def test_add():\n    assert add(2, 3) == 5\n\ndef test_neg():\n    assert add(-1, 1) == 0\n"
+TESTS = (
+    "def test_add():\n    assert add(2, 3) == 5\n\ndef test_neg():\n    assert add(-1, 1) == 0\n"
+)
 TASK = {"tests": TESTS}
 COMPLETIONS = [
     "```python\ndef add(a, b):\n    return a + b\n```",  # right
@@ -52,8 +54,17 @@ def runner_on(port: int) -> Iterator[str]:
     """A real runner (`posttrain sandbox serve`'s app) on ``port`` until the block ends."""
     executor = Executor()
     app = create_app(executor, concurrency=2, max_queue=16)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False, loop="asyncio", http="h11"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            access_log=False,
+            loop="asyncio",
+            http="h11",
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -81,8 +92,7 @@ def test_runner_mode_scores_exactly_as_the_local_executor() -> None:
         remote = build_verification(SandboxPolicy(mode="runner", runner_url=url))
         with ThreadPoolExecutor(2) as pool:
             here = list(pool.map(lambda c: local.verify("unit_tests", c, TASK, {}), COMPLETIONS))
-            there = list(pool.map(lambda c: remote.verify("unit_tests", c, TASK, {}),
-                                  COMPLETIONS))
+            there = list(pool.map(lambda c: remote.verify("unit_tests", c, TASK, {}), COMPLETIONS))
     assert [r.reward for r in here] == [1.0, 0.0, 0.5, 0.0, 0.0]
     assert [(r.reward, r.passed) for r in there] == [(r.reward, r.passed) for r in here]
     assert [r.details["hack_signals"] for r in there] == [r.details["hack_signals"] for r in here]
@@ -96,7 +106,8 @@ def test_an_outage_mid_run_is_retried_and_the_sample_scored_when_the_runner_is_b
     with runner_on(port) as url:
         verification = build_verification(
             SandboxPolicy(mode="runner", runner_url=url, unavailable_timeout_seconds=600),
-            on_health=seen.append)
+            on_health=seen.append,
+        )
         assert verification.verify("unit_tests", COMPLETIONS[0], TASK, {}).reward == 1.0
     # The runner is gone: the verification waits instead of scoring a 0.
     with ThreadPoolExecutor(1) as pool:
@@ -117,12 +128,20 @@ def test_a_runner_url_that_does_not_answer_fails_the_step_naming_it_never_a_zero
     seen: list[SandboxHealth] = []
     verification = build_verification(
         SandboxPolicy(mode="runner", runner_url=url, unavailable_timeout_seconds=1),
-        on_health=seen.append)
+        on_health=seen.append,
+    )
     task = Task("code", "write add", tests=TESTS)
     with pytest.raises(VerificationUnavailable, match=url):
-        score_samples([COMPLETIONS[0]], [10], [task], {"code": ("unit_tests", {})},
-                      max_new_tokens=64, overlong_buffer=0, overlong_penalty_value=0.0,
-                      verify=verification.verify)
+        score_samples(
+            [COMPLETIONS[0]],
+            [10],
+            [task],
+            {"code": ("unit_tests", {})},
+            max_new_tokens=64,
+            overlong_buffer=0,
+            overlong_penalty_value=0.0,
+            verify=verification.verify,
+        )
     assert seen and not seen[-1].available and url in (seen[-1].last_error or "")
 
 
@@ -132,14 +151,29 @@ def test_a_broken_task_still_scores_zero_but_a_broken_sandbox_raises() -> None:
     def sandbox_down(*_: Any) -> Any:
         raise SandboxError("bwrap: setting up uid map: Permission denied")
 
-    kwargs: dict[str, Any] = {"max_new_tokens": 64, "overlong_buffer": 0,
-                              "overlong_penalty_value": 0.0}
-    scored = score_samples([COMPLETIONS[0]], [10], [task], {"code": ("unit_tests", {})},
-                           verify=build_verification(SandboxPolicy()).verify, **kwargs)
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": 64,
+        "overlong_buffer": 0,
+        "overlong_penalty_value": 0.0,
+    }
+    scored = score_samples(
+        [COMPLETIONS[0]],
+        [10],
+        [task],
+        {"code": ("unit_tests", {})},
+        verify=build_verification(SandboxPolicy()).verify,
+        **kwargs,
+    )
     assert scored[0].reward == 0.0 and "tests" in scored[0].details["error"]
     with pytest.raises(SandboxError):
-        score_samples([COMPLETIONS[0]], [10], [task], {"code": ("unit_tests", {})},
-                      verify=sandbox_down, **kwargs)
+        score_samples(
+            [COMPLETIONS[0]],
+            [10],
+            [task],
+            {"code": ("unit_tests", {})},
+            verify=sandbox_down,
+            **kwargs,
+        )
 
 
 def test_the_policy_caps_every_request() -> None:

@@ -64,8 +64,7 @@ def test_shared_memory_publish_serves_the_new_version(
 ) -> None:
     store = open_store(str(tmp_path / "run"))
     registry = WeightRegistry(store, "weights", keep_last=2)
-    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path,
-                                shared=True)
+    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=True)
     policy = Policy(tiny_model, learning_rate=1e-3)
     assert publisher.transport == "shared"
     assert _served_matches(policy, client) == (0, True)
@@ -98,8 +97,9 @@ def test_registry_publish_in_serving_dtype_halves_the_bytes(
     policy = Policy(tiny_model, learning_rate=1e-3)
     full = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=False)
     full.publish(policy, 1)
-    half = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=False,
-                           dtype=torch.bfloat16)
+    half = WeightPublisher(
+        registry, store.uri("weights"), client, tmp_path, shared=False, dtype=torch.bfloat16
+    )
     _perturb(policy, seed=3)
     half.publish(policy, 2)
     assert full.last_bytes > 0 and half.last_bytes < 0.55 * full.last_bytes
@@ -131,8 +131,7 @@ def test_publisher_falls_back_to_the_registry_when_the_server_cannot_read_our_fi
     monkeypatch.setattr(weights, "fetch_weights", remote_fetch)
     store = open_store(str(tmp_path / "run"))
     registry = WeightRegistry(store, "weights", keep_last=2)
-    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path,
-                                shared=True)
+    publisher = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=True)
     policy = Policy(tiny_model, learning_rate=1e-3)
     _perturb(policy, seed=3)
     publisher.publish(policy, 1)
