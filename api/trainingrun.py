@@ -76,7 +76,8 @@ class AlgorithmSpec(ApiModel):
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or cosine decay from learningRate to
-    learningRate x minLrRatio at maxSteps."""
+    learningRate x minLrRatio at maxSteps (with stages: at each stage's last step, the
+    default of every stage's own lrSchedule)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps over which the learning rate rises linearly from learningRate /
     lrWarmupSteps to learningRate (0: no warm-up)."""
