@@ -138,7 +138,7 @@ def stage_schedule(plan: StagePlan) -> LrSchedule:
     >>> spec = StageSpec(name="s", type="sft", datasets=["x"], max_steps=4, lr_schedule="cosine",
     ...                  lr_warmup_steps=1).resolved(AlgorithmSpec())
     >>> [stage_schedule(StagePlan(1, spec, 9, 12)).factor(s) for s in (9, 10, 12)]
-    [1.0, 1.0, 0.0]
+    [1.0, 0.75, 0.0]
     """
     stage = plan.spec
     return LrSchedule(

@@ -715,7 +715,12 @@ def completion_hidden(
         hidden.append(first[group[i]][None])
         if later is not None and len(s.completion_ids) > 1:
             hidden.append(later[i, : len(s.completion_ids) - 1])
-    return torch.cat(hidden)  # (N, H)
+    out_hidden = torch.cat(hidden)  # (N, H)
+    if later is not None and all(len(s.completion_ids) == 1 for s in samples):
+        # The second pass feeds no output here, so backward would skip it and make fewer
+        # FSDP collectives than a rank whose micro-batch uses it: keep it in the graph.
+        out_hidden = out_hidden + 0.0 * later.sum()
+    return out_hidden
 
 
 def completion_logits(
