@@ -14,7 +14,7 @@ MODULES = [
     "reconcile",
     "warmpool",
     "kube",
-    "controllers",
+    "reconcilers.kuberay",
     "warm_entrypoint",
     "informer",
     "kueue",
