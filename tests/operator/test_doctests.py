@@ -19,6 +19,7 @@ MODULES = [
     "informer",
     "kueue",
     "sandbox_runner",
+    "evaluator",
 ]
 
 
