@@ -328,7 +328,7 @@ def test_a_sandbox_bwrap_could_not_build_is_a_sandbox_error_not_a_result(
 
     broken = Executor()
     broken._static_args = [*broken._static_args, "--ro-bind", str(tmp_path / "gone"), "/gone"]
-    with pytest.raises(SandboxError, match="could not set up the sandbox.*gone"):
+    with pytest.raises(SandboxError, match=r"could not set up the sandbox.*gone"):
         run(broken, ["true"])
 
 
