@@ -57,6 +57,7 @@ async def stop_resync(memo: Any, **_: Any) -> None:
     if task is not None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    memo.events.close()
     _controller(memo).state.kube.close()
 
 

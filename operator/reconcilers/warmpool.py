@@ -193,7 +193,7 @@ class WarmPoolReconciler:
                     exc,
                 )
 
-        context = contextvars.copy_context()  # kopf's event poster lives in context variables
+        context = contextvars.copy_context()  # the span context of the claim that asked
         threading.Thread(
             target=context.run, args=(refill,), name=f"refill-{pool}", daemon=True
         ).start()

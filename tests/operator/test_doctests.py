@@ -17,6 +17,7 @@ MODULES = [
     "reconcilers.kuberay",
     "warm_entrypoint",
     "informer",
+    "events",
     "kueue",
     "sandbox_runner",
     "evaluator",
