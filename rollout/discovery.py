@@ -84,6 +84,8 @@ def follow_pool(
 ) -> threading.Event:
     """Keep ``client``'s endpoints equal to the pool's ready replicas; set the event to stop.
 
+    A replica that joined is first brought to the version the trainer last published
+    (:meth:`RolloutClient.catch_up`), so it never serves a sample older than its peers.
     An empty answer (every replica restarting) keeps the last known set: the client's
     retries and cool-downs handle dead endpoints better than having none.
     """
@@ -94,7 +96,7 @@ def follow_pool(
             try:
                 urls = discover()
                 if urls and sorted(urls) != sorted(client.urls):
-                    client.set_endpoints(urls)
+                    client.catch_up(urls)
             except Exception as exc:  # the API being briefly unreachable must not kill a run
                 log.warning("refreshing rollout endpoints failed: %s", exc)
 
