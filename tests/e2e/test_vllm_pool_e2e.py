@@ -27,8 +27,7 @@ import math
 import os
 import re
 import signal
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +41,7 @@ from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import S3Store
 from posttrain.storage.trajectories import read_trajectories
 
+from .conftest import wait_logged
 from .test_trainingrun_e2e import Cluster
 
 log = logging.getLogger(__name__)
@@ -64,25 +64,6 @@ pytestmark = [
 RUN, POOL = "vrun", "vpool"
 STEPS, PROMPTS, GROUP_SIZE = 3, 2, 2
 BOOT_S = 2400.0  # one vLLM replica's start-up on a loaded 2-core machine, with margin
-
-
-def wait_logged(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
-    """Poll ``predicate`` until truthy; a progress line every 30 s; fail naming ``what``."""
-    started = time.monotonic()
-    next_log = started + 30
-    last: Any = None
-    while True:
-        last = predicate()
-        if last:
-            return last
-        elapsed = time.monotonic() - started
-        if elapsed > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what} "
-                                 f"(last: {last!r})")  # fmt: skip
-        if time.monotonic() >= next_log:
-            log.info("waiting for %s (%.0fs of %.0fs)", what, elapsed, timeout_s)
-            next_log += 30
-        time.sleep(1.0)
 
 
 def pool_body(model_dir: Path, weights_uri: str) -> dict[str, Any]:
