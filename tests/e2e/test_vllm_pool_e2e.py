@@ -211,7 +211,8 @@ def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(
     registry = WeightRegistry(store, "weights")
     c.create("trainingruns", run_body())
 
-    # Kill one replica once the trainer has published v1 to both.
+    # Kill one replica as soon as v1 is committed to the registry: the trainer is then
+    # loading it onto the replicas (or has), so the kill can land in the middle of a load.
     def published() -> int:
         phase = c.status("trainingruns", RUN).get("phase")
         assert phase != "Failed", c.status("trainingruns", RUN)
