@@ -253,6 +253,11 @@ class VllmFrontDoor:
             span.set_attribute("weights.uri", uri)
             span.set_attribute("weights.version", version)
             async with self.loading:
+                if self.ready and version == self.version and version > 0:
+                    # The poll got there first (it sees the registry's commit before the
+                    # trainer's call arrives): versions are immutable, so this is a no-op.
+                    log.info("already serving weights v%d; not reloading it", version)
+                    return 0.0
                 path, temporary = await asyncio.to_thread(
                     weights.fetch_weights, uri, version, Path(self.scratch_dir)
                 )
