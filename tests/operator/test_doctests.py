@@ -14,9 +14,10 @@ MODULES = [
     "reconcile",
     "warmpool",
     "kube",
-    "controllers",
+    "reconcilers.kuberay",
     "warm_entrypoint",
     "informer",
+    "events",
     "kueue",
     "sandbox_runner",
 ]
