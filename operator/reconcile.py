@@ -1184,9 +1184,10 @@ def plan_rollout_pool(
          "weightVersion": (served or {}).get(p.name)}
         for p in ready_pods
     ]  # fmt: skip
-    version = pool_weight_version(pods, served)
-    if version is not None:
-        desired["weightVersion"] = version
+    # Unknown (a ready replica did not answer) clears it: a merge patch with null deletes
+    # the field, so status.weightVersion is never a stale number from before a replica
+    # was replaced.
+    desired["weightVersion"] = pool_weight_version(pods, served)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
 
