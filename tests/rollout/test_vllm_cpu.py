@@ -262,7 +262,7 @@ def test_concurrent_requests_during_a_load_report_one_version_each(vllm_pool: Po
     pool = vllm_pool
     replica = pool.replicas[0]
     with pool.client(replica) as client:
-        old = pool.version
+        old = served_versions(pool)[0]  # pool.version may name a damaged, unserved one
         params = SamplingParams(n=2, max_tokens=16, temperature=TEMPERATURE, seed=1)
         with ThreadPoolExecutor(2) as executor:
             sampling = executor.submit(client.generate, pool.prompts() * 3, params)
