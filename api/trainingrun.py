@@ -622,6 +622,20 @@ class SandboxHealth(ApiModel):
     last_failure_time: datetime | None = None
 
 
+class RolloutHealth(ApiModel):
+    """What the trainer saw of its RolloutPool: the operator turns it into the
+    RolloutAvailable condition (the trainer reports facts, the operator owns conditions)."""
+
+    pool: str
+    """spec.rollout.pool."""
+    available: bool = True
+    """False while the pool has no ready replica for the trainer to sample from."""
+    ready_replicas: int = 0
+    """Replicas the trainer found ready (status.replicaEndpoints of the pool)."""
+    message: str | None = None
+    """Why not, in words (the pool's Ready condition), and how long the trainer still waits."""
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
 
@@ -654,6 +668,9 @@ class TrainingRunStatus(ApiModel):
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
     sandbox: SandboxHealth | None = None
     """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    rollout: RolloutHealth | None = None
+    """Whether the trainer found a ready replica of spec.rollout.pool (written by the
+    trainer while it waits for one, and when it found them)."""
     reports_uri: str | None = None
     """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
     the report as it writes them; ``posttrain report <reportsUri>`` renders them."""

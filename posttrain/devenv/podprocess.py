@@ -340,6 +340,35 @@ def run_as_user(pod_spec: Manifest, container: Manifest) -> tuple[int, int] | No
     return int(uid), int(gid)
 
 
+def image_repository(image: str) -> str:
+    """The last path component of an image reference, without tag or digest: the key the
+    node agent's image-to-environment map uses.
+
+    >>> image_repository("ghcr.io/posttrain/rollout:0.1.0"), image_repository("busybox")
+    ('rollout', 'busybox')
+    >>> image_repository("localhost:5000/team/rollout@sha256:abc")
+    'rollout'
+    """
+    name = image.split("@", 1)[0].rsplit("/", 1)[-1]
+    return name.split(":", 1)[0]
+
+
+def python_bin_dir_for(image: str, image_bin_dirs: Mapping[str, Path], default: Path) -> Path:
+    """Which environment's ``bin/`` stands in for ``image``'s interpreter.
+
+    An image has its own Python environment (the rollout image holds vLLM and its torch,
+    the trainer image another torch); the agent has no images, so it maps an image's
+    repository name to a local environment and falls back to ``default`` (the agent's own).
+
+    >>> m = {"rollout": Path("/r/.venv-vllm/bin")}
+    >>> str(python_bin_dir_for("ghcr.io/posttrain/rollout:0.1.0", m, Path("/r/.venv/bin")))
+    '/r/.venv-vllm/bin'
+    >>> str(python_bin_dir_for("ghcr.io/posttrain/posttrain:0.1.0", m, Path("/r/.venv/bin")))
+    '/r/.venv/bin'
+    """
+    return image_bin_dirs.get(image_repository(image), default)
+
+
 def resolve_executable(command: str, path: str, python_bin_dir: Path) -> str:
     """Map a container's ``command[0]`` to a host executable.
 
