@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -61,7 +61,9 @@ class BuildError(ValueError):
 # ---------------------------------------------------------------- shared helpers
 
 
-def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str, Any]:
+def owner_reference(
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
+) -> dict[str, Any]:
     """The controller ownerReference pointing at ``owner`` (GC deletes children with it).
 
     blockOwnerDeletion lets foreground deletion wait for the children; it needs the
@@ -83,7 +85,7 @@ def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str,
 
 
 def child_metadata(
-    owner: TrainingRun | RolloutPool | SandboxTask,
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
     name: str,
     labels: dict[str, str],
     annotations: dict[str, str] | None = None,
@@ -1011,7 +1013,7 @@ def build_sandbox_pod(
     ]
     if artifacts is not None:
         command = _store_artifacts(task, command, env, annotations, artifacts)
-    containers = [
+    containers: list[dict[str, Any]] = [
         {
             "name": "sandbox",
             "image": spec.image or config.sandbox_image,

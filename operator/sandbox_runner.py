@@ -104,7 +104,7 @@ def apply_local_sandbox_context(run: TrainingRun, pod_spec: Manifest) -> None:
 
 
 def _labels(run: TrainingRun) -> dict[str, str]:
-    from .builders import LABEL_COMPONENT, LABEL_RUN
+    from posttrain.api.labels import LABEL_COMPONENT, LABEL_RUN
 
     return {LABEL_COMPONENT: COMPONENT_SANDBOX_RUNNER, LABEL_RUN: run.metadata.name}
 
@@ -188,7 +188,9 @@ def build_runner_service(run: TrainingRun) -> Manifest:
 
 def build_runner_network_policy(run: TrainingRun) -> Manifest:
     """Only this run's trainer pods may reach the runner; the runner reaches nothing."""
-    from .builders import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN, child_metadata
+    from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
+
+    from .builders import child_metadata
 
     return {
         "apiVersion": "networking.k8s.io/v1",

@@ -34,13 +34,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import BinaryIO, Protocol, TypeVar, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import certifi
 import urllib3
 from minio import Minio
-from minio.credentials import Credentials, Provider, StaticProvider
+from minio.credentials.credentials import Credentials
+from minio.credentials.providers import Provider, StaticProvider
 from minio.error import InvalidResponseError, S3Error, ServerError
 
 from posttrain.errors import UsageError
@@ -574,7 +575,7 @@ class S3Store:
                     self._client.put_object(
                         self.bucket,
                         name,
-                        reader,
+                        cast(BinaryIO, reader),  # file-like: read() is all put_object uses
                         size,
                         content_type=_content_type(key),
                         part_size=self._part_size,
@@ -662,7 +663,9 @@ class S3Store:
             (offset, min(self._range_size, size - offset))
             for offset in range(0, size, self._range_size)
         )
-        headers = {"If-Match": f'"{etag}"'} if etag else None
+        headers: dict[str, str | list[str] | tuple[str]] | None = (
+            {"If-Match": f'"{etag}"'} if etag else None
+        )
 
         def attempt(offset: int, length: int) -> list[bytes]:
             response = self._client.get_object(
