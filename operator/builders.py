@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun, env
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -657,8 +657,8 @@ def selector_string(labels: dict[str, str]) -> str:
 
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
-ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
-ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
+ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
+ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
 
 
 def pool_endpoint(pool: RolloutPool) -> str:

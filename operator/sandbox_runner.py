@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.api import TrainingRun
+from posttrain.api import TrainingRun, env
 
 from .config import OperatorConfig
 
@@ -27,7 +27,7 @@ Manifest = dict[str, Any]
 
 COMPONENT_SANDBOX_RUNNER = "sandbox-runner"
 SANDBOX_RUNNER_PORT = 8090
-RUNNER_URL_ENV = "POSTTRAIN_SANDBOX_RUNNER_URL"
+RUNNER_URL_ENV = env.SANDBOX_RUNNER_URL
 EXECUTION_VERIFIERS = frozenset({"unit_tests", "shell"})
 # Builtin datasets whose tasks carry their own execution verifier when the domain names none.
 EXECUTING_BUILTINS = frozenset({"builtin:code"})
