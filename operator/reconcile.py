@@ -812,6 +812,7 @@ def _rollout_condition(
     if health is None:
         return conditions
     gen = run.metadata.generation
+    status: ConditionStatus
     if health.available:
         status, reason = "True", Reason.REPLICAS_READY
         message = f"RolloutPool {health.pool}: {health.ready_replicas} ready replica(s)"

@@ -130,10 +130,19 @@ KNOWN_CYCLES = {
     frozenset({"posttrain.trainer.rewards", "posttrain.trainer.verification"}),
     frozenset({"posttrain.trainer.lora", "posttrain.trainer.policy"}),
     frozenset({"posttrain.trainer.distributed", "posttrain.trainer.loop"}),
-    # builders puts the per-run runner's objects in; the runner borrows builders' helpers
-    frozenset({"posttrain.operator.builders", "posttrain.operator.sandbox_runner"}),
+    # builders puts the per-run runner's and evaluator's objects in; they borrow its helpers
+    frozenset(
+        {
+            "posttrain.operator.builders",
+            "posttrain.operator.evaluator",
+            "posttrain.operator.sandbox_runner",
+        }
+    ),
 }
 KNOWN_PRIVATE_IMPORTS = {
+    "posttrain.operator.evaluator imports posttrain.operator.builders._resources",
+    "posttrain.operator.evaluator imports posttrain.operator.builders._s3_env",
+    "posttrain.operator.evaluator imports posttrain.operator.builders._schedule",
     "posttrain.operator.sandbox_runner imports posttrain.operator.builders._resources",
     "posttrain.operator.warmpool imports posttrain.operator.builders._check_file_name",
     "posttrain.operator.warmpool imports posttrain.operator.builders._resources",
