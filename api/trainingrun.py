@@ -400,9 +400,9 @@ class EvaluationSpec(ApiModel):
     """0 = greedy decoding for evaluation."""
     inline: bool = True
     """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
-    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
-    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
-    and keepBest has no scores to keep by."""
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, which the
+    operator runs as the Job `<run>-evaluator`) scores each committed checkpoint while training
+    goes on, and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):

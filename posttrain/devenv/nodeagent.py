@@ -638,7 +638,10 @@ class PodRunner:
         if self.hosts_text is None:
             self.update_hosts([])
         mounts.append((str(self.hosts_path), "/etc/hosts", True))
-        bwrap = bwrap_prefix(mounts)
+        unmasked = (container.get("securityContext") or {}).get("procMount") == "Unmasked"
+        bwrap = bwrap_prefix(
+            mounts, proc_unmasked=unmasked, host_pid=bool(self.pod["spec"].get("hostPID"))
+        )
         work_dir = container.get("workingDir") or str(self.pod_dir / "cwd")
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)
         bwrap += ["--chdir", work_dir, "--"]
