@@ -149,8 +149,10 @@ class StageSpec(ApiModel):
     against the stage-start model; rl: the GRPO-family loop on spec.domains."""
     datasets: list[str] | None = Field(default=None, max_length=64)
     """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
-    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
-    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    {"prompt", "chosen", "rejected"}; "messages", a chat, may replace "prompt") or
+    builtin:arithmetic / builtin:code (worked answers to the built-in training items; dpo pairs
+    a correct with a wrong answer) or, sft only, builtin:bfcl_<category> (BFCL training items
+    answered with a call BFCL accepts, from possible_answer). Concatenated."""
     max_steps: int | None = Field(default=None, ge=1)
     """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
     learning_rate: float | None = Field(default=None, gt=0, le=1.0)
