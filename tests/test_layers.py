@@ -130,6 +130,10 @@ KNOWN_CYCLES = {
     frozenset({"posttrain.trainer.rewards", "posttrain.trainer.verification"}),
     frozenset({"posttrain.trainer.lora", "posttrain.trainer.policy"}),
     frozenset({"posttrain.trainer.distributed", "posttrain.trainer.loop"}),
+    # landed 2026-12-03 17:20 with the BFCL multi-turn environment
+    frozenset(
+        {"posttrain.envs.base", "posttrain.envs.bfcl_multi_turn", "posttrain.trainer.datasets"}
+    ),
     # builders puts the per-run runner's and evaluator's objects in; they borrow its helpers
     frozenset(
         {
