@@ -149,8 +149,10 @@ class StageSpec(ApiModel):
     against the stage-start model; rl: the GRPO-family loop on spec.domains."""
     datasets: list[str] | None = Field(default=None, max_length=64)
     """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
-    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
-    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    {"prompt", "chosen", "rejected"}; "messages", a chat, may replace "prompt") or
+    builtin:arithmetic / builtin:code (worked answers to the built-in training items; dpo pairs
+    a correct with a wrong answer) or, sft only, builtin:bfcl_<category> (BFCL training items
+    answered with a call BFCL accepts, from possible_answer). Concatenated."""
     max_steps: int | None = Field(default=None, ge=1)
     """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
     learning_rate: float | None = Field(default=None, gt=0, le=1.0)
@@ -203,10 +205,13 @@ class EnvironmentSpec(ApiModel):
     """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
     completion: the episode's task-completion reward replaces the verifier's."""
 
-    kind: Literal["function_calling", "terminal"]
+    kind: Literal["function_calling", "terminal", "bfcl_multi_turn"]
     """function_calling: BFCL tasks, calls judged by BFCL's AST checker (a reply that does not
     parse gets the parse error back while turns remain); terminal: shell commands in a
-    sandboxed workspace, judged by the task's "verify" checks at the end."""
+    sandboxed workspace, judged by the task's "verify" checks at the end; bfcl_multi_turn:
+    BFCL multi-turn items (builtin:bfcl_multi_turn_base) played against BFCL's executable
+    API backends, each user turn judged by BFCL's state and response checks. The domain's
+    verifier is not run for an environment domain: the environment's verdict is the reward."""
     max_turns: int = Field(default=1, ge=1, le=64)
     """Model turns per episode; reaching it ends the episode as truncated (the final state is
     still judged). 1 makes function_calling exactly BFCL's single-turn evaluation."""
