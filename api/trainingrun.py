@@ -150,8 +150,10 @@ class StageSpec(ApiModel):
     against the stage-start model; rl: the GRPO-family loop on spec.domains."""
     datasets: list[str] | None = Field(default=None, max_length=64)
     """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
-    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
-    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    {"prompt", "chosen", "rejected"}; "messages", a chat, may replace "prompt") or
+    builtin:arithmetic / builtin:code (worked answers to the built-in training items; dpo pairs
+    a correct with a wrong answer) or, sft only, builtin:bfcl_<category> (BFCL training items
+    answered with a call BFCL accepts, from possible_answer). Concatenated."""
     max_steps: int | None = Field(default=None, ge=1)
     """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
     learning_rate: float | None = Field(default=None, gt=0, le=1.0)
@@ -215,10 +217,13 @@ class EnvironmentSpec(ApiModel):
     """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
     completion: the episode's task-completion reward replaces the verifier's."""
 
-    kind: Literal["function_calling", "terminal"]
+    kind: Literal["function_calling", "terminal", "bfcl_multi_turn"]
     """function_calling: BFCL tasks, calls judged by BFCL's AST checker (a reply that does not
     parse gets the parse error back while turns remain); terminal: shell commands in a
-    sandboxed workspace, judged by the task's "verify" checks at the end."""
+    sandboxed workspace, judged by the task's "verify" checks at the end; bfcl_multi_turn:
+    BFCL multi-turn items (builtin:bfcl_multi_turn_base) played against BFCL's executable
+    API backends, each user turn judged by BFCL's state and response checks. The domain's
+    verifier is not run for an environment domain: the environment's verdict is the reward."""
     max_turns: int = Field(default=1, ge=1, le=64)
     """Model turns per episode; reaching it ends the episode as truncated (the final state is
     still judged). 1 makes function_calling exactly BFCL's single-turn evaluation."""
@@ -412,9 +417,9 @@ class EvaluationSpec(ApiModel):
     """0 = greedy decoding for evaluation."""
     inline: bool = True
     """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
-    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
-    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
-    and keepBest has no scores to keep by."""
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, which the
+    operator runs as the Job `<run>-evaluator`) scores each committed checkpoint while training
+    goes on, and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -634,6 +639,20 @@ class SandboxHealth(ApiModel):
     last_failure_time: datetime | None = None
 
 
+class RolloutHealth(ApiModel):
+    """What the trainer saw of its RolloutPool: the operator turns it into the
+    RolloutAvailable condition (the trainer reports facts, the operator owns conditions)."""
+
+    pool: str
+    """spec.rollout.pool."""
+    available: bool = True
+    """False while the pool has no ready replica for the trainer to sample from."""
+    ready_replicas: int = 0
+    """Replicas the trainer found ready (status.replicaEndpoints of the pool)."""
+    message: str | None = None
+    """Why not, in words (the pool's Ready condition), and how long the trainer still waits."""
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
 
@@ -666,6 +685,9 @@ class TrainingRunStatus(ApiModel):
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
     sandbox: SandboxHealth | None = None
     """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    rollout: RolloutHealth | None = None
+    """Whether the trainer found a ready replica of spec.rollout.pool (written by the
+    trainer while it waits for one, and when it found them)."""
     reports_uri: str | None = None
     """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
     the report as it writes them; ``posttrain report <reportsUri>`` renders them."""

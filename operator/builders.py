@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun, env
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -38,7 +38,7 @@ from posttrain.api.labels import (
     MANAGED_BY,
 )
 
-from . import sandbox_runner
+from . import evaluator, sandbox_runner
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -61,7 +61,9 @@ class BuildError(ValueError):
 # ---------------------------------------------------------------- shared helpers
 
 
-def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str, Any]:
+def owner_reference(
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
+) -> dict[str, Any]:
     """The controller ownerReference pointing at ``owner`` (GC deletes children with it).
 
     blockOwnerDeletion lets foreground deletion wait for the children; it needs the
@@ -83,7 +85,7 @@ def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str,
 
 
 def child_metadata(
-    owner: TrainingRun | RolloutPool | SandboxTask,
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
     name: str,
     labels: dict[str, str],
     annotations: dict[str, str] | None = None,
@@ -490,14 +492,20 @@ def build_trainer_gang(
 def build_trainer_children(
     run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
 ) -> list[Manifest]:
-    """The run's long-lived children, created before the first gang (order matters for RBAC).
+    """The run's long-lived children, created before the first gang (order matters for RBAC):
+    RBAC, the run's ConfigMap, the head Service, the sandbox runner (mode runner without
+    runnerUrl) and the evaluator Job (``evaluation.inline: false``).
 
     With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
     """
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
-    return children + sandbox_runner.build_runner_children(run, config)
+    return [
+        *children,
+        *sandbox_runner.build_runner_children(run, config),
+        *evaluator.build_evaluator_children(run, config),
+    ]
 
 
 # ---------------------------------------------------------------- TrainingRun on KubeRay
@@ -655,8 +663,8 @@ def selector_string(labels: dict[str, str]) -> str:
 
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
-ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
-ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
+ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
+ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
@@ -1011,7 +1019,7 @@ def build_sandbox_pod(
     ]
     if artifacts is not None:
         command = _store_artifacts(task, command, env, annotations, artifacts)
-    containers = [
+    containers: list[dict[str, Any]] = [
         {
             "name": "sandbox",
             "image": spec.image or config.sandbox_image,

@@ -640,6 +640,7 @@ class Run:
             self.policy.tokenizer,
             environments,
             max_concurrency=self.spec.rollout.max_in_flight,
+            sandbox=self.spec.sandbox,
         )
 
     def submit_ahead(self) -> None:

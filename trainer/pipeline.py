@@ -80,9 +80,11 @@ def plan_stages(spec: Any) -> list[StagePlan]:
 def load_pipeline_data(plans: list[StagePlan], tokenizer: Any) -> dict[str, StageData]:
     """Every SFT/DPO stage's data, read and tokenized up front: a missing file or an empty
     dataset fails the run before any training, naming the path."""
-    from posttrain.trainer.policy import chat_prompt_ids
+    from posttrain.trainer.policy import chat_messages_ids, chat_prompt_ids
 
-    def encode_prompt(prompt: str) -> list[int]:
+    def encode_prompt(prompt: str | list[dict[str, str]]) -> list[int]:
+        if isinstance(prompt, list):  # a chat (``messages``), as environments start one
+            return chat_messages_ids(tokenizer, prompt)
         return chat_prompt_ids(tokenizer, prompt)
 
     def encode_completion(text: str) -> list[int]:

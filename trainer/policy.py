@@ -55,9 +55,14 @@ root's forward: ``objective(model) -> tensor``."""
 
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Chat-template a user prompt into token ids ending with the assistant turn header."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
+    return chat_messages_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def chat_messages_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template whole messages (e.g. a system prompt and a question) into token ids
+    ending with the assistant turn header: the same ids ``envs.episode.ChatTokens``
+    starts an episode with."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

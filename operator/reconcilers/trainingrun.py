@@ -16,7 +16,7 @@ from posttrain.api import API_VERSION, RolloutPool, TrainingRun
 from posttrain.api.labels import ANNOTATION_INCARNATION
 
 from .. import builders as b
-from .. import sandbox_runner
+from .. import evaluator, sandbox_runner
 from ..admission import KueueAdmission
 from ..kube import KubeError
 from ..reasons import Reason
@@ -120,6 +120,10 @@ class TrainingRunReconciler:
                 state.kube.delete(
                     "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
                 )
+            if plan.status_patch.get("phase") == "Failed" and evaluator.needs_evaluator(run):
+                # No more checkpoints will come: the evaluator would wait for the final one
+                # forever. After Succeeded it still scores the last checkpoint, then ends.
+                state.kube.delete("batch/v1", "Job", namespace, evaluator.evaluator_name(run))
 
     def _leave_alone(self, body: Body, why: str) -> None:
         """One Event per run (per operator process) saying why it is left alone."""

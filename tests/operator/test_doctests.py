@@ -20,6 +20,7 @@ MODULES = [
     "events",
     "kueue",
     "sandbox_runner",
+    "evaluator",
 ]
 
 
