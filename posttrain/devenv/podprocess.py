@@ -254,7 +254,9 @@ def bwrap_prefix(
     Unless the pod sets ``hostPID`` or an unmasked ``/proc`` (below), it gets its own pid
     namespace, as in Kubernetes: a program that signals every process it may (``kill -1``,
     as the unit-test harness does when it is done) reaches only its own pod, never the other
-    pods of the same uid.
+    pods of the same uid. The container's command is its pid 1 (``--as-pid-1``), as in a
+    container, so ``kill -1`` inside spares it: a SandboxTask's entrypoint outlives the
+    harness it runs and still uploads the log.
 
     ``/proc`` plays the container's: by default a fresh procfs on which bwrap covers ``sys``,
     ``sysrq-trigger``, ``irq`` and ``bus`` (like Kubernetes' default masked ``/proc``), so
@@ -284,7 +286,7 @@ def bwrap_prefix(
         "/dev",
         *(["--bind", "/proc", "/proc"] if proc_unmasked else ["--proc", "/proc"]),
         "--die-with-parent",
-        *([] if host_pid or proc_unmasked else ["--unshare-pid"]),
+        *([] if host_pid or proc_unmasked else ["--unshare-pid", "--as-pid-1"]),
     ]
     made: set[str] = set()
     for source, target, read_only in mounts:
