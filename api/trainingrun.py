@@ -76,7 +76,8 @@ class AlgorithmSpec(ApiModel):
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or cosine decay from learningRate to
-    learningRate x minLrRatio at maxSteps."""
+    learningRate x minLrRatio at maxSteps (with stages: at each stage's last step, the
+    default of every stage's own lrSchedule)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps over which the learning rate rises linearly from learningRate /
     lrWarmupSteps to learningRate (0: no warm-up)."""
@@ -176,6 +177,16 @@ class StageSpec(ApiModel):
     per example), so the loss equals the unpacked one; only padding work is saved."""
     weight_decay: float | None = Field(default=None, ge=0)
     """AdamW weight decay of this stage (default algorithm.weightDecay)."""
+    lr_schedule: Literal["constant", "cosine"] | None = None
+    """This stage's learning rate after warm-up: constant, or cosine decay to learningRate x
+    minLrRatio at the stage's last step (default algorithm.lrSchedule). Every stage runs
+    its own curve over its own steps."""
+    lr_warmup_steps: int | None = Field(default=None, ge=0)
+    """Steps at the start of this stage over which its learning rate rises linearly
+    (default algorithm.lrWarmupSteps)."""
+    min_lr_ratio: float | None = Field(default=None, ge=0, le=1)
+    """Final cosine learning rate of this stage, as a fraction of its learningRate (default
+    algorithm.minLrRatio)."""
 
     def resolved(self, algorithm: AlgorithmSpec) -> StageSpec:
         """This stage with every unset hyper-parameter filled in from its type's defaults.
@@ -196,8 +207,9 @@ class StageSpec(ApiModel):
                     values[key] = default
             if self.type == "sft" and self.packing is None:
                 values["packing"] = True
-        if self.weight_decay is None:
-            values["weight_decay"] = algorithm.weight_decay
+        for key in ("weight_decay", "lr_schedule", "lr_warmup_steps", "min_lr_ratio"):
+            if values.get(key) is None:
+                values[key] = getattr(algorithm, key)
         return StageSpec.model_validate(values)
 
 

@@ -29,11 +29,11 @@ from posttrain.api.labels import (
     LABEL_GANG,
     LABEL_RANK,
 )
+from posttrain.api.reasons import ConditionType, Reason, SandboxExitReason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from .builders import ray_cluster_name, sandbox_pod_name
 from .kueue import WorkloadView, workload_name
-from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")
 

@@ -38,6 +38,7 @@ from posttrain.api.labels import (
     LABEL_TASK,
     LABEL_WARM_POOL,
 )
+from posttrain.api.reasons import ConditionType, Reason
 
 from .builders import (
     SANDBOX_WORKDIR,
@@ -50,7 +51,6 @@ from .builders import (
     spec_hash,
 )
 from .config import OperatorConfig
-from .reasons import ConditionType, Reason
 from .reconcile import EventSpec, PodView, status_diff
 
 Manifest = dict[str, Any]
