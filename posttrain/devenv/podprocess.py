@@ -10,11 +10,13 @@ the pod/container status fragments the agent patches. Nothing here talks to the 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
@@ -254,7 +256,9 @@ def bwrap_prefix(
     Unless the pod sets ``hostPID`` or an unmasked ``/proc`` (below), it gets its own pid
     namespace, as in Kubernetes: a program that signals every process it may (``kill -1``,
     as the unit-test harness does when it is done) reaches only its own pod, never the other
-    pods of the same uid.
+    pods of the same uid. The container's command is its pid 1 (``--as-pid-1``), as in a
+    container, so ``kill -1`` inside spares it: a SandboxTask's entrypoint outlives the
+    harness it runs and still uploads the log.
 
     ``/proc`` plays the container's: by default a fresh procfs on which bwrap covers ``sys``,
     ``sysrq-trigger``, ``irq`` and ``bus`` (like Kubernetes' default masked ``/proc``), so
@@ -284,7 +288,7 @@ def bwrap_prefix(
         "/dev",
         *(["--bind", "/proc", "/proc"] if proc_unmasked else ["--proc", "/proc"]),
         "--die-with-parent",
-        *([] if host_pid or proc_unmasked else ["--unshare-pid"]),
+        *([] if host_pid or proc_unmasked else ["--unshare-pid", "--as-pid-1"]),
     ]
     made: set[str] = set()
     for source, target, read_only in mounts:
@@ -396,19 +400,36 @@ def resolve_executable(command: str, path: str, python_bin_dir: Path) -> str:
 
 
 def kill_process_group(process: subprocess.Popen[bytes] | None, grace_seconds: float) -> None:
-    """SIGTERM the process's group, SIGKILL it after ``grace_seconds``, reap the leader."""
-    if process is None or process.poll() is not None:
+    """SIGTERM the process's group, SIGKILL what is left of it after ``grace_seconds``, reap
+    the leader.
+
+    The group, not only its leader (bwrap): the container's command is pid 1 of its own pid
+    namespace and outlives bwrap when it ignores SIGTERM (pid 1 without a handler does) and
+    its parent-death signal was cleared by the switch to the pod's user; waiting for the
+    leader alone left such processes running after their pod was gone.
+    """
+    if process is None:
         return
+    pgid = process.pid
     for sig, wait_s in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        if sig == signal.SIGTERM and process.poll() is not None:
+            continue  # the leader is gone: only leftovers, which get SIGKILL
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + wait_s
+        while True:
+            process.poll()  # reap the leader, or the group never empties
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5.0)
 
 
 def http_probe(probe: Manifest, container: Manifest, pod_ip: str) -> bool:
