@@ -400,9 +400,9 @@ class EvaluationSpec(ApiModel):
     """0 = greedy decoding for evaluation."""
     inline: bool = True
     """true: rank 0 evaluates between steps (every rank waits for it). false: the trainer
-    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, e.g.
-    examples/kubernetes/evaluator-job.yaml) scores each committed checkpoint while training goes on,
-    and keepBest has no scores to keep by."""
+    never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, which the
+    operator runs as the Job `<run>-evaluator`) scores each committed checkpoint while training
+    goes on, and keepBest has no scores to keep by."""
 
 
 class AuditSpec(ApiModel):
@@ -622,6 +622,20 @@ class SandboxHealth(ApiModel):
     last_failure_time: datetime | None = None
 
 
+class RolloutHealth(ApiModel):
+    """What the trainer saw of its RolloutPool: the operator turns it into the
+    RolloutAvailable condition (the trainer reports facts, the operator owns conditions)."""
+
+    pool: str
+    """spec.rollout.pool."""
+    available: bool = True
+    """False while the pool has no ready replica for the trainer to sample from."""
+    ready_replicas: int = 0
+    """Replicas the trainer found ready (status.replicaEndpoints of the pool)."""
+    message: str | None = None
+    """Why not, in words (the pool's Ready condition), and how long the trainer still waits."""
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
 
@@ -654,6 +668,9 @@ class TrainingRunStatus(ApiModel):
     """Trainer restarts so far (bounded by spec.backoffLimit)."""
     sandbox: SandboxHealth | None = None
     """Health of the sandbox the trainer verifies with (written by the trainer)."""
+    rollout: RolloutHealth | None = None
+    """Whether the trainer found a ready replica of spec.rollout.pool (written by the
+    trainer while it waits for one, and when it found them)."""
     reports_uri: str | None = None
     """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
     the report as it writes them; ``posttrain report <reportsUri>`` renders them."""

@@ -11,8 +11,12 @@ Two measurements, both side by side in one process, both on the same synthetic d
   The two runs alternate step by step (so load from other work hits both alike);
   ``--stage-steps`` steps each, the median step's wall and CPU (process) time is reported.
 * ``loop``: whole ``train()`` steps (tiny random Llama with the real tokenizer, the real
-  CPU rollout server over HTTP, the real policy step), ``--loop-steps`` steps each,
-  median ``step_seconds`` of steps 2.. from metrics.jsonl (step 1 warms up).
+  CPU rollout server over HTTP, the real policy step), ``--loop-steps`` steps per run,
+  ``step_seconds`` of steps 2.. from metrics.jsonl (step 1 warms up). The two domain
+  counts run ``--loop-reps`` times each, interleaved (A B B A A B ...), so load drift on a
+  shared machine hits both alike; reported: the median step of each count over all its
+  repetitions, and the median of the per-repetition ratios (each from one A/B pair run
+  back to back).
 
     .venv/bin/python bench/many_domains.py --domains 300 --prompts 64 --group 8
 """
@@ -192,8 +196,8 @@ def stage_step_seconds(
     return out
 
 
-def loop_step_seconds(spec: TrainingRunSpec, out: Path) -> float:
-    """Median ``step_seconds`` of whole train() steps 2.. (tiny model, real server)."""
+def loop_step_seconds(spec: TrainingRunSpec, out: Path) -> list[float]:
+    """``step_seconds`` of whole train() steps 2.. (tiny model, real server)."""
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.loop import train
     from posttrain.trainer.server_process import LocalRolloutServer
@@ -204,7 +208,36 @@ def loop_step_seconds(spec: TrainingRunSpec, out: Path) -> float:
             train(spec, out, client)
         finally:
             client.close()
-    return statistics.median(m["step_seconds"] for m in load_metrics(out)[1:])
+    return [m["step_seconds"] for m in load_metrics(out)[1:]]
+
+
+def interleaved_loop_seconds(
+    specs: dict[int, TrainingRunSpec], root: Path, reps: int
+) -> dict[str, Any]:
+    """train() runs of each domain count, ``reps`` times, in ABBA order; per count the median
+    step over every repetition, and the median per-repetition ratio (many / two)."""
+    two, many = sorted(specs)
+    steps: dict[int, list[float]] = {two: [], many: []}
+    ratios = []
+    for rep in range(reps):
+        order = (two, many) if rep % 2 == 0 else (many, two)
+        rep_median = {}
+        for n in order:
+            seconds = loop_step_seconds(specs[n], root / f"loop{n}-rep{rep}")
+            steps[n] += seconds
+            rep_median[n] = statistics.median(seconds)
+        ratios.append(rep_median[many] / rep_median[two])
+        print(
+            f"loop rep {rep + 1}/{reps}: {two} domains {rep_median[two]:.2f} s/step, {many} "
+            f"domains {rep_median[many]:.2f} s/step, ratio {ratios[-1]:.2f}",
+            flush=True,
+        )
+    return {
+        f"loop_{two}": statistics.median(steps[two]),
+        f"loop_{many}": statistics.median(steps[many]),
+        "loop_rep_ratios": ratios,
+        "loop_ratio_median": statistics.median(ratios),
+    }
 
 
 def main() -> None:
@@ -214,6 +247,9 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="groupSize (both runs)")
     parser.add_argument("--stage-steps", type=int, default=30)
     parser.add_argument("--loop-steps", type=int, default=6, help="0 skips the train() part")
+    parser.add_argument(
+        "--loop-reps", type=int, default=4, help="train() runs per domain count, interleaved"
+    )
     parser.add_argument("--loop-prompts", type=int, default=16)
     parser.add_argument("--loop-group", type=int, default=4)
     args = parser.parse_args()
@@ -230,11 +266,13 @@ def main() -> None:
         }
         results.update(stage_step_seconds(specs, root, args.stage_steps))
         if args.loop_steps:
-            for n in (2, args.domains):
-                spec = make_spec(
+            loop_specs = {
+                n: make_spec(
                     model, domain_lists[n], args.loop_prompts, args.loop_group, args.loop_steps
                 )
-                results[f"loop_{n}"] = loop_step_seconds(spec, root / f"loop{n}")
+                for n in (2, args.domains)
+            }
+            results.update(interleaved_loop_seconds(loop_specs, root, args.loop_reps))
     n = args.domains
     print(json.dumps(results, indent=1))
     for clock in ("wall", "cpu"):
@@ -245,10 +283,11 @@ def main() -> None:
         )
     if args.loop_steps:
         print(
-            f"train() steps (batch {args.loop_prompts}x{args.loop_group}, tiny model): "
-            f"2 domains {results['loop_2']:.2f} s/step, {n} domains "
-            f"{results[f'loop_{n}']:.2f} s/step, ratio "
-            f"{results[f'loop_{n}'] / results['loop_2']:.2f}"
+            f"train() steps (batch {args.loop_prompts}x{args.loop_group}, tiny model, "
+            f"{args.loop_reps} interleaved runs each): 2 domains {results['loop_2']:.2f} s/step, "
+            f"{n} domains {results[f'loop_{n}']:.2f} s/step (median steps), ratio "
+            f"{results[f'loop_{n}'] / results['loop_2']:.2f}; median per-run-pair ratio "
+            f"{results['loop_ratio_median']:.2f}"
         )
 
 

@@ -1,8 +1,8 @@
 """Kueue admission for TrainingRuns, on the controller side: discovery, the Workload cache,
 and executing what :func:`.reconcile.plan_training_run` decided about a run's Workload.
 
-Kept beside :class:`.controllers.Controller` (which owns one instance) so the run reconciler
-only asks :meth:`KueueAdmission.gate` and hands the plan back to :meth:`KueueAdmission.apply`.
+Kept beside the TrainingRun reconciler (:mod:`.reconcilers.trainingrun`, which owns one
+instance) so it only asks :meth:`KueueAdmission.gate` and hands the plan back to :meth:`KueueAdmission.apply`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from .kueue import (
     workload_view,
 )
 from .reconcile import KueueGate, RunPlan
+from .reconcilers.state import Store
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +41,9 @@ Body = dict[str, Any]
 class KueueAdmission:
     """Whether Kueue is installed, the Workloads of runs, and their create/patch calls."""
 
-    def __init__(self, config: OperatorConfig, kube: KubeClient, store: Any) -> None:
+    def __init__(self, config: OperatorConfig, kube: KubeClient, store: Store) -> None:
         self.config, self.kube = config, kube
-        self.workloads = store  # a controllers.Store keyed by the posttrain.io/run label
+        self.workloads = store  # keyed by the posttrain.io/run label
         self._lock = threading.Lock()
         self._installed = False
         self._checked_at = float("-inf")

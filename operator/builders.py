@@ -38,7 +38,7 @@ from posttrain.api.labels import (
     MANAGED_BY,
 )
 
-from . import sandbox_runner
+from . import evaluator, sandbox_runner
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -490,14 +490,20 @@ def build_trainer_gang(
 def build_trainer_children(
     run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
 ) -> list[Manifest]:
-    """The run's long-lived children, created before the first gang (order matters for RBAC).
+    """The run's long-lived children, created before the first gang (order matters for RBAC):
+    RBAC, the run's ConfigMap, the head Service, the sandbox runner (mode runner without
+    runnerUrl) and the evaluator Job (``evaluation.inline: false``).
 
     With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
     """
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config))
-    return children + sandbox_runner.build_runner_children(run, config)
+    return [
+        *children,
+        *sandbox_runner.build_runner_children(run, config),
+        *evaluator.build_evaluator_children(run, config),
+    ]
 
 
 # ---------------------------------------------------------------- TrainingRun on KubeRay

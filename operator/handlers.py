@@ -1,5 +1,5 @@
 """Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
-(see controllers/reconcile).
+(see controllers.py for where each event goes, reconcilers/ for what it does).
 
 Watches feed the controller's caches (kopf's for most kinds; lean informers, informer.py,
 for SandboxTasks and labelled pods, the burst path); every event triggers a level-triggered
@@ -57,7 +57,8 @@ async def stop_resync(memo: Any, **_: Any) -> None:
     if task is not None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
-    _controller(memo).kube.close()
+    memo.events.close()
+    _controller(memo).state.kube.close()
 
 
 async def _resync_forever(controller: Controller, period: float) -> None:
@@ -78,8 +79,8 @@ def _on_resource_event(
     """Cache the object; reconcile it unless the event is the echo of our own status patch."""
     controller = _controller(memo)
     store, reconcile = {
-        "TrainingRun": (controller.runs, controller.reconcile_run),
-        "RolloutPool": (controller.pools, controller.reconcile_pool),
+        "TrainingRun": (controller.state.runs, controller.training_runs.reconcile),
+        "RolloutPool": (controller.state.pools, controller.rollout_pools.reconcile),
     }[kind]
     changed = controller.observe(store, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
@@ -106,11 +107,11 @@ async def sandbox_warm_pool_event(
     event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
 ) -> None:
     controller = _controller(memo)
-    changed = controller.observe(controller.warm_pools, event.get("type"), event["object"])
+    changed = controller.observe(controller.state.warm_pools, event.get("type"), event["object"])
     if event.get("type") == "DELETED":
-        await _in_thread(memo, lambda: controller.warm_pool_deleted(namespace, name))
+        await _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name))
     elif changed:
-        await _in_thread(memo, lambda: controller.reconcile_warm_pool(namespace, name))
+        await _in_thread(memo, lambda: controller.warm_pools.reconcile(namespace, name))
 
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
@@ -127,7 +128,7 @@ def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
 @kopf.on.delete(GROUP, VERSION, "trainingruns", when=_deletes_storage, registry=REGISTRY)
 def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
     """Only runs that opted in lose their checkpoints and trajectories (kopf retries this)."""
-    _controller(memo).delete_run_storage(dict(body))
+    _controller(memo).training_runs.delete_storage(dict(body))
 
 
 @kopf.on.event(GROUP, VERSION, "rolloutpools", registry=REGISTRY)
@@ -140,13 +141,8 @@ def rollout_pool_event(
 @kopf.on.event(
     "apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT}, registry=REGISTRY
 )
-def deployment_event(event: kopf.RawEvent, memo: Any, namespace: str, **_: Any) -> None:
-    controller = _controller(memo)
-    body = event["object"]
-    changed = controller.observe(controller.deployments, event.get("type"), body)
-    pool = ((body.get("metadata") or {}).get("labels") or {}).get("posttrain.io/pool")
-    if pool and changed:
-        controller.reconcile_pool(namespace, pool)
+def deployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
+    _controller(memo).on_deployment(event.get("type"), event["object"])
 
 
 @kopf.on.event(
@@ -181,7 +177,7 @@ def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     controller = _controller(memo)
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", ""), meta.get("name", "")
-    changed = controller.observe(controller.tasks, event_type, body)
+    changed = controller.observe(controller.state.tasks, event_type, body)
     if event_type == "DELETED":
         controller.forget("SandboxTask", namespace, name)
     elif changed:
@@ -203,10 +199,10 @@ async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
     queue[key] = False
     try:
         while True:
-            if not await controller.reconcile_task_on_loop(
+            if not await controller.sandbox_tasks.reconcile_on_loop(
                 namespace, name, memo.akube.create_or_adopt
             ):
-                await _in_thread(memo, lambda: controller.reconcile_task(namespace, name))
+                await _in_thread(memo, lambda: controller.sandbox_tasks.reconcile(namespace, name))
             if not queue[key]:
                 break
             queue[key] = False

@@ -229,12 +229,13 @@ class Informer:
         return rv
 
 
-def kopf_internals(tasks: Iterable[asyncio.Task[Any]]) -> tuple[PauseToggles, Any]:
-    """kopf's ``operator_paused`` toggles and Kubernetes-Event queue, from the tasks that
-    ``kopf.spawn_tasks`` returned (kopf passes both only to its own processor).
+def kopf_pause_toggles(tasks: Iterable[asyncio.Task[Any]]) -> PauseToggles:
+    """kopf's ``operator_paused`` toggles, from the tasks that ``kopf.spawn_tasks`` returned
+    (kopf passes them only to its own processor; no public API exposes them).
 
-    kopf is pinned (pyproject); if its internals move, this fails loudly at start-up rather
-    than running informers that ignore peering.
+    The one use of kopf's internals left (docs/operator.md, "kopf's public API"): kopf is
+    pinned (pyproject); if its internals move, this fails loudly at start-up rather than
+    running informers that ignore peering.
     """
     for task in tasks:
         if task.get_name() != "multidimensional multitasker":
@@ -243,6 +244,6 @@ def kopf_internals(tasks: Iterable[asyncio.Task[Any]]) -> tuple[PauseToggles, An
         orchestrator = guard.cr_frame.f_locals["coro"]  # type: ignore[union-attr]
         processor = orchestrator.cr_frame.f_locals["processor"]
         if isinstance(processor, functools.partial):
-            keywords = processor.keywords
-            return keywords["operator_paused"], keywords["event_queue"]
+            paused: PauseToggles = processor.keywords["operator_paused"]
+            return paused
     raise RuntimeError("cannot find kopf's pause toggles (kopf internals changed?)")

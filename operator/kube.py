@@ -112,6 +112,7 @@ PLURALS = {
     "ConfigMap": "configmaps",
     "ServiceAccount": "serviceaccounts",
     "Deployment": "deployments",
+    "Job": "jobs",
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "NetworkPolicy": "networkpolicies",

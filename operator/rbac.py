@@ -62,6 +62,8 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["deployments"],
         "verbs": [*READ, "create", "patch", "delete"],
     },
+    # The evaluator of a run with evaluation.inline: false (deleted when the run fails).
+    {"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get", "create", "delete"]},
     # Multi-node runs as KubeRay RayClusters (only used when that CRD is installed; whether it
     # is, is asked through API discovery, which needs no rule).
     {"apiGroups": ["ray.io"], "resources": ["rayclusters"], "verbs": [*READ, "create", "delete"]},

@@ -19,6 +19,8 @@ class ConditionType:
     FAILED: Final = "Failed"
     SANDBOX_AVAILABLE: Final = "SandboxAvailable"
     """TrainingRun: whether the trainer's sandbox performs executions (from status.sandbox)."""
+    ROLLOUT_AVAILABLE: Final = "RolloutAvailable"
+    """TrainingRun: whether the trainer found a ready replica of its pool (status.rollout)."""
 
 
 class Reason:
@@ -53,6 +55,7 @@ class Reason:
     ROLLING_UPDATE: Final = "RollingUpdate"
     SCALED_TO_ZERO: Final = "ScaledToZero"
     # A pool replica's init step could not fetch spec.model (the message names the URI).
+    NO_READY_REPLICA: Final = "NoReadyReplica"  # the trainer waits for its RolloutPool
     MODEL_UNAVAILABLE: Final = "ModelUnavailable"
     # A pool replica's server keeps exiting (the message has its last words).
     REPLICA_CRASH_LOOP: Final = "ReplicaCrashLooping"

@@ -598,6 +598,7 @@ def plan_training_run(
         return plan
 
     conditions = _sandbox_condition(run, conditions, plan)
+    conditions = _rollout_condition(run, conditions, plan)
     if spec.suspend:
         if workload is not None and workload.active:
             plan.workload_active = False  # Kueue evicts it and gives the quota back
@@ -787,6 +788,40 @@ def _sandbox_condition(
         plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason, message))
     return set_condition(
         conditions, ConditionType.SANDBOX_AVAILABLE, status, reason, message[:1000], gen
+    )
+
+
+def _rollout_condition(
+    run: TrainingRun, conditions: list[Condition], plan: RunPlan
+) -> list[Condition]:
+    """RolloutAvailable from what the trainer reported in status.rollout (absent until a
+    trainer looked for its pool's replicas); turning False posts a Warning event.
+
+    >>> from posttrain.api.trainingrun import RolloutHealth
+    >>> from posttrain.operator.builders import _example_run
+    >>> run = _example_run()
+    >>> run.status.rollout = RolloutHealth(pool="p", available=False, message="0 ready")
+    >>> plan = RunPlan(incarnation=0)
+    >>> [(c.type, c.status, c.reason) for c in _rollout_condition(run, [], plan)]
+    [('RolloutAvailable', 'False', 'NoReadyReplica')]
+    >>> plan.events[0].reason
+    'NoReadyReplica'
+    """
+    health = run.status.rollout
+    if health is None:
+        return conditions
+    gen = run.metadata.generation
+    if health.available:
+        status, reason = "True", Reason.REPLICAS_READY
+        message = f"RolloutPool {health.pool}: {health.ready_replicas} ready replica(s)"
+    else:
+        status, reason = "False", Reason.NO_READY_REPLICA
+        message = f"RolloutPool {health.pool} has no ready replica: {health.message or ''}"
+    before = get_condition(conditions, ConditionType.ROLLOUT_AVAILABLE)
+    if status == "False" and (before is None or before.status != status):
+        plan.events.append(EventSpec("Warning", reason, message))
+    return set_condition(
+        conditions, ConditionType.ROLLOUT_AVAILABLE, status, reason, message[:1000], gen
     )
 
 
@@ -1149,9 +1184,10 @@ def plan_rollout_pool(
          "weightVersion": (served or {}).get(p.name)}
         for p in ready_pods
     ]  # fmt: skip
-    version = pool_weight_version(pods, served)
-    if version is not None:
-        desired["weightVersion"] = version
+    # Unknown (a ready replica did not answer) clears it: a merge patch with null deletes
+    # the field, so status.weightVersion is never a stale number from before a replica
+    # was replaced.
+    desired["weightVersion"] = pool_weight_version(pods, served)
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
 

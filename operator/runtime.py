@@ -6,11 +6,9 @@ import asyncio
 import gc
 import logging
 import threading
-from typing import Any
 
 import kopf
 import uvloop
-from kopf._core.engines import posting  # kopf's Event-queue context (see run_informers)
 
 from posttrain.api import API_VERSION
 from posttrain.telemetry import start_metrics_server
@@ -19,25 +17,17 @@ from .akube import AsyncKube
 from .builders import LABEL_COMPONENT
 from .config import OperatorConfig
 from .controllers import Controller
-from .informer import Gate, Informer, kopf_internals, peering_toggle_names
+from .events import EventRecorder
+from .informer import Gate, Informer, kopf_pause_toggles, peering_toggle_names
 from .kube import KubeClient, load_credentials
-from .reconcile import EventSpec
-from .settings import build_settings, quiet_per_request_logs
+from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 
 log = logging.getLogger(__name__)
 
 
-def post_kopf_event(body: dict[str, Any], event: EventSpec) -> None:
-    """Post a Kubernetes Event through kopf's poster (batched, retried, rate-limited)."""
-    try:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-    except LookupError:
-        # Outside kopf's context (e.g. a unit test driving the controller directly).
-        log.debug("no kopf event poster here; event %s not posted", event.reason)
-
-
 def build_memo(config: OperatorConfig) -> kopf.Memo:
-    """Credentials, the shared REST client and the controller, handed to every handler."""
+    """Credentials, the shared REST clients, the Event recorder and the controller, handed to
+    every handler."""
     creds = load_credentials(config.kubeconfig)
     kube = KubeClient(
         creds,
@@ -51,8 +41,11 @@ def build_memo(config: OperatorConfig) -> kopf.Memo:
         timeout=config.request_timeout,
         reload=lambda: load_credentials(config.kubeconfig),
     )
-    controller = Controller(config, kube, post_kopf_event)
-    return kopf.Memo(config=config, credentials=creds, controller=controller, akube=akube)
+    events = EventRecorder(kube, EVENT_COMPONENT)
+    controller = Controller(config, kube, events.post)
+    return kopf.Memo(
+        config=config, credentials=creds, controller=controller, akube=akube, events=events
+    )
 
 
 async def run_async(
@@ -88,7 +81,7 @@ async def run_async(
         memo=memo,
         liveness_endpoint=liveness,
     )
-    paused, event_queue = kopf_internals(tasks)
+    paused = kopf_pause_toggles(tasks)
     peering = (
         ()
         if config.standalone
@@ -97,7 +90,7 @@ async def run_async(
         )
     )
     informers = asyncio.create_task(
-        run_informers(memo, config, Gate(paused, peering), event_queue), name="posttrain informers"
+        run_informers(memo, config, Gate(paused, peering)), name="posttrain informers"
     )
     await kopf.run_tasks([*tasks, informers], ignored=existing)
 
@@ -140,14 +133,8 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
     return informers
 
 
-async def run_informers(
-    memo: kopf.Memo, config: OperatorConfig, gate: Gate, event_queue: Any
-) -> None:
+async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
     """The informers until cancelled (at shutdown), then close their HTTP session."""
-    # kopf.event() (Kubernetes Events from reconciles) reads its queue from these context
-    # variables, which kopf sets only in its own per-object workers.
-    posting.event_queue_loop_var.set(asyncio.get_running_loop())
-    posting.event_queue_var.set(event_queue)
     memo.informers = build_informers(memo, config)
     try:
         await asyncio.gather(*(informer.run(gate) for informer in memo.informers))

@@ -102,6 +102,13 @@ class RolloutClient:
         self._max_retries = max_retries
         self._model = model
         self._slots = threading.Condition()
+        # Weight loads and joiner catch-ups one at a time, so a replica added while a new
+        # version is being published cannot end up on the previous one.
+        self._loading = threading.RLock()
+        self.loaded: tuple[str, int] | None = None  # (uri, version) of the last full load
+        # How long a load waits for a listed replica that cannot be reached to answer or
+        # to leave the pool (a crashed pod is replaced, or dropped by the operator, in this).
+        self.rejoin_wait_s = max(timeout_s, 600.0)
         self._picks = 0
         self._http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
@@ -205,7 +212,73 @@ class RolloutClient:
     # ------------------------------------------------------------------ weights / health
 
     def load_weights(self, uri: str, version: int) -> None:
-        """Make every endpoint serve ``version``; raises RolloutError naming the failures."""
+        """Make every endpoint serve ``version``; raises RolloutError naming the failures.
+
+        With ``discover``, a replica that could not be reached and has left the pool's
+        ready set by the time the others are done (it crashed or is being replaced) does
+        not fail the load: it pulls the latest committed version when it rejoins (pull on
+        join), and :meth:`catch_up` brings it to this version before it gets work. One
+        still listed as ready is retried until it answers or leaves (up to the load
+        timeout). A replica that *refuses* the version (HTTP 4xx: a digest mismatch, a
+        missing file) fails the load at once.
+        """
+        with self._loading:
+            self._refresh_endpoints()
+            with tracer.start_as_current_span("rollout.load_weights") as span:
+                span.set_attribute("weights.version", version)
+                failures = self._load_on(list(self._endpoints), uri, version)
+                deadline = time.monotonic() + self.rejoin_wait_s
+                while failures and self.discover is not None:
+                    refused = {u: e for u, e in failures.items() if not isinstance(e, _Retryable)}
+                    if refused or time.monotonic() > deadline:
+                        break
+                    time.sleep(2.0)
+                    ready = set(self._refresh_endpoints())
+                    for url in [u for u in failures if u not in ready]:
+                        log.warning(
+                            "replica %s left the pool while loading weights v%d (%s); it "
+                            "loads the latest version when it rejoins", url, version,
+                            failures.pop(url),
+                        )  # fmt: skip
+                    retry = [e for e in self._endpoints if e.url in failures]
+                    if retry:
+                        log.info("retrying weights v%d on %s", version, [e.url for e in retry])
+                        failures = self._load_on(retry, uri, version)
+                if failures:
+                    reasons = {u: str(e) for u, e in failures.items()}
+                    raise RolloutError(f"loading weights v{version} from {uri} failed on {reasons}")
+                self.loaded = (uri, version)
+
+    def catch_up(self, urls: list[str]) -> list[str]:
+        """Bring replicas that joined since the last load to the last loaded version, then
+        sample from them too; returns the URLs now in use.
+
+        A replica pulls the latest committed version before it reports ready, but the
+        trainer may publish again between that pull and the moment it shows up here; with
+        ``maxPolicyLag: 0`` one batch from it would then be stale. Loading the trainer's
+        current version first closes that gap. A joiner that fails the load is left out
+        (the next call retries it).
+        """
+        wanted = [u.rstrip("/") for u in urls]
+        with self._loading:
+            known = {e.url for e in self._endpoints}
+            joiners = [u for u in wanted if u not in known]
+            if joiners and self.loaded is not None:
+                uri, version = self.loaded
+                failures = self._load_on(
+                    [_Endpoint(u, self._max_in_flight) for u in joiners], uri, version
+                )
+                for url, exc in failures.items():
+                    log.warning("new replica %s did not load weights v%d yet: %s", url,
+                                version, exc)  # fmt: skip
+                wanted = [u for u in wanted if u not in failures]
+            if wanted and sorted(wanted) != sorted(known):
+                self.set_endpoints(wanted)
+            return self.urls
+
+    def _refresh_endpoints(self) -> list[str]:
+        """Ask ``discover`` for the ready replicas and use them (the last known set when it
+        fails or answers nothing); returns the URLs in use."""
         if self.discover is not None:
             try:
                 urls = self.discover()
@@ -214,32 +287,31 @@ class RolloutClient:
             else:
                 if urls:
                     self.set_endpoints(urls)
-        with tracer.start_as_current_span("rollout.load_weights") as span:
-            span.set_attribute("weights.version", version)
-            carrier = inject_headers()
-            failures: dict[str, str] = {}
-            threads = []
+        return self.urls
 
-            def load(endpoint: _Endpoint) -> None:
-                try:
-                    self._post_to(
-                        endpoint,
-                        "/v1/weights/load",
-                        {"uri": uri, "version": version},
-                        carrier,
-                        timeout_s=max(self._timeout_s, 600.0),
-                    )
-                except Exception as exc:
-                    failures[endpoint.url] = str(exc)
+    def _load_on(self, endpoints: list[_Endpoint], uri: str, version: int) -> dict[str, Exception]:
+        """POST the load to ``endpoints`` in parallel; the failures by URL."""
+        carrier = inject_headers()
+        failures: dict[str, Exception] = {}
 
-            for endpoint in self._endpoints:
-                thread = threading.Thread(target=load, args=(endpoint,))
-                thread.start()
-                threads.append(thread)
-            for thread in threads:
-                thread.join()
-            if failures:
-                raise RolloutError(f"loading weights v{version} from {uri} failed on {failures}")
+        def load(endpoint: _Endpoint) -> None:
+            try:
+                self._post_to(
+                    endpoint,
+                    "/v1/weights/load",
+                    {"uri": uri, "version": version},
+                    carrier,
+                    timeout_s=max(self._timeout_s, 600.0),
+                )
+            except Exception as exc:
+                failures[endpoint.url] = exc
+
+        threads = [threading.Thread(target=load, args=(e,)) for e in endpoints]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return failures
 
     def weight_versions(self) -> dict[str, int]:
         """Each endpoint's served version (-1 when unreachable)."""

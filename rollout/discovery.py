@@ -50,18 +50,29 @@ class PoolDiscovery:
         """URLs of the pool's ready replicas (empty while none is ready)."""
         return list(self.status().get("replicaEndpoints") or [])
 
-    def wait_ready(self, timeout_s: float, poll_s: float = 2.0) -> list[str]:
+    def wait_ready(
+        self,
+        timeout_s: float,
+        poll_s: float = 2.0,
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ) -> list[str]:
         """Block until at least one replica is ready, logging why not; TimeoutError after.
 
         The pool's Ready condition carries the reason (a model that cannot be fetched, a
         crash-looping replica), so the wait says what the trainer is waiting on.
+        ``report`` gets the TrainingRun's ``status.rollout`` (wire form) when the wait
+        starts, when its reason changes and when replicas are found: the operator shows it
+        as the run's RolloutAvailable condition.
         """
         started = time.monotonic()
         next_log = started
+        reported: str | None = None
         while True:
             status = self.status()
             urls = list(status.get("replicaEndpoints") or [])
             if urls:
+                if report is not None:
+                    report({"pool": self.name, "available": True, "readyReplicas": len(urls)})
                 return urls
             ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"),
                          {})  # fmt: skip
@@ -72,6 +83,11 @@ class PoolDiscovery:
                     f"RolloutPool {self.namespace}/{self.name} has no ready replica after "
                     f"{timeout_s:.0f}s ({why})"
                 )
+            if report is not None and why != reported:
+                reported = why
+                report({"pool": self.name, "available": False, "readyReplicas": 0,
+                        "message": f"{why}; the trainer waits up to {timeout_s:.0f}s "
+                                   "(spec.rollout.timeoutSeconds), then fails"})  # fmt: skip
             if time.monotonic() >= next_log:
                 log.info("waiting for a ready replica of RolloutPool %s/%s (%.0fs of %.0fs; %s)",
                          self.namespace, self.name, elapsed, timeout_s, why)  # fmt: skip
@@ -84,6 +100,8 @@ def follow_pool(
 ) -> threading.Event:
     """Keep ``client``'s endpoints equal to the pool's ready replicas; set the event to stop.
 
+    A replica that joined is first brought to the version the trainer last published
+    (:meth:`RolloutClient.catch_up`), so it never serves a sample older than its peers.
     An empty answer (every replica restarting) keeps the last known set: the client's
     retries and cool-downs handle dead endpoints better than having none.
     """
@@ -94,7 +112,7 @@ def follow_pool(
             try:
                 urls = discover()
                 if urls and sorted(urls) != sorted(client.urls):
-                    client.set_endpoints(urls)
+                    client.catch_up(urls)
             except Exception as exc:  # the API being briefly unreachable must not kill a run
                 log.warning("refreshing rollout endpoints failed: %s", exc)
 

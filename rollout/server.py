@@ -115,6 +115,7 @@ class ServerState:
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
+    refused: dict[int, str] = field(default_factory=dict)  # versions that failed verification
 
     @property
     def model_name(self) -> str:
@@ -174,14 +175,13 @@ def load_engine(state: ServerState) -> None:
         )
         state.engine = engine
         if config.weights_uri:
-            latest = weights.latest_version(config.weights_uri)
-            if latest is None:
+            if not weights.committed_versions(config.weights_uri):
                 log.info(
                     "no weights published under %s yet; serving the base model as v0",
                     config.weights_uri,
                 )
             else:
-                load_weights(state, config.weights_uri, latest)
+                load_newest_verified(state, config.weights_uri)
         state.ready.set()
         log.info("ready: %s at weight version %d", state.model_name, engine.weight_version)
     except Exception as exc:
@@ -211,18 +211,41 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
     return elapsed
 
 
+def load_newest_verified(state: ServerState, uri: str) -> None:
+    """Load the newest committed version above the served one that verifies (pull on join,
+    and the poll). A version that fails its digest or misses files is refused once,
+    remembered in ``state.refused`` (shown by ``/health``) and the next older one tried; at
+    start-up with none verifying the base model stays, as v0, and the log says so."""
+    from posttrain.rollout import weights
+
+    starting = not state.ready.is_set()
+    current = -1 if starting else state.engine.weight_version
+    for version in weights.join_candidates(uri, current, set(state.refused)):
+        try:
+            load_weights(state, uri, version)
+        except weights.unusable_version_errors() as exc:
+            state.refused[version] = str(exc)
+            log.error("refused weights v%d from %s: %s; trying the next older version",
+                      version, uri, exc)  # fmt: skip
+            continue
+        if any(r > version for r in state.refused):
+            log.warning("serving v%d, the newest weight version under %s that verifies "
+                        "(refused %s)", version, uri, sorted(state.refused))  # fmt: skip
+        return
+    if starting and state.refused:
+        log.error("no committed weight version under %s verifies (refused %s); serving the "
+                  "base model as v0", uri, sorted(state.refused))  # fmt: skip
+
+
 def poll_weights(state: ServerState, stop: threading.Event) -> None:
     """Pick up versions the trainer published without telling us (e.g. we were restarting)."""
     config = state.config
-    from posttrain.rollout import weights
 
     while not stop.wait(config.poll_seconds):
         if not state.ready.is_set() or not config.weights_uri:
             continue
         try:
-            latest = weights.latest_version(config.weights_uri)
-            if latest is not None and latest > state.engine.weight_version:
-                load_weights(state, config.weights_uri, latest)
+            load_newest_verified(state, config.weights_uri)
         except Exception:
             log.exception("polling %s for new weights failed; will retry", config.weights_uri)
 
@@ -246,7 +269,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if state.ready.is_set():
-            return JSONResponse({"status": "ok", "weight_version": state.engine.weight_version})
+            body: dict[str, Any] = {"status": "ok", "weight_version": state.engine.weight_version}
+            if state.refused:
+                body["refused_versions"] = sorted(state.refused)
+            return JSONResponse(body)
         detail = state.load_error or "loading model and latest weights"
         return JSONResponse({"status": "loading", "detail": detail}, status_code=503)
 

@@ -210,6 +210,7 @@ class VllmFrontDoor:
         self.scratch_dir = scratch_dir
         self.version = 0
         self.ready = False
+        self.refused: dict[int, str] = {}  # versions that failed verification: why
         self.lock = AsyncReadWriteLock()
         self.loading = asyncio.Lock()  # one weight load at a time (trainer + poller)
         self.http = httpx.AsyncClient(
@@ -252,6 +253,11 @@ class VllmFrontDoor:
             span.set_attribute("weights.uri", uri)
             span.set_attribute("weights.version", version)
             async with self.loading:
+                if self.ready and version == self.version and version > 0:
+                    # The poll got there first (it sees the registry's commit before the
+                    # trainer's call arrives): versions are immutable, so this is a no-op.
+                    log.info("already serving weights v%d; not reloading it", version)
+                    return 0.0
                 path, temporary = await asyncio.to_thread(
                     weights.fetch_weights, uri, version, Path(self.scratch_dir)
                 )
@@ -262,6 +268,7 @@ class VllmFrontDoor:
                         reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
                         reset.raise_for_status()
                         self.version = version
+                        self.refused.pop(version, None)
                     finally:
                         await self.lock.release_write()
                 finally:
@@ -274,16 +281,40 @@ class VllmFrontDoor:
         return elapsed
 
     async def load_latest(self) -> None:
-        """Load the newest committed version under ``weights_uri`` if newer than ours."""
+        """Serve the newest committed version under ``weights_uri`` that verifies.
+
+        Newer versions are tried newest first; one that fails its digest (or is missing
+        files) is refused, remembered -- the poll does not download it again -- and the
+        next older one is tried. At start-up (pull on join) that means a replica joins at
+        the newest good version, or the base model (v0) when none verifies, and says so in
+        its log and in ``/health``'s ``refused_versions``; later it keeps what it serves.
+        Storage being unreachable is not a verdict on a version: that error propagates
+        (bring-up fails and the pod restarts; the poll retries).
+        """
         from posttrain.rollout import weights
 
         if not self.weights_uri:
             return
-        latest = await asyncio.to_thread(weights.latest_version, self.weights_uri)
-        if latest is None:
-            log.info("no weights under %s yet; serving the base model as v0", self.weights_uri)
-        elif latest > self.version or not self.ready:
-            await self.load(self.weights_uri, latest)
+        uri = self.weights_uri
+        current = self.version if self.ready else -1
+        candidates = await asyncio.to_thread(weights.join_candidates, uri, current,
+                                             set(self.refused))  # fmt: skip
+        if not candidates and not self.ready and not self.refused:
+            log.info("no weights under %s yet; serving the base model as v0", uri)
+        for version in candidates:
+            try:
+                await self.load(uri, version)
+                if any(r > version for r in self.refused):
+                    log.warning("serving v%d, the newest weight version under %s that verifies "
+                                "(refused %s)", version, uri, sorted(self.refused))  # fmt: skip
+                return
+            except weights.unusable_version_errors() as exc:
+                self.refused[version] = str(exc)
+                log.error("refused weights v%d from %s: %s; trying the next older version",
+                          version, uri, exc)  # fmt: skip
+        if self.refused and not self.ready:
+            log.error("no committed weight version under %s verifies (refused %s); serving "
+                      "the base model as v0", uri, sorted(self.refused))  # fmt: skip
 
     async def poll(self, interval_s: float) -> None:
         """Catch up with versions published while this replica missed the trainer's call."""
@@ -313,7 +344,10 @@ class VllmFrontDoor:
         @app.get("/health")
         async def health() -> Response:
             status = 200 if self.ready else 503
-            return JSONResponse({"ready": self.ready, "weight_version": self.version}, status)
+            body: dict[str, Any] = {"ready": self.ready, "weight_version": self.version}
+            if self.refused:
+                body["refused_versions"] = sorted(self.refused)
+            return JSONResponse(body, status)
 
         @app.get("/v1/weights/version")
         async def version() -> Response:

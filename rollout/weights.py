@@ -60,6 +60,48 @@ def latest_version(prefix: str) -> int | None:
     return max(versions) if versions else None
 
 
+def committed_versions(prefix: str) -> list[int]:
+    """Every complete version under ``prefix``, newest first (the same rule as
+    :func:`latest_version`: committed ones when any version has a manifest)."""
+    if prefix.startswith("s3://"):
+        return sorted((int(v) for v in _registry(prefix).versions()), reverse=True)
+    root = _local_path(prefix)
+    if not root.is_dir():
+        return []
+    candidates = {
+        int(match.group(1)): child
+        for child in root.iterdir()
+        if (match := VERSION_DIR.match(child.name)) and _has_weights(child)
+    }
+    committed = {v for v, d in candidates.items() if (d / MANIFEST_NAME).is_file()}
+    return sorted(committed or candidates, reverse=True)
+
+
+def unusable_version_errors() -> tuple[type[BaseException], ...]:
+    """Errors that mean *this version* cannot be served (damaged, missing or incomplete
+    files), as opposed to storage being unreachable: a replica skips such a version and
+    keeps (or falls back to) an older one instead of retrying it forever."""
+    from posttrain.storage.errors import ArtifactNotFoundError, CorruptArtifactError
+
+    return (CorruptArtifactError, ArtifactNotFoundError, FileNotFoundError, ValueError)
+
+
+def join_candidates(prefix: str, current: int, refused: set[int]) -> list[int]:
+    """Versions a replica should try, newest first, to serve the newest one that verifies:
+    committed versions above ``current`` it has not already refused.
+
+    >>> import tempfile, pathlib
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> for v in (1, 2, 3):
+    ...     (root / version_dir_name(v)).mkdir(); (root / version_dir_name(v) / "m.safetensors").touch()
+    >>> join_candidates(str(root), 0, refused={3})
+    [2, 1]
+    >>> join_candidates(str(root), 2, refused=set())
+    [3]
+    """
+    return [v for v in committed_versions(prefix) if v > current and v not in refused]
+
+
 def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[Path, bool]:
     """A local directory holding version ``version``'s safetensors.
 

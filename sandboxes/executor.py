@@ -393,9 +393,6 @@ class Executor:
             )
         self.is_root = os.geteuid() == 0
         self._uids = _UidPool(HOST_UID_BASE, HOST_UID_SLOTS)
-        # Non-root: RLIMIT_NPROC counts all of this user's processes, so grant the sandbox
-        # its budget on top of what the user already runs.
-        self._nproc_offset = 0 if self.is_root else _count_processes(os.getuid())
         self._static_args = self._build_static_args()
         self.pool: WarmPool | None = None
         if warm_pool > 0:
@@ -544,7 +541,7 @@ class Executor:
         kernel's units (bytes, seconds, counts)."""
         cpu = request.cpu_time_s or math.ceil(request.timeout_s) + 1
         memory = request.memory_mb << 20
-        nproc = request.max_processes + self._nproc_offset
+        nproc = request.max_processes
         fsize = request.max_file_mb << 20
         return {
             "as": (memory, memory),
@@ -557,13 +554,31 @@ class Executor:
             "core": (0, 0),  # a crash dump would be a host-side file write
         }
 
-    def _limits(self, request: ExecRequest) -> list[str]:
-        """The ``prlimit`` prefix that applies :meth:`rlimits` before bwrap starts."""
-        return [
+    def _limits(self, request: ExecRequest) -> tuple[list[str], list[str]]:
+        """The ``prlimit`` prefixes that apply :meth:`rlimits`: (before bwrap, inside it).
+
+        The kernel counts ``RLIMIT_NPROC`` per user *and user namespace*: a fork fails once
+        the processes of the forking uid exceed the limit in the namespace's own count or in
+        any parent namespace's count, where the limit is that of the namespace's creator.
+        As root every sandbox runs as its own host uid, so the limit applied before bwrap
+        counts that sandbox alone. Not as root, every sandbox runs as our uid, which this
+        process, our other concurrent sandboxes and, on a shared node, every other
+        process of that uid also use; applied before bwrap, the limit would count them all
+        and a fork bomb in one sandbox (or an unrelated busy pod) would fail the next
+        sandbox's forks, scoring an innocent program as broken. So then the process limit
+        is set inside the sandbox's fresh user namespace, whose count holds only its own
+        processes, and bwrap keeps our (much larger) limit for the parent's count."""
+        limits = self.rlimits(request)
+        inside: list[str] = []
+        if not self.is_root:
+            soft, hard = limits.pop("nproc")
+            inside = [self.prlimit, f"--nproc={soft}:{hard}", "--"]
+        outside = [
             self.prlimit,
-            *(f"--{name}={soft}:{hard}" for name, (soft, hard) in self.rlimits(request).items()),
+            *(f"--{name}={soft}:{hard}" for name, (soft, hard) in limits.items()),
             "--",
         ]
+        return outside, inside
 
     def _spawn(
         self,
@@ -580,13 +595,9 @@ class Executor:
         ``limits_inside``: ``command`` applies :meth:`rlimits` itself before it runs anything
         untrusted (the warm pool's launcher does, saving the ``prlimit`` exec)."""
         owned: list[int] = []
+        outside, inside = ([], []) if limits_inside else self._limits(request)
         try:
-            args = [
-                *self._drop_to(host_uid),
-                *([] if limits_inside else self._limits(request)),
-                self.bwrap,
-                *self._static_args,
-            ]
+            args = [*self._drop_to(host_uid), *outside, self.bwrap, *self._static_args]
             if request.network != "none":
                 args.append("--share-net")
                 args += [a for p in ETC_NETWORK if os.path.exists(p) for a in ("--ro-bind", p, p)]
@@ -616,7 +627,7 @@ class Executor:
             }
             for name, value in env.items():
                 args += ["--setenv", name, value]
-            args += ["--", *command]
+            args += ["--", *inside, *command]
             try:
                 proc = subprocess.Popen(
                     args,
@@ -1013,6 +1024,11 @@ def _finish(
     if exit_code is None:
         setup_error = re.search(r"^bwrap: (.*)$", stderr, re.MULTILINE)
         if setup_error and got.returncode == 1:
+            if not setup_error.group(1).startswith("execvp "):
+                # bwrap failed while building the sandbox, after the namespaces existed
+                # (mounting /proc, binding a path): the program never ran, so there is
+                # nothing to score; a caller that scored it would train on a made-up 0.
+                raise SandboxError(f"bubblewrap could not set up the sandbox: {setup_error[0]}")
             # bwrap could not exec the command (not found, not executable): the caller's
             # mistake, reported like a shell would (127).
             return ExecResult(
@@ -1044,17 +1060,6 @@ def _finish(
         else:
             reason += "; the program killed the sandbox shell, workspace state not saved"
     return ExecResult(status, exit_code, stdout, stderr, duration_ms, reason, workspace)
-
-
-def _count_processes(uid: int) -> int:
-    """How many processes ``uid`` runs now (for the non-root RLIMIT_NPROC offset)."""
-    count = 0
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                if entry.stat().st_uid == uid:
-                    count += 1
-    return count
 
 
 _default: Executor | None = None

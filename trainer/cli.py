@@ -153,7 +153,11 @@ def _train(
         discovery = PoolDiscovery.from_env() if not spec.rollout.endpoints else None
         if discovery is not None:
             # Each replica of the pool, not its Service: publishes must reach all of them.
-            endpoints = discovery.wait_ready(spec.rollout.timeout_seconds)
+            from posttrain.trainer.status import rollout_health_reporter_from_env
+
+            endpoints = discovery.wait_ready(
+                spec.rollout.timeout_seconds, report=rollout_health_reporter_from_env()
+            )
         else:
             endpoints = _endpoints(spec)
     log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))

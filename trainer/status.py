@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -119,9 +120,12 @@ class KubeStatusReporter:
         self.api = api
 
     def report(self, status: RunStatus) -> None:
+        self.patch({k: v for k, v in status.to_wire().items() if k not in OPERATOR_OWNED})
+
+    def patch(self, wire: dict[str, Any]) -> None:
+        """Merge-patch these trainer-owned status fields (camelCase) and nothing else."""
         from posttrain.api.base import GROUP, VERSION
 
-        wire = {k: v for k, v in status.to_wire().items() if k not in OPERATOR_OWNED}
         try:
             self.api.patch_namespaced_custom_object_status(
                 GROUP,
@@ -185,6 +189,16 @@ class FanOutStatusReporter:
     def event(self, type_: str, reason: str, message: str) -> None:
         for reporter in self.reporters:
             reporter.event(type_, reason, message)
+
+
+def rollout_health_reporter_from_env() -> Callable[[dict[str, Any]], None] | None:
+    """Writes ``status.rollout`` of the pod's TrainingRun (None outside a cluster): what
+    the trainer saw of its RolloutPool while waiting for a ready replica."""
+    name, namespace = os.environ.get(RUN_NAME_ENV), os.environ.get(RUN_NAMESPACE_ENV)
+    if not name:
+        return None
+    reporter = KubeStatusReporter(name, namespace or "default")
+    return lambda health: reporter.patch({"rollout": health})
 
 
 def status_reporter_from_env(out_dir: Path) -> StatusReporter:

@@ -18,8 +18,10 @@ plays those three roles just far enough for end-to-end runs on one machine:
 * **Deployment controller stand-in**: keeps ``spec.replicas`` pods per Deployment and writes
   the Deployment's status (see :class:`DeploymentStandIn` for its limits).
 
-Images are ignored: ``posttrain``/``python``/``python3`` resolve to the checked-out project's
-venv, other commands (``cp``, ``sh``) to the host's binaries. Each pod gets its own loopback
+Images are not pulled: ``posttrain``/``python``/``python3`` resolve to a local environment of
+the checked-out project chosen by the image's repository name (``rollout`` images -- the
+operator's vLLM image -- run ``.venv-vllm``, everything else the agent's own venv; see
+:func:`default_image_bin_dirs`), other commands (``cp``, ``sh``) to the host's binaries. Each pod gets its own loopback
 address (127.0.0.2, 127.0.0.3, ...) as podIP, so two replicas that bind their pod IP don't
 collide; processes that bind 0.0.0.0 share the host's ports (one replica per port).
 When the agent runs as root it honours ``runAsUser``/``runAsGroup`` by dropping privileges
@@ -39,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,7 @@ from .podprocess import (
     kill_process_group,
     now_rfc3339,
     pod_conditions,
+    python_bin_dir_for,
     read_termination_message,
     resolve_executable,
     run_as_user,
@@ -317,6 +320,8 @@ class PodRunner:
     workdir: Path
     python_bin_dir: Path
     on_exit: Callable[[PodRunner], None] | None = None
+    # image repository name -> the bin/ of the environment standing in for that image
+    image_bin_dirs: dict[str, Path] = field(default_factory=dict)
     stopped: threading.Event = field(default_factory=threading.Event)
     process_lock: threading.Lock = field(default_factory=threading.Lock)
     service_account_dir: Path | None = None
@@ -614,7 +619,7 @@ class PodRunner:
                 "an image's entrypoint, so give the container an explicit command"
             )
         argv = [
-            resolve_executable(command[0], env["PATH"], self.python_bin_dir),
+            resolve_executable(command[0], env["PATH"], self.bin_dir(container)),
             *command[1:],
             *args,
         ]
@@ -633,7 +638,10 @@ class PodRunner:
         if self.hosts_text is None:
             self.update_hosts([])
         mounts.append((str(self.hosts_path), "/etc/hosts", True))
-        bwrap = bwrap_prefix(mounts)
+        unmasked = (container.get("securityContext") or {}).get("procMount") == "Unmasked"
+        bwrap = bwrap_prefix(
+            mounts, proc_unmasked=unmasked, host_pid=bool(self.pod["spec"].get("hostPID"))
+        )
         work_dir = container.get("workingDir") or str(self.pod_dir / "cwd")
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)
         bwrap += ["--chdir", work_dir, "--"]
@@ -643,10 +651,15 @@ class PodRunner:
             bwrap += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
         return [*bwrap, *argv], env
 
+    def bin_dir(self, container: Manifest) -> Path:
+        """The environment standing in for the container's image (its ``posttrain``/python)."""
+        image = str(container.get("image") or "")
+        return python_bin_dir_for(image, self.image_bin_dirs, self.python_bin_dir)
+
     def _container_env(self, container: Manifest) -> dict[str, str]:
         """The process environment: host basics, then envFrom, then env (later wins)."""
         env = {
-            "PATH": f"{self.python_bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+            "PATH": f"{self.bin_dir(container)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
             "/sbin:/bin",
             "HOSTNAME": self.name,
             "HOME": "/root" if os.geteuid() == 0 else os.environ.get("HOME", "/"),
@@ -1059,6 +1072,26 @@ class SyncErrors:
         return None
 
 
+# Repository name of the operator's vLLM rollout image (OperatorConfig.vllm_image,
+# ghcr.io/posttrain/rollout): vLLM pins its own torch, so that image has its own environment.
+ROLLOUT_IMAGE_NAME = "rollout"
+
+
+def default_image_bin_dirs() -> dict[str, Path]:
+    """Images the agent runs with another environment than its own, by repository name.
+
+    ``rollout`` (a RolloutPool's vLLM pods and their fetch-model init step) runs the rollout
+    environment (``make venv-vllm``'s ``.venv-vllm``, or ``$POSTTRAIN_VLLM_PYTHON``'s
+    directory), as the cluster runs those pods from the rollout image. Without one the map is
+    empty and such pods run the agent's venv, where ``vllm-entry`` fails saying vLLM is
+    missing. cpu-engine pools use the posttrain image and keep the agent's venv.
+    """
+    from posttrain.rollout.vllm_local import vllm_python
+
+    python = vllm_python()
+    return {ROLLOUT_IMAGE_NAME: python.parent} if python is not None else {}
+
+
 class NodeAgent:
     """Node + scheduler + kubelet + Deployment stand-in for the local dev control plane.
 
@@ -1073,6 +1106,7 @@ class NodeAgent:
         node_name: str = DEFAULT_NODE_NAME,
         workdir: Path | str | None = None,
         python_bin_dir: Path | str | None = None,
+        image_bin_dirs: Mapping[str, Path | str] | None = None,
         namespaces: Iterable[str] | None = None,
         poll_interval_s: float = 0.25,
         register_processes: bool = False,
@@ -1088,6 +1122,10 @@ class NodeAgent:
         self.node_name = node_name
         self.workdir = Path(workdir or Path.home() / ".cache/posttrain/dev/nodeagent")
         self.python_bin_dir = Path(python_bin_dir or Path(sys.executable).parent)
+        found = default_image_bin_dirs() if image_bin_dirs is None else image_bin_dirs
+        self.image_bin_dirs = {name: Path(path) for name, path in found.items()}
+        for name, path in sorted(self.image_bin_dirs.items()):
+            log.info("images named %r run the environment in %s", name, path)
         self.namespaces = tuple(namespaces) if namespaces is not None else None
         self.poll_interval_s = poll_interval_s
         self.deployments = DeploymentStandIn(self.cluster)
@@ -1268,6 +1306,7 @@ class NodeAgent:
             self.workdir,
             self.python_bin_dir,
             on_exit=self._on_exit,
+            image_bin_dirs=self.image_bin_dirs,
             register_processes=self.register_processes,
         )
         with self._lock:

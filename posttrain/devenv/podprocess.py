@@ -239,12 +239,33 @@ def hosts_file_text(base: str, pod_name: str, pod_ip: str, service_lines: Iterab
     return "\n".join(lines) + "\n"
 
 
-def bwrap_prefix(mounts: Sequence[tuple[str, str, bool]]) -> list[str]:
+def bwrap_prefix(
+    mounts: Sequence[tuple[str, str, bool]],
+    *,
+    proc_unmasked: bool = False,
+    host_pid: bool = False,
+) -> list[str]:
     """The bwrap argv (without the trailing ``--``) giving a process the pod's filesystem view.
 
     ``mounts`` are (host source, mount path, read-only). Missing parent directories are made
     world-traversable (0755): bwrap would create them 0700, which a dropped-to user cannot
     enter. Nothing is created on the host (see :func:`host_view_binds`).
+
+    Unless the pod sets ``hostPID``, it gets its own pid namespace, as in Kubernetes: a
+    program that signals every process it may (``kill -1``, as the unit-test harness does
+    when it is done) reaches only its own pod, never the other pods of the same uid.
+
+    ``/proc`` plays the container's: by default a fresh procfs on which bwrap covers ``sys``,
+    ``sysrq-trigger``, ``irq`` and ``bus`` (like Kubernetes' default masked ``/proc``), so
+    bubblewrap *inside* the pod cannot mount a procfs of its own (the kernel lets an
+    unprivileged user namespace mount one only where a fully visible one exists). A
+    container with ``securityContext.procMount: Unmasked`` gets the host's ``/proc`` bound
+    instead, as the kubelet gives it an unmasked one: the sandbox runner's bwrap then works.
+
+    >>> "--proc" in bwrap_prefix([]), bwrap_prefix([], proc_unmasked=True)[-5:]
+    (True, ['--bind', '/proc', '/proc', '--die-with-parent', '--unshare-pid'])
+    >>> "--unshare-pid" in bwrap_prefix([], host_pid=True)
+    False
     """
     # Resolve symlinked parents (/var/run -> /run) so mount points are made in the real
     # directory, which host_view_binds recreates on tmpfs, not through a link into the host.
@@ -257,9 +278,9 @@ def bwrap_prefix(mounts: Sequence[tuple[str, str, bool]]) -> list[str]:
         *host_view_binds(target for _, target, _ in mounts),
         "--dev",
         "/dev",
-        "--proc",
-        "/proc",
+        *(["--bind", "/proc", "/proc"] if proc_unmasked else ["--proc", "/proc"]),
         "--die-with-parent",
+        *([] if host_pid else ["--unshare-pid"]),
     ]
     made: set[str] = set()
     for source, target, read_only in mounts:
@@ -317,6 +338,35 @@ def run_as_user(pod_spec: Manifest, container: Manifest) -> tuple[int, int] | No
         return None
     gid = ctx.get("runAsGroup", pod_ctx.get("runAsGroup", uid))
     return int(uid), int(gid)
+
+
+def image_repository(image: str) -> str:
+    """The last path component of an image reference, without tag or digest: the key the
+    node agent's image-to-environment map uses.
+
+    >>> image_repository("ghcr.io/posttrain/rollout:0.1.0"), image_repository("busybox")
+    ('rollout', 'busybox')
+    >>> image_repository("localhost:5000/team/rollout@sha256:abc")
+    'rollout'
+    """
+    name = image.split("@", 1)[0].rsplit("/", 1)[-1]
+    return name.split(":", 1)[0]
+
+
+def python_bin_dir_for(image: str, image_bin_dirs: Mapping[str, Path], default: Path) -> Path:
+    """Which environment's ``bin/`` stands in for ``image``'s interpreter.
+
+    An image has its own Python environment (the rollout image holds vLLM and its torch,
+    the trainer image another torch); the agent has no images, so it maps an image's
+    repository name to a local environment and falls back to ``default`` (the agent's own).
+
+    >>> m = {"rollout": Path("/r/.venv-vllm/bin")}
+    >>> str(python_bin_dir_for("ghcr.io/posttrain/rollout:0.1.0", m, Path("/r/.venv/bin")))
+    '/r/.venv-vllm/bin'
+    >>> str(python_bin_dir_for("ghcr.io/posttrain/posttrain:0.1.0", m, Path("/r/.venv/bin")))
+    '/r/.venv/bin'
+    """
+    return image_bin_dirs.get(image_repository(image), default)
 
 
 def resolve_executable(command: str, path: str, python_bin_dir: Path) -> str:

@@ -13,6 +13,7 @@ from prometheus_client import REGISTRY
 
 from posttrain.api import RolloutPool, TrainingRun
 from posttrain.operator import builders as b
+from posttrain.operator.evaluator import COMPONENT_EVALUATOR, build_evaluator_job
 
 from .conftest import CHART_DIR, Render, by_kind, one
 from .test_render import operator_config_from
@@ -93,7 +94,12 @@ def test_dashboard_configmap_and_pod_monitors_render(render: Render) -> None:
         m["spec"]["selector"]["matchLabels"][b.LABEL_COMPONENT]: m
         for m in by_kind(objects, "PodMonitor")
     }
-    assert set(monitors) == {b.COMPONENT_TRAINER, b.COMPONENT_ROLLOUT, "sandbox-runner"}
+    assert set(monitors) == {
+        b.COMPONENT_TRAINER,
+        b.COMPONENT_ROLLOUT,
+        "sandbox-runner",
+        COMPONENT_EVALUATOR,
+    }
     for monitor in monitors.values():
         assert monitor["spec"]["namespaceSelector"] == {"matchNames": ["team-a"]}
     # The ports they scrape are the ones the operator's builders give the pods.
@@ -112,7 +118,13 @@ def test_dashboard_configmap_and_pod_monitors_render(render: Render) -> None:
         {"metadata": {"name": "p", "namespace": "team-a", "uid": "u"}, "spec": {"model": "m"}}
     )
     rollout = b.build_rollout_deployment(pool, config)["spec"]["template"]["spec"]["containers"][0]
-    for component, container in ((b.COMPONENT_TRAINER, trainer), (b.COMPONENT_ROLLOUT, rollout)):
+    run.spec.evaluation.inline = False
+    evaluator = build_evaluator_job(run, config)["spec"]["template"]["spec"]["containers"][0]
+    for component, container in (
+        (b.COMPONENT_TRAINER, trainer),
+        (b.COMPONENT_ROLLOUT, rollout),
+        (COMPONENT_EVALUATOR, evaluator),
+    ):
         port = monitors[component]["spec"]["podMetricsEndpoints"][0]["port"]
         assert port in {p["name"] for p in container["ports"]}, component
     without = render(sets={"metrics.podMonitors.enabled": "true"})  # no prometheus-operator

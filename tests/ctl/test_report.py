@@ -264,3 +264,52 @@ def test_curriculum_promotions_and_a_zero_kl_weight_are_explained() -> None:
     metrics = [{"step": s, "strata": {"arith": "easy" if s < 3 else "hard"}} for s in (1, 2, 3)]
     assert curriculum_changes(metrics) == [(3, "arith -> hard")]
     assert kl_note(0.0, [0.0]) is not None and kl_note(0.1, [0.02]) is None
+
+
+@pytest.mark.minio
+def test_a_cluster_runs_outputs_synced_to_minio_render_without_the_pod(
+    cli: CliRunner, tmp_path: Path, minio_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a trainer pod does while it runs (ReportSync over the loop's output files, to the
+    run's prefix in MinIO), then `posttrain report s3://…/reports` once the pod and its
+    emptyDir are gone; a second sync sends only what changed."""
+    import shutil
+    import uuid
+
+    from posttrain.storage.reports import ReportSync
+    from posttrain.storage.store import S3Store
+    from posttrain.trainer.loop import output_files
+
+    for key, value in minio_server.env().items():
+        monkeypatch.setenv(key, value)
+    bucket = f"reports-{uuid.uuid4().hex[:8]}"
+    store = S3Store(
+        minio_server.endpoint,
+        bucket,
+        "runs/ns/r",
+        access_key=minio_server.access_key,
+        secret_key=minio_server.secret_key,
+    )
+    pod_dir = tmp_path / "workspace"
+    write_run_dir(pod_dir)
+    sync = ReportSync(store)
+    first = sync.sync(output_files(pod_dir))
+    assert "reports/metrics.jsonl" in first and "reports/eval/history.jsonl" in first, first
+    with (pod_dir / "metrics.jsonl").open("a") as fh:
+        fh.write((pod_dir / "metrics.jsonl").read_text().splitlines()[-1] + "\n")
+    assert sync.sync(output_files(pod_dir)) == ["reports/metrics.jsonl"]
+    local = tmp_path / "local.html"
+    assert cli("report", str(pod_dir), "--out", str(local)).code == 0
+    shutil.rmtree(pod_dir)  # the pod is gone
+
+    out = tmp_path / "report.html"
+    result = cli("report", f"s3://{bucket}/runs/ns/r/reports", "--out", str(out))
+    assert result.code == 0, result.err
+    html, from_pod = out.read_text(), local.read_text()
+    # The same report as from the pod's own directory: every plot, the eval table.
+    titles = re.findall(r"<h3>([^<]+)</h3>", html)
+    assert titles == re.findall(r"<h3>([^<]+)</h3>", from_pod) and "Policy loss" in titles
+    assert_real_pngs(embedded_pngs(html), expected=len(embedded_pngs(from_pod)))
+    assert "25.0%</td>" in html and "75.0%</td>" in html  # the eval files came back too
+    missing = cli("report", f"s3://{bucket}/runs/ns/nothing-here", "--out", str(out))
+    assert missing.code != 0 and "no outputs under" in missing.err

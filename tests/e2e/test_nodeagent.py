@@ -58,6 +58,20 @@ def bare_pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
     }
 
 
+def host_pids_running(needle: str) -> list[int]:
+    """Host pids whose command line contains ``needle``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if needle.encode() in cmdline:
+                found.append(int(entry.name))
+    return found
+
+
 def pid_gone(pid: int) -> bool:
     """No such process, or only a zombie left (it no longer runs)."""
     try:
@@ -206,23 +220,16 @@ def test_pod_logs_are_served_through_the_apiserver(
 def test_deleting_running_pod_kills_its_process(
     agent: NodeAgent, core: Any, namespace: str
 ) -> None:
-    core.create_namespaced_pod(
-        namespace,
-        bare_pod(
-            "sleeper", "import os, time; print('pid', os.getpid(), flush=True); time.sleep(600)"
-        ),
-    )
+    marker = f"time.sleep({600 + int(namespace[2:], 16) % 1000}.5)"  # unique on the host
+    core.create_namespaced_pod(namespace, bare_pod("sleeper", f"import time; {marker}"))
     wait_for(lambda: pod_phase(core, namespace, "sleeper") == "Running", what="pod Running")
-    log_path = agent.log_path(namespace, "sleeper")
-    line = wait_for(
-        lambda: log_path.exists() and "pid " in log_path.read_text() and log_path.read_text(),
-        what="pid in the log",
-    )
-    pid = int(line.split("pid ")[1].split()[0])
-    assert not pid_gone(pid)
+    # The pod has its own pid namespace: find its processes (bwrap's and the program's) by
+    # command line, in the host's.
+    pids = wait_for(lambda: host_pids_running(marker), what="the pod's processes")
+    assert not any(pid_gone(pid) for pid in pids)
 
     core.delete_namespaced_pod("sleeper", namespace)  # graceful: the agent finalizes it
-    wait_for(lambda: pid_gone(pid), timeout_s=15, what=f"process {pid} gone")
+    wait_for(lambda: all(map(pid_gone, pids)), timeout_s=60, what=f"processes {pids} gone")
     wait_for(lambda: read_pod(core, namespace, "sleeper") is None, what="pod object removed")
 
 

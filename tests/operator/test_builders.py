@@ -419,6 +419,48 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     assert env[sr.RUNNER_URL_ENV] == "http://demo-sandbox-runner.ml.svc:8090"
 
 
+def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() -> None:
+    from posttrain.operator.evaluator import COMPONENT_EVALUATOR
+
+    assert "Job" not in [c["kind"] for c in b.build_trainer_children(make_run(), CONFIG)]
+    run = make_run(
+        evaluation={"inline": False},
+        resources={"cpu": "6", "memory": "20Gi", "gpusPerNode": 2, "image": "mine:2"},
+    )
+    (job,) = [c for c in b.build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
+    assert (job["apiVersion"], job["metadata"]["name"]) == ("batch/v1", "demo-evaluator")
+    owner = job["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingRun", "uid-run", True)
+    assert job["metadata"]["labels"][b.LABEL_COMPONENT] == COMPONENT_EVALUATOR
+    assert job["spec"]["backoffLimit"] >= 1
+    template = job["spec"]["template"]
+    assert template["metadata"]["labels"] == {
+        b.LABEL_COMPONENT: COMPONENT_EVALUATOR,
+        b.LABEL_RUN: "demo",
+    }
+    pod = template["spec"]
+    assert pod["restartPolicy"] == "OnFailure" and pod["automountServiceAccountToken"] is False
+    (container,) = pod["containers"]
+    assert container["image"] == "mine:2"
+    # The trainer's own config and storage: it scores exactly what the trainer commits.
+    assert container["command"] == [
+        "posttrain", "eval-checkpoints", b.RUN_CONFIG_PATH,
+        "--storage", "s3://posttrain/runs/ml/demo", "--out", "/workspace",
+        "--watch", "--poll-seconds", "30", "--metrics-port", str(CONFIG.pod_metrics_port),
+    ]  # fmt: skip
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert mounts["/etc/posttrain"]["readOnly"] is True
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["run-config"]["configMap"]["name"] == "demo-config"
+    # CPU and memory of a trainer node, never its GPUs (the evaluator serves on CPU).
+    assert container["resources"]["limits"] == {"cpu": "6", "memory": "20Gi"}
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POSTTRAIN_S3_ENDPOINT"]["value"] == "minio.storage:9000"
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
+    assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+
+
 def test_runner_url_given_means_no_runner_of_our_own() -> None:
     run = make_run(
         domains=[CODE_DOMAIN], sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"}

@@ -14,11 +14,13 @@ MODULES = [
     "reconcile",
     "warmpool",
     "kube",
-    "controllers",
+    "reconcilers.kuberay",
     "warm_entrypoint",
     "informer",
+    "events",
     "kueue",
     "sandbox_runner",
+    "evaluator",
 ]
 
 

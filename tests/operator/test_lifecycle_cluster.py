@@ -151,7 +151,7 @@ def test_pod_result_after_task_deleted_is_harmless(
     kube.delete("posttrain.io/v1alpha1", "SandboxTask", namespace, "gone")
     set_pod_terminated(kube, namespace, "gone-1", 0)
     wait_for(
-        lambda: "gone" not in [k[1] for k in operator.controller.tasks.snapshot_keys()],
+        lambda: "gone" not in [k[1] for k in operator.controller.state.tasks.snapshot_keys()],
         what="task forgotten",
     )
     assert [p["metadata"]["name"] for p in list_pods(kube, namespace)] == ["gone-1"]

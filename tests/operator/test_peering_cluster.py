@@ -62,9 +62,9 @@ def test_only_the_highest_priority_replica_works(
                 },
             )
         wait_for(lambda: len(list_pods(kube, namespace)) == 5, what="5 pods")
-        assert len(leader.controller.tasks.snapshot_keys()) == 5
+        assert len(leader.controller.state.tasks.snapshot_keys()) == 5
         # The follower's watches are paused: it never even saw the tasks.
-        assert follower.controller.tasks.snapshot_keys() == []
+        assert follower.controller.state.tasks.snapshot_keys() == []
     finally:
         if follower is not None:
             follower.stop()

@@ -326,3 +326,29 @@ def test_a_run_without_sandbox_reports_has_no_sandbox_condition() -> None:
         run({"phase": "Running", "startTime": NOW.isoformat()}), [trainer_pod(0, 0)], 0, NOW
     )
     assert all(c["type"] != "SandboxAvailable" for c in plan.status_patch.get("conditions", []))
+
+
+def test_pool_weight_version_is_cleared_when_a_ready_replica_is_unknown() -> None:
+    """A replica replaced since the last reconcile, not yet answering the operator's probe:
+    the pool's weightVersion is removed (merge patch null), not left at the old number."""
+    pool = RolloutPool.model_validate(
+        {
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"model": "m", "replicas": 2},
+            "status": {"weightVersion": 3},
+        }
+    )
+    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    have = {**desired, "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
+    ready = {"phase": "Running", "conditions": [
+        {"type": "Ready", "status": "True"}]}  # fmt: skip
+    pods = [
+        pod_view({"metadata": {"name": f"p-{i}"}, "status": {**ready, "podIP": f"10.0.0.{i}"}})
+        for i in (1, 2)
+    ]
+    plan = plan_rollout_pool(pool, desired, have, pods, "sel", "http://p", served={"p-1": 3})
+    assert plan.status_patch["weightVersion"] is None
+    assert [r.get("weightVersion") for r in plan.status_patch["replicaWeights"]] == [3, None]
+    both = plan_rollout_pool(pool, desired, have, pods, "sel", "http://p",
+                             served={"p-1": 5, "p-2": 4})  # fmt: skip
+    assert both.status_patch["weightVersion"] == 4  # the lowest served

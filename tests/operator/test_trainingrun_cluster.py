@@ -296,3 +296,49 @@ def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_ste
     assert any(
         e["reason"] == "TrainerSucceeded" and e["involvedObject"]["name"] == "fin" for e in events
     )
+
+
+def test_a_run_that_does_not_evaluate_inline_gets_its_evaluator_job_until_it_fails(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    """evaluation.inline: false → the operator starts the run's evaluator as a Job owned by
+    the run (the garbage collector deletes it with the run); when the run fails, no more
+    checkpoints will come, and the operator deletes the Job rather than let it wait."""
+    create_cr(kube, "trainingruns", namespace, run_body("inl"))
+    run = create_cr(
+        kube,
+        "trainingruns",
+        namespace,
+        run_body("ev", evaluation={"inline": False}, backoffLimit=0),
+    )
+    job = wait_for(
+        lambda: kube.get("batch/v1", "Job", namespace, "ev-evaluator"), what="Job", timeout_s=120
+    )
+    (owner,) = job["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"]) == (
+        "TrainingRun",
+        "ev",
+        run["metadata"]["uid"],
+    )
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["posttrain", "eval-checkpoints", "/etc/posttrain/run.yaml"]
+    # It mounts the run's own ConfigMap, which the operator made for the trainer.
+    assert kube.get("v1", "ConfigMap", namespace, "ev-config") is not None
+    # A run that evaluates inline gets none.
+    wait_for(
+        lambda: pod_names(kube, namespace) == ["ev-g0-0", "inl-g0-0"],
+        what="trainer pods",
+        timeout_s=120,
+    )
+    assert kube.get("batch/v1", "Job", namespace, "inl-evaluator") is None
+
+    set_pod_running(kube, namespace, "ev-g0-0")
+    wait_phase(kube, namespace, "ev", "Running")
+    assert kube.get("batch/v1", "Job", namespace, "ev-evaluator") is not None
+    set_pod_terminated(kube, namespace, "ev-g0-0", 1)
+    wait_phase(kube, namespace, "ev", "Failed")
+    wait_for(
+        lambda: kube.get("batch/v1", "Job", namespace, "ev-evaluator") is None,
+        120,
+        "evaluator Job deleted after the run failed",
+    )

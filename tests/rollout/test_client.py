@@ -12,6 +12,7 @@ import httpx
 import pytest
 from prometheus_client import REGISTRY
 
+from posttrain.processes import free_port
 from posttrain.rollout.client import RolloutClient, RolloutError
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
@@ -207,3 +208,53 @@ def test_weight_loads_reach_replicas_discovered_after_start(
         assert {c.weight_version for g in groups for c in g} == {7}
         with pytest.raises(ValueError, match="at least one"):
             client.set_endpoints([])
+
+
+def test_a_replica_leaving_during_a_load_does_not_fail_it_and_a_joiner_catches_up(
+    two_servers: list[ServerThread],
+    tmp_path: Path,
+    publish_weights: Callable[[Path, int, float], Path],
+) -> None:
+    """Churn while publishing: a dead replica that left the ready set is skipped (it pulls
+    on join), one still listed is waited for, and a joiner gets the last loaded version
+    before it is sampled from."""
+    first, second = two_servers
+    publish_weights(tmp_path, 2, 0.0)
+    publish_weights(tmp_path, 3, 0.0)
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: a replica that just crashed
+    asked = {"n": 0}
+
+    def discover() -> list[str]:
+        asked["n"] += 1  # listed as ready at the load, gone from the pool after
+        return [first.url, dead] if asked["n"] == 1 else [first.url]
+
+    with RolloutClient([first.url], discover=discover, timeout_s=30) as client:
+        client.load_weights(str(tmp_path), 2)
+        assert client.urls == [first.url]
+        assert client.loaded == (str(tmp_path), 2)
+        # A replica still listed but refusing (the version is missing there) fails at once.
+        with pytest.raises(RolloutError, match="v00000009"):
+            client.load_weights(str(tmp_path), 9)
+        assert client.weight_versions() == {first.url: 2}
+        # The second replica joins while serving its start-up version (0): it is loaded to
+        # v2 before it is used, so every sample reports v2.
+        assert client.catch_up([first.url, second.url]) == [first.url, second.url]
+        assert client.weight_versions() == {first.url: 2, second.url: 2}
+        groups = client.generate([[1, 2]] * 4, SamplingParams(max_tokens=2, seed=3))
+        assert {c.weight_version for g in groups for c in g} == {2}
+        # A joiner that cannot load is left out until it can.
+        assert client.catch_up([first.url, second.url, dead]) == [first.url, second.url]
+
+
+def test_a_load_fails_when_a_listed_replica_stays_unreachable(
+    two_servers: list[ServerThread],
+    tmp_path: Path,
+    publish_weights: Callable[[Path, int, float], Path],
+) -> None:
+    first, _ = two_servers
+    publish_weights(tmp_path, 4, 0.0)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with RolloutClient([first.url], discover=lambda: [first.url, dead], timeout_s=1) as client:
+        client.rejoin_wait_s = 3.0  # how long the dead replica gets to answer or leave
+        with pytest.raises(RolloutError, match=dead.replace(".", r"\.")):
+            client.load_weights(str(tmp_path), 4)

@@ -190,12 +190,7 @@ def test_digest_failure_is_refused_and_previous_version_keeps_serving(vllm_pool:
         local = pool.root / "bad-version"
         pool.policy.save_weights(local)
         pool.registry.publish(bad, local)
-        weights_file = pool.root / "store" / "weights" / f"v{bad:08d}" / "model.safetensors"
-        with weights_file.open("r+b") as handle:
-            handle.seek(weights_file.stat().st_size // 2)
-            byte = handle.read(1)
-            handle.seek(-1, os.SEEK_CUR)
-            handle.write(bytes([byte[0] ^ 0xFF]))
+        damage_committed(pool, bad)
         with pytest.raises(RolloutError, match="digest"):
             client.load_weights(pool.registry_uri, bad)
         assert httpx.get(f"{replica.url}/v1/weights/version", timeout=30).json() == {
@@ -219,8 +214,20 @@ def test_vllm_rpc_is_not_reachable_through_the_front_door(vllm_pool: Pool) -> No
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
 
 
+def damage_committed(pool: Pool, version: int) -> None:
+    """Flip one byte of a committed version's weights file: its digest no longer matches."""
+    weights_file = pool.root / "store" / "weights" / f"v{version:08d}" / "model.safetensors"
+    with weights_file.open("r+b") as handle:
+        handle.seek(weights_file.stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, os.SEEK_CUR)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+
+
 def test_killed_replica_rejoins_at_the_latest_version_before_ready(vllm_pool: Pool) -> None:
-    """A replica down while the trainer publishes pulls the latest version on restart."""
+    """A replica down while the trainer publishes pulls the latest version on restart; when
+    the newest committed version fails its digest it joins at the newest one that verifies
+    and says which it refused."""
     pool = vllm_pool
     survivor, victim = pool.replicas
     victim.kill()
@@ -228,9 +235,21 @@ def test_killed_replica_rejoins_at_the_latest_version_before_ready(vllm_pool: Po
         pool.perturb(5)
         version = pool.publish(client)  # only the survivor hears about it
         expected = greedy(client, pool.prompts())
+    # A newer version is committed and then damaged in the registry (nobody loads it).
+    pool.perturb(7)
+    broken = version + 1
+    local = pool.root / "broken-version"
+    pool.policy.save_weights(local)
+    pool.registry.publish(broken, local)
+    damage_committed(pool, broken)
+    pool.version = broken  # the next publish is broken + 1
     victim.start()
-    # The first 200 from /health already reports the latest version: it loaded before ready.
-    assert victim.wait_ready(timeout_s=2400)["weight_version"] == version
+    # The first 200 from /health already reports the version it loaded before ready: the
+    # newest that verifies, with the damaged one named.
+    health = victim.wait_ready(timeout_s=2400)
+    assert health["weight_version"] == version
+    assert health["refused_versions"] == [broken]
+    assert f"refused weights v{broken}" in victim.log_path.read_text()
     with pool.client(victim) as client:
         groups = client.generate(pool.prompts(), GREEDY)
     assert [g[0].token_ids for g in groups] == expected
@@ -243,7 +262,7 @@ def test_concurrent_requests_during_a_load_report_one_version_each(vllm_pool: Po
     pool = vllm_pool
     replica = pool.replicas[0]
     with pool.client(replica) as client:
-        old = pool.version
+        old = served_versions(pool)[0]  # pool.version may name a damaged, unserved one
         params = SamplingParams(n=2, max_tokens=16, temperature=TEMPERATURE, seed=1)
         with ThreadPoolExecutor(2) as executor:
             sampling = executor.submit(client.generate, pool.prompts() * 3, params)

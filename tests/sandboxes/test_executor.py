@@ -258,6 +258,80 @@ def test_cpu_limit_and_missing_command_are_named(executor: Executor) -> None:
     assert "could not start the program" in missing.reason and "no-such-program" in missing.reason
 
 
+# Run as an unprivileged uid: every sandbox shares that uid with the executor, with 150
+# other processes of it (a busy node's other pods) and with a fork bomb in a concurrent
+# sandbox. Prints how many children each sandbox could fork.
+_NON_ROOT_NPROC_SCRIPT = """
+import json, subprocess, sys, threading
+from posttrain.sandboxes.executor import ExecRequest, Executor
+
+FORK_UNTIL_REFUSED = (
+    "import os, time\\nn = 0\\n"
+    "while n < 500:\\n"
+    "    try:\\n        pid = os.fork()\\n    except OSError:\\n        break\\n"
+    "    if pid == 0:\\n        time.sleep(5)\\n        os._exit(0)\\n"
+    "    n += 1\\n"
+    "print(n)"
+)
+executor = Executor()
+others = [subprocess.Popen(["sleep", "60"]) for _ in range(150)]
+results = {}
+
+def run(name):
+    try:
+        r = executor.run(ExecRequest(
+            command=["python3", "-c", FORK_UNTIL_REFUSED], max_processes=32, timeout_s=30))
+        results[name] = [r.status, r.stdout.strip(), r.stderr[-300:]]
+    except Exception as exc:
+        results[name] = ["exception", "", repr(exc)[-300:]]
+
+threads = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+for p in others:
+    p.kill()
+print(json.dumps(results))
+"""
+
+
+def test_process_limit_counts_each_sandbox_alone_when_not_root() -> None:
+    """Not as root, every sandbox runs as the executor's own uid; the process limit must
+    still count only the sandbox's processes, or a busy node (or a fork bomb next door)
+    would make an innocent program's forks fail and score it as wrong."""
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-c", _NON_ROOT_NPROC_SCRIPT]
+    if os.geteuid() == 0:
+        command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(results) == ["a", "b"], results
+    for name, (status, forked, stderr) in results.items():
+        assert status == "ok", (name, status, stderr)
+        # 32 processes in the sandbox: bwrap's init, the program and 30 children (a limit
+        # counting the 150 others would give 0; one not applied would give 500).
+        assert 26 <= int(forked) <= 31, results
+
+
+def test_a_sandbox_bwrap_could_not_build_is_a_sandbox_error_not_a_result(
+    executor: Executor, tmp_path: Path
+) -> None:
+    """A failure while bwrap builds the sandbox (here: binding a path that does not exist)
+    means the program never ran: SandboxError (retried, never scored), unlike a missing
+    program (127, the caller's mistake)."""
+    from posttrain.sandboxes.executor import SandboxError
+
+    broken = Executor()
+    broken._static_args = [*broken._static_args, "--ro-bind", str(tmp_path / "gone"), "/gone"]
+    with pytest.raises(SandboxError, match=r"could not set up the sandbox.*gone"):
+        run(broken, ["true"])
+
+
 def test_rejects_invalid_requests_with_actionable_messages() -> None:
     with pytest.raises(ValueError, match="command must be a non-empty list"):
         ExecRequest(command=[])

@@ -1,0 +1,91 @@
+"""RolloutPool reconciler: a Deployment of vLLM replicas, its Service, and the pool's status.
+
+plan (:func:`..reconcile.plan_rollout_pool`) → build (:func:`..builders.build_rollout_deployment`,
+:func:`..builders.build_rollout_service`) → apply (here). Each reconcile also asks the ready
+replicas which weight version they serve (status.weightVersion).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from pydantic import ValidationError
+
+from posttrain.api import RolloutPool
+
+from .. import builders as b
+from ..reconcile import PodView, plan_rollout_pool, pod_view
+from .state import OperatorState
+
+log = logging.getLogger(__name__)
+
+KIND = "RolloutPool"
+
+# Per replica: a front door answers /v1/weights/version from memory, at once.
+WEIGHT_PROBE_TIMEOUT_S = 2.0
+
+
+def served_weight_versions(pods: list[PodView], port: int) -> dict[str, int]:
+    """Ask each ready replica's front door which weight version it serves (pod -> version).
+
+    Asked, not announced: a replica needs no Kubernetes credentials to report, and the
+    answer is what it serves now. Replicas that do not answer in time are left out (the
+    pool's weightVersion is then unknown). Runs at every pool reconcile and resync.
+    """
+    ready = [p for p in pods if p.ready and p.ip and not p.deleting]
+    if not ready:
+        return {}
+
+    def ask(pod: PodView) -> tuple[str, int | None]:
+        try:
+            response = httpx.get(f"http://{pod.ip}:{port}/v1/weights/version",
+                                 timeout=WEIGHT_PROBE_TIMEOUT_S)  # fmt: skip
+            response.raise_for_status()
+            return pod.name, int(response.json()["weight_version"])
+        except (httpx.HTTPError, KeyError, ValueError, TypeError):
+            return pod.name, None
+
+    with ThreadPoolExecutor(max_workers=min(16, len(ready))) as executor:
+        answers = list(executor.map(ask, ready))
+    return {name: version for name, version in answers if version is not None}
+
+
+class RolloutPoolReconciler:
+    """Reconciles RolloutPools (on event threads and at resync)."""
+
+    def __init__(self, state: OperatorState) -> None:
+        self.state = state
+        self._services: set[tuple[str, str, str | None]] = set()  # (namespace, name, uid) ensured
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        state = self.state
+        body = state.pools.get(namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        with state.reconciling(KIND, namespace, name):
+            body = state.pools.get(namespace, name) or body
+            try:
+                pool = RolloutPool.model_validate(body)
+                desired = b.build_rollout_deployment(pool, state.config)
+            except (ValidationError, b.BuildError, ValueError) as exc:
+                state.invalid(state.pools, body, exc, terminal_phase=None)
+                return
+            deployment = state.deployments.get(namespace, name)
+            pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
+            selector = b.selector_string(b.pool_selector(name))
+            served = served_weight_versions(pods, pool.spec.port)
+            plan = plan_rollout_pool(
+                pool, desired, deployment, pods, selector, b.pool_endpoint(pool), served
+            )
+            service_key = (namespace, name, pool.metadata.uid)
+            if service_key not in self._services:
+                state.create(KIND, b.build_rollout_service(pool))
+                self._services.add(service_key)
+            if plan.create_deployment:
+                state.deployments.put(state.create(KIND, desired))
+            if plan.patch_deployment:
+                state.deployments.put(state.kube.patch(desired, plan.patch_deployment))
+            state.patch_status(state.pools, body, plan.status_patch)
+            state.emit(body, plan.events)

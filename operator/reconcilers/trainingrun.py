@@ -1,0 +1,216 @@
+"""TrainingRun reconciler: the trainer gang (plain pods or a KubeRay RayCluster), its
+ConfigMap/RBAC/Service, Kueue admission, restarts by incarnation, and the run's status.
+
+plan (:func:`..reconcile.plan_training_run`) → build (:func:`..builders.build_trainer_pod`,
+:func:`..builders.build_ray_cluster`, :func:`..builders.build_trainer_children`) → apply
+(here). ``spec.managedBy`` is checked first: another controller's run is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from pydantic import ValidationError
+
+from posttrain.api import API_VERSION, RolloutPool, TrainingRun
+from posttrain.api.labels import ANNOTATION_INCARNATION
+
+from .. import builders as b
+from .. import evaluator, sandbox_runner
+from ..admission import KueueAdmission
+from ..kube import KubeError
+from ..reasons import Reason
+from ..reconcile import (
+    TERMINAL,
+    EventSpec,
+    PodView,
+    RayClusterView,
+    managed_elsewhere,
+    plan_training_run,
+    pod_view,
+    ray_cluster_view,
+)
+from .kuberay import KubeRayDiscovery
+from .state import Body, OperatorState, now
+
+log = logging.getLogger(__name__)
+
+KIND = "TrainingRun"
+
+
+class TrainingRunReconciler:
+    """Reconciles TrainingRuns (on event threads and at resync)."""
+
+    def __init__(self, state: OperatorState) -> None:
+        self.state = state
+        self.kuberay = KubeRayDiscovery(state)
+        self.kueue = KueueAdmission(state.config, state.kube, state.workloads)
+        self._left_alone: set[str] = set()  # uids of runs managed elsewhere, already told
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        state = self.state
+        body = state.runs.get(namespace, name)
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            return
+        with state.reconciling(KIND, namespace, name):
+            body = state.runs.get(namespace, name) or body
+            # managedBy first, before even validating: another controller's run is not ours
+            # to judge, change or report on (Kubeflow Trainer's and JobSet's rule).
+            why = managed_elsewhere((body.get("spec") or {}).get("managedBy"))
+            if why is not None:
+                self._leave_alone(body, why)
+                return
+            try:
+                run = TrainingRun.model_validate(body)
+            except ValidationError as exc:
+                state.invalid(state.runs, body, exc, terminal_phase="Failed")
+                return
+            annotations = run.metadata.annotations
+            incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
+            pods = [pod_view(p) for p in state.trainer_pods.children(namespace, name)]
+            clusters = self._ray_clusters_of(run, pods)
+            kueue = self.kueue.gate(run)
+            plan = plan_training_run(
+                run, pods, incarnation, now(), ray_clusters=clusters, kueue=kueue
+            )
+            for pod in plan.delete_pods:
+                state.kube.delete("v1", "Pod", namespace, pod)
+                state.trainer_pods.remove(namespace, pod)
+            for cluster in plan.delete_ray_clusters:
+                state.kube.delete(b.RAY_API_VERSION, "RayCluster", namespace, cluster)
+                state.ray_clusters.remove(namespace, cluster)
+            if plan.incarnation != incarnation:
+                # Persist the new incarnation before its pods exist, so a restarted operator
+                # continues this gang instead of recreating the old one.
+                updated = state.kube.patch(
+                    {
+                        "apiVersion": body["apiVersion"],
+                        "kind": KIND,
+                        "metadata": body["metadata"],
+                    },
+                    {"metadata": {"annotations": {ANNOTATION_INCARNATION: str(plan.incarnation)}}},
+                )
+                state.runs.put(updated)
+                body = updated
+            if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+                template = (
+                    b.build_trainer_pod(run, state.config, plan.incarnation, 0)
+                    if plan.create_workload
+                    else None
+                )
+                self.kueue.apply(run, plan, template)
+            if plan.ensure_children:
+                self._ensure_children(run, ray_cluster=clusters is not None)
+            creates = plan.create_ranks or plan.create_ray_cluster
+            endpoints = self._rollout_endpoints(run) if creates else []
+            if creates:
+                run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
+            if plan.create_ray_cluster:
+                self._create_ray_cluster(run, plan.incarnation, endpoints)
+            for rank in plan.create_ranks:
+                manifest = b.build_trainer_pod(
+                    run, state.config, plan.incarnation, rank, rollout_endpoints=endpoints
+                )
+                state.trainer_pods.put(state.create(KIND, manifest))
+            state.patch_status(state.runs, body, plan.status_patch)
+            state.emit(body, plan.events)
+            if plan.status_patch.get("phase") in TERMINAL and sandbox_runner.needs_own_runner(run):
+                # The run's own runner has nothing left to verify (its Service and
+                # NetworkPolicy cost nothing and go with the run).
+                state.kube.delete(
+                    "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
+                )
+            if plan.status_patch.get("phase") == "Failed" and evaluator.needs_evaluator(run):
+                # No more checkpoints will come: the evaluator would wait for the final one
+                # forever. After Succeeded it still scores the last checkpoint, then ends.
+                state.kube.delete("batch/v1", "Job", namespace, evaluator.evaluator_name(run))
+
+    def _leave_alone(self, body: Body, why: str) -> None:
+        """One Event per run (per operator process) saying why it is left alone."""
+        uid = (body.get("metadata") or {}).get("uid", "")
+        if uid in self._left_alone:
+            return
+        self._left_alone.add(uid)
+        self.state.emit(body, [EventSpec("Normal", Reason.MANAGED_ELSEWHERE, why)])
+
+    def _ray_clusters_of(
+        self, run: TrainingRun, pods: list[PodView]
+    ) -> list[RayClusterView] | None:
+        """The run's RayClusters when its gang is (or is about to be) a RayCluster, else None.
+
+        A run keeps the path its live gang is on: RayClusters already exist -> KubeRay; plain
+        trainer pods (no ``ray.io/node-type`` label, which KubeRay puts on its pods) are
+        running -> pods, even if KubeRay was installed meanwhile. Only a gang started from
+        nothing (new run, resume) follows discovery.
+        """
+        if run.spec.resources.nodes < 2:
+            return None
+        namespace, name = run.metadata.namespace, run.metadata.name
+        clusters = [ray_cluster_view(c) for c in self.state.ray_clusters.children(namespace, name)]
+        if clusters:
+            return clusters
+        live = [p for p in pods if not p.deleting]
+        if any(b.RAY_NODE_TYPE_LABEL not in p.labels for p in live):
+            return None
+        if live:
+            return []
+        if run.spec.suspend or run.status.phase in TERMINAL:
+            return None  # no gang will start: no discovery needed
+        return [] if self.kuberay.installed(fresh=True) else None
+
+    def _create_ray_cluster(self, run: TrainingRun, incarnation: int, endpoints: list[str]) -> None:
+        state = self.state
+        manifest = b.build_ray_cluster(run, state.config, incarnation, rollout_endpoints=endpoints)
+        try:
+            state.ray_clusters.put(state.create(KIND, manifest))
+        except KubeError as exc:
+            if exc.status == 404:
+                self.kuberay.forget()  # the CRD went away: rediscover before the next try
+            raise
+
+    def _rollout_endpoints(self, run: TrainingRun) -> list[str]:
+        """The Service URL of spec.rollout.pool, when the pool exists (else none: the trainer
+        then fails with a message that names the missing endpoints)."""
+        pool_name = run.spec.rollout.pool
+        if not pool_name or run.spec.rollout.endpoints:
+            return []
+        body = self.state.pools.get(run.metadata.namespace, pool_name) or self.state.kube.get(
+            API_VERSION, "RolloutPool", run.metadata.namespace, pool_name
+        )
+        if body is None:
+            log.warning(
+                "TrainingRun %s/%s: RolloutPool %r not found",
+                run.metadata.namespace,
+                run.metadata.name,
+                pool_name,
+            )
+            return []
+        return [b.pool_endpoint(RolloutPool.model_validate(body))]
+
+    def _ensure_children(self, run: TrainingRun, ray_cluster: bool = False) -> None:
+        """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""
+        for manifest in b.build_trainer_children(run, self.state.config, ray_cluster=ray_cluster):
+            obj = self.state.create(KIND, manifest)
+            if manifest["kind"] == "ConfigMap" and obj.get("data") != manifest["data"]:
+                # The spec changed since the ConfigMap was made: new pods get the new config.
+                self.state.kube.patch(manifest, {"data": manifest["data"]})
+
+    def delete_storage(self, body: Body) -> int:
+        """Delete every object under the run's storage URI (only with deleteOnRunDeletion)."""
+        from posttrain.storage.store import open_store
+
+        run = TrainingRun.model_validate(body)
+        uri = b.run_storage_uri(run, self.state.config)
+        store = open_store(uri, create_bucket=False)
+        keys = store.list("")
+        for key in keys:
+            store.delete(key)
+        self.state.emit(
+            body,
+            [
+                EventSpec(
+                    "Normal", Reason.STORAGE_DELETED, f"deleted {len(keys)} object(s) under {uri}"
+                )
+            ],
+        )
+        return len(keys)
