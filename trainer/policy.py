@@ -367,7 +367,7 @@ class Policy:
                 from posttrain.trainer.sharded_load import materialize
 
                 started = time.monotonic()
-                materialize(model, source, self.plan.device, seed=self.seed)
+                materialize(model, source, self.plan.device, seed=self.seed, root=wrapper)
                 log.info(
                     "loaded this rank's shards of %s in %.1fs", source, time.monotonic() - started
                 )

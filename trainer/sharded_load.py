@@ -149,16 +149,24 @@ def init_adapters(model: torch.nn.Module, seed: int) -> None:
 
 
 def materialize(
-    model: torch.nn.Module, model_dir: Path | str, device: torch.device, *, seed: int
+    model: torch.nn.Module,
+    model_dir: Path | str,
+    device: torch.device,
+    *,
+    seed: int,
+    root: torch.nn.Module | None = None,
 ) -> None:
     """Allocate ``model``'s (sharded) parameters on ``device`` and fill this rank's slices
     from ``model_dir``'s safetensors; adapters from :func:`init_adapters`.
 
-    ``model`` is the already ``fully_shard``-ed module built by :func:`build_empty`. Raises
-    ``KeyError`` naming the parameters the checkpoint lacks.
+    ``model`` is the already ``fully_shard``-ed module built by :func:`build_empty`; ``root``
+    the outermost FSDP module around it, if another: ``to_empty`` must run from there, so
+    every FSDP module's own ``_apply`` re-points its shards at the new storage (from ``model``
+    alone, the root's parameters would be replaced behind FSDP's back). Raises ``KeyError``
+    naming the parameters the checkpoint lacks.
     """
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)  # FSDP2 re-points its shards at the new storage
+    (root if root is not None else model).to_empty(device=device)
     with torch.no_grad(), SafetensorsReader(model_dir) as reader:
         missing = []
         for name, parameter in _unique_parameters(model):
