@@ -71,7 +71,7 @@ test: venv venv-vllm system-deps binaries
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/posttrain crds --check
-	$(VENV)/bin/mypy --strict -p posttrain.api
+	$(VENV)/bin/mypy --strict -p posttrain.api -p posttrain.operator
 	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

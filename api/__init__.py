@@ -4,6 +4,14 @@ Depends on pydantic only (plus yaml for manifests), so every component imports i
 and none imports another's internals. The CRDs in crds/ are generated from here.
 """
 
+# One name per module: imported by its folder name (a checkout's root on sys.path) this package
+# would load a second copy of every module beside posttrain.api (two Prometheus registrations,
+# two sets of model classes).
+if __name__ != "posttrain.api":
+    raise ImportError(
+        f"import posttrain.api, not {__name__}: the top-level folders are posttrain's components"
+    )
+
 from .base import API_VERSION, GROUP, VERSION, ApiModel, Condition, ObjectMeta, VerifierSpec
 from .manifests import load_manifest, load_manifests, parse_resource
 from .rolloutpool import EngineArgs, RolloutPool, RolloutPoolSpec, RolloutPoolStatus

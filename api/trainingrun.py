@@ -76,7 +76,8 @@ class AlgorithmSpec(ApiModel):
     """Seeds data order, sampling and initialisation, so a run is reproducible."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """Learning rate after warm-up: constant, or cosine decay from learningRate to
-    learningRate x minLrRatio at maxSteps."""
+    learningRate x minLrRatio at maxSteps (with stages: at each stage's last step, the
+    default of every stage's own lrSchedule)."""
     lr_warmup_steps: int = Field(default=0, ge=0)
     """Optimizer steps over which the learning rate rises linearly from learningRate /
     lrWarmupSteps to learningRate (0: no warm-up)."""
@@ -149,8 +150,10 @@ class StageSpec(ApiModel):
     against the stage-start model; rl: the GRPO-family loop on spec.domains."""
     datasets: list[str] | None = Field(default=None, max_length=64)
     """sft and dpo only: JSONL files (sft lines {"prompt", "completion"}, dpo lines
-    {"prompt", "chosen", "rejected"}) or builtin:arithmetic / builtin:code (worked answers to
-    the built-in training items; dpo pairs a correct with a wrong answer). Concatenated."""
+    {"prompt", "chosen", "rejected"}; "messages", a chat, may replace "prompt") or
+    builtin:arithmetic / builtin:code (worked answers to the built-in training items; dpo pairs
+    a correct with a wrong answer) or, sft only, builtin:bfcl_<category> (BFCL training items
+    answered with a call BFCL accepts, from possible_answer). Concatenated."""
     max_steps: int | None = Field(default=None, ge=1)
     """Optimizer steps of this stage (required for sft and dpo; rl: algorithm.maxSteps)."""
     learning_rate: float | None = Field(default=None, gt=0, le=1.0)
@@ -174,6 +177,16 @@ class StageSpec(ApiModel):
     per example), so the loss equals the unpacked one; only padding work is saved."""
     weight_decay: float | None = Field(default=None, ge=0)
     """AdamW weight decay of this stage (default algorithm.weightDecay)."""
+    lr_schedule: Literal["constant", "cosine"] | None = None
+    """This stage's learning rate after warm-up: constant, or cosine decay to learningRate x
+    minLrRatio at the stage's last step (default algorithm.lrSchedule). Every stage runs
+    its own curve over its own steps."""
+    lr_warmup_steps: int | None = Field(default=None, ge=0)
+    """Steps at the start of this stage over which its learning rate rises linearly
+    (default algorithm.lrWarmupSteps)."""
+    min_lr_ratio: float | None = Field(default=None, ge=0, le=1)
+    """Final cosine learning rate of this stage, as a fraction of its learningRate (default
+    algorithm.minLrRatio)."""
 
     def resolved(self, algorithm: AlgorithmSpec) -> StageSpec:
         """This stage with every unset hyper-parameter filled in from its type's defaults.
@@ -194,8 +207,9 @@ class StageSpec(ApiModel):
                     values[key] = default
             if self.type == "sft" and self.packing is None:
                 values["packing"] = True
-        if self.weight_decay is None:
-            values["weight_decay"] = algorithm.weight_decay
+        for key in ("weight_decay", "lr_schedule", "lr_warmup_steps", "min_lr_ratio"):
+            if values.get(key) is None:
+                values[key] = getattr(algorithm, key)
         return StageSpec.model_validate(values)
 
 
@@ -203,10 +217,13 @@ class EnvironmentSpec(ApiModel):
     """Play the domain's tasks as multi-turn episodes in an environment instead of scoring one
     completion: the episode's task-completion reward replaces the verifier's."""
 
-    kind: Literal["function_calling", "terminal"]
+    kind: Literal["function_calling", "terminal", "bfcl_multi_turn"]
     """function_calling: BFCL tasks, calls judged by BFCL's AST checker (a reply that does not
     parse gets the parse error back while turns remain); terminal: shell commands in a
-    sandboxed workspace, judged by the task's "verify" checks at the end."""
+    sandboxed workspace, judged by the task's "verify" checks at the end; bfcl_multi_turn:
+    BFCL multi-turn items (builtin:bfcl_multi_turn_base) played against BFCL's executable
+    API backends, each user turn judged by BFCL's state and response checks. The domain's
+    verifier is not run for an environment domain: the environment's verdict is the reward."""
     max_turns: int = Field(default=1, ge=1, le=64)
     """Model turns per episode; reaching it ends the episode as truncated (the final state is
     still judged). 1 makes function_calling exactly BFCL's single-turn evaluation."""

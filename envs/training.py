@@ -11,10 +11,13 @@ the same task like any other group, and the loss sees the mask.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from posttrain.envs.episode import ChatTokens, Episode, agent_metrics, run_episodes
+from posttrain.errors import UsageError
 from posttrain.rollout.protocol import Completion
 from posttrain.trainer.datasets import Task
 
@@ -83,8 +86,44 @@ def completion_from_json(data: dict[str, Any]) -> Completion:
     return Completion(**data)
 
 
-def make_environment(spec: Any, setup_cache: Any = None) -> Any:
-    """A fresh environment for one episode from a domain's ``EnvironmentSpec``."""
+def terminal_executor(policy: Any = None, env: Mapping[str, str] | None = None) -> Any:
+    """Where terminal environments run their commands, by ``spec.sandbox.mode``: ``local``
+    (or no policy) the trainer's bubblewrap executor and its warm pool; ``runner`` the
+    sandbox runner's HTTP service (``sandbox.runnerUrl``, else the operator's
+    ``$POSTTRAIN_SANDBOX_RUNNER_URL``), which carries the workspace tar in and out of each
+    command, so snapshots and rollback stay with the trainer exactly as locally; ``task`` is
+    refused with the reason (one SandboxTask pod per shell command is not supported)."""
+    from posttrain.trainer.verification import RUNNER_URL_ENV
+
+    env = os.environ if env is None else env
+    mode = getattr(policy, "mode", "local")
+    if mode == "local":
+        from posttrain.sandboxes.executor import default_executor
+
+        return default_executor()
+    if mode == "runner":
+        url = policy.runner_url or env.get(RUNNER_URL_ENV, "")
+        if not url:
+            raise UsageError(
+                "terminal environments with sandbox.mode runner need a runner: set "
+                f"sandbox.runnerUrl, or run through the operator (it sets ${RUNNER_URL_ENV})"
+            )
+        from posttrain.sandboxes.client import SandboxClient
+
+        return SandboxClient(url)
+    raise UsageError(
+        f"terminal environments cannot use sandbox.mode {mode!r}: an episode runs one "
+        "sandbox per shell command, which a SandboxTask pod each would make minutes long; "
+        "use sandbox.mode runner (or local)"
+    )
+
+
+def make_environment(
+    spec: Any, setup_cache: Any = None, executor: Any = None, sandbox: Any = None
+) -> Any:
+    """A fresh environment for one episode from a domain's ``EnvironmentSpec``.
+    ``executor`` runs terminal commands (default: the local bubblewrap executor);
+    ``sandbox`` (``spec.sandbox``) caps their wall clock and memory."""
     if spec.kind == "function_calling":
         from posttrain.envs.function_calling import FunctionCallingEnv
 
@@ -92,12 +131,24 @@ def make_environment(spec: Any, setup_cache: Any = None) -> Any:
     if spec.kind == "terminal":
         from posttrain.envs.terminal import TerminalEnv
 
+        timeout_s, memory_mb = float(spec.command_timeout_seconds), 512
+        if sandbox is not None:  # the run's ceilings apply to every command, as to verifiers
+            timeout_s = min(timeout_s, float(sandbox.timeout_seconds))
+            memory_mb = min(memory_mb, int(sandbox.memory_mb))
         return TerminalEnv(
+            executor,
             max_turns=spec.max_turns,
-            command_timeout_s=spec.command_timeout_seconds,
+            command_timeout_s=timeout_s,
+            memory_mb=memory_mb,
             setup_cache=setup_cache,
         )
-    raise ValueError(f"unknown environment kind {spec.kind!r}; use function_calling or terminal")
+    if spec.kind == "bfcl_multi_turn":
+        from posttrain.envs.bfcl_multi_turn import BfclMultiTurnEnv
+
+        return BfclMultiTurnEnv(max_turns=spec.max_turns)
+    raise ValueError(
+        f"unknown environment kind {spec.kind!r}; use function_calling, terminal or bfcl_multi_turn"
+    )
 
 
 class EpisodeSampler:
@@ -105,8 +156,18 @@ class EpisodeSampler:
     with an environment as ``n`` episodes per task (the group)."""
 
     def __init__(
-        self, client: Any, tokenizer: Any, environments: dict[str, Any], *, max_concurrency: int = 8
+        self,
+        client: Any,
+        tokenizer: Any,
+        environments: dict[str, Any],
+        *,
+        max_concurrency: int = 8,
+        sandbox: Any = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
+        """``sandbox``: the run's ``spec.sandbox``; its mode decides where terminal
+        commands run (:func:`terminal_executor`), checked here so a run that cannot work
+        fails before its first step."""
         from posttrain.envs.terminal import SetupCache
 
         self.client = client
@@ -114,6 +175,9 @@ class EpisodeSampler:
         self.environments = environments  # domain -> EnvironmentSpec
         self.max_concurrency = max_concurrency
         self.setup_cache = SetupCache()
+        self.sandbox = sandbox
+        uses_terminal = any(e.kind == "terminal" for e in environments.values())
+        self.executor = terminal_executor(sandbox, env) if uses_terminal else None
 
     def handles(self, task: Task) -> bool:
         return task.domain in self.environments
@@ -131,7 +195,9 @@ class EpisodeSampler:
             groups = run_episodes(
                 self.client,
                 self.chat,
-                lambda _t, s=spec: make_environment(s, self.setup_cache),
+                lambda _t, s=spec: make_environment(
+                    s, self.setup_cache, self.executor, self.sandbox
+                ),
                 [tasks[i] for i in indices],
                 replace(params, n=1),
                 group_size=group_size,

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from posttrain.api import TrainingRun
+from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
 
 from . import builders as b
 from .config import OperatorConfig
@@ -92,7 +93,7 @@ class KueueAdmission:
         """Create, (de)activate or finish the run's Workload as the plan says."""
         namespace, name = run.metadata.namespace, workload_name(run)
         if plan.create_workload and pod_template is not None:
-            labels = {b.LABEL_COMPONENT: b.COMPONENT_TRAINER, b.LABEL_RUN: run.metadata.name}
+            labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
             manifest = build_workload(run, pod_template, labels, b.owner_reference(run))
             _, body = self.kube.create_or_adopt(manifest)
             self.workloads.put(body)
@@ -156,7 +157,7 @@ class KueueAdmission:
         the kopf watch serves workloads only when Kueue's CRD existed at operator start)."""
         if not namespaces or not self.installed():
             return
-        selector = f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}"
+        selector = f"{LABEL_COMPONENT}={COMPONENT_TRAINER}"
         for namespace in namespaces:
             try:
                 items = self.kube.list(KUEUE_API_VERSION, "Workload", namespace, selector)

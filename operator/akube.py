@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import aiohttp
@@ -110,7 +110,7 @@ class AsyncKube:
             return False, data
         return True, data
 
-    async def lines(self, path: str, read_timeout: float) -> AsyncIterator[bytes]:
+    async def lines(self, path: str, read_timeout: float) -> AsyncGenerator[bytes, None]:
         """The non-empty lines of a streaming GET (a watch: one JSON event per line).
 
         Split here rather than with the stream's readline, which refuses lines over 128 KiB

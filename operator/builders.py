@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun, env
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -61,7 +61,9 @@ class BuildError(ValueError):
 # ---------------------------------------------------------------- shared helpers
 
 
-def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str, Any]:
+def owner_reference(
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
+) -> dict[str, Any]:
     """The controller ownerReference pointing at ``owner`` (GC deletes children with it).
 
     blockOwnerDeletion lets foreground deletion wait for the children; it needs the
@@ -83,7 +85,7 @@ def owner_reference(owner: TrainingRun | RolloutPool | SandboxTask) -> dict[str,
 
 
 def child_metadata(
-    owner: TrainingRun | RolloutPool | SandboxTask,
+    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
     name: str,
     labels: dict[str, str],
     annotations: dict[str, str] | None = None,
@@ -661,8 +663,8 @@ def selector_string(labels: dict[str, str]) -> str:
 
 
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
-ROLLOUT_ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"
-ROLLOUT_POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # rollout.discovery.POOL_ENV
+ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
+ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
@@ -1017,7 +1019,7 @@ def build_sandbox_pod(
     ]
     if artifacts is not None:
         command = _store_artifacts(task, command, env, annotations, artifacts)
-    containers = [
+    containers: list[dict[str, Any]] = [
         {
             "name": "sandbox",
             "image": spec.image or config.sandbox_image,

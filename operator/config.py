@@ -175,8 +175,8 @@ class OperatorConfig(BaseModel):
                 value = json.loads(value) if value.strip() else None
             except ValueError as exc:
                 raise ValueError(f"{info.field_name} must be JSON, got {value!r}") from exc
-        if value is None:
-            return cls.model_fields[info.field_name].default_factory()  # type: ignore[misc]
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].get_default(call_default_factory=True)
         return value
 
     @field_validator("sandbox_runtime_class_name", mode="before")

@@ -85,9 +85,9 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
     Its resources are the trainer's CPU and memory per node, no GPU: it serves one model
     copy on CPU (its own rollout server) and holds one checkpoint at a time.
     """
+    from posttrain.api.labels import LABEL_COMPONENT, LABEL_RUN
+
     from .builders import (
-        LABEL_COMPONENT,
-        LABEL_RUN,
         METRICS_PORT_NAME,
         RUN_CONFIG_PATH,
         _resources,

@@ -15,20 +15,26 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
 from posttrain.api import GROUP, VERSION
+from posttrain.api.labels import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
 
-from .builders import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
 from .controllers import Controller
+from .reconcilers.state import Body
 
 log = logging.getLogger(__name__)
 
 # A registry of our own (not kopf's global one), so embedding the operator in a process that
 # also uses kopf for something else, or starting it twice in tests, registers nothing twice.
 REGISTRY = kopf.OperatorRegistry()
+
+
+def _body(event: kopf.RawEvent) -> Body:
+    """The watched object as the caches keep it (kopf hands over the decoded JSON dict)."""
+    return cast(Body, event["object"])
 
 
 def _controller(memo: Any) -> Controller:
@@ -44,7 +50,7 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 
 
 @kopf.on.startup(registry=REGISTRY)
-async def start_resync(memo: Any, logger: logging.Logger, **_: Any) -> None:
+async def start_resync(memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Start the periodic resync (time-based transitions, safety net for missed events)."""
     period = memo.config.resync_seconds
     memo.resync_task = asyncio.create_task(_resync_forever(_controller(memo), period))
@@ -74,15 +80,16 @@ async def _resync_forever(controller: Controller, period: float) -> None:
 
 
 def _on_resource_event(
-    kind: str, event: kopf.RawEvent, memo: Any, namespace: str, name: str
+    kind: str, event: kopf.RawEvent, memo: Any, namespace: str | None, name: str
 ) -> None:
     """Cache the object; reconcile it unless the event is the echo of our own status patch."""
+    namespace = namespace or ""  # our kinds are namespaced
     controller = _controller(memo)
     store, reconcile = {
         "TrainingRun": (controller.state.runs, controller.training_runs.reconcile),
         "RolloutPool": (controller.state.pools, controller.rollout_pools.reconcile),
     }[kind]
-    changed = controller.observe(store, event.get("type"), event["object"])
+    changed = controller.observe(store, event.get("type"), _body(event))
     if event.get("type") == "DELETED":
         controller.forget(kind, namespace, name)
     elif changed:
@@ -104,10 +111,11 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
 
 @kopf.on.event(GROUP, VERSION, "sandboxwarmpools", registry=REGISTRY)
 async def sandbox_warm_pool_event(
-    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
+    namespace = namespace or ""  # our kinds are namespaced
     controller = _controller(memo)
-    changed = controller.observe(controller.state.warm_pools, event.get("type"), event["object"])
+    changed = controller.observe(controller.state.warm_pools, event.get("type"), _body(event))
     if event.get("type") == "DELETED":
         await _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name))
     elif changed:
@@ -116,7 +124,7 @@ async def sandbox_warm_pool_event(
 
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
 def training_run_event(
-    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
     _on_resource_event("TrainingRun", event, memo, namespace, name)
 
@@ -133,7 +141,7 @@ def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
 
 @kopf.on.event(GROUP, VERSION, "rolloutpools", registry=REGISTRY)
 def rollout_pool_event(
-    event: kopf.RawEvent, memo: Any, namespace: str, name: str, **_: Any
+    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
     _on_resource_event("RolloutPool", event, memo, namespace, name)
 
@@ -142,7 +150,7 @@ def rollout_pool_event(
     "apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT}, registry=REGISTRY
 )
 def deployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    _controller(memo).on_deployment(event.get("type"), event["object"])
+    _controller(memo).on_deployment(event.get("type"), _body(event))
 
 
 @kopf.on.event(
@@ -151,7 +159,7 @@ def deployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
 def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """KubeRay's RayClusters of multi-node runs. Served only when the CRD exists at start-up
     (kopf warns "Unresolved resources" otherwise); the resync's re-list covers the rest."""
-    _controller(memo).on_ray_cluster(event.get("type"), event["object"])
+    _controller(memo).on_ray_cluster(event.get("type"), _body(event))
 
 
 @kopf.on.event(
@@ -164,7 +172,7 @@ def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
 def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     """Kueue's Workloads of queued runs (Kueue writes admission and eviction into them).
     Served only when Kueue's CRD exists at start-up; the resync's re-list covers the rest."""
-    _controller(memo).on_workload(event.get("type"), event["object"])
+    _controller(memo).on_workload(event.get("type"), _body(event))
 
 
 # ------------------------------------------------------------ burst path (informer.py)

@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun, TrainingRunStatus
-from posttrain.api.base import Condition, get_condition, set_condition
+from posttrain.api.base import Condition, ConditionStatus, get_condition, set_condition
 from posttrain.api.labels import (
     ANNOTATION_LOGS_URI,
     ANNOTATION_SNAPSHOT_URI,
@@ -29,11 +29,11 @@ from posttrain.api.labels import (
     LABEL_GANG,
     LABEL_RANK,
 )
+from posttrain.api.reasons import ConditionType, Reason, SandboxExitReason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from .builders import ray_cluster_name, sandbox_pod_name
 from .kueue import WorkloadView, workload_name
-from .reasons import ConditionType, Reason, SandboxExitReason
 
 TERMINAL = ("Succeeded", "Failed")
 
@@ -774,6 +774,7 @@ def _sandbox_condition(
         return conditions
     gen = run.metadata.generation
     where = f"{health.mode} sandbox {health.endpoint or ''}".rstrip()
+    status: ConditionStatus
     if health.available:
         status, reason = "True", Reason.SANDBOX_WORKING
         message = f"{where} performs executions ({health.infra_failures} failure(s) retried)"
@@ -811,6 +812,7 @@ def _rollout_condition(
     if health is None:
         return conditions
     gen = run.metadata.generation
+    status: ConditionStatus
     if health.available:
         status, reason = "True", Reason.REPLICAS_READY
         message = f"RolloutPool {health.pool}: {health.ready_replicas} ready replica(s)"
@@ -1092,7 +1094,7 @@ def plan_rollout_pool(
     diff, which the apiserver's defaulting would always make noisy); replicas are compared
     directly because ``kubectl scale`` changes only them.
     """
-    from .builders import ANNOTATION_SPEC_HASH
+    from posttrain.api.labels import ANNOTATION_SPEC_HASH
 
     plan = PoolPlan()
     gen = pool.metadata.generation
@@ -1143,6 +1145,7 @@ def plan_rollout_pool(
         replicas = int(dstatus.get("replicas") or 0)
         ready = int(dstatus.get("readyReplicas") or 0)
         updated = int(dstatus.get("updatedReplicas") or 0)
+    cond: ConditionStatus
     if want_replicas == 0:
         phase, cond, reason = "Ready", "True", Reason.SCALED_TO_ZERO
     elif ready >= want_replicas and updated >= want_replicas and replicas == want_replicas:

@@ -11,10 +11,10 @@ import kopf
 import uvloop
 
 from posttrain.api import API_VERSION
+from posttrain.api.labels import LABEL_COMPONENT
 from posttrain.telemetry import start_metrics_server
 
 from .akube import AsyncKube
-from .builders import LABEL_COMPONENT
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
@@ -104,19 +104,16 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
 
     informers = []
     for namespace in namespaces:
-        common = {
-            "namespace": namespace,
-            "server_timeout": config.watch_server_timeout,
-            "client_timeout": config.watch_client_timeout,
-        }
         informers.append(
             Informer(
                 memo.akube,
                 API_VERSION,
                 "SandboxTask",
                 "sandboxtasks",
+                namespace,
                 on_event=lambda event, body: on_sandbox_task(memo, event, body),
-                **common,
+                server_timeout=config.watch_server_timeout,
+                client_timeout=config.watch_client_timeout,
             )
         )
         informers.append(
@@ -125,9 +122,11 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
                 "v1",
                 "Pod",
                 "pods",
+                namespace,
                 label_selector=LABEL_COMPONENT,
                 on_event=lambda event, body: on_pod(memo, event, body),
-                **common,
+                server_timeout=config.watch_server_timeout,
+                client_timeout=config.watch_client_timeout,
             )
         )
     return informers

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.api import TrainingRun
+from posttrain.api import TrainingRun, env
 
 from .config import OperatorConfig
 
@@ -27,7 +27,7 @@ Manifest = dict[str, Any]
 
 COMPONENT_SANDBOX_RUNNER = "sandbox-runner"
 SANDBOX_RUNNER_PORT = 8090
-RUNNER_URL_ENV = "POSTTRAIN_SANDBOX_RUNNER_URL"
+RUNNER_URL_ENV = env.SANDBOX_RUNNER_URL
 EXECUTION_VERIFIERS = frozenset({"unit_tests", "shell"})
 # Builtin datasets whose tasks carry their own execution verifier when the domain names none.
 EXECUTING_BUILTINS = frozenset({"builtin:code"})
@@ -104,7 +104,7 @@ def apply_local_sandbox_context(run: TrainingRun, pod_spec: Manifest) -> None:
 
 
 def _labels(run: TrainingRun) -> dict[str, str]:
-    from .builders import LABEL_COMPONENT, LABEL_RUN
+    from posttrain.api.labels import LABEL_COMPONENT, LABEL_RUN
 
     return {LABEL_COMPONENT: COMPONENT_SANDBOX_RUNNER, LABEL_RUN: run.metadata.name}
 
@@ -188,7 +188,9 @@ def build_runner_service(run: TrainingRun) -> Manifest:
 
 def build_runner_network_policy(run: TrainingRun) -> Manifest:
     """Only this run's trainer pods may reach the runner; the runner reaches nothing."""
-    from .builders import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN, child_metadata
+    from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
+
+    from .builders import child_metadata
 
     return {
         "apiVersion": "networking.k8s.io/v1",

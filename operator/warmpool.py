@@ -27,16 +27,20 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.api import SandboxTask, SandboxWarmPool
-from posttrain.api.base import set_condition
-from posttrain.api.labels import ANNOTATION_CLAIM, LABEL_WARM_POOL
-
-from .builders import (
+from posttrain.api.base import ConditionStatus, set_condition
+from posttrain.api.labels import (
+    ANNOTATION_CLAIM,
     ANNOTATION_SPEC_HASH,
     COMPONENT_SANDBOX,
     LABEL_ATTEMPT,
     LABEL_COMPONENT,
     LABEL_SANDBOX_NETWORK,
     LABEL_TASK,
+    LABEL_WARM_POOL,
+)
+from posttrain.api.reasons import ConditionType, Reason
+
+from .builders import (
     SANDBOX_WORKDIR,
     _check_file_name,
     _resources,
@@ -47,7 +51,6 @@ from .builders import (
     spec_hash,
 )
 from .config import OperatorConfig
-from .reasons import ConditionType, Reason
 from .reconcile import EventSpec, PodView, status_diff
 
 Manifest = dict[str, Any]
@@ -339,6 +342,7 @@ def plan_warm_pool(
         )
     gen = pool.metadata.generation
     status = pool.status
+    cond: ConditionStatus
     if ready >= want:
         cond, reason, message = "True", Reason.WARM_POOL_READY, f"{ready}/{want} idle pod(s) ready"
     else:

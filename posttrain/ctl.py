@@ -13,20 +13,23 @@ Exit codes: 0 ok, 1 the work failed (not found, rejected, run Failed), 2 bad inp
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import yaml
-from rich.console import Console
 
 from posttrain.api.base import API_VERSION, GROUP, VERSION
 from posttrain.api.manifests import parse_resource
+from posttrain.ctl_common import (
+    cluster_from_args,
+    exits_1_on_failure,
+    make_console,
+    pod_phase,
+)
 from posttrain.ctl_kube import (
     FIELD_MANAGER,
     KIND_CHOICES,
@@ -37,7 +40,6 @@ from posttrain.ctl_kube import (
     Kind,
     api_failure,
     child_label,
-    connect,
     kind_by_name,
     resolve_kind,
     server_message,
@@ -68,14 +70,6 @@ ROWS = {
     "RolloutPool": (POOL_HEADERS, pool_row),
     "SandboxTask": (TASK_HEADERS, task_row),
 }
-
-
-def make_console(stderr: bool = False) -> Console:
-    """A rich console; when piped, wide enough that tables are not wrapped at 80 columns."""
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console = Console(stderr=stderr, width=int(os.environ.get("COLUMNS", "200")))
-    return console
 
 
 # ----------------------------------------------------------------------------- parsers
@@ -224,32 +218,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "metrics.jsonl has no tokens_per_s; default: RUN_DIR/run.yaml if present)",
     )
     report.set_defaults(func=report_command)
-
-
-def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    return connect(args.kubeconfig, args.namespace, args.context)
-
-
-def fail(message: str) -> int:
-    """Print an actionable error on stderr and return exit code 1."""
-    print(f"error: {message}", file=sys.stderr)
-    return 1
-
-
-Handler = Callable[[argparse.Namespace], int]
-
-
-def exits_1_on_failure(handler: Handler) -> Handler:
-    """Report a :class:`CommandFailed` (not found, unreachable, rejected) as exit code 1."""
-
-    @functools.wraps(handler)
-    def wrapped(args: argparse.Namespace) -> int:
-        try:
-            return handler(args)
-        except CommandFailed as exc:
-            return fail(str(exc))
-
-    return wrapped
 
 
 # ----------------------------------------------------------------------------- apply
@@ -578,17 +546,3 @@ def job_phase(job: Any) -> str:
     if status.active:
         return f"Active {status.active}"
     return "Pending"
-
-
-def pod_phase(pod: Any) -> str:
-    """The pod phase plus the first waiting/terminated container reason (ImagePullBackOff...)."""
-    phase = pod.status.phase or "Pending"
-    for container in pod.status.container_statuses or []:
-        state = container.state
-        if state and state.waiting and state.waiting.reason:
-            return f"{phase} ({state.waiting.reason})"
-        if state and state.terminated and state.terminated.reason:
-            return f"{phase} ({state.terminated.reason}, exit {state.terminated.exit_code})"
-    if phase == "Pending" and not pod.spec.node_name:
-        return "Pending (not scheduled)"
-    return phase

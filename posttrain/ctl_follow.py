@@ -22,7 +22,13 @@ from rich.table import Table
 
 from posttrain.api.base import GROUP, VERSION
 from posttrain.api.labels import LABEL_GANG, LABEL_RANK
-from posttrain.ctl import cluster_from_args, exits_1_on_failure, fail, make_console, pod_phase
+from posttrain.ctl_common import (
+    cluster_from_args,
+    exits_1_on_failure,
+    fail,
+    make_console,
+    pod_phase,
+)
 from posttrain.ctl_kube import (
     TRAINER_CONTAINER,
     TRAINING_RUN,

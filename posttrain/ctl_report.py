@@ -59,6 +59,34 @@ class ReportData:
     steps: tuple[int, int] | None = None  # (base step, trained step) of the comparison
     flips: tuple[int, int] = (0, 0)  # how many items were fixed, broken
     examples: list[Example] = field(default_factory=list)
+    # Environment domains: (domain, base metrics, trained metrics) of the held-out episodes
+    # (success rate, mean turns, valid-tool-call rate, recovery rate, errored; see
+    # posttrain.envs.episode.agent_metrics).
+    agent: list[tuple[str, dict[str, float], dict[str, float]]] = field(default_factory=list)
+
+
+AGENT_COLUMNS: tuple[tuple[str, str, bool], ...] = (
+    ("success_rate", "success", True),
+    ("mean_turns", "mean turns", False),
+    ("valid_tool_call_rate", "valid tool calls", True),
+    ("recovery_rate", "recovery after failure", True),
+    ("truncated_rate", "truncated", True),
+)
+
+
+def agent_cell(
+    key: str, percent: bool, before: Mapping[str, float], after: Mapping[str, float]
+) -> str:
+    """``base -> trained`` of one episode metric.
+
+    >>> agent_cell("success_rate", True, {"success_rate": 0.0}, {"success_rate": 0.25})
+    '0.0% -> 25.0%'
+    """
+
+    def shown(v: float) -> str:
+        return f"{v:.1%}" if percent else f"{v:.2f}"
+
+    return (f"{shown(before[key])} -> " if key in before else "") + shown(after.get(key, 0.0))
 
 
 def tokens_per_second(
@@ -227,8 +255,12 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
             "is no trained result to compare yet."
         )
     overall, steps, flips, examples = None, None, (0, 0), []
+    agent: list[tuple[str, dict[str, float], dict[str, float]]] = []
     if pair is not None:
         base, trained = pair
+        agent = [
+            (d, dict(base.agent.get(d, {})), dict(m)) for d, m in sorted(trained.agent.items())
+        ]
         overall = (base.overall, trained.overall, sum(trained.counts.values()))
         steps = (base.step, trained.step)
         fixed, broken = flipped_items(base, trained)
@@ -270,6 +302,7 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
         steps,
         flips,
         examples,
+        agent,
     )
 
 
@@ -349,6 +382,16 @@ def render_markdown(data: ReportData) -> str:
                 shown = text.strip()[:EXAMPLE_CHARS]
                 fence = code_fence(shown)
                 lines += [f"{name}:", "", f"{fence}text", shown, fence, ""]
+    if data.agent:
+        lines += ["", "## Agent episodes (held-out): base -> trained", ""]
+        lines += [
+            "| domain | " + " | ".join(title for _, title, _ in AGENT_COLUMNS) + " | errored |",
+            "| --- |" + " ---: |" * (len(AGENT_COLUMNS) + 1),
+        ]
+        for domain, before, after in data.agent:
+            cells = [agent_cell(k, pct, before, after) for k, _, pct in AGENT_COLUMNS]
+            errored = int(after.get("errored", 0))
+            lines.append(f"| {domain} | " + " | ".join(cells) + f" | {errored} |")
     lines += ["", "## Plots", ""]
     for figure in data.figures:
         lines += [f"### {figure.title}", "", f"![{figure.title}]({data_uri(figure.png)})", ""]
@@ -400,6 +443,23 @@ def render_html(data: ReportData) -> str:
                 f"<td><pre>{esc(example.trained_completion.strip()[:EXAMPLE_CHARS])}</pre></td>",
                 "</tr></table></div>",
             ]
+    if data.agent:
+        parts += [
+            "<h2>Agent episodes (held-out): base -&gt; trained</h2>",
+            "<table><tr><th>domain</th>"
+            + "".join(f"<th>{esc(title)}</th>" for _, title, _ in AGENT_COLUMNS)
+            + "<th>errored</th></tr>",
+        ]
+        for domain, before, after in data.agent:
+            cells = "".join(
+                f'<td class="n">{esc(agent_cell(k, pct, before, after))}</td>'
+                for k, _, pct in AGENT_COLUMNS
+            )
+            parts.append(
+                f"<tr><td>{esc(domain)}</td>{cells}"
+                f'<td class="n">{int(after.get("errored", 0))}</td></tr>'
+            )
+        parts.append("</table>")
     parts.append("<h2>Plots</h2>")
     for figure in data.figures:
         parts += [

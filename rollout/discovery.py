@@ -16,13 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.api import GROUP, VERSION
+from posttrain.api import GROUP, VERSION, env
 from posttrain.kubeapi import custom_objects_api
 
 log = logging.getLogger(__name__)
 
-POOL_ENV = "POSTTRAIN_ROLLOUT_POOL"  # set by the operator when spec.rollout.pool names a pool
-NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
+POOL_ENV = env.ROLLOUT_POOL  # set by the operator when spec.rollout.pool names a pool
+NAMESPACE_ENV = env.RUN_NAMESPACE
 
 
 class PoolDiscovery:

@@ -15,6 +15,7 @@ per concurrent caller thread, and reused.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import logging
@@ -201,9 +202,25 @@ class SandboxClient:
         )
         return self.run(request)
 
-    def run(self, request: ExecRequest) -> ExecResult:
-        """POST one request, retrying connection errors and back-pressure."""
-        body = json.dumps(request.to_dict(), separators=(",", ":")).encode()
+    def run(
+        self,
+        request: ExecRequest,
+        *,
+        workspace_tar: bytes | None = None,
+        capture_workspace: bool = False,
+    ) -> ExecResult:
+        """POST one request, retrying connection errors and back-pressure.
+
+        ``workspace_tar`` / ``capture_workspace`` are the local executor's: the tar seeds
+        /workspace and, when asked, the final /workspace comes back in
+        ``ExecResult.workspace_tar`` (so a :class:`~.snapshot.Workspace` runs on the runner
+        as on a local executor; a retry re-sends the same starting state)."""
+        payload = request.to_dict()
+        if workspace_tar is not None:
+            payload["workspace_tar"] = base64.b64encode(workspace_tar).decode("ascii")
+        if capture_workspace:
+            payload["capture_workspace"] = True
+        body = json.dumps(payload, separators=(",", ":")).encode()
         with tracer.start_as_current_span("sandbox.client.exec"):
             headers = inject_headers({"Content-Type": "application/json"})
             last_problem = ""
@@ -217,7 +234,11 @@ class SandboxClient:
                     wait = self._backoff(attempt)
                 else:
                     if response.status == 200:
-                        return ExecResult.from_dict(response.json())
+                        data = response.json()
+                        result = ExecResult.from_dict(data)
+                        if capture_workspace and data.get("workspace_tar") is not None:
+                            result.workspace_tar = base64.b64decode(data["workspace_tar"])
+                        return result
                     if response.status == 500:  # the runner's sandbox failed (SandboxError)
                         raise SandboxError(
                             f"runner {self.url} could not run the sandbox: {response.text[:500]}"

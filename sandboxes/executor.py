@@ -999,6 +999,13 @@ def _finish(
     stdout = truncate_output(bytes(got.stdout), got.dropped["stdout"])
     stderr = truncate_output(bytes(got.stderr), got.dropped["stderr"])
     started, exit_code = _program_exit_code(bytes(got.status_json))
+    if got.timed_out and not started:
+        # bwrap never reported the program's start: the sandbox, not the program, used up
+        # the wall clock (scoring that as the program's timeout would make up a wrong answer).
+        raise SandboxError(
+            f"bubblewrap did not start the program within the {request.timeout_s:g} s wall "
+            f"clock: {stderr.strip()[:2000] or 'no message'}"
+        )
     if got.timed_out:
         return ExecResult(
             "timeout",

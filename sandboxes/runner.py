@@ -21,11 +21,16 @@ latency grow without bound.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import importlib.util
+import io
 import json
 import logging
 import os
+import tarfile
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
@@ -93,6 +98,58 @@ class BadRequest(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+@dataclass(frozen=True)
+class WorkspaceOptions:
+    """The optional workspace fields of ``POST /v1/exec`` (multi-step agent episodes):
+    ``workspace_tar`` (base64 of a tar) seeds /workspace before ``files``; with
+    ``capture_workspace`` the final /workspace comes back as base64 ``workspace_tar`` in the
+    answer. The state lives with the caller (see ``sandboxes/snapshot.py``), so snapshots,
+    rollback and replay work the same through the runner as with a local executor."""
+
+    workspace_tar: bytes | None = None
+    capture_workspace: bool = False
+
+    @property
+    def used(self) -> bool:
+        return self.workspace_tar is not None or self.capture_workspace
+
+
+def parse_workspace_options(data: dict[str, Any]) -> WorkspaceOptions:
+    """Pop and check the workspace fields of a request body (ValueError names the problem).
+
+    >>> parse_workspace_options({"command": ["true"], "capture_workspace": True})
+    WorkspaceOptions(workspace_tar=None, capture_workspace=True)
+    """
+    encoded = data.pop("workspace_tar", None)
+    capture = data.pop("capture_workspace", False)
+    if not isinstance(capture, bool):
+        raise ValueError(f"capture_workspace must be a boolean, got {capture!r}")
+    if encoded is None:
+        return WorkspaceOptions(None, capture)
+    if not isinstance(encoded, str):
+        raise ValueError(f"workspace_tar must be a base64 string, got {type(encoded).__name__}")
+    try:
+        state = base64.b64decode(encoded, validate=True)
+        with tarfile.open(fileobj=io.BytesIO(state)):
+            pass
+    except (binascii.Error, tarfile.TarError) as exc:
+        raise ValueError(f"workspace_tar is not a base64-encoded tar: {exc}") from None
+    return WorkspaceOptions(state, capture)
+
+
+def parse_exec_request(body: bytes) -> tuple[ExecRequest, WorkspaceOptions]:
+    """The JSON body of ``POST /v1/exec`` as a validated request and its workspace options,
+    or :class:`BadRequest` (422) naming what is wrong."""
+    try:
+        data = json.loads(body)
+        if not isinstance(data, dict):
+            raise ValueError(f"the body must be a JSON object, got {type(data).__name__}")
+        options = parse_workspace_options(data)
+        return ExecRequest.from_dict(data), options
+    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        raise BadRequest(422, f"bad exec request: {exc}") from exc
 
 
 def parse_exec_body(body: bytes) -> ExecRequest:
@@ -186,7 +243,7 @@ class RunnerApp:
     ) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:
         """Serve one ``POST /v1/exec``: (status, JSON payload, extra headers)."""
         try:
-            request = parse_exec_body(await _read_body(receive))
+            request, workspace = parse_exec_request(await _read_body(receive))
         except BadRequest as exc:
             return exc.status, {"error": str(exc)}, []
         gate = self.gate
@@ -217,9 +274,18 @@ class RunnerApp:
             gate.running += 1
             IN_FLIGHT.set(gate.running)
             try:
-                # In the event loop, not a thread: no hand-off per execution, and the
-                # executor's span is a child of this one without context copying.
-                result = await self.get_executor().run_async(request)
+                if workspace.used:  # a workspace tar in or out: the executor's blocking path
+                    executor = self.get_executor()
+                    result = await asyncio.to_thread(  # copies the context: spans nest
+                        executor.run,
+                        request,
+                        workspace_tar=workspace.workspace_tar,
+                        capture_workspace=workspace.capture_workspace,
+                    )
+                else:
+                    # In the event loop, not a thread: no hand-off per execution, and the
+                    # executor's span is a child of this one without context copying.
+                    result = await self.get_executor().run_async(request)
             except SandboxError as exc:
                 log.error("sandbox failure: %s", exc)
                 return 500, {"error": f"sandbox failure: {exc}"}, []
@@ -228,7 +294,10 @@ class RunnerApp:
                 IN_FLIGHT.set(gate.running)
                 gate.semaphore.release()
             span.set_attribute("sandbox.status", result.status)
-        return 200, result.to_dict(), []
+        payload = result.to_dict()
+        if workspace.capture_workspace and result.workspace_tar is not None:
+            payload["workspace_tar"] = base64.b64encode(result.workspace_tar).decode("ascii")
+        return 200, payload, []
 
 
 async def _read_body(receive: Receive) -> bytes:

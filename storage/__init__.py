@@ -8,3 +8,11 @@
 
 Torch-free on purpose: the trainer serialises tensors to files, this package moves files.
 """
+
+# One name per module: imported by its folder name (a checkout's root on sys.path) this package
+# would load a second copy of every module beside posttrain.storage (two Prometheus registrations,
+# two sets of model classes).
+if __name__ != "posttrain.storage":
+    raise ImportError(
+        f"import posttrain.storage, not {__name__}: the top-level folders are posttrain's components"
+    )

@@ -285,7 +285,8 @@ class CheckpointManager:
     """Save, retain and resume training checkpoints under ``<prefix>/step-NNNNNNNN/``.
 
     The trainer serialises tensors into a local directory; this class only moves files.
-    Retention keeps the newest ``keep_last`` checkpoints plus the best by ``eval_score``.
+    Retention keeps the newest ``keep_last`` checkpoints plus the best by ``eval_score``,
+    and every ``pinned`` step (a pipeline's RL stage reloads its KL anchor from one).
     """
 
     def __init__(
@@ -295,6 +296,7 @@ class CheckpointManager:
         *,
         keep_last: int = 3,
         higher_is_better: bool = True,
+        pinned: frozenset[int] = frozenset(),
     ) -> None:
         if keep_last < 1:
             raise ValueError(
@@ -303,6 +305,7 @@ class CheckpointManager:
         self._series = _CommittedSeries(store, prefix, _CHECKPOINTS)
         self.keep_last = keep_last
         self.higher_is_better = higher_is_better
+        self.pinned = pinned
         self._scores: dict[int, float | None] = {}  # step -> eval score, read once per step
 
     @property
@@ -402,6 +405,7 @@ class CheckpointManager:
             steps, scores, self.keep_last, higher_is_better=self.higher_is_better
         )
         keep.add(just_saved)  # latest.json points here, whatever its number
+        keep |= self.pinned
         removed = self._series.prune(keep, newest_committed=max(steps, default=just_saved))
         for step in removed:
             self._scores.pop(step, None)

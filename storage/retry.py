@@ -84,13 +84,13 @@ def call_with_retry(
                 attempt,
                 policy.max_attempts,
                 elapsed,
-                _short(exc),
+                short_error(exc),
                 delay,
             )
             time.sleep(delay)
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     """One line describing ``exc`` (urllib3 errors nest long reprs)."""
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= 300 else text[:297] + "..."

@@ -34,13 +34,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import BinaryIO, Protocol, TypeVar, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import certifi
 import urllib3
 from minio import Minio
-from minio.credentials import Credentials, Provider, StaticProvider
+from minio.credentials.credentials import Credentials
+from minio.credentials.providers import Provider, StaticProvider
 from minio.error import InvalidResponseError, S3Error, ServerError
 
 from posttrain.errors import UsageError
@@ -59,7 +60,7 @@ from posttrain.storage.metrics import (
     UPLOAD_SECONDS,
 )
 from posttrain.storage.progress import HashingReader, TransferProgress
-from posttrain.storage.retry import RetryPolicy, _short, call_with_retry
+from posttrain.storage.retry import RetryPolicy, call_with_retry, short_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -357,7 +358,7 @@ def _write_chunks_atomic(
         digest = hasher.hexdigest()
         os.replace(tmp, dest)
         if fsync:
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
     finally:
         hasher.close()
         tmp.unlink(missing_ok=True)
@@ -371,7 +372,7 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a rename durable: the directory entry lives in the parent's metadata."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -574,7 +575,7 @@ class S3Store:
                     self._client.put_object(
                         self.bucket,
                         name,
-                        reader,
+                        cast(BinaryIO, reader),  # file-like: read() is all put_object uses
                         size,
                         content_type=_content_type(key),
                         part_size=self._part_size,
@@ -662,7 +663,9 @@ class S3Store:
             (offset, min(self._range_size, size - offset))
             for offset in range(0, size, self._range_size)
         )
-        headers = {"If-Match": f'"{etag}"'} if etag else None
+        headers: dict[str, str | list[str] | tuple[str]] | None = (
+            {"If-Match": f'"{etag}"'} if etag else None
+        )
 
         def attempt(offset: int, length: int) -> list[bytes]:
             response = self._client.get_object(
@@ -760,7 +763,7 @@ class S3Store:
         def exhausted(exc: BaseException, attempts: int, elapsed: float) -> StorageError:
             return StorageUnreachableError(
                 f"S3 endpoint {self.endpoint} is unreachable: {op} {where} failed {attempts} "
-                f"time(s) over {elapsed:.1f}s (last error: {_short(exc)}); check that MinIO is "
+                f"time(s) over {elapsed:.1f}s (last error: {short_error(exc)}); check that MinIO is "
                 "running and that POSTTRAIN_S3_ENDPOINT/POSTTRAIN_S3_SECURE are right"
             )
 
@@ -778,14 +781,14 @@ class S3Store:
             if not _is_tls_error(exc):
                 raise
             raise StorageError(
-                f"TLS to S3 endpoint {self.endpoint} failed ({_short(exc)}); if MinIO uses a "
+                f"TLS to S3 endpoint {self.endpoint} failed ({short_error(exc)}); if MinIO uses a "
                 "private CA, point POSTTRAIN_S3_CA_BUNDLE at its PEM certificate, or set "
                 "POSTTRAIN_S3_SECURE=false if it serves plain HTTP"
             ) from None
         except InvalidResponseError as exc:
             raise StorageError(
                 f"S3 endpoint {self.endpoint} answered {op} {where} with a non-S3 response "
-                f"({_short(exc)}); is POSTTRAIN_S3_ENDPOINT pointing at MinIO?"
+                f"({short_error(exc)}); is POSTTRAIN_S3_ENDPOINT pointing at MinIO?"
             ) from None
 
     def _translate(self, exc: S3Error, op: str, key: str) -> StorageError:

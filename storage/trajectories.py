@@ -46,7 +46,7 @@ from posttrain.storage.metrics import (
     TRAJECTORY_SPOOLED_CHUNKS,
 )
 from posttrain.storage.retry import RetryPolicy
-from posttrain.storage.store import ArtifactStore, _fsync_dir, join_key
+from posttrain.storage.store import ArtifactStore, fsync_dir, join_key
 from posttrain.telemetry import get_tracer
 
 log = logging.getLogger(__name__)
@@ -260,7 +260,7 @@ class TrajectoryWriter:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.spool_dir)
+        fsync_dir(self.spool_dir)
         self._next_seq = seq + 1
         self._write_seq_state(self._next_seq)
         self._records_counter.inc(len(self._buffer))

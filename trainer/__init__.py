@@ -1,1 +1,9 @@
+"""The RL trainer: the training loop, its stages and the engine (docs/trainer.md)."""
 
+# One name per module: imported by its folder name (a checkout's root on sys.path) this package
+# would load a second copy of every module beside posttrain.trainer (two Prometheus registrations,
+# two sets of model classes).
+if __name__ != "posttrain.trainer":
+    raise ImportError(
+        f"import posttrain.trainer, not {__name__}: the top-level folders are posttrain's components"
+    )

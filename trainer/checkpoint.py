@@ -176,12 +176,20 @@ def _all_gather(value: Any, world_size: int) -> list[Any]:
 class Checkpointer:
     """Writes and restores trainer checkpoints through a storage ``CheckpointManager``."""
 
-    def __init__(self, store: Any, keep_last: int, keep_best: bool) -> None:
+    def __init__(
+        self,
+        store: Any,
+        keep_last: int,
+        keep_best: bool,
+        pinned_steps: frozenset[int] = frozenset(),
+    ) -> None:
         from posttrain.storage.checkpoints import CheckpointManager
 
         self.store = store
         self.keep_best = keep_best
-        self.manager = CheckpointManager(store, "checkpoints", keep_last=keep_last)
+        self.manager = CheckpointManager(
+            store, "checkpoints", keep_last=keep_last, pinned=pinned_steps
+        )
 
     def save(self, policy: Any, state: TrainerState, eval_score: float | None = None) -> str:
         """Commit a checkpoint of ``state.step``; returns its URI.

@@ -18,11 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
+from posttrain.trainer.endpoints import rollout_endpoints
 from posttrain.trainer.interrupt import GracefulStop
 
 log = logging.getLogger(__name__)
-
-ENDPOINTS_ENV = "POSTTRAIN_ROLLOUT_ENDPOINTS"  # comma-separated URLs, set by the operator
 
 
 def register(subparsers: Any) -> None:
@@ -159,7 +158,7 @@ def _train(
                 spec.rollout.timeout_seconds, report=rollout_health_reporter_from_env()
             )
         else:
-            endpoints = _endpoints(spec)
+            endpoints = rollout_endpoints(spec)
     log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
     max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
     client = RolloutClient(
@@ -208,17 +207,6 @@ def _report_interrupt(spec: Any, out_dir: Path, step: int) -> None:
     )
     mark_status_interrupted(out_dir, message.splitlines()[0])
     print(message, file=sys.stderr)
-
-
-def _endpoints(spec: Any) -> list[str]:
-    from_env = [u for u in os.environ.get(ENDPOINTS_ENV, "").split(",") if u.strip()]
-    endpoints = list(spec.rollout.endpoints) or from_env
-    if not endpoints:
-        raise UsageError(
-            "no rollout endpoints: set spec.rollout.endpoints, or $POSTTRAIN_ROLLOUT_ENDPOINTS, "
-            "or pass --local to start a CPU rollout server"
-        )
-    return endpoints
 
 
 def _require_healthy(client: Any, endpoints: list[str], timeout_s: float) -> None:

@@ -206,11 +206,16 @@ BUILTIN_GENERATORS = {
 def benchmark_records(name: str) -> list[dict[str, Any]] | None:
     """Task records of a real benchmark shipped on PyPI, or None if ``name`` is not one:
     ``bfcl`` (BFCL's four single-turn python categories), ``bfcl_<category>`` (one of
-    them), ``humaneval``. Loaded lazily so the generated domains need neither package."""
+    them), ``bfcl_multi_turn_base`` (played by the ``bfcl_multi_turn`` environment),
+    ``humaneval``. Loaded lazily so the generated domains need neither package."""
     if name == "humaneval":
         from posttrain.envs.humaneval import task_records
 
         return task_records()
+    if name == "bfcl_multi_turn_base":
+        from posttrain.envs import bfcl_multi_turn
+
+        return bfcl_multi_turn.task_records()
     if name == "bfcl" or name.startswith("bfcl_"):
         from posttrain.envs import bfcl
 
@@ -222,6 +227,7 @@ def benchmark_records(name: str) -> list[dict[str, Any]] | None:
 BENCHMARK_NAMES = (
     "bfcl",
     *(f"bfcl_{c}" for c in ("simple_python", "multiple", "parallel", "parallel_multiple")),
+    "bfcl_multi_turn_base",
     "humaneval",
 )
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from posttrain.api import env
 from posttrain.errors import UsageError
 from posttrain.processes import free_port
 from posttrain.telemetry import get_tracer
@@ -47,8 +48,8 @@ from posttrain.telemetry import get_tracer
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-NODES_ENV = "POSTTRAIN_NODES"
-NODE_RANK_ENV = "POSTTRAIN_NODE_RANK"  # this pod's node rank, set by the operator
+NODES_ENV = env.NODES
+NODE_RANK_ENV = env.NODE_RANK  # this pod's node rank, set by the operator
 NODE_WAIT_ENV = "POSTTRAIN_RAY_NODE_WAIT_S"  # how long the Ray driver waits for worker nodes
 RENDEZVOUS_TIMEOUT_ENV = "POSTTRAIN_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_NODE_WAIT_S = 600.0
@@ -189,9 +190,9 @@ def launch_if_distributed(run: Any, out_dir: Path, endpoints: list[str] | None =
 
 
 def _resolve_endpoints(spec: Any) -> list[str]:
-    from posttrain.trainer.cli import _endpoints
+    from posttrain.trainer.endpoints import rollout_endpoints
 
-    return _endpoints(spec)
+    return rollout_endpoints(spec)
 
 
 def launch_node(run: Any, out_dir: Path, plan: WorldPlan, endpoints: list[str]) -> Any:

@@ -3,7 +3,7 @@
 Per pair: ``-log sigmoid(beta * ((log π(c) - log π(r)) - (log π_ref(c) - log π_ref(r))))``
 with ``log π(y)`` the summed log-probability of the answer's tokens after the prompt. The
 reference is the *frozen stage-start model*: its log-probs are computed once per pair
-before the stage's first update (:func:`sequence_logps` under ``no_grad``) and checkpointed
+before the stage's first update (:func:`policy_sequence_logps` under ``no_grad``) and checkpointed
 with the stage, so no second model is held in memory and a resumed stage uses the same
 reference (not the partly trained weights). TRL calls this ``precompute_ref_log_probs``.
 
@@ -16,38 +16,66 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain.trainer.policy import completion_logits
+from posttrain.trainer.policy import TrainSample, completion_logits
 from posttrain.trainer.stage_data import PreferencePair
 
+if TYPE_CHECKING:
+    from posttrain.trainer.policy import Policy
 
-@dataclass(frozen=True)
-class _Answer:
-    """What :func:`completion_logits` reads of a sample."""
 
-    prompt_ids: list[int]
-    completion_ids: list[int]
+def answer_samples(pairs: Sequence[PreferencePair]) -> list[TrainSample]:
+    """Both answers of every pair as loss-forward samples: chosen, rejected, chosen, ...
+
+    Both answers of a pair share their prompt, so the policy's forward runs it through the
+    decoder once (:func:`posttrain.trainer.policy.completion_hidden`).
+    """
+    return [
+        TrainSample(p.prompt_ids, ids, [], 0.0, 0.0)
+        for p in pairs
+        for ids in (p.chosen_ids, p.rejected_ids)
+    ]
+
+
+def sum_per_answer(
+    token_logp: torch.Tensor, answers: Sequence[TrainSample]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (N,) of :func:`answer_samples` -> summed per answer: chosen (B,),
+    rejected (B,).
+
+    >>> answers = answer_samples([PreferencePair([1], [2, 3], [4], "x")])
+    >>> sum_per_answer(torch.tensor([-1.0, -2.0, -0.5]), answers)
+    (tensor([-3.]), tensor([-0.5000]))
+    """
+    owner = torch.tensor(
+        [i for i, a in enumerate(answers) for _ in a.completion_ids], device=token_logp.device
+    )  # (N,)
+    sums = torch.zeros(len(answers), dtype=token_logp.dtype, device=token_logp.device)
+    sums = sums.index_add(0, owner, token_logp)  # (2B,)
+    return sums[0::2], sums[1::2]  # (B,), (B,)
+
+
+def policy_sequence_logps(
+    policy: Policy, pairs: Sequence[PreferencePair]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probs (B,) of the chosen and rejected answers under the policy, through
+    its training engine (the RL loss forward: FSDP root, precision, chunked LM head)."""
+    answers = answer_samples(pairs)
+    return sum_per_answer(policy.token_logprobs(answers), answers)  # (B,), (B,)
 
 
 def sequence_logps(
     model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probs (B,) of the chosen and of the rejected answers under ``model``.
-
-    Both answers of a pair share their prompt, so the prompt runs through the decoder once
-    (the RL loss forward, :func:`posttrain.trainer.policy.completion_logits`).
-    """
-    answers = [_Answer(p.prompt_ids, ids) for p in pairs for ids in (p.chosen_ids, p.rejected_ids)]
+    """:func:`policy_sequence_logps` for a plain HF model (tests, TRL comparison)."""
+    answers = answer_samples(pairs)
     logits = completion_logits(model, answers, pad_id)  # (N, V)
     targets = torch.tensor([t for a in answers for t in a.completion_ids])  # (N,)
     token_logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)  # (N,)
-    owner = torch.tensor([i for i, a in enumerate(answers) for _ in a.completion_ids])  # (N,)
-    sums = torch.zeros(len(answers), dtype=token_logp.dtype).index_add(
-        0, owner, token_logp
-    )  # (2B,)
-    return sums[0::2], sums[1::2]  # (B,), (B,)
+    return sum_per_answer(token_logp, answers)
 
 
 @dataclass

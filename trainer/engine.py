@@ -225,6 +225,36 @@ def lr_factor(
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class LrSchedule:
+    """The learning-rate curve of one stretch of steps (a stage): warm-up, then constant or
+    cosine decay over ``total_steps``, counted from global step ``first_step``.
+
+    Each stage of a pipeline has its own (its warm-up starts at its first step, its cosine
+    ends at its last), so an RL stage after SFT does not start half-way down a curve.
+
+    >>> s = LrSchedule("cosine", warmup_steps=2, total_steps=6, first_step=11)
+    >>> [s.factor(step) for step in (11, 12, 14, 16)]
+    [0.5, 1.0, 0.5, 0.0]
+    """
+
+    kind: str = "constant"  # constant | cosine
+    warmup_steps: int = 0
+    total_steps: int = 1
+    min_ratio: float = 0.0
+    first_step: int = 1  # the global step that is this schedule's step 1
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the base learning rate for global optimizer step ``step``."""
+        return lr_factor(
+            step - self.first_step + 1,
+            warmup_steps=self.warmup_steps,
+            total_steps=self.total_steps,
+            schedule=self.kind,
+            min_ratio=self.min_ratio,
+        )
+
+
 # ---------------------------------------------------------------- memory planning
 
 

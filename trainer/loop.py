@@ -11,6 +11,7 @@ server or a pool of vLLM servers in a cluster.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import tempfile
@@ -25,6 +26,7 @@ from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
 from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.checkpoint import (
+    STATE_FILE,
     Checkpointer,
     TrainerState,
     batch_from_json,
@@ -43,6 +45,7 @@ from posttrain.trainer.pipeline import (
     reference_logps,
     stage_batch,
     stage_record,
+    stage_schedule,
 )
 from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
@@ -157,7 +160,6 @@ def offline_stage(
                 indices,
                 run.stage_state,
                 grad_clip=run.algo.grad_clip,
-                world_size=run.dist.world_size,
                 step=step,
             )
             progress.record_stage_step(metrics, span)
@@ -281,6 +283,7 @@ def rl_stage(
                     d: run.data.curriculum.current_stratum(d) for d in run.data.curriculum.pools
                 },
                 stage=plan.name,
+                learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
             )
             progress.record(metrics, span)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)
@@ -370,7 +373,10 @@ class Run:
         # are written: a pod's emptyDir dies with the pod and with every gang restart.
         self.outputs = ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main else None
         self.checkpointer = Checkpointer(
-            store, spec.checkpoint.keep_last, spec.checkpoint.keep_best
+            store,
+            spec.checkpoint.keep_last,
+            spec.checkpoint.keep_best,
+            pinned_steps=self.kl_anchor_steps(),
         )
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
         self.publisher = WeightPublisher(
@@ -468,6 +474,39 @@ class Run:
                 dropped,
             )
 
+    def kl_anchor_steps(self) -> frozenset[int]:
+        """Checkpoints that hold an RL stage's KL anchor (the step before it starts), kept
+        through retention so a resume inside that stage reloads the same anchor."""
+        if self.algo.kl_coef <= 0:
+            return frozenset()
+        return frozenset(p.first_step - 1 for p in self.plans if p.type == "rl" and p.index > 0)
+
+    def kl_reference_dir(self, model_dir: Path) -> Path | None:
+        """Where the KL reference of a policy built from ``model_dir`` comes from: the model
+        the RL stage started from. For the first stage that is the base model; for a later
+        one its start checkpoint (pinned, see :meth:`kl_anchor_steps`) when resuming inside
+        it, else the base model until :meth:`enter_stage` anchors the reference."""
+        if self.algo.kl_coef <= 0:
+            return None
+        state_file = model_dir / STATE_FILE
+        if not state_file.is_file():  # the base model: a fresh run
+            return self.base_dir
+        step = int(json.loads(state_file.read_text())["step"])
+        plan = next((p for p in self.plans if p.first_step <= step + 1 <= p.last_step), None)
+        if plan is None or plan.type != "rl" or plan.index == 0 or step < plan.first_step:
+            return self.base_dir  # not inside a later RL stage (yet)
+        dest = self.scratch / "kl-reference"
+        try:
+            self.checkpointer.manager.load(plan.first_step - 1, dest)
+        except Exception as exc:
+            raise RuntimeError(
+                f"resuming inside stage {plan.name!r} needs its KL anchor, the checkpoint of "
+                f"step {plan.first_step - 1} under {self.checkpointer.store.uri('checkpoints')}"
+                f", and it cannot be read: {exc}"
+            ) from exc
+        log.info("KL reference: the start of stage %s (step %d)", plan.name, plan.first_step - 1)
+        return dest
+
     def make_policy(self, model_dir: Path) -> Policy:
         first = self.plans[0].spec
         return Policy(
@@ -475,7 +514,7 @@ class Run:
             learning_rate=first.learning_rate,
             weight_decay=first.weight_decay,
             seed=self.algo.seed,
-            reference_dir=self.base_dir if self.algo.kl_coef > 0 else None,
+            reference_dir=self.kl_reference_dir(model_dir),
             engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
             rank=RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank),
         )
@@ -484,9 +523,14 @@ class Run:
         """Start ``plan`` (fresh optimizer, DPO reference) or continue it after a resume."""
         self.plan = plan
         fresh = self.step == plan.first_step - 1
+        stage = plan.spec
         if fresh:
-            stage = plan.spec
-            self.policy.reset_optimizer(stage.learning_rate, stage.weight_decay)
+            self.policy.reset_optimizer(
+                stage.learning_rate, stage.weight_decay, stage_schedule(plan)
+            )
+            if plan.type == "rl" and plan.index > 0:
+                # KL to the model this stage starts from, not to the original base model
+                self.policy.anchor_reference()
             self.stage_state = {}
             if plan.type == "dpo":
                 self.stage_state = reference_logps(
@@ -501,7 +545,8 @@ class Run:
                 f"stage {plan.name} ({plan.type}) started: steps "
                 f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}",
             )
-        else:
+        else:  # the optimizer's moments came from the checkpoint; the curve is the stage's
+            self.policy.set_schedule(stage.learning_rate, stage_schedule(plan))
             log.info(
                 "resuming stage %s (%s) after step %d of %d-%d",
                 plan.name,
@@ -595,6 +640,7 @@ class Run:
             self.policy.tokenizer,
             environments,
             max_concurrency=self.spec.rollout.max_in_flight,
+            sandbox=self.spec.sandbox,
         )
 
     def submit_ahead(self) -> None:

@@ -7,9 +7,12 @@ from exactly those weights (with a fresh optimizer at its own learning rate), an
 run finds its place from the checkpoint's step alone: inside a stage it restores that
 stage's optimizer and state; at a boundary it starts the next stage.
 
-The SFT and DPO steps run on the same :class:`~posttrain.trainer.policy.Policy` as RL (its
-forward, its :meth:`~posttrain.trainer.policy.Policy.apply_gradients` for clipping,
-multi-node averaging and the non-finite guard, its checkpoints).
+The SFT and DPO steps run on the same training engine as RL: every forward goes through the
+:class:`~posttrain.trainer.policy.Policy`'s FSDP root (:meth:`~posttrain.trainer.policy.Policy.run`
+for SFT's packed rows, :meth:`~posttrain.trainer.policy.Policy.token_logprobs` for DPO), so
+sharding, precision and the chunked LM head are RL's; every step ends in
+:meth:`~posttrain.trainer.policy.Policy.apply_gradients` (clipping, the stage's own
+learning-rate schedule, the non-finite guard), and checkpoints are the same sharded ones.
 """
 
 from __future__ import annotations
@@ -17,14 +20,22 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
-from posttrain.trainer.dpo import dpo_loss, sequence_logps
+from posttrain.trainer.dpo import dpo_loss, policy_sequence_logps
+from posttrain.trainer.engine import LrSchedule
 from posttrain.trainer.progress import StageStepMetrics
 from posttrain.trainer.sft import sft_loss_sum
-from posttrain.trainer.stage_data import StageData, batch_indices, load_stage_data
+from posttrain.trainer.stage_data import (
+    PreferencePair,
+    SftExample,
+    StageData,
+    batch_indices,
+    load_stage_data,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +80,11 @@ def plan_stages(spec: Any) -> list[StagePlan]:
 def load_pipeline_data(plans: list[StagePlan], tokenizer: Any) -> dict[str, StageData]:
     """Every SFT/DPO stage's data, read and tokenized up front: a missing file or an empty
     dataset fails the run before any training, naming the path."""
-    from posttrain.trainer.policy import chat_prompt_ids
+    from posttrain.trainer.policy import chat_messages_ids, chat_prompt_ids
 
-    def encode_prompt(prompt: str) -> list[int]:
+    def encode_prompt(prompt: str | list[dict[str, str]]) -> list[int]:
+        if isinstance(prompt, list):  # a chat (``messages``), as environments start one
+            return chat_messages_ids(tokenizer, prompt)
         return chat_prompt_ids(tokenizer, prompt)
 
     def encode_completion(text: str) -> list[int]:
@@ -119,9 +132,66 @@ def _data_seed(seed: int, plan: StagePlan) -> int:
     return seed * 1_000_003 + plan.index
 
 
+def stage_schedule(plan: StagePlan) -> LrSchedule:
+    """The stage's own learning-rate curve: warm-up from its first step, cosine (if asked)
+    down to its last.
+
+    >>> from posttrain.api import AlgorithmSpec, StageSpec
+    >>> spec = StageSpec(name="s", type="sft", datasets=["x"], max_steps=4, lr_schedule="cosine",
+    ...                  lr_warmup_steps=1).resolved(AlgorithmSpec())
+    >>> [stage_schedule(StagePlan(1, spec, 9, 12)).factor(s) for s in (9, 10, 12)]
+    [1.0, 0.75, 0.0]
+    """
+    stage = plan.spec
+    return LrSchedule(
+        kind=str(stage.lr_schedule),
+        warmup_steps=int(stage.lr_warmup_steps),
+        total_steps=int(stage.max_steps),
+        min_ratio=float(stage.min_lr_ratio),
+        first_step=plan.first_step,
+    )
+
+
+T = TypeVar("T")
+
+
+def rank_chunks(items: list[T], micro: int, policy: Any) -> list[list[T]]:
+    """This rank's micro-batches of ``items``, padded with empty ones so every rank runs as
+    many forwards and backwards: with FSDP each is a collective (weights gathered,
+    gradients reduce-scattered), and a rank that stopped early would hang the others."""
+    chunks = [items[start : start + micro] for start in range(0, len(items), micro)]
+    if policy.rank.world_size > 1:
+        import torch.distributed as dist
+
+        count = torch.tensor([len(chunks)], device=policy.plan.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        chunks += [[] for _ in range(int(count.item()) - len(chunks))]
+    return chunks
+
+
+def global_sums(values: list[float], policy: Any) -> list[float]:
+    """``values`` summed over every rank (the values themselves with one rank)."""
+    if policy.rank.world_size == 1:
+        return values
+    import torch.distributed as dist
+
+    total = torch.tensor(values, dtype=torch.float64, device=policy.plan.device)
+    dist.all_reduce(total)
+    return [float(v) for v in total.cpu()]
+
+
+def _filler_pair(pad_id: int) -> PreferencePair:
+    """A one-token pair a rank with nothing left to do runs with weight 0 (see rank_chunks)."""
+    return PreferencePair([pad_id], [pad_id], [pad_id], "filler")
+
+
 def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
     """The frozen stage-start model's log-probs of every pair the stage will train on,
-    computed once per pair before the first update: ``{"reference_logps": {index: [c, r]}}``."""
+    computed once per pair before the first update: ``{"reference_logps": {index: [c, r]}}``.
+
+    Ranks split the pairs and exchange their results, so every rank holds them all (and a
+    resume on another number of ranks finds every pair's reference in the checkpoint).
+    """
     used = sorted(
         {
             i
@@ -129,17 +199,21 @@ def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) ->
             for i in stage_batch(plan, data, step, seed, 0, 1)
         }
     )
+    rank, world = policy.rank.rank, policy.rank.world_size
     out: dict[str, list[float]] = {}
-    micro = int(plan.spec.micro_batch_size)
     started = time.monotonic()
     with torch.no_grad():
-        for start in range(0, len(used), micro):
-            chunk = used[start : start + micro]
-            chosen, rejected = sequence_logps(
-                policy.model, [data.examples[i] for i in chunk], policy.pad_id
-            )
-            for i, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=True):
+        for chunk in rank_chunks(used[rank::world], int(plan.spec.micro_batch_size), policy):
+            pairs = [data.examples[i] for i in chunk] or [_filler_pair(policy.pad_id)]
+            chosen, rejected = policy_sequence_logps(policy, pairs)  # (B,), (B,)
+            for i, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=False):
                 out[str(i)] = [c, r]
+    if world > 1:
+        import torch.distributed as dist
+
+        parts: list[Any] = [None] * world
+        dist.all_gather_object(parts, out)
+        out = {k: v for part in parts for k, v in part.items()}
     log.info(
         "stage %s: reference log-probs of %d pairs in %.0fs",
         plan.name,
@@ -157,74 +231,122 @@ def offline_step(
     stage_state: dict[str, Any],
     *,
     grad_clip: float,
-    world_size: int,
     step: int,
 ) -> StageStepMetrics:
-    """One SFT or DPO optimizer step over ``indices`` (micro-batched; same update for any
-    micro-batch size because every micro-batch is scaled by a step-level coefficient)."""
+    """One SFT or DPO optimizer step over this rank's ``indices`` of the step's batch.
+
+    Every forward goes through the policy's training engine (FSDP root, precision, chunked
+    LM head), micro-batched. Each micro-batch's loss is scaled by one step-level
+    coefficient over *all* ranks (1 / completion tokens for SFT, 1 / pairs for DPO, times
+    the world size because FSDP averages the ranks' gradients), so neither the micro-batch
+    size nor the number of ranks changes the update (a two-rank step equals the one-process
+    step; tested). Metrics are reduced over ranks.
+    """
     stage = plan.spec
     started = time.monotonic()
+    world = policy.rank.world_size
     examples = [data.examples[i] for i in indices]
-    micro = int(stage.micro_batch_size)
+    chunks = rank_chunks(list(indices), int(stage.micro_batch_size), policy)
     policy.optimizer.zero_grad(set_to_none=True)
-    total_loss, tokens = 0.0, 0
-    chosen_rewards: list[torch.Tensor] = []
-    rejected_rewards: list[torch.Tensor] = []
     if plan.type == "sft":
-        # token mean over the whole step (TRL divides by the step's completion tokens too)
-        step_tokens = sum(len(e.completion_ids) for e in examples)
-        for start in range(0, len(examples), micro):
-            loss_sum, n = sft_loss_sum(
-                policy.model,
-                examples[start : start + micro],
-                max_length=int(stage.max_length),
-                pad_id=policy.pad_id,
-                packing=bool(stage.packing),
-            )
-            loss = loss_sum / max(step_tokens, 1)
-            loss.backward()
-            total_loss += float(loss.detach())
-            tokens += n
+        totals = _sft_backward(policy, stage, data, examples, chunks, world)
     else:
-        references = stage_state["reference_logps"]
-        for start in range(0, len(examples), micro):
-            chunk = indices[start : start + micro]
-            pairs = [data.examples[i] for i in chunk]
-            chosen, rejected = sequence_logps(policy.model, pairs, policy.pad_id)  # (B,), (B,)
-            ref = torch.tensor([references[str(i)] for i in chunk], dtype=chosen.dtype)  # (B, 2)
-            terms = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], float(stage.beta))
-            loss = terms.losses.sum() / len(examples)  # mean over the step's pairs
-            loss.backward()
-            total_loss += float(loss.detach())
-            tokens += sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
-            chosen_rewards.append(terms.chosen_rewards)
-            rejected_rewards.append(terms.rejected_rewards)
-    grad_norm, applied, skip_reason = policy.apply_gradients(
-        total_loss, grad_clip=grad_clip, world_size=world_size
-    )
+        totals = _dpo_backward(policy, stage, data, examples, chunks, world, stage_state)
+    loss, tokens, count, chosen, rejected, correct = global_sums(totals, policy)
+    grad_norm, applied, skip_reason = policy.apply_gradients(loss, grad_clip=grad_clip, step=step)
     metrics = StageStepMetrics(
         step=step,
         stage=plan.name,
         stage_type=plan.type,
         stage_step=step - plan.first_step + 1,
-        loss=total_loss,
+        loss=loss,
         grad_norm=grad_norm,
         applied=applied,
         skip_reason=skip_reason,
-        examples=len(examples),
-        tokens=tokens,
+        examples=int(count),
+        tokens=int(tokens),
         learning_rate=float(policy.optimizer.param_groups[0]["lr"]),
         step_seconds=time.monotonic() - started,
         skipped_examples=dict(data.skipped),
         truncated_examples=data.truncated,
     )
-    if chosen_rewards:
-        chosen_all, rejected_all = torch.cat(chosen_rewards), torch.cat(rejected_rewards)
-        metrics.reward_chosen = float(chosen_all.mean())
-        metrics.reward_rejected = float(rejected_all.mean())
-        metrics.reward_margin = float((chosen_all - rejected_all).mean())
-        metrics.reward_accuracy = float((chosen_all > rejected_all).float().mean())
+    if plan.type == "dpo":
+        metrics.reward_chosen = chosen / count
+        metrics.reward_rejected = rejected / count
+        metrics.reward_margin = (chosen - rejected) / count
+        metrics.reward_accuracy = correct / count
     return metrics
+
+
+def _sft_backward(
+    policy: Any,
+    stage: Any,
+    data: StageData,
+    examples: list[SftExample],
+    chunks: list[list[int]],
+    world: int,
+) -> list[float]:
+    """Backward of the SFT token-mean loss; this rank's ``[loss, tokens, examples, 0, 0, 0]``
+    (the loss already divided by the step's tokens over all ranks)."""
+    tokens = sum(len(e.completion_ids) for e in examples)
+    step_tokens = max(global_sums([float(tokens)], policy)[0], 1.0)
+    loss_total = 0.0
+    filler = SftExample([policy.pad_id], [policy.pad_id], "filler")
+    for chunk in chunks:
+        batch = [data.examples[i] for i in chunk] or [filler]
+        loss_sum = policy.run(
+            partial(
+                _sft_objective,
+                examples=batch,
+                max_length=int(stage.max_length),
+                pad_id=policy.pad_id,
+                packing=bool(stage.packing),
+                chunk_tokens=policy.engine.logprob_chunk_tokens,
+            )
+        )
+        weight = world / step_tokens if chunk else 0.0  # FSDP averages over ranks
+        (loss_sum * weight).backward()
+        if chunk:
+            loss_total += float(loss_sum.detach()) / step_tokens
+    return [loss_total, float(tokens), float(len(examples)), 0.0, 0.0, 0.0]
+
+
+def _sft_objective(model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
+    return sft_loss_sum(model, **kwargs)[0]
+
+
+def _dpo_backward(
+    policy: Any,
+    stage: Any,
+    data: StageData,
+    examples: list[PreferencePair],
+    chunks: list[list[int]],
+    world: int,
+    stage_state: dict[str, Any],
+) -> list[float]:
+    """Backward of the DPO pair-mean loss; this rank's ``[loss, tokens, pairs, chosen reward
+    sum, rejected reward sum, pairs ranked right]``."""
+    step_pairs = max(global_sums([float(len(examples))], policy)[0], 1.0)
+    references = stage_state["reference_logps"]
+    totals = [0.0, 0.0, float(len(examples)), 0.0, 0.0, 0.0]
+    for chunk in chunks:
+        pairs = [data.examples[i] for i in chunk] or [_filler_pair(policy.pad_id)]
+        chosen, rejected = policy_sequence_logps(policy, pairs)  # (B,), (B,)
+        ref = torch.tensor(
+            [references[str(i)] for i in chunk] or [[0.0, 0.0]],
+            dtype=chosen.dtype,
+            device=chosen.device,
+        )  # (B, 2)
+        terms = dpo_loss(chosen, rejected, ref[:, 0], ref[:, 1], float(stage.beta))
+        weight = world / step_pairs if chunk else 0.0  # FSDP averages over ranks
+        (terms.losses.sum() * weight).backward()
+        if chunk:
+            totals[0] += float(terms.losses.detach().sum()) / step_pairs
+            totals[1] += sum(len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+            totals[3] += float(terms.chosen_rewards.sum())
+            totals[4] += float(terms.rejected_rewards.sum())
+            totals[5] += float((terms.chosen_rewards > terms.rejected_rewards).sum())
+    return totals
 
 
 def stage_record(

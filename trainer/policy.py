@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ import torch
 
 from posttrain.trainer.engine import (
     DevicePlan,
+    LrSchedule,
     available_bytes,
     check_fits,
     check_placement,
@@ -34,7 +35,6 @@ from posttrain.trainer.engine import (
     decoder_layers,
     ensure_process_group,
     estimate_training_memory,
-    lr_factor,
     needs_sharding,
     plan_device,
     shard,
@@ -48,12 +48,21 @@ log = logging.getLogger(__name__)
 # 1024 x 49k fp32 logits = 200 MB; 1024 x 152k (Qwen) = 620 MB.
 DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 
+Objective = Callable[[torch.nn.Module], torch.Tensor]
+"""A forward of another objective (SFT's packed rows) run on the HF model inside the FSDP
+root's forward: ``objective(model) -> tensor``."""
+
 
 def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """Chat-template a user prompt into token ids ending with the assistant turn header."""
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-    )
+    return chat_messages_ids(tokenizer, [{"role": "user", "content": prompt}])
+
+
+def chat_messages_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template whole messages (e.g. a system prompt and a question) into token ids
+    ending with the assistant turn header: the same ids ``envs.episode.ChatTokens``
+    starts an episode with."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -172,7 +181,16 @@ class TokenLogprobs(torch.nn.Module):
         self.chunk_tokens = chunk_tokens
         self.share_prompts = share_prompts
 
-    def forward(self, samples: Sequence[TrainSample], temperature: float) -> torch.Tensor:
+    def forward(
+        self,
+        samples: Sequence[TrainSample],
+        temperature: float,
+        objective: Objective | None = None,
+    ) -> torch.Tensor:
+        if objective is not None:
+            # Any other objective's forward goes through this root too, so FSDP gathers the
+            # root's weights for it and reduce-scatters their gradients (:meth:`Policy.run`).
+            return objective(self.model)
         device = self.model.get_input_embeddings().weight.device
         targets = torch.tensor(
             [t for s in samples for t in s.completion_ids], device=device
@@ -285,7 +303,8 @@ class Policy:
             if not self._per_rank_load:  # else materialize() does it after sharding
                 init_adapters(self.model, seed)  # the same adapters on every world size
         self.module = self._place(self.model, trainable=True, source=self.model_dir)
-        # The KL anchor is the *base* model, also when resuming from a trained checkpoint.
+        # The KL anchor: the model the RL stage started from (``reference_dir``: the base
+        # model, or a pipeline stage's start, then :meth:`anchor_reference`).
         self.reference: torch.nn.Module | None = None
         self.reference_module: torch.nn.Module | None = None
         if reference_dir is not None:
@@ -293,11 +312,20 @@ class Policy:
             self.reference_module = self._place(
                 self.reference, trainable=False, source=Path(reference_dir)
             )
+        self.schedule = LrSchedule(
+            self.engine.lr_schedule,
+            self.engine.lr_warmup_steps,
+            self.engine.total_steps,
+            self.engine.min_lr_ratio,
+        )
         self.reset_optimizer(learning_rate, weight_decay)
 
-    def reset_optimizer(self, learning_rate: float, weight_decay: float = 0.0) -> None:
-        """A fresh AdamW: every stage of a pipeline starts with its own rate and no moments."""
-        self.base_learning_rate = learning_rate
+    def reset_optimizer(
+        self, learning_rate: float, weight_decay: float = 0.0, schedule: LrSchedule | None = None
+    ) -> None:
+        """A fresh AdamW: every stage of a pipeline starts with its own rate, its own
+        learning-rate ``schedule`` (kept when None) and no moments."""
+        self.set_schedule(learning_rate, schedule or self.schedule)
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
         # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
@@ -378,6 +406,52 @@ class Policy:
 
     def encode_prompt(self, prompt: str) -> list[int]:
         return chat_prompt_ids(self.tokenizer, prompt)
+
+    def token_logprobs(
+        self, samples: Sequence[TrainSample], temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Log-prob (N,) of every completion token of ``samples`` under the policy: the RL
+        loss forward (shared prompts, chunked LM head), for any objective that needs it (DPO).
+        Collective when sharded: every rank runs as many forwards."""
+        return self.module(samples, temperature)  # type: ignore[no-any-return]
+
+    def run(self, objective: Objective) -> torch.Tensor:
+        """``objective(model)`` as the FSDP root's forward (SFT's packed rows): the root's
+        weights are gathered for it and its gradients reduced like every other forward.
+        Calling ``self.model`` directly would bypass the root and fail once sharded."""
+        return self.module([], 1.0, objective)  # type: ignore[no-any-return]
+
+    def anchor_reference(self) -> None:
+        """Make the frozen KL reference the policy's current weights (an RL stage's start).
+
+        Streamed one tensor at a time from the shards (LoRA adapters merged) into the
+        reference's own shards, so the model is never held twice. Collective when sharded.
+        """
+        if self.reference is None:
+            return
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        targets = dict(self.reference.named_parameters())
+        copied = set()
+        with torch.no_grad():
+            for name, full in self.full_weights(torch.float32):
+                target = targets.get(name)
+                if target is None:
+                    continue  # a buffer the reference has as a buffer too (not trained)
+                if isinstance(target, DTensor):
+                    shard = distribute_tensor(
+                        full.to(target.device),
+                        target.device_mesh,
+                        target.placements,
+                        src_data_rank=None,  # every rank has the full tensor: just slice
+                    ).to_local()
+                    target.to_local().copy_(shard)
+                else:
+                    target.copy_(full.to(target.device))
+                copied.add(name)
+        missing = sorted(set(targets) - copied)
+        if missing:
+            raise RuntimeError(f"anchor_reference: no policy weights for {missing[:5]}")
 
     @property
     def is_main(self) -> bool:
@@ -583,16 +657,14 @@ class Policy:
         self.optimizer.step()
         return grad_norm, True, ""
 
+    def set_schedule(self, learning_rate: float, schedule: LrSchedule) -> None:
+        """The base learning rate and curve that :meth:`set_learning_rate` follows (a
+        resumed stage keeps its restored optimizer and takes its own curve again)."""
+        self.base_learning_rate, self.schedule = learning_rate, schedule
+
     def set_learning_rate(self, step: int) -> float:
         """Apply the schedule's learning rate for optimizer step ``step``; returns it."""
-        engine = self.engine
-        lr = self.base_learning_rate * lr_factor(
-            step,
-            warmup_steps=engine.lr_warmup_steps,
-            total_steps=engine.total_steps,
-            schedule=engine.lr_schedule,
-            min_ratio=engine.min_lr_ratio,
-        )
+        lr = self.base_learning_rate * self.schedule.factor(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -647,7 +719,11 @@ def completion_hidden(
     )
     first = out.last_hidden_state[:, -1]  # (G, H): predicts each completion's first token
     group_index = torch.tensor(group, device=device)  # (B,)
-    rest = max(len(s.completion_ids) for s in samples) - 1  # inputs after the prompt
+    # Inputs after the prompt. At least one (padding, its output unused), so every call
+    # makes the same two decoder passes: under FSDP each pass gathers every block, and a
+    # rank whose micro-batch had only one-token completions (or a filler) would otherwise
+    # make fewer collectives than the others and hang or corrupt the step.
+    rest = max(1, max(len(s.completion_ids) for s in samples) - 1)
     later: torch.Tensor | None = None
     if rest > 0:
         cache = out.past_key_values
@@ -673,7 +749,12 @@ def completion_hidden(
         hidden.append(first[group[i]][None])
         if later is not None and len(s.completion_ids) > 1:
             hidden.append(later[i, : len(s.completion_ids) - 1])
-    return torch.cat(hidden)  # (N, H)
+    out_hidden = torch.cat(hidden)  # (N, H)
+    if later is not None and all(len(s.completion_ids) == 1 for s in samples):
+        # The second pass feeds no output here, so backward would skip it and make fewer
+        # FSDP collectives than a rank whose micro-batch uses it: keep it in the graph.
+        out_hidden = out_hidden + 0.0 * later.sum()
+    return out_hidden
 
 
 def completion_logits(

@@ -65,6 +65,7 @@ class StepMetrics:
     strata: dict[str, str] = field(default_factory=dict)
     stage: str = "rl"  # the pipeline stage (spec.stages[].name) this step belongs to
     stage_type: str = "rl"
+    learning_rate: float | None = None  # the stage's schedule at this step
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -257,6 +257,37 @@ def stage_rows(
     ]
 
 
+def stage_training(records: list[dict[str, Any]], stage: str) -> str:
+    """What a stage's own steps measured, first -> last step: SFT loss; DPO loss, reward
+    margin and preference accuracy; RL mean reward (and KL when it was penalised).
+
+    >>> stage_training([{"stage": "s", "stage_type": "sft", "loss": 0.9},
+    ...                 {"stage": "s", "stage_type": "sft", "loss": 0.3}], "s")
+    'loss 0.900 -> 0.300'
+    >>> stage_training([{"stage": "d", "stage_type": "dpo", "loss": 0.69, "reward_margin": 0.0,
+    ...                  "reward_accuracy": 0.0}, {"stage": "d", "stage_type": "dpo",
+    ...                  "loss": 0.5, "reward_margin": 0.4, "reward_accuracy": 0.75}], "d")
+    'loss 0.690 -> 0.500, margin +0.000 -> +0.400, pairs ranked right 0% -> 75%'
+    """
+    mine = [r for r in records if r.get("stage") == stage]
+    if not mine:
+        return "-"
+    first, last = mine[0], mine[-1]
+    kind = first.get("stage_type", "rl")
+    if kind == "rl":
+        text = f"reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
+        if any(r.get("kl") for r in mine):
+            text += f", kl {first['kl']:.4f} -> {last['kl']:.4f}"
+        return text
+    text = f"loss {first['loss']:.3f} -> {last['loss']:.3f}"
+    if kind == "dpo" and first.get("reward_margin") is not None:
+        text += (
+            f", margin {first['reward_margin']:+.3f} -> {last['reward_margin']:+.3f}, "
+            f"pairs ranked right {first['reward_accuracy']:.0%} -> {last['reward_accuracy']:.0%}"
+        )
+    return text
+
+
 def write_report(
     out_dir: Path,
     title: str,
@@ -274,13 +305,15 @@ def write_report(
         lines += [
             "## Held-out accuracy by stage",
             "",
-            "| stage | type | steps | before | after | change |",
-            "| --- | --- | --- | ---: | ---: | ---: |",
+            "| stage | type | steps | before | after | change | training (first -> last step) |",
+            "| --- | --- | --- | ---: | ---: | ---: | --- |",
         ]
+        records = load_metrics(out_dir)
         for name, kind, first, last, before, after in stage_rows(stages, evals):
             change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
             lines.append(
-                f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} | {change} |"
+                f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} | {change} "
+                f"| {stage_training(records, name)} |"
             )
         lines.append("")
     pair = trained_comparison(evals)

@@ -53,6 +53,14 @@ class PackedBatch:
     columns: torch.Tensor  # (N,) that position
     targets: torch.Tensor  # (N,) the completion token
 
+    def to(self, device: torch.device) -> PackedBatch:
+        return PackedBatch(
+            *(
+                t.to(device)
+                for t in (self.input_ids, self.position_ids, self.rows, self.columns, self.targets)
+            )
+        )
+
 
 def packed_batch(
     examples: Sequence[SftExample], max_length: int, pad_id: int, packing: bool
@@ -81,18 +89,38 @@ def packed_batch(
     )
 
 
-def completion_token_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """Logits (N, V) at the positions predicting completion tokens (the LM head runs only
-    there: a (T, V) head over prompt positions would be wasted work)."""
+def completion_token_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int = 1024
+) -> torch.Tensor:
+    """Log-prob (N,) of every completion token of a packed batch.
+
+    The LM head runs only at the positions predicting completion tokens (a (T, V) head over
+    prompt positions would be wasted work), in chunks of ``chunk_tokens`` rows as in the RL
+    loss (:func:`~posttrain.trainer.policy.chunked_token_logprobs`), so memory is bounded by
+    the chunk, not by completion tokens x vocabulary. Models whose forward post-processes
+    logits (soft-capping, logit scales) take their full forward.
+    """
+    from posttrain.trainer.policy import chunked_token_logprobs
+
+    device = model.get_input_embeddings().weight.device
+    batch = batch.to(device)
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids).logits
-        return logits[batch.rows, batch.columns].float()  # (N, V)
+        logits = logits[batch.rows, batch.columns].float()  # (N, V)
+        chosen = logits.gather(-1, batch.targets[:, None]).squeeze(-1)  # (N,)
+        return chosen - torch.logsumexp(logits, dim=-1)  # (N,)
     decoder = getattr(model, model.base_model_prefix)
     hidden = decoder(
         input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False
     ).last_hidden_state  # (R, T, H)
-    return model.get_output_embeddings()(hidden[batch.rows, batch.columns]).float()  # (N, V)
+    return chunked_token_logprobs(
+        hidden[batch.rows, batch.columns],  # (N, H)
+        model.get_output_embeddings(),
+        batch.targets,
+        1.0,
+        chunk_tokens,
+    )  # (N,)
 
 
 def sft_loss_sum(
@@ -102,9 +130,13 @@ def sft_loss_sum(
     max_length: int,
     pad_id: int,
     packing: bool,
+    chunk_tokens: int = 1024,
 ) -> tuple[torch.Tensor, int]:
-    """Summed cross-entropy of every completion token, and how many there were."""
+    """Summed cross-entropy of every completion token, and how many there were.
+
+    ``model`` is the plain HF model; the trainer runs this through the policy's FSDP root
+    (:meth:`~posttrain.trainer.policy.Policy.run`).
+    """
     batch = packed_batch(examples, max_length, pad_id, packing)
-    logits = completion_token_logits(model, batch)  # (N, V)
-    loss = torch.nn.functional.cross_entropy(logits, batch.targets, reduction="sum")
-    return loss, int(batch.targets.numel())
+    logp = completion_token_logprobs(model, batch, chunk_tokens)  # (N,)
+    return -logp.sum(), int(batch.targets.numel())

@@ -2,7 +2,10 @@
 
 SFT lines are ``{"prompt": ..., "completion": ...}``; DPO lines are ``{"prompt": ...,
 "chosen": ..., "rejected": ...}``. Prompts are chat-templated with the trainer's tokenizer
-exactly as RL prompts are (so SFT teaches the format RL and evaluation use); a completion
+exactly as RL prompts are (so SFT teaches the format RL and evaluation use). Instead of
+``prompt`` a line may give ``messages`` (a chat: ``[{"role", "content"}, ...]``), templated
+as the environments template their first messages -- a system prompt of its own stays a
+system message, so a demonstration sees exactly the tokens an episode starts with; a completion
 is the assistant's answer followed by the end-of-turn (EOS) token, so the model also learns
 to stop.
 
@@ -16,6 +19,10 @@ broken file, not an unusable example.
 Built-ins (``builtin:arithmetic``, ``builtin:code``) come from the RL generators' *training*
 split (held-out items never appear): SFT gets correct worked answers in the requested
 format; DPO pairs that answer (chosen) with a wrong one in the same format (rejected).
+``builtin:bfcl_<category>`` (and ``builtin:bfcl``, SFT only) are BFCL's items of the training
+side of the content-hash split, as the function-calling environment plays them (BFCL's
+system prompt and question as ``messages``), each answered with one reply BFCL's checker
+accepts, built from the item's ``possible_answer`` (:func:`posttrain.envs.bfcl.canonical_answer`).
 """
 
 from __future__ import annotations
@@ -117,11 +124,45 @@ def read_records(source: str, kind: str) -> Iterator[RawRecord]:
 
 REQUIRED_KEYS = {"sft": ("prompt", "completion"), "dpo": ("prompt", "chosen", "rejected")}
 
+Prompt = str | list[dict[str, str]]  # a user prompt, or a whole chat (``messages``)
+
+
+def record_prompt(record: dict[str, Any], where: str, kind: str) -> Prompt:
+    """The record's ``prompt`` string, or its ``messages`` chat checked for shape.
+
+    >>> record_prompt({"messages": [{"role": "user", "content": "hi"}]}, "f:1", "sft")
+    [{'role': 'user', 'content': 'hi'}]
+    """
+    if "messages" not in record or "prompt" in record:
+        value = record.get("prompt")
+        if not isinstance(value, str):
+            raise UsageError(
+                f"{where}: {kind} lines need string keys "
+                f'{", ".join(REQUIRED_KEYS[kind])} (or a "messages" chat instead of '
+                f"\"prompt\"); 'prompt' is {'missing' if value is None else type(value).__name__}"
+            )
+        return value
+    messages = record["messages"]
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
+        raise UsageError(
+            f'{where}: "messages" must be a non-empty list of {{"role": str, "content": str}}'
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
 
 def load_stage_data(
     kind: str,
     sources: list[str],
-    encode_prompt: Callable[[str], list[int]],
+    encode_prompt: Callable[[Prompt], list[int]],
     encode_completion: Callable[[str], list[int]],
     max_length: int,
     stage: str,
@@ -130,8 +171,9 @@ def load_stage_data(
     data = StageData([])
     for source in sources:
         for raw in read_records(source, kind):
+            prompt = record_prompt(raw.record, raw.where, kind)
             texts = {}
-            for key in REQUIRED_KEYS[kind]:
+            for key in REQUIRED_KEYS[kind][1:]:
                 value = raw.record.get(key)
                 if not isinstance(value, str):
                     raise UsageError(
@@ -141,7 +183,7 @@ def load_stage_data(
                     )
                 texts[key] = value
             example = _tokenized(
-                kind, texts, raw.where, encode_prompt, encode_completion, max_length, data
+                kind, prompt, texts, raw.where, encode_prompt, encode_completion, max_length, data
             )
             if example is not None:
                 data.examples.append(example)
@@ -157,9 +199,10 @@ def load_stage_data(
 
 def _tokenized(
     kind: str,
+    prompt: Prompt,
     texts: dict[str, str],
     where: str,
-    encode_prompt: Callable[[str], list[int]],
+    encode_prompt: Callable[[Prompt], list[int]],
     encode_completion: Callable[[str], list[int]],
     max_length: int,
     data: StageData,
@@ -173,7 +216,7 @@ def _tokenized(
         reason = IDENTICAL_PAIR
     prompt_ids: list[int] = []
     if reason is None:
-        prompt_ids = encode_prompt(texts["prompt"])
+        prompt_ids = encode_prompt(prompt)
         if len(prompt_ids) >= max_length:
             reason = PROMPT_TOO_LONG
     if reason is not None:
@@ -271,12 +314,35 @@ BUILTIN_ANSWERS: dict[str, Callable[[Task, int], str]] = {
 }
 
 
+def bfcl_records(name: str, kind: str) -> Iterator[RawRecord]:
+    """SFT demonstrations of BFCL tool calling: the training side of the content-hash split
+    (the items RL trains on; held-out items never appear), played as the environment plays
+    them, answered with a reply BFCL accepts built from ``possible_answer``."""
+    if kind != "sft":
+        raise UsageError(
+            f"builtin:{name} has demonstrations only (an sft stage); a dpo stage needs "
+            "preference pairs: give a JSONL file of prompt/chosen/rejected"
+        )
+    for i, task in enumerate(builtin_tasks(name, "train", BUILTIN_POOL_PER_STRATUM)):
+        messages = task.extra.get("messages") or [{"role": "user", "content": task.prompt}]
+        yield RawRecord(
+            {"messages": messages, "completion": task.answer or ""}, f"builtin:{name}#{i}"
+        )
+
+
+BFCL_BUILTINS = ("bfcl", "bfcl_simple_python", "bfcl_multiple", "bfcl_parallel")
+BFCL_BUILTINS += ("bfcl_parallel_multiple",)
+
+
 def builtin_records(name: str, kind: str) -> Iterator[RawRecord]:
     """SFT demonstrations or DPO pairs from a built-in generator's training split."""
+    if name in BFCL_BUILTINS:
+        yield from bfcl_records(name, kind)
+        return
     if name not in BUILTIN_ANSWERS:
         raise UsageError(
             f"unknown built-in dataset 'builtin:{name}' for a {kind} stage; use "
-            + " or ".join(f"builtin:{n}" for n in BUILTIN_ANSWERS)
+            + " or ".join(f"builtin:{n}" for n in (*BUILTIN_ANSWERS, *BFCL_BUILTINS))
         )
     answer = BUILTIN_ANSWERS[name]
     for i, task in enumerate(builtin_tasks(name, "train", BUILTIN_POOL_PER_STRATUM)):

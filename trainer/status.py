@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from posttrain.api import env
 from posttrain.kubeapi import custom_objects_api
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,8 @@ FIELD_MANAGER = "posttrain-trainer"
 OPERATOR_OWNED = ("phase", "message")
 """RunStatus fields a trainer in a cluster never patches: the operator writes them."""
 
-RUN_NAME_ENV = "POSTTRAIN_RUN_NAME"
-RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAMESPACE"
+RUN_NAME_ENV = env.RUN_NAME
+RUN_NAMESPACE_ENV = env.RUN_NAMESPACE
 
 
 @dataclass

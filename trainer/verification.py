@@ -31,13 +31,14 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge
 
+from posttrain.api import env
 from posttrain.errors import UsageError
 from posttrain.trainer.rewards import VerificationUnavailable
 
 log = logging.getLogger(__name__)
 
-RUNNER_URL_ENV = "POSTTRAIN_SANDBOX_RUNNER_URL"  # set by the operator for its own runner
-RUN_NAME_ENV, RUN_NAMESPACE_ENV = "POSTTRAIN_RUN_NAME", "POSTTRAIN_RUN_NAMESPACE"
+RUNNER_URL_ENV = env.SANDBOX_RUNNER_URL  # set by the operator for its own runner
+RUN_NAME_ENV, RUN_NAMESPACE_ENV = env.RUN_NAME, env.RUN_NAMESPACE
 MAX_BACKOFF_S = 30.0
 
 INFRA_FAILURES = Counter(

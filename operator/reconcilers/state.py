@@ -26,6 +26,7 @@ from posttrain.api.labels import (
     LABEL_TASK,
     LABEL_WARM_POOL,
 )
+from posttrain.api.reasons import ConditionType, Reason
 from posttrain.telemetry import get_tracer
 
 from ..config import OperatorConfig
@@ -37,7 +38,6 @@ from ..metrics import (
     RECONCILE_SECONDS,
     RECONCILES,
 )
-from ..reasons import ConditionType, Reason
 from ..reconcile import EventSpec
 
 log = logging.getLogger(__name__)

@@ -14,12 +14,12 @@ from pydantic import ValidationError
 
 from posttrain.api import API_VERSION, RolloutPool, TrainingRun
 from posttrain.api.labels import ANNOTATION_INCARNATION
+from posttrain.api.reasons import Reason
 
 from .. import builders as b
 from .. import evaluator, sandbox_runner
 from ..admission import KueueAdmission
 from ..kube import KubeError
-from ..reasons import Reason
 from ..reconcile import (
     TERMINAL,
     EventSpec,

@@ -21,6 +21,7 @@ from posttrain.api.labels import (
     ANNOTATION_SPEC_HASH,
     LABEL_TASK,
 )
+from posttrain.api.reasons import Reason
 
 from .. import warmpool as wp
 from ..kube import KubeError, resource_path
@@ -30,7 +31,6 @@ from ..metrics import (
     WARM_POOL_CLAIM_SECONDS,
     WARM_POOL_CLAIMS,
 )
-from ..reasons import Reason
 from ..reconcile import EventSpec, pod_view
 from .sandbox_namespace import SandboxNamespaces
 from .state import Body, Key, OperatorState, now

@@ -494,6 +494,10 @@ class PodRunner:
         termination_file = self.pod_dir / "termination" / container["name"]
         termination_file.parent.mkdir(parents=True, exist_ok=True)
         termination_file.write_text("")
+        user = run_as_user(self.pod["spec"], container)
+        if user is not None and os.geteuid() == 0:
+            # As the kubelet does: the container's user writes its own termination message.
+            os.chown(termination_file, *user)
         argv, env = self._container_argv(container, volumes, termination_file)
         started = now_rfc3339()
         with open(self.log_path, "ab") as log_file:

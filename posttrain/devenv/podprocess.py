@@ -251,9 +251,12 @@ def bwrap_prefix(
     world-traversable (0755): bwrap would create them 0700, which a dropped-to user cannot
     enter. Nothing is created on the host (see :func:`host_view_binds`).
 
-    Unless the pod sets ``hostPID``, it gets its own pid namespace, as in Kubernetes: a
-    program that signals every process it may (``kill -1``, as the unit-test harness does
-    when it is done) reaches only its own pod, never the other pods of the same uid.
+    Unless the pod sets ``hostPID`` or an unmasked ``/proc`` (below), it gets its own pid
+    namespace, as in Kubernetes: a program that signals every process it may (``kill -1``,
+    as the unit-test harness does when it is done) reaches only its own pod, never the other
+    pods of the same uid. The container's command is its pid 1 (``--as-pid-1``), as in a
+    container, so ``kill -1`` inside spares it: a SandboxTask's entrypoint outlives the
+    harness it runs and still uploads the log.
 
     ``/proc`` plays the container's: by default a fresh procfs on which bwrap covers ``sys``,
     ``sysrq-trigger``, ``irq`` and ``bus`` (like Kubernetes' default masked ``/proc``), so
@@ -261,9 +264,12 @@ def bwrap_prefix(
     unprivileged user namespace mount one only where a fully visible one exists). A
     container with ``securityContext.procMount: Unmasked`` gets the host's ``/proc`` bound
     instead, as the kubelet gives it an unmasked one: the sandbox runner's bwrap then works.
+    Such a pod stays in the host's pid namespace, the one that ``/proc`` shows: bwrap looks
+    its children up as ``/proc/<pid>``, which in a pid namespace of its own would name other
+    processes. (Its untrusted programs get pid namespaces of their own from its bwrap.)
 
-    >>> "--proc" in bwrap_prefix([]), bwrap_prefix([], proc_unmasked=True)[-5:]
-    (True, ['--bind', '/proc', '/proc', '--die-with-parent', '--unshare-pid'])
+    >>> "--unshare-pid" in bwrap_prefix([]), bwrap_prefix([], proc_unmasked=True)[-4:]
+    (True, ['--bind', '/proc', '/proc', '--die-with-parent'])
     >>> "--unshare-pid" in bwrap_prefix([], host_pid=True)
     False
     """
@@ -280,7 +286,7 @@ def bwrap_prefix(
         "/dev",
         *(["--bind", "/proc", "/proc"] if proc_unmasked else ["--proc", "/proc"]),
         "--die-with-parent",
-        *([] if host_pid else ["--unshare-pid"]),
+        *([] if host_pid or proc_unmasked else ["--unshare-pid", "--as-pid-1"]),
     ]
     made: set[str] = set()
     for source, target, read_only in mounts:

@@ -313,3 +313,38 @@ def test_a_cluster_runs_outputs_synced_to_minio_render_without_the_pod(
     assert "25.0%</td>" in html and "75.0%</td>" in html  # the eval files came back too
     missing = cli("report", f"s3://{bucket}/runs/ns/nothing-here", "--out", str(out))
     assert missing.code != 0 and "no outputs under" in missing.err
+
+
+def test_report_shows_agent_episode_metrics_per_environment(cli: CliRunner, tmp_path: Path) -> None:
+    """Environment domains: success, turns, valid tool calls, recovery, errored, base ->
+    trained, in the Markdown and the HTML report."""
+    run_dir = tmp_path / "run"
+    write_run_dir(run_dir, latencies=False)
+    for path in sorted((run_dir / "eval").glob("heldout_step*.json")):
+        data = json.loads(path.read_text())
+        trained = data["step"] > 0
+        data["agent"] = {
+            "code": {
+                "episodes": 4.0,
+                "errored": 1.0 if trained else 0.0,
+                "success_rate": 0.75 if trained else 0.25,
+                "truncated_rate": 0.0,
+                "mean_turns": 2.5 if trained else 4.0,
+                "valid_tool_call_rate": 0.9 if trained else 0.5,
+                "recovery_rate": 1.0 if trained else 0.0,
+                "episodes_with_failure": 2.0,
+            }
+        }
+        path.write_text(json.dumps(data))
+    out = tmp_path / "report.md"
+    result = cli("report", str(run_dir), "--out", str(out))
+    assert result.code == 0, result.err
+    text = out.read_text()
+    assert "## Agent episodes (held-out): base -> trained" in text
+    assert (
+        "| code | 25.0% -> 75.0% | 4.00 -> 2.50 | 50.0% -> 90.0% | 0.0% -> 100.0% "
+        "| 0.0% -> 0.0% | 1 |" in text
+    )
+    html_out = tmp_path / "report.html"
+    assert cli("report", str(run_dir), "--out", str(html_out)).code == 0
+    assert '<td class="n">25.0% -&gt; 75.0%</td>' in html_out.read_text()

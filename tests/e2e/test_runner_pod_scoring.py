@@ -93,3 +93,62 @@ def test_the_operators_runner_pod_scores_like_the_local_executor(
             f"local: {json.dumps(want.details)[:1500]}\n"
             f"runner log: {agent.log_path(namespace, 'rp-sandbox-runner-0').read_text()[-2000:]}"
         )
+
+
+@pytest.mark.minio
+def test_sandbox_task_pods_score_like_the_local_executor(
+    kube_api: Any,
+    kubeconfig: Any,
+    crds_installed: None,
+    namespace: str,
+    agent: NodeAgent,
+    minio_server: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sandbox.mode task without a model: the operator turns each SandboxTask into a pod the
+    agent runs, whose entrypoint stores the harness's output in MinIO. (The harness signals
+    every process it may when it is done: in a pod of its own pid namespace the entrypoint is
+    pid 1 and survives it, so the log is stored.)"""
+    from kubernetes import client
+
+    from posttrain.api.trainingrun import SandboxPolicy
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.runtime import OperatorThread
+    from posttrain.sandboxes.tasks import SandboxTaskRunner
+    from posttrain.sandboxes.verifiers import verify
+    from posttrain.trainer.rundata import domain_tasks
+    from posttrain.trainer.verification import build_verification
+
+    env = minio_server.env()
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    bucket = f"tasks-{namespace}"
+    minio = minio_server.client()
+    if not minio.bucket_exists(bucket):
+        minio.make_bucket(bucket)
+    config = OperatorConfig(
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
+        s3_bucket=bucket,
+        sandbox_artifacts_uri=f"s3://{bucket}/sandboxes",
+        max_workers=4,
+    )
+    operator = OperatorThread(config).start()
+    try:
+        tasks_api = client.CustomObjectsApi(kube_api)
+        runner = SandboxTaskRunner(namespace, api=tasks_api, start_timeout_s=900)
+        local = build_verification(SandboxPolicy(mode="local")).verify
+        train, _ = domain_tasks("code", "builtin:code", None)
+        task = train[0].to_dict()
+        for completion in COMPLETIONS[:3]:
+            got = verify("unit_tests", completion, task, {}, executor=runner)
+            want = local("unit_tests", completion, task, {})
+            assert got.reward == want.reward, (
+                f"{completion!r}\ntask pod: {json.dumps(got.details)[:3000]}\n"
+                f"local: {json.dumps(want.details)[:1500]}"
+            )
+    finally:
+        operator.stop()

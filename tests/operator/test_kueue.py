@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from posttrain.api import TrainingRun
+from posttrain.api.reasons import Reason
 from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kueue import (
@@ -16,7 +17,6 @@ from posttrain.operator.kueue import (
     build_workload,
     workload_view,
 )
-from posttrain.operator.reasons import Reason
 from posttrain.operator.reconcile import (
     KueueGate,
     PodView,

@@ -332,6 +332,27 @@ def test_a_sandbox_bwrap_could_not_build_is_a_sandbox_error_not_a_result(
         run(broken, ["true"])
 
 
+def test_a_sandbox_that_never_started_the_program_in_time_is_a_sandbox_error() -> None:
+    """The wall clock running out before bwrap reported the program's start is the sandbox's
+    failure (here: a bwrap that stalls before it starts), not the program's timeout."""
+    import shutil
+    import tempfile
+
+    from posttrain.sandboxes.executor import SandboxError
+
+    folder = Path(tempfile.mkdtemp(prefix="slow-bwrap-"))
+    try:
+        folder.chmod(0o755)  # run as the sandbox's unprivileged host uid when we are root
+        slow = folder / "bwrap"
+        slow.write_text(f'#!/bin/sh\nsleep 5\nexec {shutil.which("bwrap")} "$@"\n')
+        slow.chmod(0o755)
+        stalled = Executor(bwrap=str(slow))
+        with pytest.raises(SandboxError, match="did not start the program within the 1 s"):
+            run(stalled, ["true"], timeout_s=1.0)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_rejects_invalid_requests_with_actionable_messages() -> None:
     with pytest.raises(ValueError, match="command must be a non-empty list"):
         ExecRequest(command=[])

@@ -104,11 +104,11 @@ def test_packing_really_packs_and_keeps_examples_apart(model: Any) -> None:
     # comparison above is not vacuous.
     running = packed_batch(examples, max_length=24, pad_id=2, packing=True)
     running.position_ids = torch.arange(running.input_ids.shape[1]).expand_as(running.input_ids)
-    from posttrain.trainer.sft import completion_token_logits
+    from posttrain.trainer.sft import completion_token_logprobs
 
     with torch.no_grad():
-        apart = completion_token_logits(model, batch)
-        mixed = completion_token_logits(model, running)
+        apart = completion_token_logprobs(model, batch)
+        mixed = completion_token_logprobs(model, running)
     first = len(examples[0].completion_ids)
     torch.testing.assert_close(apart[:first], mixed[:first])  # the first example sees only itself
     assert not torch.allclose(apart[first:], mixed[first:], atol=1e-4)
@@ -340,6 +340,7 @@ PIPELINE = [
         "maxLength": 96,
         "learningRate": 1e-3,
         "beta": 0.5,
+        "lrSchedule": "cosine",  # each stage its own curve: 1e-3 at step 3, 0 at step 4
     },
     {"name": "rl", "type": "rl", "maxSteps": 1},
 ]
@@ -366,7 +367,8 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
 
     from posttrain.trainer.progress import load_metrics
 
-    spec = pipeline_spec(str(tiny_model), PIPELINE)
+    # every checkpoint kept: the DPO stage's start (step 2) is read below
+    spec = pipeline_spec(str(tiny_model), PIPELINE, checkpoint={"everySteps": 1, "keepLast": 5})
     straight = run_with_server(spec, tmp_path / "straight")
     assert straight.steps_done == 5
 
@@ -387,10 +389,14 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
     assert [m.get("stage_step") for m in lines[:4]] == [1, 2, 1, 2]
     a, b = load_metrics(tmp_path / "straight"), load_metrics(broken)
     for x, y in zip(a, b, strict=True):
-        for key in ("loss", "grad_norm", "reward_margin", "reward_accuracy", "reward_mean"):
+        keys = ("loss", "grad_norm", "reward_margin", "reward_accuracy", "reward_mean")
+        for key in (*keys, "learning_rate"):
             if x.get(key) is not None:
                 assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
     assert a[2]["reward_accuracy"] is not None and a[0]["reward_accuracy"] is None
+    # the DPO stage's cosine runs over its own two steps (not algorithm.maxSteps); the
+    # others are constant at their own rates
+    assert [m["learning_rate"] for m in b] == pytest.approx([1e-3, 1e-3, 1e-3, 0.0, 1e-3])
     weights_a = load_file(tmp_path / "straight/checkpoints/latest/model.safetensors")
     weights_b = load_file(broken / "checkpoints/latest/model.safetensors")
     for name in weights_a:
@@ -421,6 +427,33 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
         ]
         report = (out / "report.md").read_text()
         assert "## Held-out accuracy by stage" in report and "| prefs | dpo | 3-4 |" in report
+        assert "pairs ranked right" in report and "| warmup | sft | 1-2 |" in report
+
+    # DPO's reference is the frozen stage-start model: the log-probs the stage stored are
+    # those of the SFT stage's last checkpoint (step 2), not of the base model
+    assert_dpo_reference_is_the_stage_start(spec, tiny_model, tmp_path / "straight")
+
+
+def assert_dpo_reference_is_the_stage_start(spec: Any, base: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.trainer.pipeline import load_pipeline_data
+
+    state = json.loads((out / "checkpoints/step-00000004/trainer_state.json").read_text())
+    stored = state["stage_state"]["reference_logps"]
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    pairs = load_pipeline_data(plan_stages(spec), tokenizer)["prefs"].examples
+    chosen_pairs = [pairs[int(i)] for i in stored]
+    want = torch.tensor(list(stored.values()))  # (B, 2)
+
+    def logps(model_dir: Path) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            chosen, rejected = sequence_logps(model, chosen_pairs, tokenizer.pad_token_id)
+        return torch.stack([chosen, rejected], dim=1)  # (B, 2)
+
+    torch.testing.assert_close(logps(out / "checkpoints/step-00000002"), want, rtol=1e-4, atol=1e-4)
+    assert (logps(base) - want).abs().max() > 1e-2  # SFT moved them: the check can fail
 
 
 def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> None:
@@ -494,3 +527,48 @@ def test_dpo_loss_and_gradient_equal_trl(tiny_model: Path, tmp_path: Path) -> No
         trl_metrics["rewards/margins"], rel=1e-4, abs=1e-6
     )
     assert float((margins > 0).float().mean()) == trl_metrics["rewards/accuracies"]
+
+
+@pytest.mark.slow  # two server starts of the tiny model; ~1-2 min on a loaded machine
+def test_rl_stage_kl_anchor_is_the_stage_start_also_after_a_resume(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """SFT moves the weights, then RL with a KL penalty: at the RL stage's first step the
+    policy *is* its reference (KL exactly 0, where the base model would give KL > 0); a run
+    resumed inside the RL stage reloads that anchor from the stage-start checkpoint, which
+    retention keeps although keepLast is 1 (its KL at the next step is the straight run's,
+    not 0 as an anchor at the resumed weights would give)."""
+    import zlib
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from posttrain.trainer.progress import load_metrics
+
+    def coin_verify(kind: str, text: str, task: Any, config: Any) -> Any:
+        """A deterministic reward that differs within groups (the tiny model never solves
+        arithmetic), so the RL step has advantages and moves the policy."""
+        passed = zlib.crc32(text.encode()) % 2 == 1
+        return SimpleNamespace(reward=float(passed), passed=passed, details={})
+
+    stages = [PIPELINE[0], {"name": "rl", "type": "rl", "maxSteps": 2}]
+    spec = pipeline_spec(str(tiny_model), stages, checkpoint={"everySteps": 1, "keepLast": 1})
+    spec.algorithm.kl_coef = 0.5
+    spec.algorithm.learning_rate = 1e-2  # a visible RL step: step 4's KL is clearly > 0
+    straight = run_with_server(spec, tmp_path / "straight", verify=coin_verify)
+    broken = tmp_path / "broken"
+    run_with_server(spec, broken, stop_after_step=3, verify=coin_verify)
+    assert sorted(p.name for p in (broken / "checkpoints").glob("step-*")) == [
+        "step-00000002",  # the RL stage's anchor, pinned
+        "step-00000003",
+    ]
+    resumed = run_with_server(spec, broken, verify=coin_verify)
+    assert straight.steps_done == resumed.steps_done == 4
+    a, b = load_metrics(tmp_path / "straight"), load_metrics(broken)
+    assert [m["stage"] for m in a] == ["warmup", "warmup", "rl", "rl"]
+    anchor = load_file(broken / "checkpoints/step-00000002/model.safetensors")
+    base = load_file(tiny_model / "model.safetensors")
+    assert max(float((anchor[k] - base[k]).abs().max()) for k in anchor) > 1e-3  # SFT moved
+    assert a[2]["kl"] == 0.0 and b[2]["kl"] == 0.0
+    assert a[3]["kl"] > 1e-6
+    assert b[3]["kl"] == pytest.approx(a[3]["kl"], rel=1e-4)  # the same anchor after resuming
