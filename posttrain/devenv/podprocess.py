@@ -10,11 +10,13 @@ the pod/container status fragments the agent patches. Nothing here talks to the 
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import re
 import shutil
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping, Sequence
@@ -398,19 +400,36 @@ def resolve_executable(command: str, path: str, python_bin_dir: Path) -> str:
 
 
 def kill_process_group(process: subprocess.Popen[bytes] | None, grace_seconds: float) -> None:
-    """SIGTERM the process's group, SIGKILL it after ``grace_seconds``, reap the leader."""
-    if process is None or process.poll() is not None:
+    """SIGTERM the process's group, SIGKILL what is left of it after ``grace_seconds``, reap
+    the leader.
+
+    The group, not only its leader (bwrap): the container's command is pid 1 of its own pid
+    namespace and outlives bwrap when it ignores SIGTERM (pid 1 without a handler does) and
+    its parent-death signal was cleared by the switch to the pod's user; waiting for the
+    leader alone left such processes running after their pod was gone.
+    """
+    if process is None:
         return
+    pgid = process.pid
     for sig, wait_s in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        if sig == signal.SIGTERM and process.poll() is not None:
+            continue  # the leader is gone: only leftovers, which get SIGKILL
         try:
-            os.killpg(process.pid, sig)
+            os.killpg(pgid, sig)
         except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        deadline = time.monotonic() + wait_s
+        while True:
+            process.poll()  # reap the leader, or the group never empties
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5.0)
 
 
 def http_probe(probe: Manifest, container: Manifest, pod_ip: str) -> bool:

@@ -340,7 +340,7 @@ PIPELINE = [
         "maxLength": 96,
         "learningRate": 1e-3,
         "beta": 0.5,
-        "lrSchedule": "cosine",  # each stage its own curve: 1e-3 at step 3, 0 at step 4
+        "lrSchedule": "cosine",  # each stage its own curve: 5e-4 at step 3, 0 at step 4
     },
     {"name": "rl", "type": "rl", "maxSteps": 1},
 ]
@@ -396,7 +396,8 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
     assert a[2]["reward_accuracy"] is not None and a[0]["reward_accuracy"] is None
     # the DPO stage's cosine runs over its own two steps (not algorithm.maxSteps); the
     # others are constant at their own rates
-    assert [m["learning_rate"] for m in b] == pytest.approx([1e-3, 1e-3, 1e-3, 0.0, 1e-3])
+    # (cosine without warm-up: half-way down at its first step, 0 at its last)
+    assert [m["learning_rate"] for m in b] == pytest.approx([1e-3, 1e-3, 5e-4, 0.0, 1e-3])
     weights_a = load_file(tmp_path / "straight/checkpoints/latest/model.safetensors")
     weights_b = load_file(broken / "checkpoints/latest/model.safetensors")
     for name in weights_a:
