@@ -311,6 +311,14 @@ def _full_state(policy: Policy) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return {k: v.clone() for k, v in model.items()}, moments
 
 
+def _full_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    """Gathered weights keyed by name, without touching the optimizer (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(policy.module, options=options).items()}
+
+
 def _two_rank_worker(
     rank: int,
     port: int,
@@ -331,7 +339,10 @@ def _two_rank_worker(
     info = RankInfo(rank, 2, rank)
     policy = Policy(Path(model), learning_rate=LR, rank=info)
     assert policy.sharded
-    loaded, _ = _full_state(policy)  # what the ranks read, each its own slices
+    # What the ranks read, each its own slices. Model only: DCP's get_state_dict would
+    # initialise the still-empty AdamW state with a zero-gradient step, and the real step
+    # below would then be Adam's second (bias correction 0.74x the first step's update).
+    loaded = _full_weights(policy)
     # Rank r trains samples r, r+2, ...; FSDP averages the two ranks' gradients, so each
     # rank's coefficients are the global ones x world size.
     mine = [
