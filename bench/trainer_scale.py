@@ -8,8 +8,11 @@ and the same global batch:
 * **two Gloo ranks, FSDP2** (``fully_shard`` per block + root): the same per rank.
 
 Training-state bytes are counted exactly from the tensors each rank holds (local shards);
-peak RSS (``ru_maxrss``) also contains the Python/torch baseline and the transient full
-fp32 copy every rank loads before sharding. Then a planning table: bytes per parameter
+peak RSS (``ru_maxrss``) also contains the Python/torch baseline. Loading is measured both
+ways on two ranks, each in fresh processes: **per-rank sharded loading** (meta device,
+``fully_shard``, each rank reads only its slices: what the trainer does) and **the old way**
+(``from_pretrained`` of the full model on every rank, then ``fully_shard``); the peak RSS
+right after the policy is built is the loading peak. Then a planning table: bytes per parameter
 measured here, applied through :func:`posttrain.trainer.engine.estimate_training_memory` to
 Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
 
@@ -81,12 +84,26 @@ def state_bytes(policy: Any) -> int:
 
 
 def measure(
-    model: Path, rank: int, world: int, samples: int, completion: int, steps: int
+    model: Path,
+    rank: int,
+    world: int,
+    samples: int,
+    completion: int,
+    steps: int,
+    full_load: bool = False,
 ) -> dict[str, Any]:
     from posttrain.trainer.loss import LossConfig
-    from posttrain.trainer.policy import Policy, RankInfo
+    from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 
-    policy = Policy(model, learning_rate=1e-5, rank=RankInfo(rank, world, rank))
+    started = time.perf_counter()
+    policy = Policy(
+        model,
+        learning_rate=1e-5,
+        rank=RankInfo(rank, world, rank),
+        engine=EngineOptions(full_load_before_sharding=full_load),
+    )
+    load_seconds = time.perf_counter() - started
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     everything = batch(policy, samples, completion)
     mine = everything[rank::world]
     for s in mine:
@@ -110,6 +127,8 @@ def measure(
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_seconds": times,
         "sharded": policy.sharded,
+        "load_peak_rss_bytes": load_peak,
+        "load_seconds": load_seconds,
     }
 
 
@@ -122,13 +141,14 @@ def _rank(
     completion: int,
     steps: int,
     out: Any,
+    full_load: bool = False,
 ) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    out[rank] = measure(Path(model), rank, world, samples, completion, steps)
+    out[rank] = measure(Path(model), rank, world, samples, completion, steps, full_load)
     dist.destroy_process_group()
 
 
@@ -244,6 +264,15 @@ def main() -> None:
         join=True,
     )
     ranks = [dict(out[r]) for r in range(2)]
+    # The old way, load only: every rank reads the full model, then shards it.
+    old = mp.Manager().dict()
+    mp.spawn(
+        _rank,
+        args=(2, free_port(), str(model), args.samples, args.completion, 0, old, True),
+        nprocs=2,
+        join=True,
+    )
+    old_ranks = [dict(old[r]) for r in range(2)]
     bytes_per_param = single["state_bytes"] / params
     result = {
         "parameters": params,
@@ -251,6 +280,15 @@ def main() -> None:
         "two_ranks": ranks,
         "state_ratio_per_rank": [r["state_bytes"] / single["state_bytes"] for r in ranks],
         "peak_rss_ratio_per_rank": [r["peak_rss_bytes"] / single["peak_rss_bytes"] for r in ranks],
+        "load_peak_rss_per_rank": {
+            "per-rank sharded load": [r["load_peak_rss_bytes"] for r in ranks],
+            "full load, then shard (old)": [r["load_peak_rss_bytes"] for r in old_ranks],
+            "1 process (plain module)": single["load_peak_rss_bytes"],
+        },
+        "load_seconds_per_rank": {
+            "per-rank sharded load": [r["load_seconds"] for r in ranks],
+            "full load, then shard (old)": [r["load_seconds"] for r in old_ranks],
+        },
         "step_seconds_last": {
             "1 rank": single["step_seconds"][-1],
             "2 ranks": max(r["step_seconds"][-1] for r in ranks),
@@ -267,6 +305,14 @@ def main() -> None:
     print(
         f"peak RSS per rank: 1 rank {single['peak_rss_bytes'] / GIB:.2f} GiB; 2 ranks "
         + ", ".join(f"{r['peak_rss_bytes'] / GIB:.2f} GiB" for r in ranks)
+    )
+    loads = result["load_peak_rss_per_rank"]
+    print(
+        "peak RSS after loading, per rank: per-rank sharded load "
+        + ", ".join(f"{b / GIB:.2f}" for b in loads["per-rank sharded load"])
+        + " GiB; full load then shard (old) "
+        + ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
+        + f" GiB; 1 process {loads['1 process (plain module)'] / GIB:.2f} GiB"
     )
     print(
         f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "

@@ -20,9 +20,11 @@ Design (see docs/trainer.md, "Multi-rank and multi-node"):
 * **Roles.** Rank 0 publishes weights, evaluates, checkpoints and reports status; every rank
   writes its own trajectories and sharded checkpoint files. Rank N's step metrics go to
   ``--out/rank<N>/``.
-* **Ray** (``$RAY_ADDRESS``, the operator's RayCluster path): one Ray actor per rank, pinned
-  node by node, runs the very same rank entry point with the same environment torchrun would
-  give it; a failed rank kills the others.
+* **Ray** (``$RAY_ADDRESS``, the operator's RayCluster path): Ray Train's ``TorchTrainer``
+  with one worker per rank (``ScalingConfig``; label selectors pin ``ranks_per_node`` workers
+  to each node, node 0 the driver's). Ray Train joins the process group and sets the same
+  environment torchrun would; each worker runs the very same rank entry point. No retries
+  (``FailureConfig(max_failures=0)``): a failed rank stops the others and fails ``fit()``.
 
 Tested (tests/trainer/test_distributed.py): two CPU ranks launched by ``posttrain run`` on
 one node and as two "nodes" (two agents, static rendezvous), a failing rank failing the gang,
@@ -254,7 +256,15 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> A
         torch.cuda.set_device(plan.device)
     else:  # CPU ranks share the node's cores; more threads than cores spin at barriers
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(plan.backend, device_id=plan.device if plan.is_cuda else None)
+    # torchrun leaves joining the group to the rank; Ray Train's TorchConfig has joined it.
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(plan.backend, device_id=plan.device if plan.is_cuda else None)
+    elif dist.get_backend() != plan.backend:
+        raise RuntimeError(
+            f"the launcher's process group uses {dist.get_backend()!r} but this rank computes "
+            f"on {plan.device}, which needs {plan.backend!r}"
+        )
     context = DistContext(rank, world, local_rank, local_world)
     client = RolloutClient(
         endpoints,
@@ -267,7 +277,8 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> A
         return train(spec, out, client, reporter=reporter, dist=context)
     finally:
         client.close()
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------- Ray (RayCluster path)
@@ -313,101 +324,98 @@ def _wait_for_nodes(ray: Any, nodes: int, gpus: int, timeout_s: float) -> list[s
         time.sleep(1.0)
 
 
-def _gather_or_kill(ray: Any, refs: list[Any], workers: list[Any]) -> list[Any]:
-    """Results of every rank; on the first failure kill all ranks and re-raise it.
+def ray_placement(placement: list[str], per_node: int) -> list[dict[str, str]]:
+    """One Ray label selector per rank: ``per_node`` ranks on each node of ``placement``, in
+    node-rank order (Ray Train numbers ranks node by node in this order, so rank 0 is on
+    node 0, the driver's).
 
-    Without this, one crashed rank leaves the others blocked in their next collective.
+    >>> ray_placement(["a", "b"], 2)  # doctest: +NORMALIZE_WHITESPACE
+    [{'ray.io/node-id': 'a'}, {'ray.io/node-id': 'a'},
+     {'ray.io/node-id': 'b'}, {'ray.io/node-id': 'b'}]
     """
-    remaining = list(refs)
-    try:
-        while remaining:
-            done, remaining = ray.wait(remaining, num_returns=1)
-            ray.get(done[0])  # raises the rank's exception
-    except BaseException:
-        for worker in workers:
-            ray.kill(worker)
-        raise
-    return [ray.get(ref) for ref in refs]
+    return [{NODE_ID_LABEL: node_id} for node_id in placement for _ in range(per_node)]
 
 
-class RankActor:
-    """One rank as a Ray actor (wrapped by ``ray.remote`` at launch time)."""
+NODE_ID_LABEL = "ray.io/node-id"  # the label every Ray node carries with its own id
 
-    def master_address(self) -> str:
-        """``host:port`` for the process group's rendezvous, on this (rank 0's) node."""
-        import ray
 
-        return f"{ray.util.get_node_ip_address()}:{free_port()}"
+def ray_rank(config: dict[str, Any]) -> Any:
+    """One rank under Ray Train: the same entry point torchrun's ranks run.
 
-    def run(
-        self, env: dict[str, str], spec_json: dict[str, Any], out_dir: str, endpoints: list[str]
-    ) -> Any:
-        os.environ.update(env)
-        return run_rank(spec_json, out_dir, endpoints)
+    Ray Train has already joined the process group (``TorchConfig``) and set ``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    like torchrun; it shows each worker all of its node's GPUs, in GPU id order, so
+    ``cuda:<LOCAL_RANK>`` is this worker's own GPU. Rank 0's return value is the
+    ``Result.return_value`` the driver gets.
+    """
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()
+    expected = config["placement"][int(os.environ["RANK"]) // config["per_node"]]
+    if node != expected:  # Ray Train's rank order changed: rank 0 would not be on node 0
+        log.warning(
+            "rank %s runs on Ray node %s, planned on %s", os.environ["RANK"], node, expected
+        )
+    log.info("rank %s on Ray node %s", os.environ["RANK"], node)
+    return run_rank(config["spec"], config["out_dir"], config["endpoints"])
 
 
 def _launch_on_ray(run: Any, out_dir: Path, endpoints: list[str] | None) -> Any:
-    """Place ``ranks_per_node`` rank actors on each of ``nodes`` Ray nodes and train."""
+    """Train through Ray Train: a ``TorchTrainer`` with one worker per rank, ``ranks_per_node``
+    of them on each of ``nodes`` Ray nodes (node 0 the driver's), no retries."""
     try:
         import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
     except ImportError:
         raise UsageError(
-            "$RAY_ADDRESS is set but Ray is not installed; install posttrain[ray] in the "
-            "trainer image or unset RAY_ADDRESS"
+            "$RAY_ADDRESS is set but Ray Train is not installed; install posttrain[ray] "
+            "(ray[train]) in the trainer image or unset RAY_ADDRESS"
         ) from None
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     nodes, per_node = wanted_nodes(run), ranks_per_node(run.spec)
-    # Resolved here, on the driver: the actors' environment is the Ray node's, not ours.
+    # Resolved here, on the driver: the workers' environment is the Ray node's, not ours.
     endpoints = endpoints or _resolve_endpoints(run.spec)
     gpus = run.spec.resources.gpus_per_node
+    world = nodes * per_node
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
     try:
         with tracer.start_as_current_span("trainer.distributed_run") as span:
             span.set_attribute("nodes", nodes)
-            span.set_attribute("world_size", nodes * per_node)
+            span.set_attribute("world_size", world)
             wait_s = float(os.environ.get(NODE_WAIT_ENV, DEFAULT_NODE_WAIT_S))
             alive = _wait_for_nodes(ray, nodes, gpus, wait_s)
             placement = assign_nodes(ray.get_runtime_context().get_node_id(), alive, nodes)
-            log.info("starting %d trainer ranks on Ray nodes %s", nodes * per_node, placement)
-            workers = [
-                ray.remote(RankActor)
-                .options(
-                    num_cpus=1,
-                    num_gpus=1 if gpus else 0,
-                    max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                )
-                .remote()
-                for node_id in placement
-                for _ in range(per_node)
-            ]
-            addr, port = ray.get(workers[0].master_address.remote()).rsplit(":", 1)
-            world = len(workers)
-            spec_json = run.spec.model_dump(mode="json")
-            refs = [
-                w.run.remote(
-                    {
-                        "RANK": str(r),
-                        "WORLD_SIZE": str(world),
-                        # Ray shows an actor only its own GPU, so that GPU is its device 0.
-                        "LOCAL_RANK": "0" if gpus else str(r % per_node),
-                        "LOCAL_WORLD_SIZE": str(per_node),
-                        "MASTER_ADDR": addr,
-                        "MASTER_PORT": port,
-                    },
-                    spec_json,
-                    str(out_dir.resolve()),
-                    endpoints,
-                )
-                for r, w in enumerate(workers)
-            ]
-            results = _gather_or_kill(ray, refs, workers)
+            log.info("starting %d trainer ranks on Ray nodes %s (Ray Train)", world, placement)
+            timeout = int(os.environ.get(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT_S))
+            trainer = TorchTrainer(
+                ray_rank,
+                train_loop_config={
+                    "spec": run.spec.model_dump(mode="json"),
+                    "out_dir": str(out_dir.resolve()),
+                    "endpoints": endpoints,
+                    "placement": placement,
+                    "per_node": per_node,
+                },
+                torch_config=TorchConfig(backend="nccl" if gpus else "gloo", timeout_s=timeout),
+                scaling_config=ScalingConfig(
+                    num_workers=world,
+                    use_gpu=gpus > 0,
+                    resources_per_worker={"CPU": 1, **({"GPU": 1} if gpus else {})},
+                    label_selector=ray_placement(placement, per_node),
+                ),
+                run_config=RunConfig(
+                    name=f"{run.metadata.name}-{os.environ.get('POSTTRAIN_GANG', '0')}",
+                    storage_path=str(out_dir.resolve() / "ray-train"),
+                    # A failed rank fails the gang; the operator restarts it from a checkpoint.
+                    failure_config=FailureConfig(max_failures=0),
+                ),
+            )
+            result = trainer.fit()
+        rank0 = result.return_value
         log.info(
-            "distributed run finished on %d nodes; steps per rank: %s",
-            nodes,
-            [r.steps_done for r in results],
+            "distributed run finished on %d nodes; rank 0 did %d steps", nodes, rank0.steps_done
         )
-        return results[0]
+        return rank0
     finally:
         ray.shutdown()

@@ -126,6 +126,10 @@ class EngineOptions:
     total_steps: int = 1
     lora: LoraOptions | None = None
     ranks_on_node: int = 1  # ranks sharing this host's memory (for the CPU memory check)
+    # Sharded runs build the model on the meta device and read only each rank's slices
+    # (trainer/sharded_load.py). True loads the full model on every rank first, then shards:
+    # the old way, kept only so bench/trainer_scale.py can measure both side by side.
+    full_load_before_sharding: bool = False
 
     @classmethod
     def from_spec(cls, spec: Any, ranks_on_node: int = 1) -> EngineOptions:
@@ -284,22 +288,30 @@ class Policy:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         pad = self.tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
-        self.model = _load_model(model_dir)
+        self.seed = seed
+        # Sharded: parameters on the meta device until each rank reads its own slices.
+        self._per_rank_load = self.sharded and not self.engine.full_load_before_sharding
+        self.model = self._load(self.model_dir)
         self.peft: torch.nn.Module | None = None
         if self.engine.lora is not None:
             from posttrain.trainer.lora import add_adapters
+            from posttrain.trainer.sharded_load import init_adapters
 
             # PEFT injects the adapters into the model's own modules and freezes the rest;
             # the trainer keeps using the plain model (its names, its decoder).
             self.peft = add_adapters(self.model, self.engine.lora)
-        self.module = self._place(self.model, trainable=True)
+            if not self._per_rank_load:  # else materialize() does it after sharding
+                init_adapters(self.model, seed)  # the same adapters on every world size
+        self.module = self._place(self.model, trainable=True, source=self.model_dir)
         # The KL anchor: the model the RL stage started from (``reference_dir``: the base
         # model, or a pipeline stage's start, then :meth:`anchor_reference`).
         self.reference: torch.nn.Module | None = None
         self.reference_module: torch.nn.Module | None = None
         if reference_dir is not None:
-            self.reference = _load_model(reference_dir).requires_grad_(False)
-            self.reference_module = self._place(self.reference, trainable=False)
+            self.reference = self._load(Path(reference_dir)).requires_grad_(False)
+            self.reference_module = self._place(
+                self.reference, trainable=False, source=Path(reference_dir)
+            )
         self.schedule = LrSchedule(
             self.engine.lr_schedule,
             self.engine.lr_warmup_steps,
@@ -350,8 +362,17 @@ class Policy:
         )
         check_fits(estimate, available_bytes(self.plan, self.engine.ranks_on_node), where)
 
-    def _place(self, model: torch.nn.Module, *, trainable: bool) -> torch.nn.Module:
-        """Wrap ``model`` as the loss forward, then checkpoint, shard and check its placement."""
+    def _load(self, model_dir: Path) -> torch.nn.Module:
+        """The model to place: empty (meta) when each rank will read its own slices."""
+        if self._per_rank_load:
+            from posttrain.trainer.sharded_load import build_empty
+
+            return build_empty(model_dir)
+        return _load_model(model_dir)
+
+    def _place(self, model: torch.nn.Module, *, trainable: bool, source: Path) -> torch.nn.Module:
+        """Wrap ``model`` as the loss forward, then checkpoint, shard (and, loaded per rank,
+        fill this rank's shards from ``source``) and check its placement."""
         model.train(trainable)
         model.config.use_cache = False
         # Dropout off: RL ratios must compare the same function the sampler ran.
@@ -370,6 +391,14 @@ class Policy:
             apply_activation_checkpointing(decoder_layers(model))
         if self.sharded:
             shard(wrapper, decoder_layers(model), self.plan, self.dtype)
+            if self._per_rank_load:
+                from posttrain.trainer.sharded_load import materialize
+
+                started = time.monotonic()
+                materialize(model, source, self.plan.device, seed=self.seed, root=wrapper)
+                log.info(
+                    "loaded this rank's shards of %s in %.1fs", source, time.monotonic() - started
+                )
         else:
             wrapper.to(self.plan.device)
         check_placement(wrapper, self.plan)

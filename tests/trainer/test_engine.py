@@ -311,6 +311,14 @@ def _full_state(policy: Policy) -> tuple[dict[str, torch.Tensor], dict[str, torc
     return {k: v.clone() for k, v in model.items()}, moments
 
 
+def _full_weights(policy: Policy) -> dict[str, torch.Tensor]:
+    """Gathered weights keyed by name, without touching the optimizer (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k: v.clone() for k, v in get_model_state_dict(policy.module, options=options).items()}
+
+
 def _two_rank_worker(
     rank: int,
     port: int,
@@ -331,6 +339,10 @@ def _two_rank_worker(
     info = RankInfo(rank, 2, rank)
     policy = Policy(Path(model), learning_rate=LR, rank=info)
     assert policy.sharded
+    # What the ranks read, each its own slices. Model only: DCP's get_state_dict would
+    # initialise the still-empty AdamW state with a zero-gradient step, and the real step
+    # below would then be Adam's second (bias correction 0.74x the first step's update).
+    loaded = _full_weights(policy)
     # Rank r trains samples r, r+2, ...; FSDP averages the two ranks' gradients, so each
     # rank's coefficients are the global ones x world size.
     mine = [
@@ -356,6 +368,7 @@ def _two_rank_worker(
     resumed_weights, resumed_moments = _full_state(restored[0])
     if rank == 0:
         results.update(
+            rank_loaded=loaded,
             rank_stats=stats,
             rank_weights=weights,
             rank_moments=moments,
@@ -429,6 +442,19 @@ def test_two_rank_fsdp_step_equals_one_process_step(two_ranks: dict[str, Any]) -
     assert moved > 0  # the step did change the weights
     for name, value in two_ranks["moments"].items():
         torch.testing.assert_close(two_ranks["rank_moments"][name], value, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.slow
+def test_ranks_reading_their_own_slices_load_what_one_process_loads(
+    two_ranks: dict[str, Any],
+) -> None:
+    """The ranks build the model on the meta device and read only their shards' rows from
+    the safetensors file (no full copy on any rank): the gathered result must be the very
+    parameters ``from_pretrained`` gives one process, bit for bit, tied embeddings included."""
+    loaded, base = two_ranks["rank_loaded"], two_ranks["base"]
+    assert set(base) - {"model.lm_head.weight"} <= set(loaded)  # tied: may be listed once
+    for name, value in loaded.items():
+        assert torch.equal(value, base[name]), name
 
 
 @pytest.mark.slow
