@@ -19,7 +19,7 @@ from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.nodeagent import NodeAgent
 
 from .conftest import wait_logged
-from .test_trainingrun_e2e import Cluster
+from .test_trainingrun_e2e import Cluster, running_operator
 
 pytestmark = [pytest.mark.cluster, pytest.mark.minio, pytest.mark.slow]
 
@@ -35,31 +35,7 @@ def empty_pool_cluster(
     agent: NodeAgent,
     namespace: str,
 ) -> Iterator[Cluster]:
-    from kubernetes import client
-
-    from posttrain.operator.config import OperatorConfig
-    from posttrain.operator.runtime import OperatorThread
-
-    core = client.CoreV1Api(kube_api)
-    env = minio_server.env()
-    core.create_namespaced_secret(
-        namespace,
-        {
-            "metadata": {"name": "posttrain-s3"},
-            "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
-        },
-    )
-    config = OperatorConfig(
-        kubeconfig=str(kubeconfig),
-        namespaces=(namespace,),
-        standalone=True,
-        resync_seconds=1.0,
-        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
-        s3_bucket=f"e2e-{namespace}",
-    )
-    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, config.s3_bucket)
-    operator = OperatorThread(config).start()
-    try:
+    with running_operator(kube_api, kubeconfig, minio_server, namespace) as c:
         c.create(
             "rolloutpools",
             {
@@ -69,8 +45,6 @@ def empty_pool_cluster(
             },
         )
         yield c
-    finally:
-        operator.stop()
 
 
 def condition(status: dict[str, Any], kind: str) -> dict[str, Any] | None:

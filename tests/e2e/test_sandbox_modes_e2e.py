@@ -31,7 +31,7 @@ from posttrain.storage.store import S3Store
 from posttrain.storage.trajectories import read_trajectories
 
 from .conftest import wait_for
-from .test_trainingrun_e2e import Cluster
+from .test_trainingrun_e2e import Cluster, running_operator
 
 # Each test trains a real model on two shared cores: the waits below are deadlines on
 # conditions, generous enough for a machine under heavy load; pytest's own limit is above
@@ -91,37 +91,18 @@ def cluster(
 ) -> Iterator[Cluster]:
     """As test_trainingrun_e2e's, plus sandbox artifact storage (task mode reads the
     program's output from the log its pod stores there)."""
-    from kubernetes import client
-
-    from posttrain.operator.config import OperatorConfig
-    from posttrain.operator.runtime import OperatorThread
-
-    core = client.CoreV1Api(kube_api)
-    env = minio_server.env()
-    core.create_namespaced_secret(
-        namespace,
-        {
-            "metadata": {"name": "posttrain-s3"},
-            "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
-        },
-    )
     bucket = f"e2e-{namespace}"
-    config = OperatorConfig(
-        kubeconfig=str(kubeconfig),
-        namespaces=(namespace,),
-        standalone=True,
-        resync_seconds=1.0,
-        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
-        s3_bucket=bucket,
-        sandbox_artifacts_uri=f"s3://{bucket}/sandboxes",
-        max_workers=4,
-    )
     minio = minio_server.client()
     if not minio.bucket_exists(bucket):
         minio.make_bucket(bucket)
-    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, bucket)
-    c.operator = OperatorThread(config).start()  # type: ignore[attr-defined]
-    try:
+    with running_operator(
+        kube_api,
+        kubeconfig,
+        minio_server,
+        namespace,
+        sandbox_artifacts_uri=f"s3://{bucket}/sandboxes",
+        max_workers=4,
+    ) as c:
         c.create(
             "rolloutpools",
             {
@@ -138,8 +119,6 @@ def cluster(
         )
         wait_for(lambda: c.status("rolloutpools", "pool").get("phase") == "Ready", 900, "pool")
         yield c
-    finally:
-        c.operator.stop()  # type: ignore[attr-defined]
 
 
 def code_run(

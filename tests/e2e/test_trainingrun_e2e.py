@@ -11,6 +11,7 @@ no lost or duplicated trajectories.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -94,6 +95,48 @@ class Cluster:
         )
 
 
+@contextlib.contextmanager
+def running_operator(
+    kube_api: Any,
+    kubeconfig: Path,
+    minio_server: MinioServer,
+    namespace: str,
+    **config: Any,
+) -> Iterator[Cluster]:
+    """The operator, in this process, reconciling ``namespace`` of the dev cluster, with the
+    credentials Secret the trainer pods read (OperatorConfig.s3_credentials_secret) and the
+    run's bucket ``e2e-<namespace>``; ``config`` adds or overrides OperatorConfig fields."""
+    from kubernetes import client
+
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.runtime import OperatorThread
+
+    core = client.CoreV1Api(kube_api)
+    env = minio_server.env()
+    core.create_namespaced_secret(
+        namespace,
+        {
+            "metadata": {"name": "posttrain-s3"},
+            "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+        },
+    )
+    bucket = f"e2e-{namespace}"
+    settings = OperatorConfig(
+        kubeconfig=str(kubeconfig),
+        namespaces=(namespace,),
+        standalone=True,
+        resync_seconds=1.0,
+        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
+        s3_bucket=bucket,
+        **config,
+    )
+    operator = OperatorThread(settings).start()
+    try:
+        yield Cluster(namespace, client.CustomObjectsApi(kube_api), core, settings, bucket)
+    finally:
+        operator.stop()
+
+
 @pytest.fixture
 def cluster(
     crds_installed: None,
@@ -103,32 +146,7 @@ def cluster(
     agent: NodeAgent,
     namespace: str,
 ) -> Iterator[Cluster]:
-    from kubernetes import client
-
-    from posttrain.operator.config import OperatorConfig
-    from posttrain.operator.runtime import OperatorThread
-
-    core = client.CoreV1Api(kube_api)
-    env = minio_server.env()
-    # The credentials Secret the trainer pods read (OperatorConfig.s3_credentials_secret).
-    core.create_namespaced_secret(
-        namespace,
-        {
-            "metadata": {"name": "posttrain-s3"},
-            "stringData": {k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
-        },
-    )
-    config = OperatorConfig(
-        kubeconfig=str(kubeconfig),
-        namespaces=(namespace,),
-        standalone=True,
-        resync_seconds=1.0,
-        s3_endpoint=env["POSTTRAIN_S3_ENDPOINT"],
-        s3_bucket=f"e2e-{namespace}",
-    )
-    c = Cluster(namespace, client.CustomObjectsApi(kube_api), core, config, config.s3_bucket)
-    operator = OperatorThread(config).start()
-    try:
+    with running_operator(kube_api, kubeconfig, minio_server, namespace) as c:
         c.create(
             "rolloutpools",
             {
@@ -144,9 +162,7 @@ def cluster(
             },
         )
         wait_for(lambda: c.status("rolloutpools", "pool").get("phase") == "Ready", 180, "pool")
-    finally:
-        operator.stop()  # each test runs (and kills) its own operator
-    yield c
+    yield c  # the operator is stopped: each test runs (and kills) its own
 
 
 def run_operator(c: Cluster) -> Any:
