@@ -242,6 +242,19 @@ class EnvironmentSpec(ApiModel):
 class DomainSpec(ApiModel):
     """One task family with its own data, verifier and weight."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.verifier) || has(self.environment)",
+                    "message": "verifier is required unless environment is set (an "
+                    "environment domain is judged by its environment)",
+                    "fieldPath": ".verifier",
+                },
+            ]
+        }
+    )
+
     name: str = Field(pattern=DNS_LABEL, max_length=63)
     """Unique within the run; used in metrics, status and storage paths."""
     dataset: str = Field(min_length=1)
@@ -249,8 +262,10 @@ class DomainSpec(ApiModel):
     .feather) task file as a path or s3://bucket/key (MinIO: the trainer's S3 settings)."""
     eval_dataset: str | None = None
     """Held-out tasks (never trained on). Builtin datasets have their own held-out split."""
-    verifier: VerifierSpec
-    """How completions in this domain are scored."""
+    verifier: VerifierSpec | None = None
+    """How completions in this domain are scored. Required unless ``environment`` is set: an
+    environment domain's reward is its environment's verdict, and a verifier given beside it
+    is not run."""
     weight: float = Field(default=1.0, ge=0)
     """Relative share of each batch's prompts (applied once, at sampling; the loss weighs every
     sequence the same); 0 keeps the domain for eval only."""
@@ -258,6 +273,15 @@ class DomainSpec(ApiModel):
     """Difficulty strata, easy to hard, matching the tasks' "difficulty" field; empty = one."""
     environment: EnvironmentSpec | None = None
     """Multi-turn episodes in an environment (agentic RL); unset = one completion per sample."""
+
+    @model_validator(mode="after")
+    def _check_scoring(self) -> DomainSpec:
+        if self.verifier is None and self.environment is None:
+            raise ValueError(
+                f"domain {self.name!r}: verifier is required unless environment is set "
+                "(an environment domain is judged by its environment)"
+            )
+        return self
 
 
 class CurriculumSpec(ApiModel):

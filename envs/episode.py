@@ -267,6 +267,17 @@ def run_episode(
                 )
                 context += previous.observation_ids
             room = max_context_tokens - len(context)
+            if room <= 0 and not episode.turns:
+                # The task's opening messages alone fill the budget: the policy never acts,
+                # so there is nothing to judge or train on. Counted as errored (reported,
+                # never scored), with the sizes, rather than scored as a failure.
+                episode.status = "errored"
+                episode.error = (
+                    f"reset: the first prompt is {len(context)} tokens, over maxContextTokens "
+                    f"{max_context_tokens}"
+                )
+                log.warning("%s task %s: %s", env.name, task.task_id, episode.error)
+                break
             if room <= 0:  # context budget spent: the observation is kept as text only
                 episode.turns[-1].observation_ids = []
                 break

@@ -64,9 +64,13 @@ def runner_url(run: TrainingRun) -> str:
 
 
 def executes_code(run: TrainingRun) -> bool:
-    """Whether any domain's verifier runs the completion (unit_tests, shell)."""
+    """Whether any domain runs model output: a verifier that executes the completion
+    (unit_tests, shell), an executing builtin dataset, or a terminal environment (its
+    commands run in the sandbox)."""
     return any(
-        (d.verifier.kind in EXECUTION_VERIFIERS) or d.dataset in EXECUTING_BUILTINS
+        (d.verifier is not None and d.verifier.kind in EXECUTION_VERIFIERS)
+        or d.dataset in EXECUTING_BUILTINS
+        or (d.environment is not None and d.environment.kind == "terminal")
         for d in run.spec.domains
     )
 

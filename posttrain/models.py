@@ -240,6 +240,7 @@ def make_tiny_model(
     num_layers: int = 2,
     hidden_size: int = 64,
     num_heads: int = 4,
+    max_positions: int = 2048,
 ) -> Path:
     """Write a randomly initialised Llama (SmolLM2's architecture) with the real tokenizer.
 
@@ -258,7 +259,7 @@ def make_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_heads,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -121,7 +121,8 @@ def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
         heldout += balanced_subset(held, limit)
-        verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
+        if domain.verifier is not None:  # an environment domain is judged by its environment
+            verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
     regression: list[Task] = []
     if spec.evaluation.regression_dataset:
         regression = load_jsonl_tasks(spec.evaluation.regression_dataset)

@@ -151,6 +151,12 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         ["stages: the rl stage must be the last one"],
     ),
     (
+        "domain-without-verifier-or-environment",
+        run_with(lambda spec: spec["domains"][0].pop("verifier")),
+        ["spec.domains[0].verifier", "verifier is required unless environment is set"],
+        ["spec.domains[0]", "verifier is required unless environment is set"],
+    ),
+    (
         "stage-two-rl",
         run_with(_set("stages", [{"name": "rl", "type": "rl"}, {"name": "rl2", "type": "rl"}])),
         ["spec.stages", "stages: at most one rl stage"],

@@ -126,3 +126,25 @@ def test_episode_through_the_real_rollout_server(tiny_model_dir: Path, tokenizer
     assert [episode.logprobs[i] for i in model_positions] == [
         lp for turn in episode.turns for lp in turn.logprobs
     ]
+
+
+def test_a_first_prompt_over_the_context_budget_is_an_errored_episode(tokenizer: Any) -> None:
+    """The policy is never asked to continue a prompt that fills the budget by itself: the
+    episode is errored with the sizes (counted, never scored), not a crash or a made-up 0."""
+    policy = ScriptedPolicy(tokenizer, [CALL])
+    chat = ChatTokens(tokenizer)
+    env = TerminalEnv(max_turns=2)
+    prompt_tokens = len(chat.prompt_ids(env.reset(TASK)))
+    env.close()
+    env = TerminalEnv(max_turns=2)
+    try:
+        episode = run_episode(
+            policy, chat, env, TASK, SamplingParams(max_tokens=8), max_context_tokens=prompt_tokens
+        )
+    finally:
+        env.close()
+    assert policy.contexts == [] and episode.turns == []
+    assert episode.status == "errored"
+    assert f"first prompt is {prompt_tokens} tokens, over maxContextTokens {prompt_tokens}" in (
+        episode.error
+    )

@@ -144,3 +144,80 @@ def test_training_loop_plays_bfcl_episodes(tmp_path: Path, tiny_model_dir: Path)
     for item in final["items"]:
         if "could not be parsed" in item["completion"]:
             assert "[model turn 2]" in item["completion"]
+
+
+@pytest.mark.slow  # a real server process and two training steps on the tiny model
+def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
+    """BFCL multi-turn items through the loop: episodes on BFCL's executable backends are
+    sampled, judged by BFCL's multi-turn checks, recorded and evaluated per environment.
+
+    BFCL's multi-turn prompts (system prompt + the involved classes' function docs) are
+    4.4k-9.6k tokens, so the run takes the two shortest items as a JSONL task file and a tiny
+    model with 8k positions."""
+    from posttrain.api import TrainingRunSpec
+    from posttrain.envs import bfcl_multi_turn
+    from posttrain.models import make_tiny_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.storage.store import LocalStore
+    from posttrain.storage.trajectories import read_trajectories
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.server_process import LocalRolloutServer
+
+    model = make_tiny_model(tmp_path / "model", seed=0, max_positions=8192)
+    shortest = sorted(
+        bfcl_multi_turn.task_records(),
+        key=lambda r: (len(r["involved_classes"]), len(json.dumps(r))),
+    )[:2]
+    tasks = tmp_path / "bfcl-mt.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in shortest))
+    spec = TrainingRunSpec.model_validate(
+        {
+            "model": str(model),
+            "algorithm": {
+                "groupSize": 2,
+                "promptsPerStep": 2,
+                "maxSteps": 2,
+                "learningRate": 1e-3,
+                "maxNewTokens": 6,
+                "microBatchSize": 2,
+                "dynamicSampling": False,
+                "seed": 1,
+            },
+            "domains": [
+                {  # no verifier: an environment domain is judged by its environment
+                    "name": "bfcl-mt",
+                    "dataset": str(tasks),
+                    "evalDataset": str(tasks),
+                    "environment": {
+                        "kind": "bfcl_multi_turn",
+                        "maxTurns": 2,
+                        "maxContextTokens": 8000,
+                    },
+                }
+            ],
+            "curriculum": {"enabled": False},
+            "evaluation": {"everySteps": 2, "maxItemsPerDomain": 2},
+            "checkpoint": {"everySteps": 2, "keepLast": 1},
+        }
+    )
+    out = tmp_path / "run"
+    with LocalRolloutServer(spec.model, out / "server.log") as server:
+        client = RolloutClient([server.url], timeout_s=600, max_in_flight=4)
+        try:
+            result = train(spec, out, client)
+        finally:
+            client.close()
+    assert result.steps_done == 2
+    assert [m["step"] for m in load_metrics(out)] == [1, 2]
+    records = list(read_trajectories(LocalStore(out), "trajectories"))
+    assert len(records) == 2 * 2 * 2  # steps x prompts x group
+    for record in records:
+        assert record["verifier"]["kind"] == "env:bfcl_multi_turn", record["verifier"]
+        assert record["verifier"]["details"]["status"] in {"done", "truncated"}, record
+    final = json.loads((out / "eval" / "heldout_step0002.json").read_text())
+    assert final["counts"] == {"bfcl-mt": 2}
+    agent: dict[str, Any] = final["agent"]["bfcl-mt"]
+    assert agent["episodes"] == 2 and agent["errored"] == 0 and 1 <= agent["mean_turns"] <= 2
+    # A random tiny model makes no call BFCL accepts: its turns are judged and fail.
+    assert all(item["reward"] == 0.0 for item in final["items"])

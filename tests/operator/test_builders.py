@@ -376,6 +376,32 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
 CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}}
 
 
+def test_a_terminal_environment_runs_model_output_so_the_run_gets_a_runner() -> None:
+    """A terminal environment's commands run in the sandbox, verifier or not; a
+    function-calling one runs nothing (BFCL's checker judges in the trainer)."""
+    from posttrain.operator import sandbox_runner as sr
+
+    terminal = {
+        "name": "shell",
+        "dataset": "tasks.jsonl",
+        "environment": {"kind": "terminal", "maxTurns": 4},
+    }
+    tools = {
+        "name": "tools",
+        "dataset": "builtin:bfcl_simple_python",
+        "environment": {"kind": "function_calling"},
+    }
+    assert sr.executes_code(make_run(domains=[terminal], sandbox={"mode": "runner"}))
+    assert not sr.executes_code(make_run(domains=[tools], sandbox={"mode": "runner"}))
+    kinds = [
+        c["kind"]
+        for c in b.build_trainer_children(
+            make_run(domains=[terminal], sandbox={"mode": "runner"}), CONFIG
+        )
+    ]
+    assert "Deployment" in kinds and "Service" in kinds
+
+
 def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     from posttrain.operator import sandbox_runner as sr
 
