@@ -12,6 +12,8 @@ from typing import Final
 # Trainer pods.
 ROLLOUT_ENDPOINTS: Final = "POSTTRAIN_ROLLOUT_ENDPOINTS"  # comma-separated rollout URLs
 ROLLOUT_POOL: Final = "POSTTRAIN_ROLLOUT_POOL"  # spec.rollout.pool: discover its replicas
+# The pool's serving dtype (bfloat16, float16, float32): the trainer publishes weights in it.
+ROLLOUT_DTYPE: Final = "POSTTRAIN_ROLLOUT_DTYPE"
 RUN_NAME: Final = "POSTTRAIN_RUN_NAME"  # the TrainingRun (status reports, discovery)
 RUN_NAMESPACE: Final = "POSTTRAIN_RUN_NAMESPACE"
 SANDBOX_RUNNER_URL: Final = "POSTTRAIN_SANDBOX_RUNNER_URL"  # the run's own sandbox runner

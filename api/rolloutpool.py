@@ -36,7 +36,8 @@ class EngineArgs(ApiModel):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     """Share of GPU memory vLLM may use (--gpu-memory-utilization)."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Weights/activation dtype (--dtype)."""
+    """Weights/activation dtype (--dtype); a TrainingRun on this pool publishes its weights in
+    it (auto: in the trainer's own dtype)."""
     speculative: SpeculativeDecoding | None = None
     """Speculative decoding; off when absent."""
     extra_args: list[str] = Field(default_factory=list)

@@ -319,6 +319,7 @@ def build_trainer_pod(
     rank: int,
     rollout_endpoints: Sequence[str] = (),
     head_host: str | None = None,
+    rollout_dtype: str | None = None,
 ) -> Manifest:
     """One pod of the trainer gang: node ``rank`` of ``spec.resources.nodes``.
 
@@ -331,6 +332,8 @@ def build_trainer_pod(
     (``MASTER_ADDR:MASTER_PORT``) orders the nodes by ``POSTTRAIN_NODE_RANK``.
     ``head_host`` (the RayCluster path, KubeRay's head Service) makes rank 0 a Ray head
     running the trainer as the Ray driver and the other pods Ray workers.
+    ``rollout_dtype`` is the pool's serving dtype (:func:`pool_serving_dtype`): the trainer
+    publishes weights in it, so replicas read no more bytes than they keep.
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
@@ -373,6 +376,8 @@ def build_trainer_pod(
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
         if run.spec.rollout.pool:
             env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
+        if rollout_dtype:
+            env.append({"name": ROLLOUT_DTYPE_ENV, "value": rollout_dtype})
     if on_ray:
         env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
@@ -583,6 +588,7 @@ def build_ray_cluster(
     config: OperatorConfig,
     incarnation: int,
     rollout_endpoints: Sequence[str] = (),
+    rollout_dtype: str | None = None,
 ) -> Manifest:
     """One KubeRay RayCluster for a multi-node gang: a head group that runs Ray's GCS and then
     the trainer, and one worker group of ``nodes - 1`` Ray workers.
@@ -596,8 +602,12 @@ def build_ray_cluster(
     if nodes < 2:
         raise BuildError(f"a RayCluster is only built for nodes > 1, got nodes={nodes}")
     host = ray_head_host(run, incarnation)
-    head_pod = build_trainer_pod(run, config, incarnation, 0, rollout_endpoints, head_host=host)
-    worker_pod = build_trainer_pod(run, config, incarnation, 1, rollout_endpoints, head_host=host)
+    head_pod = build_trainer_pod(
+        run, config, incarnation, 0, rollout_endpoints, head_host=host, rollout_dtype=rollout_dtype
+    )
+    worker_pod = build_trainer_pod(
+        run, config, incarnation, 1, rollout_endpoints, head_host=host, rollout_dtype=rollout_dtype
+    )
     head = _pod_template(head_pod)
     # KubeRay's head Service exposes the head container's ports: GCS and torch.distributed.
     head["spec"]["containers"][0]["ports"] = [
@@ -665,11 +675,37 @@ def selector_string(labels: dict[str, str]) -> str:
 # Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
 ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
 ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
+ROLLOUT_DTYPE_ENV = env.ROLLOUT_DTYPE
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
     """In-cluster base URL of the pool's Service."""
     return f"http://{pool.metadata.name}.{pool.metadata.namespace}.svc:{pool.spec.port}"
+
+
+def pool_serving_dtype(pool: RolloutPool) -> str | None:
+    """The dtype the pool's replicas hold their weights in, when the spec fixes it.
+
+    A trainer publishing fp32 master weights to a bf16 pool moves twice the bytes each step
+    and every replica casts them down anyway, so the trainer publishes in this dtype. vLLM
+    serves ``engineArgs.dtype``; ``auto`` is decided by vLLM from the model's config, which
+    the operator does not read: None (the trainer publishes in its own compute dtype). The
+    cpu engine holds float32 whatever it is sent and takes any dtype: None too (the
+    trainer's compute dtype is never more bytes than float32).
+
+    >>> from posttrain.api import RolloutPool
+    >>> def pool(**spec):
+    ...     return RolloutPool.model_validate({"metadata": {"name": "p"},
+    ...                                        "spec": {"model": "m", **spec}})
+    >>> pool_serving_dtype(pool(engineArgs={"dtype": "bfloat16"}))
+    'bfloat16'
+    >>> pool_serving_dtype(pool()), pool_serving_dtype(pool(engine="cpu"))
+    (None, None)
+    """
+    if pool.spec.engine != "vllm":
+        return None
+    dtype = pool.spec.engine_args.dtype
+    return None if dtype == "auto" else dtype
 
 
 # A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the

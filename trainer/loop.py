@@ -60,7 +60,7 @@ from posttrain.trainer.status import (
     RunStatus,
     StatusReporter,
 )
-from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host
+from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host, serving_dtype
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +385,7 @@ class Run:
             client,
             self.scratch,
             shared=all_on_this_host(getattr(client, "urls", [])),
+            dtype=serving_dtype(),  # the pool's, set by the operator (None: ours)
         )
         # Every scored sample goes to durable storage for later analysis and audits.
         self.trajectories = TrajectoryWriter(

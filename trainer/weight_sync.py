@@ -25,15 +25,18 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import logging
+import os
 import shutil
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 from prometheus_client import Counter, Histogram
 
+from posttrain.api import env
 from posttrain.telemetry import get_tracer
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,47 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback  # 127.0.0.0/8, ::1
     except ValueError:  # a DNS name: another host, as far as we can tell
         return False
+
+
+SERVING_DTYPES = ("bfloat16", "float16", "float32")  # api EngineArgs.dtype, less "auto"
+
+
+def serving_dtype(environ: Mapping[str, str] = os.environ) -> Any | None:
+    """The rollout pool's serving dtype the operator put in ``$POSTTRAIN_ROLLOUT_DTYPE``, as
+    a torch dtype; None when unset (local runs, explicit endpoints, ``dtype: auto``).
+
+    A bad value fails the run at start, naming the variable, rather than publishing every
+    step in a dtype the replicas do not hold.
+
+    >>> serving_dtype({"POSTTRAIN_ROLLOUT_DTYPE": "bfloat16"})
+    torch.bfloat16
+    >>> serving_dtype({}) is None
+    True
+    >>> serving_dtype({"POSTTRAIN_ROLLOUT_DTYPE": "bf16"})
+    Traceback (most recent call last):
+    ...
+    ValueError: $POSTTRAIN_ROLLOUT_DTYPE is 'bf16'; expected one of bfloat16, float16, float32
+    """
+    import torch
+
+    value = environ.get(env.ROLLOUT_DTYPE, "").strip()
+    if not value:
+        return None
+    if value not in SERVING_DTYPES:
+        raise ValueError(
+            f"${env.ROLLOUT_DTYPE} is {value!r}; expected one of {', '.join(SERVING_DTYPES)}"
+        )
+    return getattr(torch, value)
+
+
+def dtype_name(dtype: Any) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the names of api EngineArgs.dtype).
+
+    >>> import torch
+    >>> dtype_name(torch.float32)
+    'float32'
+    """
+    return str(dtype).removeprefix("torch.")
 
 
 def shareable_state_dict(model: Any, dtype: Any | None = None) -> dict[str, Any]:
@@ -144,20 +188,26 @@ class WeightPublisher:
             local = self._write(policy, version, weights_only=weights_only)
             if local is None:  # not rank 0: it only took part in the gathers
                 return
+            # The manifest names the dtype written, so a replica's operator can check it.
+            written = self.dtype or getattr(policy, "export_dtype", None)
+            metadata = {"dtype": dtype_name(written)} if written is not None else {}
+            span.set_attribute("weights.dtype", metadata.get("dtype", "unknown"))
             if self.shared_dir is None:
-                self._publish_registry(local, version, load=True)
+                self._publish_registry(local, version, load=True, metadata=metadata)
                 shutil.rmtree(local, ignore_errors=True)
             elif not self._load_shared(local, version):
-                self._publish_registry(local, version, load=True)  # before tmpfs is emptied
+                # before tmpfs is emptied
+                self._publish_registry(local, version, load=True, metadata=metadata)
                 self._stop_sharing()
             elif durable:
-                self._publish_registry(local, version, load=False)
+                self._publish_registry(local, version, load=False, metadata=metadata)
             span.set_attribute("weights.transport", self.transport)
             span.set_attribute("weights.bytes", self.last_bytes)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
         PUBLISH_BYTES.labels(self.transport).inc(self.last_bytes)
-        log.info("published weights v%d: %.1f MB in %.2fs (%s)", version, self.last_bytes / 1e6,
-                 time.monotonic() - started, self.transport)  # fmt: skip
+        log.info("published weights v%d: %.1f MB in %.2fs (%s, %s)", version,
+                 self.last_bytes / 1e6, time.monotonic() - started, self.transport,
+                 dtype_name(self.dtype) if self.dtype is not None else "trainer dtype")  # fmt: skip
 
     def close(self) -> None:
         self._stop_sharing()
@@ -195,8 +245,10 @@ class WeightPublisher:
                 shutil.rmtree(old, ignore_errors=True)
         return True
 
-    def _publish_registry(self, local: Path, version: int, *, load: bool) -> None:
-        manifest = self.registry.publish(version, local)
+    def _publish_registry(
+        self, local: Path, version: int, *, load: bool, metadata: dict[str, Any] | None = None
+    ) -> None:
+        manifest = self.registry.publish(version, local, metadata)
         self.last_bytes += int(getattr(manifest, "total_bytes", 0))
         self.durable_versions.append(version)
         if load:

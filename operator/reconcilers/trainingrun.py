@@ -102,14 +102,21 @@ class TrainingRunReconciler:
             if plan.ensure_children:
                 self._ensure_children(run, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
-            endpoints = self._rollout_endpoints(run) if creates else []
+            pool = self._rollout_pool(run) if creates else None
+            endpoints = [b.pool_endpoint(pool)] if pool is not None else []
+            dtype = b.pool_serving_dtype(pool) if pool is not None else None
             if creates:
                 run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
             if plan.create_ray_cluster:
-                self._create_ray_cluster(run, plan.incarnation, endpoints)
+                self._create_ray_cluster(run, plan.incarnation, endpoints, dtype)
             for rank in plan.create_ranks:
                 manifest = b.build_trainer_pod(
-                    run, state.config, plan.incarnation, rank, rollout_endpoints=endpoints
+                    run,
+                    state.config,
+                    plan.incarnation,
+                    rank,
+                    rollout_endpoints=endpoints,
+                    rollout_dtype=dtype,
                 )
                 state.trainer_pods.put(state.create(KIND, manifest))
             state.patch_status(state.runs, body, plan.status_patch)
@@ -158,9 +165,13 @@ class TrainingRunReconciler:
             return None  # no gang will start: no discovery needed
         return [] if self.kuberay.installed(fresh=True) else None
 
-    def _create_ray_cluster(self, run: TrainingRun, incarnation: int, endpoints: list[str]) -> None:
+    def _create_ray_cluster(
+        self, run: TrainingRun, incarnation: int, endpoints: list[str], dtype: str | None
+    ) -> None:
         state = self.state
-        manifest = b.build_ray_cluster(run, state.config, incarnation, rollout_endpoints=endpoints)
+        manifest = b.build_ray_cluster(
+            run, state.config, incarnation, rollout_endpoints=endpoints, rollout_dtype=dtype
+        )
         try:
             state.ray_clusters.put(state.create(KIND, manifest))
         except KubeError as exc:
@@ -168,12 +179,13 @@ class TrainingRunReconciler:
                 self.kuberay.forget()  # the CRD went away: rediscover before the next try
             raise
 
-    def _rollout_endpoints(self, run: TrainingRun) -> list[str]:
-        """The Service URL of spec.rollout.pool, when the pool exists (else none: the trainer
-        then fails with a message that names the missing endpoints)."""
+    def _rollout_pool(self, run: TrainingRun) -> RolloutPool | None:
+        """spec.rollout.pool, when the run samples from one and it exists (else None: the
+        trainer then fails with a message that names the missing endpoints). Its Service
+        URL and serving dtype go into the trainer pods' environment."""
         pool_name = run.spec.rollout.pool
         if not pool_name or run.spec.rollout.endpoints:
-            return []
+            return None
         body = self.state.pools.get(run.metadata.namespace, pool_name) or self.state.kube.get(
             API_VERSION, "RolloutPool", run.metadata.namespace, pool_name
         )
@@ -184,8 +196,8 @@ class TrainingRunReconciler:
                 run.metadata.name,
                 pool_name,
             )
-            return []
-        return [b.pool_endpoint(RolloutPool.model_validate(body))]
+            return None
+        return RolloutPool.model_validate(body)
 
     def _ensure_children(self, run: TrainingRun, ray_cluster: bool = False) -> None:
         """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""

@@ -67,6 +67,13 @@ class MinioServer:
                 "MINIO_ROOT_PASSWORD": self.secret_key,
                 "MINIO_BROWSER": "off",
                 "MINIO_UPDATE": "off",
+                # MinIO takes a drive offline when it does not answer within 30 s; with one
+                # drive every request then fails ("listPathRaw: 0 drives provided") until a
+                # health check brings it back. On a dev machine whose disk stalls under a
+                # neighbour's checkpoint writes that turned a slow disk into failed runs: a
+                # slow drive stays a slow drive here.
+                "_MINIO_DRIVE_ACTIVE_MONITORING": "off",
+                "MINIO_DRIVE_MAX_TIMEOUT": "10m",
             },
         )
         self.process.start(timeout_s)

@@ -17,13 +17,19 @@ log = logging.getLogger(__name__)
 
 
 def _transient(exc: Exception) -> bool:
-    """An apiserver answer worth asking again: 5xx (a 504 under load), 429, no connection."""
+    """An answer worth asking again: the apiserver's 5xx (a 504 under load) or 429, no
+    connection, MinIO not answering within its retry budget (a stalled disk)."""
     import urllib3
     from kubernetes.client.exceptions import ApiException
 
+    from posttrain.storage.errors import StorageUnreachableError
+
     if isinstance(exc, ApiException):
         return exc.status is not None and (exc.status >= 500 or exc.status == 429)
-    return isinstance(exc, urllib3.exceptions.HTTPError | ConnectionError | TimeoutError)
+    return isinstance(
+        exc,
+        urllib3.exceptions.HTTPError | ConnectionError | TimeoutError | StorageUnreachableError,
+    )
 
 
 def wait_logged(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:

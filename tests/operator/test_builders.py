@@ -373,6 +373,39 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
     assert b.ROLLOUT_ENDPOINTS_ENV not in names
 
 
+def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
+    """A bf16 vLLM pool: the trainer pods (plain gang and RayCluster) are told to publish
+    bf16; ``auto`` and the cpu engine leave the trainer's own dtype."""
+    from posttrain.trainer.weight_sync import serving_dtype
+
+    pool = make_pool(engine="vllm", engineArgs={"dtype": "bfloat16"})
+    dtype = b.pool_serving_dtype(pool)
+    assert dtype == "bfloat16"
+    run = make_run(rollout={"pool": "pool"})
+    url = [b.pool_endpoint(pool)]
+    pod = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url, rollout_dtype=dtype)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env[b.ROLLOUT_DTYPE_ENV] == "bfloat16"
+    assert str(serving_dtype(env)) == "torch.bfloat16"  # what the trainer then reads
+    ray = b.build_ray_cluster(
+        make_run(rollout={"pool": "pool"}, resources={"nodes": 2}),
+        CONFIG,
+        0,
+        rollout_endpoints=url,
+        rollout_dtype=dtype,
+    )
+    groups = [ray["spec"]["headGroupSpec"], *ray["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        group_env = {
+            e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]
+        }
+        assert group_env[b.ROLLOUT_DTYPE_ENV] == "bfloat16"
+    assert b.pool_serving_dtype(make_pool(engine="vllm")) is None  # auto: vLLM decides
+    assert b.pool_serving_dtype(make_pool(engine="cpu", engineArgs={"dtype": "bfloat16"})) is None
+    plain = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url)
+    assert b.ROLLOUT_DTYPE_ENV not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
+
+
 CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}}
 
 

@@ -232,13 +232,20 @@ def test_trainer_pod_is_pointed_at_its_rollout_pool(
         {
             "kind": "RolloutPool",
             "metadata": {"name": "gen"},
-            "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "port": 8011},
+            "spec": {
+                "model": "smollm2-135m-instruct",
+                "engine": "vllm",
+                "engineArgs": {"dtype": "bfloat16"},
+                "port": 8011,
+            },
         },
     )
     create_cr(kube, "trainingruns", namespace, run_body("r-pool", rollout={"pool": "gen"}))
     pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "r-pool-g0-0"), what="trainer pod")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["POSTTRAIN_ROLLOUT_ENDPOINTS"] == f"http://gen.{namespace}.svc:8011"
+    assert env["POSTTRAIN_ROLLOUT_POOL"] == "gen"
+    assert env["POSTTRAIN_ROLLOUT_DTYPE"] == "bfloat16"  # publish in the pool's serving dtype
 
 
 def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_step(

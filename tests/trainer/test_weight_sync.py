@@ -3,6 +3,7 @@ in-process rollout server on a tiny model over real HTTP."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -106,6 +107,11 @@ def test_registry_publish_in_serving_dtype_halves_the_bytes(
     with safe_open(str(tmp_path / "run" / "weights" / "v00000002" / "model.safetensors"),
                    "pt") as handle:  # fmt: skip
         assert {handle.get_tensor(k).dtype for k in handle.keys()} == {torch.bfloat16}  # noqa: SIM118
+    manifests = {  # each version records the dtype it was written in
+        v: json.loads((tmp_path / "run" / "weights" / f"v0000000{v}" / "manifest.json").read_text())
+        for v in (1, 2)
+    }
+    assert [manifests[v]["metadata"]["dtype"] for v in (1, 2)] == ["float32", "bfloat16"]
     prompt = policy.encode_prompt("What is 1 + 2?")
     (completion,) = client.generate([prompt], SamplingParams(n=1, max_tokens=5, seed=7))[0]
     assert completion.weight_version == 2

@@ -12,7 +12,8 @@ Deployment stand-in replaces it; the replacement pulls the latest committed vers
 it reports ready (pull on join), and the run still trains every step at the version it
 published. The test checks the reward recorded per step, the version stamped on every
 sample, that the surviving replica served every version, and that at the end both report
-the final version in the pool's status.
+the final version in the pool's status. The trainer publishes in the pool's serving dtype
+(the operator hands ``engineArgs.dtype`` to the trainer pod; the manifests record it).
 
 Sized for 2 shared cores: 3 steps of 2 prompts x 2 samples of 8 tokens, 256 MiB of KV
 cache per replica. Every wait is on a condition with a generous deadline and progress
@@ -62,6 +63,7 @@ pytestmark = [
 ]
 
 RUN, POOL = "vrun", "vpool"
+DTYPE = "float32"  # SmolLM2's converted weights; CPU bf16 needs AVX512-BF16, not on every CI
 STEPS, PROMPTS, GROUP_SIZE = 3, 2, 2
 BOOT_S = 2400.0  # one vLLM replica's start-up on a loaded 2-core machine, with margin
 
@@ -78,7 +80,7 @@ def pool_body(model_dir: Path, weights_uri: str) -> dict[str, Any]:
             "engine": "vllm",
             "port": free_port(),
             "engineArgs": {
-                "dtype": "float32",  # SmolLM2's converted weights; CPU bf16 needs AVX512-BF16
+                "dtype": DTYPE,
                 "maxModelLen": 512,
                 "extraArgs": [
                     "--enforce-eager",
@@ -187,6 +189,22 @@ def run_store(minio_server: MinioServer, c: Cluster) -> S3Store:
     )
 
 
+def safetensors_dtypes(store: S3Store, key: str) -> set[str]:
+    """The tensor dtypes a published safetensors file declares, read from its header (the
+    first bytes: an 8-byte little-endian length, then that much JSON) without the tensors."""
+    head = b""
+    chunks = store.iter_chunks(key, chunk_size=1 << 16)
+    try:
+        for chunk in chunks:
+            head += chunk
+            if len(head) >= 8 and len(head) >= 8 + int.from_bytes(head[:8], "little"):
+                break
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+    header = json.loads(head[8 : 8 + int.from_bytes(head[:8], "little")])
+    return {t["dtype"] for name, t in header.items() if name != "__metadata__"}
+
+
 def served_versions(log_text: str) -> list[int]:
     """Versions a front door loaded, in order (its "now serving weights vN" lines)."""
     return [int(v) for v in re.findall(r"vLLM now serving weights v(\d+) from", log_text)]
@@ -210,6 +228,18 @@ def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(
     store = run_store(minio_server, c)
     registry = WeightRegistry(store, "weights")
     c.create("trainingruns", run_body())
+    # The operator tells the trainer the pool's serving dtype, to publish in.
+    trainer = wait_logged(
+        lambda: next(
+            (p for p in c.core.list_namespaced_pod(c.namespace).items
+             if p.metadata.name.startswith(f"{RUN}-g")),
+            None,
+        ),
+        BOOT_S,
+        "the trainer pod",
+    )  # fmt: skip
+    trainer_env = {e.name: e.value for e in trainer.spec.containers[0].env}
+    assert trainer_env["POSTTRAIN_ROLLOUT_DTYPE"] == DTYPE, trainer_env
 
     # Kill one replica as soon as v1 is committed to the registry: the trainer is then
     # loading it onto the replicas (or has), so the kill can land in the middle of a load.
@@ -251,6 +281,16 @@ def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(
     )
     assert pool["weightVersion"] == STEPS, pool
     assert sorted(r["endpoint"] for r in pool["replicaWeights"]) == pool["replicaEndpoints"]
+
+    # The last version went out in the pool's serving dtype, as its manifest records.
+    prefix = f"weights/v{STEPS:08d}"
+    manifest = json.loads(store.get_bytes(f"{prefix}/manifest.json"))
+    assert manifest["metadata"]["dtype"] == DTYPE, manifest
+    tensors = [f["path"] for f in manifest["files"] if f["path"].endswith(".safetensors")]
+    assert tensors, manifest
+    safetensors_name = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[DTYPE]
+    for name in tensors:
+        assert safetensors_dtypes(store, f"{prefix}/{name}") == {safetensors_name}, name
 
     # The reward of every step, each step trained at the version it published.
     metrics = [
