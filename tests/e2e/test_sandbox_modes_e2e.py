@@ -331,13 +331,14 @@ def test_task_mode_verifies_with_sandbox_tasks_and_scores_like_the_local_executo
     assert len(pods) >= len(records), [p.name for p in pods]
     # The trainer deletes each task once it read its result (TTL is only the fallback).
     wait_logged(
-        lambda: not cluster.custom.list_namespaced_custom_object(
-            "posttrain.io", "v1alpha1", cluster.namespace, "sandboxtasks"
-        )["items"],
+        lambda: (
+            not cluster.custom.list_namespaced_custom_object(
+                "posttrain.io", "v1alpha1", cluster.namespace, "sandboxtasks"
+            )["items"]
+        ),
         1800,
         "the run's SandboxTasks deleted",
     )
-
 
 
 class OutageAfterStep1(Executor):
