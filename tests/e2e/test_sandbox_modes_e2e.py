@@ -94,9 +94,15 @@ def cluster(
     minio_server: MinioServer,
     agent: NodeAgent,
     namespace: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Cluster]:
     """As test_trainingrun_e2e's, plus sandbox artifact storage (task mode reads the
-    program's output from the log its pod stores there)."""
+    program's output from the log its pod stores there). The operator signs the upload URLs
+    with its own S3 client, which reads POSTTRAIN_S3_ENDPOINT and the keys from its
+    environment (the chart's operator ConfigMap sets them): the in-process operator gets the
+    session MinIO's. Without them every SandboxTask ran without a stored log."""
+    for key, value in minio_server.env().items():
+        monkeypatch.setenv(key, value)
     bucket = f"e2e-{namespace}"
     minio = minio_server.client()
     if not minio.bucket_exists(bucket):
