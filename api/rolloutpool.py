@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta
+from .modelref import parse_pvc_ref
 
 PoolPhase = Literal["Pending", "Ready", "Degraded", "Updating"]
 
@@ -45,14 +46,14 @@ class EngineArgs(ApiModel):
 
 
 class WeightUpdatePolicy(ApiModel):
-    """How new policy weights published by the trainer reach the servers."""
+    """How new policy weights published by the trainer reach the servers: always in place
+    (each replica's front door loads a version between requests; see docs/rollout.md). There
+    is no strategy to choose: restarting replicas for every weight version (once per step)
+    would drop their KV cache and take minutes per version."""
 
     source_uri: str | None = None
     """Prefix where the trainer publishes weights/vNNNNNNNN (s3://...); replicas load the latest
     before reporting ready."""
-    strategy: Literal["in_place", "rolling"] = "in_place"
-    """in_place: each replica swaps weights between decode steps (no dropped requests);
-    rolling: replace pods one at a time."""
     poll_seconds: float = Field(default=5.0, gt=0)
     """How often an idle replica checks for a newer version."""
 
@@ -71,7 +72,8 @@ class RolloutPoolSpec(ApiModel):
     """Desired state of a RolloutPool."""
 
     model: str = Field(min_length=1)
-    """Model served at start: packaged id, s3:// URI, pvc:// path or HF-format local path."""
+    """Model served at start: packaged id, s3:// URI, pvc://claim/path (the operator mounts the
+    claim read-only in the replicas) or HF-format local path."""
     served_model_name: str | None = None
     """Name clients use in requests; defaults to the pool name."""
     replicas: int = Field(default=1, ge=0, le=1024)
@@ -88,6 +90,12 @@ class RolloutPoolSpec(ApiModel):
     """Server image; defaults to the operator's configured vLLM (or posttrain) image."""
     port: int = Field(default=8000, ge=1, le=65535)
     """HTTP port of the OpenAI-compatible API."""
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, model: str) -> str:
+        parse_pvc_ref(model)  # a malformed pvc:// reference is a spec error
+        return model
 
 
 class ReplicaWeights(ApiModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .base import (
     CONDITIONS_FIELD,
@@ -20,6 +20,7 @@ from .base import (
     ObjectMeta,
     VerifierSpec,
 )
+from .modelref import parse_pvc_ref
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
@@ -501,8 +502,8 @@ class TrainingRunSpec(ApiModel):
             ]
         },
     )
-    """Base model: a packaged id (smollm2-135m-instruct), s3://bucket/path, pvc://claim/path or a
-    local path. Immutable."""
+    """Base model: a packaged id (smollm2-135m-instruct), s3://bucket/path, pvc://claim/path (the
+    operator mounts the claim read-only in the run's pods) or a local path. Immutable."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """Objective and hyper-parameters."""
     domains: list[DomainSpec] = Field(
@@ -559,6 +560,12 @@ class TrainingRunSpec(ApiModel):
     """Fail the run after this long since it started."""
     backoff_limit: int = Field(default=3, ge=0, le=100)
     """Trainer restarts (from the last checkpoint) before the run fails."""
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, model: str) -> str:
+        parse_pvc_ref(model)  # a malformed pvc:// reference is a spec error
+        return model
 
     @model_validator(mode="after")
     def _check(self) -> TrainingRunSpec:

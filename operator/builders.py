@@ -37,6 +37,7 @@ from posttrain.api.labels import (
     LABEL_TASK,
     MANAGED_BY,
 )
+from posttrain.api.modelref import PVC_MODEL_VOLUME, parse_pvc_ref
 
 from . import evaluator, sandbox_runner
 from .config import OperatorConfig
@@ -170,6 +171,34 @@ def run_storage_uri(run: TrainingRun, config: OperatorConfig) -> str:
     return run.spec.checkpoint.storage_uri or (
         f"s3://{config.s3_bucket}/runs/{run.metadata.namespace}/{run.metadata.name}"
     )
+
+
+def mount_model_claim(model: str, pod_spec: Manifest, containers: Sequence[Manifest]) -> None:
+    """``model`` = ``pvc://CLAIM/PATH``: the claim, read-only, at ``/mnt/pvc/CLAIM`` in each of
+    ``containers`` (those that resolve the model; ``posttrain.models`` reads it there).
+    Read-only because every replica and every run may share one claim of base models.
+
+    >>> spec = {"containers": [{"name": "c"}]}
+    >>> mount_model_claim("pvc://models/smollm2", spec, spec["containers"])
+    >>> spec["volumes"], spec["containers"][0]["volumeMounts"]
+    ([{'name': 'model-pvc', 'persistentVolumeClaim': {'claimName': 'models', 'readOnly': True}}], [{'name': 'model-pvc', 'mountPath': '/mnt/pvc/models', 'readOnly': True}])
+    """
+    try:
+        ref = parse_pvc_ref(model)
+    except ValueError as exc:
+        raise BuildError(str(exc)) from exc
+    if ref is None:
+        return
+    pod_spec.setdefault("volumes", []).append(
+        {
+            "name": PVC_MODEL_VOLUME,
+            "persistentVolumeClaim": {"claimName": ref.claim, "readOnly": True},
+        }
+    )
+    for container in containers:
+        container.setdefault("volumeMounts", []).append(
+            {"name": PVC_MODEL_VOLUME, "mountPath": ref.mount_path, "readOnly": True}
+        )
 
 
 def trainer_names(run: TrainingRun) -> dict[str, str]:
@@ -414,6 +443,7 @@ def build_trainer_pod(
             {"name": "workspace", "emptyDir": {}},
         ],
     }
+    mount_model_claim(run.spec.model, pod_spec, pod_spec["containers"])
     if nodes > 1:
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
@@ -818,6 +848,9 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             # message the operator puts in the pool's Ready condition.
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }]  # fmt: skip
+    mount_model_claim(
+        spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
+    )  # the fetch-model step links /models/current into the claim: both need it
     if gpus:
         pod_spec.setdefault("volumes", []).append(
             {"name": "dshm", "emptyDir": {"medium": "Memory"}}

@@ -94,6 +94,7 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
         _s3_env,
         _schedule,
         child_metadata,
+        mount_model_claim,
         otlp_env,
         scrape_annotations,
         trainer_names,
@@ -130,6 +131,7 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
             {"name": "workspace", "emptyDir": {}},
         ],
     }
+    mount_model_claim(run.spec.model, pod_spec, [container])  # it scores the base model too
     _schedule(
         pod_spec,
         config,

@@ -10,6 +10,8 @@ turns any supported reference into such a directory without ever touching the ne
   never leaves a half-written cache that later runs would trust).
 * a local directory path or ``file://`` URI -- used as is (it must already be HF-format).
 * ``s3://bucket/prefix`` -- downloaded through :mod:`posttrain.storage` into the cache.
+* ``pvc://claim/path`` -- read in place where the operator mounted the claim (read-only,
+  under ``/mnt/pvc/<claim>``); see :mod:`posttrain.api.modelref`.
 
 :func:`make_tiny_model` builds a 2-layer model of the same architecture with the real
 tokenizer, so tests exercise real code paths in seconds.
@@ -66,7 +68,8 @@ def is_hf_model_dir(path: Path) -> bool:
 
 
 def resolve_model(ref: str, *, progress: bool = True) -> Path:
-    """Return a local HF-format directory for ``ref`` (packaged id, path, file:// or s3://).
+    """Return a local HF-format directory for ``ref`` (packaged id, path, file://, s3:// or
+    pvc://, the last only in a pod the operator mounted the claim into).
 
     Raises :class:`UsageError` naming the reference and the accepted forms when it cannot be
     resolved, because a typo in a TrainingRun spec should read as a spec error.
@@ -76,6 +79,8 @@ def resolve_model(ref: str, *, progress: bool = True) -> Path:
         return _resolve_packaged(ref, progress=progress)
     if ref.startswith("s3://"):
         return _resolve_s3(ref, progress=progress)
+    if ref.startswith("pvc://"):
+        return _resolve_pvc(ref)
     path = Path(ref.removeprefix("file://")).expanduser()
     if path.is_dir():
         if not is_hf_model_dir(path):
@@ -87,8 +92,38 @@ def resolve_model(ref: str, *, progress: bool = True) -> Path:
         return path.resolve()
     raise UsageError(
         f"cannot resolve model {ref!r}: not a packaged id ({', '.join(PACKAGED_MODELS)}), "
-        "not an existing local directory, and not an s3:// URI"
+        "not an existing local directory, and not an s3:// or pvc:// URI"
     )
+
+
+def _resolve_pvc(ref: str) -> Path:
+    """``pvc://CLAIM/PATH``: the directory where the operator mounted the claim in this pod.
+
+    >>> _resolve_pvc("pvc://no-such-claim/m")
+    Traceback (most recent call last):
+    ...
+    posttrain.errors.UsageError: model 'pvc://no-such-claim/m': /mnt/pvc/no-such-claim/m is not here; a pvc:// model is read where the operator mounts PersistentVolumeClaim no-such-claim (read-only at /mnt/pvc/no-such-claim) in a run's or pool's pods; outside such a pod use a local path or an s3:// URI
+    """
+    from posttrain.api.modelref import parse_pvc_ref
+
+    try:
+        pvc = parse_pvc_ref(ref)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    assert pvc is not None
+    path = Path(pvc.local_path)
+    if not path.is_dir():
+        raise UsageError(
+            f"model {ref!r}: {path} is not here; a pvc:// model is read where the operator "
+            f"mounts PersistentVolumeClaim {pvc.claim} (read-only at {pvc.mount_path}) in a "
+            "run's or pool's pods; outside such a pod use a local path or an s3:// URI"
+        )
+    if not is_hf_model_dir(path):
+        raise UsageError(
+            f"model {ref!r}: {path} (on claim {pvc.claim}) has no config.json + "
+            "*.safetensors; point the reference at a Hugging Face model directory on the claim"
+        )
+    return path.resolve()
 
 
 def _packaged_gguf(model_id: str) -> Path:

@@ -185,7 +185,10 @@ class SandboxTaskRunner:
                 f"SandboxTask {self.namespace}/{name} finished without a stored log "
                 "(status.logsUri): sandbox.mode task reads the program's output from there, so "
                 "the operator needs sandbox artifact storage (POSTTRAIN_OPERATOR_SANDBOX_"
-                "ARTIFACTS_URI, chart value sandbox.artifactsUri); or use sandbox.mode runner"
+                "ARTIFACTS_URI, chart value sandbox.artifactsUri) and its own S3 client to sign "
+                "upload URLs for it (POSTTRAIN_S3_ENDPOINT and credentials in the operator's "
+                "environment; its log says 'runs without a stored log' and why when signing "
+                "failed); or use sandbox.mode runner"
             )
         try:
             output = self.read_log(logs_uri)

@@ -141,6 +141,22 @@ def test_describe_explains_conditions_events_and_children(
     assert "TrainerRestarted" in described  # ...and the same events
 
 
+def test_describe_shows_where_the_runs_reports_are(kcli: CliRunner, kube: Any) -> None:
+    """status.reportsUri (written by the trainer, through its own reporter) is the prefix
+    `posttrain report` renders; describe names it, and says so while it is not known."""
+    kube.create_run("demo")
+    kube.create_run("fresh")
+    uri = f"s3://posttrain/runs/{kube.namespace}/demo/reports"
+    kube.report_progress("demo", **PROGRESS, reports_uri=uri)
+
+    out = kcli("describe", "tr", "demo")
+    assert out.code == 0, out.err
+    assert f"Outputs:      {uri}" in [line.strip() for line in out.out.splitlines()], out.out
+    fresh = kcli("describe", "tr", "fresh")
+    assert fresh.code == 0, fresh.err
+    assert "Outputs:      -" in [line.strip() for line in fresh.out.splitlines()], fresh.out
+
+
 def test_trainer_stage_events_and_records_reach_kubectl(kube: Any, kubectl: Any) -> None:
     """The trainer's stage boundary Events and status.stages, through its own reporter."""
     from posttrain.api import TrainingRun
