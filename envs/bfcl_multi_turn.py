@@ -257,6 +257,7 @@ class BfclMultiTurnEnv:
 
     def step(self, model_turn: str) -> StepResult:
         assert self._task is not None, "reset() first"
+        error: str | None
         try:
             decoded: Any = bfcl.decode_calls(model_turn)
         except bfcl.ToolCallParseError as exc:

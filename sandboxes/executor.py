@@ -964,7 +964,7 @@ async def _exited(proc: subprocess.Popen[bytes], kill_at: float) -> None:
             await asyncio.sleep(0.0005)
         return
     exited: asyncio.Future[None] = loop.create_future()
-    loop.add_reader(pidfd, lambda: exited.done() or exited.set_result(None))
+    loop.add_reader(pidfd, lambda: None if exited.done() else exited.set_result(None))
     try:
         await asyncio.wait_for(exited, max(0.0, kill_at - time.monotonic()))
     except TimeoutError:

@@ -128,8 +128,6 @@ KNOWN_CYCLES = {
     # the warm pool reaches into the executor's _spawn/_uids; to go with the executor's split
     frozenset({"posttrain.sandboxes.executor", "posttrain.sandboxes.warm_pool"}),
     frozenset({"posttrain.trainer.rewards", "posttrain.trainer.verification"}),
-    frozenset({"posttrain.trainer.lora", "posttrain.trainer.policy"}),
-    frozenset({"posttrain.trainer.distributed", "posttrain.trainer.loop"}),
     # landed 2026-12-03 17:20 with the BFCL multi-turn environment
     frozenset(
         {"posttrain.envs.base", "posttrain.envs.bfcl_multi_turn", "posttrain.trainer.datasets"}

@@ -177,6 +177,7 @@ def code_task(rng: random.Random, stratum: str) -> Task:
     """One generated 'write a small function' task with asserts computed from a reference."""
     name, description, body = rng.choice(CODE_FAMILIES[stratum])
     k = rng.randint(2, 49)
+    inputs: list[list[int]] | list[str] | list[int]
     if name in {"count_big", "keep_small", "sum_plus"}:
         arg, inputs = (
             "xs",

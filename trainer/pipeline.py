@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -37,7 +37,26 @@ from posttrain.trainer.stage_data import (
     load_stage_data,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from posttrain.api import StageSpec, TrainingRunSpec
+
 log = logging.getLogger(__name__)
+
+
+V = TypeVar("V")
+
+
+def resolved(value: V | None, name: str) -> V:
+    """A stage setting that :meth:`StageSpec.resolved` filled in for the stages that use it.
+
+    >>> resolved(3, "maxSteps")
+    3
+    """
+    if value is None:
+        raise ValueError(f"stage setting {name} is unset; plan stages from spec.pipeline()")
+    return value
 
 
 @dataclass(frozen=True)
@@ -45,7 +64,7 @@ class StagePlan:
     """One resolved stage and the global steps it owns."""
 
     index: int
-    spec: Any  # posttrain.api.StageSpec, resolved (every hyper-parameter set)
+    spec: StageSpec  # resolved: every setting its stage type uses is set
     first_step: int
     last_step: int
 
@@ -58,7 +77,7 @@ class StagePlan:
         return str(self.spec.type)
 
 
-def plan_stages(spec: Any) -> list[StagePlan]:
+def plan_stages(spec: TrainingRunSpec) -> list[StagePlan]:
     """Global step ranges of ``spec.pipeline()``.
 
     >>> from posttrain.api import TrainingRunSpec
@@ -72,8 +91,9 @@ def plan_stages(spec: Any) -> list[StagePlan]:
     """
     plans, done = [], 0
     for index, stage in enumerate(spec.pipeline()):
-        plans.append(StagePlan(index, stage, done + 1, done + int(stage.max_steps)))
-        done += int(stage.max_steps)
+        steps = resolved(stage.max_steps, "maxSteps")
+        plans.append(StagePlan(index, stage, done + 1, done + steps))
+        done += steps
     return plans
 
 
@@ -97,10 +117,10 @@ def load_pipeline_data(plans: list[StagePlan], tokenizer: Any) -> dict[str, Stag
         stage = plan.spec
         data[plan.name] = load_stage_data(
             plan.type,
-            list(stage.datasets),
+            list(resolved(stage.datasets, "datasets")),
             encode_prompt,
             encode_completion,
-            int(stage.max_length),
+            resolved(stage.max_length, "maxLength"),
             plan.name,
         )
         loaded = data[plan.name]
@@ -121,7 +141,7 @@ def stage_batch(
     """This rank's example indices for global ``step`` (ranks split the step's batch)."""
     indices = batch_indices(
         len(data.examples),
-        int(plan.spec.batch_size),
+        resolved(plan.spec.batch_size, "batchSize"),
         step - plan.first_step + 1,
         seed=_data_seed(seed, plan),
     )
@@ -145,9 +165,9 @@ def stage_schedule(plan: StagePlan) -> LrSchedule:
     stage = plan.spec
     return LrSchedule(
         kind=str(stage.lr_schedule),
-        warmup_steps=int(stage.lr_warmup_steps),
-        total_steps=int(stage.max_steps),
-        min_ratio=float(stage.min_lr_ratio),
+        warmup_steps=resolved(stage.lr_warmup_steps, "lrWarmupSteps"),
+        total_steps=resolved(stage.max_steps, "maxSteps"),
+        min_ratio=resolved(stage.min_lr_ratio, "minLrRatio"),
         first_step=plan.first_step,
     )
 
@@ -203,7 +223,9 @@ def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) ->
     out: dict[str, list[float]] = {}
     started = time.monotonic()
     with torch.no_grad():
-        for chunk in rank_chunks(used[rank::world], int(plan.spec.micro_batch_size), policy):
+        for chunk in rank_chunks(
+            used[rank::world], resolved(plan.spec.micro_batch_size, "microBatchSize"), policy
+        ):
             pairs = [data.examples[i] for i in chunk] or [_filler_pair(policy.pad_id)]
             chosen, rejected = policy_sequence_logps(policy, pairs)  # (B,), (B,)
             for i, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=False):
@@ -246,7 +268,7 @@ def offline_step(
     started = time.monotonic()
     world = policy.rank.world_size
     examples = [data.examples[i] for i in indices]
-    chunks = rank_chunks(list(indices), int(stage.micro_batch_size), policy)
+    chunks = rank_chunks(list(indices), resolved(stage.micro_batch_size, "microBatchSize"), policy)
     policy.optimizer.zero_grad(set_to_none=True)
     if plan.type == "sft":
         totals = _sft_backward(policy, stage, data, examples, chunks, world)
@@ -311,7 +333,7 @@ def _sft_backward(
     return [loss_total, float(tokens), float(len(examples)), 0.0, 0.0, 0.0]
 
 
-def _sft_objective(model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
+def _sft_objective(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
     return sft_loss_sum(model, **kwargs)[0]
 
 

@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge
 
 from posttrain.api import env
 from posttrain.errors import UsageError
 from posttrain.trainer.rewards import VerificationUnavailable
+
+if TYPE_CHECKING:
+    from posttrain.api import SandboxPolicy
 
 log = logging.getLogger(__name__)
 
@@ -236,6 +239,8 @@ def _own_run_owner(namespace: str, name: str) -> dict[str, Any] | None:
             "could not read TrainingRun %s/%s to own its SandboxTasks: %s", namespace, name, exc
         )
         return None
+    # The custom-objects API returns the decoded JSON object (typed ``object``).
+    assert isinstance(run, dict), f"TrainingRun {namespace}/{name} is not a JSON object: {run!r}"
     return {
         "apiVersion": "posttrain.io/v1alpha1",
         "kind": "TrainingRun",
@@ -247,7 +252,7 @@ def _own_run_owner(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def build_verification(
-    policy: Any,  # posttrain.api.SandboxPolicy
+    policy: SandboxPolicy,
     *,
     on_health: Callable[[SandboxHealth], None] | None = None,
     env: Mapping[str, str] | None = None,

@@ -230,6 +230,7 @@ class Cluster:
 
     def service_account_token(self, namespace: str, name: str) -> str | None:
         """A bound token for ServiceAccount ``namespace/name`` (TokenRequest); None if absent."""
+        from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
         body = {
@@ -239,7 +240,10 @@ class Cluster:
         }
         try:
             response = self.core.create_namespaced_service_account_token(
-                name, namespace, body, _preload_content=False
+                name,
+                namespace,
+                client.AuthenticationV1TokenRequest.model_validate(body),
+                _preload_content=False,
             )
         except ApiException as err:
             if err.status == 404:
@@ -256,13 +260,17 @@ class Cluster:
         return url.hostname or "127.0.0.1", url.port or 443, configuration.ssl_ca_cert
 
     def bind(self, namespace: str, name: str, node_name: str) -> None:
+        from kubernetes import client
+
         body = {
             "apiVersion": "v1",
             "kind": "Binding",
             "metadata": {"name": name, "namespace": namespace},
             "target": {"apiVersion": "v1", "kind": "Node", "name": node_name},
         }
-        self.core.create_namespaced_pod_binding(name, namespace, body, _preload_content=False)
+        self.core.create_namespaced_pod_binding(
+            name, namespace, client.V1Binding.model_validate(body), _preload_content=False
+        )
 
     def patch_pod_status(self, namespace: str, name: str, status: Manifest) -> None:
         self.core.patch_namespaced_pod_status(
@@ -281,7 +289,11 @@ class Cluster:
                 raise
 
     def create_pod(self, namespace: str, body: Manifest) -> None:
-        self.core.create_namespaced_pod(namespace, body, _preload_content=False)
+        from kubernetes import client
+
+        self.core.create_namespaced_pod(
+            namespace, client.V1Pod.model_validate(body), _preload_content=False
+        )
 
     def patch_deployment_status(self, namespace: str, name: str, status: Manifest) -> None:
         self.apps.patch_namespaced_deployment_status(
@@ -289,10 +301,11 @@ class Cluster:
         )
 
     def ensure_node(self, node: Manifest) -> None:
+        from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
         try:
-            self.core.create_node(node, _preload_content=False)
+            self.core.create_node(client.V1Node.model_validate(node), _preload_content=False)
         except ApiException as err:
             if err.status != 409:
                 raise
