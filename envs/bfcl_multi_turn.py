@@ -42,7 +42,7 @@ from typing import Any
 from posttrain.envs import bfcl
 from posttrain.envs.base import EnvFailure, StepResult
 from posttrain.errors import UsageError
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.task import Task
 
 CATEGORY = "multi_turn_base"
 MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT: the 21st step of a turn ends it

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from posttrain.telemetry import get_tracer, inject_headers
 
-from .executor import ExecRequest, ExecResult, SandboxError
+from .protocol import ExecRequest, ExecResult, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

@@ -33,7 +33,6 @@ from prometheus_client import Counter, Gauge
 
 from posttrain.api import env
 from posttrain.errors import UsageError
-from posttrain.trainer.rewards import VerificationUnavailable
 
 if TYPE_CHECKING:
     from posttrain.api import SandboxPolicy
@@ -54,6 +53,11 @@ SANDBOX_AVAILABLE = Gauge(
     "1 while the trainer's sandbox performs executions, 0 while they keep failing.",
     ["mode"],
 )
+
+
+class VerificationUnavailable(RuntimeError):
+    """The sandbox could not verify a sample for longer than the run allows: the step fails
+    (and with it the run) rather than scoring the sample as if the model had been wrong."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class CappedRunner:
     def run(self, request: Any) -> Any:
         with self._lock:
             if self._runner is None:
-                from posttrain.sandboxes.executor import SandboxError
+                from posttrain.sandboxes.protocol import SandboxError
                 from posttrain.sandboxes.tasks import SandboxConfigError
 
                 try:
@@ -141,7 +145,7 @@ class Verification:
     def verify(
         self, kind: str, completion: str, task: Mapping[str, Any], config: Mapping[str, Any]
     ) -> Any:
-        from posttrain.sandboxes.executor import SandboxError
+        from posttrain.sandboxes.protocol import SandboxError
         from posttrain.sandboxes.tasks import SandboxConfigError
         from posttrain.sandboxes.verifiers import verify
 
