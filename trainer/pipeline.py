@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from posttrain.api import StageSpec, TrainingRunSpec
+    from posttrain.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def stage_schedule(plan: StagePlan) -> LrSchedule:
 T = TypeVar("T")
 
 
-def rank_chunks(items: list[T], micro: int, policy: Any) -> list[list[T]]:
+def rank_chunks(items: list[T], micro: int, policy: Policy) -> list[list[T]]:
     """This rank's micro-batches of ``items``, padded with empty ones so every rank runs as
     many forwards and backwards: with FSDP each is a collective (weights gathered,
     gradients reduce-scattered), and a rank that stopped early would hang the others."""
@@ -189,7 +190,7 @@ def rank_chunks(items: list[T], micro: int, policy: Any) -> list[list[T]]:
     return chunks
 
 
-def global_sums(values: list[float], policy: Any) -> list[float]:
+def global_sums(values: list[float], policy: Policy) -> list[float]:
     """``values`` summed over every rank (the values themselves with one rank)."""
     if policy.rank.world_size == 1:
         return values
@@ -205,7 +206,7 @@ def _filler_pair(pad_id: int) -> PreferencePair:
     return PreferencePair([pad_id], [pad_id], [pad_id], "filler")
 
 
-def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
+def reference_logps(policy: Policy, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
     """The frozen stage-start model's log-probs of every pair the stage will train on,
     computed once per pair before the first update: ``{"reference_logps": {index: [c, r]}}``.
 
@@ -246,7 +247,7 @@ def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) ->
 
 
 def offline_step(
-    policy: Any,
+    policy: Policy,
     plan: StagePlan,
     data: StageData,
     indices: list[int],
@@ -301,7 +302,7 @@ def offline_step(
 
 
 def _sft_backward(
-    policy: Any,
+    policy: Policy,
     stage: Any,
     data: StageData,
     examples: list[SftExample],
@@ -338,7 +339,7 @@ def _sft_objective(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
 
 
 def _dpo_backward(
-    policy: Any,
+    policy: Policy,
     stage: Any,
     data: StageData,
     examples: list[PreferencePair],

@@ -46,6 +46,8 @@ from posttrain.trainer.loss import LossConfig, clipped_policy_loss
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from posttrain.api import TrainingRunSpec
+
 log = logging.getLogger(__name__)
 
 # Completion tokens whose (tokens x vocabulary) logits exist at once in the loss forward.
@@ -119,7 +121,7 @@ class EngineOptions:
     full_load_before_sharding: bool = False
 
     @classmethod
-    def from_spec(cls, spec: Any, ranks_on_node: int = 1) -> EngineOptions:
+    def from_spec(cls, spec: TrainingRunSpec, ranks_on_node: int = 1) -> EngineOptions:
         """The options a TrainingRunSpec asks for."""
         engine, algo = spec.engine, spec.algorithm
         lora = None
