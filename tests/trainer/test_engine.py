@@ -366,6 +366,29 @@ def _two_rank_worker(
     )
     assert restored is not None
     resumed_weights, resumed_moments = _full_state(restored[0])
+    # A non-finite loss on rank 1 only: every rank must skip the step (one rank applying an
+    # update the other refused would leave the shards of one model out of step).
+    poisoned = [
+        TrainSample(
+            s.prompt_ids,
+            s.completion_ids,
+            s.behaviour_logprobs,
+            float("inf") if rank == 1 else s.advantage,
+            s.coefficient,
+        )
+        for s in mine
+    ]
+    before_skip, moments_before_skip = _full_state(policy)
+    skip = policy.train_step(
+        poisoned, LossConfig(), micro_batch_size=2, grad_clip=1.0, temperature=1.0, step=2
+    )
+    after_skip, moments_after_skip = _full_state(policy)
+    results[f"skip{rank}"] = (skip.applied, skip.skip_reason)
+    if rank == 0:
+        results.update(
+            skip_weights=(before_skip, after_skip),
+            skip_moments=(moments_before_skip, moments_after_skip),
+        )
     if rank == 0:
         results.update(
             rank_loaded=loaded,
@@ -509,3 +532,21 @@ def test_checkpoint_of_one_process_resumes_exactly_on_two_ranks(
         assert torch.equal(two_ranks["resumed_weights"][name], value), name
     for name, value in two_ranks["moments"].items():
         assert torch.equal(two_ranks["resumed_moments"][name], value), name
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(
+    two_ranks: dict[str, Any],
+) -> None:
+    for rank in (0, 1):
+        applied, reason = two_ranks[f"skip{rank}"]
+        assert not applied, f"rank {rank} applied a step that rank 1 found non-finite"
+        assert "non-finite" in reason, reason
+    before, after = two_ranks["skip_weights"]
+    assert before and before.keys() == after.keys()
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+    moments_before, moments_after = two_ranks["skip_moments"]
+    assert moments_before and moments_before.keys() == moments_after.keys()
+    for name in moments_before:
+        assert torch.equal(moments_before[name], moments_after[name]), name
