@@ -548,14 +548,15 @@ def test_rl_stage_kl_anchor_is_the_stage_start_also_after_a_resume(
 
     def coin_verify(kind: str, text: str, task: Any, config: Any) -> Any:
         """A deterministic reward that differs within groups (the tiny model never solves
-        arithmetic), so the RL step has advantages and moves the policy."""
-        passed = zlib.crc32(text.encode()) % 2 == 1
-        return SimpleNamespace(reward=float(passed), passed=passed, details={})
+        arithmetic), so every RL step has advantages and moves the policy: graded, not a
+        coin, since a 0/1 coin left both groups of 2 without signal in both steps."""
+        reward = (zlib.crc32(text.encode()) % 1000) / 1000
+        return SimpleNamespace(reward=reward, passed=reward >= 0.5, details={})
 
     stages = [PIPELINE[0], {"name": "rl", "type": "rl", "maxSteps": 2}]
     spec = pipeline_spec(str(tiny_model), stages, checkpoint={"everySteps": 1, "keepLast": 1})
     spec.algorithm.kl_coef = 0.5
-    spec.algorithm.learning_rate = 1e-2  # a visible RL step: step 4's KL is clearly > 0
+    spec.algorithm.learning_rate = 1e-2  # a visible RL step: step 4's KL is ~0.02
     straight = run_with_server(spec, tmp_path / "straight", verify=coin_verify)
     broken = tmp_path / "broken"
     run_with_server(spec, broken, stop_after_step=3, verify=coin_verify)
@@ -571,7 +572,11 @@ def test_rl_stage_kl_anchor_is_the_stage_start_also_after_a_resume(
     base = load_file(tiny_model / "model.safetensors")
     assert max(float((anchor[k] - base[k]).abs().max()) for k in anchor) > 1e-3  # SFT moved
     assert a[2]["kl"] == 0.0 and b[2]["kl"] == 0.0
-    # the resumed run's KL at step 4 is the straight run's (both reloaded/kept the anchor;
-    # with this setup step 3 does not move the policy enough to tell an anchor at the
-    # resumed weights apart, so the pinned checkpoint above is the resume's real check)
-    assert b[3]["kl"] == pytest.approx(a[3]["kl"], rel=1e-4, abs=1e-9)
+    # step 3 moved the policy away from the anchor, so step 4's KL is > 0 -- and the
+    # resumed run's equals the straight run's: it reloaded the stage-start anchor (one at
+    # the resumed weights would give exactly 0 here)
+    assert a[2]["grad_norm"] > 0 and a[2]["applied"]
+    # Same up to sampling: both runs' step-4 completions can differ by a token where float
+    # summation order moved a logit (seen: 0.0210 vs 0.0208), so compare within 25 %.
+    assert a[3]["kl"] > 1e-4
+    assert b[3]["kl"] == pytest.approx(a[3]["kl"], rel=0.25)
