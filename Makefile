@@ -72,6 +72,7 @@ test: venv venv-vllm system-deps binaries
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/posttrain crds --check
 	$(VENV)/bin/mypy --strict -p posttrain.api -p posttrain.operator
+	$(VENV)/bin/mypy posttrain
 	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv

@@ -42,7 +42,7 @@ from typing import Any
 from posttrain.envs import bfcl
 from posttrain.envs.base import EnvFailure, StepResult
 from posttrain.errors import UsageError
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.task import Task
 
 CATEGORY = "multi_turn_base"
 MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT: the 21st step of a turn ends it
@@ -257,6 +257,7 @@ class BfclMultiTurnEnv:
 
     def step(self, model_turn: str) -> StepResult:
         assert self._task is not None, "reset() first"
+        error: str | None
         try:
             decoded: Any = bfcl.decode_calls(model_turn)
         except bfcl.ToolCallParseError as exc:

@@ -12,7 +12,7 @@ from typing import Any
 
 from posttrain.envs import bfcl
 from posttrain.envs.base import StepResult
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.task import Task
 
 RETRY_HINT = (
     "Reply again with only the function calls, in the format "

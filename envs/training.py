@@ -19,7 +19,7 @@ from typing import Any
 from posttrain.envs.episode import ChatTokens, Episode, agent_metrics, run_episodes
 from posttrain.errors import UsageError
 from posttrain.rollout.protocol import Completion
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.task import Task
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import httpx
 from posttrain.api import TrainingRun
 from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
 
-from . import builders as b
+from .common import owner_reference
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError, resource_path
 from .kueue import (
@@ -94,7 +94,7 @@ class KueueAdmission:
         namespace, name = run.metadata.namespace, workload_name(run)
         if plan.create_workload and pod_template is not None:
             labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: run.metadata.name}
-            manifest = build_workload(run, pod_template, labels, b.owner_reference(run))
+            manifest = build_workload(run, pod_template, labels, owner_reference(run))
             _, body = self.kube.create_or_adopt(manifest)
             self.workloads.put(body)
             log.info(

@@ -8,7 +8,6 @@ instead of duplicating it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, SandboxWarmPool, TrainingRun, env
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun, env
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -39,7 +38,17 @@ from posttrain.api.labels import (
 )
 from posttrain.api.modelref import PVC_MODEL_VOLUME, parse_pvc_ref
 
-from . import evaluator, sandbox_runner
+from . import sandbox_runner
+
+# BuildError is what every builder raises; its callers catch it as builders.BuildError.
+from .common import BuildError as BuildError
+from .common import (
+    apply_sandbox_runtime,
+    child_metadata,
+    resources,
+    schedule,
+    spec_hash,
+)
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -53,110 +62,6 @@ SANDBOX_NETWORK_POLICY = "posttrain-sandbox-default-deny"
 SANDBOX_ENTRYPOINT_DIR = "/sandbox/entrypoint"
 SANDBOX_ENTRYPOINT_KEY = "entrypoint.py"
 NOBODY_UID = 65534
-
-
-class BuildError(ValueError):
-    """The spec cannot be turned into a valid child object; the message says what to fix."""
-
-
-# ---------------------------------------------------------------- shared helpers
-
-
-def owner_reference(
-    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
-) -> dict[str, Any]:
-    """The controller ownerReference pointing at ``owner`` (GC deletes children with it).
-
-    blockOwnerDeletion lets foreground deletion wait for the children; it needs the
-    ``<plural>/finalizers`` update permission that rbac.OPERATOR_RULES grants.
-    """
-    if not owner.metadata.uid:
-        raise BuildError(
-            f"{owner.kind} {owner.metadata.name} has no uid; build children from "
-            "the object read back from the apiserver"
-        )
-    return {
-        "apiVersion": owner.api_version,
-        "kind": owner.kind,
-        "name": owner.metadata.name,
-        "uid": owner.metadata.uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def child_metadata(
-    owner: TrainingRun | RolloutPool | SandboxTask | SandboxWarmPool,
-    name: str,
-    labels: dict[str, str],
-    annotations: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    meta: dict[str, Any] = {
-        "name": name,
-        "namespace": owner.metadata.namespace,
-        "labels": {**MANAGED_BY, **labels},
-        "ownerReferences": [owner_reference(owner)],
-    }
-    if annotations:
-        meta["annotations"] = annotations
-    return meta
-
-
-def spec_hash(obj: Any) -> str:
-    """A short stable digest of a JSON-able object (detects template drift without diffing).
-
-    >>> spec_hash({"a": 1}) == spec_hash({"a": 1}) != spec_hash({"a": 2})
-    True
-    """
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _resources(
-    cpu: str, memory: str, gpus: int = 0, ephemeral_storage: str | None = None
-) -> dict[str, Any]:
-    """requests = limits (Guaranteed QoS); GPUs and ephemeral-storage only when asked for.
-
-    >>> _resources("1", "1Gi", gpus=2)["limits"]["nvidia.com/gpu"]
-    '2'
-    """
-    limits: dict[str, Any] = {"cpu": cpu, "memory": memory}
-    if ephemeral_storage:
-        limits["ephemeral-storage"] = ephemeral_storage
-    if gpus > 0:
-        limits["nvidia.com/gpu"] = str(gpus)
-    return {"requests": dict(limits), "limits": limits}
-
-
-def _schedule(
-    pod_spec: dict[str, Any],
-    config: OperatorConfig,
-    default_selector: dict[str, str],
-    selector: dict[str, str],
-    tolerations: list[dict[str, Any]],
-    affinity: dict[str, Any],
-) -> None:
-    """Placement from the operator's defaults, the resource's nodeSelector winning per key."""
-    merged = {**default_selector, **selector}
-    if merged:
-        pod_spec["nodeSelector"] = merged
-    if tolerations:
-        pod_spec["tolerations"] = [dict(t) for t in tolerations]
-    if affinity:
-        pod_spec["affinity"] = dict(affinity)
-    if config.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
-
-
-def apply_sandbox_runtime(
-    pod_spec: Manifest, runtime_class_name: str | None, config: OperatorConfig
-) -> None:
-    """The runtime every pod running untrusted code gets (SandboxTask pods, sandbox runners):
-    the resource's runtimeClassName, else the operator's default, and the image pull secrets."""
-    runtime_class = runtime_class_name or config.sandbox_runtime_class_name
-    if runtime_class:
-        pod_spec["runtimeClassName"] = runtime_class
-    if config.image_pull_secrets:
-        pod_spec["imagePullSecrets"] = [dict(s) for s in config.image_pull_secrets]
 
 
 # ---------------------------------------------------------------- TrainingRun
@@ -325,7 +230,7 @@ def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
     }
 
 
-def _s3_env(config: OperatorConfig) -> list[dict[str, Any]]:
+def s3_env(config: OperatorConfig) -> list[dict[str, Any]]:
     """S3 endpoint as plain env, credentials only through secretKeyRef (never literal)."""
     env: list[dict[str, Any]] = [
         {"name": "POSTTRAIN_S3_ENDPOINT", "value": config.s3_endpoint},
@@ -394,7 +299,7 @@ def build_trainer_pod(
         {"name": "RANK", "value": str(rank)},
         {"name": "POSTTRAIN_NODE_RANK", "value": str(rank)},
         {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
-        *_s3_env(config),
+        *s3_env(config),
         *otlp_env(config, "posttrain-trainer", run),
     ]
     env += sandbox_runner.trainer_sandbox_env(run)
@@ -425,7 +330,7 @@ def build_trainer_pod(
                 "imagePullPolicy": config.image_pull_policy,
                 "command": command,
                 "env": env,
-                "resources": _resources(res.cpu, res.memory, res.gpus_per_node),
+                "resources": resources(res.cpu, res.memory, res.gpus_per_node),
                 "volumeMounts": [
                     {
                         "name": "run-config",
@@ -448,7 +353,7 @@ def build_trainer_pod(
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
         pod_spec["subdomain"] = trainer_names(run)["head_service"]
-    _schedule(
+    schedule(
         pod_spec,
         config,
         config.trainer_node_selector,
@@ -521,25 +426,6 @@ def build_trainer_gang(
     return [
         build_trainer_pod(run, config, incarnation, rank)
         for rank in range(run.spec.resources.nodes)
-    ]
-
-
-def build_trainer_children(
-    run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
-) -> list[Manifest]:
-    """The run's long-lived children, created before the first gang (order matters for RBAC):
-    RBAC, the run's ConfigMap, the head Service, the sandbox runner (mode runner without
-    runnerUrl) and the evaluator Job (``evaluation.inline: false``).
-
-    With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
-    """
-    children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
-    if run.spec.resources.nodes > 1 and not ray_cluster:
-        children.append(build_head_service(run, config))
-    return [
-        *children,
-        *sandbox_runner.build_runner_children(run, config),
-        *evaluator.build_evaluator_children(run, config),
     ]
 
 
@@ -796,7 +682,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     if config.s3_endpoint:
-        env += _s3_env(config)
+        env += s3_env(config)
     env += otlp_env(config, "posttrain-rollout", pool)
     if spec.weight_update.source_uri:
         env += [
@@ -817,7 +703,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         # A replica that exits (bad weights, a model that will not load) leaves its last
         # log lines as the termination message the pool's status reports.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": _resources(spec.resources.cpu, spec.resources.memory, gpus),
+        "resources": resources(spec.resources.cpu, spec.resources.memory, gpus),
         "readinessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
             "periodSeconds": 5,
@@ -856,7 +742,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             {"name": "dshm", "emptyDir": {"medium": "Memory"}}
         )
         container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
-    _schedule(
+    schedule(
         pod_spec,
         config,
         config.rollout_node_selector,
@@ -941,7 +827,7 @@ def sandbox_pod_name(task_name: str, attempt: int) -> str:
     return f"{task_name}-{attempt}"
 
 
-def _check_file_name(name: str) -> str:
+def check_file_name(name: str) -> str:
     normalised = posixpath.normpath(name)
     if (
         not name
@@ -1061,7 +947,7 @@ def build_sandbox_pod(
         files[SANDBOX_STDIN_FILE] = spec.stdin
     for index, (file_name, content) in enumerate(sorted(files.items())):
         if file_name != SANDBOX_STDIN_FILE:
-            _check_file_name(file_name)
+            check_file_name(file_name)
         key = f"{ANNOTATION_FILE_PREFIX}{index}"
         annotations[key] = content
         items.append(
@@ -1096,7 +982,7 @@ def build_sandbox_pod(
             "command": command,
             "workingDir": SANDBOX_WORKDIR,
             "env": env,
-            "resources": _resources(res.cpu, res.memory, ephemeral_storage=res.ephemeral_storage),
+            "resources": resources(res.cpu, res.memory, ephemeral_storage=res.ephemeral_storage),
             "securityContext": restricted,
             "terminationMessagePath": "/dev/termination-log",
             "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -1121,7 +1007,7 @@ def build_sandbox_pod(
                     *(f"{SANDBOX_FILES_DIR}/{t}" for t in top_level),
                     SANDBOX_WORKDIR + "/",
                 ],
-                "resources": _resources("100m", "32Mi", ephemeral_storage="16Mi"),
+                "resources": resources("100m", "32Mi", ephemeral_storage="16Mi"),
                 "securityContext": restricted,
                 "volumeMounts": [
                     workdir_mount,

@@ -24,6 +24,17 @@ from typing import Any
 
 from posttrain.api import TrainingRun
 
+from .builders import (
+    METRICS_PORT_NAME,
+    RUN_CONFIG_PATH,
+    mount_model_claim,
+    otlp_env,
+    run_storage_uri,
+    s3_env,
+    scrape_annotations,
+    trainer_names,
+)
+from .common import child_metadata, resources, schedule
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -66,8 +77,6 @@ def evaluator_command(run: TrainingRun, config: OperatorConfig) -> list[str]:
     >>> " ".join(evaluator_command(_example_run(), OperatorConfig(s3_bucket="b")))
     'posttrain eval-checkpoints /etc/posttrain/run.yaml --storage s3://b/runs/ns/demo --out /workspace --watch --poll-seconds 30 --metrics-port 9090'
     """
-    from .builders import RUN_CONFIG_PATH, run_storage_uri
-
     command = [
         "posttrain", "eval-checkpoints", RUN_CONFIG_PATH,
         "--storage", run_storage_uri(run, config),
@@ -87,19 +96,6 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
     """
     from posttrain.api.labels import LABEL_COMPONENT, LABEL_RUN
 
-    from .builders import (
-        METRICS_PORT_NAME,
-        RUN_CONFIG_PATH,
-        _resources,
-        _s3_env,
-        _schedule,
-        child_metadata,
-        mount_model_claim,
-        otlp_env,
-        scrape_annotations,
-        trainer_names,
-    )
-
     res = run.spec.resources
     labels = {LABEL_COMPONENT: COMPONENT_EVALUATOR, LABEL_RUN: run.metadata.name}
     container: Manifest = {
@@ -107,8 +103,8 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
         "image": res.image or config.trainer_image,
         "imagePullPolicy": config.image_pull_policy,
         "command": evaluator_command(run, config),
-        "env": [*_s3_env(config), *otlp_env(config, "posttrain-evaluator", run)],
-        "resources": _resources(res.cpu, res.memory),
+        "env": [*s3_env(config), *otlp_env(config, "posttrain-evaluator", run)],
+        "resources": resources(res.cpu, res.memory),
         "volumeMounts": [
             {
                 "name": "run-config",
@@ -132,7 +128,7 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
         ],
     }
     mount_model_claim(run.spec.model, pod_spec, [container])  # it scores the base model too
-    _schedule(
+    schedule(
         pod_spec,
         config,
         config.trainer_node_selector,

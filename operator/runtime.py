@@ -18,7 +18,7 @@ from .akube import AsyncKube
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
-from .informer import Gate, Informer, kopf_pause_toggles, peering_toggle_names
+from .informer import Gate, Informer, PeeringGate
 from .kube import KubeClient, load_credentials
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 
@@ -67,7 +67,7 @@ async def run_async(
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
     # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
-    # more root task, gated by kopf's own pause toggles (peering).
+    # more root task, gated by kopf's peering (read from the peering objects: PeeringGate).
     existing = asyncio.all_tasks()
     tasks = await kopf.spawn_tasks(
         registry=REGISTRY,
@@ -81,17 +81,16 @@ async def run_async(
         memo=memo,
         liveness_endpoint=liveness,
     )
-    paused = kopf_pause_toggles(tasks)
-    peering = (
-        ()
+    gate = (
+        Gate()
         if config.standalone
-        else peering_toggle_names(
-            config.peering_name, None if config.all_namespaces else config.watched_namespaces
+        else PeeringGate(
+            config.peering_name,
+            None if config.all_namespaces else config.watched_namespaces,
+            config.priority,
         )
     )
-    informers = asyncio.create_task(
-        run_informers(memo, config, Gate(paused, peering)), name="posttrain informers"
-    )
+    informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
     await kopf.run_tasks([*tasks, informers], ignored=existing)
 
 
@@ -135,8 +134,17 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
 async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
     """The informers until cancelled (at shutdown), then close their HTTP session."""
     memo.informers = build_informers(memo, config)
+    # The peering objects are watched whatever the gate says: they are how it opens.
+    peering = (
+        gate.informers(memo.akube, config.watch_server_timeout, config.watch_client_timeout)
+        if isinstance(gate, PeeringGate)
+        else []
+    )
     try:
-        await asyncio.gather(*(informer.run(gate) for informer in memo.informers))
+        await asyncio.gather(
+            *(informer.run(gate) for informer in memo.informers),
+            *(informer.run(Gate()) for informer in peering),
+        )
     finally:
         for task in list(memo.inflight):
             task.cancel()

@@ -21,6 +21,7 @@ from typing import Any
 
 from posttrain.api import TrainingRun, env
 
+from .common import apply_sandbox_runtime, child_metadata, resources
 from .config import OperatorConfig
 
 Manifest = dict[str, Any]
@@ -115,8 +116,6 @@ def _labels(run: TrainingRun) -> dict[str, str]:
 
 def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifest:
     """The run's sandbox runner: one replica with ``maxConcurrency`` slots."""
-    from .builders import _resources, apply_sandbox_runtime, child_metadata
-
     sandbox = run.spec.sandbox
     slots = sandbox.max_concurrency
     labels = _labels(run)
@@ -156,7 +155,7 @@ def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifes
                     "httpGet": {"path": "/health", "port": SANDBOX_RUNNER_PORT},
                     "periodSeconds": 2,
                 },
-                "resources": _resources(str(slots), memory),
+                "resources": resources(str(slots), memory),
                 "securityContext": bubblewrap_container_context(run_as_nobody=True),
             }
         ],
@@ -175,8 +174,6 @@ def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifes
 
 
 def build_runner_service(run: TrainingRun) -> Manifest:
-    from .builders import child_metadata
-
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -193,8 +190,6 @@ def build_runner_service(run: TrainingRun) -> Manifest:
 def build_runner_network_policy(run: TrainingRun) -> Manifest:
     """Only this run's trainer pods may reach the runner; the runner reaches nothing."""
     from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
-
-    from .builders import child_metadata
 
     return {
         "apiVersion": "networking.k8s.io/v1",

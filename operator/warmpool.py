@@ -42,14 +42,11 @@ from posttrain.api.reasons import ConditionType, Reason
 
 from .builders import (
     SANDBOX_WORKDIR,
-    _check_file_name,
-    _resources,
-    child_metadata,
-    owner_reference,
+    check_file_name,
     restricted_container_context,
     restricted_pod_context,
-    spec_hash,
 )
+from .common import child_metadata, owner_reference, resources, spec_hash
 from .config import OperatorConfig
 from .reconcile import EventSpec, PodView, status_diff
 
@@ -154,7 +151,7 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
             {"name": "POSTTRAIN_WORKDIR", "value": SANDBOX_WORKDIR},
             {"name": "POSTTRAIN_CLAIM_FILE", "value": f"{CLAIM_DIR}/{CLAIM_FILE}"},
         ],
-        "resources": _resources(
+        "resources": resources(
             spec.resources.cpu,
             spec.resources.memory,
             ephemeral_storage=spec.resources.ephemeral_storage,
@@ -216,7 +213,7 @@ def claim_payload(task: SandboxTask) -> str:
     '{"task": "t", "command": ["python", "-c", "1"], "files": {}}'
     """
     for name in task.spec.files:
-        _check_file_name(name)
+        check_file_name(name)
     payload: dict[str, Any] = {
         "task": task.metadata.name,
         "command": list(task.spec.command),

@@ -74,8 +74,8 @@ class PoolDiscovery:
                 if report is not None:
                     report({"pool": self.name, "available": True, "readyReplicas": len(urls)})
                 return urls
-            ready = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"),
-                         {})  # fmt: skip
+            conditions: list[dict[str, Any]] = status.get("conditions") or []
+            ready = next((c for c in conditions if c.get("type") == "Ready"), {})
             why = f"{ready.get('reason', 'no status yet')}: {ready.get('message', '')}"
             elapsed = time.monotonic() - started
             if elapsed >= timeout_s:

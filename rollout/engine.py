@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 from transformers import Cache, DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from posttrain.rollout.protocol import SamplingParams
 
@@ -308,11 +309,12 @@ class GenerationEngine:
             RUNNING_SEQUENCES.set(len(batch.rows))
             self.active_sequences = len(batch.rows)
             window_tokens += len(batch.rows)
+            running = batch
             try:
-                batch = self._decode_step(batch)
+                batch = self._decode_step(running)
             except Exception as exc:
-                log.exception("decode step failed; failing %d sequences", len(batch.rows))
-                for seq in batch.rows:
+                log.exception("decode step failed; failing %d sequences", len(running.rows))
+                for seq in running.rows:
                     if not seq.request.future.done():
                         seq.request.future.set_exception(exc)
                 batch = None
@@ -505,6 +507,12 @@ class GenerationEngine:
                 seq.top_logprobs.append(list(zip(ids.tolist(), values.tolist(), strict=True)))
         return tokens, token_logprobs
 
+    def _decode(self, token_ids: list[int]) -> str:
+        """One sequence's text (``decode`` of a single id list is a str, never a list)."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        assert isinstance(text, str)
+        return text
+
     def _append(self, seq: _Sequence, token: int, logprob: float) -> None:
         params = seq.request.params
         seq.token_ids.append(token)
@@ -513,7 +521,7 @@ class GenerationEngine:
             seq.finish_reason = "stop"
             return
         if params.stop:
-            text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+            text = self._decode(seq.token_ids)
             cut = find_stop(text, params.stop)
             if cut is not None:
                 seq.text = text[:cut]
@@ -524,7 +532,7 @@ class GenerationEngine:
 
     def _finish(self, seq: _Sequence) -> None:
         if not (seq.finish_reason == "stop" and seq.request.params.stop and seq.text):
-            seq.text = self.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
+            seq.text = self._decode(seq.token_ids)
             cut = find_stop(seq.text, seq.request.params.stop)
             if cut is not None:
                 seq.text = seq.text[:cut]
@@ -577,6 +585,14 @@ def left_padded(
     return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def _prefilled(layer: object) -> tuple[CacheLayerMixin, torch.Tensor, torch.Tensor]:
+    """A prefilled cache layer with its keys and values. The engine's caches are
+    DynamicCache of attention layers, which hold both as tensors once prefilled."""
+    if not isinstance(layer, CacheLayerMixin) or layer.keys is None or layer.values is None:
+        raise TypeError(f"{type(layer).__name__} holds no prefilled keys/values to merge")
+    return layer, layer.keys, layer.values
+
+
 def _merge_batches(running: _Batch, fresh: _Batch) -> _Batch:
     """Concatenate two left-padded batches (running + newly prefilled) along the batch axis.
 
@@ -584,12 +600,14 @@ def _merge_batches(running: _Batch, fresh: _Batch) -> _Batch:
     every row keeps its tokens right-aligned and attention ignores the padding.
     """
     width = max(running.attention_mask.shape[1], fresh.attention_mask.shape[1])
-    for layer, new_layer in zip(running.cache.layers, fresh.cache.layers, strict=True):
+    for old, new in zip(running.cache.layers, fresh.cache.layers, strict=True):
+        layer, keys, values = _prefilled(old)  # (B, H, l, D) each
+        _, new_keys, new_values = _prefilled(new)  # (b, H, l', D) each
         layer.keys = torch.cat(
-            [_left_pad(layer.keys, width), _left_pad(new_layer.keys, width)]
+            [_left_pad(keys, width), _left_pad(new_keys, width)]
         )  # (B+b, H, L, D)
         layer.values = torch.cat(
-            [_left_pad(layer.values, width), _left_pad(new_layer.values, width)]
+            [_left_pad(values, width), _left_pad(new_values, width)]
         )  # (B+b, H, L, D)
     return _Batch(
         rows=running.rows + fresh.rows,

@@ -87,7 +87,8 @@ def run_exec(args: argparse.Namespace) -> int:
     from posttrain.telemetry import short_lived_process
 
     short_lived_process()  # one execution per process: no in-memory spans to keep
-    from .executor import ExecRequest, SandboxError, default_executor
+    from .executor import default_executor
+    from .protocol import ExecRequest, SandboxError
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -117,7 +118,7 @@ def run_exec(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .executor import SandboxError
+    from .protocol import SandboxError
     from .runner import serve
 
     if not 0 < args.port < 65536:

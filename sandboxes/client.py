@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from posttrain.telemetry import get_tracer, inject_headers
 
-from .executor import ExecRequest, ExecResult, SandboxError
+from .protocol import ExecRequest, ExecResult, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -111,11 +111,14 @@ class ConnectionPool:
         while True:
             connection, reused = self._take()
             try:
-                if connection.sock is None:
+                fresh = connection.sock is None
+                if fresh:
                     connection.connect()  # within CONNECT_TIMEOUT_S
+                sock = connection.sock
+                if fresh:
                     # Many small writes per request: no Nagle delay between them.
-                    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                connection.sock.settimeout(timeout_s)  # the read waits for the execution
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.settimeout(timeout_s)  # the read waits for the execution
                 connection.request(method, self.prefix + path, body=body, headers=headers)
                 response = connection.getresponse()
                 data = response.read()

@@ -5,7 +5,7 @@ keeps the executor (resolved binaries, host bind list) and Python warm, so the p
 cost is the sandbox itself, and one fleet of runner pods can serve many trainers.
 
 Why a plain ASGI application and not FastAPI: the route is one JSON object in, one out, and
-its validation is :func:`~.executor.validate_request` anyway. FastAPI (routing, dependency
+its validation is :func:`~.protocol.validate_request` anyway. FastAPI (routing, dependency
 solving, 5 native telemetry spans per request) on h11 cost ~0.5-0.6 ms more server CPU per
 request than this application on httptools (``/health``: 0.65 vs 0.15-0.2 ms). uvicorn
 still does the HTTP (with httptools and uvloop when they are installed).
@@ -37,7 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_late
 
 from posttrain.telemetry import extract_context, get_tracer
 
-from .executor import ExecRequest, Executor, SandboxError, default_executor
+from .executor import Executor, default_executor
+from .protocol import ExecRequest, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

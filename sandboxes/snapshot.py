@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from prometheus_client import Counter
 
-from .executor import ExecRequest, ExecResult, files_to_tar, safe_relative_path
+from .protocol import ExecRequest, ExecResult, files_to_tar, safe_relative_path
 
 log = logging.getLogger(__name__)
 

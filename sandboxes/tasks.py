@@ -25,7 +25,7 @@ from posttrain.kubeapi import custom_objects_api
 from posttrain.telemetry import get_tracer
 
 from .client import SandboxUnavailable
-from .executor import ExecRequest, ExecResult, SandboxError
+from .protocol import ExecRequest, ExecResult, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

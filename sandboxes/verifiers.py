@@ -31,7 +31,7 @@ from prometheus_client import Counter, Histogram
 
 from posttrain.telemetry import get_tracer
 
-from .executor import ExecRequest, ExecResult
+from .protocol import ExecRequest, ExecResult
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

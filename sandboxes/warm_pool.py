@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from .executor import ExecRequest, Executor, SandboxError
+from .bubblewrap import Bubblewrap
+from .protocol import ExecRequest, SandboxError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ _ULIMIT_OPTIONS = {
 
 def bash_ulimits(limits: dict[str, tuple[int, int]]) -> str:
     """The bash commands that set ``limits`` (name -> (soft, hard), as
-    :meth:`Executor.rlimits` gives them) on the launcher, and so on the program it becomes:
+    :meth:`.Bubblewrap.rlimits` gives them) on the launcher, and so on the program it becomes:
     first soft = hard, then the soft limits that differ lowered. Failing to set one ends the
     launcher (exit 125), so a sandbox never runs a program without its limits.
 
@@ -105,10 +106,10 @@ class WarmPool:
     the request's own, shorter wall clock still bounds it.
     """
 
-    def __init__(self, executor: Executor, size: int, shape: ExecRequest | None = None) -> None:
+    def __init__(self, bubblewrap: Bubblewrap, size: int, shape: ExecRequest | None = None) -> None:
         """``size`` sandboxes are kept ready while idle; half of them (rounded up) while
         executions run: the ``reserve``."""
-        self.executor = executor
+        self.bubblewrap = bubblewrap
         self.size = size
         self.reserve = (size + 1) // 2
         self.shape = shape or ExecRequest(command=["true"])
@@ -178,12 +179,12 @@ class WarmPool:
         self.replenish()
 
     def _start_one(self) -> PooledSandbox:
-        executor = self.executor
-        uid = executor._uids.acquire() if executor.is_root else None
+        bubblewrap = self.bubblewrap
+        uid = bubblewrap.uids.acquire() if bubblewrap.is_root else None
         control_read, control_write = os.pipe()
         try:
-            launcher = f"{bash_ulimits(executor.rlimits(self.shape))}; {_LAUNCHER}"
-            proc, status_read = executor._spawn(
+            launcher = f"{bash_ulimits(bubblewrap.rlimits(self.shape))}; {_LAUNCHER}"
+            proc, status_read = bubblewrap.spawn(
                 self.shape,
                 uid,
                 ["bash", "-c", launcher, "sandbox-launcher", str(control_read)],
@@ -193,9 +194,9 @@ class WarmPool:
         except BaseException:
             os.close(control_write)
             if uid is not None:
-                executor._uids.release(uid)
+                bubblewrap.uids.release(uid)
             raise
-        release = (lambda: executor._uids.release(uid)) if uid is not None else (lambda: None)
+        release = (lambda: bubblewrap.uids.release(uid)) if uid is not None else (lambda: None)
         return PooledSandbox(proc, control_write, status_read, release)
 
     def _refill(self) -> None:

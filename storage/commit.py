@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -194,7 +195,7 @@ def upload_part(
         return store.put_file(join_key(prefix, rel), path, algorithm=algorithm)
 
     digests = _run_parallel(
-        [(rel, lambda rel=rel, path=path: upload(rel, path)) for rel, path in files],
+        [(rel, partial(upload, rel, path)) for rel, path in files],
         file_workers,
     )
     return tuple(
@@ -266,7 +267,7 @@ def upload_dir(
         # Largest first, so the long transfers overlap with the many small ones.
         ordered = sorted(files, key=lambda item: -sizes[item[0]])
         digests = _run_parallel(
-            [(rel, lambda rel=rel, path=path: upload(rel, path)) for rel, path in ordered],
+            [(rel, partial(upload, rel, path)) for rel, path in ordered],
             file_workers,
         )
         own = {rel for rel, _ in files}
@@ -359,7 +360,7 @@ def download_dir(
                 )
 
         ordered = sorted(manifest.files, key=lambda f: -f.size)
-        _run_parallel([(f.path, lambda f=f: fetch(f)) for f in ordered], file_workers)
+        _run_parallel([(f.path, partial(fetch, f)) for f in ordered], file_workers)
         progress.finish()
         elapsed = time.monotonic() - start
         DOWNLOAD_SECONDS.labels(kind="dir").observe(elapsed)

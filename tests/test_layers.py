@@ -124,33 +124,8 @@ SOURCE_FOLDERS = (*COMPONENTS, "posttrain")
 
 # Debt, listed so that no new one can appear unnoticed: each entry must still exist (the test
 # below fails once it is gone, so the list only shrinks). Issue #21 tracks them.
-KNOWN_CYCLES = {
-    # the warm pool reaches into the executor's _spawn/_uids; to go with the executor's split
-    frozenset({"posttrain.sandboxes.executor", "posttrain.sandboxes.warm_pool"}),
-    frozenset({"posttrain.trainer.rewards", "posttrain.trainer.verification"}),
-    frozenset({"posttrain.trainer.lora", "posttrain.trainer.policy"}),
-    frozenset({"posttrain.trainer.distributed", "posttrain.trainer.loop"}),
-    # landed 2026-12-03 17:20 with the BFCL multi-turn environment
-    frozenset(
-        {"posttrain.envs.base", "posttrain.envs.bfcl_multi_turn", "posttrain.trainer.datasets"}
-    ),
-    # builders puts the per-run runner's and evaluator's objects in; they borrow its helpers
-    frozenset(
-        {
-            "posttrain.operator.builders",
-            "posttrain.operator.evaluator",
-            "posttrain.operator.sandbox_runner",
-        }
-    ),
-}
-KNOWN_PRIVATE_IMPORTS = {
-    "posttrain.operator.evaluator imports posttrain.operator.builders._resources",
-    "posttrain.operator.evaluator imports posttrain.operator.builders._s3_env",
-    "posttrain.operator.evaluator imports posttrain.operator.builders._schedule",
-    "posttrain.operator.sandbox_runner imports posttrain.operator.builders._resources",
-    "posttrain.operator.warmpool imports posttrain.operator.builders._check_file_name",
-    "posttrain.operator.warmpool imports posttrain.operator.builders._resources",
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
+KNOWN_PRIVATE_IMPORTS: set[str] = set()
 
 
 def _our_modules() -> dict[str, Path]:

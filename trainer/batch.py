@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.trainer.advantages import compute_advantages
 from posttrain.trainer.audit import Trajectory, round_logprobs, verifier_record
@@ -16,6 +16,9 @@ from posttrain.trainer.loss import LossConfig, sequence_coefficients
 from posttrain.trainer.policy import TrainSample
 from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
 from posttrain.trainer.rollouts import RolloutBatch
+
+if TYPE_CHECKING:
+    from posttrain.api import AlgorithmSpec
 
 
 @dataclass
@@ -35,7 +38,7 @@ class PreparedBatch:
 def score_batch(
     batch: RolloutBatch,
     verifiers: dict[str, tuple[str | None, dict[str, Any]]],
-    algorithm: Any,  # AlgorithmSpec
+    algorithm: AlgorithmSpec,
     *,
     max_concurrency: int,
     verify: VerifyFn | None = None,
@@ -59,9 +62,8 @@ def score_batch(
         max_concurrency=max_concurrency,
         verify=verify,
     )
-    scored = [episode_score(c) if is_episode(c) else None for _, c in flat]
-    for k, sample in zip(plain, judged, strict=True):
-        scored[k] = sample
+    judged_at = dict(zip(plain, judged, strict=True))
+    scored = [judged_at[k] if k in judged_at else episode_score(c) for k, (_, c) in enumerate(flat)]
     sizes = [len(group) for group in batch.completions]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [scored[start : start + size] for start, size in zip(starts, sizes, strict=True)]
@@ -154,9 +156,9 @@ def prepare_batch(
     by_domain_reward: dict[str, list[float]] = {}
     by_domain_pass: dict[str, list[float]] = {}
     trajectories = []
-    for i, group in enumerate(scored):
+    for i, group_scores in enumerate(scored):
         domain = tasks[i].domain
-        for j, s in enumerate(group):
+        for j, s in enumerate(group_scores):
             c = completions[i][j]
             prompt_ids = tuple(_prompt_ids(batch, i, c))
             if not is_errored(c):

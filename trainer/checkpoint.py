@@ -22,14 +22,18 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain.trainer.datasets import Task
 from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+
+if TYPE_CHECKING:
+    from posttrain.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +128,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
 
 
-def save_training_state(policy: Any, dest: Path) -> None:
+def save_training_state(policy: Policy, dest: Path) -> None:
     """DCP-save the policy's weights and optimizer state under ``dest`` (collective).
 
     Each rank writes only the shards it holds; nothing is gathered.
@@ -140,14 +144,14 @@ def save_training_state(policy: Any, dest: Path) -> None:
     )
 
 
-def load_training_state(policy: Any, source: Path) -> None:
+def load_training_state(policy: Policy, source: Path) -> None:
     """Load weights and optimizer state saved by :func:`save_training_state`, resharded to
     this run's ranks (any world size)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state: dict[str, Any] = {"model": model_state, "optim": optim_state}  # DCP's STATE_DICT_TYPE
     dcp.load(state, checkpoint_id=str(source), no_dist=not _distributed())
     set_state_dict(
         policy.module,
@@ -191,7 +195,7 @@ class Checkpointer:
             store, "checkpoints", keep_last=keep_last, pinned=pinned_steps
         )
 
-    def save(self, policy: Any, state: TrainerState, eval_score: float | None = None) -> str:
+    def save(self, policy: Policy, state: TrainerState, eval_score: float | None = None) -> str:
         """Commit a checkpoint of ``state.step``; returns its URI.
 
         Collective: every rank calls it. Each rank writes and uploads its own files; rank 0
@@ -234,7 +238,9 @@ class Checkpointer:
         tmp_link.symlink_to(target.name)
         tmp_link.replace(link)  # atomic: a reader sees the old or the new target
 
-    def restore(self, policy_factory: Any, scratch: Path) -> tuple[Any, TrainerState] | None:
+    def restore(
+        self, policy_factory: Callable[[Path], Policy], scratch: Path
+    ) -> tuple[Policy, TrainerState] | None:
         """Load the newest valid checkpoint: ``(policy, state)``, or None when there is none.
 
         ``policy_factory(model_dir)`` builds the policy from the checkpoint's HF weights;

@@ -106,7 +106,8 @@ class Curriculum:
         self.min_domain_fraction = min_domain_fraction
         self.rng = random.Random(seed)
         self.level = {name: 0 for name in self.pools}  # index into the domain's strata
-        self.recent = {name: deque(maxlen=window) for name in self.pools}  # 1.0 pass / 0.0 fail
+        # 1.0 pass / 0.0 fail
+        self.recent: dict[str, deque[float]] = {name: deque(maxlen=window) for name in self.pools}
         self.replay: dict[str, list[dict[str, Any]]] = {name: [] for name in self.pools}
         self.promotions: list[dict[str, Any]] = []
 

@@ -9,15 +9,15 @@ task's *content*, so a held-out item can never appear in training, whatever the 
 
 from __future__ import annotations
 
-import hashlib
 import operator
 import random
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from posttrain.errors import UsageError
+from posttrain.trainer.task import Task
 
 # Which verifier a domain gets when neither the task nor the spec names one.
 DEFAULT_VERIFIER_BY_DOMAIN: dict[str, str] = {"arithmetic": "numeric", "code": "unit_tests"}
@@ -27,54 +27,6 @@ HELD_OUT_MODULUS = 5  # one content-hash bucket in five is held out (20 %)
 BUILTIN_POOL_PER_STRATUM = 400  # training items generated per stratum (cheap, deterministic)
 BUILTIN_EVAL_PER_STRATUM = 64
 KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell")
-
-
-@dataclass(frozen=True)
-class Task:
-    """One prompt plus what its verifier checks against."""
-
-    domain: str
-    prompt: str
-    answer: str | None = None
-    tests: str | None = None
-    difficulty: str = "default"
-    verifier: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def task_id(self) -> str:
-        """Stable id of the *question* (domain + prompt): the unit of the held-out split, so
-        one prompt can never sit on both sides even with different tests or answers."""
-        return content_hash(self.domain, self.prompt)[:16]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON record (the same shape a task file line has)."""
-        record = {k: v for k, v in asdict(self).items() if v is not None and k != "extra"}
-        record.update(self.extra)
-        return record
-
-    @classmethod
-    def from_dict(cls, record: dict[str, Any]) -> Task:
-        known = {"domain", "prompt", "answer", "tests", "difficulty", "verifier"}
-        extra = {k: v for k, v in record.items() if k not in known}
-        return cls(
-            domain=str(record["domain"]),
-            prompt=str(record["prompt"]),
-            answer=None if record.get("answer") is None else str(record["answer"]),
-            tests=record.get("tests"),
-            difficulty=str(record.get("difficulty", "default")),
-            verifier=record.get("verifier"),
-            extra=extra,
-        )
-
-
-def content_hash(*parts: str) -> str:
-    """sha256 of the parts joined by NUL.
-
-    >>> content_hash("a", "b")[:8]
-    '59b271ae'
-    """
-    return hashlib.sha256("\x00".join(parts).encode()).hexdigest()
 
 
 def is_held_out(task: Task) -> bool:
@@ -177,6 +129,7 @@ def code_task(rng: random.Random, stratum: str) -> Task:
     """One generated 'write a small function' task with asserts computed from a reference."""
     name, description, body = rng.choice(CODE_FAMILIES[stratum])
     k = rng.randint(2, 49)
+    inputs: list[list[int]] | list[str] | list[int]
     if name in {"count_big", "keep_small", "sum_plus"}:
         arg, inputs = (
             "xs",

@@ -38,12 +38,17 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.api import env
 from posttrain.errors import UsageError
 from posttrain.processes import free_port
 from posttrain.telemetry import get_tracer
+from posttrain.trainer.dist_context import DistContext
+
+if TYPE_CHECKING:
+    from posttrain.api import TrainingRun, TrainingRunSpec
+    from posttrain.trainer.loop import RunResult
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -54,45 +59,6 @@ NODE_WAIT_ENV = "POSTTRAIN_RAY_NODE_WAIT_S"  # how long the Ray driver waits for
 RENDEZVOUS_TIMEOUT_ENV = "POSTTRAIN_RENDEZVOUS_TIMEOUT_S"
 DEFAULT_NODE_WAIT_S = 600.0
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 900
-
-
-@dataclass(frozen=True)
-class DistContext:
-    """This process's place in the job."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1  # ranks on this node (they share its memory)
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def barrier(self) -> None:
-        """Wait until every rank gets here (no-op in a single process).
-
-        The loop calls this after rank 0 published a step's weights, so that no rank
-        samples its next batch before the rollout pool serves those weights.
-        """
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def any_rank(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is True on any (collective with several ranks):
-        decisions that start collectives, such as checkpointing, must be the same everywhere.
-        """
-        if self.world_size <= 1:
-            return flag
-        import torch
-        import torch.distributed as dist
-
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        value = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value.item())
 
 
 @dataclass(frozen=True)
@@ -110,12 +76,12 @@ class WorldPlan:
         return self.nodes * self.ranks_per_node
 
 
-def wanted_nodes(run: Any) -> int:
+def wanted_nodes(run: TrainingRun) -> int:
     """Nodes requested by the environment (operator) or the spec's resources."""
     return int(os.environ.get(NODES_ENV, run.spec.resources.nodes))
 
 
-def ranks_per_node(spec: Any) -> int:
+def ranks_per_node(spec: TrainingRunSpec) -> int:
     """One rank per GPU, or ``engine.cpuRanks`` CPU ranks.
 
     >>> from types import SimpleNamespace as S
@@ -128,7 +94,7 @@ def ranks_per_node(spec: Any) -> int:
     return gpus if gpus > 0 else spec.engine.cpu_ranks
 
 
-def world_plan(run: Any, environ: dict[str, str] | None = None) -> WorldPlan:
+def world_plan(run: TrainingRun, environ: dict[str, str] | None = None) -> WorldPlan:
     """The world of this run from the spec and the operator's environment.
 
     >>> from types import SimpleNamespace as S
@@ -169,7 +135,9 @@ def under_external_launcher() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def launch_if_distributed(run: Any, out_dir: Path, endpoints: list[str] | None = None) -> Any:
+def launch_if_distributed(
+    run: TrainingRun, out_dir: Path, endpoints: list[str] | None = None
+) -> RunResult | None:
     """Train with several ranks when the world has more than one; None otherwise.
 
     Returns rank 0's :class:`posttrain.trainer.loop.RunResult` on the node that ran rank 0;
@@ -189,13 +157,15 @@ def launch_if_distributed(run: Any, out_dir: Path, endpoints: list[str] | None =
     return launch_node(run, out_dir, plan, endpoints or _resolve_endpoints(run.spec))
 
 
-def _resolve_endpoints(spec: Any) -> list[str]:
+def _resolve_endpoints(spec: TrainingRunSpec) -> list[str]:
     from posttrain.trainer.endpoints import rollout_endpoints
 
     return rollout_endpoints(spec)
 
 
-def launch_node(run: Any, out_dir: Path, plan: WorldPlan, endpoints: list[str]) -> Any:
+def launch_node(
+    run: TrainingRun, out_dir: Path, plan: WorldPlan, endpoints: list[str]
+) -> RunResult:
     """Start this node's ranks under torch's elastic agent and wait for them."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -230,7 +200,7 @@ def launch_node(run: Any, out_dir: Path, plan: WorldPlan, endpoints: list[str]) 
     return results[0]
 
 
-def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> Any:
+def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> RunResult:
     """One rank: join the process group on its device, train, leave. The launcher calls it
     with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
     ``MASTER_PORT`` in the environment."""
@@ -339,7 +309,7 @@ def ray_placement(placement: list[str], per_node: int) -> list[dict[str, str]]:
 NODE_ID_LABEL = "ray.io/node-id"  # the label every Ray node carries with its own id
 
 
-def ray_rank(config: dict[str, Any]) -> Any:
+def ray_rank(config: dict[str, Any]) -> RunResult:
     """One rank under Ray Train: the same entry point torchrun's ranks run.
 
     Ray Train has already joined the process group (``TorchConfig``) and set ``RANK``,
@@ -360,13 +330,21 @@ def ray_rank(config: dict[str, Any]) -> Any:
     return run_rank(config["spec"], config["out_dir"], config["endpoints"])
 
 
-def _launch_on_ray(run: Any, out_dir: Path, endpoints: list[str] | None) -> Any:
+def _launch_on_ray(run: TrainingRun, out_dir: Path, endpoints: list[str] | None) -> RunResult:
     """Train through Ray Train: a ``TorchTrainer`` with one worker per rank, ``ranks_per_node``
     of them on each of ``nodes`` Ray nodes (node 0 the driver's), no retries."""
     try:
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
+        from ray.train.torch import TorchConfig
+
+        # Ray Train V2 (the default since Ray 2.5x; ray.train re-exports it unless
+        # RAY_TRAIN_V2_ENABLED=0): label selectors and Result.return_value exist only there,
+        # so they are imported from V2 by name.
+        from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.v2.api.result import Result
+        from ray.train.v2.torch.torch_trainer import TorchTrainer
+
+        from posttrain.trainer.loop import RunResult
     except ImportError:
         raise UsageError(
             "$RAY_ADDRESS is set but Ray Train is not installed; install posttrain[ray] "
@@ -412,7 +390,10 @@ def _launch_on_ray(run: Any, out_dir: Path, endpoints: list[str] | None) -> Any:
                 ),
             )
             result = trainer.fit()
+        assert isinstance(result, Result)  # V2's, which fit() returns
         rank0 = result.return_value
+        if not isinstance(rank0, RunResult):
+            raise RuntimeError(f"Ray Train's rank 0 returned {rank0!r}, not the run's result")
         log.info(
             "distributed run finished on %d nodes; rank 0 did %d steps", nodes, rank0.steps_done
         )

@@ -24,6 +24,8 @@ from posttrain.trainer.policy import TrainSample, completion_logits
 from posttrain.trainer.stage_data import PreferencePair
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from posttrain.trainer.policy import Policy
 
 
@@ -68,7 +70,7 @@ def policy_sequence_logps(
 
 
 def sequence_logps(
-    model: torch.nn.Module, pairs: Sequence[PreferencePair], pad_id: int
+    model: PreTrainedModel, pairs: Sequence[PreferencePair], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`policy_sequence_logps` for a plain HF model (tests, TRL comparison)."""
     answers = answer_samples(pairs)

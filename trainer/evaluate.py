@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Gauge
 
@@ -24,6 +24,9 @@ from posttrain.progresslog import ItemProgress
 from posttrain.telemetry import get_tracer
 from posttrain.trainer.datasets import Task
 from posttrain.trainer.rewards import VerifyFn, score_samples
+
+if TYPE_CHECKING:
+    from posttrain.rollout.client import RolloutClient
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -99,7 +102,7 @@ def accuracy_by_domain(items: Sequence[EvalItem]) -> tuple[dict[str, float], dic
 
 
 def evaluate_tasks(
-    client: Any,
+    client: RolloutClient,
     encode_prompt: Callable[[str], list[int]],
     tasks: Sequence[Task],
     verifier_specs: dict[str, tuple[str | None, dict[str, Any]]],

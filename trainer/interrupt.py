@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from posttrain.api import TrainingRunSpec
 
 INTERRUPTED = "Interrupted"  # status.json's phase after Ctrl-C (local runs only)
 
@@ -75,7 +78,7 @@ def resume_command(argv: Sequence[str]) -> str:
     return shlex.join([program, *argv[1:]])
 
 
-def last_checkpoint(spec: Any, out_dir: Path) -> tuple[int, str] | None:
+def last_checkpoint(spec: TrainingRunSpec, out_dir: Path) -> tuple[int, str] | None:
     """(step, URI) of the newest committed checkpoint of this run, None when there is none."""
     from posttrain.storage.checkpoints import CheckpointManager
     from posttrain.storage.store import open_store

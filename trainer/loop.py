@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
@@ -34,7 +34,7 @@ from posttrain.trainer.checkpoint import (
     request_from_json,
     request_to_json,
 )
-from posttrain.trainer.distributed import DistContext
+from posttrain.trainer.dist_context import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.interrupt import INTERRUPTED
 from posttrain.trainer.pipeline import (
@@ -43,6 +43,7 @@ from posttrain.trainer.pipeline import (
     offline_step,
     plan_stages,
     reference_logps,
+    resolved,
     stage_batch,
     stage_record,
     stage_schedule,
@@ -61,6 +62,11 @@ from posttrain.trainer.status import (
     StatusReporter,
 )
 from posttrain.trainer.weight_sync import WeightPublisher, all_on_this_host, serving_dtype
+
+if TYPE_CHECKING:
+    from posttrain.api import TrainingRunSpec
+    from posttrain.envs.training import EpisodeSampler
+    from posttrain.rollout.client import RolloutClient
 
 log = logging.getLogger(__name__)
 
@@ -95,9 +101,9 @@ class RunResult:
 
 
 def train(
-    spec: Any,  # posttrain.api.TrainingRunSpec
+    spec: TrainingRunSpec,
     out_dir: Path,
-    client: Any,  # posttrain.rollout.client.RolloutClient
+    client: RolloutClient,
     *,
     reporter: StatusReporter | None = None,
     stop_after_step: int | None = None,  # simulate an interruption (tests)
@@ -195,6 +201,8 @@ def rl_stage(
     """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
     checkpointing the step)."""
     spec, algo = run.spec, run.algo
+    producer = run.producer
+    assert producer is not None, "rl_stage before start_rollouts"
     steps_started = time.monotonic()
     while run.step < stop_at:
         if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
@@ -206,7 +214,7 @@ def rl_stage(
             # 1. choose prompts for every batch allowed to be in flight (curriculum)
             run.submit_ahead()
             # 2. take this step's batch (sampled in the background)
-            batch = run.producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
+            batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
             if batch.error:
                 raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
             staleness = run.version - batch.weight_version  # versions behind, before step
@@ -258,7 +266,7 @@ def rl_stage(
                 # every rank: the weights are gathered from the shards as they stream out
                 run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
             run.dist.barrier()  # multi-node: no rank samples before rank 0 published
-            run.producer.step_finished(step)
+            producer.step_finished(step)
             metrics = StepMetrics(
                 step=step,
                 reward_mean=prepared.reward_mean,
@@ -296,8 +304,9 @@ def rl_stage(
             run.close_stage_record(plan)
         interrupted = run.dist.any_rank(stop is not None and stop.is_set())
         if checkpoint_due or interrupted:  # every rank writes its shards; rank 0 commits
-            evaluated = run.final_eval is not None and run.final_eval.step == step
-            run.save_checkpoint(run.final_eval.overall if evaluated else None)
+            latest = run.final_eval
+            evaluated = latest is not None and latest.step == step
+            run.save_checkpoint(latest.overall if latest is not None and evaluated else None)
         if last:
             run.announce_stage_end(plan)
         with run._status_lock:
@@ -323,7 +332,7 @@ class Run:
     version: int  # weight version the servers serve: one per publish
     submitted: int  # highest batch index whose prompts were chosen
     producer: RolloutProducer | None  # started when the RL stage starts
-    episodes: Any  # posttrain.envs.training.EpisodeSampler, or None (no environment domain)
+    episodes: EpisodeSampler | None  # None: no environment domain
     status: RunStatus
     plan: StagePlan  # the stage being trained
     stage_state: dict[str, Any]  # the current stage's own state (DPO: reference log-probs)
@@ -332,9 +341,9 @@ class Run:
 
     def __init__(
         self,
-        spec: Any,
+        spec: TrainingRunSpec,
         out_dir: Path,
-        client: Any,
+        client: RolloutClient,
         reporter: StatusReporter,
         dist: DistContext,
         verify: VerifyFn | None,
@@ -404,16 +413,17 @@ class Run:
         self.producer, self.final_eval, self.last_checkpoint = None, None, None
         # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluator.py)
         self.inline_eval = dist.is_main and spec.evaluation.inline
-        self.stage_state, self.stage_records = {}, []
+        self.stage_state = {}
+        self.stage_records: list[dict[str, Any]] = []
         self.pending: list[RolloutRequest] = []  # restored RL work, handed to the producer
         self.sampled: list[Any] = []
 
     @classmethod
     def start(
         cls,
-        spec: Any,
+        spec: TrainingRunSpec,
         out_dir: Path,
-        client: Any,
+        client: RolloutClient,
         reporter: StatusReporter | None,
         dist: DistContext,
         verify: VerifyFn | None,
@@ -512,8 +522,8 @@ class Run:
         first = self.plans[0].spec
         return Policy(
             model_dir,
-            learning_rate=first.learning_rate,
-            weight_decay=first.weight_decay,
+            learning_rate=resolved(first.learning_rate, "learningRate"),
+            weight_decay=resolved(first.weight_decay, "weightDecay"),
             seed=self.algo.seed,
             reference_dir=self.kl_reference_dir(model_dir),
             engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
@@ -527,7 +537,9 @@ class Run:
         stage = plan.spec
         if fresh:
             self.policy.reset_optimizer(
-                stage.learning_rate, stage.weight_decay, stage_schedule(plan)
+                resolved(stage.learning_rate, "learningRate"),
+                resolved(stage.weight_decay, "weightDecay"),
+                stage_schedule(plan),
             )
             if plan.type == "rl" and plan.index > 0:
                 # KL to the model this stage starts from, not to the original base model
@@ -547,7 +559,9 @@ class Run:
                 f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}",
             )
         else:  # the optimizer's moments came from the checkpoint; the curve is the stage's
-            self.policy.set_schedule(stage.learning_rate, stage_schedule(plan))
+            self.policy.set_schedule(
+                resolved(stage.learning_rate, "learningRate"), stage_schedule(plan)
+            )
             log.info(
                 "resuming stage %s (%s) after step %d of %d-%d",
                 plan.name,
@@ -625,7 +639,7 @@ class Run:
         data = self.stage_data.get(plan.name)
         return dict(data.skipped) if data is not None else {}
 
-    def make_episode_sampler(self) -> Any:
+    def make_episode_sampler(self) -> EpisodeSampler | None:
         """Domains with an ``environment`` are sampled as multi-turn episodes (None: none)."""
         environments = {
             d.name: d.environment

@@ -12,17 +12,32 @@ model's own names, one tensor at a time (sharded or not), exactly what ``peft``'
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from posttrain.trainer.engine import to_full
 
-if TYPE_CHECKING:
-    from posttrain.trainer.policy import LoraOptions
-
 ADAPTER = "default"
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """Low-rank adapters (PEFT LoRA) on the attention and MLP projections."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
 
 
 def add_adapters(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Module:
@@ -37,7 +52,9 @@ def add_adapters(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Modul
         ) from None
     config = LoraConfig(
         r=options.rank,
-        lora_alpha=options.alpha,
+        # peft annotates lora_alpha as int but only ever computes lora_alpha / r with it;
+        # spec.engine.lora.alpha is a float (32.0, or 0.5 for a gentle scale) and stays one.
+        lora_alpha=options.alpha,  # type: ignore[arg-type]
         lora_dropout=0.0,
         target_modules=list(options.target_modules),
         bias="none",

@@ -21,7 +21,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -37,7 +37,27 @@ from posttrain.trainer.stage_data import (
     load_stage_data,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from posttrain.api import StageSpec, TrainingRunSpec
+    from posttrain.trainer.policy import Policy
+
 log = logging.getLogger(__name__)
+
+
+V = TypeVar("V")
+
+
+def resolved(value: V | None, name: str) -> V:
+    """A stage setting that :meth:`StageSpec.resolved` filled in for the stages that use it.
+
+    >>> resolved(3, "maxSteps")
+    3
+    """
+    if value is None:
+        raise ValueError(f"stage setting {name} is unset; plan stages from spec.pipeline()")
+    return value
 
 
 @dataclass(frozen=True)
@@ -45,7 +65,7 @@ class StagePlan:
     """One resolved stage and the global steps it owns."""
 
     index: int
-    spec: Any  # posttrain.api.StageSpec, resolved (every hyper-parameter set)
+    spec: StageSpec  # resolved: every setting its stage type uses is set
     first_step: int
     last_step: int
 
@@ -58,7 +78,7 @@ class StagePlan:
         return str(self.spec.type)
 
 
-def plan_stages(spec: Any) -> list[StagePlan]:
+def plan_stages(spec: TrainingRunSpec) -> list[StagePlan]:
     """Global step ranges of ``spec.pipeline()``.
 
     >>> from posttrain.api import TrainingRunSpec
@@ -72,8 +92,9 @@ def plan_stages(spec: Any) -> list[StagePlan]:
     """
     plans, done = [], 0
     for index, stage in enumerate(spec.pipeline()):
-        plans.append(StagePlan(index, stage, done + 1, done + int(stage.max_steps)))
-        done += int(stage.max_steps)
+        steps = resolved(stage.max_steps, "maxSteps")
+        plans.append(StagePlan(index, stage, done + 1, done + steps))
+        done += steps
     return plans
 
 
@@ -97,10 +118,10 @@ def load_pipeline_data(plans: list[StagePlan], tokenizer: Any) -> dict[str, Stag
         stage = plan.spec
         data[plan.name] = load_stage_data(
             plan.type,
-            list(stage.datasets),
+            list(resolved(stage.datasets, "datasets")),
             encode_prompt,
             encode_completion,
-            int(stage.max_length),
+            resolved(stage.max_length, "maxLength"),
             plan.name,
         )
         loaded = data[plan.name]
@@ -121,7 +142,7 @@ def stage_batch(
     """This rank's example indices for global ``step`` (ranks split the step's batch)."""
     indices = batch_indices(
         len(data.examples),
-        int(plan.spec.batch_size),
+        resolved(plan.spec.batch_size, "batchSize"),
         step - plan.first_step + 1,
         seed=_data_seed(seed, plan),
     )
@@ -145,9 +166,9 @@ def stage_schedule(plan: StagePlan) -> LrSchedule:
     stage = plan.spec
     return LrSchedule(
         kind=str(stage.lr_schedule),
-        warmup_steps=int(stage.lr_warmup_steps),
-        total_steps=int(stage.max_steps),
-        min_ratio=float(stage.min_lr_ratio),
+        warmup_steps=resolved(stage.lr_warmup_steps, "lrWarmupSteps"),
+        total_steps=resolved(stage.max_steps, "maxSteps"),
+        min_ratio=resolved(stage.min_lr_ratio, "minLrRatio"),
         first_step=plan.first_step,
     )
 
@@ -155,7 +176,7 @@ def stage_schedule(plan: StagePlan) -> LrSchedule:
 T = TypeVar("T")
 
 
-def rank_chunks(items: list[T], micro: int, policy: Any) -> list[list[T]]:
+def rank_chunks(items: list[T], micro: int, policy: Policy) -> list[list[T]]:
     """This rank's micro-batches of ``items``, padded with empty ones so every rank runs as
     many forwards and backwards: with FSDP each is a collective (weights gathered,
     gradients reduce-scattered), and a rank that stopped early would hang the others."""
@@ -169,7 +190,7 @@ def rank_chunks(items: list[T], micro: int, policy: Any) -> list[list[T]]:
     return chunks
 
 
-def global_sums(values: list[float], policy: Any) -> list[float]:
+def global_sums(values: list[float], policy: Policy) -> list[float]:
     """``values`` summed over every rank (the values themselves with one rank)."""
     if policy.rank.world_size == 1:
         return values
@@ -185,7 +206,7 @@ def _filler_pair(pad_id: int) -> PreferencePair:
     return PreferencePair([pad_id], [pad_id], [pad_id], "filler")
 
 
-def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
+def reference_logps(policy: Policy, plan: StagePlan, data: StageData, seed: int) -> dict[str, Any]:
     """The frozen stage-start model's log-probs of every pair the stage will train on,
     computed once per pair before the first update: ``{"reference_logps": {index: [c, r]}}``.
 
@@ -203,7 +224,9 @@ def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) ->
     out: dict[str, list[float]] = {}
     started = time.monotonic()
     with torch.no_grad():
-        for chunk in rank_chunks(used[rank::world], int(plan.spec.micro_batch_size), policy):
+        for chunk in rank_chunks(
+            used[rank::world], resolved(plan.spec.micro_batch_size, "microBatchSize"), policy
+        ):
             pairs = [data.examples[i] for i in chunk] or [_filler_pair(policy.pad_id)]
             chosen, rejected = policy_sequence_logps(policy, pairs)  # (B,), (B,)
             for i, c, r in zip(chunk, chosen.tolist(), rejected.tolist(), strict=False):
@@ -224,7 +247,7 @@ def reference_logps(policy: Any, plan: StagePlan, data: StageData, seed: int) ->
 
 
 def offline_step(
-    policy: Any,
+    policy: Policy,
     plan: StagePlan,
     data: StageData,
     indices: list[int],
@@ -246,7 +269,7 @@ def offline_step(
     started = time.monotonic()
     world = policy.rank.world_size
     examples = [data.examples[i] for i in indices]
-    chunks = rank_chunks(list(indices), int(stage.micro_batch_size), policy)
+    chunks = rank_chunks(list(indices), resolved(stage.micro_batch_size, "microBatchSize"), policy)
     policy.optimizer.zero_grad(set_to_none=True)
     if plan.type == "sft":
         totals = _sft_backward(policy, stage, data, examples, chunks, world)
@@ -279,7 +302,7 @@ def offline_step(
 
 
 def _sft_backward(
-    policy: Any,
+    policy: Policy,
     stage: Any,
     data: StageData,
     examples: list[SftExample],
@@ -311,12 +334,12 @@ def _sft_backward(
     return [loss_total, float(tokens), float(len(examples)), 0.0, 0.0, 0.0]
 
 
-def _sft_objective(model: torch.nn.Module, **kwargs: Any) -> torch.Tensor:
+def _sft_objective(model: PreTrainedModel, **kwargs: Any) -> torch.Tensor:
     return sft_loss_sum(model, **kwargs)[0]
 
 
 def _dpo_backward(
-    policy: Any,
+    policy: Policy,
     stage: Any,
     data: StageData,
     examples: list[PreferencePair],

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,7 +40,13 @@ from posttrain.trainer.engine import (
     shard,
     to_full,
 )
+from posttrain.trainer.lora import LoraOptions
 from posttrain.trainer.loss import LossConfig, clipped_policy_loss
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from posttrain.api import TrainingRunSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +54,7 @@ log = logging.getLogger(__name__)
 # 1024 x 49k fp32 logits = 200 MB; 1024 x 152k (Qwen) = 620 MB.
 DEFAULT_LOGPROB_CHUNK_TOKENS = 1024
 
-Objective = Callable[[torch.nn.Module], torch.Tensor]
+Objective = Callable[["PreTrainedModel"], torch.Tensor]
 """A forward of another objective (SFT's packed rows) run on the HF model inside the FSDP
 root's forward: ``objective(model) -> tensor``."""
 
@@ -96,23 +102,6 @@ class StepStats:
 
 
 @dataclass(frozen=True)
-class LoraOptions:
-    """Low-rank adapters (PEFT LoRA) on the attention and MLP projections."""
-
-    rank: int = 16
-    alpha: float = 32.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
-
-
-@dataclass(frozen=True)
 class EngineOptions:
     """How the policy is placed and trained (spec.resources + spec.engine + the LR schedule)."""
 
@@ -132,7 +121,7 @@ class EngineOptions:
     full_load_before_sharding: bool = False
 
     @classmethod
-    def from_spec(cls, spec: Any, ranks_on_node: int = 1) -> EngineOptions:
+    def from_spec(cls, spec: TrainingRunSpec, ranks_on_node: int = 1) -> EngineOptions:
         """The options a TrainingRunSpec asks for."""
         engine, algo = spec.engine, spec.algorithm
         lora = None
@@ -172,8 +161,10 @@ class TokenLogprobs(torch.nn.Module):
     is bounded by the chunk, not by completion tokens x vocabulary.
     """
 
+    model: PreTrainedModel
+
     def __init__(
-        self, model: torch.nn.Module, pad_id: int, chunk_tokens: int, share_prompts: bool
+        self, model: PreTrainedModel, pad_id: int, chunk_tokens: int, share_prompts: bool
     ) -> None:
         super().__init__()
         self.model = model
@@ -191,7 +182,7 @@ class TokenLogprobs(torch.nn.Module):
             # Any other objective's forward goes through this root too, so FSDP gathers the
             # root's weights for it and reduce-scatters their gradients (:meth:`Policy.run`).
             return objective(self.model)
-        device = self.model.get_input_embeddings().weight.device
+        device = input_device(self.model)
         targets = torch.tensor(
             [t for s in samples for t in s.completion_ids], device=device
         )  # (N,)
@@ -305,7 +296,7 @@ class Policy:
         self.module = self._place(self.model, trainable=True, source=self.model_dir)
         # The KL anchor: the model the RL stage started from (``reference_dir``: the base
         # model, or a pipeline stage's start, then :meth:`anchor_reference`).
-        self.reference: torch.nn.Module | None = None
+        self.reference: PreTrainedModel | None = None
         self.reference_module: torch.nn.Module | None = None
         if reference_dir is not None:
             self.reference = self._load(Path(reference_dir)).requires_grad_(False)
@@ -334,7 +325,8 @@ class Policy:
             trainable,
             lr=learning_rate,
             weight_decay=weight_decay,
-            **({"foreach": True} if self.sharded else {"fused": True}),
+            foreach=True if self.sharded else None,
+            fused=None if self.sharded else True,
         )
 
     def _check_memory(self, model_dir: Path, *, reference: bool) -> None:
@@ -362,7 +354,7 @@ class Policy:
         )
         check_fits(estimate, available_bytes(self.plan, self.engine.ranks_on_node), where)
 
-    def _load(self, model_dir: Path) -> torch.nn.Module:
+    def _load(self, model_dir: Path) -> PreTrainedModel:
         """The model to place: empty (meta) when each rank will read its own slices."""
         if self._per_rank_load:
             from posttrain.trainer.sharded_load import build_empty
@@ -370,7 +362,7 @@ class Policy:
             return build_empty(model_dir)
         return _load_model(model_dir)
 
-    def _place(self, model: torch.nn.Module, *, trainable: bool, source: Path) -> torch.nn.Module:
+    def _place(self, model: PreTrainedModel, *, trainable: bool, source: Path) -> torch.nn.Module:
         """Wrap ``model`` as the loss forward, then checkpoint, shard (and, loaded per rank,
         fill this rank's shards from ``source``) and check its placement."""
         model.train(trainable)
@@ -492,7 +484,7 @@ class Policy:
         return write_hf_directory(self, dest, weights_only=weights_only, dtype=dtype)
 
     def completion_logprobs(
-        self, model: torch.nn.Module, samples: Sequence[TrainSample], temperature: float
+        self, model: PreTrainedModel, samples: Sequence[TrainSample], temperature: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs of each completion token under ``model``, aligned with a mask.
 
@@ -507,7 +499,8 @@ class Policy:
         longest = max(len(s.completion_ids) for s in samples)
         behaviour = torch.zeros((batch, longest), device=device)  # (B, L)
         mask = torch.zeros((batch, longest), device=device)  # (B, L)
-        rows, columns = [], []
+        rows: list[int] = []
+        columns: list[int] = []
         for i, s in enumerate(samples):
             n = len(s.completion_ids)
             if s.loss_mask is not None and len(s.loss_mask) != n:
@@ -670,7 +663,7 @@ class Policy:
         return lr
 
 
-def _load_model(model_dir: Path | str) -> torch.nn.Module:
+def _load_model(model_dir: Path | str) -> PreTrainedModel:
     """The HF model in fp32 on the CPU (the master weights; sharding moves them)."""
     from transformers import AutoModelForCausalLM
 
@@ -680,14 +673,22 @@ def _load_model(model_dir: Path | str) -> torch.nn.Module:
     return model
 
 
-def _post_processes_logits(model: torch.nn.Module) -> bool:
+def input_device(model: PreTrainedModel) -> torch.device:
+    """Where the model takes its input ids: its input embedding's device (a DTensor's is
+    this rank's)."""
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.device
+
+
+def _post_processes_logits(model: PreTrainedModel) -> bool:
     """Models whose forward soft-caps or scales logits: the loss takes their full forward."""
     config = model.config
     return bool(getattr(config, "final_logit_softcapping", None)) or hasattr(config, "logit_scale")
 
 
 def completion_hidden(
-    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+    model: PreTrainedModel, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
     """Final hidden states (N, H) predicting every completion token, sample after sample.
 
@@ -705,7 +706,7 @@ def completion_hidden(
     """
     from posttrain.rollout.engine import distinct_prompts, left_padded
 
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     decoder = getattr(model, model.base_model_prefix)
     prompts, group = distinct_prompts(s.prompt_ids for s in samples)
     prompt_ids, prompt_mask, prompt_positions = (
@@ -758,7 +759,7 @@ def completion_hidden(
 
 
 def completion_logits(
-    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+    model: PreTrainedModel, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
     """Logits (N, V) predicting every completion token (:func:`completion_hidden` + LM head).
 
@@ -780,7 +781,8 @@ def _full_batch(
     lengths = [len(s.prompt_ids) + len(s.completion_ids) for s in samples]
     input_ids = torch.full((len(samples), max(lengths)), pad_id, dtype=torch.long)  # (B, T)
     attention = torch.zeros_like(input_ids)  # (B, T)
-    rows, positions = [], []
+    rows: list[int] = []
+    positions: list[int] = []
     for i, s in enumerate(samples):
         ids = s.prompt_ids + s.completion_ids
         input_ids[i, : len(ids)] = torch.tensor(ids)
@@ -797,22 +799,22 @@ def _full_batch(
 
 
 def _full_forward_logits(
-    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+    model: PreTrainedModel, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
     """:func:`completion_logits` by one forward of each prompt + completion (the reference
     the shared-prompt path is tested against)."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     input_ids, attention, rows, positions = _full_batch(samples, pad_id, device)
     logits = model(input_ids=input_ids, attention_mask=attention).logits  # (B, T, V)
     return logits[rows, positions].float()  # (N, V)
 
 
 def _full_forward_hidden(
-    model: torch.nn.Module, samples: Sequence[TrainSample], pad_id: int
+    model: PreTrainedModel, samples: Sequence[TrainSample], pad_id: int
 ) -> torch.Tensor:
     """:func:`completion_hidden` by one decoder forward of each prompt + completion (no KV
     cache: what activation checkpointing needs)."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     input_ids, attention, rows, positions = _full_batch(samples, pad_id, device)
     decoder = getattr(model, model.base_model_prefix)
     hidden = decoder(

@@ -309,10 +309,10 @@ def write_report(
             "| --- | --- | --- | ---: | ---: | ---: | --- |",
         ]
         records = load_metrics(out_dir)
-        for name, kind, first, last, before, after in stage_rows(stages, evals):
+        for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
             change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
             lines.append(
-                f"| {name} | {kind} | {first}-{last} | {_pct(before)} | {_pct(after)} | {change} "
+                f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} | {change} "
                 f"| {stage_training(records, name)} |"
             )
         lines.append("")

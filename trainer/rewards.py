@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.trainer.datasets import DEFAULT_VERIFIER_BY_DOMAIN, Task
+from posttrain.trainer.verification import VerificationUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,10 @@ def verifier_kind(task: Task, domain_kind: str | None) -> str:
 VerifyFn = Callable[[str, str, dict[str, Any], dict[str, Any]], Any]
 
 
-class VerificationUnavailable(RuntimeError):
-    """The sandbox could not verify a sample for longer than the run allows: the step fails
-    (and with it the run) rather than scoring the sample as if the model had been wrong."""
-
-
 def _infra_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that say the sandbox, not the completion, failed: they are never a reward."""
     try:
-        from posttrain.sandboxes.executor import SandboxError
+        from posttrain.sandboxes.protocol import SandboxError
     except ImportError:  # the sandboxes component is optional
         return (VerificationUnavailable,)
     return (VerificationUnavailable, SandboxError)

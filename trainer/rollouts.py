@@ -21,12 +21,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge
 
 from posttrain.telemetry import get_tracer
 from posttrain.trainer.datasets import Task
+
+if TYPE_CHECKING:
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.rollout.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -76,8 +80,8 @@ class RolloutProducer:
 
     def __init__(
         self,
-        client: Any,
-        sampling_params: Any,
+        client: RolloutClient,
+        sampling_params: SamplingParams,
         max_policy_lag: int,
         steps_done: int = 0,
         sample: Any = None,

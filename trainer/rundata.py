@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import UsageError
 from posttrain.trainer.curriculum import Curriculum, DomainPool
@@ -21,6 +21,9 @@ from posttrain.trainer.datasets import (
     split_tasks,
 )
 from posttrain.trainer.loss import LossConfig
+
+if TYPE_CHECKING:
+    from posttrain.api import AlgorithmSpec, TrainingRunSpec
 
 VerifierSpecs = dict[str, tuple[str | None, dict[str, Any]]]
 
@@ -82,7 +85,7 @@ def domain_tasks(
     return train, held
 
 
-def check_dataset_sources(spec: Any) -> None:
+def check_dataset_sources(spec: TrainingRunSpec) -> None:
     """Fail with a UsageError naming the field when a dataset cannot be found.
 
     Only names and paths are checked (nothing is loaded), so ``posttrain run`` can do it
@@ -110,9 +113,10 @@ def check_dataset_sources(spec: Any) -> None:
             )
 
 
-def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
+def build_run_data(spec: TrainingRunSpec, seed_offset: int = 0) -> RunData:
     """Load every domain of ``spec`` (a TrainingRunSpec) and build the curriculum."""
-    pools, heldout, verifiers = [], [], {}
+    pools, heldout = [], []
+    verifiers: VerifierSpecs = {}
     limit = spec.evaluation.max_items_per_domain
     for domain in spec.domains:
         train, held = domain_tasks(domain.name, domain.dataset, domain.eval_dataset)
@@ -139,7 +143,7 @@ def build_run_data(spec: Any, seed_offset: int = 0) -> RunData:
     return RunData(curriculum, heldout, regression, verifiers)
 
 
-def loss_config(algorithm: Any) -> LossConfig:
+def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
     """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation)."""
     aggregation = "constant" if algorithm.name == "dr_grpo" else algorithm.loss_aggregation
     return LossConfig(

@@ -18,10 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from posttrain.trainer.stage_data import SftExample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def pack_rows(lengths: Sequence[int], max_length: int, packing: bool) -> list[list[int]]:
@@ -71,7 +75,9 @@ def packed_batch(
     width = max(sum(len(sequences[i]) for i in row) for row in layout)
     input_ids = torch.full((len(layout), width), pad_id, dtype=torch.long)  # (R, T)
     position_ids = torch.zeros((len(layout), width), dtype=torch.long)  # (R, T)
-    rows, columns, targets = [], [], []
+    rows: list[int] = []
+    columns: list[int] = []
+    targets: list[int] = []
     for r, row in enumerate(layout):
         offset = 0
         for i in row:
@@ -90,7 +96,7 @@ def packed_batch(
 
 
 def completion_token_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, chunk_tokens: int = 1024
+    model: PreTrainedModel, batch: PackedBatch, chunk_tokens: int = 1024
 ) -> torch.Tensor:
     """Log-prob (N,) of every completion token of a packed batch.
 
@@ -100,9 +106,9 @@ def completion_token_logprobs(
     the chunk, not by completion tokens x vocabulary. Models whose forward post-processes
     logits (soft-capping, logit scales) take their full forward.
     """
-    from posttrain.trainer.policy import chunked_token_logprobs
+    from posttrain.trainer.policy import chunked_token_logprobs, input_device
 
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     batch = batch.to(device)
     config = model.config
     if getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
@@ -124,7 +130,7 @@ def completion_token_logprobs(
 
 
 def sft_loss_sum(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     examples: Sequence[SftExample],
     *,
     max_length: int,

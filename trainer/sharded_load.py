@@ -27,15 +27,18 @@ import zlib
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def build_empty(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build_empty(model_dir: Path | str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The causal LM of ``model_dir``'s config: parameters on ``meta``, buffers computed.
 
     Tied input/output embeddings stay one parameter (as ``from_pretrained`` leaves them).
@@ -62,7 +65,9 @@ def checkpoint_name(parameter_name: str) -> str:
 
 def local_slice(tensor: torch.Tensor) -> tuple[slice, ...]:
     """The index of this rank's piece of a (possibly DTensor) parameter in the full tensor."""
-    if not hasattr(tensor, "device_mesh"):
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
         return tuple(slice(0, n) for n in tensor.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -330,7 +330,7 @@ def bfcl_records(name: str, kind: str) -> Iterator[RawRecord]:
         )
 
 
-BFCL_BUILTINS = ("bfcl", "bfcl_simple_python", "bfcl_multiple", "bfcl_parallel")
+BFCL_BUILTINS: tuple[str, ...] = ("bfcl", "bfcl_simple_python", "bfcl_multiple", "bfcl_parallel")
 BFCL_BUILTINS += ("bfcl_parallel_multiple",)
 
 

@@ -170,7 +170,8 @@ class KubeStatusReporter:
                 "lastTimestamp": now.isoformat(),
                 "count": 1,
             }
-            client.CoreV1Api(self.api.api_client).create_namespaced_event(self.namespace, body)
+            event = client.CoreV1Event.model_validate(body)  # what the client would do itself
+            client.CoreV1Api(self.api.api_client).create_namespaced_event(self.namespace, event)
         except Exception as exc:  # an Event is a courtesy: never a reason to stop training
             log.warning(
                 "could not post event %s on %s/%s: %s", reason, self.namespace, self.name, exc

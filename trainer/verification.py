@@ -27,13 +27,15 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge
 
 from posttrain.api import env
 from posttrain.errors import UsageError
-from posttrain.trainer.rewards import VerificationUnavailable
+
+if TYPE_CHECKING:
+    from posttrain.api import SandboxPolicy
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,11 @@ SANDBOX_AVAILABLE = Gauge(
     "1 while the trainer's sandbox performs executions, 0 while they keep failing.",
     ["mode"],
 )
+
+
+class VerificationUnavailable(RuntimeError):
+    """The sandbox could not verify a sample for longer than the run allows: the step fails
+    (and with it the run) rather than scoring the sample as if the model had been wrong."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,7 @@ class CappedRunner:
     def run(self, request: Any) -> Any:
         with self._lock:
             if self._runner is None:
-                from posttrain.sandboxes.executor import SandboxError
+                from posttrain.sandboxes.protocol import SandboxError
                 from posttrain.sandboxes.tasks import SandboxConfigError
 
                 try:
@@ -138,7 +145,7 @@ class Verification:
     def verify(
         self, kind: str, completion: str, task: Mapping[str, Any], config: Mapping[str, Any]
     ) -> Any:
-        from posttrain.sandboxes.executor import SandboxError
+        from posttrain.sandboxes.protocol import SandboxError
         from posttrain.sandboxes.tasks import SandboxConfigError
         from posttrain.sandboxes.verifiers import verify
 
@@ -236,6 +243,8 @@ def _own_run_owner(namespace: str, name: str) -> dict[str, Any] | None:
             "could not read TrainingRun %s/%s to own its SandboxTasks: %s", namespace, name, exc
         )
         return None
+    # The custom-objects API returns the decoded JSON object (typed ``object``).
+    assert isinstance(run, dict), f"TrainingRun {namespace}/{name} is not a JSON object: {run!r}"
     return {
         "apiVersion": "posttrain.io/v1alpha1",
         "kind": "TrainingRun",
@@ -247,7 +256,7 @@ def _own_run_owner(namespace: str, name: str) -> dict[str, Any] | None:
 
 
 def build_verification(
-    policy: Any,  # posttrain.api.SandboxPolicy
+    policy: SandboxPolicy,
     *,
     on_health: Callable[[SandboxHealth], None] | None = None,
     env: Mapping[str, str] | None = None,

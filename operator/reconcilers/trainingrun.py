@@ -2,7 +2,7 @@
 ConfigMap/RBAC/Service, Kueue admission, restarts by incarnation, and the run's status.
 
 plan (:func:`..reconcile.plan_training_run`) → build (:func:`..builders.build_trainer_pod`,
-:func:`..builders.build_ray_cluster`, :func:`..builders.build_trainer_children`) → apply
+:func:`..builders.build_ray_cluster`, :func:`..run_children.build_trainer_children`) → apply
 (here). ``spec.managedBy`` is checked first: another controller's run is left alone.
 """
 
@@ -30,6 +30,7 @@ from ..reconcile import (
     pod_view,
     ray_cluster_view,
 )
+from ..run_children import build_trainer_children
 from .kuberay import KubeRayDiscovery
 from .state import Body, OperatorState, now
 
@@ -201,7 +202,7 @@ class TrainingRunReconciler:
 
     def _ensure_children(self, run: TrainingRun, ray_cluster: bool = False) -> None:
         """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""
-        for manifest in b.build_trainer_children(run, self.state.config, ray_cluster=ray_cluster):
+        for manifest in build_trainer_children(run, self.state.config, ray_cluster=ray_cluster):
             obj = self.state.create(KIND, manifest)
             if manifest["kind"] == "ConfigMap" and obj.get("data") != manifest["data"]:
                 # The spec changed since the ConfigMap was made: new pods get the new config.

@@ -78,14 +78,18 @@ def install_crds(kubeconfig: Path) -> None:
     ext = client.ApiextensionsV1Api(api)
     for text in render_crds().values():
         body: dict[str, Any] = yaml.safe_load(text)
+        # The client validates a dict body into its model anyway; doing it here types the call.
+        crd = client.V1CustomResourceDefinition.model_validate(body)
         try:
-            ext.create_custom_resource_definition(body)
+            ext.create_custom_resource_definition(crd)
         except ApiException as exc:
             if exc.status != 409:
                 raise
             current = ext.read_custom_resource_definition(body["metadata"]["name"])
+            assert current.metadata is not None  # the apiserver always returns it
             body["metadata"]["resourceVersion"] = current.metadata.resource_version
-            ext.replace_custom_resource_definition(body["metadata"]["name"], body)
+            crd = client.V1CustomResourceDefinition.model_validate(body)
+            ext.replace_custom_resource_definition(body["metadata"]["name"], crd)
 
 
 def ensure_s3_secret(kubeconfig: Path, access_key: str, secret_key: str) -> None:
@@ -101,10 +105,12 @@ def ensure_s3_secret(kubeconfig: Path, access_key: str, secret_key: str) -> None
 
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
     name = OperatorConfig.model_fields["s3_credentials_secret"].default
-    body = {
-        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "posttrain-dev"}},
-        "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
-    }
+    body = client.V1Secret.model_validate(
+        {
+            "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "posttrain-dev"}},
+            "stringData": {"AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key},
+        }
+    )
     try:
         core.create_namespaced_secret("default", body)
     except ApiException as exc:

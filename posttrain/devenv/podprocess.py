@@ -205,7 +205,7 @@ def service_host_entries(services: Iterable[Manifest], pods: Iterable[Manifest])
 
 
 def _target_port_matches(port: Manifest, pod: Manifest) -> bool:
-    target = port.get("targetPort", port["port"])
+    target = port["targetPort"] if "targetPort" in port else port["port"]
     if isinstance(target, str) and not target.isdigit():
         numbers = [
             p.get("containerPort")

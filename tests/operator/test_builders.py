@@ -13,6 +13,7 @@ from posttrain.errors import UsageError
 from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig, load_config
 from posttrain.operator.rbac import OPERATOR_RULES, TRAINER_RULES, rbac_yaml
+from posttrain.operator.run_children import build_trainer_children
 
 CONFIG = OperatorConfig(
     s3_endpoint="minio.storage:9000",
@@ -447,7 +448,7 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
             "runtimeClassName": "gvisor",
         },
     )
-    children = {c["kind"]: c for c in b.build_trainer_children(run, CONFIG)}
+    children = {c["kind"]: c for c in build_trainer_children(run, CONFIG)}
     deployment, service = children["Deployment"], children["Service"]
     assert deployment["metadata"]["name"] == service["metadata"]["name"] == "demo-sandbox-runner"
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "uid-run"
@@ -481,12 +482,12 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
 def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() -> None:
     from posttrain.operator.evaluator import COMPONENT_EVALUATOR
 
-    assert "Job" not in [c["kind"] for c in b.build_trainer_children(make_run(), CONFIG)]
+    assert "Job" not in [c["kind"] for c in build_trainer_children(make_run(), CONFIG)]
     run = make_run(
         evaluation={"inline": False},
         resources={"cpu": "6", "memory": "20Gi", "gpusPerNode": 2, "image": "mine:2"},
     )
-    (job,) = [c for c in b.build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
+    (job,) = [c for c in build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
     assert (job["apiVersion"], job["metadata"]["name"]) == ("batch/v1", "demo-evaluator")
     owner = job["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingRun", "uid-run", True)
@@ -524,7 +525,7 @@ def test_runner_url_given_means_no_runner_of_our_own() -> None:
     run = make_run(
         domains=[CODE_DOMAIN], sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"}
     )
-    kinds = [c["kind"] for c in b.build_trainer_children(run, CONFIG)]
+    kinds = [c["kind"] for c in build_trainer_children(run, CONFIG)]
     assert "Deployment" not in kinds
     env = [
         e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]

@@ -10,6 +10,7 @@ import pytest
 # Every operator module with examples (the others have none to run).
 MODULES = [
     "builders",
+    "common",
     "config",
     "reconcile",
     "warmpool",

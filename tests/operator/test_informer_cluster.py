@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from kopf._cogs.aiokits.aiotoggles import ToggleSet
 
 from posttrain.operator.akube import AsyncKube
-from posttrain.operator.informer import Gate, Informer
+from posttrain.operator.informer import Gate, Informer, PeeringGate
 from posttrain.operator.kube import KubeClient, load_credentials, resource_path
 
 pytestmark = pytest.mark.cluster
@@ -106,7 +106,7 @@ def test_converges_after_410_and_a_dropped_connection(
         informer = Informer(
             client, "v1", "ConfigMap", "configmaps", namespace, view, label_selector=LABEL
         )
-        running = asyncio.create_task(informer.run(Gate(None)))
+        running = asyncio.create_task(informer.run(Gate()))
         try:
             # Watch 1 answers 410: the informer lists again (2 lists) and watches from there.
             await _until(lambda: informer.lists == 2 and client.watches >= 2, "re-list on 410")
@@ -130,41 +130,71 @@ def test_converges_after_410_and_a_dropped_connection(
     _run(scenario)
 
 
-def test_gate_holds_until_the_peering_toggle_exists_and_is_off(
-    kubeconfig: Path, kube: KubeClient, namespace: str
+def _peer(priority: int, seen: datetime | None = None) -> dict[str, Any]:
+    """A KopfPeering status entry as Kopf writes it (its keep-alive)."""
+    when = seen or datetime.now(UTC)
+    return {"priority": priority, "lifetime": 60, "lastseen": when.isoformat()}
+
+
+def _set_peers(kube: KubeClient, namespace: str, peers: dict[str, Any]) -> None:
+    """Merge-patch the peering object's status (None removes a peer), as Kopf's touch does."""
+    kube.request(
+        "PATCH",
+        resource_path("kopf.dev/v1", "kopfpeerings", namespace, "op"),
+        {"status": peers},
+        content_type="application/merge-patch+json",
+    )
+
+
+def test_peering_gate_follows_the_peering_object(
+    crds_installed: None, kubeconfig: Path, kube: KubeClient, namespace: str
 ) -> None:
-    """kopf's toggles: nothing is listed before the peering toggle exists, nothing while it
-    is on; after a pause the re-list reports what was deleted meanwhile."""
+    """Kopf's peering, read from the KopfPeering: nothing is listed before the object shows
+    this replica, nothing while a live peer of higher (or equal) priority is there; a dead
+    one does not count; after a pause the re-list reports what was deleted meanwhile."""
 
     async def scenario() -> None:
         _config_map(kube, namespace, "a")
         _config_map(kube, namespace, "b")
         client = AsyncKube(load_credentials(str(kubeconfig)))
-        toggles = ToggleSet(any)
+        gate = PeeringGate("op", [namespace], priority=10)
         view = View()
         informer = Informer(
             client, "v1", "ConfigMap", "configmaps", namespace, view, label_selector=LABEL
         )
-        running = asyncio.create_task(informer.run(Gate(toggles, {f"op@{namespace}"})))
+        watchers = [asyncio.create_task(w.run(Gate())) for w in gate.informers(client, 30, 40.0)]
+        running = asyncio.create_task(informer.run(gate))
         try:
             await asyncio.sleep(0.5)
-            assert informer.lists == 0 and view.events == [], "listed before peering was known"
-            toggle = await toggles.make_toggle(True, name=f"op@{namespace}")  # kopf: preactivated
+            assert informer.lists == 0 and view.events == [], "listed with no peering object"
+            await asyncio.to_thread(
+                kube.request,
+                "POST",
+                resource_path("kopf.dev/v1", "kopfpeerings", namespace),
+                {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "op"}},
+            )
+            await asyncio.to_thread(_set_peers, kube, namespace, {"leader": _peer(100)})
             await asyncio.sleep(0.5)
-            assert informer.lists == 0, "listed while paused"
-            await toggle.turn_to(False)  # this replica leads
-            await _until(lambda: view.names == {"a", "b"}, "the first list")
-            await toggle.turn_to(True)  # a higher-priority replica appeared
+            assert informer.lists == 0, "listed before this replica was announced"
+            await asyncio.to_thread(_set_peers, kube, namespace, {"me": _peer(10)})
+            await asyncio.sleep(0.5)
+            assert informer.lists == 0, "listed while a higher-priority peer is alive"
+            long_ago = datetime.now(UTC) - timedelta(minutes=5)
+            await asyncio.to_thread(_set_peers, kube, namespace, {"leader": _peer(100, long_ago)})
+            await _until(lambda: view.names == {"a", "b"}, "the first list (the leader is dead)")
+            await asyncio.to_thread(_set_peers, kube, namespace, {"twin": _peer(10)})
+            await _until(lambda: not gate.is_open(), "the pause (same priority: Kopf pauses both)")
             await asyncio.sleep(0.3)
             await asyncio.to_thread(_delete, kube, namespace, "b")
             await asyncio.sleep(0.5)
             assert ("DELETED", "b") not in view.events, "watched while paused"
-            await toggle.turn_to(False)
+            await asyncio.to_thread(_set_peers, kube, namespace, {"twin": None})
             await _until(lambda: view.names == {"a"}, "the re-list after the pause")
             assert ("DELETED", "b") in view.events and informer.lists == 2
         finally:
-            running.cancel()
-            await asyncio.gather(running, return_exceptions=True)
+            for task in (running, *watchers):
+                task.cancel()
+            await asyncio.gather(running, *watchers, return_exceptions=True)
             await client.close()
 
     _run(scenario)

@@ -10,6 +10,7 @@ from typing import Any
 from posttrain.api import TrainingRun
 from posttrain.api.reasons import Reason
 from posttrain.operator import builders as b
+from posttrain.operator.common import owner_reference
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kueue import (
     QUEUE_NAME_LABEL,
@@ -56,7 +57,7 @@ def test_workload_is_one_gang_sized_pod_set_owned_by_the_run() -> None:
     run = queued_run()
     pod = b.build_trainer_pod(run, OperatorConfig(), 0, 0)
     labels = {b.LABEL_RUN: "r"}
-    workload = build_workload(run, pod, labels, b.owner_reference(run))
+    workload = build_workload(run, pod, labels, owner_reference(run))
     assert workload["metadata"]["name"] == "trainingrun-r"
     assert workload["metadata"]["ownerReferences"][0]["uid"] == "u"
     assert workload["spec"]["queueName"] == "team-a"

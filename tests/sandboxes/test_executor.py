@@ -327,7 +327,8 @@ def test_a_sandbox_bwrap_could_not_build_is_a_sandbox_error_not_a_result(
     from posttrain.sandboxes.executor import SandboxError
 
     broken = Executor()
-    broken._static_args = [*broken._static_args, "--ro-bind", str(tmp_path / "gone"), "/gone"]
+    sandbox = broken.bubblewrap
+    sandbox.static_args = [*sandbox.static_args, "--ro-bind", str(tmp_path / "gone"), "/gone"]
     with pytest.raises(SandboxError, match=r"could not set up the sandbox.*gone"):
         run(broken, ["true"])
 

@@ -7,12 +7,21 @@ import doctest
 
 import pytest
 
-from posttrain.sandboxes import client, executor, runner, snapshot, tasks, verifiers, warm_pool
+from posttrain.sandboxes import (
+    client,
+    collect,
+    protocol,
+    runner,
+    snapshot,
+    tasks,
+    verifiers,
+    warm_pool,
+)
 
 
 @pytest.mark.parametrize(
     "module",
-    [executor, verifiers, snapshot, runner, client, warm_pool, tasks],
+    [protocol, collect, verifiers, snapshot, runner, client, warm_pool, tasks],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module: object) -> None:
