@@ -27,6 +27,8 @@ HELD_OUT_MODULUS = 5  # one content-hash bucket in five is held out (20 %)
 BUILTIN_POOL_PER_STRATUM = 400  # training items generated per stratum (cheap, deterministic)
 BUILTIN_EVAL_PER_STRATUM = 64
 KNOWN_VERIFIERS = ("exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell")
+# Record verifiers that name an environment's own judge (the domain sets ``environment``).
+ENVIRONMENT_VERIFIERS = ("bfcl_multi_turn",)
 
 
 def is_held_out(task: Task) -> bool:
@@ -50,14 +52,19 @@ def parse_task_record(record: dict[str, Any], where: str, default_domain: str | 
         record["domain"] = default_domain
     if not isinstance(record.get("prompt"), str) or not record["prompt"].strip():
         raise UsageError(f'{where}: missing or empty "prompt" string')
-    if record.get("answer") is None and not record.get("tests") and not record.get("verify"):
+    has_answer = any(record.get(key) for key in ("tests", "verify", "ground_truth"))
+    if record.get("answer") is None and not has_answer:
         raise UsageError(
-            f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts) '
-            'or "verify" (shell checks of a terminal task)'
+            f'{where}: needs "answer" (e.g. numeric), "tests" (Python asserts), '
+            '"verify" (shell checks of a terminal task) or "ground_truth" (BFCL multi-turn '
+            "state and responses)"
         )
     verifier = record.get("verifier")
-    if verifier is not None and verifier not in KNOWN_VERIFIERS:
-        raise UsageError(f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS}")
+    if verifier is not None and verifier not in (*KNOWN_VERIFIERS, *ENVIRONMENT_VERIFIERS):
+        raise UsageError(
+            f"{where}: unknown verifier {verifier!r}; use one of {KNOWN_VERIFIERS} "
+            f"(or {ENVIRONMENT_VERIFIERS} in a domain with that environment)"
+        )
     return Task.from_dict(record)
 
 

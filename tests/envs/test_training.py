@@ -152,7 +152,7 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
     sampled, judged by BFCL's multi-turn checks, recorded and evaluated per environment.
 
     BFCL's multi-turn prompts (system prompt + the involved classes' function docs) are
-    4.4k-9.6k tokens, so the run takes the two shortest items as a JSONL task file and a tiny
+    4.4k-9.6k tokens, so the run takes the three shortest items as JSONL task files (two to train, one held out) and a tiny
     model with 8k positions."""
     from posttrain.api import TrainingRunSpec
     from posttrain.envs import bfcl_multi_turn
@@ -168,9 +168,10 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
     shortest = sorted(
         bfcl_multi_turn.task_records(),
         key=lambda r: (len(r["involved_classes"]), len(json.dumps(r))),
-    )[:2]
-    tasks = tmp_path / "bfcl-mt.jsonl"
-    tasks.write_text("".join(json.dumps(r) + "\n" for r in shortest))
+    )[:3]
+    tasks, held_out = tmp_path / "bfcl-mt.jsonl", tmp_path / "bfcl-mt-eval.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in shortest[:2]))
+    held_out.write_text(json.dumps(shortest[2]) + "\n")
     spec = TrainingRunSpec.model_validate(
         {
             "model": str(model),
@@ -188,7 +189,7 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
                 {  # no verifier: an environment domain is judged by its environment
                     "name": "bfcl-mt",
                     "dataset": str(tasks),
-                    "evalDataset": str(tasks),
+                    "evalDataset": str(held_out),
                     "environment": {
                         "kind": "bfcl_multi_turn",
                         "maxTurns": 2,
@@ -216,8 +217,8 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
         assert record["verifier"]["kind"] == "env:bfcl_multi_turn", record["verifier"]
         assert record["verifier"]["details"]["status"] in {"done", "truncated"}, record
     final = json.loads((out / "eval" / "heldout_step0002.json").read_text())
-    assert final["counts"] == {"bfcl-mt": 2}
+    assert final["counts"] == {"bfcl-mt": 1}
     agent: dict[str, Any] = final["agent"]["bfcl-mt"]
-    assert agent["episodes"] == 2 and agent["errored"] == 0 and 1 <= agent["mean_turns"] <= 2
+    assert agent["episodes"] == 1 and agent["errored"] == 0 and 1 <= agent["mean_turns"] <= 2
     # A random tiny model makes no call BFCL accepts: its turns are judged and fail.
     assert all(item["reward"] == 0.0 for item in final["items"])
