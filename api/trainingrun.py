@@ -369,6 +369,10 @@ class TrainerResources(ApiModel):
     """Extra node selector for trainer pods (e.g. a GPU node pool)."""
 
 
+# Llama-style attention and MLP projections: what LoRA adapts unless the spec names others.
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class LoraSpec(ApiModel):
     """Low-rank adapters (PEFT LoRA): only the adapters train; servers get merged weights."""
 
@@ -377,15 +381,7 @@ class LoraSpec(ApiModel):
     alpha: float = Field(default=32.0, gt=0)
     """Scale numerator: the update is (alpha / rank) x B A."""
     target_modules: list[str] = Field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
         min_length=1,
         max_length=64,
     )

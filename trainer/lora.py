@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from posttrain.api.trainingrun import DEFAULT_LORA_TARGETS
 from posttrain.trainer.engine import to_full
 
 ADAPTER = "default"
@@ -29,15 +30,7 @@ class LoraOptions:
 
     rank: int = 16
     alpha: float = 32.0
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    )
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGETS
 
 
 def add_adapters(model: torch.nn.Module, options: LoraOptions) -> torch.nn.Module:

@@ -90,13 +90,24 @@ def test_sampled_episodes_survive_a_checkpoint() -> None:
     assert isinstance(back.completions[0][0], EpisodeCompletion)
 
 
+def train_locally(spec: Any, out: Path) -> int:
+    """Run ``train`` against a local CPU rollout server of ``spec.model``; steps done."""
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.server_process import LocalRolloutServer
+
+    with LocalRolloutServer(spec.model, out / "server.log") as server:
+        client = RolloutClient([server.url], timeout_s=600, max_in_flight=4)
+        try:
+            return train(spec, out, client).steps_done
+        finally:
+            client.close()
+
+
 @pytest.mark.slow  # a real server process and two training steps on the tiny model
 def test_training_loop_plays_bfcl_episodes(tmp_path: Path, tiny_model_dir: Path) -> None:
     from posttrain.api import TrainingRunSpec
-    from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
     from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.server_process import LocalRolloutServer
 
     spec = TrainingRunSpec.model_validate(
         {
@@ -124,13 +135,7 @@ def test_training_loop_plays_bfcl_episodes(tmp_path: Path, tiny_model_dir: Path)
         }
     )
     out = tmp_path / "run"
-    with LocalRolloutServer(spec.model, out / "server.log") as server:
-        client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
-        try:
-            result = train(spec, out, client)
-        finally:
-            client.close()
-    assert result.steps_done == 2
+    assert train_locally(spec, out) == 2
     metrics = load_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     final = json.loads((out / "eval" / "heldout_step0002.json").read_text())
@@ -157,12 +162,9 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
     from posttrain.api import TrainingRunSpec
     from posttrain.envs import bfcl_multi_turn
     from posttrain.models import make_tiny_model
-    from posttrain.rollout.client import RolloutClient
     from posttrain.storage.store import LocalStore
     from posttrain.storage.trajectories import read_trajectories
-    from posttrain.trainer.loop import train
     from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.server_process import LocalRolloutServer
 
     model = make_tiny_model(tmp_path / "model", seed=0, max_positions=8192)
     shortest = sorted(
@@ -203,13 +205,7 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
         }
     )
     out = tmp_path / "run"
-    with LocalRolloutServer(spec.model, out / "server.log") as server:
-        client = RolloutClient([server.url], timeout_s=600, max_in_flight=4)
-        try:
-            result = train(spec, out, client)
-        finally:
-            client.close()
-    assert result.steps_done == 2
+    assert train_locally(spec, out) == 2
     assert [m["step"] for m in load_metrics(out)] == [1, 2]
     records = list(read_trajectories(LocalStore(out), "trajectories"))
     assert len(records) == 2 * 2 * 2  # steps x prompts x group
