@@ -429,7 +429,7 @@ def test_a_terminal_environment_runs_model_output_so_the_run_gets_a_runner() -> 
     assert not sr.executes_code(make_run(domains=[tools], sandbox={"mode": "runner"}))
     kinds = [
         c["kind"]
-        for c in b.build_trainer_children(
+        for c in build_trainer_children(
             make_run(domains=[terminal], sandbox={"mode": "runner"}), CONFIG
         )
     ]

@@ -30,6 +30,8 @@ from posttrain.trainer.pipeline import (
 from posttrain.trainer.policy import Policy, RankInfo
 from posttrain.trainer.stage_data import PreferencePair, SftExample, StageData
 
+from .conftest import assert_same_adam_update
+
 LR = 1e-3
 SEED = 5
 
@@ -158,18 +160,18 @@ def one_and_two(tiny_model: Path) -> dict[str, Any]:
 def assert_same_update(
     one: dict[str, Any], two: dict[str, Any], before: str | None, after: str
 ) -> None:
-    """Weights to 1% of the learning rate and first moments to rtol 1e-4: the same
-    tolerances as the RL step's two-rank test (tests/trainer/test_engine.py), for the
-    same reason (the ranks' partial sums are added in another order; Adam's
-    ``g / (|g| + eps)`` turns that ~1e-7 into up to ~2e-6 where |g| is near eps)."""
-    moved = 0.0
-    for name, value in one[f"{after}_weights"].items():
-        torch.testing.assert_close(two[f"{after}_weights"][name], value, rtol=0, atol=1e-5)
-        start = one["base"] if before is None else one[f"{before}_weights"]
-        moved += float((value - start[name]).abs().max())
-    assert moved > 1e-4  # the step did move the weights (lr 1e-3)
-    for name, value in one[f"{after}_moments"].items():
-        torch.testing.assert_close(two[f"{after}_moments"][name], value, rtol=1e-4, atol=1e-9)
+    """The same step on one process and on two ranks (see :func:`assert_same_adam_update`)."""
+    one_start = one["base"] if before is None else one[f"{before}_weights"]
+    two_start = one["base"] if before is None else two[f"{before}_weights"]
+    assert_same_adam_update(
+        one[f"{after}_weights"],
+        two[f"{after}_weights"],
+        one[f"{after}_moments"],
+        two[f"{after}_moments"],
+        one_start,
+        two_start,
+        LR,
+    )
 
 
 @pytest.mark.slow  # two spawned ranks loading torch + a tiny model: ~1 min on 2 loaded cores
