@@ -30,7 +30,7 @@ LEAVES_ANYONE_MAY_IMPORT = ("posttrain.errors",)
 
 
 def _module_name(path: Path) -> str:
-    """``trainer/loop.py`` -> ``posttrain.trainer.loop``; ``posttrain/ctl.py`` -> ``posttrain.ctl``."""
+    """``trainer/loop.py`` -> ``posttrain.trainer.loop``; ``posttrain/cli.py`` -> ``posttrain.cli``."""
     parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
     if parts[0] != "posttrain":
         parts.insert(0, "posttrain")

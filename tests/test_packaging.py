@@ -50,6 +50,11 @@ def test_every_component_folder_is_packaged_and_linked() -> None:
     for link in (REPO_ROOT / "posttrain").iterdir():
         if link.is_symlink():
             assert f"posttrain.{link.name}" in packages, f"{link.name} is not packaged"
+    # Every folder with an __init__.py under posttrain/ (sub-packages too) reaches the wheel.
+    for init in (REPO_ROOT / "posttrain").glob("**/__init__.py"):
+        rel = init.parent.relative_to(REPO_ROOT)
+        name = ".".join(rel.parts)
+        assert name in packages, f"{name} has an __init__.py but is not in pyproject's packages"
 
 
 def test_cli_lists_every_component_command() -> None:
@@ -70,6 +75,7 @@ COMPONENT_MODULES = (
     "posttrain.sandboxes.executor",
     "posttrain.storage.store",
     "posttrain.devenv.cli",
+    "posttrain.ctl.commands",
 )
 
 

@@ -265,8 +265,8 @@ def test_watch_live_table_on_a_terminal(kube: Any, kubeconfig: Any) -> None:
 
     from rich.console import Console
 
-    from posttrain.ctl_follow import watch_run
-    from posttrain.ctl_kube import connect
+    from posttrain.ctl.follow import watch_run
+    from posttrain.ctl.kube import connect
 
     kube.create_run("live")
     kube.report_progress(

@@ -12,19 +12,19 @@ from typing import Any
 
 import pytest
 
-from posttrain.ctl_follow import pick_trainer_pod
-from posttrain.ctl_kube import find_kubeconfig, resolve_kind
+from posttrain.ctl.follow import pick_trainer_pod
+from posttrain.ctl.kube import find_kubeconfig, resolve_kind
 from posttrain.errors import UsageError
 
 
 @pytest.mark.parametrize(
     "module",
     [
-        "posttrain.ctl_render",
-        "posttrain.ctl_report",
-        "posttrain.ctl_kube",
-        "posttrain.ctl_follow",
-        "posttrain.ctl",
+        "posttrain.ctl.render",
+        "posttrain.ctl.report",
+        "posttrain.ctl.kube",
+        "posttrain.ctl.follow",
+        "posttrain.ctl.commands",
         "posttrain.cli",
         "posttrain.progresslog",
         "posttrain.api.manifests",
@@ -91,7 +91,7 @@ def test_unreachable_apiserver_is_exit_1_with_a_next_step(cli: Any, tmp_path: Pa
     assert result.code == 1
     assert "cannot reach the apiserver" in result.err and "Connection refused" in result.err
     assert "posttrain dev status" in result.err
-    from posttrain.ctl_kube import connect
+    from posttrain.ctl.kube import connect
 
     assert connect(str(dead), None).namespace == "team-a"  # the context's namespace
     assert connect(str(dead), "other").namespace == "other"  # -n wins

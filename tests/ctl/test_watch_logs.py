@@ -20,7 +20,7 @@ def watch_started(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """Set once `posttrain watch` has read the run and starts watching from its
     resourceVersion: every status patch after that reaches the watch however late the
     watch request itself is sent, so the test holds on a loaded machine."""
-    from posttrain import ctl_follow
+    from posttrain.ctl import follow as ctl_follow
 
     started = threading.Event()
     real = ctl_follow.run_events

@@ -289,7 +289,7 @@ def test_runner_mode_uses_the_operators_runner_and_outputs_outlive_the_pods(
     assert any(k.startswith("reports/eval/heldout_step") for k in reports), sorted(reports)
     assert final["reportsUri"] == f"s3://{cluster.bucket}/runs/{cluster.namespace}/rn/reports"
 
-    from posttrain.ctl_report import report_command
+    from posttrain.ctl.report import report_command
 
     for key, value in minio_server.env().items():
         monkeypatch.setenv(key, value)

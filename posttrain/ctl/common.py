@@ -1,5 +1,5 @@
 """What every ``posttrain`` cluster command shares: the console, the cluster from the flags,
-error reporting, and the one-line pod state (used by ctl.py, ctl_follow.py, ctl_report.py)."""
+error reporting, and the one-line pod state (used by commands.py, follow.py, report.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from posttrain.ctl_kube import Cluster, CommandFailed, connect
+from posttrain.ctl.kube import Cluster, CommandFailed, connect
 
 
 def make_console(stderr: bool = False) -> Console:

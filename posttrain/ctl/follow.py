@@ -22,14 +22,14 @@ from rich.table import Table
 
 from posttrain.api.base import GROUP, VERSION
 from posttrain.api.labels import LABEL_GANG, LABEL_RANK
-from posttrain.ctl_common import (
+from posttrain.ctl.common import (
     cluster_from_args,
     exits_1_on_failure,
     fail,
     make_console,
     pod_phase,
 )
-from posttrain.ctl_kube import (
+from posttrain.ctl.kube import (
     TRAINER_CONTAINER,
     TRAINING_RUN,
     Cluster,
@@ -38,7 +38,7 @@ from posttrain.ctl_kube import (
     resolve_kind,
     trainer_selector,
 )
-from posttrain.ctl_render import format_domains, format_step, watch_headers, watch_row
+from posttrain.ctl.render import format_domains, format_step, watch_headers, watch_row
 from posttrain.errors import UsageError
 from posttrain.telemetry import get_tracer
 

@@ -24,13 +24,13 @@ import yaml
 
 from posttrain.api.base import API_VERSION, GROUP, VERSION
 from posttrain.api.manifests import parse_resource
-from posttrain.ctl_common import (
+from posttrain.ctl.common import (
     cluster_from_args,
     exits_1_on_failure,
     make_console,
     pod_phase,
 )
-from posttrain.ctl_kube import (
+from posttrain.ctl.kube import (
     FIELD_MANAGER,
     KIND_CHOICES,
     KINDS,
@@ -44,7 +44,7 @@ from posttrain.ctl_kube import (
     resolve_kind,
     server_message,
 )
-from posttrain.ctl_render import (
+from posttrain.ctl.render import (
     POOL_HEADERS,
     RUN_HEADERS,
     TASK_HEADERS,
@@ -93,8 +93,8 @@ def _cluster_flags() -> argparse.ArgumentParser:
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add apply, get, describe, watch, logs and report to the ``posttrain`` CLI."""
-    from posttrain.ctl_follow import logs_command, watch_command
-    from posttrain.ctl_report import report_command
+    from posttrain.ctl.follow import logs_command, watch_command
+    from posttrain.ctl.report import report_command
 
     common = _cluster_flags()
 

@@ -1,0 +1,12 @@
+"""The cluster half of the CLI: ``apply``, ``get``, ``describe``, ``watch``, ``logs``, ``report``.
+
+Modules by role: :mod:`~posttrain.ctl.commands` (argparse wiring, apply/get/describe),
+:mod:`~posttrain.ctl.follow` (watch and logs), :mod:`~posttrain.ctl.report` (HTML/Markdown
+reports), :mod:`~posttrain.ctl.render` (pure formatting), :mod:`~posttrain.ctl.kube`
+(kubeconfig, kinds, API errors) and :mod:`~posttrain.ctl.common` (shared helpers).
+``posttrain.cli`` imports this package only when one of its commands is chosen.
+"""
+
+from posttrain.ctl.commands import register
+
+__all__ = ["register"]
