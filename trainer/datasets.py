@@ -165,9 +165,10 @@ BUILTIN_GENERATORS = {
 
 def benchmark_records(name: str) -> list[dict[str, Any]] | None:
     """Task records of a real benchmark shipped on PyPI, or None if ``name`` is not one:
-    ``bfcl`` (BFCL's four single-turn python categories), ``bfcl_<category>`` (one of
-    them), ``bfcl_multi_turn_base`` (played by the ``bfcl_multi_turn`` environment),
-    ``humaneval``. Loaded lazily so the generated domains need neither package."""
+    ``bfcl`` (BFCL's four single-turn python categories), ``bfcl_live`` (their four ``live_``
+    counterparts), ``bfcl_<category>`` (one of the eight), ``bfcl_multi_turn_base`` (played
+    by the ``bfcl_multi_turn`` environment), ``humaneval``. Loaded lazily so the generated
+    domains need neither package."""
     if name == "humaneval":
         from posttrain.envs.humaneval import task_records
 
@@ -179,17 +180,27 @@ def benchmark_records(name: str) -> list[dict[str, Any]] | None:
     if name == "bfcl" or name.startswith("bfcl_"):
         from posttrain.envs import bfcl
 
-        categories = bfcl.CATEGORIES if name == "bfcl" else (name.removeprefix("bfcl_"),)
+        categories = {"bfcl": bfcl.CATEGORIES, "bfcl_live": bfcl.LIVE_CATEGORIES}.get(
+            name, (name.removeprefix("bfcl_"),)
+        )
         return [r for category in categories for r in bfcl.task_records(category)]
     return None
 
 
-BENCHMARK_NAMES = (
-    "bfcl",
-    *(f"bfcl_{c}" for c in ("simple_python", "multiple", "parallel", "parallel_multiple")),
-    "bfcl_multi_turn_base",
-    "humaneval",
+# BFCL's single-turn categories as ``envs.bfcl.ALL_CATEGORIES`` names them (written out so
+# that naming a dataset imports no benchmark package; tests/envs/test_bfcl.py checks they agree).
+BFCL_SINGLE_TURN = (
+    "simple_python",
+    "multiple",
+    "parallel",
+    "parallel_multiple",
+    "live_simple",
+    "live_multiple",
+    "live_parallel",
+    "live_parallel_multiple",
 )
+BFCL_SINGLE_TURN_NAMES = ("bfcl", "bfcl_live", *(f"bfcl_{c}" for c in BFCL_SINGLE_TURN))
+BENCHMARK_NAMES = (*BFCL_SINGLE_TURN_NAMES, "bfcl_multi_turn_base", "humaneval")
 
 
 def builtin_tasks(name: str, split: str, per_stratum: int, seed: int = 1234) -> list[Task]:

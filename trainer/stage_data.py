@@ -40,6 +40,7 @@ from prometheus_client import Counter
 
 from posttrain.errors import UsageError
 from posttrain.trainer.datasets import (
+    BFCL_SINGLE_TURN_NAMES,
     BUILTIN_POOL_PER_STRATUM,
     CODE_FAMILIES,
     Task,
@@ -330,8 +331,7 @@ def bfcl_records(name: str, kind: str) -> Iterator[RawRecord]:
         )
 
 
-BFCL_BUILTINS: tuple[str, ...] = ("bfcl", "bfcl_simple_python", "bfcl_multiple", "bfcl_parallel")
-BFCL_BUILTINS += ("bfcl_parallel_multiple",)
+BFCL_BUILTINS: tuple[str, ...] = BFCL_SINGLE_TURN_NAMES
 
 
 def builtin_records(name: str, kind: str) -> Iterator[RawRecord]:
