@@ -8,8 +8,8 @@ and the same global batch:
 * **two Gloo ranks, FSDP2** (``fully_shard`` per block + root): the same per rank.
 
 Training-state bytes are counted exactly from the tensors each rank holds (local shards);
-peak RSS (``ru_maxrss``) also contains the Python/torch baseline. Loading is measured both
-ways on two ranks, each in fresh processes: **per-rank sharded loading** (meta device,
+peak RSS (``VmHWM``, see :func:`peak_rss`) also contains the Python/torch baseline. Loading
+is measured both ways on two ranks, each in fresh processes: **per-rank sharded loading** (meta device,
 ``fully_shard``, each rank reads only its slices: what the trainer does) and **the old way**
 (``from_pretrained`` of the full model on every rank, then ``fully_shard``); the peak RSS
 right after the policy is built is the loading peak. Then a planning table: bytes per parameter
@@ -65,6 +65,20 @@ def batch(policy: Any, samples: int, completion: int) -> list[Any]:
     ]
 
 
+def peak_rss() -> int:
+    """This process's own peak RSS in bytes (``VmHWM``).
+
+    Not ``ru_maxrss``: on Linux that survives ``fork`` + ``exec``, so a spawned rank would
+    report at least its parent's peak (here the parent wrote the random model, ~1.4x the
+    model's fp32 size), which made every loading peak read the same number. ``VmHWM`` is
+    the high-water mark of the process's own address space, which ``exec`` starts anew.
+    """
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
+
+
 def state_bytes(policy: Any) -> int:
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
@@ -103,7 +117,7 @@ def measure(
         engine=EngineOptions(full_load_before_sharding=full_load),
     )
     load_seconds = time.perf_counter() - started
-    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    load_peak = peak_rss()
     everything = batch(policy, samples, completion)
     mine = everything[rank::world]
     for s in mine:
@@ -124,7 +138,7 @@ def measure(
     return {
         "rank": rank,
         "state_bytes": state_bytes(policy),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss(),
         "step_seconds": times,
         "sharded": policy.sharded,
         "load_peak_rss_bytes": load_peak,
