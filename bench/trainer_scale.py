@@ -79,6 +79,39 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class AnonPeak:
+    """Peak anonymous RSS (``RssAnon``) while the block runs, sampled every 5 ms.
+
+    ``VmHWM`` also counts file pages: safetensors are memory-mapped, so every page a rank
+    reads from the checkpoint is resident (page cache, shared between the node's ranks and
+    reclaimable) beside the copy it keeps. Anonymous memory is what a rank really holds."""
+
+    def __enter__(self) -> AnonPeak:
+        import threading
+
+        self.peak = _status_kib("RssAnon")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _status_kib("RssAnon"))
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _status_kib("RssAnon"))
+
+
 def state_bytes(policy: Any) -> int:
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
@@ -110,12 +143,13 @@ def measure(
     from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 
     started = time.perf_counter()
-    policy = Policy(
-        model,
-        learning_rate=1e-5,
-        rank=RankInfo(rank, world, rank),
-        engine=EngineOptions(full_load_before_sharding=full_load),
-    )
+    with AnonPeak() as anon:
+        policy = Policy(
+            model,
+            learning_rate=1e-5,
+            rank=RankInfo(rank, world, rank),
+            engine=EngineOptions(full_load_before_sharding=full_load),
+        )
     load_seconds = time.perf_counter() - started
     load_peak = peak_rss()
     everything = batch(policy, samples, completion)
@@ -142,6 +176,7 @@ def measure(
         "step_seconds": times,
         "sharded": policy.sharded,
         "load_peak_rss_bytes": load_peak,
+        "load_peak_anon_bytes": anon.peak * 1024,
         "load_seconds": load_seconds,
     }
 
@@ -299,6 +334,11 @@ def main() -> None:
             "full load, then shard (old)": [r["load_peak_rss_bytes"] for r in old_ranks],
             "1 process (plain module)": single["load_peak_rss_bytes"],
         },
+        "load_peak_anon_per_rank": {
+            "per-rank sharded load": [r["load_peak_anon_bytes"] for r in ranks],
+            "full load, then shard (old)": [r["load_peak_anon_bytes"] for r in old_ranks],
+            "1 process (plain module)": single["load_peak_anon_bytes"],
+        },
         "load_seconds_per_rank": {
             "per-rank sharded load": [r["load_seconds"] for r in ranks],
             "full load, then shard (old)": [r["load_seconds"] for r in old_ranks],
@@ -327,6 +367,14 @@ def main() -> None:
         + " GiB; full load then shard (old) "
         + ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
         + f" GiB; 1 process {loads['1 process (plain module)'] / GIB:.2f} GiB"
+    )
+    anon = result["load_peak_anon_per_rank"]
+    print(
+        "peak anonymous RSS while loading, per rank: per-rank sharded load "
+        + ", ".join(f"{b / GIB:.2f}" for b in anon["per-rank sharded load"])
+        + " GiB; full load then shard (old) "
+        + ", ".join(f"{b / GIB:.2f}" for b in anon["full load, then shard (old)"])
+        + f" GiB; 1 process {anon['1 process (plain module)'] / GIB:.2f} GiB"
     )
     print(
         f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "
