@@ -360,22 +360,18 @@ def main() -> None:
         f"peak RSS per rank: 1 rank {single['peak_rss_bytes'] / GIB:.2f} GiB; 2 ranks "
         + ", ".join(f"{r['peak_rss_bytes'] / GIB:.2f} GiB" for r in ranks)
     )
-    loads = result["load_peak_rss_per_rank"]
-    print(
-        "peak RSS after loading, per rank: per-rank sharded load "
-        + ", ".join(f"{b / GIB:.2f}" for b in loads["per-rank sharded load"])
-        + " GiB; full load then shard (old) "
-        + ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
-        + f" GiB; 1 process {loads['1 process (plain module)'] / GIB:.2f} GiB"
-    )
-    anon = result["load_peak_anon_per_rank"]
-    print(
-        "peak anonymous RSS while loading, per rank: per-rank sharded load "
-        + ", ".join(f"{b / GIB:.2f}" for b in anon["per-rank sharded load"])
-        + " GiB; full load then shard (old) "
-        + ", ".join(f"{b / GIB:.2f}" for b in anon["full load, then shard (old)"])
-        + f" GiB; 1 process {anon['1 process (plain module)'] / GIB:.2f} GiB"
-    )
+    for what, key in (
+        ("peak RSS after loading", "load_peak_rss_per_rank"),
+        ("peak anonymous RSS while loading", "load_peak_anon_per_rank"),
+    ):
+        loads = result[key]
+        print(
+            f"{what}, per rank: per-rank sharded load "
+            + ", ".join(f"{b / GIB:.2f}" for b in loads["per-rank sharded load"])
+            + " GiB; full load then shard (old) "
+            + ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
+            + f" GiB; 1 process {loads['1 process (plain module)'] / GIB:.2f} GiB"
+        )
     print(
         f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "
         f"{result['step_seconds_last']['2 ranks']:.1f}"
