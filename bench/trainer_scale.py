@@ -65,6 +65,15 @@ def batch(policy: Any, samples: int, completion: int) -> list[Any]:
     ]
 
 
+def _status_kib(field: str) -> int:
+    """One ``kB`` field of ``/proc/self/status``; 0 where there is none (not Linux)."""
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines() if status.exists() else ():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
 def peak_rss() -> int:
     """This process's own peak RSS in bytes (``VmHWM``).
 
@@ -73,17 +82,10 @@ def peak_rss() -> int:
     model's fp32 size), which made every loading peak read the same number. ``VmHWM`` is
     the high-water mark of the process's own address space, which ``exec`` starts anew.
     """
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
+    hwm = _status_kib("VmHWM")
+    if hwm:
+        return hwm * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux
-
-
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 class AnonPeak:

@@ -185,13 +185,13 @@ def _accepted_value(option: Any) -> Any:
     >>> _accepted_value({"lateral": 10.5, "longitudinal": 50})
     {'lateral': 10.5, 'longitudinal': 50}
     """
-    if isinstance(option, dict) and not all(isinstance(v, list) for v in option.values()):
-        return option
     if isinstance(option, dict):
+        if not all(isinstance(v, list) for v in option.values()):
+            return option
         return {
             key: _accepted_value(options[0])
             for key, options in option.items()
-            if isinstance(options, list) and options and "" not in options
+            if options and "" not in options
         }
     if isinstance(option, list):
         return [_accepted_value(v) if isinstance(v, dict) else v for v in option]

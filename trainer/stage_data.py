@@ -331,18 +331,15 @@ def bfcl_records(name: str, kind: str) -> Iterator[RawRecord]:
         )
 
 
-BFCL_BUILTINS: tuple[str, ...] = BFCL_SINGLE_TURN_NAMES
-
-
 def builtin_records(name: str, kind: str) -> Iterator[RawRecord]:
     """SFT demonstrations or DPO pairs from a built-in generator's training split."""
-    if name in BFCL_BUILTINS:
+    if name in BFCL_SINGLE_TURN_NAMES:
         yield from bfcl_records(name, kind)
         return
     if name not in BUILTIN_ANSWERS:
         raise UsageError(
             f"unknown built-in dataset 'builtin:{name}' for a {kind} stage; use "
-            + " or ".join(f"builtin:{n}" for n in (*BUILTIN_ANSWERS, *BFCL_BUILTINS))
+            + " or ".join(f"builtin:{n}" for n in (*BUILTIN_ANSWERS, *BFCL_SINGLE_TURN_NAMES))
         )
     answer = BUILTIN_ANSWERS[name]
     for i, task in enumerate(builtin_tasks(name, "train", BUILTIN_POOL_PER_STRATUM)):
