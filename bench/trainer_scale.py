@@ -89,11 +89,17 @@ def peak_rss() -> int:
 
 
 class AnonPeak:
-    """Peak anonymous RSS (``RssAnon``) while the block runs, sampled every 5 ms.
+    """Peak anonymous RSS (``RssAnon``) while the block runs, sampled every 2 ms, per phase.
 
     ``VmHWM`` also counts file pages: safetensors are memory-mapped, so every page a rank
     reads from the checkpoint is resident (page cache, shared between the node's ranks and
-    reclaimable) beside the copy it keeps. Anonymous memory is what a rank really holds."""
+    reclaimable) beside the copy it keeps. Anonymous memory is what a rank really holds.
+    :meth:`label` names the phase now running; :attr:`phases` keeps each phase's peak (KiB).
+    """
+
+    def __init__(self) -> None:
+        self.current = "load"
+        self.phases: dict[str, int] = {}
 
     def __enter__(self) -> AnonPeak:
         import threading
@@ -104,14 +110,45 @@ class AnonPeak:
         self._thread.start()
         return self
 
+    def label(self, phase: str) -> None:
+        self._record()
+        self.current = phase
+
+    def _record(self) -> None:
+        now = _status_kib("RssAnon")
+        self.peak = max(self.peak, now)
+        self.phases[self.current] = max(self.phases.get(self.current, 0), now)
+
     def _sample(self) -> None:
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, _status_kib("RssAnon"))
+        while not self._stop.wait(0.002):
+            self._record()
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, _status_kib("RssAnon"))
+        self._record()
+
+
+def label_phases(policy: Any, sampler: AnonPeak) -> None:
+    """Name the phases of :meth:`Policy.train_step` for ``sampler`` (this policy only).
+
+    The loss forward is ``completion_logprobs``; what follows it until the next forward or
+    the optimizer is the loss and its backward (including FSDP's reduce-scatters); then
+    clipping and AdamW's step."""
+
+    def labelled(call: Any, during: str, after: str) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            sampler.label(during)
+            try:
+                return call(*args, **kwargs)
+            finally:
+                sampler.label(after)
+
+        return run
+
+    policy.completion_logprobs = labelled(policy.completion_logprobs, "forward", "backward")
+    policy.apply_gradients = labelled(policy.apply_gradients, "clip", "between steps")
+    policy.optimizer.step = labelled(policy.optimizer.step, "optimizer step", "clip")
 
 
 def state_bytes(policy: Any) -> int:
@@ -141,19 +178,43 @@ def measure(
     steps: int,
     full_load: bool = False,
 ) -> dict[str, Any]:
-    from posttrain.trainer.loss import LossConfig
     from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 
     started = time.perf_counter()
-    with AnonPeak() as anon:
+    anon = AnonPeak()
+    with anon:
         policy = Policy(
             model,
             learning_rate=1e-5,
             rank=RankInfo(rank, world, rank),
             engine=EngineOptions(full_load_before_sharding=full_load),
         )
-    load_seconds = time.perf_counter() - started
-    load_peak = peak_rss()
+        load_seconds = time.perf_counter() - started
+        load_peak = peak_rss()
+        load_anon = anon.peak
+        anon.label("between steps")
+        label_phases(policy, anon)
+        times = _train(policy, rank, world, samples, completion, steps)
+    # gradients still held (set_to_none happens at the next step): count them too
+    return {
+        "rank": rank,
+        "state_bytes": state_bytes(policy),
+        "peak_rss_bytes": peak_rss(),
+        "step_seconds": times,
+        "sharded": policy.sharded,
+        "load_peak_rss_bytes": load_peak,
+        "load_peak_anon_bytes": load_anon * 1024,
+        "phase_peak_anon_bytes": {k: v * 1024 for k, v in anon.phases.items()},
+        "load_seconds": load_seconds,
+    }
+
+
+def _train(
+    policy: Any, rank: int, world: int, samples: int, completion: int, steps: int
+) -> list[float]:
+    """``steps`` RL steps of this rank's share of the global batch; seconds per step."""
+    from posttrain.trainer.loss import LossConfig
+
     everything = batch(policy, samples, completion)
     mine = everything[rank::world]
     for s in mine:
@@ -170,17 +231,7 @@ def measure(
             step=step,
         )
         times.append(time.perf_counter() - started)
-    # gradients still held (set_to_none happens at the next step): count them too
-    return {
-        "rank": rank,
-        "state_bytes": state_bytes(policy),
-        "peak_rss_bytes": peak_rss(),
-        "step_seconds": times,
-        "sharded": policy.sharded,
-        "load_peak_rss_bytes": load_peak,
-        "load_peak_anon_bytes": anon.peak * 1024,
-        "load_seconds": load_seconds,
-    }
+    return times
 
 
 def _rank(
@@ -295,7 +346,22 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=64, help="tokens per completion")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="glibc's fixed mmap threshold for every measured process "
+        "(MALLOC_MMAP_THRESHOLD_): larger blocks are mmapped and go back to the OS when "
+        "freed, so peaks show live tensors rather than the allocator's retained heap",
+    )
+    parser.add_argument(
+        "--skip-old-load", action="store_true", help="skip the full-load-then-shard phase"
+    )
     args = parser.parse_args()
+    if args.malloc_mmap_threshold is not None:
+        # read by glibc when each spawned process starts (spawn = fork + exec)
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
 
     root = Path(tempfile.gettempdir()) / f"posttrain-bench-{args.hidden}x{args.layers}"
     model, params = make_model(root / "model", args.hidden, args.layers, args.heads)
@@ -317,13 +383,14 @@ def main() -> None:
     ranks = [dict(out[r]) for r in range(2)]
     # The old way, load only: every rank reads the full model, then shards it.
     old = mp.Manager().dict()
-    mp.spawn(
-        _rank,
-        args=(2, free_port(), str(model), args.samples, args.completion, 0, old, True),
-        nprocs=2,
-        join=True,
-    )
-    old_ranks = [dict(old[r]) for r in range(2)]
+    if not args.skip_old_load:
+        mp.spawn(
+            _rank,
+            args=(2, free_port(), str(model), args.samples, args.completion, 0, old, True),
+            nprocs=2,
+            join=True,
+        )
+    old_ranks = [dict(old[r]) for r in range(2)] if old else []
     bytes_per_param = single["state_bytes"] / params
     result = {
         "parameters": params,
@@ -349,6 +416,11 @@ def main() -> None:
             "1 rank": single["step_seconds"][-1],
             "2 ranks": max(r["step_seconds"][-1] for r in ranks),
         },
+        "phase_peak_anon_per_rank": {
+            "1 process": single["phase_peak_anon_bytes"],
+            "2 ranks": [r["phase_peak_anon_bytes"] for r in ranks],
+        },
+        "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "bytes_per_param_measured": bytes_per_param,
         "plan": planning_table(bytes_per_param),
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
@@ -371,8 +443,17 @@ def main() -> None:
             f"{what}, per rank: per-rank sharded load "
             + ", ".join(f"{b / GIB:.2f}" for b in loads["per-rank sharded load"])
             + " GiB; full load then shard (old) "
-            + ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
+            + (
+                ", ".join(f"{b / GIB:.2f}" for b in loads["full load, then shard (old)"])
+                or "(skipped)"
+            )
             + f" GiB; 1 process {loads['1 process (plain module)'] / GIB:.2f} GiB"
+        )
+    print("peak anonymous RSS per phase of the steps (GiB): 1 process | rank 0, rank 1")
+    for phase in ("forward", "backward", "clip", "optimizer step"):
+        print(
+            f"  {phase:<15} {single['phase_peak_anon_bytes'].get(phase, 0) / GIB:6.2f} | "
+            + ", ".join(f"{r['phase_peak_anon_bytes'].get(phase, 0) / GIB:.2f}" for r in ranks)
         )
     print(
         f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "

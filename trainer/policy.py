@@ -372,10 +372,16 @@ class Policy:
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         checkpointing = self.engine.activation_checkpointing and trainable
-        # A recomputed block would append its keys/values to the shared prompt cache twice,
-        # so activation checkpointing takes one full forward per sample instead.
+        # Shared prompts run every decoder block twice per forward (prompt pass, then the
+        # completions on its cache). Two cases take one full forward per sample instead:
+        # a recomputed block would append its keys/values to the shared cache twice; and
+        # under FSDP each pass gathers every block again, forward and backward, and the
+        # unsharded gradients of both passes are alive together: at 0.69B on two Gloo ranks
+        # the backward peaked 1.25 GiB higher and the step took 37% longer with sharing
+        # (docs/benchmarks.md, "Where a rank's memory goes").
+        share_prompts = not checkpointing and not self.sharded
         wrapper = TokenLogprobs(
-            model, self.pad_id, self.engine.logprob_chunk_tokens, share_prompts=not checkpointing
+            model, self.pad_id, self.engine.logprob_chunk_tokens, share_prompts=share_prompts
         )
         if checkpointing:
             from posttrain.trainer.engine import apply_activation_checkpointing

@@ -341,6 +341,8 @@ def _two_rank_worker(
     info = RankInfo(rank, 2, rank)
     policy = Policy(Path(model), learning_rate=LR, rank=info)
     assert policy.sharded
+    # one decoder pass per forward under FSDP (two would gather every block twice)
+    assert not policy.module.share_prompts
     # What the ranks read, each its own slices. Model only: DCP's get_state_dict would
     # initialise the still-empty AdamW state with a zero-gradient step, and the real step
     # below would then be Adam's second (bias correction 0.74x the first step's update).
