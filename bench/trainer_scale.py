@@ -177,6 +177,7 @@ def measure(
     completion: int,
     steps: int,
     full_load: bool = False,
+    share_prompts: bool = False,
 ) -> dict[str, Any]:
     from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 
@@ -189,6 +190,9 @@ def measure(
             rank=RankInfo(rank, world, rank),
             engine=EngineOptions(full_load_before_sharding=full_load),
         )
+        if share_prompts:
+            # what sharded ranks did before 2026-12-05: each forward runs every block twice
+            policy.module.share_prompts = True
         load_seconds = time.perf_counter() - started
         load_peak = peak_rss()
         load_anon = anon.peak
@@ -244,13 +248,16 @@ def _rank(
     steps: int,
     out: Any,
     full_load: bool = False,
+    share_prompts: bool = False,
 ) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    out[rank] = measure(Path(model), rank, world, samples, completion, steps, full_load)
+    out[rank] = measure(
+        Path(model), rank, world, samples, completion, steps, full_load, share_prompts
+    )
     dist.destroy_process_group()
 
 
@@ -356,7 +363,14 @@ def main() -> None:
         "freed, so peaks show live tensors rather than the allocator's retained heap",
     )
     parser.add_argument(
-        "--skip-old-load", action="store_true", help="skip the full-load-then-shard phase"
+        "--skip-old-load",
+        action="store_true",
+        help="skip the full-load-then-shard phase",
+    )
+    parser.add_argument(
+        "--compare-shared-prompts",
+        action="store_true",
+        help="also run the two ranks with the shared-prompt forward (two decoder passes)",
     )
     args = parser.parse_args()
     if args.malloc_mmap_threshold is not None:
@@ -376,7 +390,15 @@ def main() -> None:
     out = mp.Manager().dict()
     mp.spawn(
         _rank,
-        args=(2, free_port(), str(model), args.samples, args.completion, args.steps, out),
+        args=(
+            2,
+            free_port(),
+            str(model),
+            args.samples,
+            args.completion,
+            args.steps,
+            out,
+        ),
         nprocs=2,
         join=True,
     )
@@ -386,11 +408,40 @@ def main() -> None:
     if not args.skip_old_load:
         mp.spawn(
             _rank,
-            args=(2, free_port(), str(model), args.samples, args.completion, 0, old, True),
+            args=(
+                2,
+                free_port(),
+                str(model),
+                args.samples,
+                args.completion,
+                0,
+                old,
+                True,
+            ),
             nprocs=2,
             join=True,
         )
     old_ranks = [dict(old[r]) for r in range(2)] if old else []
+    shared: list[dict[str, Any]] = []
+    if args.compare_shared_prompts:
+        both = mp.Manager().dict()
+        mp.spawn(
+            _rank,
+            args=(
+                2,
+                free_port(),
+                str(model),
+                args.samples,
+                args.completion,
+                args.steps,
+                both,
+                False,
+                True,
+            ),
+            nprocs=2,
+            join=True,
+        )
+        shared = [dict(both[r]) for r in range(2)]
     bytes_per_param = single["state_bytes"] / params
     result = {
         "parameters": params,
@@ -420,6 +471,7 @@ def main() -> None:
             "1 process": single["phase_peak_anon_bytes"],
             "2 ranks": [r["phase_peak_anon_bytes"] for r in ranks],
         },
+        "two_ranks_shared_prompts": shared,
         "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "bytes_per_param_measured": bytes_per_param,
         "plan": planning_table(bytes_per_param),
@@ -454,6 +506,16 @@ def main() -> None:
         print(
             f"  {phase:<15} {single['phase_peak_anon_bytes'].get(phase, 0) / GIB:6.2f} | "
             + ", ".join(f"{r['phase_peak_anon_bytes'].get(phase, 0) / GIB:.2f}" for r in ranks)
+        )
+    if shared:
+        print(
+            "2 ranks with shared prompts (two decoder passes per forward): peak RSS "
+            + ", ".join(f"{r['peak_rss_bytes'] / GIB:.2f}" for r in shared)
+            + " GiB; backward anonymous peak "
+            + ", ".join(
+                f"{r['phase_peak_anon_bytes'].get('backward', 0) / GIB:.2f}" for r in shared
+            )
+            + f" GiB; last step {max(r['step_seconds'][-1] for r in shared):.1f} s"
         )
     print(
         f"step seconds (last step): 1 rank {single['step_seconds'][-1]:.1f}, 2 ranks "

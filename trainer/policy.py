@@ -376,9 +376,9 @@ class Policy:
         # completions on its cache). Two cases take one full forward per sample instead:
         # a recomputed block would append its keys/values to the shared cache twice; and
         # under FSDP each pass gathers every block again, forward and backward, and the
-        # unsharded gradients of both passes are alive together: at 0.69B on two Gloo ranks
-        # the backward peaked 1.25 GiB higher and the step took 37% longer with sharing
-        # (docs/benchmarks.md, "Where a rank's memory goes").
+        # unsharded weights and gradients of both passes overlap: at 0.69B on two Gloo ranks
+        # sharing peaked 1.8 GiB higher per rank and took 20% longer per step, side by side
+        # in one run (docs/benchmarks.md, "Where a rank's memory goes").
         share_prompts = not checkpointing and not self.sharded
         wrapper = TokenLogprobs(
             model, self.pad_id, self.engine.logprob_chunk_tokens, share_prompts=share_prompts
