@@ -12,7 +12,11 @@ peak RSS (``VmHWM``, see :func:`peak_rss`) also contains the Python/torch baseli
 is measured both ways on two ranks, each in fresh processes: **per-rank sharded loading** (meta device,
 ``fully_shard``, each rank reads only its slices: what the trainer does) and **the old way**
 (``from_pretrained`` of the full model on every rank, then ``fully_shard``); the peak RSS
-right after the policy is built is the loading peak. Then a planning table: bytes per parameter
+right after the policy is built is the loading peak. Every process also samples its
+anonymous RSS per phase of the step (forward, backward, clip, AdamW step: where a rank's
+memory goes); ``--compare-shared-prompts`` adds the two ranks with the shared-prompt forward
+side by side, ``--malloc-mmap-threshold`` measures live tensors instead of glibc's retained
+heap. Then a planning table: bytes per parameter
 measured here, applied through :func:`posttrain.trainer.engine.estimate_training_memory` to
 Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
 
