@@ -277,6 +277,38 @@ def run_unsharded(model: Path, samples: int, completion: int, steps: int) -> dic
     return dict(out[0])
 
 
+def run_two_ranks(
+    model: Path,
+    samples: int,
+    completion: int,
+    steps: int,
+    *,
+    full_load: bool = False,
+    share_prompts: bool = False,
+) -> list[dict[str, Any]]:
+    """Two Gloo ranks in fresh processes; each rank's :func:`measure`."""
+    from posttrain.processes import free_port
+
+    out = mp.Manager().dict()
+    mp.spawn(
+        _rank,
+        args=(
+            2,
+            free_port(),
+            str(model),
+            samples,
+            completion,
+            steps,
+            out,
+            full_load,
+            share_prompts,
+        ),
+        nprocs=2,
+        join=True,
+    )
+    return [dict(out[r]) for r in range(2)]
+
+
 def _single(model: str, samples: int, completion: int, steps: int, out: Any) -> None:
     out[0] = measure(Path(model), 0, 1, samples, completion, steps)
 
@@ -389,63 +421,18 @@ def main() -> None:
         flush=True,
     )
     single = run_unsharded(model, args.samples, args.completion, args.steps)
-    from posttrain.processes import free_port
-
-    out = mp.Manager().dict()
-    mp.spawn(
-        _rank,
-        args=(
-            2,
-            free_port(),
-            str(model),
-            args.samples,
-            args.completion,
-            args.steps,
-            out,
-        ),
-        nprocs=2,
-        join=True,
-    )
-    ranks = [dict(out[r]) for r in range(2)]
+    ranks = run_two_ranks(model, args.samples, args.completion, args.steps)
     # The old way, load only: every rank reads the full model, then shards it.
-    old = mp.Manager().dict()
-    if not args.skip_old_load:
-        mp.spawn(
-            _rank,
-            args=(
-                2,
-                free_port(),
-                str(model),
-                args.samples,
-                args.completion,
-                0,
-                old,
-                True,
-            ),
-            nprocs=2,
-            join=True,
-        )
-    old_ranks = [dict(old[r]) for r in range(2)] if old else []
-    shared: list[dict[str, Any]] = []
-    if args.compare_shared_prompts:
-        both = mp.Manager().dict()
-        mp.spawn(
-            _rank,
-            args=(
-                2,
-                free_port(),
-                str(model),
-                args.samples,
-                args.completion,
-                args.steps,
-                both,
-                False,
-                True,
-            ),
-            nprocs=2,
-            join=True,
-        )
-        shared = [dict(both[r]) for r in range(2)]
+    old_ranks = (
+        []
+        if args.skip_old_load
+        else run_two_ranks(model, args.samples, args.completion, 0, full_load=True)
+    )
+    shared = (
+        run_two_ranks(model, args.samples, args.completion, args.steps, share_prompts=True)
+        if args.compare_shared_prompts
+        else []
+    )
     bytes_per_param = single["state_bytes"] / params
     result = {
         "parameters": params,
