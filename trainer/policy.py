@@ -320,13 +320,11 @@ class Policy:
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
         # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
-        # Sharded (DTensor) parameters take the foreach kernels, which support them everywhere.
+        # Also for sharded (DTensor) parameters, as torchtitan does: the foreach kernels
+        # build sqrt(exp_avg_sq) for every tensor at once, one shard-sized temporary (+1.9
+        # GiB per rank at 1.02B on two ranks); the fused kernel updates in place.
         self.optimizer = torch.optim.AdamW(
-            trainable,
-            lr=learning_rate,
-            weight_decay=weight_decay,
-            foreach=True if self.sharded else None,
-            fused=None if self.sharded else True,
+            trainable, lr=learning_rate, weight_decay=weight_decay, fused=True
         )
 
     def _check_memory(self, model_dir: Path, *, reference: bool) -> None:
