@@ -351,11 +351,15 @@ def planning_table(bytes_per_param: float) -> list[dict[str, Any]]:
             if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1].endswith("_proj")
         )
         for mode, trainable in (("full", total), ("LoRA r=16", lora)):
-            for gpus in (8, 16):
+            for gpus in (8, 16, 32):
                 # measured bytes for each trained parameter, 4 (fp32 master) for a frozen one,
-                # all sharded; plus bf16 copies of the root and two blocks, unsharded
-                per_gpu = (bytes_per_param * trainable + 4 * (total - trainable)) / gpus + 2 * (
-                    outside + 2 * largest
+                # all sharded; plus bf16 copies of the root and two blocks, unsharded, and
+                # their gradients (bf16 + the fp32 copy reduced) for the trained fraction
+                gathered = outside + 2 * largest
+                per_gpu = (
+                    (bytes_per_param * trainable + 4 * (total - trainable)) / gpus
+                    + 2 * gathered
+                    + 6 * gathered * trainable / total
                 )
                 engine = estimate_training_memory(
                     total,
@@ -378,6 +382,17 @@ def planning_table(bytes_per_param: float) -> list[dict[str, Any]]:
                     }
                 )
     return rows
+
+
+def print_plan(plan: list[dict[str, Any]]) -> None:
+    print("plan (bf16 compute, fp32 master + grads + AdamW sharded, activations excluded):")
+    for row in plan:
+        print(
+            f"  {row['model']:<12} {row['params_b']:>6}B {row['mode']:<10} "
+            f"{row['gpus']:>2} GPUs: {row['per_gpu_gib']:>6} GiB/GPU "
+            f"(engine's check {row['engine_estimate_gib']})  "
+            f"{'fits' if row['fits_80gb'] else 'does NOT fit'} 80 GB"
+        )
 
 
 def main() -> None:
@@ -408,7 +423,18 @@ def main() -> None:
         action="store_true",
         help="also run the two ranks with the shared-prompt forward (two decoder passes)",
     )
+    parser.add_argument(
+        "--plan-only",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_PARAM",
+        help="print only the planning table, from bytes per trained parameter measured "
+        "by an earlier run (16.00 for fp32 weights + grads + AdamW)",
+    )
     args = parser.parse_args()
+    if args.plan_only is not None:
+        print_plan(planning_table(args.plan_only))
+        return
     if args.malloc_mmap_threshold is not None:
         # read by glibc when each spawned process starts (spawn = fork + exec)
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
@@ -513,14 +539,7 @@ def main() -> None:
         f"{result['step_seconds_last']['2 ranks']:.1f}"
     )
     print(f"bytes per parameter (weights + grads + AdamW, fp32): {bytes_per_param:.2f}")
-    print("plan (bf16 compute, fp32 master + grads + AdamW sharded, activations excluded):")
-    for row in result["plan"]:
-        print(
-            f"  {row['model']:<12} {row['params_b']:>6}B {row['mode']:<10} "
-            f"{row['gpus']:>2} GPUs: {row['per_gpu_gib']:>6} GiB/GPU "
-            f"(engine's check {row['engine_estimate_gib']})  "
-            f"{'fits' if row['fits_80gb'] else 'does NOT fit'} 80 GB"
-        )
+    print_plan(result["plan"])
     print(f"load average: {' '.join(result['loadavg'])}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))

@@ -291,25 +291,38 @@ def estimate_training_memory(
     Per parameter, sharded over ``world_size``: 4 (fp32 master weight); per *trained*
     parameter also 4 (fp32 gradient) + 8 (AdamW's two moments); a KL reference adds 4 more.
     Unsharded at any time: the root's weights and two blocks (the one computing and the one
-    prefetched) in the compute dtype.
+    prefetched) in the compute dtype, and their gradients before the reduce-scatter (in the
+    compute dtype, plus the fp32 copy FSDP reduces when that dtype is narrower), scaled by
+    the trained fraction. The root's full gradient lives through the whole backward, which
+    is why it is counted: measured on two CPU ranks at hidden 2048, weights + gradients of
+    root and two blocks are 1.37 GiB of the 1.48 GiB transient (docs/benchmarks.md, "Where a
+    rank's memory goes").
 
     >>> e = estimate_training_memory(7_000_000_000, 7_000_000_000, 200_000_000, 500_000_000,
     ...                              world_size=8, compute_bytes=2, reference=False)
     >>> round(e.per_rank_bytes / 1e9, 1)
-    14.8
+    21.2
+    >>> lora = estimate_training_memory(7_000_000_000, 40_000_000, 200_000_000, 500_000_000,
+    ...                                 world_size=8, compute_bytes=2, reference=False)
+    >>> round(lora.per_rank_bytes / 1e9, 1)
+    5.4
     """
     sharded = 4 * parameters + 12 * trainable + (4 * parameters if reference else 0)
     per_rank_state = math.ceil(sharded / world_size)
-    unsharded = compute_bytes * (unsharded_root + 2 * largest_layer)
+    gathered = unsharded_root + 2 * largest_layer
+    gradient_bytes = compute_bytes + (4 if compute_bytes < 4 else 0)
+    weights = compute_bytes * gathered
+    gradients = math.ceil(gradient_bytes * gathered * trainable / max(1, parameters))
     if world_size == 1 and compute_bytes == 4:
-        unsharded = 0  # the plain module: its weights are the fp32 ones counted above
+        weights = gradients = 0  # the plain module: its weights and gradients are counted above
     return MemoryEstimate(
         parameters,
         trainable,
         world_size,
-        per_rank_state + unsharded,
+        per_rank_state + weights + gradients,
         f"sharded fp32 state {per_rank_state / GIB:.1f} GiB + unsharded compute copies "
-        f"{unsharded / GIB:.1f} GiB; activations not included",
+        f"{weights / GIB:.1f} GiB + their gradients {gradients / GIB:.1f} GiB; activations "
+        "not included",
     )
 
 
