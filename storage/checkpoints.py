@@ -23,7 +23,7 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -158,12 +158,17 @@ class _CommittedSeries:
             return None
 
     def fetch(
-        self, number: int, dest: str | os.PathLike[str], expected_manifest_sha256: str = ""
+        self,
+        number: int,
+        dest: str | os.PathLike[str],
+        expected_manifest_sha256: str = "",
+        include: Callable[[str], bool] | None = None,
     ) -> Manifest:
         """Download + verify into a staging directory, then swap it in place of ``dest``.
 
         ``dest`` is replaced only by a fully verified copy, so a corrupt download never
-        leaves a mix of old and new files behind.
+        leaves a mix of old and new files behind. Files ``include`` rejects stay in the store
+        (checked to exist) for on-demand reads.
         """
         target = Path(dest)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -171,7 +176,7 @@ class _CommittedSeries:
         try:
             if expected_manifest_sha256:
                 self._check_manifest_digest(number, expected_manifest_sha256)
-            manifest = download_dir(self.store, self.dir_key(number), staging)
+            manifest = download_dir(self.store, self.dir_key(number), staging, include=include)
             if target.exists():
                 retired = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
                 target.rename(retired)
@@ -196,14 +201,23 @@ class _CommittedSeries:
                 f"{self.store.uri(self.pointer_key)} ({actual[:16]}... vs {expected[:16]}...)"
             )
 
-    def fetch_latest(self, dest: str | os.PathLike[str]) -> tuple[int, Manifest] | None:
-        """Fetch the newest directory that verifies; None when nothing was ever committed."""
+    def fetch_latest(
+        self,
+        dest: str | os.PathLike[str],
+        include: Callable[[str], bool] | None = None,
+        exclude: frozenset[int] = frozenset(),
+    ) -> tuple[int, Manifest] | None:
+        """Fetch the newest directory that verifies; None when nothing was ever committed.
+
+        ``exclude``: numbers a reader already refused (damage found after the fetch, in a
+        file left for on-demand reads); they are skipped as if they had failed here.
+        """
         self.last_refused = []
-        tried: set[int] = set()
+        tried: set[int] = set(exclude)
         pointer = self.read_pointer()
-        if pointer is not None:  # the common case: one GET, no listing
+        if pointer is not None and pointer[0] not in exclude:  # one GET, no listing
             tried.add(pointer[0])
-            result = self._try_fetch(pointer[0], dest, pointer[1])
+            result = self._try_fetch(pointer[0], dest, pointer[1], include)
             if result is not None:
                 return pointer[0], result
         # Pointer absent, unreadable or bad: the newest committed directory that verifies.
@@ -211,7 +225,7 @@ class _CommittedSeries:
         if not tried and not listed:
             return None
         for number in listed:
-            result = self._try_fetch(number, dest, "")
+            result = self._try_fetch(number, dest, "", include)
             if result is not None:
                 if self.last_refused:
                     log.warning(
@@ -222,17 +236,24 @@ class _CommittedSeries:
                         len(self.last_refused),
                     )
                 return number, result
+        refused = list(self.last_refused)
+        if exclude:
+            refused.append(f"{self.layout.number_field}(s) {sorted(exclude)} refused by the reader")
         raise CorruptArtifactError(
             f"no {self.layout.kind} under {self.store.uri(self.prefix)} passes verification: "
-            + "; ".join(self.last_refused)
+            + "; ".join(refused)
         )
 
     def _try_fetch(
-        self, number: int, dest: str | os.PathLike[str], expected_sha: str
+        self,
+        number: int,
+        dest: str | os.PathLike[str],
+        expected_sha: str,
+        include: Callable[[str], bool] | None,
     ) -> Manifest | None:
         """Fetch one directory; on damage, record and log why and return None."""
         try:
-            return self.fetch(number, dest, expected_sha)
+            return self.fetch(number, dest, expected_sha, include)
         except (CorruptArtifactError, ArtifactNotFoundError) as exc:
             CORRUPT_ARTIFACTS.labels(kind=self.layout.kind).inc()
             self.last_refused.append(str(exc))
@@ -355,14 +376,22 @@ class CheckpointManager:
             )
             return manifest
 
-    def load_latest(self, dest: str | os.PathLike[str]) -> tuple[int, Manifest] | None:
+    def load_latest(
+        self,
+        dest: str | os.PathLike[str],
+        *,
+        include: Callable[[str], bool] | None = None,
+        exclude: frozenset[int] = frozenset(),
+    ) -> tuple[int, Manifest] | None:
         """Fetch the newest checkpoint that verifies into ``dest``; None if there is none.
 
         A corrupt or truncated checkpoint is refused (logged with the file at fault, listed
-        in :attr:`last_refused`) and the previous complete one is used instead.
+        in :attr:`last_refused`) and the previous complete one is used instead. Files
+        ``include`` rejects are left in the store for the caller to read in part
+        (:mod:`posttrain.storage.blocks`); steps in ``exclude`` are skipped.
         """
         with tracer.start_as_current_span("checkpoint.load") as span:
-            result = self._series.fetch_latest(dest)
+            result = self._series.fetch_latest(dest, include, exclude)
             if result is not None:
                 span.set_attribute("checkpoint.step", result[0])
                 span.set_attribute("storage.files", len(result[1].files))
@@ -370,11 +399,18 @@ class CheckpointManager:
             span.set_attribute("checkpoint.refused", len(self.last_refused))
             return result
 
-    def load(self, step: int, dest: str | os.PathLike[str]) -> Manifest:
-        """Fetch one specific checkpoint (no fallback: asking for step N means step N)."""
+    def load(
+        self,
+        step: int,
+        dest: str | os.PathLike[str],
+        *,
+        include: Callable[[str], bool] | None = None,
+    ) -> Manifest:
+        """Fetch one specific checkpoint (no fallback: asking for step N means step N);
+        ``include`` as in :meth:`load_latest` (readers of the weights alone skip the rest)."""
         with tracer.start_as_current_span("checkpoint.load") as span:
             span.set_attribute("checkpoint.step", step)
-            return self._series.fetch(step, dest)
+            return self._series.fetch(step, dest, include=include)
 
     def list_steps(self) -> list[int]:
         """Committed checkpoint steps, ascending."""

@@ -309,8 +309,13 @@ def download_dir(
     dest: str | os.PathLike[str],
     *,
     file_workers: int = DEFAULT_FILE_WORKERS,
+    include: Callable[[str], bool] | None = None,
 ) -> Manifest:
     """Download the committed directory at ``prefix`` into ``dest`` and verify every file.
+
+    ``include(path)`` False leaves a file in the store (a reader fetches it later, in part,
+    with :func:`fetch_file` or by ranges); such a file must still exist, so a directory
+    missing one is refused here as it would be by a full download.
 
     Raises :class:`ArtifactNotFoundError` when ``prefix`` has no manifest (never committed)
     and :class:`CorruptArtifactError` naming the file when a size or checksum differs or a
@@ -326,52 +331,69 @@ def download_dir(
                 f"{source} has no {MANIFEST_NAME}: it is not a committed directory (its upload "
                 "never finished, or the prefix is wrong)"
             )
-        span.set_attribute("storage.files", len(manifest.files))
-        span.set_attribute("storage.bytes", manifest.total_bytes)
+        wanted = [f for f in manifest.files if include is None or include(f.path)]
+        deferred = [f for f in manifest.files if include is not None and not include(f.path)]
+        wanted_bytes = sum(f.size for f in wanted)
+        span.set_attribute("storage.files", len(wanted))
+        span.set_attribute("storage.bytes", wanted_bytes)
+        span.set_attribute("storage.deferred_files", len(deferred))
+        for entry in deferred:
+            if not store.exists(join_key(prefix, entry.path)):
+                raise CorruptArtifactError(
+                    f"{source}/{entry.path} is listed in the manifest but missing from the store"
+                )
         root = Path(dest)
         root.mkdir(parents=True, exist_ok=True)
-        progress = TransferProgress(f"download {source}", manifest.total_bytes)
-
-        def fetch(entry: ManifestFile) -> None:
-            local = root / entry.path
-            where = f"{source}/{entry.path}"
-            try:
-                digest = store.get_file(
-                    join_key(prefix, entry.path),
-                    local,
-                    progress=progress,
-                    algorithm=entry.algorithm,
-                )
-            except ArtifactNotFoundError:
-                raise CorruptArtifactError(
-                    f"{where} is listed in the manifest but missing from the store"
-                ) from None
-            if digest.size != entry.size:
-                local.unlink(missing_ok=True)
-                raise CorruptArtifactError(
-                    f"{where} is truncated or padded: {digest.size} bytes, manifest says "
-                    f"{entry.size}"
-                )
-            if digest.checksum != entry.digest:
-                local.unlink(missing_ok=True)
-                raise CorruptArtifactError(
-                    f"{where} fails its checksum: {entry.algorithm} {digest.checksum[:16]}..., "
-                    f"manifest says {entry.digest[:16]}..."
-                )
-
-        ordered = sorted(manifest.files, key=lambda f: -f.size)
-        _run_parallel([(f.path, partial(fetch, f)) for f in ordered], file_workers)
+        progress = TransferProgress(f"download {source}", wanted_bytes)
+        ordered = sorted(wanted, key=lambda f: -f.size)
+        _run_parallel(
+            [(f.path, partial(fetch_file, store, prefix, f, root, progress)) for f in ordered],
+            file_workers,
+        )
         progress.finish()
         elapsed = time.monotonic() - start
         DOWNLOAD_SECONDS.labels(kind="dir").observe(elapsed)
         log.info(
-            "fetched and verified %s: %d files, %s in %.1fs",
+            "fetched and verified %s: %d files, %s in %.1fs%s",
             source,
-            len(manifest.files),
-            format_bytes(manifest.total_bytes),
+            len(wanted),
+            format_bytes(wanted_bytes),
             elapsed,
+            f" ({len(deferred)} left for on-demand reads)" if deferred else "",
         )
         return manifest
+
+
+def fetch_file(
+    store: ArtifactStore,
+    prefix: str,
+    entry: ManifestFile,
+    root: Path,
+    progress: TransferProgress | None = None,
+) -> None:
+    """Download one file of a committed directory to ``root / entry.path`` and verify it
+    against its manifest entry (:class:`CorruptArtifactError` naming it otherwise)."""
+    local = root / entry.path
+    where = f"{store.uri(prefix)}/{entry.path}"
+    try:
+        digest = store.get_file(
+            join_key(prefix, entry.path), local, progress=progress, algorithm=entry.algorithm
+        )
+    except ArtifactNotFoundError:
+        raise CorruptArtifactError(
+            f"{where} is listed in the manifest but missing from the store"
+        ) from None
+    if digest.size != entry.size:
+        local.unlink(missing_ok=True)
+        raise CorruptArtifactError(
+            f"{where} is truncated or padded: {digest.size} bytes, manifest says {entry.size}"
+        )
+    if digest.checksum != entry.digest:
+        local.unlink(missing_ok=True)
+        raise CorruptArtifactError(
+            f"{where} fails its checksum: {entry.algorithm} {digest.checksum[:16]}..., "
+            f"manifest says {entry.digest[:16]}..."
+        )
 
 
 def delete_dir(store: ArtifactStore, prefix: str) -> int:

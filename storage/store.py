@@ -142,6 +142,14 @@ class ArtifactStore(Protocol):
         algorithm: str = DEFAULT_CHECKSUM,
     ) -> Digest: ...
 
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``offset`` (fewer only past its end).
+
+        For readers that need part of a large object (one rank's slices of a sharded
+        checkpoint); the caller verifies what it reads (block digests), the store does not.
+        """
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def list(self, prefix: str = "") -> list[str]: ...
@@ -265,6 +273,17 @@ class LocalStore:
         BYTES_DOWNLOADED.labels(store="local").inc(digest.size)
         DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
         return digest
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        try:
+            src = open(self._path(key), "rb")  # noqa: SIM115 - closed below
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFoundError(f"no object at {self.uri(key)}") from None
+        with src:
+            src.seek(offset)
+            data = src.read(length)
+        BYTES_DOWNLOADED.labels(store="local").inc(len(data))
+        return data
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
@@ -703,6 +722,28 @@ class S3Store:
             finally:
                 for future in pending:
                     future.cancel()
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        name = self._name(key)
+
+        def attempt() -> bytes:
+            try:
+                response = self._client.get_object(
+                    self.bucket, name, offset=offset, length=length
+                )
+            except S3Error as exc:
+                if exc.code == "InvalidRange":  # wholly past the end (a truncated object)
+                    return b""
+                raise
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+
+        data = self._call("get", key, attempt)
+        BYTES_DOWNLOADED.labels(store="s3").inc(len(data))
+        return data
 
     def exists(self, key: str) -> bool:
         name = self._name(key)

@@ -28,9 +28,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
+from posttrain.storage.blocks import DEFAULT_BLOCK_BYTES, write_block_index
+from posttrain.storage.errors import CorruptArtifactError
 from posttrain.trainer.datasets import Task
 from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.shard_reads import DATA_SUFFIX, OnDemandReader, ShardSource, read_on_demand
 
 if TYPE_CHECKING:
     from posttrain.trainer.policy import Policy
@@ -144,15 +148,17 @@ def save_training_state(policy: Policy, dest: Path) -> None:
     )
 
 
-def load_training_state(policy: Policy, source: Path) -> None:
+def load_training_state(policy: Policy, source: Path, shards: ShardSource | None = None) -> None:
     """Load weights and optimizer state saved by :func:`save_training_state`, resharded to
-    this run's ranks (any world size)."""
+    this run's ranks (any world size). With ``shards`` the DCP data files are not local yet:
+    only the slices this rank reads are fetched (:mod:`posttrain.trainer.shard_reads`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(policy.module, policy.optimizer)
     state: dict[str, Any] = {"model": model_state, "optim": optim_state}  # DCP's STATE_DICT_TYPE
-    dcp.load(state, checkpoint_id=str(source), no_dist=not _distributed())
+    reader = OnDemandReader(source, shards) if shards is not None else None
+    dcp.load(state, checkpoint_id=str(source), storage_reader=reader, no_dist=not _distributed())
     set_state_dict(
         policy.module,
         policy.optimizer,
@@ -186,11 +192,15 @@ class Checkpointer:
         keep_last: int,
         keep_best: bool,
         pinned_steps: frozenset[int] = frozenset(),
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> None:
         from posttrain.storage.checkpoints import CheckpointManager
 
         self.store = store
         self.keep_best = keep_best
+        self.block_bytes = block_bytes
+        # (bytes fetched, bytes of sharded state) by the last restore on this rank
+        self.last_shard_fetch: tuple[int, int] | None = None
         self.manager = CheckpointManager(
             store, "checkpoints", keep_last=keep_last, pinned=pinned_steps
         )
@@ -207,6 +217,8 @@ class Checkpointer:
             local = Path(tmp)
             policy.save_weights(local)  # collective gathers; rank 0 writes
             save_training_state(policy, local / SHARDED_DIR)
+            for data in sorted((local / SHARDED_DIR).glob(f"*{DATA_SUFFIX}")):
+                write_block_index(data, self.block_bytes)  # a resuming rank fetches its slices
             if not is_main:
                 part = self.manager.upload_part(state.step, local)
                 _all_gather(part, world)
@@ -245,22 +257,41 @@ class Checkpointer:
 
         ``policy_factory(model_dir)`` builds the policy from the checkpoint's HF weights;
         the exact fp32 weights and optimizer moments are then loaded from its DCP shards
-        (resharded to this run's ranks), and the RNG states restored.
+        (resharded to this run's ranks; each rank fetches only the slices it reads), and the
+        RNG states restored. A checkpoint whose shards turn out damaged while they are read
+        is refused on every rank alike (DCP gathers each rank's failure) and the previous
+        one is loaded instead, as for damage found while downloading.
         """
         dest = scratch / "resume"
-        if dest.exists():
-            shutil.rmtree(dest)
-        found = self.manager.load_latest(dest)
-        for reason in self.manager.last_refused:
-            log.warning("skipped a damaged checkpoint: %s", reason)
-        if found is None:
-            return None
-        step, manifest = found
-        policy = policy_factory(dest)
-        if (dest / SHARDED_DIR).is_dir():
-            load_training_state(policy, dest / SHARDED_DIR)
-        else:  # written before sharded checkpoints: one process, full optimizer state
-            policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+        refused: set[int] = set()
+        while True:
+            if dest.exists():
+                shutil.rmtree(dest)
+            found = self.manager.load_latest(
+                dest,
+                include=lambda path: not read_on_demand(path, SHARDED_DIR),
+                exclude=frozenset(refused),
+            )
+            for reason in self.manager.last_refused:
+                log.warning("skipped a damaged checkpoint: %s", reason)
+            if found is None:
+                return None
+            step, manifest = found
+            policy = policy_factory(dest)
+            try:
+                self._load_state(policy, dest, step, manifest)
+            except (Exception, CheckpointException) as exc:
+                damage = _damage(exc)
+                if damage is None:
+                    raise
+                log.error(
+                    "refusing checkpoint step %d: %s; falling back to the previous complete one",
+                    step,
+                    damage,
+                )
+                refused.add(step)
+                continue
+            break
         restore_rng(torch.load(dest / RNG_FILE, weights_only=False))
         state = TrainerState(**json.loads((dest / STATE_FILE).read_text()))
         log.info(
@@ -270,3 +301,35 @@ class Checkpointer:
             manifest.metadata.get("world_size", 1),
         )
         return policy, state
+
+    def _load_state(self, policy: Policy, dest: Path, step: int, manifest: Any) -> None:
+        if (dest / SHARDED_DIR).is_dir():
+            shards = ShardSource(
+                self.store, self.manager.step_prefix(step), manifest, dest, SHARDED_DIR
+            )
+            load_training_state(policy, dest / SHARDED_DIR, shards)
+            self.last_shard_fetch = (shards.fetched_bytes, shards.total_bytes)
+        else:  # written before sharded checkpoints: one process, full optimizer state
+            policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+
+
+def _damage(exc: BaseException) -> CorruptArtifactError | None:
+    """The storage damage behind a failed load, if that is what failed it (on any rank)."""
+    if isinstance(exc, CorruptArtifactError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, CorruptArtifactError):
+                return inner
+    return None
+
+
+def weights_only(path: str) -> bool:
+    """The files of a checkpoint a reader of its HF weights needs (evaluation, a KL
+    reference): everything but the training state.
+
+    >>> weights_only("model.safetensors"), weights_only("dcp/__0_0.distcp")
+    (True, False)
+    """
+    return not path.startswith(f"{SHARDED_DIR}/") and path != OPTIMIZER_FILE

@@ -29,6 +29,7 @@ from typing import Any
 from prometheus_client import Gauge
 
 from posttrain.telemetry import get_tracer
+from posttrain.trainer.checkpoint import weights_only
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.rundata import RunData
 
@@ -101,7 +102,7 @@ class CheckpointEvaluator:
         scratch = Path(tempfile.mkdtemp(prefix=f"posttrain-eval-step{step}-"))
         try:
             try:
-                self.checkpoints.load(step, scratch)
+                self.checkpoints.load(step, scratch, include=weights_only)
             except Exception as exc:  # pruned by retention, or damaged
                 log.warning("checkpoint step %d is no longer loadable (%s); skipped", step, exc)
                 return False

@@ -33,6 +33,7 @@ from posttrain.trainer.checkpoint import (
     batch_to_json,
     request_from_json,
     request_to_json,
+    weights_only,
 )
 from posttrain.trainer.dist_context import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
@@ -508,7 +509,7 @@ class Run:
             return self.base_dir  # not inside a later RL stage (yet)
         dest = self.scratch / "kl-reference"
         try:
-            self.checkpointer.manager.load(plan.first_step - 1, dest)
+            self.checkpointer.manager.load(plan.first_step - 1, dest, include=weights_only)
         except Exception as exc:
             raise RuntimeError(
                 f"resuming inside stage {plan.name!r} needs its KL anchor, the checkpoint of "

@@ -289,7 +289,7 @@ def test_run_prefix() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["store", "retry", "progress", "commit", "checkpoints", "trajectories", "checksums"],
+    ["store", "retry", "progress", "commit", "checkpoints", "trajectories", "checksums", "blocks"],
 )
 def test_docstring_examples(module: str) -> None:
     """The worked examples in the helpers' docstrings are true."""

@@ -10,6 +10,7 @@ import pytest
 MODULES = [
     "advantages",
     "audit",
+    "checkpoint",
     "curriculum",
     "distributed",
     "dpo",
@@ -25,8 +26,9 @@ MODULES = [
     "rollouts",
     "rundata",
     "server_process",
-    "sharded_load",
     "sft",
+    "shard_reads",
+    "sharded_load",
     "stage_data",
     "status",
     "task",

@@ -363,6 +363,9 @@ def _full_weights(policy: Policy) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_model_state_dict(policy.module, options=options).items()}
 
 
+SHARD_BLOCK = 16 * 1024  # small blocks, so a tiny model's shard files span many
+
+
 def _two_rank_worker(
     rank: int,
     port: int,
@@ -403,9 +406,19 @@ def _two_rank_worker(
     weights, moments = _full_state(policy)
     exported = dict(policy.full_weights())  # the streamed export, as publishing uses it
     results[f"bytes{rank}"] = _state_bytes(policy)
-    Checkpointer(LocalStore(rank_ckpt), keep_last=2, keep_best=False).save(
+    Checkpointer(LocalStore(rank_ckpt), keep_last=2, keep_best=False, block_bytes=SHARD_BLOCK).save(
         policy, TrainerState(1, 1, {}, {}, [], [], 0)
     )
+    dist.barrier()  # rank 0 commits after the others have uploaded their parts
+    # ... resume it on the same two ranks: each fetches only the slices it reads
+    again = Checkpointer(LocalStore(rank_ckpt), keep_last=2, keep_best=False)
+    back = again.restore(
+        lambda d: Policy(d, learning_rate=LR, rank=info), Path(rank_ckpt) / f"again{rank}"
+    )
+    assert back is not None
+    results[f"fetch{rank}"] = again.last_shard_fetch
+    back_weights, back_moments = _full_state(back[0])
+    del back
     # ... and resume what one process saved, on these two ranks
     restored = Checkpointer(LocalStore(single_ckpt), keep_last=2, keep_best=False).restore(
         lambda d: Policy(d, learning_rate=LR, rank=info), Path(single_ckpt) / f"scratch{rank}"
@@ -444,6 +457,8 @@ def _two_rank_worker(
             rank_exported=exported,
             resumed_weights=resumed_weights,
             resumed_moments=resumed_moments,
+            back_weights=back_weights,
+            back_moments=back_moments,
         )
     dist.destroy_process_group()
 
@@ -570,6 +585,20 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one(two_ranks: dict[str, Any
 
 
 @pytest.mark.slow
+def test_ranks_resuming_fetch_only_the_slices_they_read(two_ranks: dict[str, Any]) -> None:
+    """Two ranks resume what two ranks wrote: each fetches (block-verified) about its own
+    shard file, not the whole sharded state, and the state is back exactly."""
+    for rank in (0, 1):
+        fetched, total = two_ranks[f"fetch{rank}"]
+        print(f"rank {rank} fetched {fetched} of {total} bytes")
+        assert 0 < fetched <= 0.75 * total, (rank, fetched, total)
+    for name, value in two_ranks["rank_weights"].items():
+        assert torch.equal(two_ranks["back_weights"][name], value), name
+    for name, value in two_ranks["rank_moments"].items():
+        assert torch.equal(two_ranks["back_moments"][name], value), name
+
+
+@pytest.mark.slow
 def test_checkpoint_of_one_process_resumes_exactly_on_two_ranks(
     two_ranks: dict[str, Any],
 ) -> None:
@@ -577,6 +606,30 @@ def test_checkpoint_of_one_process_resumes_exactly_on_two_ranks(
         assert torch.equal(two_ranks["resumed_weights"][name], value), name
     for name, value in two_ranks["moments"].items():
         assert torch.equal(two_ranks["resumed_moments"][name], value), name
+
+
+def test_a_shard_damaged_in_the_store_falls_back_to_the_previous_checkpoint(
+    tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Damage found while a rank reads its slices (after the download chose the checkpoint)
+    refuses that checkpoint as download damage would, and the previous one is loaded."""
+    from posttrain.storage.store import LocalStore
+    from posttrain.trainer.checkpoint import Checkpointer, TrainerState
+
+    policy = Policy(tiny_model, learning_rate=LR)
+    saver = Checkpointer(LocalStore(tmp_path / "store"), keep_last=3, keep_best=False)
+    for step in (1, 2):
+        saver.save(policy, TrainerState(step, step, {}, {}, [], [], 0))
+    shard = tmp_path / "store/checkpoints/step-00000002/dcp/__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a bit flip: same size, so only the block digest sees it
+    shard.write_bytes(bytes(data))
+    loader = Checkpointer(LocalStore(tmp_path / "store"), keep_last=3, keep_best=False)
+    with caplog.at_level("ERROR", logger="posttrain.trainer.checkpoint"):
+        restored = loader.restore(lambda d: Policy(d, learning_rate=LR), tmp_path / "scratch")
+    assert restored is not None
+    assert restored[1].step == 1
+    assert "refusing checkpoint step 2" in caplog.text and "fails its" in caplog.text
 
 
 @pytest.mark.slow
