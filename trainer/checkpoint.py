@@ -6,7 +6,9 @@ safetensors + tokenizer at its top level, streamed from the shards tensor by ten
 conversion. The training state proper is a ``torch.distributed.checkpoint`` (DCP) directory
 ``dcp/``: the fp32 master weights and AdamW moments, each rank writing its own shards
 (``__<rank>_0.distcp``, rank 0 the ``.metadata``), so saving never gathers the model and a
-run resumes on a **different number of ranks** (DCP reshards on load). Next to them sit
+run resumes on a **different number of ranks** (DCP reshards on load). Each data file has a
+block index beside it, so a resuming rank fetches only the slices it reads
+(:mod:`posttrain.trainer.shard_reads`). Next to them sit
 ``rng.pt`` (torch/python RNG states) and ``trainer_state.json`` (step, weight version,
 curriculum and audit state, and rollouts that were sampled or requested but not yet
 trained on). Every rank uploads its own files; rank 0 commits the directory with the
