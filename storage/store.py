@@ -561,19 +561,7 @@ class S3Store:
             response.release_conn()
 
     def get_bytes(self, key: str) -> bytes:
-        name = self._name(key)
-
-        def attempt() -> bytes:
-            response = self._client.get_object(self.bucket, name)
-            try:
-                return response.read()
-            finally:
-                response.close()
-                response.release_conn()
-
-        data = self._call("get", key, attempt)
-        BYTES_DOWNLOADED.labels(store="s3").inc(len(data))
-        return data
+        return self._read_object(key, 0, 0)
 
     def put_file(
         self,
@@ -724,13 +712,15 @@ class S3Store:
                     future.cancel()
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self._read_object(key, offset, length)
+
+    def _read_object(self, key: str, offset: int, length: int) -> bytes:
+        """One GET into memory: the whole object when ``length`` is 0, else a range."""
         name = self._name(key)
 
         def attempt() -> bytes:
             try:
-                response = self._client.get_object(
-                    self.bucket, name, offset=offset, length=length
-                )
+                response = self._client.get_object(self.bucket, name, offset=offset, length=length)
             except S3Error as exc:
                 if exc.code == "InvalidRange":  # wholly past the end (a truncated object)
                     return b""

@@ -224,24 +224,30 @@ def test_warmup_then_cosine_learning_rate(tiny_model: Path) -> None:
     assert policy.optimizer.param_groups[0]["lr"] == pytest.approx(LR * 0.5)
 
 
+def _config_only_llama(tiny_model: Path, dest: Path, **shape: Any) -> Path:
+    """A model directory with only a config: the tiny model's, reshaped (head_dim 128)."""
+    config = json.loads((tiny_model / "config.json").read_text())
+    config.update(head_dim=128, **shape)
+    dest.mkdir()
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 def test_a_model_too_large_for_the_ranks_is_refused_before_loading(
     tmp_path: Path, tiny_model: Path
 ) -> None:
     """A 70B Llama config with no weights at all: the refusal must come from the config."""
-    config = json.loads((tiny_model / "config.json").read_text())
-    config.update(
+    big = _config_only_llama(
+        tiny_model,
+        tmp_path / "llama-70b-config-only",
         hidden_size=8192,
         intermediate_size=28672,
         num_hidden_layers=80,
         num_attention_heads=64,
         num_key_value_heads=8,
-        head_dim=128,
         vocab_size=128256,
         tie_word_embeddings=False,
     )
-    big = tmp_path / "llama-70b-config-only"
-    big.mkdir()
-    (big / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match=r"does not fit: 70\.\d+B parameters .* GiB per rank"):
         Policy(big, learning_rate=LR)
 
@@ -256,20 +262,17 @@ def test_the_estimate_counts_the_fsdp_transient_measured_on_two_ranks(
     state by a 1.48 GiB transient. Counting only the gathered weights gave 0.69 GiB; with
     their gradients the estimate must come within 10% of the measurement.
     """
-    config = json.loads((tiny_model / "config.json").read_text())
-    config.update(
+    model = _config_only_llama(
+        tiny_model,
+        tmp_path / "bench-1b-config-only",
         hidden_size=2048,
         intermediate_size=4096,
         num_hidden_layers=22,
         num_attention_heads=16,
         num_key_value_heads=16,
-        head_dim=128,
         vocab_size=49152,
         tie_word_embeddings=True,
     )
-    model = tmp_path / "bench-1b-config-only"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(config))
     total, largest, outside = count_parameters(model)
     assert total == 1_023_502_336  # the model the bench measured
     two = estimate_training_memory(
