@@ -19,6 +19,7 @@ from pathlib import Path
 
 from posttrain.storage.checksums import DEFAULT_CHECKSUM, new_hasher
 from posttrain.storage.errors import CorruptArtifactError
+from posttrain.storage.progress import TransferProgress
 from posttrain.storage.store import ArtifactStore
 
 INDEX_SUFFIX = ".blocks"
@@ -115,20 +116,28 @@ class PartialFile:
         with local.open("wb") as out:
             out.truncate(index.size)  # sparse: no disk used until blocks arrive
 
-    def ensure(self, ranges: Iterable[tuple[int, int]]) -> int:
+    def missing(self, ranges: Iterable[tuple[int, int]]) -> list[int]:
+        """The blocks covering ``(offset, length)`` ranges that are not here yet, sorted."""
+        wanted = {b for offset, length in ranges for b in self.index.blocks_for(offset, length)}
+        return sorted(wanted - self.have)
+
+    def missing_bytes(self, ranges: Iterable[tuple[int, int]]) -> int:
+        return sum(self.index.span(block)[1] for block in self.missing(ranges))
+
+    def ensure(
+        self, ranges: Iterable[tuple[int, int]], progress: TransferProgress | None = None
+    ) -> int:
         """Fetch and verify the blocks covering ``(offset, length)`` ranges; returns the
         number of bytes fetched by this call."""
-        needed = sorted(
-            {b for offset, length in ranges for b in self.index.blocks_for(offset, length)}
-            - self.have
-        )
         fetched = 0
-        for first, last in _runs(needed):
+        for first, last in _runs(self.missing(ranges)):
             start = self.index.span(first)[0]
             end_offset, end_length = self.index.span(last)
             data = self.store.get_range(self.key, start, end_offset + end_length - start)
             self._write_verified(first, last, start, data)
             fetched += len(data)
+            if progress is not None:
+                progress.update(len(data))
         self.fetched_bytes += fetched
         return fetched
 

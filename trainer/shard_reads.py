@@ -26,6 +26,7 @@ from torch.futures import Future
 from posttrain.storage.blocks import BlockIndex, PartialFile, index_path
 from posttrain.storage.commit import Manifest, ManifestFile, fetch_file
 from posttrain.storage.errors import CorruptArtifactError
+from posttrain.storage.progress import TransferProgress
 from posttrain.storage.store import ArtifactStore, join_key
 from posttrain.telemetry import get_tracer
 
@@ -68,8 +69,33 @@ class ShardSource:
         self._partial: dict[str, PartialFile] = {}
         self._whole: set[str] = set()
 
-    def ensure(self, relative: str, ranges: list[tuple[int, int]]) -> None:
+    def pending_bytes(self, relative: str, ranges: list[tuple[int, int]]) -> int:
+        """Bytes :meth:`ensure` would fetch for these ranges (for progress)."""
+        path, entry = self._entry(relative)
+        if path in self._whole:
+            return 0
+        part = self._part(path, entry)
+        return part.missing_bytes(ranges) if part is not None else entry.size
+
+    def ensure(
+        self,
+        relative: str,
+        ranges: list[tuple[int, int]],
+        progress: TransferProgress | None = None,
+    ) -> None:
         """Make the ``(offset, length)`` ranges of DCP file ``relative`` readable locally."""
+        path, entry = self._entry(relative)
+        if path in self._whole:
+            return
+        part = self._part(path, entry)
+        if part is not None:
+            self.fetched_bytes += part.ensure(ranges, progress)
+        else:  # written before block indexes: the whole file, verified by the manifest
+            fetch_file(self.store, self.prefix, entry, self.local_root, progress)
+            self._whole.add(path)
+            self.fetched_bytes += entry.size
+
+    def _entry(self, relative: str) -> tuple[str, ManifestFile]:
         path = f"{self.sharded_dir}/{relative}"
         entry = self.entries.get(path)
         if entry is None:
@@ -77,10 +103,12 @@ class ShardSource:
                 f"{self.store.uri(self.prefix)}: the DCP metadata names {path}, which the "
                 "checkpoint's manifest does not list"
             )
-        if path in self._whole:
-            return
-        local = self.local_root / path
+        return path, entry
+
+    def _part(self, path: str, entry: ManifestFile) -> PartialFile | None:
+        """The sparse local copy of a file with a block index; None for one without."""
         part = self._partial.get(path)
+        local = self.local_root / path
         if part is None and index_path(local).is_file():
             index = BlockIndex.read(index_path(local))
             if index.size != entry.size:
@@ -91,12 +119,7 @@ class ShardSource:
             part = self._partial[path] = PartialFile(
                 self.store, join_key(self.prefix, path), local, index
             )
-        if part is not None:
-            self.fetched_bytes += part.ensure(ranges)
-        else:  # written before block indexes: the whole file, verified by the manifest
-            fetch_file(self.store, self.prefix, entry, self.local_root)
-            self._whole.add(path)
-            self.fetched_bytes += entry.size
+        return part
 
 
 class OnDemandReader(FileSystemReader):
@@ -112,8 +135,14 @@ class OnDemandReader(FileSystemReader):
             info = self.storage_data[item.storage_index]
             ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
         with tracer.start_as_current_span("checkpoint.fetch_shards") as span:
+            pending = sum(self.source.pending_bytes(r, w) for r, w in ranges.items())
+            progress = TransferProgress(
+                f"fetch this rank's slices of {self.source.store.uri(self.source.prefix)}",
+                pending,
+            )
             for relative, wanted in sorted(ranges.items()):
-                self.source.ensure(relative, wanted)
+                self.source.ensure(relative, wanted, progress)
+            progress.finish()
             span.set_attribute("storage.bytes", self.source.fetched_bytes)
             span.set_attribute("storage.bytes_total", self.source.total_bytes)
         log.info(

@@ -10,6 +10,7 @@ import pytest
 from posttrain.storage.blocks import BlockIndex, PartialFile, index_path, write_block_index
 from posttrain.storage.commit import download_dir, upload_dir
 from posttrain.storage.errors import CorruptArtifactError
+from posttrain.storage.progress import TransferProgress
 from posttrain.storage.store import ArtifactStore
 
 BLOCK = 64 * 1024
@@ -40,8 +41,13 @@ def test_a_reader_fetches_and_verifies_only_the_blocks_it_reads(
     assert index.size == len(data) and len(index.digests) == 6
     part = PartialFile(store, "ckpt/step-1/shard.bin", dest / "shard.bin", index)
     # bytes straddling blocks 1 and 2, and the short last block
-    fetched = part.ensure([(BLOCK + 10, BLOCK), (5 * BLOCK + 7, 100)])
-    assert fetched == 2 * BLOCK + BLOCK // 2
+    wanted = [(BLOCK + 10, BLOCK), (5 * BLOCK + 7, 100)]
+    assert part.missing(wanted) == [1, 2, 5]
+    assert part.missing_bytes(wanted) == 2 * BLOCK + BLOCK // 2
+    progress = TransferProgress("test", part.missing_bytes(wanted))
+    fetched = part.ensure(wanted, progress)
+    assert fetched == progress.done_bytes == 2 * BLOCK + BLOCK // 2
+    assert part.missing(wanted) == []
     local = (dest / "shard.bin").read_bytes()
     assert len(local) == len(data)
     for start, end in ((BLOCK, 3 * BLOCK), (5 * BLOCK, len(data))):
