@@ -253,14 +253,20 @@ class Checkpointer:
         tmp_link.replace(link)  # atomic: a reader sees the old or the new target
 
     def restore(
-        self, policy_factory: Callable[[Path], Policy], scratch: Path
+        self,
+        policy_factory: Callable[[Path], Policy],
+        scratch: Path,
+        *,
+        skip_weights: bool = False,
     ) -> tuple[Policy, TrainerState] | None:
         """Load the newest valid checkpoint: ``(policy, state)``, or None when there is none.
 
         ``policy_factory(model_dir)`` builds the policy from the checkpoint's HF weights;
         the exact fp32 weights and optimizer moments are then loaded from its DCP shards
         (resharded to this run's ranks; each rank fetches only the slices it reads), and the
-        RNG states restored. A checkpoint whose shards turn out damaged while they are read
+        RNG states restored. ``skip_weights``: the factory builds a policy that reads its
+        own slices without its HF weights (``Policy(weights_from_checkpoint=True)``), so the
+        HF weight files are not downloaded at all. A checkpoint whose shards turn out damaged while they are read
         is refused on every rank alike (DCP gathers each rank's failure) and the previous
         one is loaded instead, as for damage found while downloading.
         """
@@ -271,7 +277,10 @@ class Checkpointer:
                 shutil.rmtree(dest)
             found = self.manager.load_latest(
                 dest,
-                include=lambda path: not read_on_demand(path, SHARDED_DIR),
+                include=lambda path: (
+                    not read_on_demand(path, SHARDED_DIR)
+                    and not (skip_weights and path.endswith(".safetensors"))
+                ),
                 exclude=frozenset(refused),
             )
             for reason in self.manager.last_refused:

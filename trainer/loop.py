@@ -431,7 +431,7 @@ class Run:
     ) -> Run:
         """Set up and resume from the newest checkpoint if any (stage, step and state)."""
         run = cls(spec, out_dir, client, reporter or LocalStatusReporter(out_dir), dist, verify)
-        resumed = run.checkpointer.restore(run.make_policy, run.scratch)
+        resumed = run.resume()
         if resumed is None:  # fresh run: the server already serves the base model as v0
             run.policy, run.step, run.version = run.make_policy(run.base_dir), 0, 0
         else:
@@ -519,7 +519,7 @@ class Run:
         log.info("KL reference: the start of stage %s (step %d)", plan.name, plan.first_step - 1)
         return dest
 
-    def make_policy(self, model_dir: Path) -> Policy:
+    def make_policy(self, model_dir: Path, weights_from_checkpoint: bool = False) -> Policy:
         first = self.plans[0].spec
         return Policy(
             model_dir,
@@ -527,8 +527,26 @@ class Run:
             weight_decay=resolved(first.weight_decay, "weightDecay"),
             seed=self.algo.seed,
             reference_dir=self.kl_reference_dir(model_dir),
-            engine=EngineOptions.from_spec(self.spec, self.dist.local_world_size),
-            rank=RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank),
+            engine=self.engine_options(),
+            rank=self.rank_info(),
+            weights_from_checkpoint=weights_from_checkpoint,
+        )
+
+    def engine_options(self) -> EngineOptions:
+        return EngineOptions.from_spec(self.spec, self.dist.local_world_size)
+
+    def rank_info(self) -> RankInfo:
+        return RankInfo(self.dist.rank, self.dist.world_size, self.dist.local_rank)
+
+    def resume(self) -> tuple[Policy, TrainerState] | None:
+        """The newest checkpoint's policy and state, if any. Ranks that read their own
+        slices build the policy without HF weights (DCP fills every one), so they download
+        neither the HF weights nor other ranks' shards."""
+        own_slices = Policy.reads_own_slices(self.engine_options(), self.rank_info())
+        return self.checkpointer.restore(
+            lambda model_dir: self.make_policy(model_dir, weights_from_checkpoint=own_slices),
+            self.scratch,
+            skip_weights=own_slices,
         )
 
     def enter_stage(self, plan: StagePlan) -> None:

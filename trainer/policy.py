@@ -262,7 +262,11 @@ class Policy:
         seed: int = 0,
         engine: EngineOptions | None = None,
         rank: RankInfo | None = None,
+        weights_from_checkpoint: bool = False,
     ) -> None:
+        """``weights_from_checkpoint``: the caller loads every weight from a DCP checkpoint
+        right after (a resume), so a rank that reads its own slices (:attr:`reads_own_slices`)
+        only allocates them and ``model_dir`` needs no weight files; ignored otherwise."""
         from transformers import AutoTokenizer
 
         self.engine = engine or EngineOptions()
@@ -281,7 +285,7 @@ class Policy:
         self.pad_id = int(pad if pad is not None else self.tokenizer.eos_token_id)
         self.seed = seed
         # Sharded: parameters on the meta device until each rank reads its own slices.
-        self._per_rank_load = self.sharded and not self.engine.full_load_before_sharding
+        self._per_rank_load = self.reads_own_slices(self.engine, self.rank)
         self.model = self._load(self.model_dir)
         self.peft: torch.nn.Module | None = None
         if self.engine.lora is not None:
@@ -293,7 +297,12 @@ class Policy:
             self.peft = add_adapters(self.model, self.engine.lora)
             if not self._per_rank_load:  # else materialize() does it after sharding
                 init_adapters(self.model, seed)  # the same adapters on every world size
-        self.module = self._place(self.model, trainable=True, source=self.model_dir)
+        self.module = self._place(
+            self.model,
+            trainable=True,
+            source=self.model_dir,
+            read_weights=not (weights_from_checkpoint and self._per_rank_load),
+        )
         # The KL anchor: the model the RL stage started from (``reference_dir``: the base
         # model, or a pipeline stage's start, then :meth:`anchor_reference`).
         self.reference: PreTrainedModel | None = None
@@ -310,6 +319,14 @@ class Policy:
             self.engine.min_lr_ratio,
         )
         self.reset_optimizer(learning_rate, weight_decay)
+
+    @staticmethod
+    def reads_own_slices(engine: EngineOptions, rank: RankInfo) -> bool:
+        """Whether a policy with these options shards and fills its shards per rank from
+        the model directory (so a resume can skip downloading the HF weights)."""
+        plan = plan_device(engine.gpus_per_node, rank.local_rank)
+        sharded = needs_sharding(rank.world_size, plan, compute_dtype(engine.precision, plan))
+        return sharded and not engine.full_load_before_sharding
 
     def reset_optimizer(
         self, learning_rate: float, weight_decay: float = 0.0, schedule: LrSchedule | None = None
@@ -360,9 +377,12 @@ class Policy:
             return build_empty(model_dir)
         return _load_model(model_dir)
 
-    def _place(self, model: PreTrainedModel, *, trainable: bool, source: Path) -> torch.nn.Module:
+    def _place(
+        self, model: PreTrainedModel, *, trainable: bool, source: Path, read_weights: bool = True
+    ) -> torch.nn.Module:
         """Wrap ``model`` as the loss forward, then checkpoint, shard (and, loaded per rank,
-        fill this rank's shards from ``source``) and check its placement."""
+        fill this rank's shards from ``source``, or only allocate them without
+        ``read_weights``) and check its placement."""
         model.train(trainable)
         model.config.use_cache = False
         # Dropout off: RL ratios must compare the same function the sampler ran.
@@ -391,9 +411,19 @@ class Policy:
                 from posttrain.trainer.sharded_load import materialize
 
                 started = time.monotonic()
-                materialize(model, source, self.plan.device, seed=self.seed, root=wrapper)
+                materialize(
+                    model,
+                    source,
+                    self.plan.device,
+                    seed=self.seed,
+                    root=wrapper,
+                    read_weights=read_weights,
+                )
                 log.info(
-                    "loaded this rank's shards of %s in %.1fs", source, time.monotonic() - started
+                    "%s this rank's shards of %s in %.1fs",
+                    "loaded" if read_weights else "allocated (weights follow from the checkpoint)",
+                    source,
+                    time.monotonic() - started,
                 )
         else:
             wrapper.to(self.plan.device)

@@ -160,9 +160,14 @@ def materialize(
     *,
     seed: int,
     root: torch.nn.Module | None = None,
+    read_weights: bool = True,
 ) -> None:
     """Allocate ``model``'s (sharded) parameters on ``device`` and fill this rank's slices
     from ``model_dir``'s safetensors; adapters from :func:`init_adapters`.
+
+    ``read_weights=False`` only allocates (values undefined) and sets the buffers: for a
+    resume, whose DCP load fills every parameter next (DCP refuses a checkpoint that lacks
+    one), so a rank need not download the HF weights at all.
 
     ``model`` is the already ``fully_shard``-ed module built by :func:`build_empty`; ``root``
     the outermost FSDP module around it, if another: ``to_empty`` must run from there, so
@@ -172,6 +177,11 @@ def materialize(
     """
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
     (root if root is not None else model).to_empty(device=device)
+    if not read_weights:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                buffer.copy_(buffers[name])
+        return
     with torch.no_grad(), SafetensorsReader(model_dir) as reader:
         missing = []
         for name, parameter in _unique_parameters(model):

@@ -61,11 +61,33 @@ def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
+    metrics = [load_metrics(root / "out"), load_metrics(root / "out/rank1")]
+    # The same command with one more step: both ranks resume from step 2's shards.
+    body = _manifest_two_cpu_ranks(model, root / "store")
+    body["spec"]["algorithm"]["maxSteps"] = 3
+    manifest.write_text(yaml.safe_dump(body))
+    again = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("posttrain")),
+            "run",
+            str(manifest),
+            "--local",
+            "--out",
+            str(root / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    resume_log = again.stdout + again.stderr
+    assert again.returncode == 0, resume_log[-6000:]
     return {
         "root": root,
         "log": log,
         "stdout": run.stdout,
-        "metrics": [load_metrics(root / "out"), load_metrics(root / "out/rank1")],
+        "metrics": metrics,
+        "resume_log": resume_log,
+        "resumed_metrics": [load_metrics(root / "out"), load_metrics(root / "out/rank1")],
     }
 
 
@@ -93,6 +115,21 @@ def test_local_run_trains_on_two_cpu_ranks_in_lockstep(two_local_ranks: dict[str
         "config.json",
         "trainer_state.json",
     } <= files
+
+
+@pytest.mark.slow
+def test_two_cpu_ranks_resume_from_their_own_slices_without_hf_weights(
+    two_local_ranks: dict[str, Any],
+) -> None:
+    """The loop's resume on sharded ranks: each rank builds its policy without HF weights
+    and fetches only its slices of the DCP state, then trains step 3 in lockstep."""
+    log = two_local_ranks["resume_log"]
+    assert log.count("resumed from checkpoint step 2") == 2, log[-6000:]
+    assert log.count("allocated (weights follow from the checkpoint)") == 2
+    assert log.count("of the checkpoint's") == 2  # each rank: "fetched X of the checkpoint's Y"
+    rank0, rank1 = two_local_ranks["resumed_metrics"]
+    assert [m["step"] for m in rank0] == [m["step"] for m in rank1] == [1, 2, 3]
+    assert rank0[-1]["applied"] and rank0[-1]["grad_norm"] == rank1[-1]["grad_norm"] > 0
 
 
 @pytest.mark.slow

@@ -413,13 +413,20 @@ def _two_rank_worker(
         policy, TrainerState(1, 1, {}, {}, [], [], 0)
     )
     dist.barrier()  # rank 0 commits after the others have uploaded their parts
-    # ... resume it on the same two ranks: each fetches only the slices it reads
+    # ... resume it on the same two ranks as the loop does: each fetches only the slices it
+    # reads, and no HF weights (the policy only allocates its shards; DCP fills them)
+    assert Policy.reads_own_slices(policy.engine, info)
     again = Checkpointer(LocalStore(rank_ckpt), keep_last=2, keep_best=False)
     back = again.restore(
-        lambda d: Policy(d, learning_rate=LR, rank=info), Path(rank_ckpt) / f"again{rank}"
+        lambda d: Policy(d, learning_rate=LR, rank=info, weights_from_checkpoint=True),
+        Path(rank_ckpt) / f"again{rank}",
+        skip_weights=True,
     )
     assert back is not None
     results[f"fetch{rank}"] = again.last_shard_fetch
+    results[f"fetched_files{rank}"] = sorted(
+        p.name for p in (Path(rank_ckpt) / f"again{rank}/resume").rglob("*") if p.is_file()
+    )
     back_weights, back_moments = _full_state(back[0])
     del back
     # ... and resume what one process saved, on these two ranks
@@ -590,11 +597,13 @@ def test_checkpoint_of_two_ranks_resumes_exactly_on_one(two_ranks: dict[str, Any
 @pytest.mark.slow
 def test_ranks_resuming_fetch_only_the_slices_they_read(two_ranks: dict[str, Any]) -> None:
     """Two ranks resume what two ranks wrote: each fetches (block-verified) about its own
-    shard file, not the whole sharded state, and the state is back exactly."""
+    shard file, not the whole sharded state, and no HF weights; the state is back exactly."""
     for rank in (0, 1):
         fetched, total = two_ranks[f"fetch{rank}"]
-        print(f"rank {rank} fetched {fetched} of {total} bytes")
         assert 0 < fetched <= 0.75 * total, (rank, fetched, total)
+        files = two_ranks[f"fetched_files{rank}"]
+        assert "config.json" in files and ".metadata" in files
+        assert not [f for f in files if f.endswith(".safetensors")], files
     for name, value in two_ranks["rank_weights"].items():
         assert torch.equal(two_ranks["back_weights"][name], value), name
     for name, value in two_ranks["rank_moments"].items():
