@@ -35,6 +35,17 @@ def _manifest_two_cpu_ranks(model: Path, storage: Path) -> dict[str, Any]:
     return body
 
 
+def _run_local(manifest: Path, out: Path) -> subprocess.CompletedProcess[str]:
+    """``posttrain run MANIFEST --local --out OUT``, output captured."""
+    posttrain = str(Path(sys.executable).with_name("posttrain"))
+    return subprocess.run(
+        [posttrain, "run", str(manifest), "--local", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
 @pytest.fixture(scope="module")
 def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``posttrain run --local`` with ``engine.cpuRanks: 2``: torchrun's agent starts two
@@ -46,19 +57,7 @@ def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = make_tiny_model(root / "model", seed=0)
     manifest = root / "run.yaml"
     manifest.write_text(yaml.safe_dump(_manifest_two_cpu_ranks(model, root / "store")))
-    run = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("posttrain")),
-            "run",
-            str(manifest),
-            "--local",
-            "--out",
-            str(root / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    run = _run_local(manifest, root / "out")
     log = run.stdout + run.stderr
     assert run.returncode == 0, log[-6000:]
     metrics = [load_metrics(root / "out"), load_metrics(root / "out/rank1")]
@@ -66,19 +65,7 @@ def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     body = _manifest_two_cpu_ranks(model, root / "store")
     body["spec"]["algorithm"]["maxSteps"] = 3
     manifest.write_text(yaml.safe_dump(body))
-    again = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("posttrain")),
-            "run",
-            str(manifest),
-            "--local",
-            "--out",
-            str(root / "out"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    again = _run_local(manifest, root / "out")
     resume_log = again.stdout + again.stderr
     assert again.returncode == 0, resume_log[-6000:]
     return {
