@@ -86,9 +86,11 @@ def test_lora_export_loads_as_a_plain_model(
 ALPHA, RANK = 8.0, 4
 
 
-def _two_rank_lora_worker(rank: int, port: int, model: str, results: Any) -> None:
+def _two_rank_lora_worker(rank: int, port: int, model: str, store: str, results: Any) -> None:
     """Two Gloo ranks: LoRA policy loaded per rank (meta + own slices), two steps over this
-    rank's half of the batch, then the gathered state and the streamed merged export."""
+    rank's half of the batch, then the gathered state and the streamed merged export; then
+    a checkpoint, resumed as the loop resumes sharded ranks (no HF weights: the checkpoint's
+    export is *merged*, so only DCP can give back the base and the adapters)."""
     import os
 
     import torch.distributed as dist
@@ -136,8 +138,29 @@ def _two_rank_lora_worker(rank: int, port: int, model: str, results: Any) -> Non
         for p in g["params"]
     )
     results[f"trained{rank}"] = trained
+    from posttrain.storage.store import LocalStore
+    from posttrain.trainer.checkpoint import Checkpointer, TrainerState
+
+    engine, info = policy.engine, policy.rank
+    Checkpointer(LocalStore(store), keep_last=1, keep_best=False).save(
+        policy, TrainerState(2, 2, {}, {}, [], [], 0)
+    )
+    dist.barrier()  # rank 0 commits after the others uploaded
+    assert Policy.reads_own_slices(engine, info)
+    restored = Checkpointer(LocalStore(store), keep_last=1, keep_best=False).restore(
+        lambda d: Policy(
+            d, learning_rate=1e-2, engine=engine, rank=info, weights_from_checkpoint=True
+        ),
+        Path(store) / f"scratch{rank}",
+        skip_weights=True,
+    )
+    assert restored is not None
+    policy = restored[0]
+    resumed = gathered()
     if rank == 0:
-        results.update(before=before, after=after, exported=exported, applied=applied)
+        results.update(
+            before=before, after=after, exported=exported, applied=applied, resumed=resumed
+        )
     dist.destroy_process_group()
 
 
@@ -163,9 +186,15 @@ def two_rank_lora(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from posttrain.models import make_tiny_model
     from posttrain.processes import free_port
 
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny2") / "model", seed=2)
+    root = tmp_path_factory.mktemp("tiny2")
+    model = make_tiny_model(root / "model", seed=2)
     results = mp.Manager().dict()
-    mp.spawn(_two_rank_lora_worker, args=(free_port(), str(model), results), nprocs=2, join=True)
+    mp.spawn(
+        _two_rank_lora_worker,
+        args=(free_port(), str(model), str(root / "store"), results),
+        nprocs=2,
+        join=True,
+    )
     return dict(results)
 
 
@@ -183,6 +212,18 @@ def test_a_two_rank_lora_step_changes_only_adapter_weights(
     total = sum(after[n].numel() for n in adapters)
     assert two_rank_lora["trained0"] + two_rank_lora["trained1"] == total
     assert 0.4 * total <= two_rank_lora["trained0"] <= 0.6 * total
+
+
+@pytest.mark.slow
+def test_two_lora_ranks_resume_base_and_adapters_without_hf_weights(
+    two_rank_lora: dict[str, Any],
+) -> None:
+    """Resumed from DCP alone, the unmerged base weights and the adapters are back exactly
+    (building from the checkpoint's merged export would have double-counted the adapters)."""
+    after, resumed = two_rank_lora["after"], two_rank_lora["resumed"]
+    assert set(resumed) == set(after)
+    for name, value in after.items():
+        assert torch.equal(resumed[name], value), name
 
 
 @pytest.mark.slow
