@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.storage.checksums import DEFAULT_CHECKSUM, new_hasher
+from posttrain.storage.checksums import DEFAULT_CHECKSUM, checksum
 from posttrain.storage.errors import CorruptArtifactError
 from posttrain.storage.progress import TransferProgress
 from posttrain.storage.store import ArtifactStore
@@ -89,9 +89,7 @@ def write_block_index(
     digests = []
     with path.open("rb") as src:
         while chunk := src.read(block_bytes):
-            hasher = new_hasher(algorithm)
-            hasher.update(chunk)
-            digests.append(hasher.hexdigest())
+            digests.append(checksum(chunk, algorithm))
     size = path.stat().st_size
     target = index_path(path)
     target.write_text(BlockIndex(size, block_bytes, algorithm, tuple(digests)).to_json())
@@ -111,7 +109,6 @@ class PartialFile:
         self.local = local
         self.index = index
         self.have: set[int] = set()
-        self.fetched_bytes = 0
         local.parent.mkdir(parents=True, exist_ok=True)
         with local.open("wb") as out:
             out.truncate(index.size)  # sparse: no disk used until blocks arrive
@@ -138,7 +135,6 @@ class PartialFile:
             fetched += len(data)
             if progress is not None:
                 progress.update(len(data))
-        self.fetched_bytes += fetched
         return fetched
 
     def _write_verified(self, first: int, last: int, start: int, data: bytes) -> None:
@@ -148,9 +144,10 @@ class PartialFile:
             for block in range(first, last + 1):
                 offset, length = self.index.span(block)
                 piece = view[offset - start : offset - start + length]
-                hasher = new_hasher(self.index.algorithm)
-                hasher.update(piece)
-                if len(piece) != length or hasher.hexdigest() != self.index.digests[block]:
+                if (
+                    len(piece) != length
+                    or checksum(piece, self.index.algorithm) != self.index.digests[block]
+                ):
                     raise CorruptArtifactError(
                         f"{self.store.uri(self.key)} block {block} (bytes {offset}+{length}) "
                         f"fails its {self.index.algorithm} checksum"

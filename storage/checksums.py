@@ -58,7 +58,7 @@ def new_hasher(algorithm: str) -> Hasher:
         ) from None
 
 
-def checksum(data: bytes, algorithm: str = DEFAULT_CHECKSUM) -> str:
+def checksum(data: bytes | memoryview, algorithm: str = DEFAULT_CHECKSUM) -> str:
     """Hex digest of ``data`` in one call.
 
     >>> checksum(b"abc", "sha256")[:16]

@@ -33,6 +33,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from posttrain.storage.blocks import DEFAULT_BLOCK_BYTES, write_block_index
+from posttrain.storage.commit import Manifest
 from posttrain.storage.errors import CorruptArtifactError
 from posttrain.trainer.datasets import Task
 from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
@@ -313,7 +314,7 @@ class Checkpointer:
         )
         return policy, state
 
-    def _load_state(self, policy: Policy, dest: Path, step: int, manifest: Any) -> None:
+    def _load_state(self, policy: Policy, dest: Path, step: int, manifest: Manifest) -> None:
         if (dest / SHARDED_DIR).is_dir():
             shards = ShardSource(
                 self.store, self.manager.step_prefix(step), manifest, dest, SHARDED_DIR
