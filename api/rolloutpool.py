@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta
-from .modelref import parse_pvc_ref
+from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
 
 PoolPhase = Literal["Pending", "Ready", "Degraded", "Updating"]
 
@@ -73,7 +73,11 @@ class RolloutPoolSpec(ApiModel):
 
     model: str = Field(min_length=1)
     """Model served at start: packaged id, s3:// URI, pvc://claim/path (the operator mounts the
-    claim read-only in the replicas) or HF-format local path."""
+    claim read-only in the replicas), hf://ORG/NAME[@REVISION] (a Hugging Face Hub repository,
+    downloaded by each replica) or HF-format local path."""
+    hf_token_secret: HfTokenSecret | None = None
+    """The Secret holding a Hugging Face token, for a private or gated hf:// model: the step
+    that downloads it gets it as HF_TOKEN. Only with an hf:// model."""
     served_model_name: str | None = None
     """Name clients use in requests; defaults to the pool name."""
     replicas: int = Field(default=1, ge=0, le=1024)
@@ -94,8 +98,12 @@ class RolloutPoolSpec(ApiModel):
     @field_validator("model")
     @classmethod
     def _check_model(cls, model: str) -> str:
-        parse_pvc_ref(model)  # a malformed pvc:// reference is a spec error
-        return model
+        return check_model_ref(model)  # a malformed pvc:// or hf:// reference is a spec error
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutPoolSpec:
+        check_hf_token_secret(self.model, self.hf_token_secret)
+        return self
 
 
 class ReplicaWeights(ApiModel):

@@ -20,7 +20,7 @@ from .base import (
     ObjectMeta,
     VerifierSpec,
 )
-from .modelref import parse_pvc_ref
+from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
@@ -499,7 +499,11 @@ class TrainingRunSpec(ApiModel):
         },
     )
     """Base model: a packaged id (smollm2-135m-instruct), s3://bucket/path, pvc://claim/path (the
-    operator mounts the claim read-only in the run's pods) or a local path. Immutable."""
+    operator mounts the claim read-only in the run's pods), hf://ORG/NAME[@REVISION] (a Hugging
+    Face Hub repository, downloaded by the run's pods) or a local path. Immutable."""
+    hf_token_secret: HfTokenSecret | None = None
+    """The Secret holding a Hugging Face token, for a private or gated hf:// model: its pods get
+    it as HF_TOKEN. Only with an hf:// model."""
     algorithm: AlgorithmSpec = Field(default_factory=AlgorithmSpec)
     """Objective and hyper-parameters."""
     domains: list[DomainSpec] = Field(
@@ -560,11 +564,11 @@ class TrainingRunSpec(ApiModel):
     @field_validator("model")
     @classmethod
     def _check_model(cls, model: str) -> str:
-        parse_pvc_ref(model)  # a malformed pvc:// reference is a spec error
-        return model
+        return check_model_ref(model)  # a malformed pvc:// or hf:// reference is a spec error
 
     @model_validator(mode="after")
     def _check(self) -> TrainingRunSpec:
+        check_hf_token_secret(self.model, self.hf_token_secret)
         names = [d.name for d in self.domains]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
