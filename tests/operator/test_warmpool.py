@@ -89,7 +89,7 @@ def test_warm_pod_is_as_restricted_as_a_cold_pod() -> None:
 def test_claim_mismatch_names_every_difference() -> None:
     assert claim_mismatch(task(), pool(), CONFIG) == ""
     why = claim_mismatch(task(image="node:22", resources={"cpu": "2"}), pool(), CONFIG)
-    assert "image 'node:22' != 'python:3.11-slim'" in why and "cpu '2' != '1'" in why
+    assert "image 'node:22' != 'ghcr.io/posttrain/sandbox:0.1.0'" in why and "cpu '2' != '1'" in why
     assert "egress" in claim_mismatch(task(network="egress"), pool(), CONFIG)
     assert "cold pod" in claim_mismatch(task(snapshot=True), pool(), CONFIG)
 
