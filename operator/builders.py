@@ -36,7 +36,7 @@ from posttrain.api.labels import (
     LABEL_TASK,
     MANAGED_BY,
 )
-from posttrain.api.modelref import PVC_MODEL_VOLUME, parse_pvc_ref
+from posttrain.api.modelref import PVC_MODEL_VOLUME, HfTokenSecret, is_hf_ref, parse_pvc_ref
 
 from . import sandbox_runner
 
@@ -104,6 +104,39 @@ def mount_model_claim(model: str, pod_spec: Manifest, containers: Sequence[Manif
         container.setdefault("volumeMounts", []).append(
             {"name": PVC_MODEL_VOLUME, "mountPath": ref.mount_path, "readOnly": True}
         )
+
+
+# The Hugging Face cache of the trainer pods and the evaluator: on their writable /workspace
+# emptyDir (the trainer image's own HF_HOME, made explicit for any image).
+WORKSPACE_HF_HOME = "/workspace/.cache/huggingface"
+
+
+def hf_model_env(model: str, hf_home: str, token: HfTokenSecret | None) -> list[Manifest]:
+    """``model`` = ``hf://ORG/NAME[@REVISION]``: what a container that downloads it needs.
+    The Hub on (``HF_HUB_OFFLINE=0``; posttrain keeps it off otherwise, and the pod's cache
+    starts empty, so naming an hf:// model is the opt-in), the Hugging Face cache
+    (``HF_HOME``) on a writable volume, and the spec's token Secret as ``HF_TOKEN`` (a
+    secretKeyRef, never a literal). Nothing for any other model.
+
+    >>> [e["name"] for e in hf_model_env("s3://b/m", "/x", None)]
+    []
+    >>> hf_model_env("hf://org/m", "/models/huggingface", HfTokenSecret(name="hf"))
+    [{'name': 'HF_HOME', 'value': '/models/huggingface'}, {'name': 'HF_HUB_OFFLINE', 'value': '0'}, {'name': 'HF_TOKEN', 'valueFrom': {'secretKeyRef': {'name': 'hf', 'key': 'HF_TOKEN'}}}]
+    """
+    if not is_hf_ref(model):
+        return []
+    env: list[Manifest] = [
+        {"name": "HF_HOME", "value": hf_home},
+        {"name": "HF_HUB_OFFLINE", "value": "0"},
+    ]
+    if token is not None:
+        env.append(
+            {
+                "name": "HF_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": token.name, "key": token.key}},
+            }
+        )
+    return env
 
 
 def trainer_names(run: TrainingRun) -> dict[str, str]:
@@ -303,6 +336,7 @@ def build_trainer_pod(
         *otlp_env(config, "posttrain-trainer", run),
     ]
     env += sandbox_runner.trainer_sandbox_env(run)
+    env += hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret)
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
         # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
@@ -625,10 +659,13 @@ def pool_serving_dtype(pool: RolloutPool) -> str | None:
 
 
 # A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the
-# server starts from the link: vLLM never sees a packaged id or an s3:// URI.
+# server starts from the link: vLLM never sees a packaged id or an s3:// URI. An hf:// model's
+# Hugging Face cache is on it too (the link points into it), also for the cpu engine, whose
+# server downloads the model itself.
 MODEL_VOLUME = "models"
 MODEL_MOUNT = "/models"
 MODEL_LINK = f"{MODEL_MOUNT}/current"
+POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
 
 
 def model_fetch_command(pool: RolloutPool) -> list[str]:
@@ -717,10 +754,12 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         },
     }
     pod_spec: dict[str, Any] = {"containers": [container]}
+    # An hf:// model: the Hub, the cache and the token for whichever container downloads it.
+    hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
+    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
     if spec.engine == "vllm":
         model_env = [*env, {"name": "POSTTRAIN_CACHE", "value": MODEL_MOUNT}]
         container["env"] = model_env
-        mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
         container["volumeMounts"] = [mount]
         pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
         pod_spec["initContainers"] = [{
@@ -728,12 +767,16 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             "image": image,
             "imagePullPolicy": config.image_pull_policy,
             "command": model_fetch_command(pool),
-            "env": model_env,
+            "env": [*model_env, *hf_env],  # the server only reads /models/current
             "volumeMounts": [mount],
             # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
             # message the operator puts in the pool's Ready condition.
             "terminationMessagePolicy": "FallbackToLogsOnError",
         }]  # fmt: skip
+    elif hf_env:  # the cpu server resolves spec.model itself: the cache on a volume of its own
+        container["env"] = [*env, *hf_env]
+        container["volumeMounts"] = [mount]
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
     mount_model_claim(
         spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
     )  # the fetch-model step links /models/current into the claim: both need it

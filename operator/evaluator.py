@@ -27,6 +27,8 @@ from posttrain.api import TrainingRun
 from .builders import (
     METRICS_PORT_NAME,
     RUN_CONFIG_PATH,
+    WORKSPACE_HF_HOME,
+    hf_model_env,
     mount_model_claim,
     otlp_env,
     run_storage_uri,
@@ -103,7 +105,12 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
         "image": res.image or config.trainer_image,
         "imagePullPolicy": config.image_pull_policy,
         "command": evaluator_command(run, config),
-        "env": [*s3_env(config), *otlp_env(config, "posttrain-evaluator", run)],
+        "env": [
+            *s3_env(config),
+            *otlp_env(config, "posttrain-evaluator", run),
+            # It loads the base model too: an hf:// one is downloaded onto /workspace.
+            *hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret),
+        ],
         "resources": resources(res.cpu, res.memory),
         "volumeMounts": [
             {

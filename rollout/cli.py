@@ -25,7 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "RolloutPool runs vLLM instead; this is the laptop and test path.",
         epilog="example: posttrain serve --model smollm2-135m-instruct --port 8000",
     )
-    serve.add_argument("--model", required=True, help="packaged id, local dir, file:// or s3://")
+    serve.add_argument(
+        "--model", required=True, help="packaged id, local dir, file://, s3:// or hf://ORG/NAME"
+    )
     serve.add_argument(
         "--host",
         default="0.0.0.0",
@@ -70,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ):
         parser = rollout_sub.add_parser(name, help=text, description=text)
         parser.add_argument("--model", required=True,
-                            help="packaged id, HF-format directory, file:// or s3://")  # fmt: skip
+                            help="packaged id, HF-format directory, file://, s3:// or "
+                            "hf://ORG/NAME[@REVISION]")  # fmt: skip
         parser.add_argument("--host", default="0.0.0.0", help="public (front door) address")
         parser.add_argument("--port", type=int, default=8000, help="public port")
         parser.add_argument(
@@ -100,11 +103,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch = rollout_sub.add_parser(
         "fetch-model",
         help="resolve a model reference into a local directory (a pool pod's init step)",
-        description="Resolve a packaged id, s3:// checkpoint or HF-format directory to a local "
+        description="Resolve a packaged id, s3:// checkpoint, pvc:// path, Hugging Face Hub "
+        "repository (hf://ORG/NAME[@REVISION], into $HF_HOME) or HF-format directory to a local "
         "directory and point --link at it, so the server starts from local files.",
     )
     fetch.add_argument(
-        "--model", required=True, help="packaged id, HF-format dir, file:// or s3://"
+        "--model",
+        required=True,
+        help="packaged id, HF-format dir, file://, s3://, pvc:// or hf://ORG/NAME[@REVISION]",
     )
     fetch.add_argument("--link", required=True, type=Path, help="symlink to create (replaced)")
     fetch.set_defaults(func=_fetch_model)
@@ -199,7 +205,8 @@ def _spec(args: argparse.Namespace, model: str) -> VllmServeSpec:
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
-    """Resolve ``--model`` (downloading an s3:// checkpoint into ``$POSTTRAIN_CACHE``) and
+    """Resolve ``--model`` (downloading an s3:// checkpoint into ``$POSTTRAIN_CACHE``, an
+    hf:// repository into the Hugging Face cache under ``$HF_HOME``) and
     atomically point ``--link`` at it. Failure exits 1 with one line naming the reference,
     which Kubernetes keeps as the init container's termination message."""
     from posttrain.models import resolve_model

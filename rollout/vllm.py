@@ -2,7 +2,7 @@
 
 In clusters each RolloutPool replica runs ``posttrain rollout vllm-entry``. It
 
-1. resolves the model reference to a local directory (packaged id, s3://, path),
+1. resolves the model reference to a local directory (packaged id, s3://, hf://, path),
 2. starts ``vllm serve`` on an internal port with our worker extension
    (:mod:`posttrain.rollout.vllm_ext`) and ``VLLM_SERVER_DEV_MODE=1`` (for ``/collective_rpc``),
 3. loads the latest weights published under ``--weights-uri`` *before* reporting ready,

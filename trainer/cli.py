@@ -51,7 +51,9 @@ def register(subparsers: Any) -> None:
         '"answer": ...} or {"domain": "code", "prompt": ..., "tests": "assert ..."}; optional '
         '"verifier" (default: arithmetic->numeric, code->unit_tests).',
     )
-    ev.add_argument("--model", required=True, help="packaged id, checkpoint dir or s3:// URI")
+    ev.add_argument(
+        "--model", required=True, help="packaged id, checkpoint dir, s3:// or hf://ORG/NAME URI"
+    )
     ev.add_argument("--tasks", required=True, type=Path, help="JSONL task file")
     ev.add_argument("--out", type=Path, default=None, help="write results JSON here")
     ev.add_argument(

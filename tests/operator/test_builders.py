@@ -590,3 +590,84 @@ def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> 
         "--metrics-port"
         not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"]["containers"][0]["command"]
     )
+
+
+def _volume_under(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volume ``container`` has mounted at ``path`` or above it."""
+    (mount,) = [
+        m
+        for m in container["volumeMounts"]
+        if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert not mount.get("readOnly")
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return volume
+
+
+HF_TOKEN_ENV = {
+    "name": "HF_TOKEN",
+    "valueFrom": {"secretKeyRef": {"name": "hub-token", "key": "token"}},
+}
+
+
+def test_the_pods_of_a_run_with_an_hf_model_download_it_onto_their_workspace() -> None:
+    """hf:// (#30): the Hub on, HF_HOME on the writable /workspace emptyDir, the spec's token
+    Secret as HF_TOKEN; trainer pods and the evaluator alike. Other models get none of it."""
+    run = make_run(
+        model="hf://HuggingFaceTB/SmolLM2-135M-Instruct@main",
+        hfTokenSecret={"name": "hub-token", "key": "token"},
+        evaluation={"inline": False},
+    )
+    trainer = b.build_trainer_pod(run, CONFIG, incarnation=1, rank=0)
+    (job,) = [c for c in build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
+    for pod in (trainer["spec"], job["spec"]["template"]["spec"]):
+        (container,) = pod["containers"]
+        env = env_of(container)
+        assert env["HF_HOME"]["value"] == "/workspace/.cache/huggingface"
+        assert env["HF_HUB_OFFLINE"]["value"] == "0"
+        assert env["HF_TOKEN"] == HF_TOKEN_ENV  # never a literal
+        assert "emptyDir" in _volume_under(pod, container, env["HF_HOME"]["value"])
+    without_token = b.build_trainer_pod(
+        make_run(model="hf://org/public"), CONFIG, incarnation=1, rank=0
+    )
+    assert "HF_TOKEN" not in env_of(without_token["spec"]["containers"][0])
+    plain = b.build_trainer_pod(make_run(), CONFIG, incarnation=1, rank=0)
+    assert not [e for e in plain["spec"]["containers"][0]["env"] if e["name"].startswith("HF_")]
+
+
+def test_a_vllm_pool_with_an_hf_model_downloads_it_in_its_fetch_step_onto_the_model_volume() -> (
+    None
+):
+    pool = make_pool(
+        model="hf://Qwen/Qwen3-0.6B@v2", hfTokenSecret={"name": "hub-token", "key": "token"}
+    )
+    pod = b.build_rollout_deployment(pool, CONFIG)["spec"]["template"]["spec"]
+    (fetch,) = pod["initContainers"]
+    assert fetch["command"][fetch["command"].index("--model") + 1] == "hf://Qwen/Qwen3-0.6B@v2"
+    env = env_of(fetch)
+    assert env["HF_HOME"]["value"] == b.POOL_HF_HOME == "/models/huggingface"
+    assert env["HF_HUB_OFFLINE"]["value"] == "0"
+    assert env["HF_TOKEN"] == HF_TOKEN_ENV
+    # The cache is on the volume the server reads /models/current from (the link points in).
+    assert _volume_under(pod, fetch, b.POOL_HF_HOME) == {"name": b.MODEL_VOLUME, "emptyDir": {}}
+    (server,) = pod["containers"]
+    assert _volume_under(pod, server, b.MODEL_LINK)["name"] == b.MODEL_VOLUME
+    # The long-running server reads local files only: no token, no Hub.
+    assert not {"HF_TOKEN", "HF_HUB_OFFLINE"} & set(env_of(server))
+    # A pool on any other model is unchanged (no rollout of existing pools on upgrade).
+    plain = b.build_rollout_deployment(make_pool(), CONFIG)["spec"]["template"]["spec"]
+    assert not [e for e in plain["initContainers"][0]["env"] if e["name"].startswith("HF_")]
+
+
+def test_a_cpu_pool_with_an_hf_model_gets_a_volume_for_its_cache() -> None:
+    pool = make_pool(engine="cpu", model="hf://org/tiny")
+    pod = b.build_rollout_deployment(pool, CONFIG)["spec"]["template"]["spec"]
+    (server,) = pod["containers"]
+    assert server["command"][server["command"].index("--model") + 1] == "hf://org/tiny"
+    env = env_of(server)
+    assert env["HF_HOME"]["value"] == b.POOL_HF_HOME
+    assert env["HF_HUB_OFFLINE"]["value"] == "0"
+    assert "HF_TOKEN" not in env  # the spec names no Secret
+    assert "emptyDir" in _volume_under(pod, server, b.POOL_HF_HOME)
+    plain = b.build_rollout_deployment(make_pool(engine="cpu"), CONFIG)["spec"]["template"]
+    assert "volumes" not in plain["spec"] and "volumeMounts" not in plain["spec"]["containers"][0]
