@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Builds (once per pin) kube-apiserver, etcd and the MinIO server from Go modules
-# into $POSTTRAIN_BIN_DIR (default ~/.cache/posttrain/bin) as <name>-<version>.
-# A binary already there is reused; the build is skipped entirely.
+# Builds (once per pin) etcd, the Kubernetes components (kube-apiserver, and for the real
+# single-node cluster of `posttrain dev up`: kubelet, kube-scheduler, kube-controller-manager,
+# kube-proxy), CoreDNS and the MinIO server from Go modules into $POSTTRAIN_BIN_DIR (default
+# ~/.cache/posttrain/bin) as <name>-<version>. A binary already there is reused; the build is
+# skipped entirely.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
@@ -41,11 +43,21 @@ build() {  # name version description command...
   echo "[binaries] $name $version: built in $((SECONDS - start)) s -> $target"
 }
 
-build_controlplane() {  # out_dir; builds kube-apiserver or etcd from our wrapper module
-  (cd "$here/controlplane" && go build -trimpath -ldflags="-s -w" -o "$2/$1" "./cmd/$1")
+build_controlplane() {  # name out_dir; builds one command of our wrapper module
+  # gitVersion: without it the components report v0.0.0-master (kubelet puts it in the node).
+  (cd "$here/controlplane" && go build -trimpath \
+    -ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$K8S_VERSION" \
+    -o "$2/$1" "./cmd/$1")
 }
 build_apiserver() { build_controlplane kube-apiserver "$1"; }
 build_etcd() { build_controlplane etcd "$1"; }
+build_kubelet() { build_controlplane kubelet "$1"; }
+build_scheduler() { build_controlplane kube-scheduler "$1"; }
+build_controller_manager() { build_controlplane kube-controller-manager "$1"; }
+build_proxy() { build_controlplane kube-proxy "$1"; }
+build_coredns() {
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
+}
 build_minio() {
   # MinIO (AGPL-3.0) is installed unmodified as a separate program, never linked.
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/minio/minio@$MINIO_VERSION"
@@ -54,3 +66,8 @@ build_minio() {
 build etcd "$ETCD_VERSION" "etcd from go.etcd.io/etcd/server/v3" build_etcd
 build kube-apiserver "$K8S_VERSION" "kube-apiserver from k8s.io/kubernetes" build_apiserver
 build minio "$MINIO_VERSION" "the MinIO server from github.com/minio/minio" build_minio
+build kubelet "$K8S_VERSION" "kubelet from k8s.io/kubernetes" build_kubelet
+build kube-scheduler "$K8S_VERSION" "kube-scheduler from k8s.io/kubernetes" build_scheduler
+build kube-controller-manager "$K8S_VERSION" "kube-controller-manager from k8s.io/kubernetes" build_controller_manager
+build kube-proxy "$K8S_VERSION" "kube-proxy from k8s.io/kubernetes" build_proxy
+build coredns "$COREDNS_VERSION" "CoreDNS from github.com/coredns/coredns" build_coredns

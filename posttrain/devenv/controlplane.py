@@ -4,11 +4,17 @@ Flags follow controller-runtime's envtest (etcd on loopback, RBAC authorization,
 the ServiceAccount admission plugin off because no controller-manager mints
 tokens, a service-account signing key, an admin client cert in system:masters).
 Used by the pytest fixtures and by ``posttrain dev up``.
+
+``for_node`` makes it the control plane of a real node (:mod:`posttrain.devenv.realnode`): the
+apiserver serves on the node's address (pods reach it through the ``kubernetes`` Service),
+authorizes kubelets (Node, RBAC; NodeRestriction), admits ServiceAccounts as any cluster does,
+and reaches kubelets for logs and exec with a client certificate.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
 import logging
 import shutil
 import ssl
@@ -39,6 +45,10 @@ class ControlPlane:
     etcd_port: int = 0
     processes: list[ManagedProcess] = field(default_factory=list)
     pki: Pki | None = None
+    address: str = "127.0.0.1"
+    """Where the apiserver listens and what it advertises (the node's address for a real node)."""
+    service_cidr: str = "10.0.0.0/24"
+    for_node: bool = False
 
     @property
     def kubeconfig(self) -> Path:
@@ -46,7 +56,7 @@ class ControlPlane:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.apiserver_port}"
+        return f"https://{self.address}:{self.apiserver_port}"
 
     def _admin_ssl(self) -> ssl.SSLContext:
         assert self.pki is not None
@@ -65,7 +75,8 @@ class ControlPlane:
             self.apiserver_port = self.apiserver_port or free_port()
             self.etcd_port = self.etcd_port or free_port()
             span.set_attribute("apiserver.port", self.apiserver_port)
-            self.pki = make_pki(self.workdir / "pki")
+            service_ip = str(ipaddress.ip_network(self.service_cidr)[1])  # `kubernetes`
+            self.pki = make_pki(self.workdir / "pki", extra_ips=(self.address, service_ip))
             etcd, apiserver = go_binary("etcd"), go_binary("kube-apiserver")
             peer_port = free_port()
             etcd_url = f"http://127.0.0.1:{self.etcd_port}"
@@ -96,14 +107,13 @@ class ControlPlane:
                     f"--tls-private-key-file={pki.serving_key}",
                     f"--client-ca-file={pki.ca_cert}",
                     f"--secure-port={self.apiserver_port}",
-                    "--bind-address=127.0.0.1",
-                    "--advertise-address=127.0.0.1",
-                    "--service-cluster-ip-range=10.0.0.0/24",
+                    f"--bind-address={self.address}",
+                    f"--advertise-address={self.address}",
+                    f"--service-cluster-ip-range={self.service_cidr}",
                     "--service-account-issuer=https://kubernetes.default.svc",
                     f"--service-account-key-file={pki.sa_public}",
                     f"--service-account-signing-key-file={pki.sa_private}",
-                    "--authorization-mode=RBAC",
-                    "--disable-admission-plugins=ServiceAccount",
+                    *self._node_flags(pki),
                     "--allow-privileged=true",
                     "--v=1",
                 ],
@@ -120,6 +130,18 @@ class ControlPlane:
             self._write_kubeconfig()
             log.info("control plane ready at %s (kubeconfig %s)", self.server, self.kubeconfig)
             return self
+
+    def _node_flags(self, pki: Pki) -> list[str]:
+        if not self.for_node:
+            return ["--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]
+        return [
+            "--authorization-mode=Node,RBAC",
+            "--enable-admission-plugins=NodeRestriction",
+            f"--kubelet-client-certificate={pki.admin_cert}",
+            f"--kubelet-client-key={pki.admin_key}",
+            # The node's InternalIP, never its name: nothing resolves the node's name.
+            "--kubelet-preferred-address-types=InternalIP",
+        ]
 
     def _write_kubeconfig(self) -> None:
         assert self.pki is not None

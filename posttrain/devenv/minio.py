@@ -27,6 +27,8 @@ class MinioServer:
 
     data_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="posttrain-s3-")))
     port: int = 0
+    host: str = "127.0.0.1"
+    """Address it listens on (the real node's address, so pods reach it)."""
     access_key: str = "posttrain"
     secret_key: str = field(default_factory=lambda: secrets.token_hex(16))
     process: ManagedProcess | None = None
@@ -34,7 +36,7 @@ class MinioServer:
     @property
     def endpoint(self) -> str:
         """host:port, as the minio SDK wants it."""
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:

@@ -95,6 +95,8 @@ class PodContainer:
     config_maps: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     extra_env: Mapping[str, str] = field(default_factory=dict)
     volume_dirs: dict[str, Path] = field(default_factory=dict)
+    kubeconfig: Path | None = None
+    """Stands in for the ServiceAccount token a pod gets: mounted read-only, $KUBECONFIG."""
     name: str = field(default_factory=lambda: f"posttrain-smoke-{uuid.uuid4().hex[:10]}")
 
     @property
@@ -189,6 +191,13 @@ class PodContainer:
         for key, value in env.items():
             args += ["--env", f"{key}={value}"]
         args += self.security_args() + self.volume_args(workdir)
+        if self.kubeconfig is not None:
+            copy = Path(tempfile.mkdtemp(prefix="kube-", dir=workdir))
+            (copy / "config").write_text(self.kubeconfig.read_text())
+            copy.chmod(0o755)
+            (copy / "config").chmod(0o644)
+            args += ["--volume", f"{copy}:/var/run/posttrain-kube:ro",
+                     "--env", "KUBECONFIG=/var/run/posttrain-kube/config"]  # fmt: skip
         if command:
             # podman's --entrypoint takes a JSON array for a multi-word command.
             args += ["--entrypoint", json.dumps(command)]

@@ -55,10 +55,6 @@ def test_the_charts_operator_container_reconciles_against_the_apiserver(
     config_map = docs[("ConfigMap", "smoke-posttrain-operator")]
     pod_spec = deployment["spec"]["template"]["spec"]
     s3_secret = next(v["secret"]["secretName"] for v in pod_spec["volumes"] if "secret" in v)
-    kube_dir = workdir / "kube"
-    kube_dir.mkdir()
-    (kube_dir / "config").write_text(kubeconfig.read_text())
-    (kube_dir / "config").chmod(0o644)
     pod = PodContainer(
         pod_spec=pod_spec,
         container_name="operator",
@@ -68,12 +64,8 @@ def test_the_charts_operator_container_reconciles_against_the_apiserver(
             (s3_secret, "AWS_ACCESS_KEY_ID"): "unused",
             (s3_secret, "AWS_SECRET_ACCESS_KEY"): "unused",
         },
-        # Outside a cluster the operator logs in with a kubeconfig instead of a pod's token.
-        extra_env={"KUBECONFIG": "/kube/config"},
-        volume_dirs={"kube": kube_dir},
+        kubeconfig=kubeconfig,
     )
-    pod.pod_spec["volumes"].append({"name": "kube", "emptyDir": {}})
-    pod.container["volumeMounts"].append({"name": "kube", "mountPath": "/kube", "readOnly": True})
     running = start(pod, image_ref("operator"), workdir)
     try:
         pool = {

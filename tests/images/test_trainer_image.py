@@ -23,6 +23,7 @@ IMAGES = ("trainer",)  # what images_built checks
 pytestmark = [
     pytest.mark.images,
     pytest.mark.minio,
+    pytest.mark.cluster,
     pytest.mark.slow,
     pytest.mark.usefixtures("images_built"),
 ]
@@ -50,10 +51,10 @@ def _pool() -> Any:
     })  # fmt: skip
 
 
-def _run() -> Any:
-    return parse_resource({
+def _run_body(namespace: str) -> dict[str, Any]:
+    return {
         "apiVersion": "posttrain.io/v1alpha1", "kind": "TrainingRun",
-        "metadata": {"name": "smoke-run", "namespace": "default", "uid": "u-run"},
+        "metadata": {"name": "smoke-run", "namespace": namespace},
         "spec": {
             "model": "smollm2-135m-instruct",
             "algorithm": {"groupSize": 2, "promptsPerStep": 2, "maxSteps": 1, "maxNewTokens": 16,
@@ -70,7 +71,7 @@ def _run() -> Any:
             "evaluation": {"everySteps": 100, "maxItemsPerDomain": 1},
             "backoffLimit": 0,
         },
-    })  # fmt: skip
+    }  # fmt: skip
 
 
 def test_entrypoint_and_packaged_data_are_in_the_image() -> None:
@@ -86,7 +87,18 @@ def test_entrypoint_and_packaged_data_are_in_the_image() -> None:
     assert result.stdout.startswith("2.15"), result.stdout
 
 
-def test_pool_and_trainer_pods_train_one_step(workdir: Path, minio_server: MinioServer) -> None:
+def test_pool_and_trainer_pods_train_one_step(
+    workdir: Path, minio_server: MinioServer, kubeconfig: Path, kube_api: Any,
+    crds_installed: None, namespace: str,
+) -> None:  # fmt: skip
+    """The trainer reports to its TrainingRun's status (as in a pod, through the API) and
+    commits its checkpoint to the run's prefix in MinIO."""
+    from kubernetes import client
+
+    objects = client.CustomObjectsApi(kube_api)
+    created = objects.create_namespaced_custom_object(
+        "posttrain.io", "v1alpha1", namespace, "trainingruns", _run_body(namespace)
+    )
     bucket = f"smoke-{uuid.uuid4().hex[:8]}"
     config = _config(minio_server, bucket)
     secrets = _secrets(config, minio_server)
@@ -99,7 +111,7 @@ def test_pool_and_trainer_pods_train_one_step(workdir: Path, minio_server: Minio
         secrets=secrets,
     )
     assert f"--port {POOL_PORT}" in " ".join(server.container["command"])
-    run = _run()
+    run = parse_resource(created)
     trainer_pod = builders.build_trainer_pod(run, config, incarnation=0, rank=0)
     config_map = builders.build_run_config_map(run, config)
     trainer = PodContainer(
@@ -107,6 +119,7 @@ def test_pool_and_trainer_pods_train_one_step(workdir: Path, minio_server: Minio
         container_name="trainer",
         secrets=secrets,
         config_maps={config_map["metadata"]["name"]: config_map["data"]},
+        kubeconfig=kubeconfig,
     )
     serving = start(server, image_ref("trainer"), workdir)
     try:
@@ -119,6 +132,10 @@ def test_pool_and_trainer_pods_train_one_step(workdir: Path, minio_server: Minio
         serving.stop()
     store = S3Store(minio_server.endpoint, bucket, access_key=minio_server.access_key,
                     secret_key=minio_server.secret_key, create_bucket=False)  # fmt: skip
-    keys = list(store.list("runs/default/smoke-run/"))
+    keys = list(store.list(f"runs/{namespace}/smoke-run/"))
     # The step's checkpoint was committed (its manifest is written last) to the run's prefix.
     assert any(k.endswith("manifest.json") for k in keys), keys[:50]
+    status = objects.get_namespaced_custom_object(
+        "posttrain.io", "v1alpha1", namespace, "trainingruns", "smoke-run"
+    ).get("status", {})
+    assert status.get("step") == 1, status

@@ -25,6 +25,13 @@ mkdir -p "$uv_cache"
 # work where package downloads pass a TLS-inspecting proxy whose CA only the host trusts.
 ca_bundle="${BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}"
 
+# The pod sandbox ("pause") image of the real node's containerd: the base, sleeping. Tiny.
+if ! podman image exists localhost/posttrain/pause:1; then
+  printf 'FROM %s\nENTRYPOINT ["/bin/sleep", "infinity"]\n' "$base" \
+    | podman build --quiet -t localhost/posttrain/pause:1 -f - "$(mktemp -d)" >/dev/null
+  echo "[images] localhost/posttrain/pause:1: built"
+fi
+
 declare -A dockerfile=(
   [operator]=operator/Dockerfile [sandbox]=sandboxes/Dockerfile
   [trainer]=trainer/Dockerfile [rollout]=rollout/Dockerfile
