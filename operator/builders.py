@@ -780,7 +780,10 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     mount_model_claim(
         spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
     )  # the fetch-model step links /models/current into the claim: both need it
-    if gpus:
+    if gpus or spec.engine == "vllm":
+        # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
+        # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
+        # against the pod's memory limit, which sizes it.
         pod_spec.setdefault("volumes", []).append(
             {"name": "dshm", "emptyDir": {"medium": "Memory"}}
         )

@@ -35,6 +35,11 @@ class DevState:
     minio_access_key: str
     minio_secret_key: str
     pids: list[int]
+    node: str = "none"
+    """"real": a kubelet with containerd runs the pods (``--node real``); "none": only the
+    control plane (pods need ``posttrain dev agent``)."""
+    node_record: dict[str, Any] | None = None
+    """The real node's :meth:`RealCluster.record`, which ``dev down`` stops it from."""
 
     @classmethod
     def load(cls) -> DevState | None:
@@ -123,6 +128,8 @@ def dev_up(args: argparse.Namespace) -> int:
     from .controlplane import ControlPlane
     from .minio import MinioServer
 
+    if args.node == "real":
+        return _dev_up_real_node()
     existing = DevState.load()
     if existing and existing.healthy():
         print("posttrain dev environment already running")
@@ -171,6 +178,63 @@ def dev_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dev_up_real_node() -> int:
+    """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
+    from .realnode.cluster import RealCluster, image_refs
+
+    existing = DevState.load()
+    if existing and existing.healthy():
+        print("posttrain dev environment already running")
+        _print_state(existing)
+        return 0
+    if existing:
+        log.info("previous dev environment is not healthy; stopping what is left of it")
+        _teardown(existing)
+    workdir = state_dir() / "node"
+    cluster = RealCluster(workdir, images=image_refs(_chart_tag()))
+    try:
+        cluster.start()
+        install_crds(cluster.kubeconfig)
+        assert cluster.minio is not None
+        ensure_s3_secret(cluster.kubeconfig, cluster.minio.access_key, cluster.minio.secret_key)
+    except (StartError, OSError, RuntimeError, TimeoutError) as exc:
+        cluster.stop(keep_workdir=True)
+        raise UsageError(
+            f"the real node failed to start: {exc} (logs in {workdir}; `posttrain dev up "
+            "--node none` starts the control plane alone)"
+        ) from None
+    except BaseException:
+        cluster.stop(keep_workdir=True)
+        raise
+    assert cluster.control_plane is not None and cluster.minio is not None
+    state = DevState(
+        workdir=str(workdir),
+        kubeconfig=str(cluster.kubeconfig),
+        apiserver=cluster.control_plane.server,
+        minio_endpoint=cluster.minio.endpoint,
+        minio_access_key=cluster.minio.access_key,
+        minio_secret_key=cluster.minio.secret_key,
+        pids=cluster.pids(),
+        node="real",
+        node_record=cluster.record(),
+    )
+    state.save()
+    print("posttrain dev cluster is up (a real node: kubelet, containerd, runc)")
+    for name, seconds in cluster.timings.items():
+        print(f"  {name:<20} ready in {seconds:.1f} s")
+    _print_state(state)
+    return 0
+
+
+def _chart_tag() -> str:
+    from .binaries import REPO_ROOT
+
+    for line in (REPO_ROOT / "charts" / "posttrain" / "Chart.yaml").read_text().splitlines():
+        if line.startswith("appVersion:"):
+            return line.split(":", 1)[1].strip().strip('"')
+    raise UsageError("charts/posttrain/Chart.yaml has no appVersion")
+
+
 def _print_state(state: DevState) -> None:
     print(f"  kube-apiserver: {state.apiserver}")
     print(f"  kubeconfig:     {state.kubeconfig}")
@@ -180,6 +244,10 @@ def _print_state(state: DevState) -> None:
 
 
 def _teardown(state: DevState) -> None:
+    if state.node_record is not None:
+        from .realnode.cluster import RealCluster
+
+        RealCluster.from_record(state.node_record).stop()
     for pid in reversed(state.pids):
         stop_pid(pid)
     shutil.rmtree(state.workdir, ignore_errors=True)
@@ -292,6 +360,14 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     )
     up.add_argument(
         "--minio-port", type=int, default=0, help="MinIO's S3 port (default: a free port)"
+    )
+    up.add_argument(
+        "--node",
+        choices=("none", "real"),
+        default="none",
+        help="real: a whole single-node cluster (kubelet, containerd, runc, CNI, kube-proxy, "
+        "CoreDNS, scheduler, controller-manager) that runs the images of `make images`; needs "
+        "root. none (default): etcd + kube-apiserver only (pods need `posttrain dev agent`)",
     )
     up.set_defaults(func=dev_up)
     down = dev_sub.add_parser(

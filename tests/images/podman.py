@@ -159,7 +159,14 @@ class PodContainer:
             volume = volumes[mount["name"]]
             read_only = ":ro" if mount.get("readOnly") else ""
             if "emptyDir" in volume and volume["emptyDir"].get("medium") == "Memory":
-                args += ["--tmpfs", f"{mount['mountPath']}:rw,mode=1777"]
+                # As the kubelet sizes it: sizeLimit, else the container's memory limit.
+                limits = self.container.get("resources", {}).get("limits", {})
+                size = volume["emptyDir"].get("sizeLimit") or limits.get("memory", "1Gi")
+                size = size.replace("Gi", "g").replace("Mi", "m")
+                if mount["mountPath"] == "/dev/shm":  # podman mounts its own there (64 MB)
+                    args += ["--shm-size", size]
+                else:
+                    args += ["--tmpfs", f"{mount['mountPath']}:rw,mode=1777,size={size}"]
                 continue
             host = self.volume_dirs.get(mount["name"])
             if host is None:

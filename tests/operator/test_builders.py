@@ -671,3 +671,13 @@ def test_a_cpu_pool_with_an_hf_model_gets_a_volume_for_its_cache() -> None:
     assert "emptyDir" in _volume_under(pod, server, b.POOL_HF_HOME)
     plain = b.build_rollout_deployment(make_pool(engine="cpu"), CONFIG)["spec"]["template"]
     assert "volumes" not in plain["spec"] and "volumeMounts" not in plain["spec"]["containers"][0]
+
+
+def test_a_cpu_vllm_pool_gets_a_memory_backed_dev_shm() -> None:
+    """vLLM's engine needs ~160 MiB of shared memory on CPU too; the runtime's /dev/shm is 64
+    MiB (found by the rollout image's smoke test: "Insufficient space in /dev/shm")."""
+    pool = make_pool(engine="vllm", resources={"gpus": 0, "cpu": "1", "memory": "3Gi"})
+    pod = b.build_rollout_deployment(pool, OperatorConfig())["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    (server,) = pod["containers"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]

@@ -67,3 +67,6 @@ for name in "${names[@]}"; do
 done
 
 
+# Earlier builds of these tags and their build-stage layers: the dependencies' stage of each
+# image is the parent of the image itself, so its cache survives this.
+podman image prune --force >/dev/null

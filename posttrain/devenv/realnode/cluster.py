@@ -178,12 +178,76 @@ class RealCluster:
                 process = make()
                 self.processes.append(process)
                 process.start(120.0)
+        self.network.fence_first()
         with self._timed("node-ready"):
             self.wait_node_ready()
         with self._timed("minio"):
             self.minio = MinioServer(
                 data_dir=minio_data or (self.workdir / "minio"), host=self.node_ip
             ).start()
+
+    # -- a cluster that outlives the process that started it (`posttrain dev up`) ----------
+
+    def record(self) -> dict[str, Any]:
+        """What :meth:`from_record` needs to stop this cluster from another process."""
+        assert self.control_plane is not None and self.containerd is not None
+        assert self.minio is not None and self.containerd.process is not None
+        assert self.minio.process is not None
+        return {
+            "workdir": str(self.workdir),
+            "cache_dir": str(self.cache_dir),
+            "images": self.images,
+            "timings": self.timings,
+            "apiserver_port": self.control_plane.apiserver_port,
+            "control_plane_pids": [p.pid for p in self.control_plane.processes],
+            "containerd_pid": self.containerd.process.pid,
+            "component_pids": {p.name: p.pid for p in self.processes},
+            "minio": {"port": self.minio.port, "data_dir": str(self.minio.data_dir),
+                      "access_key": self.minio.access_key, "secret_key": self.minio.secret_key,
+                      "pid": self.minio.process.pid},
+        }  # fmt: skip
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> RealCluster:
+        """The cluster a :meth:`record` describes, able to :meth:`stop` (not to restart)."""
+
+        def shell(name: str, pid: int | None, log_path: Path) -> ManagedProcess:
+            return ManagedProcess(name=name, command=[], log_path=log_path, ready=lambda: True,
+                                  pid=pid)  # fmt: skip
+
+        workdir = Path(record["workdir"])
+        cluster = cls(workdir, images=record["images"], cache_dir=Path(record["cache_dir"]),
+                      timings=record["timings"])  # fmt: skip
+        cp_dir = workdir / "control-plane"
+        cluster.control_plane = ControlPlane(
+            workdir=cp_dir, apiserver_port=record["apiserver_port"], address=cluster.node_ip,
+            service_cidr=cluster.network.service_cidr, for_node=True,
+            processes=[shell(f"control-plane-{i}", pid, cp_dir / "logs")
+                       for i, pid in enumerate(record["control_plane_pids"])],
+        )  # fmt: skip
+        cluster.containerd = Containerd(
+            workdir=workdir / "containerd", content_root=cluster.cache_dir / "containerd",
+            cni_conf_dir=cluster.network.cni_conf_dir, cni_bin_dir=CNI_BIN_DIR,
+            process=shell("containerd", record["containerd_pid"], workdir / "containerd.log"),
+        )  # fmt: skip
+        cluster.processes = [shell(name, pid, workdir / f"{name}.log")
+                             for name, pid in record["component_pids"].items()]  # fmt: skip
+        minio = record["minio"]
+        cluster.minio = MinioServer(
+            data_dir=Path(minio["data_dir"]), port=minio["port"], host=cluster.node_ip,
+            access_key=minio["access_key"], secret_key=minio["secret_key"],
+            process=shell("minio", minio["pid"], Path(minio["data_dir"]) / "minio.log"),
+        )  # fmt: skip
+        return cluster
+
+    def pids(self) -> list[int]:
+        processes = [
+            *(self.control_plane.processes if self.control_plane else []),
+            *([self.containerd.process] if self.containerd and self.containerd.process else []),
+            *self.processes,
+            *([self.minio.process] if self.minio and self.minio.process else []),
+        ]
+        return [p.pid for p in processes if p.pid]  # fmt: skip
 
     def api(self) -> Any:
         from kubernetes import config

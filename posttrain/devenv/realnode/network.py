@@ -122,8 +122,14 @@ class NodeNetwork:
              "-j", "DROP")  # fmt: skip
         _run("iptables", "-A", FORWARD_CHAIN, "-d", self.pod_cidr, "!", "-i", self.bridge,
              "-j", "DROP")  # fmt: skip
-        if _run("iptables", "-C", "FORWARD", "-j", FORWARD_CHAIN, check=False).returncode != 0:
-            _run("iptables", "-I", "FORWARD", "1", "-j", FORWARD_CHAIN)
+        self.fence_first()
+
+    def fence_first(self) -> None:
+        """Put the fence's jump at the head of FORWARD again (kube-proxy prepends its chains,
+        whose RELATED,ESTABLISHED accept must not come before the fence)."""
+        while _run("iptables", "-D", "FORWARD", "-j", FORWARD_CHAIN, check=False).returncode == 0:
+            pass
+        _run("iptables", "-I", "FORWARD", "1", "-j", FORWARD_CHAIN)
 
     def tear_down(self) -> None:
         """Everything :meth:`set_up` made, and what the CNI plugins left (best effort)."""

@@ -1,0 +1,98 @@
+"""One real single-node cluster for the session (posttrain.devenv.realnode): kubelet,
+containerd, runc, CNI, kube-proxy, CoreDNS, with the images of `make images` on the node.
+
+It needs root, containerd, runc, the CNI plugins and the images. Without them these tests skip,
+saying what is missing; under `make test` (POSTTRAIN_REQUIRE_REAL_CLUSTER=1) they fail instead.
+Stopping the cluster must leave nothing behind: the fixture checks it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from posttrain.devenv.binaries import client_binary
+from posttrain.devenv.realnode.cluster import RealCluster, image_refs, leftovers
+from posttrain.devenv.realnode.network import CNI_BIN_DIR
+
+from ..images.podman import chart_tag, missing_images
+
+Kubectl = Callable[..., subprocess.CompletedProcess[str]]
+
+
+def _missing() -> list[str]:
+    missing = [f"command {c}" for c in ("containerd", "ctr", "runc", "iptables", "ip")
+               if shutil.which(c) is None]  # fmt: skip
+    if os.geteuid() != 0:
+        missing.append("root")
+    if not (CNI_BIN_DIR / "bridge").exists():
+        missing.append("CNI plugins (containernetworking-plugins)")
+    missing += [f"image {name}" for name in missing_images()]
+    return missing
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    missing = _missing()
+    if missing:
+        why = f"the real node cannot start: missing {', '.join(missing)} (make test installs them)"
+        if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
+    cluster = RealCluster(workdir, images=image_refs(chart_tag())).start()
+    try:
+        yield cluster
+    finally:
+        # Stopped as `posttrain dev down` stops one: from the record `dev up` saves.
+        RealCluster.from_record(cluster.record()).stop(keep_workdir=True)
+        left = leftovers(workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+        assert not left, f"the real node left these behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def node_api(real_cluster: RealCluster) -> Iterator[Any]:
+    api = real_cluster.api()
+    yield api
+    api.close()
+
+
+@pytest.fixture(scope="session")
+def node_kubectl(real_cluster: RealCluster) -> Kubectl:
+    binary = client_binary("kubectl")
+
+    def run(*args: str, check: bool = True, timeout: float = 120, input: str | None = None
+            ) -> subprocess.CompletedProcess[str]:  # fmt: skip
+        result = subprocess.run(
+            [str(binary), "--kubeconfig", str(real_cluster.kubeconfig), *args],
+            capture_output=True, text=True, timeout=timeout, input=input,
+        )  # fmt: skip
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed: {result.stderr}")
+        return result
+
+    return run
+
+
+@pytest.fixture
+def node_namespace(node_api: Any) -> Iterator[str]:
+    """A fresh namespace on the real node, enforcing Pod Security "baseline" (deleted after)."""
+    from kubernetes import client
+
+    name = f"rc-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(node_api)
+    labels = {"pod-security.kubernetes.io/enforce": "baseline"}
+    core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+    )
+    yield name
+    core.delete_namespace(name)
