@@ -195,8 +195,12 @@ def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
     return int(spec.algorithm.group_size) if spec is not None else None
 
 
-def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
-    """Read the run directory and draw every figure (the trainer's plots plus ours)."""
+def gather(run_dir: Path, manifest: Path | None = None, source: str | None = None) -> ReportData:
+    """Read the run directory and draw every figure (the trainer's plots plus ours).
+
+    ``source`` is where the files came from when ``run_dir`` is only a download of them (an
+    s3:// URI): the report names it rather than a temporary directory deleted afterwards.
+    """
     from posttrain.trainer.many_domains import readable_rows
     from posttrain.trainer.progress import load_metrics
     from posttrain.trainer.report import (
@@ -274,7 +278,7 @@ def gather(run_dir: Path, manifest: Path | None = None) -> ReportData:
     # SFT/DPO stage lines carry no reward: the last RL line's (if the run has an RL stage)
     last_rl = next((m for m in reversed(metrics) if "reward_mean" in m), None)
     facts = [
-        ("run directory", str(run_dir)),
+        ("outputs from", source) if source else ("run directory", str(run_dir)),
         ("steps", str(last["step"])),
         (
             "final reward mean",
@@ -472,12 +476,15 @@ def render_html(data: ReportData) -> str:
     return "\n".join(parts)
 
 
-def write_report(run_dir: Path, out: Path | None, manifest: Path | None = None) -> Path:
-    """Build the report for ``run_dir``; the suffix of ``out`` (.html/.md) picks the format."""
+def write_report(
+    run_dir: Path, out: Path | None, manifest: Path | None = None, source: str | None = None
+) -> Path:
+    """Build the report for ``run_dir``; the suffix of ``out`` (.html/.md) picks the format.
+    ``source``: see :func:`gather`."""
     out = out or run_dir / "report.html"
     if out.suffix not in (".html", ".htm", ".md"):
         raise UsageError(f"--out {out}: use a .html or .md file name (the suffix picks the format)")
-    data = gather(run_dir, manifest)
+    data = gather(run_dir, manifest, source)
     text = render_markdown(data) if out.suffix == ".md" else render_html(data)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -513,7 +520,8 @@ def report_command(args: argparse.Namespace) -> int:
         name = [p for p in source.rstrip("/").split("/") if p and p != "reports"][-1]
         with tempfile.TemporaryDirectory(prefix="posttrain-report-") as tmp:
             run_dir = fetch_reports(source, Path(tmp) / name)
-            path = write_report(run_dir, args.out or Path(f"{name}-report.html"), args.manifest)
+            out = args.out or Path(f"{name}-report.html")
+            path = write_report(run_dir, out, args.manifest, source=source)
     else:
         path = write_report(Path(source), args.out, args.manifest)
     print(f"wrote {path}")

@@ -303,9 +303,13 @@ def test_a_cluster_runs_outputs_synced_to_minio_render_without_the_pod(
     shutil.rmtree(pod_dir)  # the pod is gone
 
     out = tmp_path / "report.html"
-    result = cli("report", f"s3://{bucket}/runs/ns/r/reports", "--out", str(out))
+    uri = f"s3://{bucket}/runs/ns/r/reports"
+    result = cli("report", uri, "--out", str(out))
     assert result.code == 0, result.err
     html, from_pod = out.read_text(), local.read_text()
+    # The report names where its files came from, not the temporary download deleted since.
+    assert f"<li><b>outputs from:</b> {uri}</li>" in html
+    assert "posttrain-report-" not in html + result.out + result.err
     # The same report as from the pod's own directory: every plot, the eval table.
     titles = re.findall(r"<h3>([^<]+)</h3>", html)
     assert titles == re.findall(r"<h3>([^<]+)</h3>", from_pod) and "Policy loss" in titles
