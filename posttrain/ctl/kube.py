@@ -25,10 +25,11 @@ from posttrain.api.labels import (
     LABEL_POOL,
     LABEL_RUN,
     LABEL_TASK,
+    LABEL_WARM_POOL,
 )
+from posttrain.ctl.parsers import KIND_CHOICES  # written out there: --help imports no kinds
 from posttrain.errors import UsageError
 
-FIELD_MANAGER = "posttrain"
 TRAINER_CONTAINER = "trainer"
 
 
@@ -50,17 +51,23 @@ class Kind:
 TRAINING_RUN = Kind("TrainingRun", "trainingruns", "trainingrun", "tr")
 ROLLOUT_POOL = Kind("RolloutPool", "rolloutpools", "rolloutpool", "rp")
 SANDBOX_TASK = Kind("SandboxTask", "sandboxtasks", "sandboxtask", "st")
-KINDS: tuple[Kind, ...] = (TRAINING_RUN, ROLLOUT_POOL, SANDBOX_TASK)
-KIND_CHOICES = "tr|rp|st (or trainingrun(s), rolloutpool(s), sandboxtask(s))"
+SANDBOX_WARM_POOL = Kind("SandboxWarmPool", "sandboxwarmpools", "sandboxwarmpool", "swp")
+KINDS: tuple[Kind, ...] = (TRAINING_RUN, ROLLOUT_POOL, SANDBOX_TASK, SANDBOX_WARM_POOL)
 
 
-def child_label(kind: Kind) -> str:
-    """The label key whose value is the owner's name on its pods and jobs.
+def child_selector(kind: Kind, name: str) -> str:
+    """The label selector of the pods and jobs an object of ``kind`` named ``name`` owns.
 
-    >>> child_label(TRAINING_RUN)
-    'posttrain.io/run'
+    >>> child_selector(TRAINING_RUN, "demo"), child_selector(SANDBOX_WARM_POOL, "py")
+    ('posttrain.io/run=demo', 'posttrain.io/warm-pool=py')
     """
-    return {TRAINING_RUN: LABEL_RUN, ROLLOUT_POOL: LABEL_POOL, SANDBOX_TASK: LABEL_TASK}[kind]
+    label = {
+        TRAINING_RUN: LABEL_RUN,
+        ROLLOUT_POOL: LABEL_POOL,
+        SANDBOX_TASK: LABEL_TASK,
+        SANDBOX_WARM_POOL: LABEL_WARM_POOL,
+    }[kind]
+    return f"{label}={name}"
 
 
 def trainer_selector(run_name: str) -> str:

@@ -122,6 +122,7 @@ def _status(obj: Mapping[str, Any]) -> Mapping[str, Any]:
 RUN_HEADERS = ("NAME", "PHASE", "STEP", "REWARD", "DOMAIN REWARDS", "EVAL ACC", "CHECKPOINT", "AGE")
 POOL_HEADERS = ("NAME", "PHASE", "READY", "MODEL", "ENGINE", "WEIGHTS", "ENDPOINT", "AGE")
 TASK_HEADERS = ("NAME", "PHASE", "REWARD", "DURATION", "EXIT", "REASON", "ATTEMPTS", "AGE")
+WARM_POOL_HEADERS = ("NAME", "READY", "CLAIMED", "IMAGE", "NETWORK", "AGE")
 
 
 def run_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
@@ -166,8 +167,45 @@ def task_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
         format_float(status.get("reward")),
         MISSING if duration_ms is None else f"{float(duration_ms) / 1000:.2f}s",
         format_number(status.get("exitCode")),
-        status.get("reason") or MISSING,
+        task_reason(status),
         str(status.get("attempts", 0)),
+        format_age(_meta(obj).get("creationTimestamp"), now),
+    ]
+
+
+def task_reason(status: Mapping[str, Any]) -> str:
+    """Why a task ended: what its sandbox reported, else the reason of its true Failed or
+    Succeeded condition (a task the operator refused, InvalidSpec, never ran a sandbox).
+
+    >>> task_reason({"reason": "Timeout"})
+    'Timeout'
+    >>> task_reason({"conditions": [{"type": "Failed", "status": "True", "reason": "InvalidSpec"}]})
+    'InvalidSpec'
+    >>> task_reason({"phase": "Running"})
+    '-'
+    """
+    if status.get("reason"):
+        return str(status["reason"])
+    for cond in status.get("conditions") or []:
+        if cond.get("type") in ("Failed", "Succeeded") and cond.get("status") == "True":
+            return str(cond.get("reason") or MISSING)
+    return MISSING
+
+
+def warm_pool_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
+    """One SandboxWarmPool as a ``get`` row (headers: :data:`WARM_POOL_HEADERS`).
+
+    >>> warm_pool_row({"metadata": {"name": "py"}, "spec": {"replicas": 3},
+    ...                "status": {"readyReplicas": 2, "claimed": 5}})[:5]
+    ['py', '2/3', '5', 'operator-default', 'none']
+    """
+    spec, status = obj.get("spec", {}), _status(obj)
+    return [
+        _meta(obj).get("name", MISSING),
+        f"{status.get('readyReplicas', 0)}/{spec.get('replicas', 1)}",
+        str(status.get("claimed", 0)),
+        spec.get("image") or "operator-default",  # the operator's sandbox image
+        spec.get("network", "none"),
         format_age(_meta(obj).get("creationTimestamp"), now),
     ]
 
@@ -193,10 +231,11 @@ def build_table(
         table.add_column("NAMESPACE", no_wrap=True)
     for header in headers:
         table.add_column(header, no_wrap=header not in ("DOMAIN REWARDS", "EVAL ACC"))
+    phase = headers.index("PHASE") if "PHASE" in headers else None
     for index, row in enumerate(rows):
         cells = list(row)
-        phase_style = PHASE_STYLES.get(cells[1], "")
-        cells[1] = f"[{phase_style}]{cells[1]}[/]" if phase_style else cells[1]
+        if phase is not None and cells[phase] in PHASE_STYLES:
+            cells[phase] = f"[{PHASE_STYLES[cells[phase]]}]{cells[phase]}[/]"
         table.add_row(*([namespaces[index]] if namespaces is not None else []), *cells)
     return table
 
@@ -350,10 +389,14 @@ def describe_events(
     return aligned(rows)
 
 
-def describe_children(children: Sequence[tuple[str, str, str, str]]) -> list[str]:
-    """(kind, name, phase, age) rows of the run's pods and jobs."""
+def describe_children(children: Sequence[tuple[str, str, str, str]], selector: str) -> list[str]:
+    """(kind, name, phase, age) rows of the pods and jobs found by the label ``selector``.
+
+    >>> describe_children([], "posttrain.io/task=add")
+    ['  <none> (no pod or job has the label posttrain.io/task=add yet)']
+    """
     if not children:
-        return ["  <none> (no pods or jobs carry this run's label yet)"]
+        return [f"  <none> (no pod or job has the label {selector} yet)"]
     return aligned([["KIND", "NAME", "PHASE", "AGE"], *[list(c) for c in children]])
 
 

@@ -4,6 +4,7 @@ the same progress in ``kubectl get tr``, conditions and events in ``kubectl desc
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -283,3 +284,71 @@ def test_watch_live_table_on_a_terminal(kube: Any, kubeconfig: Any) -> None:
     screen = console.export_text()
     assert "r:arith" in screen and "r:code" in screen
     assert "3/3" in screen and "Succeeded" in screen and "0.750" in screen
+
+
+def test_warm_pools_and_a_task_the_operator_refused(
+    kcli: CliRunner, kube: Any, tmp_path: Path
+) -> None:
+    """SandboxWarmPool is a kind like the others (apply, get swp, describe swp); a task
+    refused as InvalidSpec never ran, so it has no duration and its REASON is the
+    condition's; describe of a task names the task's own label."""
+    from posttrain.api.base import GROUP, VERSION
+
+    def patch_status(plural: str, name: str, status: dict[str, Any]) -> None:
+        kube.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, kube.namespace, plural, name, {"status": status}
+        )
+
+    manifest = tmp_path / "swp.yaml"
+    manifest.write_text(
+        f"apiVersion: {GROUP}/{VERSION}\nkind: SandboxWarmPool\nmetadata: {{name: py}}\n"
+        "spec: {replicas: 3}\n"
+    )
+    applied = kcli("apply", "-f", str(manifest))
+    assert applied.code == 0, applied.err
+    assert applied.out.strip() == "sandboxwarmpool.posttrain.io/py created"
+    patch_status("sandboxwarmpools", "py", {"readyReplicas": 2, "replicas": 3, "claimed": 1})
+    kube.custom.create_namespaced_custom_object(
+        GROUP,
+        VERSION,
+        kube.namespace,
+        "sandboxtasks",
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SandboxTask",
+            "metadata": {"name": "bad"},
+            "spec": {"command": ["python3", "-c", "print(1)"]},
+        },
+    )
+    refused = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "InvalidSpec",
+        "message": "cannot build children: spec.snapshot needs the operator's S3 store",
+        "lastTransitionTime": "2026-01-01T00:00:00Z",
+    }
+    patch_status("sandboxtasks", "bad", {"phase": "Failed", "conditions": [refused]})
+
+    pools = kcli("get", "swp")
+    assert pools.code == 0, pools.err
+    assert pools.out.splitlines()[0].split() == [
+        "NAME",
+        "READY",
+        "CLAIMED",
+        "IMAGE",
+        "NETWORK",
+        "AGE",
+    ]
+    assert row_of(pools.out, "py")[:5] == ["py", "2/3", "1", "operator-default", "none"]
+    everything = kcli("get")
+    assert "sandboxwarmpool.posttrain.io" in everything.out, everything.out
+    tasks = kcli("get", "st")
+    assert row_of(tasks.out, "bad")[:7] == ["bad", "Failed", "-", "-", "-", "InvalidSpec", "0"]
+
+    task = kcli("describe", "st", "bad")
+    assert task.code == 0, task.err
+    assert "no pod or job has the label posttrain.io/task=bad yet" in task.out
+    assert "run's label" not in task.out
+    pool = kcli("describe", "sandboxwarmpool", "py")
+    assert pool.code == 0 and "claimed: 1" in pool.out, pool.out
+    assert "posttrain.io/warm-pool=py" in pool.out

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from posttrain.ctl.follow import pick_trainer_pod
-from posttrain.ctl.kube import find_kubeconfig, resolve_kind
+from posttrain.ctl.kube import KINDS, find_kubeconfig, resolve_kind
+from posttrain.ctl.parsers import KIND_CHOICES
 from posttrain.errors import UsageError
 
 
@@ -25,6 +26,7 @@ from posttrain.errors import UsageError
         "posttrain.ctl.kube",
         "posttrain.ctl.follow",
         "posttrain.ctl.commands",
+        "posttrain.ctl.parsers",
         "posttrain.cli",
         "posttrain.progresslog",
         "posttrain.api.manifests",
@@ -63,6 +65,11 @@ def test_kubeconfig_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 def test_kind_names() -> None:
     assert resolve_kind("rp").plural == "rolloutpools"
     assert resolve_kind("SandboxTask").short == "st"
+    assert resolve_kind("swp").kind == resolve_kind("sandboxwarmpools").kind == "SandboxWarmPool"
+    # the help lists every kind the commands accept (it is written out to keep --help light)
+    assert KIND_CHOICES.split(" ")[0].split("|") == [kind.short for kind in KINDS]
+    for kind in KINDS:
+        assert f"{kind.singular}(s)" in KIND_CHOICES
     with pytest.raises(UsageError, match="unknown resource type 'pods'"):
         resolve_kind("pods")
 
