@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from posttrain.errors import UsageError
 
 if TYPE_CHECKING:
+    from posttrain.rollout.limits import RequestLimits
     from posttrain.rollout.vllm import VllmServeSpec
 
 
@@ -60,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
+    add_limit_flags(serve)
     serve.set_defaults(func=_serve)
 
     rollout = subparsers.add_parser("rollout", help="rollout replica helpers (vLLM)")
@@ -98,6 +100,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             help='JSON of RolloutPool engineArgs, e.g. {"tensor_parallel_size": 2}',
         )
         parser.add_argument("--start-timeout", type=float, default=1800.0)
+        if name == "vllm-entry":
+            add_limit_flags(parser)
         parser.set_defaults(func=handler)
 
     fetch = rollout_sub.add_parser(
@@ -114,6 +118,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     fetch.add_argument("--link", required=True, type=Path, help="symlink to create (replaced)")
     fetch.set_defaults(func=_fetch_model)
+
+
+LIMIT_FLAGS = ("max_n", "max_tokens_limit", "max_body_mb")
+
+
+def add_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """What one request may ask of the server (docs/rollout.md, "Limits"); beyond them a
+    request gets a 400 (413 for the body) naming the field and the limit."""
+    parser.add_argument(
+        "--max-n", type=int, default=None, metavar="N",
+        help="samples one request may ask for: n x its prompts (default 512, the largest "
+        "groupSize a TrainingRun may set)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-tokens-limit", type=int, default=None, metavar="N",
+        help="max_tokens one sample may ask for (default: the model's context length)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-body-mb", type=float, default=None, metavar="MB",
+        help="largest request body in MiB; bigger ones get 413 (default 8)",
+    )  # fmt: skip
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """:class:`RequestLimits` from :func:`add_limit_flags`' flags (defaults where unset)."""
+    from posttrain.httplimits import HttpLimits
+    from posttrain.rollout.limits import RequestLimits
+
+    try:
+        http = HttpLimits()
+        if args.max_body_mb is not None:
+            http = HttpLimits(max_body_bytes=int(args.max_body_mb * (1 << 20)))
+        given = {"max_n": args.max_n, "max_tokens": args.max_tokens_limit}
+        return RequestLimits(**{k: v for k, v in given.items() if v is not None}, http=http)
+    except ValueError as exc:
+        raise UsageError(f"invalid request limit: {exc}; every limit must be positive") from exc
+
+
+def limit_flags_argv(args: argparse.Namespace) -> list[str]:
+    """The limit flags given to ``args``, as command-line arguments again.
+
+    >>> limit_flags_argv(argparse.Namespace(max_n=8, max_tokens_limit=None, max_body_mb=None))
+    ['--max-n', '8']
+    """
+    argv: list[str] = []
+    for name in LIMIT_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
 
 
 def _serve_vllm(args: argparse.Namespace) -> int:
@@ -136,6 +190,7 @@ def _serve_vllm(args: argparse.Namespace) -> int:
             "--engine-args", json.dumps(CPU_ENGINE_ARGS)]  # fmt: skip
     if args.weights_uri:
         argv += ["--weights-uri", args.weights_uri]
+    argv += limit_flags_argv(args)
     if importlib.util.find_spec("vllm") is not None:
         from posttrain.cli import main
 
@@ -158,6 +213,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.max_batch_size < 1:
         raise UsageError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    limits = request_limits(args)
     start_metrics_server(args.metrics_port)
     try:
         run(
@@ -168,6 +224,7 @@ def _serve(args: argparse.Namespace) -> int:
                 poll_seconds=args.poll_seconds,
                 max_batch_size=args.max_batch_size,
                 num_threads=args.threads,
+                limits=limits,
             ),
             host=args.host,
             port=args.port,
@@ -236,6 +293,7 @@ def _vllm_entry(args: argparse.Namespace) -> int:
     from posttrain.models import resolve_model
     from posttrain.rollout.vllm import run_vllm_entry, vllm_available
 
+    limits = request_limits(args)
     ok, why = vllm_available()
     if not ok:
         raise UsageError(f"cannot run vLLM here: {why}; use `posttrain serve` on CPU instead")
@@ -250,4 +308,5 @@ def _vllm_entry(args: argparse.Namespace) -> int:
         weights_uri=args.weights_uri,
         start_timeout_s=args.start_timeout,
         poll_seconds=args.poll_seconds,
+        limits=limits,
     )

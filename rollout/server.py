@@ -26,8 +26,21 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
+from posttrain.httplimits import BoundedBody, uvicorn_options
+from posttrain.rollout.limits import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    RequestLimits,
+    WeightLoadRequest,
+    check_limits,
+    describe_validation_errors,
+    error_body,
+    normalize_prompts,
+    sampling_params,
+)
 from posttrain.rollout.protocol import TOKEN_ID_PREFIX, WEIGHT_VERSION_HEADER, SamplingParams
 from posttrain.telemetry import extract_context, get_tracer
 
@@ -47,51 +60,14 @@ CANCELLED_REQUESTS = Counter(
     "posttrain_rollout_cancelled_requests_total", "Requests cancelled by client disconnects"
 )
 DISCONNECT_POLL_S = 0.5
+FASTAPI_PARSE_ERROR = "There was an error parsing the body"
+UNPARSEABLE_BODY = (
+    "the body could not be parsed as JSON (nested deeper than the parser allows?); "
+    "send one JSON object"
+)
 WEIGHT_LOAD_SECONDS = Histogram(
     "posttrain_rollout_weight_load_seconds", "Fetch + swap time of /v1/weights/load"
 )
-
-
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions`` body (OpenAI legacy completions + vLLM extensions)."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None
-    echo: bool = False
-    stream: bool = False
-    return_tokens_as_token_ids: bool = False
-
-
-class ChatRequest(BaseModel):
-    """``POST /v1/chat/completions`` body."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    n: int = 1
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-    stream: bool = False
-    return_tokens_as_token_ids: bool = False
-
-
-class WeightLoadRequest(BaseModel):
-    uri: str = Field(min_length=1)
-    version: int = Field(ge=0)
 
 
 @dataclass
@@ -104,6 +80,8 @@ class ServerConfig:
     poll_seconds: float = 0.0  # >0: an idle replica polls weights_uri for newer versions
     max_batch_size: int = 64
     num_threads: int | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    """What one request may ask for, and the HTTP bounds (body size, read deadlines)."""
 
 
 @dataclass
@@ -120,45 +98,6 @@ class ServerState:
     @property
     def model_name(self) -> str:
         return self.config.served_model_name or self.config.model
-
-
-class ApiError(Exception):
-    """An error to return as an OpenAI-style JSON error body."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def normalize_prompts(
-    prompt: str | list[str] | list[int] | list[list[int]],
-) -> list[str | list[int]]:
-    """The four OpenAI prompt forms as a list of single prompts.
-
-    >>> normalize_prompts([1, 2, 3])
-    [[1, 2, 3]]
-    >>> normalize_prompts("hi")
-    ['hi']
-    """
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ApiError(400, "prompt is empty")
-    if all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]  # type: ignore[arg-type]
-    return list(prompt)  # type: ignore[arg-type]
-
-
-def normalize_stop(stop: str | list[str] | None) -> list[str]:
-    """OpenAI accepts one stop string or a list; empty strings would match everywhere.
-
-    >>> normalize_stop(["\\n", ""])
-    ['\\n']
-    """
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else [s for s in stop if s]
 
 
 def load_engine(state: ServerState) -> None:
@@ -253,18 +192,26 @@ def poll_weights(state: ServerState, stop: threading.Event) -> None:
 def create_app(state: ServerState) -> FastAPI:
     """The FastAPI app; ``state`` is filled by :func:`load_engine` (possibly later)."""
     app = FastAPI(title="posttrain rollout server")
+    limits = state.config.limits
+    app.add_middleware(BoundedBody, limits=limits.http, render=error_body)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.message)
+        return _error(exc.status, exc.message, exc.param)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI and vLLM answer malformed bodies with 400 and an error object, not 422.
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'][1:])}: {err['msg']}" for err in exc.errors()
-        )
-        return _error(400, f"invalid request body: {problems}")
+        refused = describe_validation_errors(list(exc.errors()))
+        return _error(refused.status, refused.message, refused.param)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI's own refusals (unknown route, unparseable body) in our error shape.
+        message = str(exc.detail)
+        if message == FASTAPI_PARSE_ERROR:  # its words for JSON Python cannot parse
+            message = UNPARSEABLE_BODY
+        return _error(exc.status_code, message)
 
     @app.get("/health")
     async def health() -> Response:
@@ -311,9 +258,13 @@ def create_app(state: ServerState) -> FastAPI:
         ):
             try:
                 elapsed = await asyncio.to_thread(load_weights, state, body.uri, body.version)
-            except (FileNotFoundError, ValueError, RuntimeError) as exc:
-                REQUESTS.labels("weights_load", "400").inc()
-                return _error(400, str(exc))
+            except Exception as exc:
+                status = weight_load_status(exc)
+                if status is None:
+                    raise
+                REQUESTS.labels("weights_load", str(status)).inc()
+                message = f"cannot load weights v{body.version} from {body.uri}: {exc}"
+                return _error(status, message, "uri" if status < 500 else None)
         REQUESTS.labels("weights_load", "200").inc()
         return JSONResponse(
             {"weight_version": body.version, "load_seconds": elapsed},
@@ -325,13 +276,15 @@ def create_app(state: ServerState) -> FastAPI:
         started = time.monotonic()
         engine = _engine(state)
         if body.stream or body.echo:
-            raise ApiError(400, "stream and echo are not supported by posttrain serve")
+            unsupported = "stream" if body.stream else "echo"
+            raise ApiError(400, f"{unsupported} is not supported by posttrain serve", unsupported)
         prompts = normalize_prompts(body.prompt)
+        check_limits(body, limits, len(prompts), engine.max_positions)
         token_prompts = [
             p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False)
             for p in prompts
         ]
-        params = _params(body.n, body.max_tokens, body)
+        params = sampling_params(body)
         with tracer.start_as_current_span(
             "rollout.completions", context=extract_context(request.headers)
         ) as span:
@@ -374,17 +327,18 @@ def create_app(state: ServerState) -> FastAPI:
         started = time.monotonic()
         engine = _engine(state)
         if body.stream:
-            raise ApiError(400, "stream is not supported by posttrain serve")
+            raise ApiError(400, "stream is not supported by posttrain serve", "stream")
+        check_limits(body, limits, 1, engine.max_positions)
         try:
             prompt_ids = engine.tokenizer.apply_chat_template(
                 body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except Exception as exc:
-            raise ApiError(400, f"messages do not fit the chat template: {exc}") from exc
+            message = f"messages do not fit the chat template: {exc}"
+            raise ApiError(400, message, "messages") from exc
         if hasattr(prompt_ids, "input_ids"):
             prompt_ids = prompt_ids["input_ids"]
-        max_tokens = body.max_completion_tokens or body.max_tokens or 128
-        params = _params(body.n, max_tokens, body)
+        params = sampling_params(body)
         top = body.top_logprobs if body.logprobs else 0
         with tracer.start_as_current_span(
             "rollout.chat_completions", context=extract_context(request.headers)
@@ -427,22 +381,6 @@ def _engine(state: ServerState) -> Any:
     if not state.ready.is_set():
         raise ApiError(503, state.load_error or "model is still loading; retry after /health")
     return state.engine
-
-
-def _params(n: int, max_tokens: int, body: CompletionRequest | ChatRequest) -> SamplingParams:
-    params = SamplingParams(
-        n=n,
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        stop=normalize_stop(body.stop),
-        seed=body.seed,
-    )
-    try:
-        params.validate()
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
-    return params
 
 
 async def _generate(
@@ -530,11 +468,25 @@ def _usage(prompts: list[list[int]], results: list[list[Any]], n: int) -> dict[s
     }
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status_code=status
-    )
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status)
+
+
+def weight_load_status(exc: BaseException) -> int | None:
+    """The status of a failed weight load (None: a bug, 500): as
+    :func:`~posttrain.rollout.weights.load_failure_status`, and 400 for weights that do not
+    fit this model (the engine's copy raises RuntimeError or KeyError on a shape or name
+    mismatch).
+
+    >>> weight_load_status(RuntimeError("size mismatch")), weight_load_status(TypeError())
+    (400, None)
+    """
+    from posttrain.rollout import weights
+
+    status = weights.load_failure_status(exc)
+    if status is None and isinstance(exc, RuntimeError | KeyError):
+        return 400
+    return status
 
 
 class ServerThread:
@@ -555,8 +507,9 @@ class ServerThread:
         self._sock.bind((host, port))
         self.port = self._sock.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
+        options = uvicorn_options(config.limits.http)
         self._server = uvicorn.Server(
-            uvicorn.Config(create_app(self.state), log_level="warning", lifespan="off")
+            uvicorn.Config(create_app(self.state), log_level="warning", lifespan="off", **options)
         )
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
@@ -587,7 +540,12 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
     # and Kubernetes should not wait the full termination grace period.
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(state), host=host, port=port, log_level="info", timeout_graceful_shutdown=5
+            create_app(state),
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            **uvicorn_options(config.limits.http),
         )
     )
 

@@ -37,6 +37,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, generate_latest
 
+from posttrain.httplimits import BoundedBody, uvicorn_options
+from posttrain.rollout.limits import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    RequestLimits,
+    WeightLoadRequest,
+    check_limits,
+    error_body,
+    normalize_prompts,
+    parse_body,
+    sampling_params,
+)
 from posttrain.rollout.protocol import WEIGHT_VERSION_HEADER
 from posttrain.telemetry import extract_context, get_tracer
 
@@ -190,6 +203,43 @@ class AsyncReadWriteLock:
 PROXIED_PREFIXES = ("v1/", "tokenize", "detokenize", "version")
 
 
+# Proxied bodies checked against the server's RequestLimits before vLLM sees them.
+CHECKED_BODIES: dict[str, type[CompletionRequest] | type[ChatRequest]] = {
+    "v1/completions": CompletionRequest,
+    "v1/chat/completions": ChatRequest,
+}
+
+
+def check_proxied_body(
+    path: str, body: bytes, limits: RequestLimits, context_length: int | None
+) -> None:
+    """Refuse (ApiError 400) a completion body that ``posttrain serve`` would refuse: wrong
+    types, non-finite floats, more samples, tokens or logprobs than ``limits`` allow. vLLM
+    coerces ``"9"`` to 9 and takes any ``n``; checking here keeps one contract for both
+    engines. Other paths pass unchecked (their size is bounded all the same).
+
+    >>> check_proxied_body("v1/completions", b'{"prompt": [1], "n": 2}', RequestLimits(), None)
+    >>> try:
+    ...     check_proxied_body("v1/completions", b'{"prompt": [1], "n": "2"}', RequestLimits(), None)
+    ... except ApiError as exc:
+    ...     print(exc.param)
+    n
+    """
+    model = CHECKED_BODIES.get(path)
+    if model is None:
+        return
+    request = parse_body(model, body)
+    prompts = (
+        len(normalize_prompts(request.prompt)) if isinstance(request, CompletionRequest) else 1
+    )
+    check_limits(request, limits, prompts, context_length)
+    sampling_params(request)
+
+
+def _error(status: int, message: str, param: str | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({**error_body(status, message, param), **extra}, status)
+
+
 def is_proxied(path: str) -> bool:
     """Whether the front door forwards ``path`` (no leading slash) to vLLM.
 
@@ -202,12 +252,21 @@ def is_proxied(path: str) -> bool:
 class VllmFrontDoor:
     """Public HTTP face of a vLLM replica: proxy + weight versions + weight loads."""
 
-    def __init__(self, upstream: str, weights_uri: str | None, scratch_dir: str) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        weights_uri: str | None,
+        scratch_dir: str,
+        limits: RequestLimits | None = None,
+        context_length: int | None = None,
+    ) -> None:
         import httpx
 
         self.upstream = upstream.rstrip("/")
         self.weights_uri = weights_uri
         self.scratch_dir = scratch_dir
+        self.limits = limits or RequestLimits()
+        self.context_length = context_length  # vLLM's --max-model-len, when set
         self.version = 0
         self.ready = False
         self.refused: dict[int, str] = {}  # versions that failed verification: why
@@ -337,9 +396,10 @@ class VllmFrontDoor:
         return response.json()
 
     def create_app(self) -> FastAPI:
-        from posttrain.storage.errors import StorageError
+        from posttrain.rollout.weights import load_failure_status
 
         app = FastAPI(title="posttrain vLLM front door")
+        app.add_middleware(BoundedBody, limits=self.limits.http, render=error_body)
 
         @app.get("/health")
         async def health() -> Response:
@@ -359,27 +419,26 @@ class VllmFrontDoor:
         @app.post("/v1/weights/load")
         async def load(request: Request) -> Response:
             try:
-                body = await request.json()
-                uri, wanted = str(body["uri"]), int(body["version"])
-                if wanted < 0:
-                    raise ValueError(f"version must be >= 0, got {wanted}")
-            except (KeyError, ValueError, TypeError) as exc:
-                message = f"body must be {{'uri': str, 'version': int >= 0}}: {exc}"
-                return JSONResponse({"error": {"message": message, "code": 400}}, 400)
+                body = parse_body(WeightLoadRequest, await request.body())
+            except ApiError as exc:
+                return _error(exc.status, exc.message, exc.param)
+            uri, wanted = body.uri, body.version
             with tracer.start_as_current_span(
                 "rollout.weights_load", context=extract_context(request.headers)
             ):
                 try:
                     elapsed = await self.load(uri, wanted)
-                except (ValueError, FileNotFoundError, StorageError) as exc:
+                except Exception as exc:
+                    status = load_failure_status(exc)
+                    if status is None:
+                        raise
                     message = (f"refused weights v{wanted} from {uri}: {exc}; still serving "
                                f"v{self.version}")  # fmt: skip
                     log.error("%s", message)
-                    return JSONResponse(
-                        {"error": {"message": message, "code": 400},
-                         "weight_version": self.version},
-                        400, headers={WEIGHT_VERSION_HEADER: str(self.version)},
-                    )  # fmt: skip
+                    param = "uri" if status < 500 else None
+                    response = _error(status, message, param, weight_version=self.version)
+                    response.headers[WEIGHT_VERSION_HEADER] = str(self.version)
+                    return response
             return JSONResponse(
                 {"weight_version": self.version, "load_seconds": elapsed},
                 headers={WEIGHT_VERSION_HEADER: str(self.version)},
@@ -395,16 +454,20 @@ class VllmFrontDoor:
         @app.api_route("/{path:path}", methods=["GET", "POST"])
         async def proxy(path: str, request: Request) -> Response:
             if not is_proxied(path):
-                message = f"/{path} is not served by the posttrain front door"
-                return JSONResponse({"error": {"message": message, "code": 404}}, 404)
+                return _error(404, f"/{path} is not served by the posttrain front door")
             if not self.ready:
-                return JSONResponse({"error": {"message": "loading", "code": 503}}, 503)
+                return _error(503, "loading")
             headers = {
                 k: v
                 for k, v in request.headers.items()
                 if k.lower() not in {"host", "content-length"}
             }
             body = await request.body()
+            if request.method == "POST":
+                try:
+                    check_proxied_body(path, body, self.limits, self.context_length)
+                except ApiError as exc:
+                    return _error(exc.status, exc.message, exc.param)
             await self.lock.acquire_read()
             try:
                 version = self.version
@@ -437,6 +500,7 @@ def run_vllm_entry(
     start_timeout_s: float,
     public_host: str = "0.0.0.0",
     poll_seconds: float = 0.0,
+    limits: RequestLimits | None = None,
 ) -> int:
     """Start vLLM on ``spec.port`` (loopback only) and serve the front door on ``public_port``.
 
@@ -454,7 +518,10 @@ def run_vllm_entry(
     log.info("starting %s", " ".join(argv))
     process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
     scratch = os.environ.get("POSTTRAIN_WEIGHTS_SCRATCH", tempfile.gettempdir())
-    door = VllmFrontDoor(f"http://127.0.0.1:{spec.port}", weights_uri, scratch)
+    limits = limits or RequestLimits()
+    door = VllmFrontDoor(
+        f"http://127.0.0.1:{spec.port}", weights_uri, scratch, limits, spec.max_model_len
+    )
 
     async def watch_engine() -> None:
         """vLLM gone after start-up: exit too, so the pod restarts instead of answering 502s."""
@@ -488,7 +555,13 @@ def run_vllm_entry(
         app.state.bring_up = task
 
     try:
-        uvicorn.run(app, host=public_host, port=public_port, log_level="warning")
+        uvicorn.run(
+            app,
+            host=public_host,
+            port=public_port,
+            log_level="warning",
+            **uvicorn_options(limits.http),
+        )
     finally:
         process.terminate()
         try:

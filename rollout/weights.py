@@ -102,6 +102,46 @@ def join_candidates(prefix: str, current: int, refused: set[int]) -> list[int]:
     return [v for v in committed_versions(prefix) if v > current and v not in refused]
 
 
+def check_uri(uri: str) -> None:
+    """Refuse a weights URI that names no place (ValueError saying the accepted forms), so
+    that every later failure to open an ``s3://`` store is this replica's configuration, not
+    the caller's URI (see :func:`load_failure_status`).
+
+    >>> check_uri("s3://bucket/runs/a/weights")
+    >>> check_uri("s3:///weights")
+    Traceback (most recent call last):
+    ...
+    ValueError: weights URI 's3:///weights' must be s3://BUCKET/PREFIX, a file:// URI or a directory
+    """
+    if uri.startswith("s3://"):
+        bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+        names_a_place = bool(bucket and prefix.strip("/"))
+    else:
+        names_a_place = bool(uri.strip())
+    if not names_a_place:
+        raise ValueError(
+            f"weights URI {uri!r} must be s3://BUCKET/PREFIX, a file:// URI or a directory"
+        )
+
+
+def load_failure_status(exc: BaseException) -> int | None:
+    """The HTTP status of a ``/v1/weights/load`` that failed with ``exc``.
+
+    503 when this replica cannot open or reach the store (no ``POSTTRAIN_S3_ENDPOINT``, bad
+    credentials, storage down): the caller's request was fine, the deployment needs fixing or
+    the storage time to come back. 400 when the request names weights that cannot be served
+    (missing, damaged, a malformed URI). None for anything else: a server bug, answered 500.
+    """
+    from posttrain.errors import UsageError
+    from posttrain.storage.errors import StorageAuthError, StorageError, StorageUnreachableError
+
+    if isinstance(exc, UsageError | StorageUnreachableError | StorageAuthError):
+        return 503
+    if isinstance(exc, StorageError | FileNotFoundError | ValueError):
+        return 400
+    return None
+
+
 def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[Path, bool]:
     """A local directory holding version ``version``'s safetensors.
 
@@ -110,6 +150,7 @@ def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[
     caller deletes temporary downloads once loaded.
     Raises FileNotFoundError naming what was looked for, so a wrong URI is obvious.
     """
+    check_uri(uri)
     if uri.startswith("s3://"):
         return _fetch_s3(uri, version, scratch), True
     path = _local_path(uri)
