@@ -125,6 +125,7 @@ class TerminalEnv:
         command_timeout_s: float = 10.0,
         memory_mb: int = 512,
         setup_cache: SetupCache | None = None,
+        setup_timeout_s: float = 60.0,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -136,6 +137,8 @@ class TerminalEnv:
         self.max_turns = max_turns
         self.command_timeout_s = command_timeout_s
         self.memory_mb = memory_mb
+        # A task's setup (installs, builds) may take longer than one agent command.
+        self.setup_timeout_s = setup_timeout_s
         self.setup_cache = setup_cache or SetupCache()
         self.workspace: Workspace | None = None
         self._checks: list[str] = []
@@ -158,7 +161,9 @@ class TerminalEnv:
             self.workspace.restore(built)
         else:
             if setup or files:
-                result = self._run(["sh", "-c", setup or "true"], files=files, timeout_s=60.0)
+                result = self._run(
+                    ["sh", "-c", setup or "true"], files=files, timeout_s=self.setup_timeout_s
+                )
                 if result.status != "ok":
                     raise EnvFailure(
                         f"setup of task {task.task_id} failed ({result.reason}): "

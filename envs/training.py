@@ -131,16 +131,19 @@ def make_environment(
     if spec.kind == "terminal":
         from posttrain.envs.terminal import TerminalEnv
 
-        timeout_s, memory_mb = float(spec.command_timeout_seconds), 512
+        timeout_s, memory_mb, setup_s = float(spec.command_timeout_seconds), 512, 60.0
         if sandbox is not None:  # the run's ceilings apply to every command, as to verifiers
             timeout_s = min(timeout_s, float(sandbox.timeout_seconds))
             memory_mb = min(memory_mb, int(sandbox.memory_mb))
+            # and to the setup: a runner refuses what is over them (docs/sandboxes.md)
+            setup_s = min(setup_s, float(sandbox.timeout_seconds))
         return TerminalEnv(
             executor,
             max_turns=spec.max_turns,
             command_timeout_s=timeout_s,
             memory_mb=memory_mb,
             setup_cache=setup_cache,
+            setup_timeout_s=setup_s,
         )
     if spec.kind == "bfcl_multi_turn":
         from posttrain.envs.bfcl_multi_turn import BfclMultiTurnEnv

@@ -9,8 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from posttrain.errors import UsageError
+
+if TYPE_CHECKING:
+    from .protocol import ExecLimits
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -80,7 +84,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=None,
         help="requests allowed to wait before 429 (default 8 per slot)",
     )
+    add_exec_limit_flags(serve)
     serve.set_defaults(func=run_serve)
+
+
+def add_exec_limit_flags(serve: argparse.ArgumentParser) -> None:
+    """The runner's policy: a request may ask for less, and gets a 400 naming the field and
+    the limit when it asks for more (docs/sandboxes.md, "Limits")."""
+    from .protocol import ExecLimits
+
+    default = ExecLimits()
+    serve.add_argument(
+        "--allow-host-network",
+        action="store_true",
+        help='allow requests with network "host" (default: refused; sandboxes get no network)',
+    )
+    for flag, kind, unit in (
+        ("--max-timeout-s", float, "wall-clock seconds (timeout_s; also bounds cpu_time_s)"),
+        ("--max-memory-mb", int, "address space in MiB (memory_mb)"),
+        ("--max-processes", int, "processes per sandbox (max_processes)"),
+        ("--max-file-mb", int, "largest written file in MiB (max_file_mb)"),
+        ("--max-workdir-mb", int, "size of each /workspace and /tmp tmpfs in MiB (workdir_mb)"),
+        ("--max-output-bytes", int, "bytes of stdout and of stderr kept (max_output_bytes)"),
+    ):
+        value = getattr(default, flag[2:].replace("-", "_"))
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        serve.add_argument(
+            flag,
+            type=kind,
+            default=value,
+            metavar="N",
+            help=f"the most a request may ask for: {unit} (default {shown})",
+        )
+
+
+def exec_limits_from(args: argparse.Namespace) -> ExecLimits:
+    """:class:`~.protocol.ExecLimits` from :func:`add_exec_limit_flags`' flags."""
+    from .protocol import ExecLimits
+
+    try:
+        return ExecLimits(
+            allow_host_network=args.allow_host_network,
+            max_timeout_s=args.max_timeout_s,
+            max_memory_mb=args.max_memory_mb,
+            max_processes=args.max_processes,
+            max_file_mb=args.max_file_mb,
+            max_workdir_mb=args.max_workdir_mb,
+            max_output_bytes=args.max_output_bytes,
+        )
+    except ValueError as exc:
+        raise UsageError(f"invalid runner limit: {exc}; every --max-* flag must be > 0") from exc
 
 
 def run_exec(args: argparse.Namespace) -> int:
@@ -123,8 +176,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise UsageError(f"--port must be in 1..65535, got {args.port}")
+    limits = exec_limits_from(args)
     try:
-        serve(args.host, args.port, args.concurrency, args.max_queue)
+        serve(args.host, args.port, args.concurrency, args.max_queue, limits)
     except SandboxError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

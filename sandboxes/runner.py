@@ -16,6 +16,10 @@ core leaves a core idle while a finished execution's reply travels and the next 
 sandbox starts. Requests beyond that wait in a bounded queue; when the queue is full the
 server answers 429 with ``Retry-After`` (back-pressure the client honours) instead of letting
 latency grow without bound.
+
+Bounded against its clients (#31): a request may only ask for less than the runner's
+:class:`~.protocol.ExecLimits` (the ``serve`` flags), bodies are capped at 64 MiB and must
+arrive within 30 s of their headers, headers within 10 s (:mod:`posttrain.httplimits`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, generate_latest
 
+from posttrain.httplimits import BodyRefused, HttpLimits, read_body, uvicorn_options
 from posttrain.telemetry import extract_context, get_tracer
 
 from .executor import Executor, default_executor
-from .protocol import ExecRequest, SandboxError
+from .protocol import ExecLimits, ExecRequest, SandboxError
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -51,7 +56,8 @@ REJECTED = Counter(
     "posttrain_sandbox_runner_rejected_total", "Requests refused with 429 (queue full)."
 )
 
-# Requests carry source files; far beyond any sane one, refuse instead of buffering it all.
+# Requests carry source files and workspace tars; far beyond any sane one, refuse instead of
+# buffering it all.
 MAX_BODY_BYTES = 64 << 20
 ROUTE_METHODS = {"/v1/exec": "POST", "/health": "GET", "/metrics": "GET"}
 # Trace propagation headers (W3C) read from a request; nothing else is decoded.
@@ -140,22 +146,49 @@ def parse_workspace_options(data: dict[str, Any]) -> WorkspaceOptions:
     return WorkspaceOptions(state, capture)
 
 
-def parse_exec_request(body: bytes) -> tuple[ExecRequest, WorkspaceOptions]:
-    """The JSON body of ``POST /v1/exec`` as a validated request and its workspace options,
-    or :class:`BadRequest` (422) naming what is wrong."""
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or :class:`BadRequest` (400): not JSON, not an object, or
+    nested deeper than Python's parser goes (it raises RecursionError past ~1000 levels).
+
+    >>> try:
+    ...     parse_json_object(b"[" * 100_000 + b"]" * 100_000)
+    ... except BadRequest as exc:
+    ...     print(exc.status, str(exc)[:44])
+    400 bad exec request: the body is not valid JSON
+    """
     try:
         data = json.loads(body)
-        if not isinstance(data, dict):
-            raise ValueError(f"the body must be a JSON object, got {type(data).__name__}")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        raise BadRequest(400, f"bad exec request: the body is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise BadRequest(
+            400, f"bad exec request: the body must be a JSON object, got {type(data).__name__}"
+        )
+    return data
+
+
+def parse_exec_request(
+    body: bytes, limits: ExecLimits | None = None
+) -> tuple[ExecRequest, WorkspaceOptions]:
+    """The JSON body of ``POST /v1/exec`` as a validated request and its workspace options,
+    or :class:`BadRequest` naming what is wrong: 400 when the body is not a JSON object or
+    asks for more than ``limits`` (this runner's policy) allow, 422 when a field is invalid
+    for any runner (:func:`~.protocol.validate_request`)."""
+    data = parse_json_object(body)
+    try:
         options = parse_workspace_options(data)
-        return ExecRequest.from_dict(data), options
-    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
+        request = ExecRequest.from_dict(data)
+    except (ValueError, TypeError) as exc:
         raise BadRequest(422, f"bad exec request: {exc}") from exc
+    over = (limits or ExecLimits()).violations(request)
+    if over:
+        raise BadRequest(400, "request over this runner's limits: " + "; ".join(over))
+    return request, options
 
 
-def parse_exec_body(body: bytes) -> ExecRequest:
-    """The JSON body of ``POST /v1/exec`` as a validated request, or :class:`BadRequest` (422)
-    naming what is wrong.
+def parse_exec_body(body: bytes, limits: ExecLimits | None = None) -> ExecRequest:
+    """The JSON body of ``POST /v1/exec`` (without workspace fields) as a validated request,
+    or :class:`BadRequest` as :func:`parse_exec_request`.
 
     >>> parse_exec_body(b'{"command": ["true"], "timeout_s": 2}').timeout_s
     2
@@ -164,23 +197,34 @@ def parse_exec_body(body: bytes) -> ExecRequest:
     ... except BadRequest as exc:
     ...     print(exc.status, exc)
     422 bad exec request: command must be a non-empty list of strings, got 'ls'
+    >>> try:
+    ...     parse_exec_body(b'{"command": ["true"], "max_processes": 1000000000}')
+    ... except BadRequest as exc:
+    ...     print(exc.status, str(exc)[:94])
+    400 request over this runner's limits: max_processes=1000000000 is over this runner's limit of 256
     """
-    try:
-        data = json.loads(body)
-        if not isinstance(data, dict):
-            raise ValueError(f"the body must be a JSON object, got {type(data).__name__}")
-        return ExecRequest.from_dict(data)
-    except (ValueError, TypeError) as exc:  # JSONDecodeError is a ValueError
-        raise BadRequest(422, f"bad exec request: {exc}") from exc
+    request, options = parse_exec_request(body, limits)
+    if options.used:
+        raise BadRequest(422, "bad exec request: workspace fields need parse_exec_request")
+    return request
 
 
 class RunnerApp:
     """The runner as a plain ASGI application: ``POST /v1/exec``, ``GET /health``,
     ``GET /metrics``. Every answer is JSON except the Prometheus text."""
 
-    def __init__(self, executor: Executor | None, concurrency: int, max_queue: int) -> None:
+    def __init__(
+        self,
+        executor: Executor | None,
+        concurrency: int,
+        max_queue: int,
+        exec_limits: ExecLimits | None = None,
+        http: HttpLimits | None = None,
+    ) -> None:
         self.executor = executor
         self.limits = (concurrency, max_queue)
+        self.exec_limits = exec_limits or ExecLimits()
+        self.http = http or runner_http_limits()
         self._gate: ExecutionGate | None = None
 
     @property
@@ -244,7 +288,12 @@ class RunnerApp:
     ) -> tuple[int, dict[str, Any], list[tuple[bytes, bytes]]]:
         """Serve one ``POST /v1/exec``: (status, JSON payload, extra headers)."""
         try:
-            request, workspace = parse_exec_request(await _read_body(receive))
+            body = await read_body(receive, self.http, scope)
+        except BodyRefused as exc:
+            # Close: the unread rest of the body must not be parsed as the next request.
+            return exc.status, {"error": exc.message}, [(b"connection", b"close")]
+        try:
+            request, workspace = parse_exec_request(body, self.exec_limits)
         except BadRequest as exc:
             return exc.status, {"error": str(exc)}, []
         gate = self.gate
@@ -301,26 +350,6 @@ class RunnerApp:
         return 200, payload, []
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise BadRequest(400, "the client disconnected before sending the whole body")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise BadRequest(
-                413,
-                f"request body over {MAX_BODY_BYTES >> 20} MiB; send "
-                "smaller files (the workspace tmpfs is smaller anyway)",
-            )
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
 async def _send(
     send: Send,
     status: int,
@@ -364,16 +393,24 @@ async def _lifespan(receive: Receive, send: Send) -> None:
             return
 
 
+def runner_http_limits() -> HttpLimits:
+    """The runner's HTTP bounds: bodies up to :data:`MAX_BODY_BYTES` (files and workspace
+    tars), the other bounds as every posttrain server."""
+    return HttpLimits(max_body_bytes=MAX_BODY_BYTES)
+
+
 def create_app(
     executor: Executor | None = None,
     concurrency: int | None = None,
     max_queue: int | None = None,
+    exec_limits: ExecLimits | None = None,
+    http: HttpLimits | None = None,
 ) -> RunnerApp:
-    """The runner application; ``concurrency`` defaults to :func:`default_concurrency` and
-    ``max_queue`` to 8 requests per slot."""
+    """The runner application; ``concurrency`` defaults to :func:`default_concurrency`,
+    ``max_queue`` to 8 requests per slot, ``exec_limits`` to :class:`ExecLimits`' defaults."""
     concurrency = concurrency or default_concurrency()
     max_queue = 8 * concurrency if max_queue is None else max_queue
-    return RunnerApp(executor, concurrency, max_queue)
+    return RunnerApp(executor, concurrency, max_queue, exec_limits, http)
 
 
 def fastest_available(module: str, fallback: str) -> str:
@@ -385,7 +422,13 @@ def fastest_available(module: str, fallback: str) -> str:
     return module if importlib.util.find_spec(module) is not None else fallback
 
 
-def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) -> None:
+def serve(
+    host: str,
+    port: int,
+    concurrency: int | None,
+    max_queue: int | None,
+    exec_limits: ExecLimits | None = None,
+) -> None:
     """Run the runner until interrupted (uvicorn, one process, one event loop)."""
     import uvicorn
 
@@ -396,17 +439,18 @@ def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) 
     warm = 2 * concurrency
     executor = Executor(warm_pool=warm)
     try:
-        app = create_app(executor, concurrency, max_queue)
+        app = create_app(executor, concurrency, max_queue, exec_limits)
         loop = fastest_available("uvloop", "asyncio")
         http = fastest_available("httptools", "h11")
         log.info(
-            "sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d; %s, %s)",
+            "sandbox runner on %s:%d (concurrency %d, queue %d, warm pool %d; %s, %s; %s)",
             host,
             port,
             *app.limits,
             warm,
             loop,
             http,
+            app.exec_limits,
         )
         # Keep-alive well above the 5 s default: a trainer's verifier calls come in bursts
         # per step, and a reconnect per burst is pure overhead.
@@ -417,8 +461,8 @@ def serve(host: str, port: int, concurrency: int | None, max_queue: int | None) 
             log_level="warning",
             access_log=False,
             loop=loop,
-            http=http,
             timeout_keep_alive=75,
+            **uvicorn_options(app.http, http),
         )
     finally:
         executor.close()

@@ -218,3 +218,15 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
     assert agent["episodes"] == 1 and agent["errored"] == 0 and 1 <= agent["mean_turns"] <= 2
     # A random tiny model makes no call BFCL accepts: its turns are judged and fail.
     assert all(item["reward"] == 0.0 for item in final["items"])
+
+
+def test_terminal_environments_stay_within_the_runs_sandbox_ceilings() -> None:
+    # A runner refuses requests over the run's policy, the setup command's included.
+    from posttrain.envs.training import make_environment
+
+    spec = SimpleNamespace(kind="terminal", max_turns=3, command_timeout_seconds=120.0)
+    policy = SimpleNamespace(timeout_seconds=30.0, memory_mb=256)
+    env = make_environment(spec, executor=object(), sandbox=policy)
+    assert (env.command_timeout_s, env.setup_timeout_s, env.memory_mb) == (30.0, 30.0, 256)
+    unbounded = make_environment(spec, executor=object())
+    assert (unbounded.command_timeout_s, unbounded.setup_timeout_s) == (120.0, 60.0)

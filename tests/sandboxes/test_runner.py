@@ -1,8 +1,10 @@
 """The runner server over real HTTP (uvicorn), its client, back-pressure, tracing, metrics,
-and the ``posttrain sandbox exec`` JSON contract through a subprocess."""
+its limits against clients, and the ``posttrain sandbox exec`` JSON contract through a
+subprocess."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -17,10 +19,12 @@ import httpx
 import pytest
 import uvicorn
 
-from posttrain.sandboxes import runner as runner_module
+from posttrain.cli import main
+from posttrain.httplimits import HttpLimits, uvicorn_options
 from posttrain.sandboxes.client import SandboxClient, SandboxUnavailable
 from posttrain.sandboxes.executor import Executor
-from posttrain.sandboxes.runner import create_app
+from posttrain.sandboxes.protocol import ExecLimits
+from posttrain.sandboxes.runner import RunnerApp, create_app, parse_exec_request
 from posttrain.sandboxes.verifiers import verify
 from posttrain.telemetry import get_tracer, inject_headers, memory_exporter
 
@@ -32,15 +36,17 @@ def running_server(
     keep_alive_s: int = 5,
     executor: Executor | None = None,
     stack: tuple[str, str] = ("auto", "auto"),
+    http: HttpLimits | None = None,
 ) -> Iterator[str]:
-    """A real uvicorn server on a free port, in a thread; yields its base URL. ``stack`` is
-    uvicorn's (loop, http): "auto" takes uvloop and httptools when installed."""
+    """A real uvicorn server on a free port, in a thread, configured as ``serve`` configures
+    it; yields its base URL. ``stack`` is uvicorn's (loop, http): "auto" takes uvloop and
+    httptools when installed."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     # As `posttrain sandbox serve` runs it: two pre-started sandboxes per slot.
     executor = executor or Executor(warm_pool=2 * concurrency)
-    app = create_app(executor, concurrency=concurrency, max_queue=max_queue)
+    app = create_app(executor, concurrency=concurrency, max_queue=max_queue, http=http)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
@@ -50,7 +56,7 @@ def running_server(
             access_log=False,
             timeout_keep_alive=keep_alive_s,
             loop=stack[0],
-            http=stack[1],
+            **uvicorn_options(app.http, stack[1]),
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)
@@ -139,22 +145,90 @@ def test_client_retries_connection_errors_then_explains() -> None:
     assert time.monotonic() - started >= 0.15  # it backed off between attempts
 
 
-def test_unknown_routes_wrong_methods_and_huge_bodies_are_refused(
-    runner_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unknown_routes_wrong_methods_and_huge_bodies_are_refused(runner_url: str) -> None:
     missing = httpx.get(f"{runner_url}/v2/exec")
     assert missing.status_code == 404 and "POST /v1/exec" in missing.json()["error"]
     wrong = httpx.get(f"{runner_url}/v1/exec")
     assert wrong.status_code == 405 and "GET is not allowed" in wrong.json()["error"]
     assert wrong.headers["allow"] == "POST"
     not_json = httpx.post(f"{runner_url}/v1/exec", content=b"{oops")
-    assert not_json.status_code == 422 and "bad exec request" in not_json.json()["error"]
-    # The server runs in this process (a thread), so the patched limit applies to it.
-    monkeypatch.setattr(runner_module, "MAX_BODY_BYTES", 1000)
-    huge = httpx.post(
-        f"{runner_url}/v1/exec", json={"command": ["true"], "files": {"big.txt": "x" * 2000}}
-    )
-    assert huge.status_code == 413 and "request body over" in huge.json()["error"]
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]
+    small = create_app(concurrency=1, max_queue=1, http=HttpLimits(max_body_bytes=1000))
+    huge = post_in_process(small, {"command": ["true"], "files": {"big.txt": "x" * 2000}})
+    assert huge.status_code == 413 and "limit of 1000 bytes" in huge.json()["error"]
+
+
+def post_in_process(app: RunnerApp, body: object, raw: bytes | None = None) -> httpx.Response:
+    """POST /v1/exec to ``app`` in this process (no socket): for requests refused before
+    anything runs."""
+
+    async def post() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://runner") as client:
+            if raw is not None:
+                return await client.post("/v1/exec", content=raw)
+            return await client.post("/v1/exec", json=body)
+
+    return asyncio.run(post())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("max_processes", 10**9, "limit of 256 (posttrain sandbox serve --max-processes)"),
+        ("memory_mb", 8192, "limit of 1024 (posttrain sandbox serve --max-memory-mb)"),
+        ("timeout_s", 601, "limit of 600 (posttrain sandbox serve --max-timeout-s)"),
+        ("cpu_time_s", 10**6, "limit of 601 (posttrain sandbox serve --max-timeout-s)"),
+        ("workdir_mb", 513, "limit of 512 (posttrain sandbox serve --max-workdir-mb)"),
+        ("max_file_mb", 10**6, "limit of 512 (posttrain sandbox serve --max-file-mb)"),
+        ("max_output_bytes", 1 << 30, "(posttrain sandbox serve --max-output-bytes)"),
+        ("network", "host", "--allow-host-network"),
+    ],
+)
+def test_requests_over_the_runner_limits_are_400_naming_field_and_limit(
+    field: str, value: object, named: str
+) -> None:
+    app = create_app(concurrency=1, max_queue=1, exec_limits=ExecLimits(max_memory_mb=1024))
+    response = post_in_process(app, {"command": ["true"], field: value})
+    assert response.status_code == 400, response.text
+    assert f"{field}=" in response.json()["error"] and named in response.json()["error"]
+
+
+def test_malformed_bodies_are_4xx_not_500() -> None:
+    app = create_app(concurrency=1, max_queue=1)
+    deep = post_in_process(app, None, raw=b"[" * 100_000 + b"]" * 100_000)
+    assert deep.status_code == 400 and "not valid JSON" in deep.json()["error"]
+    nested = b'{"command": ["true"], "env": ' + b"[" * 900 + b"]" * 900 + b"}"
+    inner = post_in_process(app, None, raw=nested)
+    assert inner.status_code == 422 and "env has the wrong type" in inner.json()["error"]
+    assert len(inner.json()["error"]) < 300  # the nested value is quoted shortened
+    wrong_type = post_in_process(app, {"command": ["true"], "cpu_time_s": "5"})
+    assert wrong_type.status_code == 422 and "cpu_time_s" in wrong_type.json()["error"]
+
+
+def test_host_network_needs_the_flag_and_caps_are_the_flags() -> None:
+    body = json.dumps({"command": ["true"], "network": "host", "memory_mb": 2048}).encode()
+    request, _ = parse_exec_request(body, ExecLimits(allow_host_network=True))
+    assert request.network == "host"
+    assert main(["sandbox", "serve", "--max-memory-mb", "0"]) == 2  # refused before serving
+
+
+def test_slow_clients_are_cut_off() -> None:
+    limits = HttpLimits(body_timeout_s=0.5, header_timeout_s=0.5)
+    with running_server(1, 1, http=limits, stack=("asyncio", "h11")) as url:
+        port = int(url.rsplit(":", 1)[1])
+        for request in (
+            b"POST /v1/exec HTTP/1.1\r\nHost: r\r\n",  # headers that never finish
+            b"POST /v1/exec HTTP/1.1\r\nHost: r\r\nContent-Length: 99\r\n\r\n{",  # no body
+        ):
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(request)
+                answer = b""
+                while chunk := sock.recv(65536):  # until the server closes
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408"), answer
+            assert time.monotonic() - started < 3
 
 
 def test_client_keeps_one_connection_alive_per_concurrent_caller(runner_url: str) -> None:
