@@ -114,6 +114,23 @@ def _labels(run: TrainingRun) -> dict[str, str]:
     return {LABEL_COMPONENT: COMPONENT_SANDBOX_RUNNER, LABEL_RUN: run.metadata.name}
 
 
+def runner_limit_args(run: TrainingRun) -> list[str]:
+    """``posttrain sandbox serve`` flags that make ``spec.sandbox`` the runner's own policy, so
+    the runner refuses what the run's trainer would never send (it caps requests to the same
+    values). No ``--allow-host-network``: the runner's NetworkPolicy lets nothing out anyway.
+
+    >>> from posttrain.operator.builders import _example_run
+    >>> runner_limit_args(_example_run())
+    ['--max-timeout-s', '60.0', '--max-memory-mb', '512']
+    """
+    sandbox = run.spec.sandbox
+    # str(float) round-trips exactly: a rounded cap could fall below what the trainer sends.
+    return [
+        *("--max-timeout-s", str(float(sandbox.timeout_seconds))),
+        *("--max-memory-mb", str(sandbox.memory_mb)),
+    ]
+
+
 def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifest:
     """The run's sandbox runner: one replica with ``maxConcurrency`` slots."""
     sandbox = run.spec.sandbox
@@ -144,6 +161,7 @@ def build_runner_deployment(run: TrainingRun, config: OperatorConfig) -> Manifes
                     "$(POD_IP)",
                     "--port",
                     str(SANDBOX_RUNNER_PORT),
+                    *runner_limit_args(run),
                     "--concurrency",
                     str(slots),
                 ],

@@ -457,6 +457,11 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     assert container["image"] == CONFIG.sandbox_runner_image
     assert container["command"][:3] == ["posttrain", "sandbox", "serve"]
     assert container["command"][-2:] == ["--concurrency", "3"]
+    # The run's sandbox policy is the runner's own: it refuses requests beyond it.
+    command = container["command"]
+    assert command[command.index("--max-memory-mb") + 1] == "256"
+    assert command[command.index("--max-timeout-s") + 1] == "60.0"
+    assert "--allow-host-network" not in command
     assert container["resources"]["limits"] == {"cpu": "3", "memory": "1024Mi"}
     assert pod["automountServiceAccountToken"] is False and pod["hostUsers"] is False
     assert pod["runtimeClassName"] == "gvisor"
