@@ -141,7 +141,9 @@ def test_configmap_sets_only_operator_config_fields(render: Render) -> None:
     # An operator started without the chart creates pods from the same four images.
     images = ("trainer_image", "rollout_cpu_image", "vllm_image", "sandbox_image",
               "sandbox_runner_image", "sandbox_init_image")  # fmt: skip
-    assert {f: getattr(config, f) for f in images} == {f: getattr(OperatorConfig(), f) for f in images}
+    assert {f: getattr(config, f) for f in images} == {
+        f: getattr(OperatorConfig(), f) for f in images
+    }
     assert config.kuberay and config.sandbox_artifacts_uri == ""
     assert config.sandbox_artifacts_egress == []
 

@@ -4,6 +4,7 @@ trainer's published weights through the front door, from the real MinIO weight r
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -97,7 +98,10 @@ def test_vllm_pool_pod_serves_and_takes_published_weights(
     try:
         assert _wait_healthy(url, running)["weight_version"] == 0
         client = RolloutClient([url], timeout_s=600)
-        policy = Policy(volume_dirs["models"] / "current", learning_rate=1e-5)
+        # The pod's model, read on the host: /models/current links inside the container.
+        link = Path(os.readlink(volume_dirs["models"] / "current"))
+        model_dir = volume_dirs["models"] / link.relative_to(builders.MODEL_MOUNT)
+        policy = Policy(model_dir, learning_rate=1e-5)
         prompt = [policy.encode_prompt("What is 7 * 6?")]
         before = client.generate(prompt, GREEDY)
         sample = before[0][0]

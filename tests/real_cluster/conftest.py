@@ -48,7 +48,9 @@ def real_cluster() -> Iterator[RealCluster]:
             pytest.fail(why)
         pytest.skip(why)
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
-    cluster = RealCluster(workdir, images=image_refs(chart_tag())).start()
+    # The images these tests run (the rollout image's vLLM pool is tested by tests/images).
+    images = [ref for ref in image_refs(chart_tag()) if "/rollout:" not in ref]
+    cluster = RealCluster(workdir, images=images).start()
     try:
         yield cluster
     finally:

@@ -17,6 +17,8 @@ cd "$repo"
 export CONTAINERS_CONF="$repo/tools/images/containers.conf"
 registry="${REGISTRY:-ghcr.io/posttrain}"
 tag="${TAG:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/posttrain/Chart.yaml)}"
+# The dependencies' file the images install from (tools/images/deps.py: a no-op when current).
+python3 tools/images/deps.py
 base="${BASE_IMAGE:-}"
 [[ -n "$base" ]] || base="$(bash tools/images/base.sh | tail -n 1)"
 uv_cache="${UV_CACHE_DIR:-$HOME/.cache/uv}"
