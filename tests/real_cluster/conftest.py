@@ -50,7 +50,11 @@ def real_cluster() -> Iterator[RealCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
     # The images these tests run (the rollout image's vLLM pool is tested by tests/images).
     images = [ref for ref in image_refs(chart_tag()) if "/rollout:" not in ref]
-    cluster = RealCluster(workdir, images=images).start()
+    # A node an earlier, killed test session left running is stopped; a person's
+    # `posttrain dev up --node real` is not (start() then says so).
+    cluster = RealCluster(workdir, images=images).start(
+        reap=lambda other: other.name.startswith("posttrain-node-")
+    )
     try:
         yield cluster
     finally:

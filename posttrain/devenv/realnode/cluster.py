@@ -99,11 +99,26 @@ class RealCluster:
         self.timings[name] = round(time.monotonic() - started, 2)
         log.info("real node: %s ready in %.1f s", name, self.timings[name])
 
-    def start(self, minio_data: Path | None = None) -> RealCluster:
-        """Start every component in dependency order; on failure stop what started."""
+    def start(self, minio_data: Path | None = None, reap: Callable[[Path], bool] | None = None
+              ) -> RealCluster:  # fmt: skip
+        """Start every component in dependency order; on failure stop what started.
+
+        The node's bridge and address are fixed, so one node runs at a time: a node still
+        running (or left behind by a killed process) is an error, unless ``reap`` says it may be
+        stopped (the test fixture reaps its own earlier nodes)."""
         if os.geteuid() != 0:
             raise PermissionError("the real node runs containers through containerd: run as root")
+        for other in running_nodes():
+            if other == self.workdir or (reap is not None and reap(other)):
+                log.warning("real node: stopping the node left running from %s", other)
+                reap_node(other)
+            else:
+                raise RuntimeError(
+                    f"another real node is running from {other}: stop it first "
+                    "(`posttrain dev down`, or kill its processes)"
+                )
         self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / NODE_MARKER).touch()
         try:
             self._start(minio_data)
         except BaseException:
@@ -333,6 +348,7 @@ class RealCluster:
         kube_proxy = _binary("kube-proxy")
         if kube_proxy is not None:
             subprocess.run([str(kube_proxy), "--cleanup"], capture_output=True, check=False)
+        _remove_kube_chains()
         self.network.tear_down()
         _remove_cgroups("kubepods")
         for path in FIXED_LEFTOVERS:
@@ -340,6 +356,52 @@ class RealCluster:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 path.unlink(missing_ok=True)
+
+
+NODE_MARKER = ".posttrain-node"
+
+
+def running_nodes() -> list[Path]:
+    """Work dirs of real nodes whose containerd still runs (found by its config path)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if not args or not args[0].endswith(b"containerd") or b"--config" not in args:
+            continue
+        config = Path(args[args.index(b"--config") + 1].decode())
+        workdir = config.parent.parent
+        if (workdir / NODE_MARKER).exists() and workdir not in found:
+            found.append(workdir)
+    return found
+
+
+def reap_node(workdir: Path) -> None:
+    """Stop a node nobody holds a record of (its starter was killed): its containers through
+    runc, every process whose command line names its work dir, then the host's leftovers."""
+    runc_root = workdir / "containerd" / "runc" / "k8s.io"
+    if runc_root.is_dir():
+        for container in os.listdir(runc_root):
+            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container],
+                           capture_output=True, check=False)  # fmt: skip
+    marker = str(workdir).encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            try:
+                if marker in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    cluster = RealCluster(workdir)
+    cluster._clean_host()
 
 
 def _binary(name: str) -> Path | None:
@@ -356,6 +418,30 @@ def _kubectl() -> Path | None:
         return client_binary("kubectl")
     except Exception:
         return None
+
+
+def _remove_kube_chains() -> None:
+    """KUBE-* chains `kube-proxy --cleanup` leaves (KUBE-FIREWALL in filter), with their jumps."""
+    for table in ("filter", "nat", "mangle"):
+        rules = subprocess.run(["iptables-save", "-t", table], capture_output=True, text=True,
+                               check=False).stdout.splitlines()  # fmt: skip
+        for rule in rules:
+            parts = rule.split()
+            if (
+                rule.startswith("-A ")
+                and "-j" in parts
+                and parts[parts.index("-j") + 1].startswith("KUBE-")
+                and not parts[1].startswith("KUBE-")
+            ):
+                subprocess.run(["iptables", "-t", table, "-D", *parts[1:]], capture_output=True,
+                               check=False)  # fmt: skip
+        for rule in rules:
+            if rule.startswith(":KUBE-"):
+                chain = rule[1:].split()[0]
+                subprocess.run(["iptables", "-t", table, "-F", chain], capture_output=True,
+                               check=False)  # fmt: skip
+                subprocess.run(["iptables", "-t", table, "-X", chain], capture_output=True,
+                               check=False)  # fmt: skip
 
 
 def mounts_under(root: Path) -> list[str]:
@@ -401,7 +487,7 @@ def leftovers(workdir: Path) -> list[str]:
     if subprocess.run(["ip", "link", "show", "ptbr0"], capture_output=True).returncode == 0:
         found.append("bridge ptbr0")
     rules = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
-    if "POSTTRAIN-FORWARD" in rules or "KUBE-SERVICES" in rules:
+    if "POSTTRAIN-FORWARD" in rules or "KUBE-" in rules:
         found.append("iptables rules (POSTTRAIN-FORWARD/KUBE-*)")
     if workdir.exists() and mounts_under(workdir):
         found.append(f"mounts under {workdir}")

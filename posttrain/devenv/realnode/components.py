@@ -211,7 +211,10 @@ def kube_proxy_process(workdir: Path, kubeconfig: Path, pod_cidr: str) -> Manage
         "metricsBindAddress": f"127.0.0.1:{free_port()}",
         "conntrack": {"maxPerCore": 0, "min": 0, "tcpEstablishedTimeout": "0s",
                       "tcpCloseWaitTimeout": "0s"},
-        "iptables": {"masqueradeAll": False, "syncPeriod": "10s", "minSyncPeriod": "0s"},
+        # No NodePorts on 127.0.0.1: otherwise kube-proxy sets route_localnet and adds a
+        # KUBE-FIREWALL DROP for 127/8 to the host's INPUT and OUTPUT chains.
+        "iptables": {"masqueradeAll": False, "syncPeriod": "10s", "minSyncPeriod": "0s",
+                     "localhostNodePorts": False},
     }  # fmt: skip
     path = workdir / "kube-proxy-config.yaml"
     path.write_text(yaml.safe_dump(config))
