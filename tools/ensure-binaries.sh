@@ -8,6 +8,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
 source "$here/versions.env"
+# shellcheck source=lib.sh
+source "$here/lib.sh"
 bin_dir="${POSTTRAIN_BIN_DIR:-$HOME/.cache/posttrain/bin}"
 mkdir -p "$bin_dir"
 
@@ -26,18 +28,7 @@ build() {  # name version description command...
   echo "[binaries] $name $version: building $what (first time only; several minutes on 2 cores)..."
   local start=$SECONDS tmp
   tmp="$(mktemp -d)"
-  # A heartbeat, so a long build shows progress instead of silence.
-  ( while sleep 30; do echo "[binaries] $name: still building ($((SECONDS - start)) s)..."; done ) &
-  local ticker=$!
-  local status=0
-  "$@" "$tmp" >"$tmp.log" 2>&1 || status=$?
-  kill "$ticker" 2>/dev/null || true
-  wait "$ticker" 2>/dev/null || true
-  if [[ $status -ne 0 ]]; then
-    echo "error: building $name $version failed; last lines of the log ($tmp.log):" >&2
-    tail -n 30 "$tmp.log" >&2
-    exit 1
-  fi
+  run_logged "[binaries] building $name $version" "$tmp.log" 30 "$@" "$tmp"
   mv "$tmp/$name" "$target.partial" && mv "$target.partial" "$target"
   rm -rf "$tmp"
   echo "[binaries] $name $version: built in $((SECONDS - start)) s -> $target"

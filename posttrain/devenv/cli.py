@@ -128,16 +128,10 @@ def dev_up(args: argparse.Namespace) -> int:
     from .controlplane import ControlPlane
     from .minio import MinioServer
 
+    if _already_running():
+        return 0
     if args.node == "real":
         return _dev_up_real_node()
-    existing = DevState.load()
-    if existing and existing.healthy():
-        print("posttrain dev environment already running")
-        _print_state(existing)
-        return 0
-    if existing:
-        log.info("previous dev environment is not healthy; cleaning it up")
-        _teardown(existing)
     workdir = state_dir() / "env"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -178,18 +172,23 @@ def dev_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dev_up_real_node() -> int:
-    """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
-    from .realnode.cluster import RealCluster, image_refs
-
+def _already_running() -> bool:
+    """True (and says so) when a healthy environment is recorded; stops an unhealthy one."""
     existing = DevState.load()
     if existing and existing.healthy():
         print("posttrain dev environment already running")
         _print_state(existing)
-        return 0
+        return True
     if existing:
         log.info("previous dev environment is not healthy; stopping what is left of it")
         _teardown(existing)
+    return False
+
+
+def _dev_up_real_node() -> int:
+    """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
+    from .realnode.cluster import RealCluster, image_refs
+
     workdir = state_dir() / "node"
     cluster = RealCluster(workdir, images=image_refs(_chart_tag()))
     try:

@@ -10,6 +10,8 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 # shellcheck source=../versions.env
 source "$here/versions.env"
+# shellcheck source=../lib.sh
+source "$here/lib.sh"
 cache_dir="${POSTTRAIN_CACHE_DIR:-$HOME/.cache/posttrain}/images"
 ref="localhost/posttrain/base:${BASE_IMAGE_SUITE}-${BASE_IMAGE_REV}"
 tarball="$cache_dir/base-${BASE_IMAGE_SUITE}-${BASE_IMAGE_REV}.tar"
@@ -27,18 +29,9 @@ if [[ ! -s "$tarball" ]]; then
   trap 'rm -rf "$root" "$tarball.partial"' EXIT
   echo "[images] base: debootstrap $BASE_IMAGE_SUITE (minbase + $BASE_IMAGE_PACKAGES), ~2 min the first time..." >&2
   start=$SECONDS
-  ( while sleep 30; do echo "[images] base: still bootstrapping ($((SECONDS - start)) s)..." >&2; done ) &
-  ticker=$!
-  status=0
-  debootstrap --variant=minbase --include="$BASE_IMAGE_PACKAGES" "$BASE_IMAGE_SUITE" "$root" \
-    "$BASE_IMAGE_MIRROR" >"$cache_dir/debootstrap.log" 2>&1 || status=$?
-  kill "$ticker" 2>/dev/null || true
-  wait "$ticker" 2>/dev/null || true
-  if [[ $status -ne 0 ]]; then
-    echo "error: debootstrap failed; last lines of $cache_dir/debootstrap.log:" >&2
-    tail -n 20 "$cache_dir/debootstrap.log" >&2
-    exit 1
-  fi
+  run_logged "[images] base: debootstrap" "$cache_dir/debootstrap.log" 20 \
+    debootstrap --variant=minbase --include="$BASE_IMAGE_PACKAGES" "$BASE_IMAGE_SUITE" "$root" \
+    "$BASE_IMAGE_MIRROR"
   # What a registry base leaves out: package caches, apt lists, logs, the build's resolv.conf.
   chroot "$root" apt-get clean
   rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/log/*.log \

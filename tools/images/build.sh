@@ -15,6 +15,8 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$repo"
 export CONTAINERS_CONF="$repo/tools/images/containers.conf"
+# shellcheck source=../lib.sh
+source "$repo/tools/lib.sh"
 registry="${REGISTRY:-ghcr.io/posttrain}"
 tag="${TAG:-$(sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}$/\1/p' charts/posttrain/Chart.yaml)}"
 # The dependencies' file the images install from (tools/images/deps.py: a no-op when current).
@@ -47,22 +49,11 @@ for name in "${names[@]}"; do
   echo "[images] $ref: building from ${dockerfile[$name]} on $base..."
   start=$SECONDS
   log="$(mktemp -t "posttrain-image-$name.XXXXXX.log")"
-  ( while sleep 30; do echo "[images] $name: still building ($((SECONDS - start)) s; log $log)..."; done ) &
-  ticker=$!
-  status=0
   args=(--network host --layers --volume "$uv_cache:/root/.cache/uv")
   [[ ! -s "$ca_bundle" ]] || args+=(--volume "$ca_bundle:/etc/ssl/certs/ca-certificates.crt:ro")
-  args+=(
-        --build-arg "BASE_IMAGE=$base" -f "${dockerfile[$name]}" -t "$ref")
+  args+=(--build-arg "BASE_IMAGE=$base" -f "${dockerfile[$name]}" -t "$ref")
   [[ -z "${VLLM_PACKAGE:-}" || $name != rollout ]] || args+=(--build-arg "VLLM_PACKAGE=$VLLM_PACKAGE")
-  podman build "${args[@]}" . >"$log" 2>&1 || status=$?
-  kill "$ticker" 2>/dev/null || true
-  wait "$ticker" 2>/dev/null || true
-  if [[ $status -ne 0 ]]; then
-    echo "error: building $ref failed; last lines of $log:" >&2
-    tail -n 30 "$log" >&2
-    exit 1
-  fi
+  run_logged "[images] building $ref" "$log" 30 podman build "${args[@]}" .
   size="$(podman image inspect --format '{{.Size}}' "$ref")"
   echo "[images] $ref: built in $((SECONDS - start)) s, $((size / 1000000)) MB"
   rm -f "$log"

@@ -146,24 +146,33 @@ def kubelet_process(
     )
 
 
-def scheduler_process(workdir: Path, kubeconfig: Path) -> ManagedProcess:
+def _control_plane_component(
+    name: str, workdir: Path, kubeconfig: Path, flags: list[str]
+) -> ManagedProcess:
+    """kube-scheduler or kube-controller-manager: the admin kubeconfig, one replica (no leader
+    election), its secure port on loopback with a self-signed certificate, probed at /healthz."""
     port = free_port()
     return ManagedProcess(
-        name="kube-scheduler",
+        name=name,
         command=[
-            str(go_binary("kube-scheduler")),
+            str(go_binary(name)),
             f"--kubeconfig={kubeconfig}",
             f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
             "--bind-address=127.0.0.1",
             f"--secure-port={port}",
-            f"--cert-dir={workdir / 'scheduler-certs'}",
+            f"--cert-dir={workdir / f'{name}-certs'}",
             "--leader-elect=false",
             "--v=1",
+            *flags,
         ],
-        log_path=workdir / "kube-scheduler.log",
+        log_path=workdir / f"{name}.log",
         ready=lambda: http_ok(f"https://127.0.0.1:{port}/healthz", _insecure_tls()),
     )
+
+
+def scheduler_process(workdir: Path, kubeconfig: Path) -> ManagedProcess:
+    return _control_plane_component("kube-scheduler", workdir, kubeconfig, [])
 
 
 def controller_manager_process(
@@ -172,28 +181,18 @@ def controller_manager_process(
     """Every default controller but node IPAM (CNI's host-local hands out pod addresses):
     Deployments, ReplicaSets, Jobs, the garbage collector, ServiceAccount tokens, the
     ``kube-root-ca.crt`` ConfigMap projected tokens need, and the CSR signer."""
-    port = free_port()
-    return ManagedProcess(
-        name="kube-controller-manager",
-        command=[
-            str(go_binary("kube-controller-manager")),
-            f"--kubeconfig={kubeconfig}",
-            f"--authentication-kubeconfig={kubeconfig}",
-            f"--authorization-kubeconfig={kubeconfig}",
+    return _control_plane_component(
+        "kube-controller-manager",
+        workdir,
+        kubeconfig,
+        [
             "--controllers=*,-nodeipam",
-            "--leader-elect=false",
             f"--root-ca-file={ca}",
             f"--service-account-private-key-file={sa_key}",
             f"--cluster-signing-cert-file={ca}",
             f"--cluster-signing-key-file={ca_key}",
             "--use-service-account-credentials=true",
-            "--bind-address=127.0.0.1",
-            f"--secure-port={port}",
-            f"--cert-dir={workdir / 'controller-manager-certs'}",
-            "--v=1",
         ],
-        log_path=workdir / "kube-controller-manager.log",
-        ready=lambda: http_ok(f"https://127.0.0.1:{port}/healthz", _insecure_tls()),
     )
 
 
