@@ -131,7 +131,7 @@ def dev_up(args: argparse.Namespace) -> int:
     if _already_running():
         return 0
     if args.node == "real":
-        return _dev_up_real_node()
+        return _dev_up_real_node(args.images)
     workdir = state_dir() / "env"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
@@ -185,12 +185,17 @@ def _already_running() -> bool:
     return False
 
 
-def _dev_up_real_node() -> int:
+def _dev_up_real_node(images: str) -> int:
     """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
-    from .realnode.cluster import RealCluster, image_refs
+    from .realnode.cluster import IMAGE_NAMES, RealCluster, image_refs
 
+    wanted = [name.strip() for name in images.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(IMAGE_NAMES))
+    if unknown:
+        raise UsageError(f"--images: unknown {unknown}; choose from {', '.join(IMAGE_NAMES)}")
+    refs = [ref for ref in image_refs(_chart_tag()) if ref.split("/")[-1].split(":")[0] in wanted]
     workdir = state_dir() / "node"
-    cluster = RealCluster(workdir, images=image_refs(_chart_tag()))
+    cluster = RealCluster(workdir, images=refs)
     try:
         cluster.start()
         install_crds(cluster.kubeconfig)
@@ -367,6 +372,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         help="real: a whole single-node cluster (kubelet, containerd, runc, CNI, kube-proxy, "
         "CoreDNS, scheduler, controller-manager) that runs the images of `make images`; needs "
         "root. none (default): etcd + kube-apiserver only (pods need `posttrain dev agent`)",
+    )
+    up.add_argument(
+        "--images",
+        default="operator,sandbox,trainer,rollout",
+        help="with --node real: which of `make images`' images to load into the node "
+        "(comma-separated; default all four; each is imported once per image ID)",
     )
     up.set_defaults(func=dev_up)
     down = dev_sub.add_parser(

@@ -28,7 +28,8 @@ from ..images.podman import chart_tag, missing_images
 Kubectl = Callable[..., subprocess.CompletedProcess[str]]
 
 
-def _missing() -> list[str]:
+def missing_requirements() -> list[str]:
+    """What the real node needs and this machine lacks ([] when it can start)."""
     missing = [f"command {c}" for c in ("containerd", "ctr", "runc", "iptables", "ip")
                if shutil.which(c) is None]  # fmt: skip
     if os.geteuid() != 0:
@@ -41,7 +42,7 @@ def _missing() -> list[str]:
 
 @pytest.fixture(scope="session")
 def real_cluster() -> Iterator[RealCluster]:
-    missing = _missing()
+    missing = missing_requirements()
     if missing:
         why = f"the real node cannot start: missing {', '.join(missing)} (make test installs them)"
         if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
@@ -102,3 +103,13 @@ def node_namespace(node_api: Any) -> Iterator[str]:
     )
     yield name
     core.delete_namespace(name)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`dev up --node real` starts a node of its own, and one node runs at a time: its test
+    goes before the first test that starts the session's shared node."""
+    first = [item for item in items if item.path.name == "test_dev_cli.py"]
+    if first:
+        rest = [item for item in items if item not in first]
+        shared = next((i for i, item in enumerate(rest) if "real_cluster" in item.path.parts), 0)
+        items[:] = [*rest[:shared], *first, *rest[shared:]]

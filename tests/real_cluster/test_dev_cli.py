@@ -1,0 +1,58 @@
+"""`posttrain dev up --node real` / `status` / `down`, as a person runs them: the node comes up
+with its images, reports its components' start times, serves kubectl, and `dev down` leaves
+nothing behind. Runs before the session's shared node starts (one node at a time)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.devenv.binaries import client_binary
+from posttrain.devenv.realnode.cluster import leftovers, running_nodes
+
+from .conftest import missing_requirements
+
+pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(1800)]
+
+
+def test_dev_up_real_node_status_and_down_leave_nothing(tmp_path: Path) -> None:
+    missing = missing_requirements()
+    if missing:
+        why = f"the real node cannot start: missing {', '.join(missing)}"
+        if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    assert not running_nodes(), f"a real node is already running from {running_nodes()}"
+    env = {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev")}
+    posttrain = [sys.executable, "-m", "posttrain.cli"]
+
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*posttrain, "dev", *args], env=env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+
+    up = run("up", "--node", "real", "--images", "operator,sandbox", timeout=1200)
+    workdir = tmp_path / "dev" / "node"
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "a real node" in up.stdout and "node-ready" in up.stdout, up.stdout
+        again = run("up", "--node", "real")  # idempotent: the healthy node is reused
+        assert again.returncode == 0 and "already running" in again.stdout, again.stdout
+        status = run("status")
+        assert status.returncode == 0 and "healthy" in status.stdout, status.stdout
+        state = json.loads((tmp_path / "dev" / "state.json").read_text())
+        nodes = subprocess.run(
+            [str(client_binary("kubectl")), "--kubeconfig", state["kubeconfig"], "get", "nodes",
+             "-o", "jsonpath={.items[0].status.conditions[?(@.type=='Ready')].status}"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert nodes.stdout == "True", nodes.stderr
+    finally:
+        down = run("down", timeout=600)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not running_nodes()
+    assert leftovers(workdir) == []
