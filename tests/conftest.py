@@ -96,11 +96,40 @@ def namespace(kube_api: Any) -> Iterator[str]:
     core.delete_namespace(name)
 
 
+_SESSION_MINIO: list[MinioServer] = []
+
+
 @pytest.fixture(scope="session")
 def minio_server() -> Iterator[MinioServer]:
     server = MinioServer().start()
+    _SESSION_MINIO.append(server)
     yield server
+    _SESSION_MINIO.clear()
     server.destroy()
+
+
+def _bucket_names(server: MinioServer) -> set[str]:
+    return {bucket.name for bucket in server.client().list_buckets()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_the_modules_buckets() -> Iterator[None]:
+    """Each module's buckets go when the module's tests are done. A trained model's checkpoint
+    is GBs, and the suite trains many: kept for the whole session they filled the disk, which
+    also holds the images and the real node's containerd."""
+    before = _bucket_names(_SESSION_MINIO[0]) if _SESSION_MINIO else set()
+    yield
+    if not _SESSION_MINIO:
+        return
+    server = _SESSION_MINIO[0]
+    client = server.client()
+    for bucket in _bucket_names(server) - before:
+        from minio.deleteobjects import DeleteObject
+
+        names = (DeleteObject(o.object_name) for o in client.list_objects(bucket, recursive=True))
+        for error in client.remove_objects(bucket, names):
+            raise AssertionError(f"could not delete from {bucket}: {error}")
+        client.remove_bucket(bucket)
 
 
 @pytest.fixture

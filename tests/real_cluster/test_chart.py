@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from posttrain.devenv.binaries import client_binary
 from posttrain.devenv.realnode.cluster import RealCluster
@@ -111,7 +112,13 @@ def test_training_run_with_a_cpu_pool_trains_to_succeeded_and_collects_its_child
     installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
 ) -> None:
     ns = installed
-    node_kubectl("apply", "-n", ns, "-f", str(REPO_ROOT / "examples" / "dev-run.yaml"))
+    manifests = list(yaml.safe_load_all((REPO_ROOT / "examples" / "dev-run.yaml").read_text()))
+    for doc in manifests:
+        if doc["kind"] == "TrainingRun":
+            # One checkpoint, at the end: each is ~2 GB for this model (optimizer state
+            # included), and the disk also holds the images and the node's containerd.
+            doc["spec"]["checkpoint"] = {"everySteps": 3, "keepLast": 1}
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(manifests))
 
     def describe() -> str:
         return (node_kubectl("get", "tr,rp,pods", "-n", ns, "-o", "wide").stdout
@@ -139,6 +146,8 @@ def test_training_run_with_a_cpu_pool_trains_to_succeeded_and_collects_its_child
     keys = [o.object_name for o in client.list_objects("posttrain", f"runs/{ns}/dev-run/",
                                                        recursive=True)]  # fmt: skip
     assert any("checkpoints/" in k for k in keys), keys[:30]
+    for key in keys:
+        client.remove_object("posttrain", key)
     # Deleting the run and the pool: the garbage collector removes what the operator made.
     node_kubectl("delete", "trainingrun", "dev-run", "-n", ns, "--wait=true", timeout=300)
     node_kubectl("delete", "rolloutpool", "dev-pool", "-n", ns, "--wait=true", timeout=300)
