@@ -130,6 +130,7 @@ def _drop_the_modules_buckets() -> Iterator[None]:
         for error in client.remove_objects(bucket, names):
             raise AssertionError(f"could not delete from {bucket}: {error}")
         client.remove_bucket(bucket)
+    server.empty_trash()
 
 
 @pytest.fixture

@@ -354,3 +354,16 @@ def test_tls_with_a_private_ca_bundle(tmp_path: Path, minio_binary_path: Path) -
         assert time.monotonic() - started < 5  # not retried: a bad certificate stays bad
     finally:
         server.stop()
+
+
+def test_emptying_minios_trash_frees_deleted_objects_and_keeps_live_ones(
+    s3_server: MinioServer,
+) -> None:
+    """Deleted objects wait in MinIO's trash; the suite empties it between modules."""
+    store = S3Store(s3_server.endpoint, f"t-{uuid.uuid4().hex[:12]}",
+                    access_key=s3_server.access_key, secret_key=s3_server.secret_key)  # fmt: skip
+    store.put_bytes("gone", os.urandom(3 << 20))
+    store.put_bytes("kept", b"still here")
+    store.delete("gone")
+    assert s3_server.empty_trash() >= 3 << 20
+    assert store.get_bytes("kept") == b"still here"
