@@ -108,8 +108,9 @@ def node_namespace(node_api: Any) -> Iterator[str]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """`dev up --node real` starts a node of its own, and one node runs at a time: its test
     goes before the first test that starts the session's shared node."""
-    first = [item for item in items if item.path.name == "test_dev_cli.py"]
+    here = Path(__file__).parent
+    first = [item for item in items if item.path == here / "test_dev_cli.py"]
     if first:
         rest = [item for item in items if item not in first]
-        shared = next((i for i, item in enumerate(rest) if "real_cluster" in item.path.parts), 0)
+        shared = next((i for i, item in enumerate(rest) if item.path.parent == here), len(rest))
         items[:] = [*rest[:shared], *first, *rest[shared:]]
