@@ -193,9 +193,8 @@ def _dev_up_real_node(images: str) -> int:
     unknown = sorted(set(wanted) - set(IMAGE_NAMES))
     if unknown:
         raise UsageError(f"--images: unknown {unknown}; choose from {', '.join(IMAGE_NAMES)}")
-    refs = [ref for ref in image_refs(_chart_tag()) if ref.split("/")[-1].split(":")[0] in wanted]
     workdir = state_dir() / "node"
-    cluster = RealCluster(workdir, images=refs)
+    cluster = RealCluster(workdir, images=image_refs(wanted))
     try:
         cluster.start()
         install_crds(cluster.kubeconfig)
@@ -228,15 +227,6 @@ def _dev_up_real_node(images: str) -> int:
         print(f"  {name:<20} ready in {seconds:.1f} s")
     _print_state(state)
     return 0
-
-
-def _chart_tag() -> str:
-    from .binaries import REPO_ROOT
-
-    for line in (REPO_ROOT / "charts" / "posttrain" / "Chart.yaml").read_text().splitlines():
-        if line.startswith("appVersion:"):
-            return line.split(":", 1)[1].strip().strip('"')
-    raise UsageError("charts/posttrain/Chart.yaml has no appVersion")
 
 
 def _print_state(state: DevState) -> None:

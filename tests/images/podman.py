@@ -22,27 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.devenv.realnode.cluster import IMAGE_NAMES, image_ref, podman_env
+
+__all__ = ["IMAGE_NAMES", "image_ref", "podman_env"]
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CONTAINERS_CONF = REPO_ROOT / "tools" / "images" / "containers.conf"
-IMAGE_NAMES = ("operator", "sandbox", "trainer", "rollout")
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
-
-
-def chart_tag() -> str:
-    """The chart's appVersion: the tag `make images` gives every image."""
-    for line in (REPO_ROOT / "charts" / "posttrain" / "Chart.yaml").read_text().splitlines():
-        if line.startswith("appVersion:"):
-            return line.split(":", 1)[1].strip().strip('"')
-    raise AssertionError("charts/posttrain/Chart.yaml has no appVersion")
-
-
-def image_ref(name: str) -> str:
-    """``ghcr.io/posttrain/<name>:<appVersion>``, the chart's default for that image."""
-    return f"ghcr.io/posttrain/{name}:{chart_tag()}"
-
-
-def podman_env() -> dict[str, str]:
-    return {**os.environ, "CONTAINERS_CONF": str(CONTAINERS_CONF)}
 
 
 def podman(

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from posttrain.devenv.binaries import client_binary
-from posttrain.devenv.realnode.cluster import RealCluster, image_refs, leftovers
+from posttrain.devenv.realnode.cluster import IMAGE_NAMES, RealCluster, image_refs, leftovers
 from posttrain.devenv.realnode.network import CNI_BIN_DIR
 
-from ..images.podman import chart_tag, missing_images
+from ..images.podman import missing_images
 
 Kubectl = Callable[..., subprocess.CompletedProcess[str]]
 
@@ -50,7 +50,7 @@ def real_cluster() -> Iterator[RealCluster]:
         pytest.skip(why)
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
     # The images these tests run (the rollout image's vLLM pool is tested by tests/images).
-    images = [ref for ref in image_refs(chart_tag()) if "/rollout:" not in ref]
+    images = image_refs([name for name in IMAGE_NAMES if name != "rollout"])
     # A node an earlier, killed test session left running is stopped; a person's
     # `posttrain dev up --node real` is not (start() then says so).
     cluster = RealCluster(workdir, images=images).start(

@@ -19,7 +19,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 from posttrain.processes import ManagedProcess, free_port
 from posttrain.telemetry import get_tracer
 
-from ..binaries import go_binary
+from ..binaries import REPO_ROOT, go_binary
 from ..certs import issue
 from ..controlplane import ControlPlane
 from ..minio import MinioServer
@@ -56,12 +56,28 @@ def default_cache_dir() -> Path:
 
 
 def podman_env() -> dict[str, str]:
-    repo = Path(__file__).resolve().parents[3]
-    return {**os.environ, "CONTAINERS_CONF": str(repo / "tools" / "images" / "containers.conf")}
+    """podman with the project's settings (runc, explicit rlimits: tools/images/containers.conf)."""
+    return {
+        **os.environ,
+        "CONTAINERS_CONF": str(REPO_ROOT / "tools" / "images" / "containers.conf"),
+    }
 
 
-def image_refs(tag: str) -> list[str]:
-    return [f"ghcr.io/posttrain/{name}:{tag}" for name in IMAGE_NAMES]
+def chart_tag() -> str:
+    """The chart's appVersion: the tag `make images` gives every image."""
+    for line in (REPO_ROOT / "charts" / "posttrain" / "Chart.yaml").read_text().splitlines():
+        if line.startswith("appVersion:"):
+            return line.split(":", 1)[1].strip().strip('"')
+    raise RuntimeError("charts/posttrain/Chart.yaml has no appVersion")
+
+
+def image_ref(name: str) -> str:
+    """``ghcr.io/posttrain/<name>:<appVersion>``, the chart's default for that image."""
+    return f"ghcr.io/posttrain/{name}:{chart_tag()}"
+
+
+def image_refs(names: Sequence[str] = IMAGE_NAMES) -> list[str]:
+    return [image_ref(name) for name in names]
 
 
 @dataclass
@@ -337,11 +353,7 @@ class RealCluster:
             ctr("tasks", "delete", "--force", task)
         for container in ctr("containers", "ls", "-q").stdout.split():
             ctr("containers", "delete", container)
-        runc_root = self.containerd.workdir / "runc" / "k8s.io"
-        if runc_root.is_dir():
-            for container in os.listdir(runc_root):
-                subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container],
-                               capture_output=True, check=False)  # fmt: skip
+        _delete_runc_containers(self.workdir)
 
     def _clean_host(self) -> None:
         _unmount_under(self.workdir)
@@ -380,14 +392,18 @@ def running_nodes() -> list[Path]:
     return found
 
 
+def _delete_runc_containers(workdir: Path) -> None:
+    """Every container runc still holds for the node in ``workdir`` (what containerd missed)."""
+    runc_root = workdir / "containerd" / "runc" / "k8s.io"
+    for container in os.listdir(runc_root) if runc_root.is_dir() else []:
+        subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container],
+                       capture_output=True, check=False)  # fmt: skip
+
+
 def reap_node(workdir: Path) -> None:
     """Stop a node nobody holds a record of (its starter was killed): its containers through
     runc, every process whose command line names its work dir, then the host's leftovers."""
-    runc_root = workdir / "containerd" / "runc" / "k8s.io"
-    if runc_root.is_dir():
-        for container in os.listdir(runc_root):
-            subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container],
-                           capture_output=True, check=False)  # fmt: skip
+    _delete_runc_containers(workdir)
     marker = str(workdir).encode()
     pids = []
     for proc in Path("/proc").iterdir():

@@ -178,19 +178,3 @@ class Containerd:
         self._imported_dir.mkdir(parents=True, exist_ok=True)
         stamp.write_text(image_id)
         return time.monotonic() - started
-
-
-def pause_image_missing(podman_env: dict[str, str]) -> bool:
-    return (
-        subprocess.run(
-            ["podman", "image", "exists", PAUSE_IMAGE], env=podman_env, check=False
-        ).returncode
-        != 0
-    )
-
-
-def containers_left(runc_root: Path) -> list[str]:
-    """Containers runc still knows about under ``runc_root`` (for ``dev down``'s check)."""
-    if not runc_root.is_dir():
-        return []
-    return [entry for entry in os.listdir(runc_root)]
