@@ -23,6 +23,12 @@ import time
 from typing import Any
 
 POLL_SECONDS = 0.05
+# Copies of posttrain/api/env.py's names (this file runs with the stdlib only; a test keeps
+# them equal).
+CLAIM_FILE_ENV = "POSTTRAIN_CLAIM_FILE"
+WORKDIR_ENV = "POSTTRAIN_WORKDIR"
+TASK_ENV = "POSTTRAIN_SANDBOX_TASK"
+ATTEMPT_ENV = "POSTTRAIN_SANDBOX_ATTEMPT"
 
 
 def read_claim(path: str) -> dict[str, Any] | None:
@@ -65,8 +71,8 @@ def write_files(workdir: str, files: dict[str, str]) -> None:
 
 
 def main() -> None:
-    claim_file = os.environ["POSTTRAIN_CLAIM_FILE"]
-    workdir = os.environ.get("POSTTRAIN_WORKDIR", os.getcwd())
+    claim_file = os.environ[CLAIM_FILE_ENV]
+    workdir = os.environ.get(WORKDIR_ENV, os.getcwd())
     claim = read_claim(claim_file)
     while claim is None:
         time.sleep(POLL_SECONDS)
@@ -75,8 +81,8 @@ def main() -> None:
     write_files(workdir, files)
     command = list(claim.get("command") or []) or ["python", "main.py"]
     os.chdir(workdir)
-    os.environ["POSTTRAIN_SANDBOX_TASK"] = str(claim.get("task", ""))
-    os.environ["POSTTRAIN_SANDBOX_ATTEMPT"] = "1"
+    os.environ[TASK_ENV] = str(claim.get("task", ""))
+    os.environ[ATTEMPT_ENV] = "1"
     stdin = claim.get("stdin")
     if stdin is not None:
         stdin_path = os.path.join(workdir, ".stdin")
