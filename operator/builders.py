@@ -17,7 +17,17 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun, env
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api.env import (
+    NODE_RANK,
+    RANK,
+    S3_CREDENTIAL_KEYS,
+    S3_ENDPOINT,
+    S3_SECURE,
+    RolloutPoolEnv,
+    SandboxTaskEnv,
+    TrainerEnv,
+)
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -266,10 +276,10 @@ def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
 def s3_env(config: OperatorConfig) -> list[dict[str, Any]]:
     """S3 endpoint as plain env, credentials only through secretKeyRef (never literal)."""
     env: list[dict[str, Any]] = [
-        {"name": "POSTTRAIN_S3_ENDPOINT", "value": config.s3_endpoint},
-        {"name": "POSTTRAIN_S3_SECURE", "value": "true" if config.s3_secure else "false"},
+        {"name": S3_ENDPOINT, "value": config.s3_endpoint},
+        {"name": S3_SECURE, "value": "true" if config.s3_secure else "false"},
     ]
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+    for key in S3_CREDENTIAL_KEYS:
         env.append(
             {
                 "name": key,
@@ -323,31 +333,32 @@ def build_trainer_pod(
         ]  # fmt: skip
     else:
         command = ["ray", "start", f"--address={head}:{config.ray_port}", "--block"]
+    # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
+    # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get that
+    # one pool) so each weight version reaches every ready replica.
+    resolved_pool = bool(rollout_endpoints) and not run.spec.rollout.endpoints
+    contract = TrainerEnv(
+        run_name=name,
+        run_namespace=run.metadata.namespace,
+        run_uid=run.metadata.uid,
+        master_addr=master_addr,
+        master_port=config.trainer_master_port,
+        world_size=nodes,
+        rank=rank,
+        node_rank=rank,
+        gang=incarnation,
+        sandbox_runner_url=sandbox_runner.own_runner_url(run),
+        rollout_endpoints=list(rollout_endpoints) if resolved_pool else [],
+        rollout_pool=run.spec.rollout.pool if resolved_pool else None,
+        rollout_dtype=rollout_dtype if resolved_pool else None,
+        ray_address=f"{head}:{config.ray_port}" if on_ray else None,
+    )
     env: list[dict[str, Any]] = [
-        {"name": "POSTTRAIN_RUN_NAME", "value": name},
-        {"name": "POSTTRAIN_RUN_NAMESPACE", "value": run.metadata.namespace},
-        {"name": "MASTER_ADDR", "value": master_addr},
-        {"name": "MASTER_PORT", "value": str(config.trainer_master_port)},
-        {"name": "WORLD_SIZE", "value": str(nodes)},
-        {"name": "RANK", "value": str(rank)},
-        {"name": "POSTTRAIN_NODE_RANK", "value": str(rank)},
-        {"name": "POSTTRAIN_GANG", "value": str(incarnation)},
+        *contract.to_env(),
         *s3_env(config),
         *otlp_env(config, "posttrain-trainer", run),
+        *hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret),
     ]
-    env += sandbox_runner.trainer_sandbox_env(run)
-    env += hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret)
-    if rollout_endpoints and not run.spec.rollout.endpoints:
-        # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
-        # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
-        # that one pool) so each weight version reaches every ready replica.
-        env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
-        if run.spec.rollout.pool:
-            env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
-        if rollout_dtype:
-            env.append({"name": ROLLOUT_DTYPE_ENV, "value": rollout_dtype})
-    if on_ray:
-        env.append({"name": "RAY_ADDRESS", "value": f"{head}:{config.ray_port}"})
     labels = {
         LABEL_COMPONENT: COMPONENT_TRAINER,
         LABEL_RUN: name,
@@ -566,7 +577,7 @@ def build_ray_cluster(
         *head_pod["spec"]["containers"][0].get("ports", []),  # the trainer's /metrics
     ]
     head["spec"]["containers"][0].update(_ray_probes(config.ray_port))
-    worker = _pod_template(worker_pod, drop_env=("RANK", "POSTTRAIN_NODE_RANK"))
+    worker = _pod_template(worker_pod, drop_env=(RANK, NODE_RANK))
     worker["metadata"]["labels"].pop(LABEL_RANK, None)
     worker_container = worker["spec"]["containers"][0]
     worker_container["command"] = [
@@ -620,12 +631,6 @@ def selector_string(labels: dict[str, str]) -> str:
     'a=1,b=2'
     """
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-
-
-# Read by `posttrain run` in a trainer pod when spec.rollout.endpoints is empty.
-ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
-ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
-ROLLOUT_DTYPE_ENV = env.ROLLOUT_DTYPE
 
 
 def pool_endpoint(pool: RolloutPool) -> str:
@@ -714,21 +719,19 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     # Trainers publish weights to S3 and ask every replica to load them (POST
     # /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
     # even when they do not poll a weight source themselves.
+    polls = bool(spec.weight_update.source_uri)
+    contract = RolloutPoolEnv(
+        pool_name=name,
+        weights_uri=spec.weight_update.source_uri if polls else None,
+        weights_poll_seconds=spec.weight_update.poll_seconds if polls else None,
+    )
     env: list[dict[str, Any]] = [
-        {"name": "POSTTRAIN_POOL_NAME", "value": name},
+        *contract.to_env(),
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
     if config.s3_endpoint:
         env += s3_env(config)
     env += otlp_env(config, "posttrain-rollout", pool)
-    if spec.weight_update.source_uri:
-        env += [
-            {"name": "POSTTRAIN_WEIGHTS_URI", "value": spec.weight_update.source_uri},
-            {
-                "name": "POSTTRAIN_WEIGHTS_POLL_SECONDS",
-                "value": str(spec.weight_update.poll_seconds),
-            },
-        ]
     gpus = spec.resources.gpus if spec.engine == "vllm" else 0
     container: dict[str, Any] = {
         "name": "server",
@@ -758,7 +761,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
     mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
     if spec.engine == "vllm":
-        model_env = [*env, {"name": "POSTTRAIN_CACHE", "value": MODEL_MOUNT}]
+        model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
         container["env"] = model_env
         container["volumeMounts"] = [mount]
         pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
@@ -944,26 +947,26 @@ def build_sandbox_entrypoint_config_map(namespace: str) -> Manifest:
 
 
 def _store_artifacts(
+    contract: SandboxTaskEnv,
     task: SandboxTask,
-    command: list[str],
-    env: list[dict[str, Any]],
     annotations: dict[str, str],
     artifacts: SandboxArtifacts,
-) -> list[str]:
-    """Wrap ``command`` in the entrypoint and hand it the presigned URLs; returns the argv."""
-    env += [
-        {"name": "POSTTRAIN_SANDBOX_WORKDIR", "value": SANDBOX_WORKDIR},
-        {"name": "POSTTRAIN_SANDBOX_TIMEOUT", "value": str(task.spec.timeout_seconds)},
-        {"name": "POSTTRAIN_SANDBOX_LOGS_URL", "value": artifacts.logs_url},
-    ]
+) -> SandboxTaskEnv:
+    """Hand the entrypoint the presigned URLs (the contract) and record their URIs."""
     annotations[ANNOTATION_LOGS_URI] = artifacts.logs_uri
+    snapshot_url = None
     if artifacts.snapshot_url and artifacts.snapshot_uri:
-        env.append({"name": "POSTTRAIN_SANDBOX_SNAPSHOT_URL", "value": artifacts.snapshot_url})
         annotations[ANNOTATION_SNAPSHOT_URI] = artifacts.snapshot_uri
-    if artifacts.restore_url:
-        env.append({"name": "POSTTRAIN_SANDBOX_RESTORE_URL", "value": artifacts.restore_url})
-    entrypoint = f"{SANDBOX_ENTRYPOINT_DIR}/{SANDBOX_ENTRYPOINT_KEY}"
-    return ["python3", entrypoint, "--", *command]
+        snapshot_url = artifacts.snapshot_url
+    return contract.model_copy(
+        update={
+            "workdir": SANDBOX_WORKDIR,
+            "timeout_seconds": task.spec.timeout_seconds,
+            "logs_url": artifacts.logs_url,
+            "snapshot_url": snapshot_url,
+            "restore_url": artifacts.restore_url or None,
+        }
+    )
 
 
 def build_sandbox_pod(
@@ -1012,14 +1015,16 @@ def build_sandbox_pod(
     restricted = restricted_container_context()
     res = spec.resources
     workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
+    contract = SandboxTaskEnv(task=name, attempt=attempt)
+    if artifacts is not None:
+        # The program runs under the entrypoint, which reads the URLs from the contract.
+        contract = _store_artifacts(contract, task, annotations, artifacts)
+        command = ["python3", f"{SANDBOX_ENTRYPOINT_DIR}/{SANDBOX_ENTRYPOINT_KEY}", "--", *command]
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": SANDBOX_WORKDIR},
         {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
-        {"name": "POSTTRAIN_SANDBOX_TASK", "value": name},
-        {"name": "POSTTRAIN_SANDBOX_ATTEMPT", "value": str(attempt)},
+        *contract.to_env(),
     ]
-    if artifacts is not None:
-        command = _store_artifacts(task, command, env, annotations, artifacts)
     containers: list[dict[str, Any]] = [
         {
             "name": "sandbox",

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.api import TrainingRun, env
+from posttrain.api import TrainingRun
 
 from .common import apply_sandbox_runtime, child_metadata, resources
 from .config import OperatorConfig
@@ -28,7 +28,6 @@ Manifest = dict[str, Any]
 
 COMPONENT_SANDBOX_RUNNER = "sandbox-runner"
 SANDBOX_RUNNER_PORT = 8090
-RUNNER_URL_ENV = env.SANDBOX_RUNNER_URL
 EXECUTION_VERIFIERS = frozenset({"unit_tests", "shell"})
 # Builtin datasets whose tasks carry their own execution verifier when the domain names none.
 EXECUTING_BUILTINS = frozenset({"builtin:code"})
@@ -89,11 +88,9 @@ def bubblewrap_container_context(run_as_nobody: bool) -> Manifest:
     return context
 
 
-def trainer_sandbox_env(run: TrainingRun) -> list[Manifest]:
-    """Env a trainer pod needs for its sandbox mode."""
-    if needs_own_runner(run):
-        return [{"name": RUNNER_URL_ENV, "value": runner_url(run)}]
-    return []
+def own_runner_url(run: TrainingRun) -> str | None:
+    """The runner URL the trainer's contract carries: the operator's own runner, if any."""
+    return runner_url(run) if needs_own_runner(run) else None
 
 
 def apply_local_sandbox_context(run: TrainingRun, pod_spec: Manifest) -> None:

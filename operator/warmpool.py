@@ -28,6 +28,7 @@ from typing import Any
 
 from posttrain.api import SandboxTask, SandboxWarmPool
 from posttrain.api.base import ConditionStatus, set_condition
+from posttrain.api.env import WarmPoolEnv
 from posttrain.api.labels import (
     ANNOTATION_CLAIM,
     ANNOTATION_SPEC_HASH,
@@ -148,8 +149,7 @@ def build_warm_pod(pool: SandboxWarmPool, config: OperatorConfig) -> Manifest:
         "env": [
             {"name": "HOME", "value": SANDBOX_WORKDIR},
             {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
-            {"name": "POSTTRAIN_WORKDIR", "value": SANDBOX_WORKDIR},
-            {"name": "POSTTRAIN_CLAIM_FILE", "value": f"{CLAIM_DIR}/{CLAIM_FILE}"},
+            *WarmPoolEnv(workdir=SANDBOX_WORKDIR, claim_file=f"{CLAIM_DIR}/{CLAIM_FILE}").to_env(),
         ],
         "resources": resources(
             spec.resources.cpu,

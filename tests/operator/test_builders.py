@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import env as env_names
 from posttrain.errors import UsageError
 from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig, load_config
@@ -362,7 +363,7 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
         make_run(rollout={"pool": "pool"}), CONFIG, 0, 0, rollout_endpoints=[pool_url]
     )
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    assert env[b.ROLLOUT_ENDPOINTS_ENV] == pool_url
+    assert env[env_names.ROLLOUT_ENDPOINTS] == pool_url
     explicit = b.build_trainer_pod(
         make_run(rollout={"pool": "pool", "endpoints": ["http://10.0.0.9:8000"]}),
         CONFIG,
@@ -371,7 +372,7 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
         rollout_endpoints=[pool_url],
     )
     names = {e["name"] for e in explicit["spec"]["containers"][0]["env"]}
-    assert b.ROLLOUT_ENDPOINTS_ENV not in names
+    assert env_names.ROLLOUT_ENDPOINTS not in names
 
 
 def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
@@ -386,7 +387,7 @@ def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
     url = [b.pool_endpoint(pool)]
     pod = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url, rollout_dtype=dtype)
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
-    assert env[b.ROLLOUT_DTYPE_ENV] == "bfloat16"
+    assert env[env_names.ROLLOUT_DTYPE] == "bfloat16"
     assert str(serving_dtype(env)) == "torch.bfloat16"  # what the trainer then reads
     ray = b.build_ray_cluster(
         make_run(rollout={"pool": "pool"}, resources={"nodes": 2}),
@@ -400,11 +401,11 @@ def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
         group_env = {
             e["name"]: e.get("value") for e in group["template"]["spec"]["containers"][0]["env"]
         }
-        assert group_env[b.ROLLOUT_DTYPE_ENV] == "bfloat16"
+        assert group_env[env_names.ROLLOUT_DTYPE] == "bfloat16"
     assert b.pool_serving_dtype(make_pool(engine="vllm")) is None  # auto: vLLM decides
     assert b.pool_serving_dtype(make_pool(engine="cpu", engineArgs={"dtype": "bfloat16"})) is None
     plain = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url)
-    assert b.ROLLOUT_DTYPE_ENV not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
+    assert env_names.ROLLOUT_DTYPE not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
 
 
 CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "unit_tests"}}
@@ -437,7 +438,6 @@ def test_a_terminal_environment_runs_model_output_so_the_run_gets_a_runner() -> 
 
 
 def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
-    from posttrain.operator import sandbox_runner as sr
 
     run = make_run(
         domains=[CODE_DOMAIN],
@@ -481,7 +481,7 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
         e["name"]: e.get("value")
         for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
     }
-    assert env[sr.RUNNER_URL_ENV] == "http://demo-sandbox-runner.ml.svc:8090"
+    assert env[env_names.SANDBOX_RUNNER_URL] == "http://demo-sandbox-runner.ml.svc:8090"
 
 
 def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() -> None:
