@@ -11,11 +11,10 @@ the same task like any other group, and the loss sees the mask.
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from posttrain.api.env import SANDBOX_RUNNER_URL, TrainerEnv
 from posttrain.envs.episode import ChatTokens, Episode, agent_metrics, run_episodes
 from posttrain.errors import UsageError
 from posttrain.rollout.protocol import Completion
@@ -86,27 +85,26 @@ def completion_from_json(data: dict[str, Any]) -> Completion:
     return Completion(**data)
 
 
-def terminal_executor(policy: Any = None, env: Mapping[str, str] | None = None) -> Any:
+def terminal_executor(policy: Any = None, contract: TrainerEnv | None = None) -> Any:
     """Where terminal environments run their commands, by ``spec.sandbox.mode``: ``local``
     (or no policy) the trainer's bubblewrap executor and its warm pool; ``runner`` the
     sandbox runner's HTTP service (``sandbox.runnerUrl``, else the operator's
     ``$POSTTRAIN_SANDBOX_RUNNER_URL``), which carries the workspace tar in and out of each
     command, so snapshots and rollback stay with the trainer exactly as locally; ``task`` is
-    refused with the reason (one SandboxTask pod per shell command is not supported)."""
-    from posttrain.trainer.verification import RUNNER_URL_ENV
-
-    env = os.environ if env is None else env
+    refused with the reason (one SandboxTask pod per shell command is not supported).
+    ``contract``: what the operator handed the pod (default: parsed from the environment)."""
+    contract = TrainerEnv.from_env() if contract is None else contract
     mode = getattr(policy, "mode", "local")
     if mode == "local":
         from posttrain.sandboxes.executor import default_executor
 
         return default_executor()
     if mode == "runner":
-        url = policy.runner_url or env.get(RUNNER_URL_ENV, "")
+        url = policy.runner_url or contract.sandbox_runner_url or ""
         if not url:
             raise UsageError(
                 "terminal environments with sandbox.mode runner need a runner: set "
-                f"sandbox.runnerUrl, or run through the operator (it sets ${RUNNER_URL_ENV})"
+                f"sandbox.runnerUrl, or run through the operator (it sets ${SANDBOX_RUNNER_URL})"
             )
         from posttrain.sandboxes.client import SandboxClient
 
@@ -166,7 +164,7 @@ class EpisodeSampler:
         *,
         max_concurrency: int = 8,
         sandbox: Any = None,
-        env: Mapping[str, str] | None = None,
+        contract: TrainerEnv | None = None,
     ) -> None:
         """``sandbox``: the run's ``spec.sandbox``; its mode decides where terminal
         commands run (:func:`terminal_executor`), checked here so a run that cannot work
@@ -180,7 +178,7 @@ class EpisodeSampler:
         self.setup_cache = SetupCache()
         self.sandbox = sandbox
         uses_terminal = any(e.kind == "terminal" for e in environments.values())
-        self.executor = terminal_executor(sandbox, env) if uses_terminal else None
+        self.executor = terminal_executor(sandbox, contract) if uses_terminal else None
 
     def handles(self, task: Task) -> bool:
         return task.domain in self.environments

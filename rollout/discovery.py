@@ -10,19 +10,16 @@ on that one pool -- before each publish and every few seconds while sampling.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.api import GROUP, VERSION, env
+from posttrain.api import GROUP, VERSION
+from posttrain.api.env import TrainerEnv
 from posttrain.kubeapi import custom_objects_api
 
 log = logging.getLogger(__name__)
-
-POOL_ENV = env.ROLLOUT_POOL  # set by the operator when spec.rollout.pool names a pool
-NAMESPACE_ENV = env.RUN_NAMESPACE
 
 
 class PoolDiscovery:
@@ -36,8 +33,9 @@ class PoolDiscovery:
         self.api = api
 
     @classmethod
-    def from_env(cls) -> PoolDiscovery | None:
-        name, namespace = os.environ.get(POOL_ENV), os.environ.get(NAMESPACE_ENV)
+    def for_trainer(cls, contract: TrainerEnv) -> PoolDiscovery | None:
+        """The pool the operator resolved for this trainer pod (None: it named none)."""
+        name, namespace = contract.rollout_pool, contract.run_namespace
         return cls(name, namespace) if name and namespace else None
 
     def status(self) -> dict[str, Any]:

@@ -9,17 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import UsageError
 from posttrain.trainer.endpoints import rollout_endpoints
 from posttrain.trainer.interrupt import GracefulStop
+
+if TYPE_CHECKING:
+    from posttrain.api.env import TrainerEnv
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,7 @@ def register(subparsers: Any) -> None:
 
 def run_command(args: argparse.Namespace) -> int:
     from posttrain.api import TrainingRun, load_manifest
+    from posttrain.api.env import NODES, RAY_ADDRESS, ROLLOUT_ENDPOINTS, TrainerEnv
     from posttrain.telemetry import start_metrics_server
     from posttrain.trainer.distributed import wanted_nodes
 
@@ -99,6 +102,7 @@ def run_command(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     run = load_manifest(args.manifest, TrainingRun)
     spec = run.spec
+    contract = TrainerEnv.from_env()  # what the operator handed this pod, parsed once
     from posttrain.trainer.rundata import check_dataset_sources
 
     # Before --out is created or a rollout server starts (seconds): a typo'd dataset path
@@ -108,11 +112,11 @@ def run_command(args: argparse.Namespace) -> int:
         if args.max_steps < 1:
             raise UsageError(f"--max-steps must be >= 1, got {args.max_steps}")
         spec.algorithm.max_steps = args.max_steps
-    if args.local and (wanted_nodes(run) > 1 or os.environ.get("RAY_ADDRESS")):
+    if args.local and (wanted_nodes(run, contract) > 1 or contract.ray_address):
         raise UsageError(
             f"--local starts one CPU rollout server for a single-node run, but this run wants "
-            f"{wanted_nodes(run)} nodes (spec.resources.nodes / $POSTTRAIN_NODES / $RAY_ADDRESS "
-            "set); drop --local and set $POSTTRAIN_ROLLOUT_ENDPOINTS, or use nodes: 1"
+            f"{wanted_nodes(run, contract)} nodes (spec.resources.nodes / ${NODES} / "
+            f"${RAY_ADDRESS} set); drop --local and set ${ROLLOUT_ENDPOINTS}, or use nodes: 1"
         )
     start_metrics_server(args.metrics_port)
     from posttrain.models import resolve_model
@@ -124,9 +128,9 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         if args.local:
             with LocalRolloutServer(spec.model, args.out / "rollout-server.log") as server:
-                result = _train(run, args.out, [server.url], stop, wait_for_servers=False)
+                result = _train(run, args.out, contract, [server.url], stop, wait_for_servers=False)
         else:
-            result = _train(run, args.out, None, stop, wait_for_servers=True)
+            result = _train(run, args.out, contract, None, stop, wait_for_servers=True)
     except KeyboardInterrupt:  # the second Ctrl-C: stopped mid-step
         _report_interrupt(spec, args.out, _step_reached(args.out))
         return 130
@@ -138,29 +142,35 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _train(
-    run: Any, out: Path, endpoints: list[str] | None, stop: Any, *, wait_for_servers: bool
+    run: Any,
+    out: Path,
+    contract: TrainerEnv,
+    endpoints: list[str] | None,
+    stop: Any,
+    *,
+    wait_for_servers: bool,
 ) -> Any:
     """Train in this process, or as several ranks (:mod:`posttrain.trainer.distributed`)."""
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.distributed import launch_if_distributed
     from posttrain.trainer.loop import train
-    from posttrain.trainer.status import status_reporter_from_env
+    from posttrain.trainer.status import status_reporter
 
     spec = run.spec
     discovery = None
     if endpoints is None:
         from posttrain.rollout.discovery import PoolDiscovery
 
-        discovery = PoolDiscovery.from_env() if not spec.rollout.endpoints else None
+        discovery = PoolDiscovery.for_trainer(contract) if not spec.rollout.endpoints else None
         if discovery is not None:
             # Each replica of the pool, not its Service: publishes must reach all of them.
-            from posttrain.trainer.status import rollout_health_reporter_from_env
+            from posttrain.trainer.status import rollout_health_reporter
 
             endpoints = discovery.wait_ready(
-                spec.rollout.timeout_seconds, report=rollout_health_reporter_from_env()
+                spec.rollout.timeout_seconds, report=rollout_health_reporter(contract)
             )
         else:
-            endpoints = rollout_endpoints(spec)
+            endpoints = rollout_endpoints(spec, contract)
     log.info("sampling from rollout endpoint(s) %s", ", ".join(endpoints))
     max_in_flight = max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step)
     client = RolloutClient(
@@ -178,10 +188,11 @@ def _train(
         if wait_for_servers:
             _require_healthy(client, endpoints, spec.rollout.timeout_seconds)
         # Several ranks get the endpoints as resolved now (they do not follow the pool).
-        distributed = launch_if_distributed(run, out, endpoints)
+        distributed = launch_if_distributed(run, out, contract, endpoints)
         if distributed is not None:  # rank 0's result of a multi-rank run
             return distributed
-        return train(spec, out, client, reporter=status_reporter_from_env(out), stop=stop.requested)
+        reporter = status_reporter(out, contract)
+        return train(spec, out, client, reporter=reporter, stop=stop.requested, contract=contract)
     finally:
         if following is not None:
             following.set()

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.api import env
+from posttrain.api.env import TrainerEnv
 from posttrain.errors import UsageError
 from posttrain.processes import free_port
 from posttrain.telemetry import get_tracer
@@ -53,10 +54,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-NODES_ENV = env.NODES
-NODE_RANK_ENV = env.NODE_RANK  # this pod's node rank, set by the operator
-NODE_WAIT_ENV = "POSTTRAIN_RAY_NODE_WAIT_S"  # how long the Ray driver waits for worker nodes
-RENDEZVOUS_TIMEOUT_ENV = "POSTTRAIN_RENDEZVOUS_TIMEOUT_S"
+NODE_WAIT_ENV = env.RAY_NODE_WAIT_S  # how long the Ray driver waits for worker nodes
 DEFAULT_NODE_WAIT_S = 600.0
 DEFAULT_RENDEZVOUS_TIMEOUT_S = 900
 
@@ -76,9 +74,9 @@ class WorldPlan:
         return self.nodes * self.ranks_per_node
 
 
-def wanted_nodes(run: TrainingRun) -> int:
+def wanted_nodes(run: TrainingRun, contract: TrainerEnv) -> int:
     """Nodes requested by the environment (operator) or the spec's resources."""
-    return int(os.environ.get(NODES_ENV, run.spec.resources.nodes))
+    return run.spec.resources.nodes if contract.nodes is None else contract.nodes
 
 
 def ranks_per_node(spec: TrainingRunSpec) -> int:
@@ -94,31 +92,45 @@ def ranks_per_node(spec: TrainingRunSpec) -> int:
     return gpus if gpus > 0 else spec.engine.cpu_ranks
 
 
-def world_plan(run: TrainingRun, environ: dict[str, str] | None = None) -> WorldPlan:
-    """The world of this run from the spec and the operator's environment.
+def world_plan(run: TrainingRun, contract: TrainerEnv) -> WorldPlan:
+    """The world of this run from the spec and what the operator handed the pod.
 
     >>> from types import SimpleNamespace as S
     >>> run = S(spec=S(resources=S(nodes=2, gpus_per_node=4), engine=S(cpu_ranks=1)))
-    >>> world_plan(run, {"POSTTRAIN_NODE_RANK": "1", "MASTER_ADDR": "head", "MASTER_PORT": "29500"})
+    >>> world_plan(run, TrainerEnv(node_rank=1, master_addr="head", master_port=29500))
     WorldPlan(nodes=2, ranks_per_node=4, node_rank=1, master_addr='head', master_port=29500)
     """
-    env = os.environ if environ is None else environ
-    nodes = int(env.get(NODES_ENV, run.spec.resources.nodes))
-    node_rank = int(env.get(NODE_RANK_ENV, "0"))
+    nodes = wanted_nodes(run, contract)
+    node_rank = contract.node_rank
     if not 0 <= node_rank < nodes:
         raise UsageError(
-            f"${NODE_RANK_ENV}={node_rank} is outside 0..{nodes - 1} ({nodes} nodes requested)"
+            f"${env.NODE_RANK}={node_rank} is outside 0..{nodes - 1} ({nodes} nodes requested)"
         )
-    if nodes > 1 and "MASTER_ADDR" not in env:
+    if nodes > 1 and contract.master_addr is None:
         raise UsageError(
-            f"{nodes} nodes requested but $MASTER_ADDR is not set; the operator sets it to "
-            "rank 0's Service (set MASTER_ADDR, MASTER_PORT and POSTTRAIN_NODE_RANK by hand "
-            "when starting the nodes yourself)"
+            f"{nodes} nodes requested but ${env.MASTER_ADDR} is not set; the operator sets it "
+            f"to rank 0's Service (set {env.MASTER_ADDR}, {env.MASTER_PORT} and "
+            f"{env.NODE_RANK} by hand when starting the nodes yourself)"
         )
-    port = int(env.get("MASTER_PORT", "0")) or free_port()
-    return WorldPlan(
-        nodes, ranks_per_node(run.spec), node_rank, env.get("MASTER_ADDR", "127.0.0.1"), port
-    )
+    port = contract.master_port or free_port()
+    master_addr = contract.master_addr or "127.0.0.1"
+    return WorldPlan(nodes, ranks_per_node(run.spec), node_rank, master_addr, port)
+
+
+def rendezvous_timeout_s(contract: TrainerEnv) -> int:
+    """How long a rendezvous waits for every node (``$POSTTRAIN_RENDEZVOUS_TIMEOUT_S``)."""
+    timeout = contract.rendezvous_timeout_s
+    return DEFAULT_RENDEZVOUS_TIMEOUT_S if timeout is None else timeout
+
+
+def gang_run_id(run: TrainingRun, contract: TrainerEnv) -> str:
+    """The rendezvous id of this gang incarnation: a restarted gang never joins the old one.
+
+    >>> from types import SimpleNamespace as S
+    >>> gang_run_id(S(metadata=S(name="r1")), TrainerEnv(gang=3))
+    'r1-3'
+    """
+    return f"{run.metadata.name}-{contract.gang}"
 
 
 def rank_out_dir(out_dir: Path, rank: int) -> Path:
@@ -136,7 +148,7 @@ def under_external_launcher() -> bool:
 
 
 def launch_if_distributed(
-    run: TrainingRun, out_dir: Path, endpoints: list[str] | None = None
+    run: TrainingRun, out_dir: Path, contract: TrainerEnv, endpoints: list[str] | None = None
 ) -> RunResult | None:
     """Train with several ranks when the world has more than one; None otherwise.
 
@@ -147,34 +159,36 @@ def launch_if_distributed(
         return run_rank(
             run.spec.model_dump(mode="json"),
             str(out_dir.resolve()),
-            endpoints or _resolve_endpoints(run.spec),
+            endpoints or _resolve_endpoints(run.spec, contract),
+            contract,
         )
-    if os.environ.get("RAY_ADDRESS"):
-        return _launch_on_ray(run, out_dir, endpoints)
-    plan = world_plan(run)
+    if contract.ray_address:
+        return _launch_on_ray(run, out_dir, endpoints, contract)
+    plan = world_plan(run, contract)
     if plan.world_size <= 1:
         return None
-    return launch_node(run, out_dir, plan, endpoints or _resolve_endpoints(run.spec))
+    endpoints = endpoints or _resolve_endpoints(run.spec, contract)
+    return launch_node(run, out_dir, plan, endpoints, contract)
 
 
-def _resolve_endpoints(spec: TrainingRunSpec) -> list[str]:
+def _resolve_endpoints(spec: TrainingRunSpec, contract: TrainerEnv) -> list[str]:
     from posttrain.trainer.endpoints import rollout_endpoints
 
-    return rollout_endpoints(spec)
+    return rollout_endpoints(spec, contract)
 
 
 def launch_node(
-    run: TrainingRun, out_dir: Path, plan: WorldPlan, endpoints: list[str]
+    run: TrainingRun, out_dir: Path, plan: WorldPlan, endpoints: list[str], contract: TrainerEnv
 ) -> RunResult:
     """Start this node's ranks under torch's elastic agent and wait for them."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    timeout = int(os.environ.get(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT_S))
+    timeout = rendezvous_timeout_s(contract)
     config = LaunchConfig(
         min_nodes=plan.nodes,
         max_nodes=plan.nodes,
         nproc_per_node=plan.ranks_per_node,
-        run_id=f"{run.metadata.name}-{os.environ.get('POSTTRAIN_GANG', '0')}",
+        run_id=gang_run_id(run, contract),
         rdzv_backend="static",
         rdzv_endpoint=f"{plan.master_addr}:{plan.master_port}",
         rdzv_configs={"rank": plan.node_rank, "timeout": timeout},
@@ -200,10 +214,16 @@ def launch_node(
     return results[0]
 
 
-def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> RunResult:
+def run_rank(
+    spec_json: dict[str, Any],
+    out_dir: str,
+    endpoints: list[str],
+    contract: TrainerEnv | None = None,
+) -> RunResult:
     """One rank: join the process group on its device, train, leave. The launcher calls it
     with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and
-    ``MASTER_PORT`` in the environment."""
+    ``MASTER_PORT`` in the environment (torch's, not the operator's); the operator's contract
+    is parsed here, at the rank process's entry, unless the caller passes it."""
     import torch
     import torch.distributed as dist
 
@@ -211,8 +231,9 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> R
     from posttrain.rollout.client import RolloutClient
     from posttrain.trainer.engine import plan_device
     from posttrain.trainer.loop import train
-    from posttrain.trainer.status import status_reporter_from_env
+    from posttrain.trainer.status import status_reporter
 
+    contract = TrainerEnv.from_env() if contract is None else contract
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -242,9 +263,9 @@ def run_rank(spec_json: dict[str, Any], out_dir: str, endpoints: list[str]) -> R
         max_in_flight=max(spec.rollout.max_in_flight, spec.algorithm.prompts_per_step),
     )
     out = rank_out_dir(Path(out_dir), rank)
-    reporter = status_reporter_from_env(out) if context.is_main else None
+    reporter = status_reporter(out, contract) if context.is_main else None
     try:
-        return train(spec, out, client, reporter=reporter, dist=context)
+        return train(spec, out, client, reporter=reporter, dist=context, contract=contract)
     finally:
         client.close()
         if owns_group:
@@ -330,7 +351,9 @@ def ray_rank(config: dict[str, Any]) -> RunResult:
     return run_rank(config["spec"], config["out_dir"], config["endpoints"])
 
 
-def _launch_on_ray(run: TrainingRun, out_dir: Path, endpoints: list[str] | None) -> RunResult:
+def _launch_on_ray(
+    run: TrainingRun, out_dir: Path, endpoints: list[str] | None, contract: TrainerEnv
+) -> RunResult:
     """Train through Ray Train: a ``TorchTrainer`` with one worker per rank, ``ranks_per_node``
     of them on each of ``nodes`` Ray nodes (node 0 the driver's), no retries."""
     try:
@@ -351,21 +374,22 @@ def _launch_on_ray(run: TrainingRun, out_dir: Path, endpoints: list[str] | None)
             "(ray[train]) in the trainer image or unset RAY_ADDRESS"
         ) from None
 
-    nodes, per_node = wanted_nodes(run), ranks_per_node(run.spec)
+    nodes, per_node = wanted_nodes(run, contract), ranks_per_node(run.spec)
     # Resolved here, on the driver: the workers' environment is the Ray node's, not ours.
-    endpoints = endpoints or _resolve_endpoints(run.spec)
+    endpoints = endpoints or _resolve_endpoints(run.spec, contract)
     gpus = run.spec.resources.gpus_per_node
     world = nodes * per_node
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    ray.init(address=contract.ray_address, log_to_driver=True)
     try:
         with tracer.start_as_current_span("trainer.distributed_run") as span:
             span.set_attribute("nodes", nodes)
             span.set_attribute("world_size", world)
-            wait_s = float(os.environ.get(NODE_WAIT_ENV, DEFAULT_NODE_WAIT_S))
+            wait_s = contract.ray_node_wait_s
+            wait_s = DEFAULT_NODE_WAIT_S if wait_s is None else wait_s
             alive = _wait_for_nodes(ray, nodes, gpus, wait_s)
             placement = assign_nodes(ray.get_runtime_context().get_node_id(), alive, nodes)
             log.info("starting %d trainer ranks on Ray nodes %s (Ray Train)", world, placement)
-            timeout = int(os.environ.get(RENDEZVOUS_TIMEOUT_ENV, DEFAULT_RENDEZVOUS_TIMEOUT_S))
+            timeout = rendezvous_timeout_s(contract)
             trainer = TorchTrainer(
                 ray_rank,
                 train_loop_config={
@@ -383,7 +407,7 @@ def _launch_on_ray(run: TrainingRun, out_dir: Path, endpoints: list[str] | None)
                     label_selector=ray_placement(placement, per_node),
                 ),
                 run_config=RunConfig(
-                    name=f"{run.metadata.name}-{os.environ.get('POSTTRAIN_GANG', '0')}",
+                    name=gang_run_id(run, contract),
                     storage_path=str(out_dir.resolve() / "ray-train"),
                     # A failed rank fails the gang; the operator restarts it from a checkpoint.
                     failure_config=FailureConfig(max_failures=0),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 from posttrain.api.env import ROLLOUT_ENDPOINTS
@@ -10,16 +9,16 @@ from posttrain.errors import UsageError
 
 if TYPE_CHECKING:
     from posttrain.api import TrainingRunSpec
+    from posttrain.api.env import TrainerEnv
 
 
-def rollout_endpoints(spec: TrainingRunSpec) -> list[str]:
-    """spec.rollout.endpoints, else $POSTTRAIN_ROLLOUT_ENDPOINTS (comma-separated URLs, set by
-    the operator from spec.rollout.pool); a UsageError naming both when neither is set."""
-    from_env = [u for u in os.environ.get(ROLLOUT_ENDPOINTS, "").split(",") if u.strip()]
-    endpoints = list(spec.rollout.endpoints) or from_env
+def rollout_endpoints(spec: TrainingRunSpec, contract: TrainerEnv) -> list[str]:
+    """spec.rollout.endpoints, else the operator's (``$POSTTRAIN_ROLLOUT_ENDPOINTS``, resolved
+    from spec.rollout.pool); a UsageError naming both when neither is set."""
+    endpoints = list(spec.rollout.endpoints) or list(contract.rollout_endpoints)
     if not endpoints:
         raise UsageError(
-            "no rollout endpoints: set spec.rollout.endpoints, or $POSTTRAIN_ROLLOUT_ENDPOINTS, "
+            f"no rollout endpoints: set spec.rollout.endpoints, or ${ROLLOUT_ENDPOINTS}, "
             "or pass --local to start a CPU rollout server"
         )
     return endpoints

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from posttrain.api.env import TrainerEnv
 from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
 from posttrain.trainer.batch import prepare_batch, score_batch
@@ -112,8 +113,10 @@ def train(
     dist: DistContext | None = None,  # multi-node: this rank (see distributed.py)
     wall_budget_s: float | None = None,  # stop after the step that exhausts it (benchmarks)
     stop: threading.Event | None = None,  # set by Ctrl-C: checkpoint this step, then stop
+    contract: TrainerEnv | None = None,  # what the operator handed this pod (default: parsed)
 ) -> RunResult:
-    run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify)
+    contract = TrainerEnv.from_env() if contract is None else contract
+    run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify, contract)
     total = run.plans[-1].last_step
     stop_at = total if stop_after_step is None else min(total, stop_after_step)
     base_eval = run.evaluate(0) if run.step == 0 and run.inline_eval else None
@@ -348,6 +351,7 @@ class Run:
         reporter: StatusReporter,
         dist: DistContext,
         verify: VerifyFn | None,
+        contract: TrainerEnv,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -359,14 +363,16 @@ class Run:
 
         self.started = time.monotonic()
         self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
-        self.reporter, self.dist = reporter, dist
+        self.reporter, self.dist, self.contract = reporter, dist, contract
         self._status_lock = threading.Lock()  # verifier threads report sandbox health too
         self._sandbox_reported = (True, 0.0)  # (available, when) of the last health report
         self.verification: Any = None
         if verify is None:  # spec.sandbox decides where code runs (trainer/verification.py)
             from posttrain.trainer.verification import build_verification
 
-            self.verification = build_verification(spec.sandbox, on_health=self.report_sandbox)
+            self.verification = build_verification(
+                spec.sandbox, on_health=self.report_sandbox, contract=contract
+            )
             verify = self.verification.verify
         self.verify: VerifyFn = verify
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +401,7 @@ class Run:
             client,
             self.scratch,
             shared=all_on_this_host(getattr(client, "urls", [])),
-            dtype=serving_dtype(),  # the pool's, set by the operator (None: ours)
+            dtype=serving_dtype(contract.rollout_dtype),  # the pool's (None: ours)
         )
         # Every scored sample goes to durable storage for later analysis and audits.
         self.trajectories = TrajectoryWriter(
@@ -428,9 +434,11 @@ class Run:
         reporter: StatusReporter | None,
         dist: DistContext,
         verify: VerifyFn | None,
+        contract: TrainerEnv,
     ) -> Run:
         """Set up and resume from the newest checkpoint if any (stage, step and state)."""
-        run = cls(spec, out_dir, client, reporter or LocalStatusReporter(out_dir), dist, verify)
+        reporter = reporter or LocalStatusReporter(out_dir)
+        run = cls(spec, out_dir, client, reporter, dist, verify, contract)
         resumed = run.resume()
         if resumed is None:  # fresh run: the server already serves the base model as v0
             run.policy, run.step, run.version = run.make_policy(run.base_dir), 0, 0
@@ -675,6 +683,7 @@ class Run:
             environments,
             max_concurrency=self.spec.rollout.max_in_flight,
             sandbox=self.spec.sandbox,
+            contract=self.contract,
         )
 
     def submit_ahead(self) -> None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from posttrain.api import env
+from posttrain.api.env import TrainerEnv
 from posttrain.kubeapi import custom_objects_api
 
 log = logging.getLogger(__name__)
@@ -31,9 +30,6 @@ log = logging.getLogger(__name__)
 FIELD_MANAGER = "posttrain-trainer"
 OPERATOR_OWNED = ("phase", "message")
 """RunStatus fields a trainer in a cluster never patches: the operator writes them."""
-
-RUN_NAME_ENV = env.RUN_NAME
-RUN_NAMESPACE_ENV = env.RUN_NAMESPACE
 
 
 @dataclass
@@ -193,20 +189,20 @@ class FanOutStatusReporter:
             reporter.event(type_, reason, message)
 
 
-def rollout_health_reporter_from_env() -> Callable[[dict[str, Any]], None] | None:
+def rollout_health_reporter(contract: TrainerEnv) -> Callable[[dict[str, Any]], None] | None:
     """Writes ``status.rollout`` of the pod's TrainingRun (None outside a cluster): what
     the trainer saw of its RolloutPool while waiting for a ready replica."""
-    name, namespace = os.environ.get(RUN_NAME_ENV), os.environ.get(RUN_NAMESPACE_ENV)
+    name, namespace = contract.run_name, contract.run_namespace
     if not name:
         return None
     reporter = KubeStatusReporter(name, namespace or "default")
     return lambda health: reporter.patch({"rollout": health})
 
 
-def status_reporter_from_env(out_dir: Path) -> StatusReporter:
-    """Local file always; plus the TrainingRun status when the pod's env names the run."""
+def status_reporter(out_dir: Path, contract: TrainerEnv) -> StatusReporter:
+    """Local file always; plus the TrainingRun status when the operator named the run."""
     reporters: list[StatusReporter] = [LocalStatusReporter(out_dir)]
-    name, namespace = os.environ.get(RUN_NAME_ENV), os.environ.get(RUN_NAMESPACE_ENV)
+    name, namespace = contract.run_name, contract.run_namespace
     if name:
         reporters.append(KubeStatusReporter(name, namespace or "default"))
         log.info("reporting progress to TrainingRun %s/%s", namespace or "default", name)

@@ -21,7 +21,6 @@ fails the step, and the run, naming the sandbox. The reward of that sample is ne
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import Counter, Gauge
 
 from posttrain.api import env
+from posttrain.api.env import TrainerEnv
 from posttrain.errors import UsageError
 
 if TYPE_CHECKING:
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-RUNNER_URL_ENV = env.SANDBOX_RUNNER_URL  # set by the operator for its own runner
-RUN_NAME_ENV, RUN_NAMESPACE_ENV = env.RUN_NAME, env.RUN_NAMESPACE
 MAX_BACKOFF_S = 30.0
 
 INFRA_FAILURES = Counter(
@@ -259,10 +257,11 @@ def build_verification(
     policy: SandboxPolicy,
     *,
     on_health: Callable[[SandboxHealth], None] | None = None,
-    env: Mapping[str, str] | None = None,
+    contract: TrainerEnv | None = None,
 ) -> Verification:
-    """The verification backend ``policy.mode`` names, with its limits."""
-    env = os.environ if env is None else env
+    """The verification backend ``policy.mode`` names, with its limits. ``contract`` is what
+    the operator handed the pod (default: parsed from this process's environment)."""
+    contract = TrainerEnv.from_env() if contract is None else contract
     mode = policy.mode
     make: Callable[[], Any]
     if mode == "local":
@@ -270,11 +269,11 @@ def build_verification(
 
         endpoint, make = "bubblewrap in the trainer", default_executor
     elif mode == "runner":
-        url = policy.runner_url or env.get(RUNNER_URL_ENV, "")
+        url = policy.runner_url or contract.sandbox_runner_url or ""
         if not url:
             raise UsageError(
                 "sandbox.mode is runner but there is no runner: set sandbox.runnerUrl, or run "
-                f"the TrainingRun through the operator (it starts one and sets ${RUNNER_URL_ENV})"
+                f"the TrainingRun through the operator (it starts one and sets ${env.SANDBOX_RUNNER_URL})"
             )
         from posttrain.sandboxes.client import SandboxClient
 
@@ -283,11 +282,11 @@ def build_verification(
         def make() -> Any:
             return SandboxClient(url)
     elif mode == "task":
-        namespace, name = env.get(RUN_NAMESPACE_ENV), env.get(RUN_NAME_ENV)
+        namespace, name = contract.run_namespace, contract.run_name
         if not namespace or not name:
             raise UsageError(
                 "sandbox.mode is task: SandboxTasks are created in the run's namespace, so the "
-                f"trainer needs ${RUN_NAMESPACE_ENV} and ${RUN_NAME_ENV} (the operator sets "
+                f"trainer needs ${env.RUN_NAMESPACE} and ${env.RUN_NAME} (the operator sets "
                 "them); on a laptop use sandbox.mode local"
             )
         endpoint = f"SandboxTasks in namespace {namespace}"

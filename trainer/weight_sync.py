@@ -25,11 +25,9 @@ from __future__ import annotations
 import atexit
 import ipaddress
 import logging
-import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -78,25 +76,25 @@ def _is_loopback(host: str) -> bool:
 SERVING_DTYPES = ("bfloat16", "float16", "float32")  # api EngineArgs.dtype, less "auto"
 
 
-def serving_dtype(environ: Mapping[str, str] = os.environ) -> Any | None:
-    """The rollout pool's serving dtype the operator put in ``$POSTTRAIN_ROLLOUT_DTYPE``, as
-    a torch dtype; None when unset (local runs, explicit endpoints, ``dtype: auto``).
+def serving_dtype(value: str | None) -> Any | None:
+    """The rollout pool's serving dtype the operator handed the trainer
+    (:attr:`posttrain.api.env.TrainerEnv.rollout_dtype`), as a torch dtype; None when unset
+    (local runs, explicit endpoints, ``dtype: auto``).
 
     A bad value fails the run at start, naming the variable, rather than publishing every
     step in a dtype the replicas do not hold.
 
-    >>> serving_dtype({"POSTTRAIN_ROLLOUT_DTYPE": "bfloat16"})
+    >>> serving_dtype("bfloat16")
     torch.bfloat16
-    >>> serving_dtype({}) is None
+    >>> serving_dtype(None) is None
     True
-    >>> serving_dtype({"POSTTRAIN_ROLLOUT_DTYPE": "bf16"})
+    >>> serving_dtype("bf16")
     Traceback (most recent call last):
     ...
     ValueError: $POSTTRAIN_ROLLOUT_DTYPE is 'bf16'; expected one of bfloat16, float16, float32
     """
     import torch
 
-    value = environ.get(env.ROLLOUT_DTYPE, "").strip()
     if not value:
         return None
     if value not in SERVING_DTYPES:

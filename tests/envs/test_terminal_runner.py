@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from posttrain.api.env import TrainerEnv
 from posttrain.envs.episode import ChatTokens, agent_metrics, run_episode
 from posttrain.envs.training import EpisodeSampler, terminal_executor
 from posttrain.errors import UsageError
@@ -150,12 +151,12 @@ def test_bad_workspace_fields_are_a_clear_422(runner_url: str) -> None:
 
 def test_sandbox_modes_for_terminal_environments() -> None:
     with pytest.raises(UsageError, match="need a runner"):
-        terminal_executor(SimpleNamespace(mode="runner", runner_url=None), env={})
+        terminal_executor(SimpleNamespace(mode="runner", runner_url=None), TrainerEnv())
     with pytest.raises(UsageError, match=r"cannot use sandbox\.mode 'task'"):
-        terminal_executor(SimpleNamespace(mode="task"), env={})
+        terminal_executor(SimpleNamespace(mode="task"), TrainerEnv())
     from_env = terminal_executor(
         SimpleNamespace(mode="runner", runner_url=None),
-        env={"POSTTRAIN_SANDBOX_RUNNER_URL": "http://127.0.0.1:9"},
+        TrainerEnv.from_env({"POSTTRAIN_SANDBOX_RUNNER_URL": "http://127.0.0.1:9"}),
     )
     assert isinstance(from_env, SandboxClient) and from_env.url == "http://127.0.0.1:9"
 

@@ -388,7 +388,9 @@ def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
     pod = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url, rollout_dtype=dtype)
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env[env_names.ROLLOUT_DTYPE] == "bfloat16"
-    assert str(serving_dtype(env)) == "torch.bfloat16"  # what the trainer then reads
+    # What the trainer then reads.
+    contract = env_names.TrainerEnv.from_env({k: v for k, v in env.items() if v is not None})
+    assert str(serving_dtype(contract.rollout_dtype)) == "torch.bfloat16"
     ray = b.build_ray_cluster(
         make_run(rollout={"pool": "pool"}, resources={"nodes": 2}),
         CONFIG,

@@ -190,9 +190,10 @@ def test_the_policy_caps_every_request() -> None:
 
 
 def test_runner_mode_without_any_runner_is_a_clear_error() -> None:
+    from posttrain.api.env import TrainerEnv
     from posttrain.errors import UsageError
 
     with pytest.raises(UsageError, match="runnerUrl"):
-        build_verification(SandboxPolicy(mode="runner"), env={})
+        build_verification(SandboxPolicy(mode="runner"), contract=TrainerEnv())
     with pytest.raises(UsageError, match="POSTTRAIN_RUN_NAMESPACE"):
-        build_verification(SandboxPolicy(mode="task"), env={})
+        build_verification(SandboxPolicy(mode="task"), contract=TrainerEnv())
