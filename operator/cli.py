@@ -5,13 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from posttrain.api.env import OPERATOR_PREFIX
+
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "operator",
         help="run the Kubernetes operator (TrainingRun, RolloutPool, SandboxTask)",
         description="Reconcile posttrain resources into pods, Deployments and Services. "
-        "Every flag can also be set as POSTTRAIN_OPERATOR_<FIELD> (see docs/operator.md).",
+        f"Every flag can also be set as {OPERATOR_PREFIX}<FIELD> (see docs/operator.md).",
     )
     where = parser.add_mutually_exclusive_group()
     where.add_argument(

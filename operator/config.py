@@ -21,9 +21,10 @@ from pydantic import (
     field_validator,
 )
 
+from posttrain.api.env import OPERATOR_PREFIX
 from posttrain.errors import UsageError
 
-ENV_PREFIX = "POSTTRAIN_OPERATOR_"
+ENV_PREFIX = OPERATOR_PREFIX
 # The images `make images` builds and the Helm chart names by default (its appVersion is the
 # tag): an operator started without the chart creates pods from the same four images.
 DEFAULT_REGISTRY = "ghcr.io/posttrain"

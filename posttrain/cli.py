@@ -20,6 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
+from posttrain.api.env import OPERATOR_KUBECONFIG
 from posttrain.errors import UsageError
 
 # Each module exposes ``register(subparsers)`` and imports only light dependencies at
@@ -135,9 +136,7 @@ def _register_with_dev_environment(args: argparse.Namespace) -> None:
         return
     from posttrain.devenv.registry import register_this_process
 
-    register_this_process(
-        "operator", args.kubeconfig or os.environ.get("POSTTRAIN_OPERATOR_KUBECONFIG")
-    )
+    register_this_process("operator", args.kubeconfig or os.environ.get(OPERATOR_KUBECONFIG))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

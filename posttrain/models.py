@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from posttrain.api.env import CACHE
 from posttrain.errors import UsageError
 from posttrain.progresslog import ItemProgress, format_duration, still_working
 
@@ -86,7 +87,7 @@ _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean var
 
 def cache_root() -> Path:
     """Where converted/downloaded models live (``$POSTTRAIN_CACHE`` overrides ``~/.cache``)."""
-    base = os.environ.get("POSTTRAIN_CACHE")
+    base = os.environ.get(CACHE)
     return Path(base) if base else Path.home() / ".cache" / "posttrain"
 
 

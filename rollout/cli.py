@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from posttrain.api.env import VLLM_PYTHON, WEIGHTS_POLL_SECONDS, WEIGHTS_URI, RolloutPoolEnv
 from posttrain.errors import UsageError
 
 if TYPE_CHECKING:
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    pool_env = RolloutPoolEnv.from_env()  # what the operator hands a pool's replicas
     serve = subparsers.add_parser(
         "serve",
         help="OpenAI-compatible rollout server on the CPU engine",
@@ -44,14 +46,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--served-model-name", default=None, help="name in /v1/models")
     serve.add_argument(
         "--weights-uri",
-        default=os.environ.get("POSTTRAIN_WEIGHTS_URI") or None,
+        default=pool_env.weights_uri,
         help="prefix with published weights (<prefix>/vNNNNNNNN/); the latest loads before "
-        "ready (default $POSTTRAIN_WEIGHTS_URI, which the operator sets for a pool)",
+        f"ready (default ${WEIGHTS_URI}, which the operator sets for a pool)",
     )
     serve.add_argument(
         "--poll-seconds", type=float,
-        default=float(os.environ.get("POSTTRAIN_WEIGHTS_POLL_SECONDS") or 0),
-        help="poll --weights-uri for new versions (default $POSTTRAIN_WEIGHTS_POLL_SECONDS)",
+        default=pool_env.weights_poll_seconds or 0.0,
+        help=f"poll --weights-uri for new versions (default ${WEIGHTS_POLL_SECONDS})",
     )  # fmt: skip
     serve.add_argument(
         "--engine", choices=("cpu", "vllm"), default="cpu",
@@ -85,14 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )  # fmt: skip
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument(
-            "--weights-uri", default=os.environ.get("POSTTRAIN_WEIGHTS_URI") or None,
+            "--weights-uri", default=pool_env.weights_uri,
             help="weight registry prefix: its latest committed version loads before ready "
-            "(default $POSTTRAIN_WEIGHTS_URI)",
+            f"(default ${WEIGHTS_URI})",
         )  # fmt: skip
         parser.add_argument(
             "--poll-seconds", type=float,
-            default=float(os.environ.get("POSTTRAIN_WEIGHTS_POLL_SECONDS") or 0),
-            help="poll --weights-uri for newer versions (default $POSTTRAIN_WEIGHTS_POLL_SECONDS)",
+            default=pool_env.weights_poll_seconds or 0.0,
+            help=f"poll --weights-uri for newer versions (default ${WEIGHTS_POLL_SECONDS})",
         )  # fmt: skip
         parser.add_argument(
             "--engine-args",
@@ -198,7 +200,7 @@ def _serve_vllm(args: argparse.Namespace) -> int:
     python = vllm_python()
     if python is None:
         raise UsageError("--engine vllm needs vLLM: run `make venv-vllm` (or set "
-                         "$POSTTRAIN_VLLM_PYTHON), or use --engine cpu")  # fmt: skip
+                         f"${VLLM_PYTHON}), or use --engine cpu")  # fmt: skip
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.execv(str(python), [str(python), "-m", "posttrain", *argv])
     return 1  # not reached

@@ -36,6 +36,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import CacheLayerMixin
 
+from posttrain.api.env import NUM_THREADS
 from posttrain.rollout.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def default_num_threads() -> int:
     Intra-op threads beyond the core count only add contention; operators pin replicas by
     setting one of the variables to the pod's CPU limit.
     """
-    for variable in ("POSTTRAIN_NUM_THREADS", "OMP_NUM_THREADS"):
+    for variable in (NUM_THREADS, "OMP_NUM_THREADS"):
         value = os.environ.get(variable, "")
         if value.isdigit() and int(value) > 0:
             return int(value)

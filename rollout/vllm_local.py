@@ -21,11 +21,12 @@ from typing import Any
 
 import httpx
 
+from posttrain.api.env import VLLM_PYTHON, WEIGHTS_POLL_SECONDS, WEIGHTS_URI
 from posttrain.processes import free_port, tail
 
 log = logging.getLogger(__name__)
 
-VLLM_PYTHON_ENV = "POSTTRAIN_VLLM_PYTHON"
+VLLM_PYTHON_ENV = VLLM_PYTHON
 # Where `make venv-vllm` puts the rollout environment (the repository root's .venv-vllm).
 REPO_VLLM_VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 
@@ -109,8 +110,8 @@ class LocalVllmReplica:
         # vLLM's CPU KV cache is preallocated (default 4 GiB); tests and laptops need less.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         # Our own variables must not leak in from a trainer process (the CLI reads them).
-        env.pop("POSTTRAIN_WEIGHTS_URI", None)
-        env.pop("POSTTRAIN_WEIGHTS_POLL_SECONDS", None)
+        env.pop(WEIGHTS_URI, None)
+        env.pop(WEIGHTS_POLL_SECONDS, None)
         with open(self.log_path, "ab") as logf:
             self.process = subprocess.Popen(
                 self.command(), stdout=logf, stderr=subprocess.STDOUT,

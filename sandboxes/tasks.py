@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.api.env import OPERATOR_SANDBOX_ARTIFACTS_URI, S3_ENDPOINT
 from posttrain.kubeapi import custom_objects_api
 from posttrain.telemetry import get_tracer
 
@@ -184,9 +185,9 @@ class SandboxTaskRunner:
             raise SandboxConfigError(
                 f"SandboxTask {self.namespace}/{name} finished without a stored log "
                 "(status.logsUri): sandbox.mode task reads the program's output from there, so "
-                "the operator needs sandbox artifact storage (POSTTRAIN_OPERATOR_SANDBOX_"
-                "ARTIFACTS_URI, chart value sandbox.artifactsUri) and its own S3 client to sign "
-                "upload URLs for it (POSTTRAIN_S3_ENDPOINT and credentials in the operator's "
+                f"the operator needs sandbox artifact storage ({OPERATOR_SANDBOX_ARTIFACTS_URI}, "
+                "chart value sandbox.artifactsUri) and its own S3 client to sign "
+                f"upload URLs for it ({S3_ENDPOINT} and credentials in the operator's "
                 "environment; its log says 'runs without a stored log' and why when signing "
                 "failed); or use sandbox.mode runner"
             )

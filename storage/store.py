@@ -44,6 +44,7 @@ from minio.credentials.credentials import Credentials
 from minio.credentials.providers import Provider, StaticProvider
 from minio.error import InvalidResponseError, S3Error, ServerError
 
+from posttrain.api.env import S3_CA_BUNDLE, S3_CREDENTIALS_DIR, S3_ENDPOINT, S3_REGION, S3_SECURE
 from posttrain.errors import UsageError
 from posttrain.storage.checksums import DEFAULT_CHECKSUM, StreamHasher, checksum
 from posttrain.storage.errors import (
@@ -430,7 +431,7 @@ class SecretDirCredentials(Provider):
         except OSError as exc:
             raise UsageError(
                 f"cannot read S3 credential file {path} ({exc.strerror}); "
-                "POSTTRAIN_S3_CREDENTIALS_DIR must hold files 'accesskey' and 'secretkey' "
+                f"{S3_CREDENTIALS_DIR} must hold files 'accesskey' and 'secretkey' "
                 "(mount the MinIO credentials Secret there)"
             ) from None
         if not value:
@@ -476,7 +477,7 @@ class S3Store:
             if not access_key or not secret_key:
                 raise UsageError(
                     f"no credentials for S3 endpoint {endpoint}: pass access_key and secret_key, "
-                    "or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or POSTTRAIN_S3_CREDENTIALS_DIR"
+                    f"or set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or {S3_CREDENTIALS_DIR}"
                 )
             credentials = StaticProvider(access_key, secret_key)
         self.endpoint = endpoint
@@ -795,7 +796,7 @@ class S3Store:
             return StorageUnreachableError(
                 f"S3 endpoint {self.endpoint} is unreachable: {op} {where} failed {attempts} "
                 f"time(s) over {elapsed:.1f}s (last error: {short_error(exc)}); check that MinIO is "
-                "running and that POSTTRAIN_S3_ENDPOINT/POSTTRAIN_S3_SECURE are right"
+                f"running and that {S3_ENDPOINT}/{S3_SECURE} are right"
             )
 
         try:
@@ -813,13 +814,13 @@ class S3Store:
                 raise
             raise StorageError(
                 f"TLS to S3 endpoint {self.endpoint} failed ({short_error(exc)}); if MinIO uses a "
-                "private CA, point POSTTRAIN_S3_CA_BUNDLE at its PEM certificate, or set "
-                "POSTTRAIN_S3_SECURE=false if it serves plain HTTP"
+                f"private CA, point {S3_CA_BUNDLE} at its PEM certificate, or set "
+                f"{S3_SECURE}=false if it serves plain HTTP"
             ) from None
         except InvalidResponseError as exc:
             raise StorageError(
                 f"S3 endpoint {self.endpoint} answered {op} {where} with a non-S3 response "
-                f"({short_error(exc)}); is POSTTRAIN_S3_ENDPOINT pointing at MinIO?"
+                f"({short_error(exc)}); is {S3_ENDPOINT} pointing at MinIO?"
             ) from None
 
     def _translate(self, exc: S3Error, op: str, key: str) -> StorageError:
@@ -830,7 +831,7 @@ class S3Store:
                 f"S3 endpoint {self.endpoint} rejected {op} on bucket {self.bucket!r} "
                 f"({exc.code}) for access key {access_key!r}: the credentials are wrong or lack "
                 "permission on this bucket; check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the "
-                "files in POSTTRAIN_S3_CREDENTIALS_DIR"
+                f"files in {S3_CREDENTIALS_DIR}"
             )
         if exc.code == "NoSuchBucket":
             return BucketNotFoundError(
@@ -948,24 +949,22 @@ def s3_store_from_env(
     ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``.
     """
     env = os.environ if env is None else env
-    endpoint = env.get("POSTTRAIN_S3_ENDPOINT", "").strip()
+    endpoint = env.get(S3_ENDPOINT, "").strip()
     if not endpoint:
         raise UsageError(
-            f"s3://{bucket} needs POSTTRAIN_S3_ENDPOINT (host:port of MinIO/S3, for example "
+            f"s3://{bucket} needs {S3_ENDPOINT} (host:port of MinIO/S3, for example "
             "minio.posttrain-system.svc:9000); it is not set"
         )
-    secure = _env_flag(env, "POSTTRAIN_S3_SECURE", False)
+    secure = _env_flag(env, S3_SECURE, False)
     if "://" in endpoint:
         parts = urlsplit(endpoint)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise UsageError(
-                f"POSTTRAIN_S3_ENDPOINT={endpoint!r} is not host:port or an http(s) URL"
-            )
+            raise UsageError(f"{S3_ENDPOINT}={endpoint!r} is not host:port or an http(s) URL")
         secure, endpoint = parts.scheme == "https", parts.netloc
-    ca_bundle = env.get("POSTTRAIN_S3_CA_BUNDLE") or None
+    ca_bundle = env.get(S3_CA_BUNDLE) or None
     if ca_bundle and not Path(ca_bundle).is_file():
-        raise UsageError(f"POSTTRAIN_S3_CA_BUNDLE={ca_bundle!r} is not a readable file")
-    credentials_dir = env.get("POSTTRAIN_S3_CREDENTIALS_DIR")
+        raise UsageError(f"{S3_CA_BUNDLE}={ca_bundle!r} is not a readable file")
+    credentials_dir = env.get(S3_CREDENTIALS_DIR)
     credentials: Provider | None = None
     access_key = secret_key = None
     if credentials_dir:
@@ -982,7 +981,7 @@ def s3_store_from_env(
         credentials=credentials,
         secure=secure,
         ca_bundle=ca_bundle,
-        region=env.get("POSTTRAIN_S3_REGION") or None,
+        region=env.get(S3_REGION) or None,
         retry=retry,
         create_bucket=create_bucket,
     )

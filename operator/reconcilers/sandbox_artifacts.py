@@ -16,6 +16,7 @@ import urllib3
 from minio.error import MinioException
 
 from posttrain.api import SandboxTask
+from posttrain.api.env import OPERATOR_SANDBOX_ARTIFACTS_URI
 from posttrain.errors import UsageError
 
 from .. import builders as b
@@ -64,7 +65,7 @@ class SandboxArtifactSigner:
             if spec.snapshot or spec.restore_from:
                 raise b.BuildError(
                     "spec.snapshot / spec.restoreFrom need sandbox artifact storage, which this "
-                    "operator has not got: set POSTTRAIN_OPERATOR_SANDBOX_ARTIFACTS_URI "
+                    f"operator has not got: set {OPERATOR_SANDBOX_ARTIFACTS_URI} "
                     "(s3://bucket/prefix) or drop those fields"
                 )
             return None

@@ -21,6 +21,7 @@ import zipfile
 from importlib import metadata
 from pathlib import Path
 
+from posttrain.api.env import BIN_DIR
 from posttrain.errors import UsageError
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ KUBERNETES_COMPONENTS = (
 
 
 def bin_dir() -> Path:
-    return Path(os.environ.get("POSTTRAIN_BIN_DIR", Path.home() / ".cache/posttrain/bin"))
+    return Path(os.environ.get(BIN_DIR, Path.home() / ".cache/posttrain/bin"))
 
 
 def pinned_versions() -> dict[str, str]:

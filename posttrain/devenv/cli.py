@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from posttrain.api.env import DEV_DIR, OPERATOR_S3_ENDPOINT, S3_ENDPOINT, S3_SECURE
 from posttrain.errors import UsageError
 from posttrain.processes import StartError, http_ok, pid_alive, stop_pid
 
@@ -62,13 +63,13 @@ class DevState:
     def env(self) -> dict[str, str]:
         return {
             "KUBECONFIG": self.kubeconfig,
-            "POSTTRAIN_S3_ENDPOINT": self.minio_endpoint,
-            "POSTTRAIN_S3_SECURE": "false",
+            S3_ENDPOINT: self.minio_endpoint,
+            S3_SECURE: "false",
             "AWS_ACCESS_KEY_ID": self.minio_access_key,
             "AWS_SECRET_ACCESS_KEY": self.minio_secret_key,
             # What `posttrain operator` reads (OperatorConfig): pods it creates get this
             # endpoint, and keys from the Secret that `dev up` creates.
-            "POSTTRAIN_OPERATOR_S3_ENDPOINT": self.minio_endpoint,
+            OPERATOR_S3_ENDPOINT: self.minio_endpoint,
         }
 
 
@@ -338,7 +339,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description="Start etcd, kube-apiserver (no kubelet, scheduler or controller-manager) "
         "and MinIO as local processes, install the posttrain CRDs and the posttrain-s3 "
         "Secret, and record everything in ~/.cache/posttrain/dev/state.json "
-        "($POSTTRAIN_DEV_DIR). Idempotent: a healthy environment is reused; whatever fails "
+        f"(${DEV_DIR}). Idempotent: a healthy environment is reused; whatever fails "
         "to start is stopped again.",
         epilog='next: eval "$(posttrain dev env)"; posttrain dev agent & posttrain operator '
         "--standalone &  (see README.md, 'End to end on the dev control plane')",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.api.env import S3_ENDPOINT, S3_SECURE
 from posttrain.processes import ManagedProcess, StartError, free_port, http_ok, port_in_use
 
 from .binaries import go_binary
@@ -128,8 +129,8 @@ class MinioServer:
     def env(self) -> dict[str, str]:
         """Environment that points posttrain's storage at this server."""
         return {
-            "POSTTRAIN_S3_ENDPOINT": self.endpoint,
-            "POSTTRAIN_S3_SECURE": "false",
+            S3_ENDPOINT: self.endpoint,
+            S3_SECURE: "false",
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
         }

@@ -23,6 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from posttrain.api.env import DEV_DIR
+
 log = logging.getLogger(__name__)
 
 # Stop order in `dev down`: what creates pods goes before what runs them.
@@ -31,7 +33,7 @@ ROLES = ("operator", "agent", "pod")
 
 def state_dir() -> Path:
     """Where ``posttrain dev up`` keeps its state ($POSTTRAIN_DEV_DIR overrides it)."""
-    return Path(os.environ.get("POSTTRAIN_DEV_DIR", Path.home() / ".cache/posttrain/dev"))
+    return Path(os.environ.get(DEV_DIR, Path.home() / ".cache/posttrain/dev"))
 
 
 def registry_dir() -> Path:

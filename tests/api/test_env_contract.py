@@ -3,7 +3,11 @@ models that write and parse them, and no ``POSTTRAIN_`` name spelled anywhere el
 
 from __future__ import annotations
 
+import ast
 import doctest
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +17,9 @@ from posttrain.errors import UsageError
 
 
 def test_docstring_examples_hold() -> None:
-    result = doctest.testmod(env)
-    assert result.attempted > 0 and result.failed == 0
+    for module in (env, sys.modules[__name__]):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0
 
 
 def _as_environ(entries: list[dict[str, str]]) -> dict[str, str]:
@@ -91,3 +96,61 @@ def test_the_stdlib_entrypoints_copies_of_the_names_agree() -> None:
     assert warm_entrypoint.WORKDIR_ENV == env.WARM_WORKDIR
     assert warm_entrypoint.TASK_ENV == env.SANDBOX_TASK
     assert warm_entrypoint.ATTEMPT_ENV == env.SANDBOX_ATTEMPT
+
+
+# ------------------------------------------------------------------ no name spelled twice
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Every folder of posttrain's package (the components are symlinked into posttrain/).
+SOURCE_FOLDERS = ("operator", "trainer", "rollout", "sandboxes", "storage", "envs", "posttrain")
+# Shipped as source into the task's own image, stdlib only: they keep copies (checked above).
+STDLIB_COPIES = {"sandboxes/task_entrypoint.py", "operator/warm_entrypoint.py"}
+NAME = re.compile(r"(?<![A-Za-z0-9_])POSTTRAIN_[A-Z0-9_]*")
+
+
+def _documentation(tree: ast.AST) -> set[int]:
+    """ids of the string constants that stand alone as statements: docstrings, attribute
+    docstrings (documentation may name variables; code that uses a name is an expression)."""
+    return {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+
+
+def spelled_names(source: str) -> list[str]:
+    """The ``POSTTRAIN_`` names a module spells in string literals (f-strings included),
+    docstrings and comments aside.
+
+    >>> spelled_names('x = "POSTTRAIN_A"\\ny = f"set $POSTTRAIN_B={1}"\\nz = "__POSTTRAIN_C__"')
+    ['POSTTRAIN_A', 'POSTTRAIN_B']
+    >>> spelled_names('def f():\\n    "docs may say $POSTTRAIN_A"\\n# and comments POSTTRAIN_B')
+    []
+    """
+    tree = ast.parse(source)
+    documentation = _documentation(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in documentation:
+                found += NAME.findall(node.value)
+    return found
+
+
+def test_the_literal_finder_sees_strings_and_skips_documentation() -> None:
+    assert spelled_names('x = "POSTTRAIN_A"') == ["POSTTRAIN_A"]
+    assert spelled_names('x = "a " "POSTTRAIN_B"') == ["POSTTRAIN_B"]
+    assert spelled_names('"""module docs: $POSTTRAIN_A"""') == []
+
+
+def test_no_environment_name_is_spelled_outside_the_contract() -> None:
+    # A name spelled twice drifts apart silently: import it from posttrain.api.env.
+    offenders = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            relative = str(path.relative_to(REPO_ROOT))
+            if relative in STDLIB_COPIES:
+                continue
+            for name in spelled_names(path.read_text()):
+                offenders.append(f"{relative}: {name}")
+    assert offenders == []

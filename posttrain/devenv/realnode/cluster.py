@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.api.env import CACHE
 from posttrain.processes import ManagedProcess, free_port
 from posttrain.telemetry import get_tracer
 
@@ -51,7 +52,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("POSTTRAIN_CACHE")
+    base = os.environ.get(CACHE)
     return Path(base) if base else Path.home() / ".cache" / "posttrain"
 
 
