@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from posttrain.trainer.task import Task
+from posttrain.envs.task import Task
 
 EPISODE_STATUSES = ("done", "truncated", "errored")
 

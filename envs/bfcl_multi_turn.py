@@ -39,10 +39,10 @@ import inspect
 import json
 from typing import Any
 
-from posttrain.envs import bfcl
 from posttrain.envs.base import EnvFailure, StepResult
+from posttrain.envs.task import Task
 from posttrain.errors import UsageError
-from posttrain.trainer.task import Task
+from posttrain.sandboxes import bfcl
 
 CATEGORY = "multi_turn_base"
 MAX_STEPS_PER_TURN = 20  # BFCL's MAXIMUM_STEP_LIMIT: the 21st step of a turn ends it

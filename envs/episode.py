@@ -23,8 +23,8 @@ from typing import Any
 from prometheus_client import Counter
 
 from posttrain.envs.base import Environment, StepResult
+from posttrain.envs.task import Task
 from posttrain.telemetry import get_tracer
-from posttrain.trainer.task import Task
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -200,7 +200,7 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     Errored episodes are counted (``errored``) and left out of the rates: an environment
     failure says nothing about the policy.
 
-    >>> from posttrain.trainer.task import Task
+    >>> from posttrain.envs.task import Task
     >>> t = Task("d", "p", "a")
     >>> ok = Episode(t, "e", [], [EpisodeTurn("", [1], [0.0], 0, "stop",
     ...              info={"tool_calls": 1, "valid_tool_calls": 1})], passed=True)

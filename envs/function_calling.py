@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.envs import bfcl
 from posttrain.envs.base import StepResult
-from posttrain.trainer.task import Task
+from posttrain.envs.task import Task
+from posttrain.sandboxes import bfcl
 
 RETRY_HINT = (
     "Reply again with only the function calls, in the format "

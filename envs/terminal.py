@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.envs.base import EnvFailure, StepResult
+from posttrain.envs.task import Task, content_hash
 from posttrain.sandboxes.protocol import SandboxError
 from posttrain.sandboxes.snapshot import Workspace
-from posttrain.trainer.task import Task, content_hash
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from posttrain.api.env import SANDBOX_RUNNER_URL, TrainerEnv
 from posttrain.envs.episode import ChatTokens, Episode, agent_metrics, run_episodes
+from posttrain.envs.task import Task
 from posttrain.errors import UsageError
 from posttrain.rollout.protocol import Completion
-from posttrain.trainer.task import Task
 
 log = logging.getLogger(__name__)
 

@@ -194,9 +194,12 @@ def _serve_vllm(args: argparse.Namespace) -> int:
         argv += ["--weights-uri", args.weights_uri]
     argv += limit_flags_argv(args)
     if importlib.util.find_spec("vllm") is not None:
-        from posttrain.cli import main
-
-        return main(argv)
+        # In this process, through this module's own parser (the top-level CLI sits above
+        # the rollout package: importing it from here would be a cycle).
+        parser = argparse.ArgumentParser(prog="posttrain")
+        register(parser.add_subparsers(dest="command"))
+        entry = parser.parse_args(argv)
+        return int(entry.func(entry) or 0)
     python = vllm_python()
     if python is None:
         raise UsageError("--engine vllm needs vLLM: run `make venv-vllm` (or set "

@@ -402,8 +402,8 @@ def verify_bfcl_ast(
     completion: str, task: Mapping[str, Any], config: Mapping[str, Any], _: Any
 ) -> VerifierResult:
     """BFCL's AST match of python-syntax calls against the item's accepted answers (the
-    checker is BFCL's own; see :mod:`posttrain.envs.bfcl`)."""
-    from posttrain.envs.bfcl import judge
+    checker is BFCL's own; see :mod:`posttrain.sandboxes.bfcl`)."""
+    from posttrain.sandboxes.bfcl import judge
 
     verdict = judge(
         completion,

@@ -7,7 +7,8 @@ The architecture in README.md is types -> components -> CLI. These tests keep it
 - the operator and the trainer never import each other: they meet through ``api/`` and the
   cluster, so the operator image needs no torch and the trainer no kopf;
 - ``posttrain.devenv`` (the development control plane and node agent) is a developer aid: only
-  the CLI, tests and benchmarks import it, never a component that runs in a cluster.
+  the CLI, tests and benchmarks import it, never a component that runs in a cluster;
+- no import cycle, between modules or between packages (``posttrain.<component>``).
 
 import-linter cannot express these here: ``operator/`` is deliberately a PEP 420 portion
 without ``__init__.py`` (so it never shadows the stdlib ``operator``), which grimp does not
@@ -216,6 +217,47 @@ def test_no_new_import_cycles() -> None:
     cycles = import_cycles(import_graph())
     assert sorted(map(sorted, cycles - KNOWN_CYCLES)) == []
     assert sorted(map(sorted, KNOWN_CYCLES - cycles)) == [], "gone: drop it from KNOWN_CYCLES"
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to for layering: ``posttrain.<component>`` (devenv and
+    ctl included), or the top-level module itself (``posttrain.cli``).
+
+    >>> package_of("posttrain.trainer.loop"), package_of("posttrain.cli")
+    ('posttrain.trainer', 'posttrain.cli')
+    """
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package -> the packages of ours its modules import.
+
+    >>> sorted(package_graph({"p.a.x": {"p.b.y"}, "p.b.y": {"p.b.z"}, "p.b.z": set()}).items())
+    [('p.a', {'p.b'}), ('p.b', set())]
+    """
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = package_of(module)
+        packages.setdefault(source, set()).update(
+            package_of(t) for t in targets if package_of(t) != source
+        )
+    return packages
+
+
+def test_no_package_level_import_cycles() -> None:
+    # Modules can be acyclic while their packages are not (trainer.loop -> envs.training ->
+    # trainer.task): then neither package can be understood, tested or shipped without the
+    # other. What both need belongs in the lower one.
+    graph = import_graph()
+    cycles = import_cycles(package_graph(graph))
+    edges = {
+        f"{a} -> {b}"
+        for a, targets in graph.items()
+        for b in targets
+        for cycle in cycles
+        if package_of(a) in cycle and package_of(b) in cycle and package_of(a) != package_of(b)
+    }
+    assert sorted(map(sorted, cycles)) == [], sorted(edges)
 
 
 def private_imports() -> set[str]:

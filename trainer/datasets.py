@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from posttrain.envs.task import Task
 from posttrain.errors import UsageError
-from posttrain.trainer.task import Task
 
 # Which verifier a domain gets when neither the task nor the spec names one.
 DEFAULT_VERIFIER_BY_DOMAIN: dict[str, str] = {"arithmetic": "numeric", "code": "unit_tests"}
@@ -178,7 +178,7 @@ def benchmark_records(name: str) -> list[dict[str, Any]] | None:
 
         return bfcl_multi_turn.task_records()
     if name == "bfcl" or name.startswith("bfcl_"):
-        from posttrain.envs import bfcl
+        from posttrain.sandboxes import bfcl
 
         categories = {"bfcl": bfcl.CATEGORIES, "bfcl_live": bfcl.LIVE_CATEGORIES}.get(
             name, (name.removeprefix("bfcl_"),)
@@ -187,7 +187,7 @@ def benchmark_records(name: str) -> list[dict[str, Any]] | None:
     return None
 
 
-# BFCL's single-turn categories as ``envs.bfcl.ALL_CATEGORIES`` names them (written out so
+# BFCL's single-turn categories as ``sandboxes.bfcl.ALL_CATEGORIES`` names them (written out so
 # that naming a dataset imports no benchmark package; tests/envs/test_bfcl.py checks they agree).
 BFCL_SINGLE_TURN = (
     "simple_python",

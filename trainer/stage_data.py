@@ -22,7 +22,7 @@ format; DPO pairs that answer (chosen) with a wrong one in the same format (reje
 ``builtin:bfcl_<category>`` (and ``builtin:bfcl``, SFT only) are BFCL's items of the training
 side of the content-hash split, as the function-calling environment plays them (BFCL's
 system prompt and question as ``messages``), each answered with one reply BFCL's checker
-accepts, built from the item's ``possible_answer`` (:func:`posttrain.envs.bfcl.canonical_answer`).
+accepts, built from the item's ``possible_answer`` (:func:`posttrain.sandboxes.bfcl.canonical_answer`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.envs import bfcl
+from posttrain.sandboxes import bfcl
 from posttrain.sandboxes.verifiers import verify
 from posttrain.trainer.datasets import builtin_tasks, is_held_out
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from posttrain.envs import bfcl
 from posttrain.envs.episode import ChatTokens
 from posttrain.errors import UsageError
+from posttrain.sandboxes import bfcl
 from posttrain.trainer.datasets import builtin_tasks
 from posttrain.trainer.policy import chat_messages_ids, chat_prompt_ids
 from posttrain.trainer.stage_data import load_stage_data, read_records

@@ -31,7 +31,6 @@ MODULES = [
     "sharded_load",
     "stage_data",
     "status",
-    "task",
     "task_sources",
     "verification",
     "weight_sync",

@@ -1,5 +1,9 @@
 """Tool calling from the Berkeley Function Calling Leaderboard (BFCL v4), judged by BFCL.
 
+In ``sandboxes/`` beside the other verifiers (``bfcl_ast`` in verifiers.py is this judge);
+the environments (``envs/function_calling.py``) and the trainer's datasets read its data
+from here, the layers above.
+
 The data and the judge come from the PyPI wheel ``bfcl-eval==2026.3.23`` (installed with
 ``--no-deps`` by ``make venv``: its declared dependencies pin numpy 1.26 and pull in every
 API vendor's SDK, none of which the data or the AST checker need). Nothing here is our

@@ -1,8 +1,9 @@
 """The task record: one prompt plus what its verifier checks against.
 
 Its own module, below everything that reads or makes tasks: the trainer's datasets (which
-also list the environments' built-in tasks), the environments (which play them) and the
-verifiers meet here without importing each other.
+also list the environments' built-in tasks) and the environments (which play them) meet here.
+It lives in ``envs/``, the lower of the two packages, so the environments never import the
+trainer (tests/test_layers.py forbids package-level cycles).
 """
 
 from __future__ import annotations
