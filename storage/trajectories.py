@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 import zstandard
 
@@ -56,22 +56,6 @@ CHUNK_SUFFIX = ".jsonl.zst"
 REQUIRED_FIELDS = ("prompt", "completion", "reward")
 _CHUNK_RE = re.compile(r"part-(?P<writer>[A-Za-z0-9_.-]+)-(?P<seq>\d{8,})\.jsonl\.zst")
 _WRITER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
-
-
-class TrajectoryRecord(TypedDict):
-    """One sampled completion and how it was scored (extra keys are kept as given)."""
-
-    prompt: str
-    completion: str
-    reward: float
-    prompt_token_ids: NotRequired[list[int]]
-    completion_token_ids: NotRequired[list[int]]
-    completion_logprobs: NotRequired[list[float]]
-    """Behaviour policy's logprob of each completion token, as sampled."""
-    weight_version: NotRequired[int]
-    domain: NotRequired[str]
-    verifier: NotRequired[dict[str, Any]]
-    step: NotRequired[int]
 
 
 def chunk_name(writer_id: str, seq: int) -> str:

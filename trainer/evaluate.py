@@ -208,11 +208,3 @@ def save_eval(result: EvalResult, out_dir: Path) -> Path:
     with (eval_dir / "history.jsonl").open("a") as fh:
         fh.write(json.dumps(summary) + "\n")
     return path
-
-
-def load_eval_history(out_dir: Path) -> list[dict[str, Any]]:
-    """Every summary line written by :func:`save_eval` (empty when none yet)."""
-    path = out_dir / "eval" / "history.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -76,7 +76,7 @@ class StatusReporter(Protocol):
         ...
 
 
-# Event reasons the trainer posts (CamelCase, as the operator's in operator/reasons.py).
+# Event reasons the trainer posts (CamelCase, as the operator's in api/reasons.py).
 STAGE_STARTED = "StageStarted"
 STAGE_SUCCEEDED = "StageSucceeded"
 

@@ -114,26 +114,6 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def shareable_state_dict(model: Any, dtype: Any | None = None) -> dict[str, Any]:
-    """The model's tensors without the tied output embedding (safetensors refuses aliases),
-    floating-point ones cast to ``dtype`` when given (the replicas' serving dtype).
-
-    The rollout engine accepts a missing ``lm_head.weight`` when embeddings are tied
-    (:func:`posttrain.rollout.engine.copy_state_dict`), exactly as with ``save_pretrained``;
-    both engines copy loaded tensors into their own parameters, casting as they go.
-    """
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    out = {}
-    for name, tensor in model.state_dict().items():
-        if tied and name == "lm_head.weight":
-            continue
-        tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        out[name] = tensor.contiguous()
-    return out
-
-
 class WeightPublisher:
     """Publishes policy versions to the rollout servers through the cheapest working path."""
 

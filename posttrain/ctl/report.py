@@ -189,12 +189,6 @@ def run_spec(run_dir: Path, manifest: Path | None) -> Any | None:
     return None
 
 
-def group_size_from_spec(run_dir: Path, manifest: Path | None) -> int | None:
-    """spec.algorithm.groupSize from --manifest or a spec file kept in the run dir."""
-    spec = run_spec(run_dir, manifest)
-    return int(spec.algorithm.group_size) if spec is not None else None
-
-
 def gather(run_dir: Path, manifest: Path | None = None, source: str | None = None) -> ReportData:
     """Read the run directory and draw every figure (the trainer's plots plus ours).
 

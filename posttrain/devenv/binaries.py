@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -146,10 +145,3 @@ def link_client_tools(target_dir: Path | None = None) -> list[Path]:
             log.info("linked %s -> %s", link, binary)
         links.append(link)
     return links
-
-
-def require_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        raise UsageError(f"`{name}` is not on PATH")
-    return path
