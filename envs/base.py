@@ -22,8 +22,6 @@ from typing import Any, Protocol
 
 from posttrain.envs.task import Task
 
-EPISODE_STATUSES = ("done", "truncated", "errored")
-
 
 @dataclass
 class StepResult:

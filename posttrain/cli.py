@@ -61,7 +61,6 @@ COMMANDS: dict[str, dict[str, str]] = {
         "storage": "inspect a run's checkpoints and trajectories",
     },
 }
-COMMAND_MODULES: tuple[str, ...] = tuple(COMMANDS)
 
 
 def _new_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]

