@@ -131,8 +131,20 @@ def structural_schema(model: type[BaseModel]) -> JsonSchema:
 
 
 def _convert(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
-    node = copy.deepcopy(node)
-    # Inline references; keys beside $ref (description, x-kubernetes-*) win.
+    node = _inline(copy.deepcopy(node), defs)
+    _to_openapi_keywords(node)
+    if node.get("type") == "object":
+        _convert_object(node, defs)
+    if "properties" in node:
+        node["properties"] = {k: _convert(v, defs) for k, v in node["properties"].items()}
+    if "items" in node:
+        node["items"] = _convert(node["items"], defs)
+    return node
+
+
+def _inline(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
+    """References and single-type unions (``X | None``) replaced by the schema they name."""
+    # Keys beside $ref (description, x-kubernetes-*) win.
     if "$ref" in node:
         target = defs[node.pop("$ref").split("/")[-1]]
         node = {**_convert(target, defs), **node}
@@ -142,6 +154,11 @@ def _convert(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
             if len(options) != 1:
                 raise ValueError(f"cannot express a union of {options} structurally")
             node = {**_convert(options[0], defs), **node}
+    return node
+
+
+def _to_openapi_keywords(node: JsonSchema) -> None:
+    """JSON Schema 2020 keywords rewritten in place as OpenAPI v3.0 (what the apiserver takes)."""
     node.pop("title", None)
     if isinstance(node.get("description"), str):
         node["description"] = " ".join(node["description"].split())
@@ -155,20 +172,18 @@ def _convert(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
         node["enum"] = [node.pop("const")]
     if "enum" in node and "type" not in node:
         node["type"] = "string"
-    if node.get("type") == "object":
-        extra = node.get("additionalProperties")
-        if "properties" in node or extra is False:
-            node.pop("additionalProperties", None)
-        if extra is True or (extra == {} and "properties" not in node):
-            node.pop("additionalProperties")
-            node["x-kubernetes-preserve-unknown-fields"] = True
-        elif isinstance(extra, dict) and extra:
-            node["additionalProperties"] = _convert(extra, defs)
-    if "properties" in node:
-        node["properties"] = {k: _convert(v, defs) for k, v in node["properties"].items()}
-    if "items" in node:
-        node["items"] = _convert(node["items"], defs)
-    return node
+
+
+def _convert_object(node: JsonSchema, defs: dict[str, JsonSchema]) -> None:
+    """An object's additionalProperties in structural form (free-form maps preserved)."""
+    extra = node.get("additionalProperties")
+    if "properties" in node or extra is False:
+        node.pop("additionalProperties", None)
+    if extra is True or (extra == {} and "properties" not in node):
+        node.pop("additionalProperties")
+        node["x-kubernetes-preserve-unknown-fields"] = True
+    elif isinstance(extra, dict) and extra:
+        node["additionalProperties"] = _convert(extra, defs)
 
 
 def build_crd(res: ResourceDef) -> dict[str, Any]:

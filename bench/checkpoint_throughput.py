@@ -101,7 +101,7 @@ def timed(fn: Callable[[], object], server_pid: int | None) -> tuple[float, floa
     return wall, process_cpu_s(None) - client, server_used
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:  # noqa: C901
     work = Path(tempfile.mkdtemp(prefix="posttrain-bench-", dir=args.work_dir))
     server = None
     if args.endpoint:

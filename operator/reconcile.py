@@ -543,7 +543,7 @@ def managed_elsewhere(managed_by: str | None) -> str | None:
     )
 
 
-def plan_training_run(
+def plan_training_run(  # noqa: C901, PLR0915
     run: TrainingRun,
     pods: list[PodView],
     incarnation: int,

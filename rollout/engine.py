@@ -274,7 +274,7 @@ class GenerationEngine:
                 ids.update(source)
         return ids
 
-    def _loop(self) -> None:
+    def _loop(self) -> None:  # noqa: C901
         batch: _Batch | None = None
         pending_swap: _WeightSwap | None = None
         waiting: list[_Request] = []

@@ -189,7 +189,7 @@ def poll_weights(state: ServerState, stop: threading.Event) -> None:
             log.exception("polling %s for new weights failed; will retry", config.weights_uri)
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
     """The FastAPI app; ``state`` is filled by :func:`load_engine` (possibly later)."""
     app = FastAPI(title="posttrain rollout server")
     limits = state.config.limits

@@ -396,7 +396,7 @@ class VllmFrontDoor:
             )
         return response.json()
 
-    def create_app(self) -> FastAPI:
+    def create_app(self) -> FastAPI:  # noqa: C901
         from posttrain.rollout.weights import load_failure_status
 
         app = FastAPI(title="posttrain vLLM front door")

@@ -74,25 +74,39 @@ class ExecRequest:
 
 def validate_request(request: ExecRequest) -> list[str]:
     """Every problem with a request, phrased so the caller can fix it (empty list = valid)."""
-    problems: list[str] = []
     # Requests arrive as JSON from other processes: check types, not just values.
-    for name, kind in (
-        ("stdin", str),
-        ("files", dict),
-        ("env", dict),
-        ("timeout_s", (int, float)),
-        ("memory_mb", int),
-        ("cpu_time_s", (int, type(None))),
-        ("max_processes", int),
-        ("max_file_mb", int),
-        ("workdir_mb", int),
-        ("max_output_bytes", int),
-    ):
+    problems = _type_problems(request)
+    if problems:
+        return problems
+    return [*_value_problems(request), *_name_problems(request)]
+
+
+# Each field's accepted JSON types (bool is refused wherever an int is wanted).
+_FIELD_TYPES: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("stdin", str),
+    ("files", dict),
+    ("env", dict),
+    ("timeout_s", (int, float)),
+    ("memory_mb", int),
+    ("cpu_time_s", (int, type(None))),
+    ("max_processes", int),
+    ("max_file_mb", int),
+    ("workdir_mb", int),
+    ("max_output_bytes", int),
+)
+
+
+def _type_problems(request: ExecRequest) -> list[str]:
+    problems = []
+    for name, kind in _FIELD_TYPES:
         value = getattr(request, name)
         if not isinstance(value, kind) or isinstance(value, bool):
             problems.append(f"{name} has the wrong type: {_SHORT.repr(value)}")
-    if problems:
-        return problems
+    return problems
+
+
+def _value_problems(request: ExecRequest) -> list[str]:
+    problems = []
     if not all(isinstance(v, str) for v in [*request.files.values(), *request.env.values()]):
         problems.append("files and env values must be strings")
     if (
@@ -117,6 +131,11 @@ def validate_request(request: ExecRequest) -> list[str]:
         problems.append(f"max_output_bytes must be >= 1, got {request.max_output_bytes}")
     if request.cpu_time_s is not None and request.cpu_time_s < 1:
         problems.append(f"cpu_time_s must be >= 1, got {request.cpu_time_s}")
+    return problems
+
+
+def _name_problems(request: ExecRequest) -> list[str]:
+    problems = []
     for name in request.env:
         if not ENV_NAME.match(name):
             problems.append(f"env name {_SHORT.repr(name)} is not a valid variable name")

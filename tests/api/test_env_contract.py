@@ -131,9 +131,9 @@ def spelled_names(source: str) -> list[str]:
     documentation = _documentation(tree)
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if id(node) not in documentation:
-                found += NAME.findall(node.value)
+        is_text = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if is_text and id(node) not in documentation:
+            found += NAME.findall(node.value)
     return found
 
 

@@ -210,7 +210,7 @@ def served_versions(log_text: str) -> list[int]:
     return [int(v) for v in re.findall(r"vLLM now serving weights v(\d+) from", log_text)]
 
 
-def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(
+def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(  # noqa: PLR0915
     vllm_cluster: Cluster, minio_server: MinioServer, agent: NodeAgent
 ) -> None:
     c = vllm_cluster
