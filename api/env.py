@@ -14,6 +14,9 @@ ROLLOUT_ENDPOINTS: Final = "POSTTRAIN_ROLLOUT_ENDPOINTS"  # comma-separated roll
 ROLLOUT_POOL: Final = "POSTTRAIN_ROLLOUT_POOL"  # spec.rollout.pool: discover its replicas
 # The pool's serving dtype (bfloat16, float16, float32): the trainer publishes weights in it.
 ROLLOUT_DTYPE: Final = "POSTTRAIN_ROLLOUT_DTYPE"
+# Trainer and pool pods: the pool's weight token (Secret <pool>-weights-token), which
+# POST /v1/weights/load requires (rollout/auth.py).
+WEIGHTS_TOKEN: Final = "POSTTRAIN_WEIGHTS_TOKEN"
 RUN_NAME: Final = "POSTTRAIN_RUN_NAME"  # the TrainingRun (status reports, discovery)
 RUN_NAMESPACE: Final = "POSTTRAIN_RUN_NAMESPACE"
 SANDBOX_RUNNER_URL: Final = "POSTTRAIN_SANDBOX_RUNNER_URL"  # the run's own sandbox runner

@@ -344,6 +344,9 @@ def build_trainer_pod(
         env.append({"name": ROLLOUT_ENDPOINTS_ENV, "value": ",".join(rollout_endpoints)})
         if run.spec.rollout.pool:
             env.append({"name": ROLLOUT_POOL_ENV, "value": run.spec.rollout.pool})
+            # Optional: a pool created after the run starts the trainer without it, and its
+            # loads are then refused with a 401 that says why.
+            env.append(weights_token_env(run.spec.rollout.pool, optional=True))
         if rollout_dtype:
             env.append({"name": ROLLOUT_DTYPE_ENV, "value": rollout_dtype})
     if on_ray:
@@ -717,6 +720,8 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     env: list[dict[str, Any]] = [
         {"name": "POSTTRAIN_POOL_NAME", "value": name},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Only the token's holders may load weights (the reconciler creates the Secret first).
+        weights_token_env(name, optional=False),
     ]
     if config.s3_endpoint:
         env += s3_env(config)
@@ -833,6 +838,37 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
             "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http"}],
         },
     }
+
+
+def pool_token_secret_name(pool_name: str) -> str:
+    """The Secret holding a pool's weight token (rollout/auth.py).
+
+    >>> pool_token_secret_name("dev-pool")
+    'dev-pool-weights-token'
+    """
+    return f"{pool_name}-weights-token"
+
+
+def build_pool_token_secret(pool: RolloutPool) -> Manifest:
+    """The pool's weight token: a fresh random value, created once (a reconcile that finds
+    the Secret keeps it), collected with the pool. Only the pool's replicas and the trainers
+    of runs that sample from the pool get it (a secretKeyRef in their pod specs)."""
+    import secrets
+
+    name = pool_token_secret_name(pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_metadata(pool, name, pool_selector(pool.metadata.name)),
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_urlsafe(32)},
+    }
+
+
+def weights_token_env(pool_name: str, *, optional: bool) -> Manifest:
+    """``$POSTTRAIN_WEIGHTS_TOKEN`` from the pool's token Secret."""
+    ref = {"name": pool_token_secret_name(pool_name), "key": "token", "optional": optional}
+    return {"name": env.WEIGHTS_TOKEN, "valueFrom": {"secretKeyRef": ref}}
 
 
 # ---------------------------------------------------------------- SandboxTask
