@@ -56,6 +56,10 @@ POOL_NAME: Final = "POSTTRAIN_POOL_NAME"
 WEIGHTS_URI: Final = "POSTTRAIN_WEIGHTS_URI"  # prefix the replica polls for weight versions
 WEIGHTS_POLL_SECONDS: Final = "POSTTRAIN_WEIGHTS_POLL_SECONDS"
 WEIGHTS_SCRATCH: Final = "POSTTRAIN_WEIGHTS_SCRATCH"  # where a vLLM replica stages weights
+# Pool replicas and the trainers of runs that name the pool: the pool's weight token, which
+# POST /v1/weights/load requires (rollout/auth.py). From the Secret <pool>-weights-token
+# (a secretKeyRef, so no field of the models here).
+WEIGHTS_TOKEN: Final = "POSTTRAIN_WEIGHTS_TOKEN"
 CACHE: Final = "POSTTRAIN_CACHE"  # where models are converted/downloaded (default ~/.cache)
 NUM_THREADS: Final = "POSTTRAIN_NUM_THREADS"  # the CPU engine's torch threads
 VLLM_PYTHON: Final = "POSTTRAIN_VLLM_PYTHON"  # the interpreter of a laptop's vLLM environment

@@ -24,6 +24,7 @@ from posttrain.api.env import (
     S3_CREDENTIAL_KEYS,
     S3_ENDPOINT,
     S3_SECURE,
+    WEIGHTS_TOKEN,
     RolloutPoolEnv,
     SandboxTaskEnv,
     TrainerEnv,
@@ -359,6 +360,10 @@ def build_trainer_pod(
         *otlp_env(config, "posttrain-trainer", run),
         *hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret),
     ]
+    if resolved_pool and run.spec.rollout.pool:
+        # Optional: a pool created after the run starts the trainer without it, and its
+        # loads are then refused with a 401 that says why.
+        env.append(weights_token_env(run.spec.rollout.pool, optional=True))
     labels = {
         LABEL_COMPONENT: COMPONENT_TRAINER,
         LABEL_RUN: name,
@@ -728,6 +733,8 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     env: list[dict[str, Any]] = [
         *contract.to_env(),
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Only the token's holders may load weights (the reconciler creates the Secret first).
+        weights_token_env(name, optional=False),
     ]
     if config.s3_endpoint:
         env += s3_env(config)
@@ -836,6 +843,37 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
             "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http"}],
         },
     }
+
+
+def pool_token_secret_name(pool_name: str) -> str:
+    """The Secret holding a pool's weight token (rollout/auth.py).
+
+    >>> pool_token_secret_name("dev-pool")
+    'dev-pool-weights-token'
+    """
+    return f"{pool_name}-weights-token"
+
+
+def build_pool_token_secret(pool: RolloutPool) -> Manifest:
+    """The pool's weight token: a fresh random value, created once (a reconcile that finds
+    the Secret keeps it), collected with the pool. Only the pool's replicas and the trainers
+    of runs that sample from the pool get it (a secretKeyRef in their pod specs)."""
+    import secrets
+
+    name = pool_token_secret_name(pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_metadata(pool, name, pool_selector(pool.metadata.name)),
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_urlsafe(32)},
+    }
+
+
+def weights_token_env(pool_name: str, *, optional: bool) -> Manifest:
+    """``$POSTTRAIN_WEIGHTS_TOKEN`` from the pool's token Secret."""
+    ref = {"name": pool_token_secret_name(pool_name), "key": "token", "optional": optional}
+    return {"name": WEIGHTS_TOKEN, "valueFrom": {"secretKeyRef": ref}}
 
 
 # ---------------------------------------------------------------- SandboxTask

@@ -110,6 +110,7 @@ PLURALS = {
     "Pod": "pods",
     "Service": "services",
     "ConfigMap": "configmaps",
+    "Secret": "secrets",
     "ServiceAccount": "serviceaccounts",
     "Deployment": "deployments",
     "Job": "jobs",

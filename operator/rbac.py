@@ -56,6 +56,9 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["configmaps", "services", "serviceaccounts"],
         "verbs": ["get", "create", "patch", "delete"],
     },
+    # Each RolloutPool's weight token (rollout/auth.py): created once, read back on adoption;
+    # no list or watch (the operator never reads other Secrets).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
     # Rollout replicas.
     {
         "apiGroups": ["apps"],

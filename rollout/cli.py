@@ -210,6 +210,7 @@ def _serve_vllm(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from posttrain.rollout.auth import weights_token
     from posttrain.rollout.server import ModelLoadError, ServerConfig, run
     from posttrain.telemetry import start_metrics_server
 
@@ -228,6 +229,7 @@ def _serve(args: argparse.Namespace) -> int:
                 weights_uri=args.weights_uri,
                 poll_seconds=args.poll_seconds,
                 max_batch_size=args.max_batch_size,
+                weights_token=weights_token(),
                 num_threads=args.threads,
                 limits=limits,
             ),

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 from prometheus_client import Counter, Histogram
 
+from posttrain.rollout.auth import auth_headers
 from posttrain.rollout.protocol import (
     WEIGHT_VERSION_HEADER,
     Completion,
@@ -291,7 +292,7 @@ class RolloutClient:
 
     def _load_on(self, endpoints: list[_Endpoint], uri: str, version: int) -> dict[str, Exception]:
         """POST the load to ``endpoints`` in parallel; the failures by URL."""
-        carrier = inject_headers()
+        carrier = {**inject_headers(), **auth_headers()}  # the pool's weight token
         failures: dict[str, Exception] = {}
 
         def load(endpoint: _Endpoint) -> None:

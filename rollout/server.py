@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_
 from starlette.exceptions import HTTPException
 
 from posttrain.httplimits import BoundedBody, uvicorn_options
+from posttrain.rollout.auth import WeightLoadDenied, check_weight_load
 from posttrain.rollout.limits import (
     ApiError,
     ChatRequest,
@@ -82,6 +83,8 @@ class ServerConfig:
     num_threads: int | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     """What one request may ask for, and the HTTP bounds (body size, read deadlines)."""
+    weights_token: str | None = field(default=None, repr=False)
+    """The pool's weight token: /v1/weights/load needs it (rollout/auth.py); None: open."""
 
 
 @dataclass
@@ -252,6 +255,13 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
 
     @app.post("/v1/weights/load")
     async def weights_load(body: WeightLoadRequest, request: Request) -> Response:
+        try:
+            check_weight_load(
+                request.headers, body.uri, state.config.weights_token, state.config.weights_uri
+            )
+        except WeightLoadDenied as exc:
+            REQUESTS.labels("weights_load", str(exc.status)).inc()
+            return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
         _engine(state)
         with tracer.start_as_current_span(
             "rollout.weights_load", context=extract_context(request.headers)

@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, g
 
 from posttrain.api.env import WEIGHTS_SCRATCH
 from posttrain.httplimits import BoundedBody, uvicorn_options
+from posttrain.rollout.auth import WeightLoadDenied, check_weight_load, weights_token
 from posttrain.rollout.limits import (
     ApiError,
     ChatRequest,
@@ -260,9 +261,11 @@ class VllmFrontDoor:
         scratch_dir: str,
         limits: RequestLimits | None = None,
         context_length: int | None = None,
+        weights_token: str | None = None,
     ) -> None:
         import httpx
 
+        self.weights_token = weights_token  # the pool's weight token (rollout/auth.py)
         self.upstream = upstream.rstrip("/")
         self.weights_uri = weights_uri
         self.scratch_dir = scratch_dir
@@ -424,6 +427,10 @@ class VllmFrontDoor:
             except ApiError as exc:
                 return _error(exc.status, exc.message, exc.param)
             uri, wanted = body.uri, body.version
+            try:
+                check_weight_load(request.headers, uri, self.weights_token, self.weights_uri)
+            except WeightLoadDenied as exc:
+                return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
             with tracer.start_as_current_span(
                 "rollout.weights_load", context=extract_context(request.headers)
             ):
@@ -521,7 +528,12 @@ def run_vllm_entry(
     scratch = os.environ.get(WEIGHTS_SCRATCH, tempfile.gettempdir())
     limits = limits or RequestLimits()
     door = VllmFrontDoor(
-        f"http://127.0.0.1:{spec.port}", weights_uri, scratch, limits, spec.max_model_len
+        f"http://127.0.0.1:{spec.port}",
+        weights_uri,
+        scratch,
+        limits,
+        spec.max_model_len,
+        weights_token=weights_token(),
     )
 
     async def watch_engine() -> None:

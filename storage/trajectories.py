@@ -13,6 +13,11 @@ uploaded as ``<prefix>/part-<writer>-<seq>.jsonl.zst``.
   re-uploading after a lost response overwrites the object with identical content.
 * Restarts: the next sequence number is recovered from the spool, a small state file and
   the store's listing, so a restarted writer never reuses a name.
+* Exactly once per step: a trainer that dies after a step's records were flushed but before
+  that step's checkpoint committed samples the step again when it resumes. Each writer
+  stamps its records with ``writer_attempt`` (when the writer started, ns since the epoch),
+  and :func:`read_trajectories` keeps, for each (writer, step), only the newest attempt's
+  records: the ones the surviving model was trained on.
 
 The durability point is :meth:`TrajectoryWriter.flush`: records appended since the last
 flush live only in memory (a crash there loses at most ``flush_every`` records, which the
@@ -53,6 +58,8 @@ log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 CHUNK_SUFFIX = ".jsonl.zst"
+ATTEMPT_FIELD = "writer_attempt"
+"""Stamped on every record by its writer: the writer's start time, ns since the epoch."""
 REQUIRED_FIELDS = ("prompt", "completion", "reward")
 _CHUNK_RE = re.compile(r"part-(?P<writer>[A-Za-z0-9_.-]+)-(?P<seq>\d{8,})\.jsonl\.zst")
 _WRITER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
@@ -144,6 +151,8 @@ class TrajectoryWriter:
         self._records_counter = TRAJECTORY_RECORDS.labels(writer=self.writer_id)
         self._uploaded_counter = TRAJECTORY_CHUNKS_UPLOADED.labels(writer=self.writer_id)
         self._next_seq = self._recover_next_seq()
+        # Later than any record an earlier process of this writer stamped (see the module doc).
+        self.attempt = time.time_ns()
         self._gauge.set(len(self.spooled_chunks()))
         self._closed = False
         self._stop = threading.Event()
@@ -159,6 +168,8 @@ class TrajectoryWriter:
 
     def append(self, record: dict[str, Any]) -> None:
         """Buffer one record; every ``flush_every`` records are sealed and uploaded."""
+        if isinstance(record, dict) and ATTEMPT_FIELD not in record:
+            record = {**record, ATTEMPT_FIELD: self.attempt}
         line = encode_record(record)
         with self._buffer_lock:
             if self._closed:
@@ -385,18 +396,49 @@ def list_chunks(store: ArtifactStore, prefix: str) -> list[str]:
     return [key for _, key in sorted(keyed)]
 
 
-def read_trajectories(store: ArtifactStore, prefix: str) -> Iterator[dict[str, Any]]:
-    """Every record under ``prefix``, chunk by chunk in (writer, sequence) order."""
-    for key in list_chunks(store, prefix):
-        data = store.get_bytes(key)
-        try:
-            text = zstandard.ZstdDecompressor().decompressobj().decompress(data).decode()
-            records = [json.loads(line) for line in text.splitlines() if line]
-        except (zstandard.ZstdError, UnicodeDecodeError, ValueError) as exc:
-            raise CorruptArtifactError(
-                f"trajectory chunk {store.uri(key)} is unreadable: {exc}"
-            ) from None
-        yield from records
+def read_trajectories(
+    store: ArtifactStore, prefix: str, *, superseded: bool = False
+) -> Iterator[dict[str, Any]]:
+    """Every record under ``prefix``, chunk by chunk in (writer, sequence) order.
+
+    A step sampled again after a resume is returned once: for each (writer, ``step``) only
+    the records of the newest ``writer_attempt`` are kept (``superseded=True`` keeps all).
+    Records without a ``step`` or an attempt stamp are always kept. Reads the chunks twice:
+    the first pass finds each step's newest attempt.
+    """
+    keys = list_chunks(store, prefix)
+    newest: dict[tuple[str, Any], int] = {}
+    if not superseded:
+        for key in keys:
+            writer = _chunk_writer(key)
+            for record in _read_chunk(store, key):
+                if "step" in record and ATTEMPT_FIELD in record:
+                    slot = (writer, record["step"])
+                    newest[slot] = max(newest.get(slot, 0), int(record[ATTEMPT_FIELD]))
+    for key in keys:
+        writer = _chunk_writer(key)
+        for record in _read_chunk(store, key):
+            slot = (writer, record.get("step"))
+            if slot in newest and int(record.get(ATTEMPT_FIELD, 0)) < newest[slot]:
+                continue  # an earlier attempt at a step that was sampled again
+            yield record
+
+
+def _chunk_writer(key: str) -> str:
+    parsed = parse_chunk_name(key.rsplit("/", 1)[-1])
+    assert parsed is not None  # list_chunks returns parseable names only
+    return parsed[0]
+
+
+def _read_chunk(store: ArtifactStore, key: str) -> list[dict[str, Any]]:
+    data = store.get_bytes(key)
+    try:
+        text = zstandard.ZstdDecompressor().decompressobj().decompress(data).decode()
+        return [json.loads(line) for line in text.splitlines() if line]
+    except (zstandard.ZstdError, UnicodeDecodeError, ValueError) as exc:
+        raise CorruptArtifactError(
+            f"trajectory chunk {store.uri(key)} is unreadable: {exc}"
+        ) from None
 
 
 def sample_records(records: Iterator[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:

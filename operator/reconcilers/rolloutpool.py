@@ -81,6 +81,7 @@ class RolloutPoolReconciler:
             )
             service_key = (namespace, name, pool.metadata.uid)
             if service_key not in self._services:
+                state.create(KIND, b.build_pool_token_secret(pool))  # kept if it exists
                 state.create(KIND, b.build_rollout_service(pool))
                 self._services.add(service_key)
             if plan.create_deployment:

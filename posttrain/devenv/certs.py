@@ -64,6 +64,41 @@ def _cert(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
+def _pki_paths(directory: Path) -> Pki:
+    return Pki(
+        ca_cert=directory / "ca.crt",
+        ca_key=directory / "ca.key",
+        serving_cert=directory / "apiserver.crt",
+        serving_key=directory / "apiserver.key",
+        admin_cert=directory / "admin.crt",
+        admin_key=directory / "admin.key",
+        sa_public=directory / "sa.pub",
+        sa_private=directory / "sa.key",
+    )
+
+
+def load_pki(
+    directory: Path, extra_ips: tuple[str, ...] = (), min_valid: dt.timedelta = dt.timedelta(days=1)
+) -> Pki | None:
+    """The PKI an earlier start wrote into ``directory``, if complete, serving ``extra_ips`` and
+    valid for at least ``min_valid`` more; None otherwise.
+
+    A control plane restarted on its old data keeps its CA and service-account key, so the
+    kubeconfigs, tokens and processes that trusted it before keep working."""
+    pki = _pki_paths(directory)
+    if not all(Path(path).is_file() for path in vars(pki).values()):
+        return None
+    serving = x509.load_pem_x509_certificate(pki.serving_cert.read_bytes())
+    if serving.not_valid_after_utc - dt.datetime.now(dt.UTC) < min_valid:
+        return None
+    served = serving.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    if not {ipaddress.ip_address(ip) for ip in extra_ips} <= set(
+        served.get_values_for_type(x509.IPAddress)
+    ):
+        return None
+    return pki
+
+
 def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
     """Write a fresh PKI into ``directory`` (valid 7 days; never reused across runs).
 
@@ -106,16 +141,7 @@ def make_pki(directory: Path, extra_ips: tuple[str, ...] = ()) -> Pki:
     )
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
 
-    pki = Pki(
-        ca_cert=directory / "ca.crt",
-        ca_key=directory / "ca.key",
-        serving_cert=directory / "apiserver.crt",
-        serving_key=directory / "apiserver.key",
-        admin_cert=directory / "admin.crt",
-        admin_key=directory / "admin.key",
-        sa_public=directory / "sa.pub",
-        sa_private=directory / "sa.key",
-    )
+    pki = _pki_paths(directory)
     pem = serialization.Encoding.PEM
     pki.ca_cert.write_bytes(ca.public_bytes(pem))
     pki.ca_key.write_bytes(_pem_key(ca_key))

@@ -1,20 +1,22 @@
 """``posttrain dev up|down|status``: the real control plane + MinIO for a person.
 
-``up`` is idempotent: a healthy environment recorded in the state file is reused;
-a stale one (dead processes) is cleaned up and started afresh. Whatever fails
-while starting is stopped again, so nothing half-started is left running.
+``up`` is idempotent: a healthy environment recorded in the state file is reused; a
+stopped or broken one (dead processes) is restarted in place on its own data, with its
+ports, CA and MinIO keys. Whatever fails while starting is stopped again, so nothing
+half-started is left running. Data is deleted only by ``dev down --purge``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
 import signal
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 
@@ -126,22 +128,43 @@ def ensure_s3_secret(kubeconfig: Path, access_key: str, secret_key: str) -> None
 
 
 def dev_up(args: argparse.Namespace) -> int:
+    """Start the dev environment, reuse a healthy one, or restart a stopped or broken one in
+    place on its own data (never deleting it: that is ``dev down --purge``)."""
     from .controlplane import ControlPlane
     from .minio import MinioServer
 
-    if _already_running():
+    existing = DevState.load()
+    if existing and existing.healthy():
+        print("posttrain dev environment already running")
+        _print_state(existing)
         return 0
+    if existing is None:
+        _refuse_orphaned_data(args.node)
+    elif existing.node != args.node:
+        raise UsageError(
+            f"a stopped dev environment (--node {existing.node}) keeps its data in "
+            f"{existing.workdir}: `posttrain dev up --node {existing.node}` starts it again with "
+            "that data; `posttrain dev down --purge` deletes it"
+        )
+    else:
+        print(f"restarting the dev environment in place; its data in {existing.workdir} is kept")
+        _stop_processes(existing)
     if args.node == "real":
-        return _dev_up_real_node(args.images)
-    workdir = state_dir() / "env"
-    shutil.rmtree(workdir, ignore_errors=True)
-    workdir.mkdir(parents=True)
+        return _dev_up_real_node(args.images, existing)
+    workdir = Path(existing.workdir) if existing else state_dir() / "env"
+    workdir.mkdir(parents=True, exist_ok=True)
     cp = ControlPlane(
         workdir=workdir / "controlplane",
-        apiserver_port=args.apiserver_port,
+        apiserver_port=args.apiserver_port or (_port(existing.apiserver) if existing else 0),
         etcd_port=args.etcd_port,
     )
-    minio = MinioServer(data_dir=workdir / "minio", port=args.minio_port)
+    minio = MinioServer(
+        data_dir=workdir / "minio",
+        port=args.minio_port or (_port(existing.minio_endpoint) if existing else 0),
+    )
+    keys = _minio_keys(existing)
+    if keys:
+        minio.access_key, minio.secret_key = keys
     try:
         cp.start()
         minio.start()
@@ -173,20 +196,27 @@ def dev_up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _already_running() -> bool:
-    """True (and says so) when a healthy environment is recorded; stops an unhealthy one."""
-    existing = DevState.load()
-    if existing and existing.healthy():
-        print("posttrain dev environment already running")
-        _print_state(existing)
-        return True
-    if existing:
-        log.info("previous dev environment is not healthy; stopping what is left of it")
-        _teardown(existing)
-    return False
+def _port(address: str) -> int:
+    """The port of ``https://host:port`` or ``host:port``."""
+    return int(address.rsplit(":", 1)[1])
 
 
-def _dev_up_real_node(images: str) -> int:
+def _minio_keys(existing: DevState | None) -> tuple[str, str] | None:
+    """The recorded MinIO keys (its data and the posttrain-s3 Secrets were made with them)."""
+    return (existing.minio_access_key, existing.minio_secret_key) if existing else None
+
+
+def _refuse_orphaned_data(node: str) -> None:
+    """No record, yet data where a new environment would start: never start over it."""
+    workdir = state_dir() / ("node" if node == "real" else "env")
+    if workdir.is_dir() and any(workdir.iterdir()):
+        raise UsageError(
+            f"{workdir} holds the data of an earlier dev environment whose record "
+            f"({state_dir() / 'state.json'}) is gone; `posttrain dev down --purge` deletes it"
+        )
+
+
+def _dev_up_real_node(images: str, existing: DevState | None) -> int:
     """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
     from .realnode.cluster import IMAGE_NAMES, RealCluster, image_refs
 
@@ -194,10 +224,10 @@ def _dev_up_real_node(images: str) -> int:
     unknown = sorted(set(wanted) - set(IMAGE_NAMES))
     if unknown:
         raise UsageError(f"--images: unknown {unknown}; choose from {', '.join(IMAGE_NAMES)}")
-    workdir = state_dir() / "node"
+    workdir = Path(existing.workdir) if existing else state_dir() / "node"
     cluster = RealCluster(workdir, images=image_refs(wanted))
     try:
-        cluster.start()
+        cluster.start(minio_keys=_minio_keys(existing))
         install_crds(cluster.kubeconfig)
         assert cluster.minio is not None
         ensure_s3_secret(cluster.kubeconfig, cluster.minio.access_key, cluster.minio.secret_key)
@@ -238,30 +268,94 @@ def _print_state(state: DevState) -> None:
     print(f"try: kubectl --kubeconfig {state.kubeconfig} get trainingruns -A")
 
 
-def _teardown(state: DevState) -> None:
+def _stop_processes(state: DevState) -> None:
+    """Stop the environment's own processes (the node first); its data stays."""
     if state.node_record is not None:
         from .realnode.cluster import RealCluster
 
-        RealCluster.from_record(state.node_record).stop()
+        RealCluster.from_record(state.node_record).stop(keep_workdir=True)
     for pid in reversed(state.pids):
         stop_pid(pid)
-    shutil.rmtree(state.workdir, ignore_errors=True)
-    (state_dir() / "state.json").unlink(missing_ok=True)
-    shutil.rmtree(state_dir() / "processes", ignore_errors=True)
+
+
+def _inventory(state: DevState) -> str:
+    """What the environment holds, for the line that says what ``--purge`` deletes."""
+    held = [f"{_size_mb(Path(state.workdir)):,.0f} MB on disk"]
+    if state.healthy():
+        try:
+            held.insert(0, f"{_count_trainingruns(Path(state.kubeconfig))} TrainingRun(s)")
+            held.insert(1, f"{_count_objects(state)} object(s) in MinIO")
+        except Exception as exc:  # counting is a courtesy; the deletion does not depend on it
+            log.info("could not count what the environment holds: %s", exc)
+    return ", ".join(held)
+
+
+def _size_mb(path: Path) -> float:
+    total = 0
+    for entry in path.rglob("*") if path.is_dir() else []:
+        with contextlib.suppress(OSError):
+            if entry.is_file() and not entry.is_symlink():
+                total += entry.stat().st_size
+    return total / 1e6
+
+
+def _count_trainingruns(kubeconfig: Path) -> int:
+    from kubernetes import client, config
+
+    from posttrain.api.base import GROUP, VERSION
+
+    api = client.CustomObjectsApi(config.new_client_from_config(config_file=str(kubeconfig)))
+    listed = api.list_cluster_custom_object(GROUP, VERSION, "trainingruns")
+    return len(cast(dict[str, Any], listed).get("items", []))
+
+
+def _count_objects(state: DevState) -> int:
+    from minio import Minio
+
+    s3 = Minio(
+        state.minio_endpoint,
+        access_key=state.minio_access_key,
+        secret_key=state.minio_secret_key,
+        secure=False,
+    )
+    return sum(
+        1 for bucket in s3.list_buckets() for _ in s3.list_objects(bucket.name, recursive=True)
+    )
 
 
 def dev_down(args: argparse.Namespace) -> int:
     """Stop the operator, agent and pods started against the environment, then the
-    environment itself (a stopped control plane would leave them retrying forever)."""
+    environment itself (a stopped control plane would leave them retrying forever). Its data
+    is kept for the next ``dev up`` unless ``--purge`` says to delete it."""
     state = DevState.load()
+    inventory = _inventory(state) if state and args.purge else ""
     stopped = stop_registered()
     for entry in stopped:
         print(f"stopped {entry.role} (pid {entry.pid}): {entry.cmdline[:100]}")
-    if state is None:
-        print("no posttrain dev environment is running")
+    shutil.rmtree(state_dir() / "processes", ignore_errors=True)
+    if state is not None:
+        _stop_processes(state)
+    if not args.purge:
+        if state is None:
+            print("no posttrain dev environment is running")
+        else:
+            print(
+                f"posttrain dev environment stopped; its data is kept in {state.workdir} "
+                f"({_size_mb(Path(state.workdir)):,.0f} MB): `posttrain dev up` starts it again "
+                "with it, `posttrain dev down --purge` deletes it"
+            )
         return 0
-    _teardown(state)
-    print("posttrain dev environment stopped and removed")
+    deleted = [Path(state.workdir)] if state else []
+    deleted += [d for d in (state_dir() / "env", state_dir() / "node") if d.is_dir()]
+    for directory in dict.fromkeys(deleted):
+        shutil.rmtree(directory, ignore_errors=True)
+    (state_dir() / "state.json").unlink(missing_ok=True)
+    if state is None and not deleted:
+        print("no posttrain dev environment to delete")
+    else:
+        what = f" ({inventory})" if inventory else ""
+        gone = ", ".join(str(d) for d in dict.fromkeys(deleted))
+        print(f"posttrain dev environment stopped and removed: deleted {gone}{what}")
     return 0
 
 
@@ -271,9 +365,12 @@ def dev_status(args: argparse.Namespace) -> int:
         print("no posttrain dev environment (run `posttrain dev up`)")
         return 1
     healthy = state.healthy()
-    print(
-        f"posttrain dev environment: {'healthy' if healthy else 'NOT healthy (run `posttrain dev up`)'}"
+    verdict = (
+        "healthy"
+        if healthy
+        else f"stopped or unhealthy (`posttrain dev up` restarts it on its data in {state.workdir})"
     )
+    print(f"posttrain dev environment: {verdict}")
     _print_state(state)
     return 0 if healthy else 1
 
@@ -373,10 +470,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     up.set_defaults(func=dev_up)
     down = dev_sub.add_parser(
         "down",
-        help="stop it and delete its data",
+        help="stop it (its data is kept unless --purge)",
         description="Stop everything the dev environment runs: the `posttrain dev agent` and "
         "`posttrain operator` processes started against it (with the pods the agent runs), "
-        "MinIO, kube-apiserver and etcd; then delete its data and pod logs.",
+        "MinIO, kube-apiserver and etcd (and the real node). Its data (TrainingRuns in etcd, "
+        "checkpoints and trajectories in MinIO) is kept for the next `posttrain dev up`.",
+    )
+    down.add_argument(
+        "--purge",
+        action="store_true",
+        help="also delete its data: says how many TrainingRuns and MinIO objects it deletes",
     )
     down.set_defaults(func=dev_down)
     status = dev_sub.add_parser("status", help="is it running and healthy?")

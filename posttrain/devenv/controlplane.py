@@ -30,7 +30,7 @@ from posttrain.processes import ManagedProcess, StartError, free_port, http_ok, 
 from posttrain.telemetry import get_tracer
 
 from .binaries import go_binary
-from .certs import Pki, make_pki
+from .certs import Pki, load_pki, make_pki
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -76,7 +76,10 @@ class ControlPlane:
             self.etcd_port = self.etcd_port or free_port()
             span.set_attribute("apiserver.port", self.apiserver_port)
             service_ip = str(ipaddress.ip_network(self.service_cidr)[1])  # `kubernetes`
-            self.pki = make_pki(self.workdir / "pki", extra_ips=(self.address, service_ip))
+            # Restarted on its old data (`dev up` after a crash or `dev down`): the same CA.
+            extra_ips = (self.address, service_ip)
+            pki_dir = self.workdir / "pki"
+            self.pki = load_pki(pki_dir, extra_ips) or make_pki(pki_dir, extra_ips=extra_ips)
             etcd, apiserver = go_binary("etcd"), go_binary("kube-apiserver")
             peer_port = free_port()
             etcd_url = f"http://127.0.0.1:{self.etcd_port}"

@@ -420,8 +420,13 @@ class PodRunner:
             self.update_hosts([])
         mounts.append((str(self.hosts_path), "/etc/hosts", True))
         unmasked = (container.get("securityContext") or {}).get("procMount") == "Unmasked"
+        # The agent's directory and the dev state are hidden; the pod keeps its own directory.
+        mounts.insert(0, (str(self.pod_dir), str(self.pod_dir.resolve()), False))
         bwrap = bwrap_prefix(
-            mounts, proc_unmasked=unmasked, host_pid=bool(self.pod["spec"].get("hostPID"))
+            mounts,
+            proc_unmasked=unmasked,
+            host_pid=bool(self.pod["spec"].get("hostPID")),
+            hide=[str(self.workdir), str(registry.state_dir())],
         )
         work_dir = container.get("workingDir") or str(self.pod_dir / "cwd")
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)

@@ -246,8 +246,14 @@ def bwrap_prefix(
     *,
     proc_unmasked: bool = False,
     host_pid: bool = False,
+    hide: Sequence[str] = (),
 ) -> list[str]:
     """The bwrap argv (without the trailing ``--``) giving a process the pod's filesystem view.
+
+    ``hide``: host directories covered by an empty tmpfs, as a container never sees the
+    node's: the dev environment's state (PKI, MinIO keys) and every other pod's directory
+    (their service-account tokens). A mount whose source lies there still works: bwrap binds
+    from the host side.
 
     ``mounts`` are (host source, mount path, read-only). Missing parent directories are made
     world-traversable (0755): bwrap would create them 0700, which a dropped-to user cannot
@@ -290,6 +296,14 @@ def bwrap_prefix(
         "--die-with-parent",
         *([] if host_pid or proc_unmasked else ["--unshare-pid", "--as-pid-1"]),
     ]
+    hidden = sorted({os.path.realpath(path) for path in hide if os.path.isdir(path)})
+    hidden = [h for h in hidden if not any(h.startswith(o.rstrip("/") + "/") for o in hidden)]
+    for path in hidden:
+        args += ["--tmpfs", path]
+
+    def covered(path: str) -> bool:
+        return any(path == h or path.startswith(h.rstrip("/") + "/") for h in hidden)
+
     made: set[str] = set()
     for source, target, read_only in mounts:
         parents = [str(p) for p in reversed(Path(target).parents) if str(p) != "/"]
@@ -297,7 +311,8 @@ def bwrap_prefix(
             parents.append(target)
         for parent in parents:
             on_fresh_fs = parent.startswith(("/dev/", "/proc/"))
-            if parent not in made and not on_fresh_fs and not os.path.exists(parent):
+            missing = not os.path.exists(parent) or (covered(parent) and parent not in hidden)
+            if parent not in made and not on_fresh_fs and missing:
                 args += ["--perms", "0755", "--dir", parent]
                 made.add(parent)
         args += ["--ro-bind" if read_only else "--bind", source, target]

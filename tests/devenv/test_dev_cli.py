@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import subprocess
@@ -110,3 +111,69 @@ def test_missing_go_toolchain_is_explained(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "the Go toolchain is missing" in result.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.minio
+def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
+    tmp_path: Path, kubectl_bin: Path
+) -> None:
+    """MinIO dies under a running environment: `dev status` says so, `dev up` restarts it in
+    place with its TrainingRuns, objects, CA and keys, and the operator registered before is
+    still stopped by `dev down`; `dev down` keeps the data for the next `dev up`; `--purge`
+    says what it deletes and deletes it."""
+    import json
+    import signal
+    import time
+
+    from minio import Minio
+
+    from posttrain.devenv.registry import register
+
+    env = {"POSTTRAIN_DEV_DIR": str(tmp_path)}
+    assert posttrain("dev", "up", env=env).returncode == 0
+    state = json.loads((tmp_path / "state.json").read_text())
+    kubectl = [str(kubectl_bin), "--kubeconfig", state["kubeconfig"]]
+    operator = subprocess.Popen(["sleep", "600"])  # stands for `posttrain operator`
+    try:
+        subprocess.run([*kubectl, "apply", "-f", str(REPO_ROOT / "examples/dev-run.yaml")],
+                       check=True, capture_output=True)  # fmt: skip
+        s3 = Minio(state["minio_endpoint"], access_key=state["minio_access_key"],
+                   secret_key=state["minio_secret_key"], secure=False)  # fmt: skip
+        s3.make_bucket("keep")
+        s3.put_object("keep", "runs/a/checkpoint", io.BytesIO(b"weights"), 7)
+        ca_before = (Path(state["workdir"]) / "controlplane/pki/ca.crt").read_bytes()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("POSTTRAIN_DEV_DIR", str(tmp_path))
+            assert register("operator", operator.pid) is not None
+
+        os.kill(state["pids"][-1], signal.SIGKILL)  # MinIO
+        time.sleep(1)
+        status = posttrain("dev", "status", env=env)
+        assert status.returncode == 1 and "stopped or unhealthy" in status.stdout, status.stdout
+
+        again = posttrain("dev", "up", env=env)
+        assert again.returncode == 0, again.stdout + again.stderr
+        assert "restarting the dev environment in place" in again.stdout, again.stdout
+        restarted = json.loads((tmp_path / "state.json").read_text())
+        assert restarted["apiserver"] == state["apiserver"]
+        assert restarted["minio_endpoint"] == state["minio_endpoint"]
+        assert (Path(state["workdir"]) / "controlplane/pki/ca.crt").read_bytes() == ca_before
+        got = subprocess.run([*kubectl, "get", "trainingrun", "dev-run", "-o", "name"],
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        assert got.stdout.strip() == "trainingrun.posttrain.io/dev-run"
+        assert s3.get_object("keep", "runs/a/checkpoint").read() == b"weights"
+
+        down = posttrain("dev", "down", env=env)
+        assert down.returncode == 0 and "its data is kept in" in down.stdout, down.stdout
+        assert operator.wait(timeout=30) is not None  # the registry survived the restart
+        assert posttrain("dev", "up", env=env).returncode == 0
+        assert s3.get_object("keep", "runs/a/checkpoint").read() == b"weights"
+
+        purge = posttrain("dev", "down", "--purge", env=env)
+        assert purge.returncode == 0, purge.stdout + purge.stderr
+        assert "1 TrainingRun(s), 1 object(s) in MinIO" in purge.stdout, purge.stdout
+        assert not Path(state["workdir"]).exists() and not (tmp_path / "state.json").exists()
+    finally:
+        operator.kill()
+        posttrain("dev", "down", "--purge", env=env)

@@ -185,6 +185,60 @@ def test_service_account_token_gives_in_cluster_api_access(
     assert terminated["message"] == "reader"
 
 
+def test_a_pod_sees_neither_other_pods_tokens_nor_the_dev_state(
+    agent: NodeAgent, core: Any, namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on a kubelet, a pod's view holds its own service-account token only: not the other
+    pods' directories (where their tokens are), not the agent's serving key, not the dev
+    environment's state (its PKI and MinIO keys)."""
+    dev_dir = tmp_path / "dev"
+    (dev_dir / "env/controlplane/pki").mkdir(parents=True)
+    (dev_dir / "state.json").write_text('{"minio_secret_key": "root"}')
+    monkeypatch.setenv("POSTTRAIN_DEV_DIR", str(dev_dir))
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "holder"}})
+    holder = bare_pod("holder", "import time; time.sleep(120)", serviceAccountName="holder")
+    core.create_namespaced_pod(namespace, holder)
+    wait_for(lambda: pod_phase(core, namespace, "holder") == "Running", what="holder running")
+    pods_dir = agent.workdir / "pods"
+    holder_dir = next(pods_dir.glob(f"{namespace}_holder_*"))
+    token = holder_dir / "serviceaccount" / "token"
+    assert token.is_file()  # on the host it is there: the pod must not see it
+    probes = {
+        "token": str(token),
+        "pods": str(pods_dir),
+        "state": str(dev_dir / "state.json"),
+        "agent": str(agent.workdir / "kubelet-pki"),
+    }
+    script = (
+        "import json, os, pathlib\n"
+        f"probes = {probes!r}\n"
+        "seen = {k: os.path.exists(p) for k, p in probes.items()}\n"
+        "seen['pods'] = sorted(os.listdir(probes['pods']))\n"
+        "seen['own'] = pathlib.Path('/var/run/secrets/kubernetes.io/serviceaccount/token')"
+        ".is_file()\n"
+        "pathlib.Path('/dev/termination-log').write_text(json.dumps(seen))\n"
+    )
+    core.create_namespaced_service_account(namespace, {"metadata": {"name": "snooper"}})
+    core.create_namespaced_pod(namespace, bare_pod("snooper", script, serviceAccountName="snooper"))
+    wait_for(
+        lambda: pod_phase(core, namespace, "snooper") in ("Succeeded", "Failed"),
+        what="snooper finished",
+    )
+    pod = read_pod(core, namespace, "snooper")
+    assert pod is not None
+    terminated = pod["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0, agent.log_path(namespace, "snooper").read_text()
+    seen = json.loads(terminated["message"])
+    own = pod["metadata"]["uid"]
+    assert seen.pop("pods") == [f"{namespace}_snooper_{own}"]  # its own directory only
+    assert seen == {
+        "token": False,
+        "state": False,
+        "agent": False,
+        "own": True,
+    }
+
+
 def test_failing_pod_reports_exit_code_and_log_fallback(
     agent: NodeAgent, core: Any, namespace: str
 ) -> None:

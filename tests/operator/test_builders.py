@@ -173,6 +173,27 @@ def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
     assert pod["spec"]["restartPolicy"] == "Never"
 
 
+def test_only_trainers_of_the_pools_runs_get_its_weight_token() -> None:
+    """The pool's token reaches the trainers of runs that name the pool (optional: a pool
+    made later) and no one else; explicit endpoints get none (they are not a pool's)."""
+    pooled = b.build_trainer_pod(
+        make_run(rollout={"pool": "gen"}), CONFIG, 0, 0, rollout_endpoints=["http://gen:8000"]
+    )
+    env = env_of(pooled["spec"]["containers"][0])
+    assert env["POSTTRAIN_WEIGHTS_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "gen-weights-token",
+        "key": "token",
+        "optional": True,
+    }
+    explicit = b.build_trainer_pod(make_run(rollout={"endpoints": ["http://x:8000"]}), CONFIG, 0, 0)
+    assert "POSTTRAIN_WEIGHTS_TOKEN" not in env_of(explicit["spec"]["containers"][0])
+    first, second = b.build_pool_token_secret(make_pool()), b.build_pool_token_secret(make_pool())
+    assert first["metadata"]["name"] == "pool-weights-token"
+    assert first["metadata"]["ownerReferences"][0]["uid"] == "uid-pool"
+    assert len(first["stringData"]["token"]) >= 40
+    assert first["stringData"]["token"] != second["stringData"]["token"]  # random per pool
+
+
 def test_cpu_trainer_has_no_gpu_resource() -> None:
     pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
     assert "nvidia.com/gpu" not in pod["spec"]["containers"][0]["resources"]["limits"]

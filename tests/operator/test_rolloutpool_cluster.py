@@ -64,6 +64,18 @@ def test_pool_deployment_service_and_kubectl_scale(
     assert "nvidia.com/gpu" not in server["resources"]["limits"]
     svc = wait_for(lambda: kube.get("v1", "Service", namespace, "p"), what="Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    # The pool's weight token: its own Secret, owned by the pool, given to its replicas only.
+    token = kube.get("v1", "Secret", namespace, "p-weights-token")
+    assert (
+        token is not None
+        and token["metadata"]["ownerReferences"][0]["uid"] == (pool["metadata"]["uid"])
+    )
+    token_env = next(e for e in server["env"] if e["name"] == "POSTTRAIN_WEIGHTS_TOKEN")
+    assert token_env["valueFrom"]["secretKeyRef"] == {
+        "name": "p-weights-token",
+        "key": "token",
+        "optional": False,
+    }
     status = wait_for(
         lambda: (s := pool_status(kube, namespace, "p")).get("selector") and s,
         what="status.selector",

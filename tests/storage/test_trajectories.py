@@ -17,6 +17,7 @@ from posttrain.storage.errors import CorruptArtifactError, SpoolNotDrainedError
 from posttrain.storage.retry import RetryPolicy
 from posttrain.storage.store import ArtifactStore, LocalStore, S3Store
 from posttrain.storage.trajectories import (
+    ATTEMPT_FIELD,
     TrajectoryWriter,
     export_spot_check,
     list_chunks,
@@ -57,9 +58,9 @@ def test_records_round_trip_in_compressed_chunks(store: ArtifactStore, tmp_path:
     first = store.get_bytes(keys[0])
     assert first[:4] == b"\x28\xb5\x2f\xfd"  # zstd frame magic
     lines = zstandard.ZstdDecompressor().decompress(first).decode().splitlines()
-    assert len(lines) == 10 and json.loads(lines[0]) == record(0)
+    assert len(lines) == 10 and json.loads(lines[0]) == {**record(0), ATTEMPT_FIELD: writer.attempt}
     assert list(read_trajectories(store, "runs/ns/a/trajectories")) == [
-        record(i) for i in range(25)
+        {**record(i), ATTEMPT_FIELD: writer.attempt} for i in range(25)
     ]
     assert writer.spooled_chunks() == []
     assert (
@@ -181,4 +182,45 @@ def test_spool_left_by_a_failed_close_is_uploaded_by_the_next_writer(
         upload_retry=RetryPolicy(max_attempts=5, initial_delay_s=0.1),
     ) as again:
         again.append(record(7))
-    assert ids(read_trajectories(store, "traj")) == list(range(8))
+    # record 7 is step 1 again, by a later attempt: superseded=True shows every upload.
+    assert ids(read_trajectories(store, "traj", superseded=True)) == list(range(8))
+
+
+def test_a_step_sampled_again_after_a_resume_is_read_once(
+    store: ArtifactStore, tmp_path: Path
+) -> None:
+    """The trainer died after flushing steps 2-3 whose checkpoint never committed: the next
+    attempt resumes from step 1 and samples steps 2-3 again. Readers see each step once, from
+    the attempt the surviving model was trained on; the other writer's records are untouched."""
+
+    def step_records(step: int, tag: str) -> list[dict[str, object]]:
+        return [
+            {"prompt": f"{step}-{i}", "completion": tag, "reward": 0.0, "step": step}
+            for i in range(3)
+        ]
+
+    with TrajectoryWriter(store, "traj", tmp_path / "spool", flush_every=2, writer_id="rank0") as w:
+        for step in (1, 2, 3):
+            for r in step_records(step, "first"):
+                w.append(r)
+    with TrajectoryWriter(store, "traj", tmp_path / "s1", flush_every=2, writer_id="rank1") as w:
+        for r in step_records(2, "rank1"):
+            w.append(r)
+    # The resumed attempt (a new process: fresh spool, as after a pod was rescheduled).
+    with TrajectoryWriter(
+        store, "traj", tmp_path / "spool2", flush_every=4, writer_id="rank0"
+    ) as w:
+        for step in (2, 3, 4):
+            for r in step_records(step, "again"):
+                w.append(r)
+
+    seen = [(r["step"], r["completion"]) for r in read_trajectories(store, "traj")]
+    assert (
+        seen
+        == [(1, "first")] * 3
+        + [(2, "again")] * 3
+        + [(3, "again")] * 3
+        + [(4, "again")] * 3
+        + [(2, "rank1")] * 3
+    )
+    assert len(list(read_trajectories(store, "traj", superseded=True))) == 21

@@ -216,3 +216,31 @@ def test_ctrl_c_checkpoints_and_a_rerun_resumes_without_duplicate_records(
     assert len(history) == len(set(history)), history
     assert json.loads((tmp_path / "eval" / "heldout_step0003.json").read_text())["step"] == 3
     assert json.loads((tmp_path / "status.json").read_text())["phase"] == "Succeeded"
+
+
+@pytest.mark.slow  # two runs with a server each
+def test_a_step_sampled_again_after_a_checkpoint_fallback_is_logged_once(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Step 2's trajectories were flushed but its checkpoint is damaged (as if the trainer died
+    before the commit): the rerun falls back to step 1, samples step 2 again, and the log
+    returns each step once, step 2 from the attempt the surviving weights were trained on."""
+    from posttrain.storage.store import LocalStore
+    from posttrain.storage.trajectories import ATTEMPT_FIELD, read_trajectories
+
+    spec = tiny_spec(tiny_model)
+    assert run_with_server(spec, tmp_path).steps_done == 2
+    shard = tmp_path / "checkpoints/step-00000002/dcp/__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert run_with_server(spec, tmp_path).steps_done == 2
+
+    per_step = 3 * 4  # promptsPerStep x groupSize
+    store = LocalStore(tmp_path)
+    every = list(read_trajectories(store, "trajectories", superseded=True))
+    assert sorted(r["step"] for r in every) == [1] * per_step + [2] * 2 * per_step
+    records = list(read_trajectories(store, "trajectories"))
+    assert sorted(r["step"] for r in records) == [1] * per_step + [2] * per_step
+    first_attempt = min(r[ATTEMPT_FIELD] for r in every)
+    assert all(r[ATTEMPT_FIELD] > first_attempt for r in records if r["step"] == 2)

@@ -116,13 +116,15 @@ class RealCluster:
         self.timings[name] = round(time.monotonic() - started, 2)
         log.info("real node: %s ready in %.1f s", name, self.timings[name])
 
-    def start(self, minio_data: Path | None = None, reap: Callable[[Path], bool] | None = None
-              ) -> RealCluster:  # fmt: skip
+    def start(self, minio_data: Path | None = None, reap: Callable[[Path], bool] | None = None,
+              minio_keys: tuple[str, str] | None = None) -> RealCluster:  # fmt: skip
         """Start every component in dependency order; on failure stop what started.
 
         The node's bridge and address are fixed, so one node runs at a time: a node still
         running (or left behind by a killed process) is an error, unless ``reap`` says it may be
-        stopped (the test fixture reaps its own earlier nodes)."""
+        stopped (the test fixture reaps its own earlier nodes). ``minio_keys`` (access key,
+        secret key): the keys MinIO's existing data was served with (``dev up`` restarting a
+        stopped node in place)."""
         if os.geteuid() != 0:
             raise PermissionError("the real node runs containers through containerd: run as root")
         for other in running_nodes():
@@ -137,14 +139,14 @@ class RealCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / NODE_MARKER).touch()
         try:
-            self._start(minio_data)
+            self._start(minio_data, minio_keys)
         except BaseException:
             log.error("real node failed to start; logs are kept in %s", self.workdir)
             self.stop(keep_workdir=True)
             raise
         return self
 
-    def _start(self, minio_data: Path | None) -> None:
+    def _start(self, minio_data: Path | None, minio_keys: tuple[str, str] | None) -> None:
         with self._timed("network"):
             self.network.set_up()
         with self._timed("control-plane"):
@@ -214,9 +216,11 @@ class RealCluster:
         with self._timed("node-ready"):
             self.wait_node_ready()
         with self._timed("minio"):
-            self.minio = MinioServer(
-                data_dir=minio_data or (self.workdir / "minio"), host=self.node_ip
-            ).start()
+            self.minio = MinioServer(data_dir=minio_data or (self.workdir / "minio"),
+                                     host=self.node_ip)  # fmt: skip
+            if minio_keys:
+                self.minio.access_key, self.minio.secret_key = minio_keys
+            self.minio.start()
 
     # -- a cluster that outlives the process that started it (`posttrain dev up`) ----------
 
