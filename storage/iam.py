@@ -120,9 +120,16 @@ def policy_name(namespace: str, owner_uid: str) -> str:
 class ScopedCredentials:
     """MinIO's admin API, with the root credentials of the process that holds them."""
 
-    def __init__(self, admin: Any, root_secret: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        admin: Any,
+        root_secret: Callable[[], str],
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.admin = admin  # minio.MinioAdmin
         self._root_secret = root_secret
+        self._env = env  # the root keys' environment (buckets are created with them)
+        self._buckets: set[str] = set()
 
     def keys_for(self, owner_uid: str) -> tuple[str, str]:
         """The owner's (access key, secret key): a pure function of its uid and the root
@@ -142,14 +149,15 @@ class ScopedCredentials:
 
         from posttrain.storage.store import s3_connection_from_env
 
-        connection = s3_connection_from_env(os.environ if env is None else env)
+        env = os.environ if env is None else env
+        connection = s3_connection_from_env(env)
         credentials = connection.credentials or StaticProvider(
             connection.access_key or "", connection.secret_key or ""
         )
         admin = MinioAdmin(
             endpoint=connection.endpoint, credentials=credentials, secure=connection.secure
         )
-        return cls(admin, lambda: credentials.retrieve().secret_key)
+        return cls(admin, lambda: credentials.retrieve().secret_key, dict(env))
 
     def grant(
         self, namespace: str, owner_uid: str, secret_key: str, grants: Iterable[Grant]
@@ -157,6 +165,9 @@ class ScopedCredentials:
         """Create or update the owner's policy and user (idempotent); returns the access key."""
         access_key = access_key_for(owner_uid)
         name = policy_name(namespace, owner_uid)
+        grants = list(grants)
+        for bucket in sorted({g.bucket for g in grants if g.write}):
+            self.ensure_bucket(bucket)  # scoped keys cannot create it
         try:
             self.admin.policy_add(name, policy=policy_document(grants))
             self.admin.user_add(access_key, secret_key)
@@ -166,6 +177,15 @@ class ScopedCredentials:
                 return access_key  # the policy was attached by an earlier grant
             raise StorageError(f"cannot grant scoped storage credentials {name}: {exc}") from exc
         return access_key
+
+    def ensure_bucket(self, bucket: str) -> None:
+        """Create ``bucket`` with the root keys if it is missing (once per process)."""
+        if bucket in self._buckets:
+            return
+        from posttrain.storage.store import s3_store_from_env
+
+        s3_store_from_env(bucket, env=self._env, create_bucket=True)
+        self._buckets.add(bucket)
 
     def revoke(self, namespace: str, owner_uid: str) -> None:
         """Remove the owner's user and policy; already gone is fine."""

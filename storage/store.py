@@ -769,8 +769,22 @@ class S3Store:
 
     # -- plumbing
 
+    def _bucket_exists(self) -> bool:
+        """Whether the bucket exists, asked as narrowly as the store works: credentials scoped
+        to a prefix (storage/iam.py) may list under it but not HEAD the bucket."""
+        if not self.prefix:
+            return bool(self._client.bucket_exists(self.bucket))
+        try:
+            listing = self._client.list_objects(self.bucket, prefix=f"{self.prefix}/")
+            next(iter(listing), None)
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return False
+            raise
+        return True
+
     def _ensure_bucket(self, create: bool) -> None:
-        if self._call("check-bucket", "", lambda: self._client.bucket_exists(self.bucket)):
+        if self._call("check-bucket", "", self._bucket_exists):
             return
         if not create:
             raise BucketNotFoundError(

@@ -34,7 +34,8 @@ KIND_CREDENTIALS = "ScopedCredentials"  # the parent label of count_child's metr
 
 
 def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
-    """What a run's pods may touch: its storage prefix (read-write).
+    """What a run's pods may touch: its storage prefix (read-write), and an ``s3://`` model
+    (read).
 
     >>> from posttrain.api import TrainingRun
     >>> run = TrainingRun.model_validate({"metadata": {"name": "demo", "namespace": "ns"},
@@ -43,7 +44,10 @@ def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
     >>> run_grants(run, OperatorConfig(s3_bucket="b"))
     [Grant(bucket='b', prefix='runs/ns/demo', write=True)]
     """
-    return [Grant.for_uri(b.run_storage_uri(run, config), write=True)]
+    grants = [Grant.for_uri(b.run_storage_uri(run, config), write=True)]
+    if run.spec.model.startswith("s3://"):
+        grants.append(Grant.for_uri(run.spec.model, write=False))
+    return grants
 
 
 def pool_grants(pool: RolloutPool, config: OperatorConfig) -> list[Grant]:

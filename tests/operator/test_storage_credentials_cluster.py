@@ -85,6 +85,17 @@ def test_runs_and_pools_reach_only_their_prefixes_and_lose_access_when_deleted(
     env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "mine-run-s3"
 
+    # As the trainer opens its store (the bucket check included) with these keys.
+    from posttrain.storage.errors import StorageAuthError
+    from posttrain.storage.store import S3Store
+
+    def store(prefix: str) -> S3Store:
+        return S3Store(minio_server.endpoint, bucket, prefix, access_key=keys[0],
+                       secret_key=keys[1], secure=False)  # fmt: skip
+
+    store(f"runs/{namespace}/mine").put_bytes("probe", b"ok")
+    with pytest.raises(StorageAuthError):
+        store(f"runs/{namespace}/other")
     mine = client(minio_server, keys)
     own = f"runs/{namespace}/mine/checkpoint"
     mine.put_object(bucket, own, io.BytesIO(b"ours"), 4)
