@@ -39,6 +39,8 @@ class Reason:
     DEADLINE_EXCEEDED: Final = "DeadlineExceeded"
     TRAINER_SUCCEEDED: Final = "TrainerSucceeded"
     STORAGE_DELETED: Final = "StorageDeleted"
+    # TrainingRun and RolloutPool: scoped storage credentials could not be minted (retried).
+    STORAGE_CREDENTIALS_FAILED: Final = "StorageCredentialsFailed"
     STORAGE_KEPT: Final = "StorageKept"
     RAY_CLUSTER_CREATED: Final = "RayClusterCreated"
     RAY_CLUSTER_PENDING: Final = "RayClusterPending"

@@ -82,7 +82,13 @@ class OperatorConfig(BaseModel):
     """Bucket for run artifacts: runs default to s3://<bucket>/runs/<namespace>/<name>."""
     s3_credentials_secret: str = "posttrain-s3"
     """Secret (in the run's namespace) with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY keys;
-    trainer pods get them through secretKeyRef, never as literal values."""
+    trainer pods get them through secretKeyRef, never as literal values. Unused for runs and
+    pools when ``s3_scoped_credentials`` is on (each gets its own Secret)."""
+    s3_scoped_credentials: bool = False
+    """Give each TrainingRun and RolloutPool credentials for its own prefixes only: a MinIO
+    user and policy the operator creates with its own (root) credentials and revokes when the
+    owner is deleted (storage/iam.py). Needs MinIO's admin API; the chart turns it on with its
+    bundled MinIO. Off: pods get ``s3_credentials_secret``."""
 
     namespaces: tuple[str, ...] = ()
     """Namespaces to watch; empty with all_namespaces=False means just ``default``."""

@@ -24,6 +24,7 @@ from posttrain.api.labels import (
     LABEL_TASK,
     LABEL_WARM_POOL,
 )
+from posttrain.storage.errors import StorageError
 
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError
@@ -32,6 +33,7 @@ from .reconcilers.sandbox_artifacts import SandboxArtifactSigner
 from .reconcilers.sandbox_namespace import SandboxNamespaces
 from .reconcilers.sandboxtask import SandboxTaskReconciler
 from .reconcilers.state import Body, EventPoster, Key, OperatorState, Store, observe
+from .reconcilers.storage_credentials import StorageCredentials
 from .reconcilers.trainingrun import TrainingRunReconciler
 from .reconcilers.warmpool import WarmPoolReconciler
 
@@ -44,8 +46,9 @@ class Controller:
     def __init__(self, config: OperatorConfig, kube: KubeClient, post_event: EventPoster) -> None:
         self.state = OperatorState(config, kube, post_event)
         namespaces = SandboxNamespaces(self.state)
-        self.training_runs = TrainingRunReconciler(self.state)
-        self.rollout_pools = RolloutPoolReconciler(self.state)
+        self.credentials = StorageCredentials(self.state)
+        self.training_runs = TrainingRunReconciler(self.state, self.credentials)
+        self.rollout_pools = RolloutPoolReconciler(self.state, self.credentials)
         self.warm_pools = WarmPoolReconciler(self.state, namespaces)
         self.sandbox_tasks = SandboxTaskReconciler(
             self.state, namespaces, SandboxArtifactSigner(config, namespaces), self.warm_pools
@@ -145,3 +148,7 @@ class Controller:
                     reconcile(namespace, name)
                 except (KubeError, OSError, httpx.HTTPError) as exc:
                     log.warning("resync of %s/%s failed: %s", namespace, name, exc)
+        try:
+            self.credentials.collect()  # revoke what deleted runs and pools held
+        except (KubeError, OSError, StorageError) as exc:
+            log.warning("collecting scoped storage credentials failed: %s", exc)

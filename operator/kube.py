@@ -202,6 +202,12 @@ class KubeClient:
             return False, data
         return True, data
 
+    def create_if_absent(self, manifest: dict[str, Any]) -> bool:
+        """Create ``manifest`` unless its name exists (then leave that object as it is, unread:
+        for Secrets, which the operator may create but never read). True when created."""
+        status, _ = self.request("POST", self.path_of(manifest), manifest, ok=(201, 200, 409))
+        return status != 409
+
     def patch(
         self, manifest_or_path: dict[str, Any] | str, patch: dict[str, Any], subresource: str = ""
     ) -> dict[str, Any]:

@@ -56,9 +56,10 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["configmaps", "services", "serviceaccounts"],
         "verbs": ["get", "create", "patch", "delete"],
     },
-    # Each RolloutPool's weight token (rollout/auth.py): created once, read back on adoption;
-    # no list or watch (the operator never reads other Secrets).
-    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]},
+    # Each RolloutPool's weight token (rollout/auth.py) and each run's and pool's scoped
+    # storage keys (storage/iam.py): created once, never read back (no get, list or watch:
+    # the operator reads no Secret through the API).
+    {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
     # Rollout replicas.
     {
         "apiGroups": ["apps"],

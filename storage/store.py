@@ -769,8 +769,22 @@ class S3Store:
 
     # -- plumbing
 
+    def _bucket_exists(self) -> bool:
+        """Whether the bucket exists, asked as narrowly as the store works: credentials scoped
+        to a prefix (storage/iam.py) may list under it but not HEAD the bucket."""
+        if not self.prefix:
+            return bool(self._client.bucket_exists(self.bucket))
+        try:
+            listing = self._client.list_objects(self.bucket, prefix=f"{self.prefix}/")
+            next(iter(listing), None)
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return False
+            raise
+        return True
+
     def _ensure_bucket(self, create: bool) -> None:
-        if self._call("check-bucket", "", lambda: self._client.bucket_exists(self.bucket)):
+        if self._call("check-bucket", "", self._bucket_exists):
             return
         if not create:
             raise BucketNotFoundError(
@@ -932,27 +946,30 @@ def _env_flag(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise UsageError(f"{name}={value!r} is not a boolean; use true or false")
 
 
-def s3_store_from_env(
-    bucket: str,
-    prefix: str = "",
-    *,
-    env: Mapping[str, str] | None = None,
-    retry: RetryPolicy | None = None,
-    create_bucket: bool = True,
-) -> S3Store:
-    """Build an :class:`S3Store` from the environment a posttrain pod is given.
+@dataclass(frozen=True)
+class S3Connection:
+    """Where and as whom a posttrain process reaches S3, from its environment."""
 
-    ``POSTTRAIN_S3_ENDPOINT`` (``host:port``, or a URL whose scheme sets TLS),
+    endpoint: str
+    secure: bool
+    ca_bundle: str | None
+    region: str | None
+    credentials: Provider | None
+    access_key: str | None
+    secret_key: str | None
+
+
+def s3_connection_from_env(env: Mapping[str, str], bucket: str = "") -> S3Connection:
+    """``POSTTRAIN_S3_ENDPOINT`` (``host:port``, or a URL whose scheme sets TLS),
     ``POSTTRAIN_S3_SECURE`` (default false: MinIO in-cluster/loopback speaks plain HTTP),
     ``POSTTRAIN_S3_CA_BUNDLE`` (PEM file for a private CA), ``POSTTRAIN_S3_REGION``, and
     credentials from ``POSTTRAIN_S3_CREDENTIALS_DIR`` (a mounted Secret, preferred) or
-    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``.
-    """
-    env = os.environ if env is None else env
+    ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``."""
     endpoint = env.get(S3_ENDPOINT, "").strip()
     if not endpoint:
+        needs = f"s3://{bucket}" if bucket else "S3 storage"
         raise UsageError(
-            f"s3://{bucket} needs {S3_ENDPOINT} (host:port of MinIO/S3, for example "
+            f"{needs} needs {S3_ENDPOINT} (host:port of MinIO/S3, for example "
             "minio.posttrain-system.svc:9000); it is not set"
         )
     secure = _env_flag(env, S3_SECURE, False)
@@ -965,23 +982,38 @@ def s3_store_from_env(
     if ca_bundle and not Path(ca_bundle).is_file():
         raise UsageError(f"{S3_CA_BUNDLE}={ca_bundle!r} is not a readable file")
     credentials_dir = env.get(S3_CREDENTIALS_DIR)
-    credentials: Provider | None = None
-    access_key = secret_key = None
-    if credentials_dir:
-        credentials = SecretDirCredentials(credentials_dir)
-    else:
-        access_key = env.get("AWS_ACCESS_KEY_ID")
-        secret_key = env.get("AWS_SECRET_ACCESS_KEY")
-    return S3Store(
-        endpoint,
-        bucket,
-        prefix,
-        access_key=access_key,
-        secret_key=secret_key,
-        credentials=credentials,
+    return S3Connection(
+        endpoint=endpoint,
         secure=secure,
         ca_bundle=ca_bundle,
         region=env.get(S3_REGION) or None,
+        credentials=SecretDirCredentials(credentials_dir) if credentials_dir else None,
+        access_key=None if credentials_dir else env.get("AWS_ACCESS_KEY_ID"),
+        secret_key=None if credentials_dir else env.get("AWS_SECRET_ACCESS_KEY"),
+    )
+
+
+def s3_store_from_env(
+    bucket: str,
+    prefix: str = "",
+    *,
+    env: Mapping[str, str] | None = None,
+    retry: RetryPolicy | None = None,
+    create_bucket: bool = True,
+) -> S3Store:
+    """Build an :class:`S3Store` from the environment a posttrain pod is given
+    (:func:`s3_connection_from_env`)."""
+    connection = s3_connection_from_env(os.environ if env is None else env, bucket)
+    return S3Store(
+        connection.endpoint,
+        bucket,
+        prefix,
+        access_key=connection.access_key,
+        secret_key=connection.secret_key,
+        credentials=connection.credentials,
+        secure=connection.secure,
+        ca_bundle=connection.ca_bundle,
+        region=connection.region,
         retry=retry,
         create_bucket=create_bucket,
     )

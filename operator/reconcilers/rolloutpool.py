@@ -14,10 +14,12 @@ import httpx
 from pydantic import ValidationError
 
 from posttrain.api import RolloutPool
+from posttrain.storage.errors import StorageError
 
 from .. import builders as b
 from ..reconcile import PodView, plan_rollout_pool, pod_view
 from .state import OperatorState
+from .storage_credentials import StorageCredentials
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,9 @@ def served_weight_versions(pods: list[PodView], port: int) -> dict[str, int]:
 class RolloutPoolReconciler:
     """Reconciles RolloutPools (on event threads and at resync)."""
 
-    def __init__(self, state: OperatorState) -> None:
+    def __init__(self, state: OperatorState, credentials: StorageCredentials) -> None:
         self.state = state
+        self.credentials = credentials
         self._services: set[tuple[str, str, str | None]] = set()  # (namespace, name, uid) ensured
 
     def reconcile(self, namespace: str, name: str) -> None:
@@ -68,9 +71,13 @@ class RolloutPoolReconciler:
             body = state.pools.get(namespace, name) or body
             try:
                 pool = RolloutPool.model_validate(body)
-                desired = b.build_rollout_deployment(pool, state.config)
+                config = self.credentials.config_for_pool(pool)  # its own storage credentials
+                desired = b.build_rollout_deployment(pool, config)
             except (ValidationError, b.BuildError, ValueError) as exc:
                 state.invalid(state.pools, body, exc, terminal_phase=None)
+                return
+            except StorageError as exc:
+                self.credentials.failed(body, exc)
                 return
             deployment = state.deployments.get(namespace, name)
             pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
@@ -81,7 +88,7 @@ class RolloutPoolReconciler:
             )
             service_key = (namespace, name, pool.metadata.uid)
             if service_key not in self._services:
-                state.create(KIND, b.build_pool_token_secret(pool))  # kept if it exists
+                state.kube.create_if_absent(b.build_pool_token_secret(pool))  # kept if it exists
                 state.create(KIND, b.build_rollout_service(pool))
                 self._services.add(service_key)
             if plan.create_deployment:

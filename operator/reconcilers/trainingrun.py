@@ -15,10 +15,12 @@ from pydantic import ValidationError
 from posttrain.api import API_VERSION, RolloutPool, TrainingRun
 from posttrain.api.labels import ANNOTATION_INCARNATION
 from posttrain.api.reasons import Reason
+from posttrain.storage.errors import StorageError
 
 from .. import builders as b
 from .. import evaluator, sandbox_runner
 from ..admission import KueueAdmission
+from ..config import OperatorConfig
 from ..kube import KubeError
 from ..reconcile import (
     TERMINAL,
@@ -33,6 +35,7 @@ from ..reconcile import (
 from ..run_children import build_trainer_children
 from .kuberay import KubeRayDiscovery
 from .state import Body, OperatorState, now
+from .storage_credentials import StorageCredentials
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +45,9 @@ KIND = "TrainingRun"
 class TrainingRunReconciler:
     """Reconciles TrainingRuns (on event threads and at resync)."""
 
-    def __init__(self, state: OperatorState) -> None:
+    def __init__(self, state: OperatorState, credentials: StorageCredentials) -> None:
         self.state = state
+        self.credentials = credentials
         self.kuberay = KubeRayDiscovery(state)
         self.kueue = KueueAdmission(state.config, state.kube, state.workloads)
         self._left_alone: set[str] = set()  # uids of runs managed elsewhere, already told
@@ -65,6 +69,11 @@ class TrainingRunReconciler:
                 run = TrainingRun.model_validate(body)
             except ValidationError as exc:
                 state.invalid(state.runs, body, exc, terminal_phase="Failed")
+                return
+            try:
+                config = self.credentials.config_for_run(run)  # its own storage credentials
+            except StorageError as exc:
+                self.credentials.failed(body, exc)
                 return
             annotations = run.metadata.annotations
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
@@ -95,13 +104,13 @@ class TrainingRunReconciler:
                 body = updated
             if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
                 template = (
-                    b.build_trainer_pod(run, state.config, plan.incarnation, 0)
+                    b.build_trainer_pod(run, config, plan.incarnation, 0)
                     if plan.create_workload
                     else None
                 )
                 self.kueue.apply(run, plan, template)
             if plan.ensure_children:
-                self._ensure_children(run, ray_cluster=clusters is not None)
+                self._ensure_children(run, config, ray_cluster=clusters is not None)
             creates = plan.create_ranks or plan.create_ray_cluster
             pool = self._rollout_pool(run) if creates else None
             endpoints = [b.pool_endpoint(pool)] if pool is not None else []
@@ -109,11 +118,11 @@ class TrainingRunReconciler:
             if creates:
                 run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
             if plan.create_ray_cluster:
-                self._create_ray_cluster(run, plan.incarnation, endpoints, dtype)
+                self._create_ray_cluster(run, config, plan.incarnation, endpoints, dtype)
             for rank in plan.create_ranks:
                 manifest = b.build_trainer_pod(
                     run,
-                    state.config,
+                    config,
                     plan.incarnation,
                     rank,
                     rollout_endpoints=endpoints,
@@ -167,11 +176,16 @@ class TrainingRunReconciler:
         return [] if self.kuberay.installed(fresh=True) else None
 
     def _create_ray_cluster(
-        self, run: TrainingRun, incarnation: int, endpoints: list[str], dtype: str | None
+        self,
+        run: TrainingRun,
+        config: OperatorConfig,
+        incarnation: int,
+        endpoints: list[str],
+        dtype: str | None,
     ) -> None:
         state = self.state
         manifest = b.build_ray_cluster(
-            run, state.config, incarnation, rollout_endpoints=endpoints, rollout_dtype=dtype
+            run, config, incarnation, rollout_endpoints=endpoints, rollout_dtype=dtype
         )
         try:
             state.ray_clusters.put(state.create(KIND, manifest))
@@ -200,9 +214,11 @@ class TrainingRunReconciler:
             return None
         return RolloutPool.model_validate(body)
 
-    def _ensure_children(self, run: TrainingRun, ray_cluster: bool = False) -> None:
+    def _ensure_children(
+        self, run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
+    ) -> None:
         """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""
-        for manifest in build_trainer_children(run, self.state.config, ray_cluster=ray_cluster):
+        for manifest in build_trainer_children(run, config, ray_cluster=ray_cluster):
             obj = self.state.create(KIND, manifest)
             if manifest["kind"] == "ConfigMap" and obj.get("data") != manifest["data"]:
                 # The spec changed since the ConfigMap was made: new pods get the new config.

@@ -208,6 +208,9 @@ def test_operator_runs_on_its_service_account_token(
         liveness_port=0,
         metrics_port=0,
         resync_seconds=1.0,
+        # No MinIO runs here to mint users in; the scoped path's RBAC is the Secret create the
+        # pool's weight token also needs (tests/operator/test_storage_credentials_cluster.py).
+        s3_scoped_credentials=False,
     )
     assert config.namespaces == (namespace,) and not config.standalone
 

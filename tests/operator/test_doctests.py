@@ -22,6 +22,7 @@ MODULES = [
     "kueue",
     "sandbox_runner",
     "evaluator",
+    "reconcilers.storage_credentials",
 ]
 
 

@@ -289,7 +289,17 @@ def test_run_prefix() -> None:
 
 @pytest.mark.parametrize(
     "module",
-    ["store", "retry", "progress", "commit", "checkpoints", "trajectories", "checksums", "blocks"],
+    [
+        "store",
+        "retry",
+        "progress",
+        "commit",
+        "checkpoints",
+        "trajectories",
+        "checksums",
+        "blocks",
+        "iam",
+    ],
 )
 def test_docstring_examples(module: str) -> None:
     """The worked examples in the helpers' docstrings are true."""

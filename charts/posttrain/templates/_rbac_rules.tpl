@@ -33,7 +33,7 @@ DO NOT EDIT: change the operator's rules and rerun `python charts/generate_rbac.
   verbs: [create, delete, get, patch]
 - apiGroups: ['']
   resources: [secrets]
-  verbs: [create, get]
+  verbs: [create]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [create, delete, get, list, patch, watch]
