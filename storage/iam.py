@@ -144,7 +144,7 @@ class ScopedCredentials:
     def from_env(cls, env: Mapping[str, str] | None = None) -> ScopedCredentials:
         """The admin client for the store ``posttrain.storage.store.s3_store_from_env`` opens
         (same endpoint, TLS and credentials settings)."""
-        from minio.credentials import StaticProvider
+        from minio.credentials.providers import StaticProvider
         from minio.minioadmin import MinioAdmin
 
         from posttrain.storage.store import s3_connection_from_env
@@ -189,10 +189,11 @@ class ScopedCredentials:
 
     def revoke(self, namespace: str, owner_uid: str) -> None:
         """Remove the owner's user and policy; already gone is fine."""
-        for remove, what in (
+        removals: list[tuple[Callable[[], object], str]] = [
             (lambda: self.admin.user_remove(access_key_for(owner_uid)), "user"),
             (lambda: self.admin.policy_remove(policy_name(namespace, owner_uid)), "policy"),
-        ):
+        ]
+        for remove, what in removals:
             try:
                 remove()
             except Exception as exc:
