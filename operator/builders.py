@@ -46,6 +46,7 @@ from posttrain.api.labels import (
     LABEL_SANDBOX_NETWORK,
     LABEL_TASK,
     MANAGED_BY,
+    POOL_CLIENT_PREFIX,
 )
 from posttrain.api.modelref import PVC_MODEL_VOLUME, HfTokenSecret, is_hf_ref, parse_pvc_ref
 
@@ -369,6 +370,7 @@ def build_trainer_pod(
         LABEL_RUN: name,
         LABEL_RANK: str(rank),
         LABEL_GANG: str(incarnation),
+        **pool_client_labels(run),
     }
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -595,6 +597,7 @@ def build_ray_cluster(
         LABEL_COMPONENT: COMPONENT_TRAINER,
         LABEL_RUN: run.metadata.name,
         LABEL_GANG: str(incarnation),
+        **pool_client_labels(run),
     }
     return {
         "apiVersion": RAY_API_VERSION,
@@ -841,6 +844,55 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
         "spec": {
             "selector": pool_selector(pool.metadata.name),
             "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http"}],
+        },
+    }
+
+
+def pool_clients(run: TrainingRun) -> list[str]:
+    """The RolloutPools a run's trainer pods call (their NetworkPolicies admit them).
+
+    >>> run = _example_run()
+    >>> pool_clients(run)
+    []
+    >>> run.spec.rollout.pool = "gen"
+    >>> pool_clients(run)
+    ['gen']
+    """
+    pool = run.spec.rollout.pool
+    return [pool] if pool and not run.spec.rollout.endpoints else []
+
+
+def pool_client_labels(run: TrainingRun) -> dict[str, str]:
+    """``client.posttrain.io/<pool>: "true"`` for each pool the run's pods call."""
+    return {f"{POOL_CLIENT_PREFIX}{pool}": "true" for pool in pool_clients(run)}
+
+
+def build_pool_network_policy(pool: RolloutPool, config: OperatorConfig) -> Manifest:
+    """Who may reach a pool's replicas: the pods of runs that name the pool (labelled by
+    :func:`pool_client_labels`) and the operator (which asks each replica for its weight
+    version). Sampling and ``/v1/weights/load`` share the port, so this narrows who can try;
+    the weight token decides who succeeds (rollout/auth.py)."""
+    name = pool.metadata.name
+    sources: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": {f"{POOL_CLIENT_PREFIX}{name}": "true"}}}
+    ]
+    if config.operator_namespace:
+        sources.append(
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}
+                },
+                "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(pool, name, pool_selector(name)),
+        "spec": {
+            "podSelector": {"matchLabels": pool_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": sources, "ports": [{"port": pool.spec.port}]}],
         },
     }
 

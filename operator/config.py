@@ -90,6 +90,9 @@ class OperatorConfig(BaseModel):
     owner is deleted (storage/iam.py). Needs MinIO's admin API; the chart turns it on with its
     bundled MinIO. Off: pods get ``s3_credentials_secret``."""
 
+    operator_namespace: str = ""
+    """The namespace the operator's pods run in (the chart sets it): pools' NetworkPolicies
+    admit the operator's pods from there. Empty (a laptop operator, not a pod): none."""
     namespaces: tuple[str, ...] = ()
     """Namespaces to watch; empty with all_namespaces=False means just ``default``."""
     all_namespaces: bool = False

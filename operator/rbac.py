@@ -89,7 +89,7 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["roles", "rolebindings"],
         "verbs": ["get", "create", "patch"],
     },
-    # The per-namespace default-deny policy for sandboxes.
+    # The per-namespace default-deny policy for sandboxes; each RolloutPool's ingress policy.
     {
         "apiGroups": ["networking.k8s.io"],
         "resources": ["networkpolicies"],

@@ -90,6 +90,7 @@ class RolloutPoolReconciler:
             if service_key not in self._services:
                 state.kube.create_if_absent(b.build_pool_token_secret(pool))  # kept if it exists
                 state.create(KIND, b.build_rollout_service(pool))
+                state.create(KIND, b.build_pool_network_policy(pool, state.config))
                 self._services.add(service_key)
             if plan.create_deployment:
                 state.deployments.put(state.create(KIND, desired))

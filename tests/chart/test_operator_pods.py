@@ -115,6 +115,9 @@ def operator_pods(
         ),
         "POSTTRAIN_OPERATOR_METRICS_PORT": "0",
         "POSTTRAIN_S3_CREDENTIALS_DIR": str(credentials),
+        # No MinIO runs here to mint per-run users in (tests/operator/
+        # test_storage_credentials_cluster.py covers that path).
+        "POSTTRAIN_OPERATOR_S3_SCOPED_CREDENTIALS": "false",
     }
     command = [*container["command"], *container["args"]]
     pods: list[OperatorPod] = []

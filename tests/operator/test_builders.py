@@ -185,8 +185,23 @@ def test_only_trainers_of_the_pools_runs_get_its_weight_token() -> None:
         "key": "token",
         "optional": True,
     }
+    assert pooled["metadata"]["labels"]["client.posttrain.io/gen"] == "true"  # its pool admits it
     explicit = b.build_trainer_pod(make_run(rollout={"endpoints": ["http://x:8000"]}), CONFIG, 0, 0)
     assert "POSTTRAIN_WEIGHTS_TOKEN" not in env_of(explicit["spec"]["containers"][0])
+    assert not [k for k in explicit["metadata"]["labels"] if k.startswith("client.posttrain.io/")]
+    policy = b.build_pool_network_policy(make_pool(port=8123), CONFIG.model_copy(
+        update={"operator_namespace": "posttrain-system"}))  # fmt: skip
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8123}]
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {"client.posttrain.io/pool": "true"}}},
+        {
+            "namespaceSelector": {
+                "matchLabels": {"kubernetes.io/metadata.name": "posttrain-system"}
+            },
+            "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+        },
+    ]
     first, second = b.build_pool_token_secret(make_pool()), b.build_pool_token_secret(make_pool())
     assert first["metadata"]["name"] == "pool-weights-token"
     assert first["metadata"]["ownerReferences"][0]["uid"] == "uid-pool"

@@ -64,6 +64,12 @@ def test_pool_deployment_service_and_kubectl_scale(
     assert "nvidia.com/gpu" not in server["resources"]["limits"]
     svc = wait_for(lambda: kube.get("v1", "Service", namespace, "p"), what="Service")
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
+    # Who may reach the replicas: pods of runs that name the pool, and the operator.
+    policy = kube.get("networking.k8s.io/v1", "NetworkPolicy", namespace, "p")
+    assert policy is not None
+    assert policy["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert sources[0] == {"podSelector": {"matchLabels": {"client.posttrain.io/p": "true"}}}
     # The pool's weight token: its own Secret, owned by the pool, given to its replicas only.
     token = kube.get("v1", "Secret", namespace, "p-weights-token")
     assert (
