@@ -30,10 +30,16 @@ MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
 class AlgorithmSpec(ApiModel):
     """GRPO-family objective and its hyper-parameters."""
 
-    name: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: group-relative advantages with std normalisation; dapo: asymmetric clip, dynamic
-    sampling, token-level loss (arXiv:2503.14476); dr_grpo: no std normalisation
-    (arXiv:2503.20783)."""
+    name: Literal["grpo", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: group-relative advantages with std normalisation (arXiv:2402.03300); dapo:
+    asymmetric clip, dynamic sampling, token-level loss (arXiv:2503.14476); dr_grpo: no std
+    normalisation, constant loss normaliser (arXiv:2503.20783); gspo: GRPO's advantages with
+    one importance ratio per completion, exp(mean token log-ratio), clipped per sequence
+    (arXiv:2507.18071; use clipLow/clipHigh near 3e-4/4e-4 and lossAggregation
+    sequence_mean, as the paper); rloo: leave-one-out baseline r_i - mean of the other
+    completions of the group (arXiv:2402.14740); reinforce_pp: REINFORCE++ with a group-mean
+    baseline, advantages normalised over the whole batch (arXiv:2501.03262). Which one when:
+    docs/trainer.md, "Which algorithm when"."""
     group_size: int = Field(default=8, ge=2, le=512)
     """Completions sampled per prompt; advantages are relative within a group, so >= 2."""
     prompts_per_step: int = Field(default=8, ge=1, le=65536)

@@ -128,7 +128,12 @@ def prepare_batch(
     usable = [[j for j, c in enumerate(group) if not is_errored(c)] for group in completions]
     rewards = [[scored[i][j].reward for j in members] for i, members in enumerate(usable)]
     groups = compute_advantages(
-        [r or [0.0] for r in rewards], algorithm=algorithm, dynamic_sampling=dynamic_sampling
+        [r or [0.0] for r in rewards],
+        algorithm=algorithm,
+        dynamic_sampling=dynamic_sampling,
+        lengths=[
+            [_model_tokens(completions[i][j]) for j in m] or [0] for i, m in enumerate(usable)
+        ],
     )
     advantage_of: dict[tuple[int, int], float] = {}
     kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
