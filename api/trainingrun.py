@@ -18,9 +18,9 @@ from .base import (
     ApiModel,
     Condition,
     ObjectMeta,
-    VerifierSpec,
 )
 from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
+from .verifier import ModelEndpoint, VerifierSpec
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
@@ -582,7 +582,24 @@ class TrainingRunSpec(ApiModel):
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
         _check_stages(self.stages)
+        secrets: dict[str, tuple[str, str]] = {}
+        for endpoint in self.model_scorers():
+            ref = endpoint.api_key_secret
+            if ref is None or endpoint.api_key_env is None:
+                continue
+            seen = secrets.setdefault(endpoint.api_key_env, (ref.name, ref.key))
+            if seen != (ref.name, ref.key):
+                raise ValueError(
+                    f"domains: apiKeyEnv {endpoint.api_key_env!r} is filled from two Secrets "
+                    f"({seen[0]}/{seen[1]} and {ref.name}/{ref.key}); give each its own apiKeyEnv"
+                )
         return self
+
+    def model_scorers(self) -> list[ModelEndpoint]:
+        """The judges and reward models of the domains' verifiers (pools the trainer reads,
+        Secrets the operator passes to it)."""
+        verifiers = [d.verifier for d in self.domains if d.verifier is not None]
+        return [e for v in verifiers if (e := v.endpoint()) is not None]
 
     def pipeline(self) -> list[StageSpec]:
         """The stages to run, resolved (defaults filled in); one rl stage when none are listed.

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun, env
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun, TrainingRunSpec, env
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -203,10 +203,11 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
         for rule in TRAINER_RULES
     ]
     rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
-    if run.spec.rollout.pool and not run.spec.rollout.endpoints:
-        # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
+    pools = [p for p in trainer_pools(run.spec) if p]
+    if pools:
+        # Read the pools' status.replicaEndpoints (rollout.discovery), those pools only.
         rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
-                      "resourceNames": [run.spec.rollout.pool]})  # fmt: skip
+                      "resourceNames": pools})  # fmt: skip
     return [
         {
             "apiVersion": "v1",
@@ -337,6 +338,7 @@ def build_trainer_pod(
     ]
     env += sandbox_runner.trainer_sandbox_env(run)
     env += hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret)
+    env += scorer_key_env(run.spec)
     if rollout_endpoints and not run.spec.rollout.endpoints:
         # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
         # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get
@@ -626,6 +628,44 @@ def selector_string(labels: dict[str, str]) -> str:
 ROLLOUT_ENDPOINTS_ENV = env.ROLLOUT_ENDPOINTS
 ROLLOUT_POOL_ENV = env.ROLLOUT_POOL
 ROLLOUT_DTYPE_ENV = env.ROLLOUT_DTYPE
+
+
+def trainer_pools(spec: TrainingRunSpec) -> list[str]:
+    """RolloutPools whose replicas the trainer reads: the rollout pool (unless explicit
+    endpoints replace it), then the judges' and reward models' pools, each once.
+
+    >>> from posttrain.api import TrainingRunSpec
+    >>> judge = {"kind": "judge", "judge": {"pool": "judge", "rubric": "{answer}"}}
+    >>> trainer_pools(TrainingRunSpec.model_validate({"model": "m", "rollout": {"pool": "p"},
+    ...     "domains": [{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}]}))
+    ['p', 'judge']
+    """
+    pools = [spec.rollout.pool] if spec.rollout.pool and not spec.rollout.endpoints else []
+    pools += [e.pool for e in spec.model_scorers() if e.pool]
+    return list(dict.fromkeys(pools))
+
+
+def scorer_key_env(spec: TrainingRunSpec) -> list[Manifest]:
+    """The judges' and reward models' API keys: each ``apiKeySecret`` as its ``apiKeyEnv``
+    (a secretKeyRef, never a literal).
+
+    >>> from posttrain.api import TrainingRunSpec
+    >>> judge = {"kind": "judge", "judge": {"url": "https://api.example.com/v1",
+    ...     "rubric": "{answer}", "apiKeyEnv": "JUDGE_KEY",
+    ...     "apiKeySecret": {"name": "judge", "key": "token"}}}
+    >>> scorer_key_env(TrainingRunSpec.model_validate({"model": "m",
+    ...     "domains": [{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}]}))
+    [{'name': 'JUDGE_KEY', 'valueFrom': {'secretKeyRef': {'name': 'judge', 'key': 'token'}}}]
+    """
+    env: dict[str, Manifest] = {}
+    for endpoint in spec.model_scorers():
+        ref = endpoint.api_key_secret
+        if ref is not None and endpoint.api_key_env is not None:
+            env[endpoint.api_key_env] = {
+                "name": endpoint.api_key_env,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+    return list(env.values())
 
 
 def pool_endpoint(pool: RolloutPool) -> str:

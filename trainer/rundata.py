@@ -126,7 +126,7 @@ def build_run_data(spec: TrainingRunSpec, seed_offset: int = 0) -> RunData:
             raise UsageError(str(exc)) from exc
         heldout += balanced_subset(held, limit)
         if domain.verifier is not None:  # an environment domain is judged by its environment
-            verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
+            verifiers[domain.name] = (domain.verifier.kind, domain.verifier.scorer_config())
     regression: list[Task] = []
     if spec.evaluation.regression_dataset:
         regression = load_jsonl_tasks(spec.evaluation.regression_dataset)
