@@ -282,3 +282,25 @@ def test_rloo_advantages_equal_trl(tiny_model: Path, tmp_path: Path) -> None:
     ours = compute_advantages(groups, algorithm="rloo", dynamic_sampling=False)
     flat = [a for g in ours for a in g.advantages]
     assert out["advantages"].tolist() == pytest.approx(flat, rel=1e-6, abs=1e-7)
+
+
+def test_prepare_batch_weighs_reinforce_pp_by_each_completions_tokens() -> None:
+    """Through the loop's batch stage: the whitening statistics count a completion once per
+    loss token, as verl's masked_whiten over the response mask does."""
+    from posttrain.rollout.protocol import Completion
+    from posttrain.trainer.batch import prepare_batch
+    from posttrain.trainer.datasets import Task
+    from posttrain.trainer.rewards import ScoredSample
+    from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+
+    lengths, rewards = [1, 3, 2, 2], [1.0, 0.0, 1.0, 0.0]
+    group = [Completion(0, "x", [7] * n, [-0.1] * n, "stop", 0) for n in lengths]
+    batch = RolloutBatch(RolloutRequest(0, [Task("m", "p", "1")], [[1]], seed=0), [group], 1.0)
+    scored = [[ScoredSample(r, r, 0.0, r == 1.0) for r in rewards]]
+    prepared = prepare_batch(batch, scored, algorithm="reinforce_pp", dynamic_sampling=True,
+                             loss_config=LossConfig(), step=1)  # fmt: skip
+    centred = [0.5, -0.5, 0.5, -0.5]  # group mean 0.5
+    mean = sum(c * n for c, n in zip(centred, lengths, strict=True)) / 8  # -1/16 over tokens
+    var = sum(n * (c - mean) ** 2 for c, n in zip(centred, lengths, strict=True)) / 7
+    want = [(c - mean) / math.sqrt(var + 1e-8) for c in centred]
+    assert [s.advantage for s in prepared.samples] == pytest.approx(want, rel=1e-9)

@@ -436,3 +436,75 @@ def test_packaged_smollm2_as_judge_and_reward_model_through_posttrain_serve() ->
         assert len(set(alone)) == 3  # the head sees the answers
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # a rollout-server process and two RL steps of the tiny model: 25 s measured
+def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
+    scripted: Any, tmp_path: Path
+) -> None:
+    """The loop end to end: TrainingRunSpec -> rundata -> scoring through the run's own
+    Verification -> masking -> GSPO step -> audit files; the judge refuses every answer whose
+    length is a multiple of 3, and those samples are masked, not trained on."""
+    from posttrain.models import make_tiny_model
+    from posttrain.rollout.client import RolloutClient
+    from posttrain.trainer.loop import train
+    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.server_process import LocalRolloutServer
+
+    def judge_reply(body: dict[str, Any]) -> Reply:
+        answer = body["messages"][0]["content"].split("Answer: ", 1)[1].split("\nReference")[0]
+        if len(answer) % 3 == 0:
+            return chat("cannot grade this")
+        return chat("one\nSCORE: 1" if len(answer) % 3 == 1 else "two\nSCORE: 0")
+
+    def reward_reply(body: dict[str, Any]) -> Reply:
+        scores = [float(len(c[1]["content"]) % 5) - 2.0 for c in body["input"]]
+        return 200, {"data": [{"index": i, "score": s} for i, s in enumerate(scores)]}, 0.0
+
+    judge, rm = scripted(judge_reply), scripted(reward_reply)
+    model = make_tiny_model(tmp_path / "model", seed=0)
+    spec = TrainingRunSpec.model_validate(
+        {
+            "model": str(model),
+            "algorithm": {"name": "gspo", "groupSize": 4, "promptsPerStep": 2, "maxSteps": 2,
+                          "learningRate": 1e-3, "maxNewTokens": 6, "microBatchSize": 4,
+                          "dynamicSampling": False, "clipLow": 3e-4, "clipHigh": 4e-4,
+                          "lossAggregation": "sequence_mean", "seed": 1},
+            "domains": [
+                {"name": "judged", "dataset": "builtin:arithmetic",
+                 "verifier": {"kind": "judge", "judge": {
+                     "url": judge.url, "model": "j", "rubric": RUBRIC, "maxRetries": 1,
+                     "backoffSeconds": 0, "ruleCheck": "numeric"}}},
+                {"name": "scored", "dataset": "builtin:arithmetic",
+                 "verifier": {"kind": "reward_model", "rewardModel": {
+                     "url": rm.url, "model": "rm", "batchSize": 4}}},
+            ],
+            "curriculum": {"minDomainFraction": 0.5},
+            "evaluation": {"everySteps": 2, "maxItemsPerDomain": 2},
+            "checkpoint": {"everySteps": 2, "keepLast": 1},
+            "audit": {"spotCheckSamples": 16},
+        }
+    )  # fmt: skip
+    out = tmp_path / "run"
+    with LocalRolloutServer(spec.model, tmp_path / "server.log") as server:
+        client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
+        try:
+            result = train(spec, out, client)
+        finally:
+            client.close()
+    assert result.steps_done == 2
+    metrics = load_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert judge.requests and rm.requests  # both domains were scored by their models
+    records = [json.loads(line) for line in (out / "audit" / "spot_checks.jsonl").open()]
+    judged = [r for r in records if r["verifier"]["kind"] == "judge"]
+    assert {bool(r["verifier"]["details"].get("masked")) for r in judged} == {True, False}
+    for record in judged:
+        details = record["verifier"]["details"]
+        if details.get("masked"):
+            assert record["advantage"] is None and "ScoreFormatError" in details["error"]
+        else:
+            assert details["rationale"] in ("one", "two")
+    assert all(len(body["input"]) <= 4 for _, body, _ in rm.requests)
+    report = json.loads((out / "audit" / "judges.json").read_text())
+    assert report["judged"]["samples"] >= 1
