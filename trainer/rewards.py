@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.trainer.datasets import DEFAULT_VERIFIER_BY_DOMAIN, Task
-from posttrain.trainer.scorers import MODEL_KINDS, ModelScorers, ScoringUnavailable
+from posttrain.trainer.scorers import (
+    MODEL_KINDS,
+    ModelScorers,
+    ScorerConfigError,
+    ScoringUnavailable,
+)
 from posttrain.trainer.verification import VerificationUnavailable
 
 log = logging.getLogger(__name__)
@@ -113,7 +118,7 @@ def score_samples(
     endpoints take at once, beside the sandbox's ``max_concurrency``.
     """
     verify = verify or default_verify()
-    infra_errors = _infra_errors()
+    infra_errors: tuple[type[BaseException], ...] = (*_infra_errors(), ScorerConfigError)
 
     def score(i: int) -> ScoredSample:
         task = tasks[i]

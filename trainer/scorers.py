@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from prometheus_client import Counter
 
+from posttrain.errors import UsageError
 from posttrain.trainer.task import content_hash
 
 if TYPE_CHECKING:
@@ -73,6 +74,12 @@ _SCORE_LINE = re.compile(r"SCORE:\s*([0-9]+(?:\.[0-9]+)?)")
 class ScoringUnavailable(RuntimeError):
     """The judge or reward model could not score this sample (after its retries): the
     sample is masked out of the loss, never scored 0."""
+
+
+class ScorerConfigError(UsageError):
+    """A judge or reward model that cannot work as configured (no endpoint settings, a pool
+    outside a cluster): the step, and the run, fail at once with the reason, rather than
+    masking every sample."""
 
 
 class ScoreFormatError(ValueError):
@@ -253,7 +260,8 @@ class ChatJudge:
         self.endpoint = endpoint
         self.settings = endpoint.settings
         self.cache = cache or VerdictCache()
-        self.requests = 0  # sent (not cached), for tests and the log
+        self.requests = 0  # verdicts asked for (not cached), for tests and the log
+        self._count = threading.Lock()
 
     def score(self, completion: str, task: Mapping[str, Any]) -> VerifierResult:
         rubric: str = self.settings["rubric"]
@@ -281,7 +289,8 @@ class ChatJudge:
             def parse(answer: Any) -> tuple[float, str]:
                 return parse_score(str(answer["choices"][0]["message"]["content"]), scale)
 
-            self.requests += 1
+            with self._count:
+                self.requests += 1
             reward, rationale = self.endpoint.request("/chat/completions", body, parse)
             self.cache.put(key, (reward, rationale))
         details: dict[str, Any] = {
@@ -373,7 +382,7 @@ class ModelScorers:
     def scorer(self, kind: str, config: Mapping[str, Any]) -> ChatJudge | RewardModelScorer:
         settings = config.get("endpoint")
         if not isinstance(settings, Mapping):
-            raise ValueError(
+            raise ScorerConfigError(
                 f"verifier kind {kind} needs its endpoint: set verifier.judge (kind judge) or "
                 "verifier.rewardModel (kind reward_model) on the domain"
             )
@@ -415,7 +424,7 @@ def _pool_replicas(pool: str) -> list[str]:
 
     namespace = os.environ.get(NAMESPACE_ENV)
     if not namespace:
-        raise ScoringUnavailable(
+        raise ScorerConfigError(
             f"a judge or reward model on RolloutPool {pool} needs ${NAMESPACE_ENV} (the "
             "operator sets it); outside a cluster give the endpoint's url instead"
         )

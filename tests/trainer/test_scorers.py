@@ -508,3 +508,27 @@ def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
     assert all(len(body["input"]) <= 4 for _, body, _ in rm.requests)
     report = json.loads((out / "audit" / "judges.json").read_text())
     assert report["judged"]["samples"] >= 1
+
+
+def test_a_judge_that_cannot_work_as_configured_fails_the_step_not_the_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pool judge outside a cluster, or a task asking for a judge its domain does not
+    configure: an error naming the fix, never every sample masked or scored 0."""
+    from posttrain.trainer.scorers import ScorerConfigError
+
+    monkeypatch.delenv("POSTTRAIN_RUN_NAMESPACE", raising=False)
+    spec = VerifierSpec.model_validate(
+        {"kind": "judge", "judge": {"pool": "judges", "rubric": "{answer}"}}
+    )
+    verification = Verification("local", "none", None, 60.0)
+    task = Task("qa", "What is 3 + 4?", "7")
+
+    def run(specs: dict[str, Any], on: Task) -> Any:
+        return score_samples(["7"], [1], [on], specs, max_new_tokens=8, overlong_buffer=0,
+                             overlong_penalty_value=0, verify=verification.verify)  # fmt: skip
+
+    with pytest.raises(ScorerConfigError, match="give the endpoint's url"):
+        run({"qa": (spec.kind, spec.scorer_config())}, task)
+    with pytest.raises(ScorerConfigError, match=r"set verifier.judge"):
+        run({"qa": ("numeric", {})}, Task("qa", "What is 3 + 4?", "7", verifier="judge"))
