@@ -366,7 +366,7 @@ def test_the_api_validates_judges_and_reward_models() -> None:
         TrainingRunSpec.model_validate(spec)
 
 
-@pytest.mark.slow  # loads SmolLM2-135M twice (generator + classifier): ~1 min on 2 cores
+@pytest.mark.slow  # loads SmolLM2-135M twice (generator + classifier): 21-196 s measured, by load
 def test_packaged_smollm2_as_judge_and_reward_model_through_posttrain_serve() -> None:
     """The real server and model: every sample is either scored from a parsed SCORE line
     (with its rationale) or masked after its retries -- never a made-up 0 --, verdicts are
@@ -438,7 +438,7 @@ def test_packaged_smollm2_as_judge_and_reward_model_through_posttrain_serve() ->
         server.stop()
 
 
-@pytest.mark.slow  # a rollout-server process and two RL steps of the tiny model: 25 s measured
+@pytest.mark.slow  # a rollout-server process and two RL steps of the tiny model: 11-25 s measured
 def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
     scripted: Any, tmp_path: Path
 ) -> None:
