@@ -293,6 +293,7 @@ def rl_stage(
                 },
                 stage=plan.name,
                 learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
+                masked_samples=prepared.masked_samples,
             )
             progress.record(metrics, span)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)

@@ -447,6 +447,8 @@ def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
     length is a multiple of 3, and those samples are masked, not trained on."""
     from posttrain.models import make_tiny_model
     from posttrain.rollout.client import RolloutClient
+    from posttrain.storage.store import open_store
+    from posttrain.storage.trajectories import read_trajectories
     from posttrain.trainer.loop import train
     from posttrain.trainer.progress import load_metrics
     from posttrain.trainer.server_process import LocalRolloutServer
@@ -495,9 +497,12 @@ def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
     assert result.steps_done == 2
     metrics = load_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
+    records = list(read_trajectories(open_store(str(out)), "trajectories"))
+    masked = sum(bool(r["verifier"]["details"].get("masked")) for r in records)
+    assert masked > 0 and sum(m["masked_samples"] for m in metrics) == masked
     assert judge.requests and rm.requests  # both domains were scored by their models
-    records = [json.loads(line) for line in (out / "audit" / "spot_checks.jsonl").open()]
-    judged = [r for r in records if r["verifier"]["kind"] == "judge"]
+    spot = [json.loads(line) for line in (out / "audit" / "spot_checks.jsonl").open()]
+    judged = [r for r in spot if r["verifier"]["kind"] == "judge"]
     assert {bool(r["verifier"]["details"].get("masked")) for r in judged} == {True, False}
     for record in judged:
         details = record["verifier"]["details"]
