@@ -12,7 +12,7 @@ if __name__ != "posttrain.api":
         f"import posttrain.api, not {__name__}: the top-level folders are posttrain's components"
     )
 
-from .base import API_VERSION, GROUP, VERSION, ApiModel, Condition, ObjectMeta, VerifierSpec
+from .base import API_VERSION, GROUP, VERSION, ApiModel, Condition, ObjectMeta
 from .manifests import load_manifest, load_manifests, parse_resource
 from .rolloutpool import EngineArgs, RolloutPool, RolloutPoolSpec, RolloutPoolStatus
 from .sandboxtask import SandboxTask, SandboxTaskSpec, SandboxTaskStatus
@@ -35,6 +35,7 @@ from .trainingrun import (
     TrainingRunSpec,
     TrainingRunStatus,
 )
+from .verifier import JudgeSpec, ModelEndpoint, RewardModelSpec, SecretKeyRef, VerifierSpec
 
 __all__ = [
     "API_VERSION",
@@ -50,7 +51,10 @@ __all__ = [
     "EngineArgs",
     "EnvironmentSpec",
     "EvaluationSpec",
+    "JudgeSpec",
+    "ModelEndpoint",
     "ObjectMeta",
+    "RewardModelSpec",
     "RolloutPool",
     "RolloutPoolSpec",
     "RolloutPoolStatus",
@@ -63,6 +67,7 @@ __all__ = [
     "SandboxWarmPool",
     "SandboxWarmPoolSpec",
     "SandboxWarmPoolStatus",
+    "SecretKeyRef",
     "StageSpec",
     "StageStatus",
     "TrainerResources",

@@ -138,15 +138,3 @@ class ObjectMeta(ApiModel):
     annotations: dict[str, str] = Field(default_factory=dict)
     generation: int | None = None
     uid: str | None = None
-
-
-class VerifierSpec(ApiModel):
-    """How a domain's (or task's) output is scored into a reward in [0, 1]."""
-
-    kind: Literal["exact", "numeric", "regex", "json_tool_call", "bfcl_ast", "unit_tests", "shell"]
-    """exact: normalised string match; numeric: final number within tolerance; regex: format
-    compliance; json_tool_call: a JSON tool call matching a schema; bfcl_ast: python-syntax
-    calls judged by BFCL's AST checker against the task's accepted answers; unit_tests: Python tests run
-    in the sandbox (reward = pass rate); shell: terminal task checked by a verify script."""
-    config: dict[str, Any] = Field(default_factory=dict)
-    """Kind-specific settings, e.g. {"pattern": "..."} for regex, {"rel_tol": 1e-6} for numeric."""

@@ -18,9 +18,9 @@ from .base import (
     ApiModel,
     Condition,
     ObjectMeta,
-    VerifierSpec,
 )
 from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
+from .verifier import ModelEndpoint, VerifierSpec
 
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
@@ -30,10 +30,16 @@ MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
 class AlgorithmSpec(ApiModel):
     """GRPO-family objective and its hyper-parameters."""
 
-    name: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """grpo: group-relative advantages with std normalisation; dapo: asymmetric clip, dynamic
-    sampling, token-level loss (arXiv:2503.14476); dr_grpo: no std normalisation
-    (arXiv:2503.20783)."""
+    name: Literal["grpo", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp"] = "grpo"
+    """grpo: group-relative advantages with std normalisation (arXiv:2402.03300); dapo:
+    asymmetric clip, dynamic sampling, token-level loss (arXiv:2503.14476); dr_grpo: no std
+    normalisation, constant loss normaliser (arXiv:2503.20783); gspo: GRPO's advantages with
+    one importance ratio per completion, exp(mean token log-ratio), clipped per sequence
+    (arXiv:2507.18071; use clipLow/clipHigh near 3e-4/4e-4 and lossAggregation
+    sequence_mean, as the paper); rloo: leave-one-out baseline r_i - mean of the other
+    completions of the group (arXiv:2402.14740); reinforce_pp: REINFORCE++ with a group-mean
+    baseline, advantages normalised over the whole batch (arXiv:2501.03262). Which one when:
+    docs/trainer.md, "Which algorithm when"."""
     group_size: int = Field(default=8, ge=2, le=512)
     """Completions sampled per prompt; advantages are relative within a group, so >= 2."""
     prompts_per_step: int = Field(default=8, ge=1, le=65536)
@@ -576,7 +582,24 @@ class TrainingRunSpec(ApiModel):
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
         _check_stages(self.stages)
+        secrets: dict[str, tuple[str, str]] = {}
+        for endpoint in self.model_scorers():
+            ref = endpoint.api_key_secret
+            if ref is None or endpoint.api_key_env is None:
+                continue
+            seen = secrets.setdefault(endpoint.api_key_env, (ref.name, ref.key))
+            if seen != (ref.name, ref.key):
+                raise ValueError(
+                    f"domains: apiKeyEnv {endpoint.api_key_env!r} is filled from two Secrets "
+                    f"({seen[0]}/{seen[1]} and {ref.name}/{ref.key}); give each its own apiKeyEnv"
+                )
         return self
+
+    def model_scorers(self) -> list[ModelEndpoint]:
+        """The judges and reward models of the domains' verifiers (pools the trainer reads,
+        Secrets the operator passes to it)."""
+        verifiers = [d.verifier for d in self.domains if d.verifier is not None]
+        return [e for v in verifiers if (e := v.endpoint()) is not None]
 
     def pipeline(self) -> list[StageSpec]:
         """The stages to run, resolved (defaults filled in); one rl stage when none are listed.

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun
+from posttrain.api import GROUP, RolloutPool, SandboxTask, TrainingRun, TrainingRunSpec
 from posttrain.api.env import (
     NODE_RANK,
     RANK,
@@ -215,10 +215,11 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
         for rule in TRAINER_RULES
     ]
     rules += sandbox_runner.trainer_rbac_rules(run)  # task mode: SandboxTasks of the namespace
-    if run.spec.rollout.pool and not run.spec.rollout.endpoints:
-        # Read the pool's status.replicaEndpoints (rollout.discovery), that pool only.
+    pools = [p for p in trainer_pools(run.spec) if p]
+    if pools:
+        # Read the pools' status.replicaEndpoints (rollout.discovery), those pools only.
         rules.append({"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": ["get"],
-                      "resourceNames": [run.spec.rollout.pool]})  # fmt: skip
+                      "resourceNames": pools})  # fmt: skip
     return [
         {
             "apiVersion": "v1",
@@ -365,6 +366,7 @@ def build_trainer_pod(
         # Optional: a pool created after the run starts the trainer without it, and its
         # loads are then refused with a 401 that says why.
         env.append(weights_token_env(run.spec.rollout.pool, optional=True))
+    env += scorer_key_env(run.spec)  # judges' and reward models' API keys
     labels = {
         LABEL_COMPONENT: COMPONENT_TRAINER,
         LABEL_RUN: name,
@@ -641,6 +643,44 @@ def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
+def trainer_pools(spec: TrainingRunSpec) -> list[str]:
+    """RolloutPools whose replicas the trainer reads: the rollout pool (unless explicit
+    endpoints replace it), then the judges' and reward models' pools, each once.
+
+    >>> from posttrain.api import TrainingRunSpec
+    >>> judge = {"kind": "judge", "judge": {"pool": "judge", "rubric": "{answer}"}}
+    >>> trainer_pools(TrainingRunSpec.model_validate({"model": "m", "rollout": {"pool": "p"},
+    ...     "domains": [{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}]}))
+    ['p', 'judge']
+    """
+    pools = [spec.rollout.pool] if spec.rollout.pool and not spec.rollout.endpoints else []
+    pools += [e.pool for e in spec.model_scorers() if e.pool]
+    return list(dict.fromkeys(pools))
+
+
+def scorer_key_env(spec: TrainingRunSpec) -> list[Manifest]:
+    """The judges' and reward models' API keys: each ``apiKeySecret`` as its ``apiKeyEnv``
+    (a secretKeyRef, never a literal).
+
+    >>> from posttrain.api import TrainingRunSpec
+    >>> judge = {"kind": "judge", "judge": {"url": "https://api.example.com/v1",
+    ...     "rubric": "{answer}", "apiKeyEnv": "JUDGE_KEY",
+    ...     "apiKeySecret": {"name": "judge", "key": "token"}}}
+    >>> scorer_key_env(TrainingRunSpec.model_validate({"model": "m",
+    ...     "domains": [{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}]}))
+    [{'name': 'JUDGE_KEY', 'valueFrom': {'secretKeyRef': {'name': 'judge', 'key': 'token'}}}]
+    """
+    env: dict[str, Manifest] = {}
+    for endpoint in spec.model_scorers():
+        ref = endpoint.api_key_secret
+        if ref is not None and endpoint.api_key_env is not None:
+            env[endpoint.api_key_env] = {
+                "name": endpoint.api_key_env,
+                "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+            }
+    return list(env.values())
+
+
 def pool_endpoint(pool: RolloutPool) -> str:
     """In-cluster base URL of the pool's Service."""
     return f"http://{pool.metadata.name}.{pool.metadata.namespace}.svc:{pool.spec.port}"
@@ -849,7 +889,8 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
 
 
 def pool_clients(run: TrainingRun) -> list[str]:
-    """The RolloutPools a run's trainer pods call (their NetworkPolicies admit them).
+    """The RolloutPools a run's trainer pods call, judges' included (their NetworkPolicies
+    admit them).
 
     >>> run = _example_run()
     >>> pool_clients(run)
@@ -858,8 +899,7 @@ def pool_clients(run: TrainingRun) -> list[str]:
     >>> pool_clients(run)
     ['gen']
     """
-    pool = run.spec.rollout.pool
-    return [pool] if pool and not run.spec.rollout.endpoints else []
+    return trainer_pools(run.spec)
 
 
 def pool_client_labels(run: TrainingRun) -> dict[str, str]:

@@ -60,6 +60,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="cpu: posttrain's transformers engine; vllm: vLLM behind the same front door a "
         "RolloutPool pod runs (its CPU build from `make venv-vllm` on a laptop)",
     )  # fmt: skip
+    serve.add_argument(
+        "--reward-model", default=None,
+        help="also serve this model as a sequence-classification reward model at /v1/rewards "
+        "(packaged id, dir, s3:// or hf://; a causal LM gets a new seeded one-logit head)",
+    )  # fmt: skip
     serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
@@ -215,6 +220,8 @@ def _serve(args: argparse.Namespace) -> int:
     from posttrain.telemetry import start_metrics_server
 
     if args.engine == "vllm":
+        if args.reward_model:
+            raise UsageError("--reward-model is served by the cpu engine only (--engine cpu)")
         return _serve_vllm(args)
 
     if args.max_batch_size < 1:
@@ -231,6 +238,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_batch_size=args.max_batch_size,
                 weights_token=weights_token(),
                 num_threads=args.threads,
+                reward_model=args.reward_model,
                 limits=limits,
             ),
             host=args.host,

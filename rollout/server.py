@@ -43,6 +43,7 @@ from posttrain.rollout.limits import (
     sampling_params,
 )
 from posttrain.rollout.protocol import TOKEN_ID_PREFIX, WEIGHT_VERSION_HEADER, SamplingParams
+from posttrain.rollout.reward_model import RewardRequest
 from posttrain.telemetry import extract_context, get_tracer
 
 log = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class ServerConfig:
     poll_seconds: float = 0.0  # >0: an idle replica polls weights_uri for newer versions
     max_batch_size: int = 64
     num_threads: int | None = None
+    reward_model: str | None = None  # also serve this sequence classifier at /v1/rewards
     limits: RequestLimits = field(default_factory=RequestLimits)
     """What one request may ask for, and the HTTP bounds (body size, read deadlines)."""
     weights_token: str | None = field(default=None, repr=False)
@@ -93,6 +95,7 @@ class ServerState:
 
     config: ServerConfig
     engine: Any = None  # GenerationEngine once loaded (torch imported lazily)
+    reward_model: Any = None  # rollout.reward_model.RewardModel, with --reward-model
     ready: threading.Event = field(default_factory=threading.Event)
     load_error: str | None = None
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,6 +119,10 @@ def load_engine(state: ServerState) -> None:
             model_dir, max_batch_size=config.max_batch_size, num_threads=config.num_threads
         )
         state.engine = engine
+        if config.reward_model:
+            from posttrain.rollout.reward_model import RewardModel
+
+            state.reward_model = RewardModel(resolve_model(config.reward_model))
         if config.weights_uri:
             if not weights.committed_versions(config.weights_uri):
                 log.info(
@@ -383,6 +390,25 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
         REQUESTS.labels("chat", "200").inc()
         REQUEST_LATENCY.labels("chat").observe(time.monotonic() - started)
         return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+
+    @app.post("/v1/rewards")
+    async def rewards(body: RewardRequest) -> Response:
+        started = time.monotonic()
+        _engine(state)  # 503 while loading
+        if state.reward_model is None:
+            raise ApiError(404, "this server has no reward model; start it with --reward-model")
+        try:
+            scores = await asyncio.to_thread(state.reward_model.score, body.input)
+        except Exception as exc:  # a message list the chat template refuses
+            raise ApiError(400, f"input does not fit the chat template: {exc}", "input") from exc
+        payload = {
+            "object": "list",
+            "model": state.config.reward_model,
+            "data": [{"index": i, "score": s} for i, s in enumerate(scores)],
+        }
+        REQUESTS.labels("rewards", "200").inc()
+        REQUEST_LATENCY.labels("rewards").observe(time.monotonic() - started)
+        return JSONResponse(payload)
 
     return app
 

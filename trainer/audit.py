@@ -8,7 +8,12 @@ symptoms and writes them to ``audit/alerts.jsonl`` (and the log) instead of fail
 * **verifier hack signals**: verifiers report suspicious patterns in ``details``
   (e.g. tests edited, ``exit()`` before asserts) -- counted per domain;
 * **empty answers that pass**: a completion with no content scoring as passed means the
-  verifier accepts format without substance.
+  verifier accepts format without substance;
+* **judge vs rule disagreement**: where a judge runs beside a rule check (``judge.ruleCheck``
+  on tasks with an answer), the share of samples on which their pass/fail verdicts differ,
+  per domain, in ``audit/judges.json`` and the spot checks; above
+  ``JUDGE_DISAGREEMENT_ALERT`` (over at least ``JUDGE_DISAGREEMENT_MIN`` samples) it is an
+  alert. A judge the policy has learnt to please shows up here first.
 
 A seeded sample of trajectories is exported to Markdown and JSONL for a human to read.
 """
@@ -31,12 +36,14 @@ HACK_ALERTS = Counter(
     "posttrain_trainer_hack_alerts_total", "Reward-hacking alerts raised", ["kind", "domain"]
 )
 DIVERGENCE_MIN_REWARD_RISE = 0.05  # reward must rise this much between evals to count
+JUDGE_DISAGREEMENT_ALERT = 0.2  # judge and rule check differ on more than this share...
+JUDGE_DISAGREEMENT_MIN = 20  # ...of at least this many samples of a domain
 
 
 @dataclass(frozen=True)
 class Alert:
     step: int
-    kind: str  # reward_heldout_divergence | hack_signal | empty_answer_passed
+    kind: str  # reward_heldout_divergence | hack_signal | empty_answer_passed | judge_rule_disagreement
     domain: str
     message: str
 
@@ -148,9 +155,34 @@ def verifier_summary(verifier: dict[str, Any]) -> str:
     ):
         if total in details:
             parts.append(f"{details.get(done, 0)}/{details[total]} {noun} passed")
+    if details.get("masked"):
+        parts.append("not scored (masked out of the loss)")
+    if "rule_passed" in details:
+        parts.append(f"rule check {details.get('rule_check')}: "
+                     f"{'pass' if details['rule_passed'] else 'fail'}")  # fmt: skip
     if "error" in details:
         parts.append(f"error: {str(details['error'])[:200]}")
     return ", ".join(parts)
+
+
+def judge_agreement(trajectories: Sequence[Trajectory]) -> dict[str, tuple[int, int]]:
+    """Per domain ``(samples with both verdicts, samples where judge and rule differ)``.
+
+    >>> def t(passed, rule):
+    ...     details = {"rule_check": "numeric", "rule_passed": rule}
+    ...     return Trajectory(1, "m", "id", "p", "c", float(passed), passed, 0,
+    ...                       verifier={"kind": "judge", "details": details})
+    >>> judge_agreement([t(True, True), t(True, False), t(False, False)])
+    {'m': (3, 1)}
+    """
+    out: dict[str, tuple[int, int]] = {}
+    for t in trajectories:
+        details = t.verifier.get("details", {}) if t.verifier else {}
+        if "rule_passed" not in details or details.get("masked"):
+            continue
+        both, differ = out.get(t.domain, (0, 0))
+        out[t.domain] = (both + 1, differ + int(bool(details["rule_passed"]) != t.passed))
+    return out
 
 
 def divergence_alerts(
@@ -217,9 +249,24 @@ class Auditor:
         self.alerts: list[Alert] = []
         self._reward_at_last_eval: dict[str, float] = {}
         self._accuracy_at_last_eval: dict[str, float] = {}
+        self.judge_counts: dict[str, tuple[int, int]] = {}  # domain -> (both, differ)
+        self._judge_alerted: set[str] = set()
 
     def observe_batch(self, step: int, trajectories: Sequence[Trajectory]) -> list[Alert]:
         """Per-sample checks plus reservoir sampling (uniform over the whole run)."""
+        alerts = sample_alerts(step, trajectories)
+        for domain, (both, differ) in judge_agreement(trajectories).items():
+            total_both, total_differ = self.judge_counts.get(domain, (0, 0))
+            self.judge_counts[domain] = (total_both + both, total_differ + differ)
+        for domain, rate in self.judge_disagreement().items():
+            both = self.judge_counts[domain][0]
+            noisy = both >= JUDGE_DISAGREEMENT_MIN and rate > JUDGE_DISAGREEMENT_ALERT
+            if noisy and domain not in self._judge_alerted:  # once per domain and run
+                self._judge_alerted.add(domain)
+                alerts.append(Alert(step, "judge_rule_disagreement", domain,
+                                    f"judge and rule check disagree on {rate:.0%} of {both} "
+                                    "samples: read the judge's rationales in the spot "
+                                    "checks"))  # fmt: skip
         for t in trajectories:
             self.seen += 1
             if len(self.reservoir) < self.spot_check_samples:
@@ -228,7 +275,20 @@ class Auditor:
                 j = self.rng.randrange(self.seen)
                 if j < self.spot_check_samples:
                     self.reservoir[j] = t
-        return self._raise(sample_alerts(step, trajectories))
+        if self.judge_counts:
+            (self.dir / "judges.json").write_text(json.dumps(self.judge_report(), indent=1))
+        return self._raise(alerts)
+
+    def judge_disagreement(self) -> dict[str, float]:
+        """Per domain, the share of judged samples whose rule check disagreed, so far."""
+        return {d: differ / both for d, (both, differ) in self.judge_counts.items() if both}
+
+    def judge_report(self) -> dict[str, dict[str, float]]:
+        """What ``audit/judges.json`` holds: per domain samples, disagreements and rate."""
+        return {
+            d: {"samples": both, "disagreements": differ, "rate": differ / both if both else 0.0}
+            for d, (both, differ) in sorted(self.judge_counts.items())
+        }
 
     def observe_eval(
         self, step: int, recent_reward: dict[str, float], accuracy: dict[str, float]
@@ -267,6 +327,9 @@ class Auditor:
         jsonl = self.dir / "spot_checks.jsonl"
         jsonl.write_text("".join(json.dumps(trajectory_record(t)) + "\n" for t in ordered))
         lines = ["# Spot checks", "", f"{len(ordered)} trajectories sampled uniformly", ""]
+        for domain, row in self.judge_report().items():
+            lines += [f"Judge vs rule check, {domain}: {int(row['disagreements'])} of "
+                      f"{int(row['samples'])} samples disagree ({row['rate']:.0%})", ""]  # fmt: skip
         fence = "````"  # longer than any ``` a completion may contain
         for t in ordered:
             verdict = "PASS" if t.passed else "fail"
@@ -282,6 +345,9 @@ class Auditor:
             ]
             if t.verifier:
                 lines += [f"**Verifier:** {verifier_summary(t.verifier)}", ""]
+                rationale = t.verifier.get("details", {}).get("rationale")
+                if rationale:
+                    lines += ["**Judge's rationale:**", "", f"{fence}text", rationale, fence, ""]
             if t.hack_signals:
                 lines += [f"**Hack signals:** {', '.join(t.hack_signals)}", ""]
         markdown = self.dir / "spot_checks.md"
@@ -296,6 +362,8 @@ class Auditor:
             "reservoir": [trajectory_record(t) for t in self.reservoir],
             "reward_at_last_eval": self._reward_at_last_eval,
             "accuracy_at_last_eval": self._accuracy_at_last_eval,
+            "judge_counts": {d: list(v) for d, v in self.judge_counts.items()},
+            "judge_alerted": sorted(self._judge_alerted),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -305,3 +373,8 @@ class Auditor:
         self.reservoir = [trajectory_from_record(t) for t in state["reservoir"]]
         self._reward_at_last_eval = dict(state["reward_at_last_eval"])
         self._accuracy_at_last_eval = dict(state["accuracy_at_last_eval"])
+        # Checkpoints from before judges existed have neither key.
+        self.judge_counts = {
+            d: (int(v[0]), int(v[1])) for d, v in state.get("judge_counts", {}).items()
+        }
+        self._judge_alerted = set(state.get("judge_alerted", []))

@@ -33,6 +33,7 @@ class PreparedBatch:
     response_length: float
     kept_groups: int
     trajectories: list[Trajectory] = field(default_factory=list)
+    masked_samples: int = 0  # a judge / reward model could not score them: not trained on
 
 
 def score_batch(
@@ -124,11 +125,20 @@ def prepare_batch(
     """Advantages per group, drop no-signal groups, attach normalisation coefficients."""
     tasks = batch.request.tasks
     completions = batch.completions
-    # Errored episodes (the environment failed, not the policy) take no part in a group.
-    usable = [[j for j, c in enumerate(group) if not is_errored(c)] for group in completions]
+    # Errored episodes (the environment failed, not the policy) and samples a judge or reward
+    # model could not score take no part in a group: masked, never scored 0.
+    usable = [
+        [j for j, c in enumerate(group) if not is_errored(c) and not scored[i][j].errored]
+        for i, group in enumerate(completions)
+    ]
     rewards = [[scored[i][j].reward for j in members] for i, members in enumerate(usable)]
     groups = compute_advantages(
-        [r or [0.0] for r in rewards], algorithm=algorithm, dynamic_sampling=dynamic_sampling
+        [r or [0.0] for r in rewards],
+        algorithm=algorithm,
+        dynamic_sampling=dynamic_sampling,
+        lengths=[
+            [_model_tokens(completions[i][j]) for j in m] or [0] for i, m in enumerate(usable)
+        ],
     )
     advantage_of: dict[tuple[int, int], float] = {}
     kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
@@ -161,7 +171,7 @@ def prepare_batch(
         for j, s in enumerate(group_scores):
             c = completions[i][j]
             prompt_ids = tuple(_prompt_ids(batch, i, c))
-            if not is_errored(c):
+            if not is_errored(c) and not s.errored:
                 by_domain_reward.setdefault(domain, []).append(s.reward)
                 by_domain_pass.setdefault(domain, []).append(float(s.passed))
             trajectories.append(
@@ -198,4 +208,5 @@ def prepare_batch(
         response_length=_mean([_model_tokens(c) for g in completions for c in g]),
         kept_groups=len({i for i, _, _ in kept}),
         trajectories=trajectories,
+        masked_samples=sum(s.errored for group in scored for s in group),
     )

@@ -163,6 +163,7 @@ def evaluate_tasks(
                 reward=s.verifier_reward,
             )
             for t, c, s in zip(tasks, completions, scored, strict=True)
+            if not s.errored  # a judge that could not score it: not an item scored wrong
         ]
         agent: dict[str, dict[str, float]] = {}
         if played:

@@ -296,6 +296,7 @@ def rl_stage(
                 },
                 stage=plan.name,
                 learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
+                masked_samples=prepared.masked_samples,
             )
             progress.record(metrics, span)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)
@@ -707,6 +708,13 @@ class Run:
         for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
             if pass_rate is not None:  # None: every episode errored, nothing was learnt
                 self.data.curriculum.observe(task, pass_rate, self.step)
+        if prepared.masked_samples:
+            log.warning(
+                "step %d: %d sample(s) masked out of the loss: their judge or reward model "
+                "could not score them (posttrain_scorer_masked_samples_total)",
+                self.step,
+                prepared.masked_samples,
+            )
         self.auditor.observe_batch(self.step, prepared.trajectories)
         for trajectory in prepared.trajectories:
             self.trajectories.append(trajectory_record(trajectory))

@@ -13,6 +13,14 @@ from collapsing. How per-token losses are averaged changes the gradient a lot:
 * ``constant`` (Dr. GRPO): token sum divided by ``num_sequences * max_new_tokens``,
   which removes the length bias of both.
 
+``importance_sampling="sequence"`` is GSPO (arXiv:2507.18071): one ratio per completion,
+``exp(mean over its tokens of log pi/pi_old)``, clipped as a whole, instead of one per
+token. A few tokens far off-policy (routing changes in an MoE, sampler numerics) then move
+the ratio by their share of the sequence instead of dominating it; GRPO's token ratios
+multiply noise in long answers. Sequence ratios sit much closer to 1 than token ratios, so
+GSPO's clip range is far narrower (the paper: 3e-4 below, 4e-4 above). TRL's
+``importance_sampling_level="sequence"`` computes the same ratio.
+
 Coefficients are computed once for the whole batch (:func:`sequence_coefficients`) so
 that splitting the batch into micro-batches gives exactly the same gradient.
 """
@@ -32,6 +40,7 @@ class LossConfig:
     kl_coef: float = 0.0
     aggregation: str = "token_mean"  # token_mean | sequence_mean | constant
     max_new_tokens: int = 128
+    importance_sampling: str = "token"  # token (PPO/GRPO) | sequence (GSPO)
 
 
 def sequence_coefficients(
@@ -97,10 +106,27 @@ def clipped_policy_loss(
 ) -> LossTerms:
     """Sum over tokens of coefficient * (-min(ratio*A, clip(ratio)*A) + kl_coef * KL).
 
-    With ratio 1 (on-policy) the gradient is the plain REINFORCE-with-baseline one.
+    With ratio 1 (on-policy) the gradient is the plain REINFORCE-with-baseline one. The
+    ratio is per token, or per sequence (broadcast to its tokens) for
+    ``importance_sampling="sequence"``:
+
+    >>> lp, old = torch.tensor([[-1.0, -1.0]]), torch.tensor([[-1.5, -0.7]])
+    >>> cfg = LossConfig(clip_low=0.2, clip_high=0.2, importance_sampling="sequence")
+    >>> terms = clipped_policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2),
+    ...                             torch.tensor([0.5]), cfg)
+    >>> round(float(terms.loss), 4)  # -exp((0.5 - 0.3) / 2) = -1.1052, over 2 tokens x 0.5
+    -1.1052
     """
     log_ratio = (logp - behaviour_logp).clamp(-20.0, 20.0)  # (B, T) avoid exp overflow
-    ratio = torch.exp(log_ratio)  # (B, T)
+    if config.importance_sampling == "sequence":
+        tokens = mask.sum(-1).clamp(min=1.0)  # (B,)
+        log_ratio = ((log_ratio * mask).sum(-1) / tokens)[:, None]  # (B, 1)
+    elif config.importance_sampling != "token":
+        raise ValueError(
+            f"unknown importance sampling level {config.importance_sampling!r}; "
+            "use token or sequence"
+        )
+    ratio = torch.exp(log_ratio).expand_as(logp)  # (B, T)
     adv = advantages[:, None]  # (B, 1)
     unclipped = ratio * adv  # (B, T)
     clipped = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high) * adv  # (B, T)

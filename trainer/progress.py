@@ -66,6 +66,7 @@ class StepMetrics:
     stage: str = "rl"  # the pipeline stage (spec.stages[].name) this step belongs to
     stage_type: str = "rl"
     learning_rate: float | None = None  # the stage's schedule at this step
+    masked_samples: int = 0  # a judge / reward model could not score them: not trained on
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

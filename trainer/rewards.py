@@ -17,6 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.trainer.datasets import DEFAULT_VERIFIER_BY_DOMAIN, Task
+from posttrain.trainer.scorers import (
+    MODEL_KINDS,
+    ModelScorers,
+    ScorerConfigError,
+    ScoringUnavailable,
+)
 from posttrain.trainer.verification import VerificationUnavailable
 
 log = logging.getLogger(__name__)
@@ -33,6 +39,7 @@ class ScoredSample:
     hack_signals: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
     verifier: str = ""  # which verifier scored it (numeric, unit_tests, ...)
+    errored: bool = False  # the judge / reward model could not score it: masked, not 0
 
 
 def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float) -> float:
@@ -102,10 +109,16 @@ def score_samples(
     A verifier that raises on the task or the completion (a malformed task, a setup script
     that fails) scores 0 with the error in ``details`` and is logged. A failure of the sandbox
     itself (:func:`_infra_errors`) is raised instead: the sample was never judged, and
-    training on a made-up 0 would teach the model that a right answer was wrong.
+    training on a made-up 0 would teach the model that a right answer was wrong. A judge or
+    reward model that could not score a sample (:class:`ScoringUnavailable`, after its
+    retries) gives an ``errored`` sample instead: masked out of the loss and the statistics
+    (as an errored episode is), the run goes on.
+
+    Model-scored samples (judge, reward_model) run on their own threads, as many as their
+    endpoints take at once, beside the sandbox's ``max_concurrency``.
     """
     verify = verify or default_verify()
-    infra_errors = _infra_errors()
+    infra_errors: tuple[type[BaseException], ...] = (*_infra_errors(), ScorerConfigError)
 
     def score(i: int) -> ScoredSample:
         task = tasks[i]
@@ -114,6 +127,18 @@ def score_samples(
         try:
             result = verify(kind, texts[i], task.to_dict(), dict(config))
             value, passed, details = float(result.reward), bool(result.passed), result.details
+        except ScoringUnavailable as exc:
+            log.warning("%s could not score task %s (masked out of the loss): %s",
+                        kind, task.task_id, exc)  # fmt: skip
+            return ScoredSample(
+                reward=0.0,
+                verifier_reward=0.0,
+                overlong_penalty=0.0,
+                passed=False,
+                details={"error": str(exc), "masked": True},
+                verifier=kind,
+                errored=True,
+            )
         except infra_errors:
             raise
         except Exception as exc:  # scored as a failure, reported, run continues
@@ -133,5 +158,14 @@ def score_samples(
             verifier=kind,
         )
 
-    with ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as pool:
-        return list(pool.map(score, range(len(texts))))
+    kinds = [verifier_kind(t, verifier_specs.get(t.domain, (None, {}))[0]) for t in tasks]
+    by_model = [i for i, k in enumerate(kinds) if k in MODEL_KINDS]
+    by_rule = [i for i, k in enumerate(kinds) if k not in MODEL_KINDS]
+    model_threads = ModelScorers.concurrency(list(verifier_specs.values())) if by_model else 1
+    with (
+        ThreadPoolExecutor(max_workers=max(1, max_concurrency)) as rules,
+        ThreadPoolExecutor(max_workers=model_threads) as models,
+    ):
+        futures = {i: models.submit(score, i) for i in by_model}
+        futures.update({i: rules.submit(score, i) for i in by_rule})
+        return [futures[i].result() for i in range(len(texts))]

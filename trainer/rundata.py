@@ -126,7 +126,7 @@ def build_run_data(spec: TrainingRunSpec, seed_offset: int = 0) -> RunData:
             raise UsageError(str(exc)) from exc
         heldout += balanced_subset(held, limit)
         if domain.verifier is not None:  # an environment domain is judged by its environment
-            verifiers[domain.name] = (domain.verifier.kind, dict(domain.verifier.config))
+            verifiers[domain.name] = (domain.verifier.kind, domain.verifier.scorer_config())
     regression: list[Task] = []
     if spec.evaluation.regression_dataset:
         regression = load_jsonl_tasks(spec.evaluation.regression_dataset)
@@ -144,7 +144,8 @@ def build_run_data(spec: TrainingRunSpec, seed_offset: int = 0) -> RunData:
 
 
 def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
-    """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation)."""
+    """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation,
+    GSPO a sequence-level importance ratio)."""
     aggregation = "constant" if algorithm.name == "dr_grpo" else algorithm.loss_aggregation
     return LossConfig(
         clip_low=algorithm.clip_low,
@@ -152,4 +153,5 @@ def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
         kl_coef=algorithm.kl_coef,
         aggregation=aggregation,
         max_new_tokens=algorithm.max_new_tokens,
+        importance_sampling="sequence" if algorithm.name == "gspo" else "token",
     )

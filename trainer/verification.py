@@ -16,6 +16,10 @@ a capped exponential backoff, counted, and reported through ``on_health`` (the t
 it in ``status.sandbox``; the operator turns that into the ``SandboxAvailable`` condition).
 Once one verification has waited ``unavailableTimeoutSeconds``, :class:`VerificationUnavailable`
 fails the step, and the run, naming the sandbox. The reward of that sample is never guessed.
+
+The model-based kinds (``judge``, ``reward_model``) go to :mod:`posttrain.trainer.scorers`
+instead: a model that cannot score a sample masks that one sample out of the loss
+(:class:`~posttrain.trainer.scorers.ScoringUnavailable`) rather than stopping the run.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from prometheus_client import Counter, Gauge
 from posttrain.api import env
 from posttrain.api.env import TrainerEnv
 from posttrain.errors import UsageError
+from posttrain.trainer.scorers import MODEL_KINDS, ModelScorers
 
 if TYPE_CHECKING:
     from posttrain.api import SandboxPolicy
@@ -138,6 +143,7 @@ class Verification:
         self.first_backoff_s = first_backoff_s
         self.health = SandboxHealth(mode, endpoint)
         self._lock = threading.Lock()
+        self.models = ModelScorers()  # judges and reward models: their own retries and masking
         SANDBOX_AVAILABLE.labels(mode).set(1)
 
     def verify(
@@ -147,6 +153,8 @@ class Verification:
         from posttrain.sandboxes.tasks import SandboxConfigError
         from posttrain.sandboxes.verifiers import verify
 
+        if kind in MODEL_KINDS:
+            return self.models.verify(kind, completion, task, config)
         waited_since: float | None = None
         attempt = 0
         while True:

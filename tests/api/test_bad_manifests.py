@@ -69,7 +69,38 @@ def _no_command_no_files(spec: dict[str, Any]) -> None:
 
 
 # (id, manifest, what the apiserver says, what the local models say)
+JUDGE = {"url": "http://judge:8000/v1", "rubric": "Grade {answer}"}
+
 CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
+    (
+        "judge-kind-without-judge",
+        run_with(_set("domains.0.verifier", {"kind": "judge"})),
+        ["spec.domains[0].verifier.judge", "judge is required for kind judge"],
+        ["domains[0].verifier", "judge is required for kind judge"],
+    ),
+    (
+        "judge-with-pool-and-url",
+        run_with(_set("domains.0.verifier", {"kind": "judge", "judge": {**JUDGE, "pool": "p"}})),
+        ["spec.domains[0].verifier.judge", "set exactly one of pool and url"],
+        ["domains[0].verifier.judge", "set exactly one of pool and url"],
+    ),
+    (
+        "judge-secret-without-env",
+        run_with(
+            _set(
+                "domains.0.verifier",
+                {"kind": "judge", "judge": {**JUDGE, "apiKeySecret": {"name": "s", "key": "k"}}},
+            )
+        ),
+        ["spec.domains[0].verifier.judge.apiKeyEnv", "apiKeySecret needs apiKeyEnv"],
+        ["domains[0].verifier.judge", "apiKeySecret needs apiKeyEnv"],
+    ),
+    (
+        "reward-model-on-numeric",
+        run_with(_set("domains.0.verifier.rewardModel", {"url": "http://rm:8000/v1"})),
+        ["spec.domains[0].verifier.rewardModel", "rewardModel is required for kind reward_model"],
+        ["domains[0].verifier", "rewardModel is required for kind reward_model"],
+    ),
     (
         "negative-weight",
         run_with(_set("domains.0.weight", -1)),

@@ -256,6 +256,35 @@ def test_trainer_rbac_is_narrow() -> None:
     ]
 
 
+def test_judges_get_their_pools_and_api_keys_and_nothing_more() -> None:
+    """A judge on a pool: the trainer's Role may get that pool (beside the rollout pool) and
+    no other; a judge on a URL with a Secret: the key reaches the pod as a secretKeyRef."""
+    judge = {"kind": "judge", "judge": {"pool": "judges", "rubric": "{answer}"}}
+    remote = {
+        "kind": "judge",
+        "judge": {"url": "https://api.example.com/v1", "rubric": "{answer}",
+                  "apiKeyEnv": "JUDGE_KEY", "apiKeySecret": {"name": "judge", "key": "token"}},
+    }  # fmt: skip
+    run = make_run(
+        rollout={"pool": "policy"},
+        domains=[
+            {"name": "a", "dataset": "builtin:arithmetic", "verifier": judge},
+            {"name": "b", "dataset": "builtin:arithmetic", "verifier": remote},
+        ],
+    )
+    role = next(m for m in b.build_trainer_rbac(run) if m["kind"] == "Role")
+    pools = [r for r in role["rules"] if r["resources"] == ["rolloutpools"]]
+    assert pools == [{"apiGroups": ["posttrain.io"], "resources": ["rolloutpools"],
+                      "verbs": ["get"], "resourceNames": ["policy", "judges"]}]  # fmt: skip
+    env = b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+    keys = [e for e in env if e["name"] == "JUDGE_KEY"]
+    assert keys == [
+        {"name": "JUDGE_KEY", "valueFrom": {"secretKeyRef": {"name": "judge", "key": "token"}}}
+    ]
+    plain = next(m for m in b.build_trainer_rbac(make_run()) if m["kind"] == "Role")
+    assert not [r for r in plain["rules"] if r["resources"] == ["rolloutpools"]]
+
+
 def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     pool = make_pool(
         replicas=2,

@@ -25,6 +25,7 @@ MODULES = [
     "rewards",
     "rollouts",
     "rundata",
+    "scorers",
     "server_process",
     "sft",
     "shard_reads",
