@@ -21,6 +21,7 @@ from pydantic import (
     field_validator,
 )
 
+from posttrain.api.trainingrun import NCCL_ENV_NAME
 from posttrain.errors import UsageError
 
 ENV_PREFIX = "POSTTRAIN_OPERATOR_"
@@ -62,6 +63,10 @@ class OperatorConfig(BaseModel):
     """Tolerations of trainer pods (e.g. for tainted GPU nodes)."""
     trainer_affinity: dict[str, Any] = Field(default_factory=dict)
     """Affinity of trainer pods."""
+    trainer_nccl: dict[str, str] = Field(default_factory=dict)
+    """NCCL_* environment of every trainer gang pod (NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE,
+    NCCL_DEBUG, ...): the cluster's network, known to the platform team, not to each run. A
+    run's resources.nccl is set over it."""
     rollout_node_selector: dict[str, str] = Field(default_factory=dict)
     """nodeSelector of rollout replicas (a pool's resources.nodeSelector is merged over it)."""
     rollout_tolerations: list[dict[str, Any]] = Field(default_factory=list)
@@ -167,6 +172,7 @@ class OperatorConfig(BaseModel):
         "trainer_node_selector",
         "trainer_tolerations",
         "trainer_affinity",
+        "trainer_nccl",
         "rollout_node_selector",
         "rollout_tolerations",
         "rollout_affinity",
@@ -183,6 +189,14 @@ class OperatorConfig(BaseModel):
                 raise ValueError(f"{info.field_name} must be JSON, got {value!r}") from exc
         if value is None and info.field_name is not None:
             return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        return value
+
+    @field_validator("trainer_nccl")
+    @classmethod
+    def _nccl_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in value if not NCCL_ENV_NAME.fullmatch(k))
+        if bad:
+            raise ValueError(f"trainer_nccl accepts only NCCL_* variable names, got {bad}")
         return value
 
     @field_validator("sandbox_runtime_class_name", mode="before")

@@ -117,3 +117,38 @@ Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
 {{- define "posttrain.runNamespaces" -}}
 {{- concat .Values.runNamespaces .Values.operator.watchNamespaces | uniq | toJson }}
 {{- end }}
+
+{{/*
+Egress of sandbox pods with network=none, as JSON: sandbox.artifactsEgress when set; else, with
+sandbox.artifactsUri, DNS (kube-dns in any namespace) and the object store: the in-chart MinIO
+pods in the release namespace, or networkPolicy.s3Ports (to s3CIDRs when set). Without
+artifactsUri, none: sandbox pods reach nothing.
+*/}}
+{{- define "posttrain.sandboxArtifactsEgress" -}}
+{{- if .Values.sandbox.artifactsEgress }}
+{{- .Values.sandbox.artifactsEgress | toJson }}
+{{- else if .Values.sandbox.artifactsUri }}
+{{- $dns := dict "to" (list (dict "namespaceSelector" (dict) "podSelector" (dict "matchLabels" (dict "k8s-app" "kube-dns")))) "ports" (list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP")) }}
+{{- $s3 := dict }}
+{{- if and .Values.minio.enabled (not .Values.storage.endpoint) }}
+{{- $minio := include "posttrain.minioSelectorLabels" . | fromYaml }}
+{{- $s3 = dict "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" $minio))) "ports" (list (dict "port" 9000 "protocol" "TCP")) }}
+{{- else }}
+{{- $ports := list }}
+{{- range .Values.networkPolicy.s3Ports }}
+{{- $ports = append $ports (dict "port" . "protocol" "TCP") }}
+{{- end }}
+{{- $s3 = dict "ports" $ports }}
+{{- with .Values.networkPolicy.s3CIDRs }}
+{{- $to := list }}
+{{- range . }}
+{{- $to = append $to (dict "ipBlock" (dict "cidr" .)) }}
+{{- end }}
+{{- $_ := set $s3 "to" $to }}
+{{- end }}
+{{- end }}
+{{- list $dns $s3 | toJson }}
+{{- else }}
+{{- list | toJson }}
+{{- end }}
+{{- end }}
