@@ -563,6 +563,14 @@ def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() 
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
     assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
     assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # evaluation.resources sizes it on its own (unset fields stay the trainer's).
+    sized = make_run(
+        evaluation={"inline": False, "resources": {"cpu": "500m"}},
+        resources={"cpu": "6", "memory": "20Gi"},
+    )
+    (job,) = [c for c in build_trainer_children(sized, CONFIG, 0) if c["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": "500m", "memory": "20Gi"}
 
 
 def test_runner_url_given_means_no_runner_of_our_own() -> None:

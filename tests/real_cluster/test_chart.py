@@ -157,7 +157,11 @@ def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and
             # A checkpoint every step, only the newest kept: each is ~2 GB for this model
             # (optimizer state included), and the disk also holds the images and containerd.
             doc["spec"]["checkpoint"] = {"everySteps": 1, "keepLast": 1}
+            # The evaluator runs until the final checkpoint: sized with the trainer's CPU
+            # it would take the room the restarted trainer needs on this 2-core node (100m
+            # operator + 500m pool + 1 trainer + 400m evaluator = 2 CPUs).
             doc["spec"]["evaluation"]["inline"] = False
+            doc["spec"]["evaluation"]["resources"] = {"cpu": "400m"}
             doc["spec"]["resources"]["nccl"] = {"NCCL_DEBUG": "WARN"}
     node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(manifests))
 
