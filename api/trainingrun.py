@@ -442,6 +442,16 @@ class CheckpointPolicy(ApiModel):
     """Delete checkpoints and trajectories when the TrainingRun is deleted (off: never lost)."""
 
 
+class EvaluatorResources(ApiModel):
+    """CPU and memory of the separate evaluator (``inline: false``); unset = the trainer's."""
+
+    cpu: str | None = Field(default=None, pattern=QUANTITY)
+    """CPU request and limit of the evaluator pod."""
+    memory: str | None = Field(default=None, pattern=QUANTITY)
+    """Memory request and limit (it holds the model for its own CPU rollout server and one
+    checkpoint at a time)."""
+
+
 class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
@@ -459,6 +469,10 @@ class EvaluationSpec(ApiModel):
     never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, which the
     operator runs as the Job `<run>-evaluator`) scores each committed checkpoint while training
     goes on, and keepBest has no scores to keep by."""
+    resources: EvaluatorResources = Field(default_factory=EvaluatorResources)
+    """The evaluator's CPU and memory (``inline: false``). It runs until the final checkpoint
+    is scored, so on a full cluster its requests can hold the room a restarted trainer gang
+    needs: size it below the trainer's where capacity is tight."""
 
 
 class AuditSpec(ApiModel):
