@@ -154,8 +154,11 @@ class OperatorConfig(BaseModel):
     off: no logsUri, and tasks asking for snapshot or restoreFrom fail as InvalidSpec."""
     sandbox_artifacts_egress: list[dict[str, Any]] = Field(default_factory=list)
     """NetworkPolicy egress rules added to the sandbox default-deny policy so sandbox pods can
-    reach the object store (and DNS) and nothing else, e.g. [{"to": [{"namespaceSelector":
-    ..., "podSelector": {"matchLabels": {"app": "minio"}}}], "ports": [{"port": 9000}]}]."""
+    reach the object store and DNS (presigned URLs name the store by host) and nothing else,
+    e.g. [{"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app":
+    "kube-dns"}}}], "ports": [{"port": 53, "protocol": "UDP"}]}, {"to": [{"ipBlock": {"cidr":
+    "10.0.12.0/24"}}], "ports": [{"port": 9000}]}]. The chart derives them from its storage
+    settings."""
     sandbox_upload_grace_seconds: int = Field(default=30, ge=1, le=3600)
     """Added to a storing pod's activeDeadlineSeconds: the program keeps its full
     timeoutSeconds and the entrypoint still has this long to upload after a timeout."""
