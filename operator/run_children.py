@@ -22,8 +22,8 @@ def build_trainer_children(
     run: TrainingRun, config: OperatorConfig, incarnation: int, ray_cluster: bool = False
 ) -> list[Manifest]:
     """The run's long-lived children, created before the first gang (order matters for RBAC):
-    RBAC, the run's ConfigMap, the head Service (selecting gang ``incarnation``), the sandbox runner (mode runner without
-    runnerUrl) and the evaluator Job (``evaluation.inline: false``).
+    RBAC, the run's ConfigMap, the head Service (selecting gang ``incarnation``), the sandbox
+    runner (mode runner without runnerUrl) and the evaluator Job (``evaluation.inline: false``).
 
     With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
     """
