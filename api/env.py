@@ -19,3 +19,6 @@ RUN_NAMESPACE: Final = "POSTTRAIN_RUN_NAMESPACE"
 SANDBOX_RUNNER_URL: Final = "POSTTRAIN_SANDBOX_RUNNER_URL"  # the run's own sandbox runner
 NODES: Final = "POSTTRAIN_NODES"  # nodes of a multi-node gang
 NODE_RANK: Final = "POSTTRAIN_NODE_RANK"  # this pod's node rank in the gang
+
+# vLLM rollout pods.
+WEIGHTS_SCRATCH: Final = "POSTTRAIN_WEIGHTS_SCRATCH"  # where weight updates are staged

@@ -698,6 +698,7 @@ POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
 # Where a vLLM replica stages weight updates (POSTTRAIN_WEIGHTS_SCRATCH), a sized emptyDir.
 WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
 WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
+WEIGHTS_SCRATCH_ENV = env.WEIGHTS_SCRATCH
 
 
 def model_fetch_command(pool: RolloutPool) -> list[str]:
@@ -796,7 +797,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
         # an oversized update evicts that replica instead of filling the node's disk.
         container["env"] = [
             *model_env,
-            {"name": "POSTTRAIN_WEIGHTS_SCRATCH", "value": WEIGHTS_SCRATCH_MOUNT},
+            {"name": WEIGHTS_SCRATCH_ENV, "value": WEIGHTS_SCRATCH_MOUNT},
         ]
         container["volumeMounts"] = [
             mount,

@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, generate_latest
 
+from posttrain.api import env as api_env
 from posttrain.httplimits import BoundedBody, uvicorn_options
 from posttrain.rollout.limits import (
     ApiError,
@@ -517,7 +518,7 @@ def run_vllm_entry(
     argv = vllm_launcher(build_vllm_command(spec))
     log.info("starting %s", " ".join(argv))
     process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
-    scratch = os.environ.get("POSTTRAIN_WEIGHTS_SCRATCH", tempfile.gettempdir())
+    scratch = os.environ.get(api_env.WEIGHTS_SCRATCH, tempfile.gettempdir())
     limits = limits or RequestLimits()
     door = VllmFrontDoor(
         f"http://127.0.0.1:{spec.port}", weights_uri, scratch, limits, spec.max_model_len

@@ -750,7 +750,7 @@ def test_a_vllm_pool_stages_weight_updates_on_a_sized_volume() -> None:
     (server,) = pod["containers"]
     mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
     assert mounts[b.WEIGHTS_SCRATCH_VOLUME] == b.WEIGHTS_SCRATCH_MOUNT
-    assert env_of(server)["POSTTRAIN_WEIGHTS_SCRATCH"]["value"] == b.WEIGHTS_SCRATCH_MOUNT
+    assert env_of(server)[b.WEIGHTS_SCRATCH_ENV]["value"] == b.WEIGHTS_SCRATCH_MOUNT
     for kind in ("requests", "limits"):
         assert server["resources"][kind]["ephemeral-storage"] == "70Gi"
     cpu = b.build_rollout_deployment(make_pool(engine="cpu", resources={"gpus": 0}), CONFIG)
