@@ -66,6 +66,15 @@ class PoolResources(ApiModel):
     cpu: str = Field(default="4", pattern=QUANTITY)
     memory: str = Field(default="32Gi", pattern=QUANTITY)
     node_selector: dict[str, str] = Field(default_factory=dict)
+    weights_scratch: str = Field(default="40Gi", pattern=QUANTITY)
+    """engine vllm: sizeLimit of the emptyDir where a replica stages each weight update before
+    vLLM loads it (one version of the weights in the trainer's publish dtype, plus the one
+    being replaced while it loads). A replica that outgrows it is evicted, not the node's disk
+    filled."""
+    ephemeral_storage: str = Field(default="80Gi", pattern=QUANTITY)
+    """engine vllm: ephemeral-storage request and limit of the server container: the model the
+    fetch step puts on the /models emptyDir, the weight staging above, and logs. The scheduler
+    places a replica only on a node with that much local disk free."""
 
 
 class RolloutPoolSpec(ApiModel):

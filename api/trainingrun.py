@@ -6,6 +6,7 @@ is a config the trainer can run, and a local YAML fails with the same messages.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Literal
 
@@ -25,6 +26,8 @@ from .verifier import ModelEndpoint, VerifierSpec
 RunPhase = Literal["Pending", "Running", "Suspended", "Succeeded", "Failed"]
 MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
 """spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
+NCCL_ENV_NAME = re.compile(r"NCCL_[A-Z0-9_]+")
+"""What resources.nccl (and the operator's trainer_nccl) may set."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -373,6 +376,21 @@ class TrainerResources(ApiModel):
     """Trainer image; defaults to the operator's configured image."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Extra node selector for trainer pods (e.g. a GPU node pool)."""
+    nccl: dict[str, str] = Field(default_factory=dict)
+    """NCCL environment of every gang pod, e.g. {"NCCL_SOCKET_IFNAME": "eth0",
+    "NCCL_IB_DISABLE": "1", "NCCL_DEBUG": "WARN"}; set over the operator's (the chart's
+    trainer.nccl). Only NCCL_* names: anything else is not NCCL's to configure."""
+
+    @field_validator("nccl")
+    @classmethod
+    def _nccl_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in value if not NCCL_ENV_NAME.fullmatch(k))
+        if bad:
+            raise ValueError(
+                f"resources.nccl accepts only NCCL_* variable names (NCCL_ and upper-case "
+                f"letters, digits, _), got {bad}"
+            )
+        return value
 
 
 # Llama-style attention and MLP projections: what LoRA adapts unless the spec names others.
@@ -430,6 +448,16 @@ class CheckpointPolicy(ApiModel):
     """Delete checkpoints and trajectories when the TrainingRun is deleted (off: never lost)."""
 
 
+class EvaluatorResources(ApiModel):
+    """CPU and memory of the separate evaluator (``inline: false``); unset = the trainer's."""
+
+    cpu: str | None = Field(default=None, pattern=QUANTITY)
+    """CPU request and limit of the evaluator pod."""
+    memory: str | None = Field(default=None, pattern=QUANTITY)
+    """Memory request and limit (it holds the model for its own CPU rollout server and one
+    checkpoint at a time)."""
+
+
 class EvaluationSpec(ApiModel):
     """The evaluation matrix: per-domain held-out sets plus a base-model regression set."""
 
@@ -447,6 +475,10 @@ class EvaluationSpec(ApiModel):
     never evaluates; a separate evaluator (`posttrain eval-checkpoints --watch`, which the
     operator runs as the Job `<run>-evaluator`) scores each committed checkpoint while training
     goes on, and keepBest has no scores to keep by."""
+    resources: EvaluatorResources = Field(default_factory=EvaluatorResources)
+    """The evaluator's CPU and memory (``inline: false``). It runs until the final checkpoint
+    is scored, so on a full cluster its requests can hold the room a restarted trainer gang
+    needs: size it below the trainer's where capacity is tight."""
 
 
 class AuditSpec(ApiModel):

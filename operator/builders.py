@@ -24,6 +24,7 @@ from posttrain.api.env import (
     S3_CREDENTIAL_KEYS,
     S3_ENDPOINT,
     S3_SECURE,
+    WEIGHTS_SCRATCH,
     WEIGHTS_TOKEN,
     RolloutPoolEnv,
     SandboxTaskEnv,
@@ -252,8 +253,18 @@ def build_trainer_rbac(run: TrainingRun) -> list[Manifest]:
     ]
 
 
-def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
-    """Headless Service resolving to rank 0 (MASTER_ADDR: torchrun's rendezvous) for nodes > 1."""
+def build_head_service(run: TrainingRun, config: OperatorConfig, incarnation: int) -> Manifest:
+    """Headless Service resolving to rank 0 of gang ``incarnation`` (MASTER_ADDR: torchrun's
+    rendezvous) for nodes > 1.
+
+    It publishes not-ready addresses, so its selector names the gang: a rank 0 of the previous
+    gang that is still terminating would otherwise resolve too, and the new gang's workers
+    could rendezvous with it. The operator moves the selector to each new gang before its pods
+    exist.
+
+    >>> build_head_service(_example_run(), OperatorConfig(), 2)["spec"]["selector"]["posttrain.io/gang"]
+    '2'
+    """
     name = run.metadata.name
     return {
         "apiVersion": "v1",
@@ -267,13 +278,31 @@ def build_head_service(run: TrainingRun, config: OperatorConfig) -> Manifest:
             "clusterIP": "None",
             # Workers must resolve the head before it is Ready (rendezvous happens first).
             "publishNotReadyAddresses": True,
-            "selector": {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: name, LABEL_RANK: "0"},
+            "selector": {
+                LABEL_COMPONENT: COMPONENT_TRAINER,
+                LABEL_RUN: name,
+                LABEL_RANK: "0",
+                LABEL_GANG: str(incarnation),
+            },
             "ports": [
                 {"name": "dist", "port": config.trainer_master_port},
                 {"name": "ray", "port": config.ray_port},
             ],
         },
     }
+
+
+def nccl_env(run: TrainingRun, config: OperatorConfig) -> list[dict[str, str]]:
+    """The operator's NCCL settings (the chart's trainer.nccl) with the run's
+    resources.nccl set over them, sorted by name so the pod spec is stable.
+
+    >>> run = _example_run()
+    >>> run.spec.resources.nccl = {"NCCL_DEBUG": "INFO"}
+    >>> nccl_env(run, OperatorConfig(trainer_nccl={"NCCL_DEBUG": "WARN", "NCCL_IB_DISABLE": "1"}))
+    [{'name': 'NCCL_DEBUG', 'value': 'INFO'}, {'name': 'NCCL_IB_DISABLE', 'value': '1'}]
+    """
+    merged = {**config.trainer_nccl, **run.spec.resources.nccl}
+    return [{"name": key, "value": merged[key]} for key in sorted(merged)]
 
 
 def s3_env(config: OperatorConfig) -> list[dict[str, Any]]:
@@ -361,6 +390,7 @@ def build_trainer_pod(
         *s3_env(config),
         *otlp_env(config, "posttrain-trainer", run),
         *hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret),
+        *nccl_env(run, config),
     ]
     if resolved_pool and run.spec.rollout.pool:
         # Optional: a pool created after the run starts the trainer without it, and its
@@ -719,6 +749,10 @@ MODEL_VOLUME = "models"
 MODEL_MOUNT = "/models"
 MODEL_LINK = f"{MODEL_MOUNT}/current"
 POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
+# Where a vLLM replica stages weight updates (POSTTRAIN_WEIGHTS_SCRATCH), a sized emptyDir.
+WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
+WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
+WEIGHTS_SCRATCH_ENV = WEIGHTS_SCRATCH
 
 
 def model_fetch_command(pool: RolloutPool) -> list[str]:
@@ -812,9 +846,30 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
     if spec.engine == "vllm":
         model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
-        container["env"] = model_env
-        container["volumeMounts"] = [mount]
-        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        # Weight updates are staged on a declared volume, not in the container's /tmp: its
+        # sizeLimit and the container's ephemeral-storage bound what a replica may write, so
+        # an oversized update evicts that replica instead of filling the node's disk.
+        container["env"] = [
+            *model_env,
+            {"name": WEIGHTS_SCRATCH_ENV, "value": WEIGHTS_SCRATCH_MOUNT},
+        ]
+        container["volumeMounts"] = [
+            mount,
+            {"name": WEIGHTS_SCRATCH_VOLUME, "mountPath": WEIGHTS_SCRATCH_MOUNT},
+        ]
+        container["resources"] = resources(
+            spec.resources.cpu,
+            spec.resources.memory,
+            gpus,
+            ephemeral_storage=spec.resources.ephemeral_storage,
+        )
+        pod_spec["volumes"] = [
+            {"name": MODEL_VOLUME, "emptyDir": {}},
+            {
+                "name": WEIGHTS_SCRATCH_VOLUME,
+                "emptyDir": {"sizeLimit": spec.resources.weights_scratch},
+            },
+        ]
         pod_spec["initContainers"] = [{
             "name": "fetch-model",
             "image": image,

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from posttrain.api.env import OPERATOR_PREFIX
+from posttrain.api.trainingrun import NCCL_ENV_NAME
 from posttrain.errors import UsageError
 
 ENV_PREFIX = OPERATOR_PREFIX
@@ -63,6 +64,10 @@ class OperatorConfig(BaseModel):
     """Tolerations of trainer pods (e.g. for tainted GPU nodes)."""
     trainer_affinity: dict[str, Any] = Field(default_factory=dict)
     """Affinity of trainer pods."""
+    trainer_nccl: dict[str, str] = Field(default_factory=dict)
+    """NCCL_* environment of every trainer gang pod (NCCL_SOCKET_IFNAME, NCCL_IB_DISABLE,
+    NCCL_DEBUG, ...): the cluster's network, known to the platform team, not to each run. A
+    run's resources.nccl is set over it."""
     rollout_node_selector: dict[str, str] = Field(default_factory=dict)
     """nodeSelector of rollout replicas (a pool's resources.nodeSelector is merged over it)."""
     rollout_tolerations: list[dict[str, Any]] = Field(default_factory=list)
@@ -159,8 +164,11 @@ class OperatorConfig(BaseModel):
     off: no logsUri, and tasks asking for snapshot or restoreFrom fail as InvalidSpec."""
     sandbox_artifacts_egress: list[dict[str, Any]] = Field(default_factory=list)
     """NetworkPolicy egress rules added to the sandbox default-deny policy so sandbox pods can
-    reach the object store (and DNS) and nothing else, e.g. [{"to": [{"namespaceSelector":
-    ..., "podSelector": {"matchLabels": {"app": "minio"}}}], "ports": [{"port": 9000}]}]."""
+    reach the object store and DNS (presigned URLs name the store by host) and nothing else,
+    e.g. [{"to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app":
+    "kube-dns"}}}], "ports": [{"port": 53, "protocol": "UDP"}]}, {"to": [{"ipBlock": {"cidr":
+    "10.0.12.0/24"}}], "ports": [{"port": 9000}]}]. The chart derives them from its storage
+    settings."""
     sandbox_upload_grace_seconds: int = Field(default=30, ge=1, le=3600)
     """Added to a storing pod's activeDeadlineSeconds: the program keeps its full
     timeoutSeconds and the entrypoint still has this long to upload after a timeout."""
@@ -177,6 +185,7 @@ class OperatorConfig(BaseModel):
         "trainer_node_selector",
         "trainer_tolerations",
         "trainer_affinity",
+        "trainer_nccl",
         "rollout_node_selector",
         "rollout_tolerations",
         "rollout_affinity",
@@ -193,6 +202,14 @@ class OperatorConfig(BaseModel):
                 raise ValueError(f"{info.field_name} must be JSON, got {value!r}") from exc
         if value is None and info.field_name is not None:
             return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        return value
+
+    @field_validator("trainer_nccl")
+    @classmethod
+    def _nccl_names(cls, value: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in value if not NCCL_ENV_NAME.fullmatch(k))
+        if bad:
+            raise ValueError(f"trainer_nccl accepts only NCCL_* variable names, got {bad}")
         return value
 
     @field_validator("sandbox_runtime_class_name", mode="before")

@@ -93,8 +93,9 @@ def evaluator_command(run: TrainingRun, config: OperatorConfig) -> list[str]:
 def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
     """The run's evaluator Job (see the module docstring for why each choice).
 
-    Its resources are the trainer's CPU and memory per node, no GPU: it serves one model
-    copy on CPU (its own rollout server) and holds one checkpoint at a time.
+    Its resources are ``evaluation.resources``, else the trainer's CPU and memory per node;
+    no GPU: it serves one model copy on CPU (its own rollout server) and holds one checkpoint
+    at a time.
     """
     from posttrain.api.labels import LABEL_COMPONENT, LABEL_RUN
 
@@ -111,7 +112,10 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
             # It loads the base model too: an hf:// one is downloaded onto /workspace.
             *hf_model_env(run.spec.model, WORKSPACE_HF_HOME, run.spec.hf_token_secret),
         ],
-        "resources": resources(res.cpu, res.memory),
+        "resources": resources(
+            run.spec.evaluation.resources.cpu or res.cpu,
+            run.spec.evaluation.resources.memory or res.memory,
+        ),
         "volumeMounts": [
             {
                 "name": "run-config",

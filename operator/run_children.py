@@ -19,17 +19,17 @@ Manifest = dict[str, Any]
 
 
 def build_trainer_children(
-    run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
+    run: TrainingRun, config: OperatorConfig, incarnation: int, ray_cluster: bool = False
 ) -> list[Manifest]:
     """The run's long-lived children, created before the first gang (order matters for RBAC):
-    RBAC, the run's ConfigMap, the head Service, the sandbox runner (mode runner without
-    runnerUrl) and the evaluator Job (``evaluation.inline: false``).
+    RBAC, the run's ConfigMap, the head Service (selecting gang ``incarnation``), the sandbox
+    runner (mode runner without runnerUrl) and the evaluator Job (``evaluation.inline: false``).
 
     With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
     """
     children = [*b.build_trainer_rbac(run), b.build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
-        children.append(b.build_head_service(run, config))
+        children.append(b.build_head_service(run, config, incarnation))
     return [
         *children,
         *sandbox_runner.build_runner_children(run, config),

@@ -110,7 +110,9 @@ class TrainingRunReconciler:
                 )
                 self.kueue.apply(run, plan, template)
             if plan.ensure_children:
-                self._ensure_children(run, config, ray_cluster=clusters is not None)
+                self._ensure_children(
+                    run, config, plan.incarnation, ray_cluster=clusters is not None
+                )
             creates = plan.create_ranks or plan.create_ray_cluster
             pool = self._rollout_pool(run) if creates else None
             endpoints = [b.pool_endpoint(pool)] if pool is not None else []
@@ -215,14 +217,24 @@ class TrainingRunReconciler:
         return RolloutPool.model_validate(body)
 
     def _ensure_children(
-        self, run: TrainingRun, config: OperatorConfig, ray_cluster: bool = False
+        self,
+        run: TrainingRun,
+        config: OperatorConfig,
+        incarnation: int,
+        ray_cluster: bool = False,
     ) -> None:
-        """ConfigMap (refreshed to the current spec), trainer RBAC and head Service."""
-        for manifest in build_trainer_children(run, config, ray_cluster=ray_cluster):
+        """ConfigMap (refreshed to the current spec), trainer RBAC and head Service (its
+        selector moved to gang ``incarnation`` before that gang's pods exist)."""
+        children = build_trainer_children(run, config, incarnation, ray_cluster=ray_cluster)
+        for manifest in children:
             obj = self.state.create(KIND, manifest)
             if manifest["kind"] == "ConfigMap" and obj.get("data") != manifest["data"]:
                 # The spec changed since the ConfigMap was made: new pods get the new config.
                 self.state.kube.patch(manifest, {"data": manifest["data"]})
+            selector = manifest["spec"].get("selector") if manifest["kind"] == "Service" else None
+            if selector and (obj.get("spec") or {}).get("selector") != selector:
+                # A new gang: the head Service must stop resolving to the old gang's rank 0.
+                self.state.kube.patch(manifest, {"spec": {"selector": selector}})
 
     def delete_storage(self, body: Body) -> int:
         """Delete every object under the run's storage URI (only with deleteOnRunDeletion)."""

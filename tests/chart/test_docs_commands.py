@@ -56,9 +56,11 @@ def test_evaluation_install_and_uninstall_work_as_written(
         installed = run_bash(install, env)
         assert installed.returncode == 0, installed.stdout + installed.stderr
         assert "STATUS: deployed" in installed.stdout, installed.stdout
-        # The S3 credentials were copied into the run namespace the docs created.
+        # MinIO's admin keys stay in the release namespace: runs get keys of their own.
         secrets = run_bash("kubectl -n ml-demo get secrets -o name", env)
-        assert "secret/posttrain-minio-credentials" in secrets.stdout.split(), secrets
+        assert "secret/posttrain-minio-credentials" not in secrets.stdout.split(), secrets
+        kept = run_bash("kubectl -n posttrain-system get secrets -o name", env)
+        assert "secret/posttrain-minio-credentials" in kept.stdout.split(), kept
         removed = run_bash(uninstall, env)
         assert removed.returncode == 0, removed.stderr
         left = run_bash("helm list -n posttrain-system -q", env)

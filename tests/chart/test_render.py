@@ -174,6 +174,42 @@ def test_sandbox_artifacts_and_kuberay_values_reach_the_operator(
     assert config.sandbox_artifacts_egress[0]["ports"] == [{"port": 9000}]
 
 
+def test_artifact_egress_is_derived_with_dns_and_minio_admits_every_artifact_mover(
+    render: Render, tmp_path: Path
+) -> None:
+    """With artifactsUri and no artifactsEgress, sandbox pods may reach DNS and the bundled
+    MinIO's pods in the release namespace (the chart's and the operator's policy alike); the
+    MinIO policy admits evaluator and sandbox pods as well as trainers and rollout replicas."""
+    values = tmp_path / "derived.yaml"
+    values.write_text(
+        yaml.safe_dump(
+            {
+                "runNamespaces": ["team-a"],
+                "sandbox": {"artifactsUri": "s3://posttrain/sandbox"},
+                "trainer": {"nccl": {"NCCL_SOCKET_IFNAME": "eth0"}},
+            }
+        )
+    )
+    objects = render([values])
+    data = one(objects, "ConfigMap", "-operator")["data"]
+    config = operator_config_from(data)
+    assert config.trainer_nccl == {"NCCL_SOCKET_IFNAME": "eth0"}
+    dns, store = config.sandbox_artifacts_egress
+    assert dns["to"][0]["podSelector"] == {"matchLabels": {"k8s-app": "kube-dns"}}
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    (peer,) = store["to"]
+    release_namespace = peer["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+    assert release_namespace == "posttrain-system"
+    assert peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "minio"
+    policies = by_kind(objects, "NetworkPolicy")
+    (chart_deny,) = [p for p in policies if p["metadata"]["name"].endswith("sandbox-default-deny")]
+    assert chart_deny["metadata"]["namespace"] == "team-a"
+    assert chart_deny["spec"]["egress"] == config.sandbox_artifacts_egress
+    minio = next(p for p in policies if p["metadata"]["name"].endswith("-minio"))
+    selector = minio["spec"]["ingress"][0]["from"][1]["podSelector"]["matchExpressions"][0]
+    assert set(selector["values"]) == {"trainer", "rollout", "evaluator", "sandbox"}
+
+
 def test_production_values(render: Render) -> None:
     production = next(p for p in VALUES_FILES if p.stem == "production")
     objects = render([production], api_versions=["monitoring.coreos.com/v1"])
@@ -252,6 +288,16 @@ def test_no_wildcards_in_any_rule(render: Render) -> None:
             {"minio.enabled": "false", "storage.endpoint": "minio.example:9000"},
             "storage.existingSecret is required with storage.endpoint",
         ),
+        (
+            {
+                "minio.enabled": "false",
+                "storage.endpoint": "s3.example:443",
+                "storage.existingSecret": "s3",
+                "sandbox.artifactsUri": "s3://bucket/sandbox",
+            },
+            "needs networkPolicy.s3CIDRs",
+        ),
+        ({"trainer.nccl.LD_PRELOAD": "x.so"}, "'LD_PRELOAD' does not match pattern '^NCCL_"),
     ],
 )
 def test_bad_values_are_rejected_with_a_clear_error(
@@ -269,10 +315,15 @@ def _names(objects: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(o["kind"], o["metadata"]["name"]) for o in objects}
 
 
-def test_run_namespaces_get_credentials_and_sandbox_deny(render: Render) -> None:
+def test_run_namespaces_get_credentials_and_sandbox_deny(render: Render, tmp_path: Path) -> None:
     evaluation = next(p for p in VALUES_FILES if p.stem == "evaluation")
     objects = render([evaluation])
     secrets = by_kind(objects, "Secret")
+    # Scoped credentials (the default): MinIO's admin keys stay in the release namespace.
+    assert {s["metadata"]["namespace"] for s in secrets} == {"posttrain-system"}
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("storage:\n  scopedCredentials: false\n")
+    secrets = by_kind(render([evaluation, shared]), "Secret")
     assert {s["metadata"]["namespace"] for s in secrets} == {"posttrain-system", "posttrain-demo"}
     # One generated password, the same in every copy.
     assert len({s["data"]["AWS_SECRET_ACCESS_KEY"] for s in secrets}) == 1

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
 from posttrain.api import env as env_names
@@ -227,9 +228,43 @@ def test_multi_node_gang_head_and_workers() -> None:
     assert env_of(worker)["RANK"]["value"] == "2"
     assert env_of(worker)["WORLD_SIZE"]["value"] == "3"
     assert env_of(worker)["MASTER_ADDR"]["value"] == "demo-head.ml.svc"
-    service = b.build_head_service(run, CONFIG)
+    service = b.build_head_service(run, CONFIG, 4)
     assert service["spec"]["selector"][b.LABEL_RANK] == "0"
     assert service["spec"]["publishNotReadyAddresses"] is True
+    # Only gang 4's rank 0: a terminating rank 0 of gang 3 must not resolve (it would, since
+    # not-ready addresses are published).
+    selector = service["spec"]["selector"]
+    new_head = b.build_trainer_pod(run, CONFIG, 4, 0)["metadata"]["labels"]
+    old_head = b.build_trainer_pod(run, CONFIG, 3, 0)["metadata"]["labels"]
+    assert selector.items() <= new_head.items()
+    assert not selector.items() <= old_head.items()
+
+
+def test_nccl_settings_reach_every_gang_pod_run_over_chart() -> None:
+    config = CONFIG.model_copy(
+        update={"trainer_nccl": {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN"}}
+    )
+    run = make_run(resources={"nodes": 3, "nccl": {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1"}})
+    want = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1"}
+    for pod in b.build_trainer_gang(run, config, 0):
+        env = env_of(pod["spec"]["containers"][0])
+        assert {k: env[k]["value"] for k in env if k.startswith("NCCL_")} == want
+    # The RayCluster path takes its pod templates from the same builder.
+    cluster = b.build_ray_cluster(run, config, 0)
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        env = env_of(group["template"]["spec"]["containers"][0])
+        assert {k: env[k]["value"] for k in env if k.startswith("NCCL_")} == want
+
+
+def test_nccl_settings_accept_only_nccl_names() -> None:
+    with pytest.raises(ValidationError, match="NCCL_"):
+        make_run(resources={"nccl": {"LD_PRELOAD": "/x.so"}})
+    with pytest.raises(ValueError, match="NCCL_"):
+        OperatorConfig(trainer_nccl={"PATH": "/x"})
+    assert load_config(
+        {"POSTTRAIN_OPERATOR_TRAINER_NCCL": '{"NCCL_IB_DISABLE": "1"}'}
+    ).trainer_nccl == {"NCCL_IB_DISABLE": "1"}
 
 
 def test_run_config_map_renders_spec_with_default_storage() -> None:
@@ -322,7 +357,11 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     assert fetch["terminationMessagePolicy"] == "FallbackToLogsOnError"
     volumes = {v["name"] for v in pod["volumes"]}
     assert {b.MODEL_VOLUME, "dshm"} <= volumes
-    assert {m["mountPath"] for m in server["volumeMounts"]} == {b.MODEL_MOUNT, "/dev/shm"}
+    assert {m["mountPath"] for m in server["volumeMounts"]} == {
+        b.MODEL_MOUNT,
+        "/dev/shm",
+        b.WEIGHTS_SCRATCH_MOUNT,
+    }
     assert server["image"] == "vllm:1"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -498,7 +537,7 @@ def test_a_terminal_environment_runs_model_output_so_the_run_gets_a_runner() -> 
     kinds = [
         c["kind"]
         for c in build_trainer_children(
-            make_run(domains=[terminal], sandbox={"mode": "runner"}), CONFIG
+            make_run(domains=[terminal], sandbox={"mode": "runner"}), CONFIG, 0
         )
     ]
     assert "Deployment" in kinds and "Service" in kinds
@@ -515,7 +554,7 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
             "runtimeClassName": "gvisor",
         },
     )
-    children = {c["kind"]: c for c in build_trainer_children(run, CONFIG)}
+    children = {c["kind"]: c for c in build_trainer_children(run, CONFIG, 0)}
     deployment, service = children["Deployment"], children["Service"]
     assert deployment["metadata"]["name"] == service["metadata"]["name"] == "demo-sandbox-runner"
     assert deployment["metadata"]["ownerReferences"][0]["uid"] == "uid-run"
@@ -554,12 +593,12 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
 def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() -> None:
     from posttrain.operator.evaluator import COMPONENT_EVALUATOR
 
-    assert "Job" not in [c["kind"] for c in build_trainer_children(make_run(), CONFIG)]
+    assert "Job" not in [c["kind"] for c in build_trainer_children(make_run(), CONFIG, 0)]
     run = make_run(
         evaluation={"inline": False},
         resources={"cpu": "6", "memory": "20Gi", "gpusPerNode": 2, "image": "mine:2"},
     )
-    (job,) = [c for c in build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
+    (job,) = [c for c in build_trainer_children(run, CONFIG, 0) if c["kind"] == "Job"]
     assert (job["apiVersion"], job["metadata"]["name"]) == ("batch/v1", "demo-evaluator")
     owner = job["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingRun", "uid-run", True)
@@ -591,13 +630,21 @@ def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() 
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-creds"
     assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
     assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    # evaluation.resources sizes it on its own (unset fields stay the trainer's).
+    sized = make_run(
+        evaluation={"inline": False, "resources": {"cpu": "500m"}},
+        resources={"cpu": "6", "memory": "20Gi"},
+    )
+    (job,) = [c for c in build_trainer_children(sized, CONFIG, 0) if c["kind"] == "Job"]
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": "500m", "memory": "20Gi"}
 
 
 def test_runner_url_given_means_no_runner_of_our_own() -> None:
     run = make_run(
         domains=[CODE_DOMAIN], sandbox={"mode": "runner", "runnerUrl": "http://shared:8090"}
     )
-    kinds = [c["kind"] for c in build_trainer_children(run, CONFIG)]
+    kinds = [c["kind"] for c in build_trainer_children(run, CONFIG, 0)]
     assert "Deployment" not in kinds
     env = [
         e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
@@ -691,7 +738,7 @@ def test_the_pods_of_a_run_with_an_hf_model_download_it_onto_their_workspace() -
         evaluation={"inline": False},
     )
     trainer = b.build_trainer_pod(run, CONFIG, incarnation=1, rank=0)
-    (job,) = [c for c in build_trainer_children(run, CONFIG) if c["kind"] == "Job"]
+    (job,) = [c for c in build_trainer_children(run, CONFIG, 0) if c["kind"] == "Job"]
     for pod in (trainer["spec"], job["spec"]["template"]["spec"]):
         (container,) = pod["containers"]
         env = env_of(container)
@@ -753,3 +800,25 @@ def test_a_cpu_vllm_pool_gets_a_memory_backed_dev_shm() -> None:
     assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
     (server,) = pod["containers"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in server["volumeMounts"]
+
+
+def test_a_vllm_pool_stages_weight_updates_on_a_sized_volume() -> None:
+    """Not the container's /tmp: a declared emptyDir with a sizeLimit, and ephemeral-storage
+    requests = limits on the server, so an update that outgrows them evicts the replica."""
+    pool = make_pool(
+        engine="vllm", resources={"weightsScratch": "30Gi", "ephemeralStorage": "70Gi"}
+    )
+    pod = b.build_rollout_deployment(pool, OperatorConfig())["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes[b.WEIGHTS_SCRATCH_VOLUME] == {
+        "name": b.WEIGHTS_SCRATCH_VOLUME,
+        "emptyDir": {"sizeLimit": "30Gi"},
+    }
+    (server,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in server["volumeMounts"]}
+    assert mounts[b.WEIGHTS_SCRATCH_VOLUME] == b.WEIGHTS_SCRATCH_MOUNT
+    assert env_of(server)[b.WEIGHTS_SCRATCH_ENV]["value"] == b.WEIGHTS_SCRATCH_MOUNT
+    for kind in ("requests", "limits"):
+        assert server["resources"][kind]["ephemeral-storage"] == "70Gi"
+    cpu = b.build_rollout_deployment(make_pool(engine="cpu", resources={"gpus": 0}), CONFIG)
+    assert "ephemeral-storage" not in str(cpu)  # the dev-only cpu engine is left unsized

@@ -125,9 +125,9 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
 def test_ray_cluster_is_only_for_multi_node_and_drops_our_head_service() -> None:
     with pytest.raises(b.BuildError, match="nodes > 1"):
         b.build_ray_cluster(run(nodes=1), CONFIG, 0)
-    kinds = [m["kind"] for m in build_trainer_children(run(), CONFIG, ray_cluster=True)]
+    kinds = [m["kind"] for m in build_trainer_children(run(), CONFIG, 0, ray_cluster=True)]
     assert "Service" not in kinds and "ConfigMap" in kinds
-    assert "Service" in [m["kind"] for m in build_trainer_children(run(), CONFIG)]
+    assert "Service" in [m["kind"] for m in build_trainer_children(run(), CONFIG, 0)]
 
 
 def test_ray_cluster_view_reads_kuberay_status() -> None:

@@ -150,6 +150,7 @@ def test_gang_restart_then_backoff_limit(
     wait_for(lambda: pod_names(kube, namespace) == ["g-g0-0", "g-g0-1"], what="gang 0")
     head = kube.get("v1", "Service", namespace, "g-head")
     assert head is not None and head["spec"]["clusterIP"] == "None"
+    assert head["spec"]["selector"]["posttrain.io/gang"] == "0"
     worker = kube.get("v1", "Pod", namespace, "g-g0-1")["spec"]["containers"][0]
     # Every pod of the plain gang runs the trainer; torchrun's rendezvous joins them (#17).
     assert worker["command"][:2] == ["posttrain", "run"]
@@ -168,6 +169,9 @@ def test_gang_restart_then_backoff_limit(
         what="restarts == 1",
     )
     assert status["phase"] == "Pending"
+    # MASTER_ADDR now names gang 1's rank 0 only, never the old one while it terminates.
+    head = kube.get("v1", "Service", namespace, "g-head")
+    assert head is not None and head["spec"]["selector"]["posttrain.io/gang"] == "1"
 
     # Failing again exceeds backoffLimit=1: Failed, pods gone, a condition says why.
     set_pod_terminated(kube, namespace, "g-g1-0", 1)

@@ -6,6 +6,7 @@ runs and pools garbage-collects their children; `helm uninstall` removes the ope
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 from collections.abc import Iterator
@@ -25,6 +26,8 @@ pytestmark = [pytest.mark.real_cluster, pytest.mark.slow, pytest.mark.timeout(36
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RELEASE, SYSTEM = "pt", "posttrain-system"
 SECRET = "posttrain-s3"
+ARTIFACTS = "s3://posttrain/sandbox-artifacts"
+NCCL_IFNAME = "eth0"
 
 
 def wait_for(what: str, predicate: Any, timeout_s: float, on_timeout: Any = None) -> Any:
@@ -52,10 +55,10 @@ def installed(real_cluster: RealCluster, node_kubectl: Kubectl) -> Iterator[str]
     node_kubectl("create", "namespace", SYSTEM)
     node_kubectl("create", "namespace", run_ns)
     node_kubectl("label", "namespace", run_ns, "pod-security.kubernetes.io/enforce=baseline")
-    for ns in (SYSTEM, run_ns):
-        node_kubectl("create", "secret", "generic", SECRET, "-n", ns,
-                     f"--from-literal=AWS_ACCESS_KEY_ID={minio.access_key}",
-                     f"--from-literal=AWS_SECRET_ACCESS_KEY={minio.secret_key}")  # fmt: skip
+    # Only in the release namespace, and it stays there: runs get keys of their own.
+    node_kubectl("create", "secret", "generic", SECRET, "-n", SYSTEM,
+                 f"--from-literal=AWS_ACCESS_KEY_ID={minio.access_key}",
+                 f"--from-literal=AWS_SECRET_ACCESS_KEY={minio.secret_key}")  # fmt: skip
     helm = client_binary("helm")
     subprocess.run(
         [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "install", RELEASE,
@@ -63,10 +66,22 @@ def installed(real_cluster: RealCluster, node_kubectl: Kubectl) -> Iterator[str]
          "--timeout", "5m", "--set", "minio.enabled=false",
          "--set", f"storage.endpoint={minio.endpoint}", "--set", f"storage.existingSecret={SECRET}",
          "--set", f"runNamespaces={{{run_ns}}}",
+         # Sandbox pods upload their logs to MinIO (presigned URLs): their default-deny
+         # policy lets them reach it and DNS, nothing else.
+         "--set", f"sandbox.artifactsUri={ARTIFACTS}",
+         "--set", f"networkPolicy.s3CIDRs={{{real_cluster.node_ip}/32}}",
+         "--set", f"trainer.nccl.NCCL_SOCKET_IFNAME={NCCL_IFNAME}",
          # No KubeRay or Kueue on this node (their CRDs are absent): the operator skips them.
          "--set", "trainer.kuberay=false", "--set", "trainer.kueue=false"],
         check=True, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
+    # The store's admin keys are not copied where the runs go (storage.scopedCredentials).
+    assert _get(node_kubectl, run_ns, "secret", SECRET) == {}
+    notes = subprocess.run(
+        [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "get", "notes", RELEASE,
+         "--namespace", SYSTEM], check=True, capture_output=True, text=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert "storage keys of its own" in notes and f"kubectl apply -n {run_ns} -f" in notes, notes
     yield run_ns
     subprocess.run([str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "uninstall",
                     RELEASE, "--namespace", SYSTEM, "--wait"], check=True, timeout=300)  # fmt: skip
@@ -94,7 +109,9 @@ def test_operator_pod_runs_the_image_with_the_charts_probes(
     assert "Traceback" not in logs, logs[-3000:]
 
 
-def test_sandbox_task_runs_in_its_own_pod(installed: str, node_kubectl: Kubectl) -> None:
+def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
     ns = installed
     node_kubectl("apply", "-n", ns, "-f", str(REPO_ROOT / "examples" / "sandbox-task.yaml"))
     task = wait_for(
@@ -106,23 +123,72 @@ def test_sandbox_task_runs_in_its_own_pod(installed: str, node_kubectl: Kubectl)
     )  # fmt: skip
     assert task["status"]["phase"] == "Succeeded", task["status"]
     assert task["status"].get("reward") == 1.0, task["status"]
+    # The sandbox pod (network: none) uploaded its full log to MinIO.
+    logs_uri = task["status"].get("logsUri") or ""
+    assert logs_uri.startswith(f"{ARTIFACTS}/"), task["status"]
+    assert real_cluster.minio is not None
+    bucket, key = logs_uri.removeprefix("s3://").split("/", 1)
+    body = real_cluster.minio.client().get_object(bucket, key).read().decode()
+    assert "all tests passed" in body, body[-2000:]
+    # Its default-deny policy, from the chart and the operator alike, allows DNS and the store.
+    policies = _get(node_kubectl, ns, "networkpolicies")["items"]
+    sandbox_policies = [p for p in policies
+                        if p["spec"]["podSelector"].get("matchLabels", {}).get(
+                            "posttrain.io/component") == "sandbox"]  # fmt: skip
+    assert len(sandbox_policies) == 2, policies
+    for policy in sandbox_policies:
+        egress = policy["spec"].get("egress", [])
+        assert [p["port"] for p in egress[0]["ports"]] == [53, 53], policy
+        assert egress[1]["to"] == [{"ipBlock": {"cidr": f"{real_cluster.node_ip}/32"}}], policy
 
 
-def test_training_run_with_a_cpu_pool_trains_to_succeeded_and_collects_its_children(
+def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and_collected(
     installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
 ) -> None:
+    """dev-run with a checkpoint every step and a separate evaluator Job. Its trainer container
+    is killed (SIGKILL through containerd) once a checkpoint exists: the operator starts gang 1,
+    which resumes from that checkpoint and finishes; the evaluator Job runs to Complete under
+    the real Job controller; deleting the run collects everything."""
     ns = installed
     manifests = list(yaml.safe_load_all((REPO_ROOT / "examples" / "dev-run.yaml").read_text()))
     for doc in manifests:
         if doc["kind"] == "TrainingRun":
-            # One checkpoint, at the end: each is ~2 GB for this model (optimizer state
-            # included), and the disk also holds the images and the node's containerd.
-            doc["spec"]["checkpoint"] = {"everySteps": 3, "keepLast": 1}
+            # A checkpoint every step, only the newest kept: each is ~2 GB for this model
+            # (optimizer state included), and the disk also holds the images and containerd.
+            doc["spec"]["checkpoint"] = {"everySteps": 1, "keepLast": 1}
+            # The evaluator runs until the final checkpoint: sized with the trainer's CPU
+            # it would take the room the restarted trainer needs on this 2-core node (100m
+            # operator + 500m pool + 1 trainer + 400m evaluator = 2 CPUs).
+            doc["spec"]["evaluation"]["inline"] = False
+            doc["spec"]["evaluation"]["resources"] = {"cpu": "400m"}
+            doc["spec"]["resources"]["nccl"] = {"NCCL_DEBUG": "WARN"}
     node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(manifests))
 
     def describe() -> str:
-        return (node_kubectl("get", "tr,rp,pods", "-n", ns, "-o", "wide").stdout
+        return (node_kubectl("get", "tr,rp,jobs,pods", "-n", ns, "-o", "wide").stdout
                 + node_kubectl("get", "events", "-n", ns).stdout[-6000:])  # fmt: skip
+
+    def run_status() -> dict[str, Any]:
+        status: dict[str, Any] = _get(node_kubectl, ns, "trainingrun", "dev-run").get("status", {})
+        return status
+
+    # Kill the trainer once a checkpoint exists and before the last step.
+    checkpointed = wait_for(
+        "dev-run's first checkpoint",
+        lambda: (st := run_status()).get("lastCheckpoint") and st,
+        timeout_s=1800,
+        on_timeout=describe,
+    )  # fmt: skip
+    assert 0 < checkpointed.get("step", 0) < 3, checkpointed
+    (pod,) = _get(node_kubectl, ns, "pods", "-l", "posttrain.io/component=trainer")["items"]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    # NCCL settings from the chart (trainer.nccl) and the run (resources.nccl).
+    assert env["NCCL_SOCKET_IFNAME"] == NCCL_IFNAME and env["NCCL_DEBUG"] == "WARN", env
+    (container,) = pod["status"]["containerStatuses"]
+    container_id = container["containerID"].removeprefix("containerd://")
+    assert real_cluster.containerd is not None
+    killed = real_cluster.containerd.ctr("tasks", "kill", "--signal", "SIGKILL", container_id)
+    assert killed.returncode == 0, killed.stderr
 
     run = wait_for(
         "dev-run to finish",
@@ -132,20 +198,40 @@ def test_training_run_with_a_cpu_pool_trains_to_succeeded_and_collects_its_child
         on_timeout=describe,
     )  # fmt: skip
     assert run["status"]["phase"] == "Succeeded", (run["status"], describe())
+    assert run["status"]["restarts"] == 1, run["status"]
     wide = node_kubectl("get", "tr", "dev-run", "-n", ns, "-o", "wide").stdout
     header, row = wide.splitlines()[:2]
     columns = dict(zip(header.split(), row.split(), strict=False))
     assert columns["PHASE"] == "Succeeded" and columns["STEP"] == columns["MAX"] == "3", wide
-    trainer_pods = _get(node_kubectl, ns, "pods", "-l", "posttrain.io/component=trainer")
-    assert trainer_pods["items"], describe()
-    logs = node_kubectl("logs", "-n", ns, trainer_pods["items"][0]["metadata"]["name"]).stdout
+    # Gang 1's trainer resumed from the checkpoint gang 0 left, not from step 0.
+    (resumed,) = _get(node_kubectl, ns, "pods", "-l", "posttrain.io/gang=1")["items"]
+    logs = node_kubectl("logs", "-n", ns, resumed["metadata"]["name"]).stdout
+    match = re.search(r"resuming from the checkpoint of step (\d+)", logs)
+    assert match and int(match.group(1)) >= checkpointed["step"], logs[-3000:]
     assert "step 3" in logs or "step=3" in logs, logs[-3000:]
-    # Checkpoints and the report went to MinIO under the run's prefix.
+
+    # The evaluator Job (evaluation.inline: false) runs to Complete under the Job controller.
+    job = wait_for(
+        "the evaluator Job to complete",
+        lambda: (j := _get(node_kubectl, ns, "job", "dev-run-evaluator"))
+        and any(c["type"] in {"Complete", "Failed"} and c["status"] == "True"
+                for c in j.get("status", {}).get("conditions", [])) and j,
+        timeout_s=1200,
+        on_timeout=describe,
+    )  # fmt: skip
+    conditions = {c["type"]: c["status"] for c in job["status"]["conditions"]}
+    assert conditions.get("Complete") == "True", (job["status"], describe())
+
+    # Every pod that talks to the object store is one the bundled MinIO's NetworkPolicy admits.
+    _check_minio_policy_admits(node_kubectl, real_cluster, ns)
+
+    # Checkpoints and the evaluator's reports went to MinIO under the run's prefix.
     assert real_cluster.minio is not None
     client = real_cluster.minio.client()
     keys = [o.object_name for o in client.list_objects("posttrain", f"runs/{ns}/dev-run/",
                                                        recursive=True)]  # fmt: skip
     assert any("checkpoints/" in k for k in keys), keys[:30]
+    assert any("reports/eval/" in k for k in keys), keys[:50]
     for key in keys:
         client.remove_object("posttrain", key)
     # Deleting the run and the pool: the garbage collector removes what the operator made.
@@ -153,9 +239,48 @@ def test_training_run_with_a_cpu_pool_trains_to_succeeded_and_collects_its_child
     node_kubectl("delete", "rolloutpool", "dev-pool", "-n", ns, "--wait=true", timeout=300)
     wait_for(
         "the run's and pool's children to be collected",
-        lambda: not _get(node_kubectl, ns, "deployments,pods,configmaps,services",
+        lambda: not _get(node_kubectl, ns, "deployments,pods,configmaps,services,jobs",
                          "-l", "posttrain.io/run=dev-run").get("items")
         and not _get(node_kubectl, ns, "deployments").get("items"),
         timeout_s=300,
         on_timeout=describe,
     )  # fmt: skip
+
+
+def _label_selector(selector: dict[str, Any]) -> str:
+    """A NetworkPolicy podSelector as kubectl's -l syntax (matchLabels, In and Exists)."""
+    terms = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] in {"In", "Exists"}, expr
+        values = ",".join(expr.get("values", []))
+        terms.append(f"{expr['key']} in ({values})" if expr["operator"] == "In" else expr["key"])
+    return ",".join(terms)
+
+
+def _check_minio_policy_admits(node_kubectl: Kubectl, real_cluster: RealCluster, ns: str) -> None:
+    """The chart's MinIO NetworkPolicy (rendered for the bundled MinIO) selects, by the
+    apiserver's own label matching, every pod here that reads or writes S3: the trainer, the
+    rollout replica, the evaluator and the sandbox pods. Enforcement needs a policy engine
+    this node lacks (docs/real-node.md); the selectors are what such an engine would apply."""
+    helm = client_binary("helm")
+    rendered = subprocess.run(
+        [str(helm), "template", RELEASE, str(REPO_ROOT / "charts" / "posttrain"),
+         "--namespace", SYSTEM, "--set", "minio.enabled=true"],
+        check=True, capture_output=True, text=True, timeout=120,
+    ).stdout  # fmt: skip
+    (policy,) = [d for d in yaml.safe_load_all(rendered) if d and d["kind"] == "NetworkPolicy"
+                 and d["spec"]["podSelector"]["matchLabels"].get(
+                     "app.kubernetes.io/component") == "minio"]  # fmt: skip
+    admitted: set[str] = set()
+    for peer in policy["spec"]["ingress"][0]["from"]:
+        if "namespaceSelector" not in peer:
+            continue  # the operator, in the release namespace
+        selected = _get(node_kubectl, ns, "pods", "-l", _label_selector(peer["podSelector"]))
+        admitted |= {p["metadata"]["name"] for p in selected["items"]}
+    users = _get(node_kubectl, ns, "pods", "-l",
+                 "posttrain.io/component in (trainer,rollout,evaluator,sandbox)")["items"]  # fmt: skip
+    components = {p["metadata"]["labels"]["posttrain.io/component"] for p in users}
+    assert {"trainer", "rollout", "evaluator", "sandbox"} <= components, components
+    everyone = {p["metadata"]["name"] for p in _get(node_kubectl, ns, "pods")["items"]}
+    talking = {p["metadata"]["name"] for p in users}
+    assert talking <= admitted, (talking - admitted, everyone)

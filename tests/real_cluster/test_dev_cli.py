@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,18 @@ from .conftest import missing_requirements
 pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(1800)]
 
 
-def test_dev_up_real_node_status_and_down_leave_nothing(tmp_path: Path) -> None:
+@pytest.fixture
+def dev_dir() -> Iterator[Path]:
+    """A short state directory: the kubelet puts unix sockets ~40 characters below it, and a
+    socket path may not exceed 107 bytes. pytest's tmp_path
+    (/tmp/pytest-of-root/pytest-<N>/<test name>0/) left too little room once N had two digits:
+    the kubelet then failed with "bind: invalid argument"."""
+    path = Path(tempfile.mkdtemp(prefix="pt-dev-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_dev_up_real_node_status_and_down_leave_nothing(dev_dir: Path) -> None:
     missing = missing_requirements()
     if missing:
         why = f"the real node cannot start: missing {', '.join(missing)}"
@@ -28,7 +42,7 @@ def test_dev_up_real_node_status_and_down_leave_nothing(tmp_path: Path) -> None:
             pytest.fail(why)
         pytest.skip(why)
     assert not running_nodes(), f"a real node is already running from {running_nodes()}"
-    env = {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev")}
+    env = {**os.environ, "POSTTRAIN_DEV_DIR": str(dev_dir / "dev")}
     posttrain = [sys.executable, "-m", "posttrain.cli"]
 
     def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -36,7 +50,7 @@ def test_dev_up_real_node_status_and_down_leave_nothing(tmp_path: Path) -> None:
                               text=True, timeout=timeout)  # fmt: skip
 
     up = run("up", "--node", "real", "--images", "operator,sandbox", timeout=1200)
-    workdir = tmp_path / "dev" / "node"
+    workdir = dev_dir / "dev" / "node"
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "a real node" in up.stdout and "node-ready" in up.stdout, up.stdout
@@ -44,7 +58,7 @@ def test_dev_up_real_node_status_and_down_leave_nothing(tmp_path: Path) -> None:
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout
         status = run("status")
         assert status.returncode == 0 and "healthy" in status.stdout, status.stdout
-        state = json.loads((tmp_path / "dev" / "state.json").read_text())
+        state = json.loads((dev_dir / "dev" / "state.json").read_text())
         nodes = subprocess.run(
             [str(client_binary("kubectl")), "--kubeconfig", state["kubeconfig"], "get", "nodes",
              "-o", "jsonpath={.items[0].status.conditions[?(@.type=='Ready')].status}"],

@@ -135,3 +135,119 @@ def test_baseline_namespace_refuses_a_privileged_pod(node_kubectl: Kubectl,
 def test_the_cluster_reports_each_components_start_time(real_cluster: RealCluster) -> None:
     for name in ("control-plane", "containerd", "images", "kubelet", "node-ready", "coredns"):
         assert name in real_cluster.timings, real_cluster.timings
+
+
+def test_the_gang_head_service_resolves_only_the_current_gangs_rank_0(
+    node_kubectl: Kubectl, node_namespace: str, node_api: Any
+) -> None:
+    """MASTER_ADDR is the head Service's name, and that Service publishes not-ready addresses
+    (workers resolve rank 0 before it is ready). During a gang restart the old rank 0 is still
+    terminating while the new one starts: the operator's Service (gang label in its selector)
+    resolves to the new rank 0 only; a selector without the gang label, as before, resolves
+    to both, which is what a worker of the new gang could rendezvous with."""
+    from kubernetes import client
+
+    from posttrain.api import TrainingRun
+    from posttrain.operator import builders as b
+    from posttrain.operator.config import OperatorConfig
+
+    ns = node_namespace
+    run = TrainingRun.model_validate({
+        "metadata": {"name": "demo", "namespace": ns, "uid": "u-1"},
+        "spec": {"model": "smollm2-135m-instruct", "resources": {"nodes": 2},
+                 "domains": [{"name": "m", "dataset": "builtin:arith",
+                              "verifier": {"kind": "numeric"}}]},
+    })  # fmt: skip
+    config = OperatorConfig()
+    service = b.build_head_service(run, config, 1)
+    service["metadata"].pop("ownerReferences", None)
+    ungated = {
+        **service,
+        "metadata": {"name": "ungated-head"},
+        "spec": {
+            **service["spec"],
+            "selector": {k: v for k, v in service["spec"]["selector"].items() if k != b.LABEL_GANG},
+        },
+    }
+
+    def rank0(gang: int) -> dict[str, Any]:
+        built = b.build_trainer_pod(run, config, gang, 0)
+        return {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": f"rank0-g{gang}", "labels": built["metadata"]["labels"]},
+                "spec": {"hostname": built["spec"]["hostname"],
+                         "subdomain": built["spec"]["subdomain"],
+                         # A rank 0 that takes its time to die, as a trainer saving state does.
+                         "terminationGracePeriodSeconds": 120,
+                         "containers": [{"name": "c", "image": image_ref("sandbox"),
+                                         "imagePullPolicy": "Never",
+                                         "command": ["sh", "-c", "trap '' TERM; sleep 600"]}]}}  # fmt: skip
+
+    node_kubectl("apply", "-n", ns, "-f", "-",
+                 input=yaml.safe_dump_all([service, ungated, rank0(0)]))  # fmt: skip
+    core = client.CoreV1Api(node_api)
+
+    def running_ip(name: str) -> str | None:
+        pod = core.read_namespaced_pod(name, ns)
+        return pod.status.pod_ip if pod.status.phase == "Running" else None
+
+    old_ip = wait_for("gang 0's rank 0 to run", lambda: running_ip("rank0-g0"))
+    node_kubectl("delete", "-n", ns, "pod", "rank0-g0", "--wait=false")  # terminating, 120 s
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(rank0(1)))
+    new_ip = wait_for("gang 1's rank 0 to run", lambda: running_ip("rank0-g1"))
+    assert core.read_namespaced_pod("rank0-g0", ns).metadata.deletion_timestamp is not None
+    head = service["metadata"]["name"]
+    resolve = (
+        f"import socket; print(sorted(socket.gethostbyname_ex('{{}}.{ns}.svc.cluster.local')[2]))"
+    )
+
+    def answers(name: str) -> list[str]:
+        out = node_kubectl("exec", "-n", ns, "rank0-g1", "--", "python3", "-c",
+                           resolve.format(name), check=False).stdout  # fmt: skip
+        return yaml.safe_load(out) if out.strip() else []
+
+    # DNS follows the EndpointSlices within a second or two.
+    assert wait_for("the gang's head name to resolve to the new rank 0 only",
+                    lambda: answers(head) == [new_ip] and answers(head), 60) == [new_ip]  # fmt: skip
+    assert wait_for("the ungated selector to show both rank 0s",
+                    lambda: answers("ungated-head") == sorted([old_ip, new_ip]), 60)  # fmt: skip
+    node_kubectl("delete", "-n", ns, "pod", "rank0-g0", "rank0-g1", "--grace-period=0", "--force",
+                 check=False)  # fmt: skip
+
+
+def test_vllm_weight_staging_is_bounded_by_its_declared_volume(
+    node_kubectl: Kubectl, node_namespace: str, node_api: Any
+) -> None:
+    """A vLLM replica stages weight updates on the `weights-scratch` emptyDir the operator
+    declares (POSTTRAIN_WEIGHTS_SCRATCH), not in the container's /tmp: the kubelet evicts a
+    replica that writes more than its sizeLimit instead of letting it fill the node's disk.
+    The pod is the operator's vLLM pod spec with the sandbox image standing in for vLLM (the
+    rollout image is not on this node), writing 64 MiB into a 16 MiB scratch volume."""
+    from kubernetes import client
+
+    from posttrain.api import RolloutPool
+    from posttrain.operator import builders as b
+    from posttrain.operator.config import OperatorConfig
+
+    ns = node_namespace
+    pool = RolloutPool.model_validate({
+        "metadata": {"name": "vl", "namespace": ns, "uid": "u-1"},
+        "spec": {"model": "smollm2-135m-instruct", "engine": "vllm",
+                 "resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi",
+                               "weightsScratch": "16Mi", "ephemeralStorage": "512Mi"}},
+    })  # fmt: skip
+    spec = b.build_rollout_deployment(pool, OperatorConfig())["spec"]["template"]["spec"]
+    spec.pop("initContainers")
+    (server,) = spec["containers"]
+    server.pop("startupProbe"), server.pop("readinessProbe")
+    server.update(image=image_ref("sandbox"), imagePullPolicy="Never", command=[
+        "sh", "-c", 'dd if=/dev/zero of="$POSTTRAIN_WEIGHTS_SCRATCH/update" bs=1M count=64 '
+        "&& sleep 600"])  # fmt: skip
+    server["env"] = [e for e in server["env"] if "valueFrom" not in e]  # no S3 Secret here
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "stager"}, "spec": spec}
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
+    core = client.CoreV1Api(node_api)
+    # The kubelet measures volumes about once a minute, then evicts.
+    status = wait_for("the kubelet to evict the over-full stager", lambda: (
+        (p := core.read_namespaced_pod("stager", ns).status).phase == "Failed" and p), 300)  # fmt: skip
+    assert status.reason == "Evicted", status
+    assert "weights-scratch" in status.message and "16Mi" in status.message, status.message

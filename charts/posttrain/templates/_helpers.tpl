@@ -108,6 +108,9 @@ Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
 {{- if not (include "posttrain.s3Endpoint" .) }}
 {{- fail "no object storage: set storage.endpoint (and storage.existingSecret) to an existing S3/MinIO, or minio.enabled=true for an evaluation install" }}
 {{- end }}
+{{- if and .Values.sandbox.artifactsUri (not .Values.sandbox.artifactsEgress) (or .Values.storage.endpoint (not .Values.minio.enabled)) (not .Values.networkPolicy.s3CIDRs) }}
+{{- fail "sandbox.artifactsUri with an external storage.endpoint needs networkPolicy.s3CIDRs (the store's addresses) or sandbox.artifactsEgress: sandbox pods with network: none may reach only the store and DNS, and without addresses that would be any host on networkPolicy.s3Ports" }}
+{{- end }}
 {{- if not (include "posttrain.s3SecretName" .) }}
 {{- fail "storage.existingSecret is required with storage.endpoint: name a Secret in the release namespace holding the S3 access and secret keys" }}
 {{- end }}
@@ -116,4 +119,40 @@ Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
 {{/* Namespaces the chart prepares for workloads: runNamespaces plus the watched ones, as JSON. */}}
 {{- define "posttrain.runNamespaces" -}}
 {{- concat .Values.runNamespaces .Values.operator.watchNamespaces | uniq | toJson }}
+{{- end }}
+
+{{/*
+Egress of sandbox pods with network=none, as JSON: sandbox.artifactsEgress when set; else, with
+sandbox.artifactsUri, DNS (kube-dns in any namespace) and the object store: the in-chart MinIO
+pods in the release namespace, or networkPolicy.s3Ports to s3CIDRs (posttrain.validate refuses
+an external store without them: untrusted code must not reach any host on port 443). Without
+artifactsUri, none: sandbox pods reach nothing.
+*/}}
+{{- define "posttrain.sandboxArtifactsEgress" -}}
+{{- if .Values.sandbox.artifactsEgress }}
+{{- .Values.sandbox.artifactsEgress | toJson }}
+{{- else if .Values.sandbox.artifactsUri }}
+{{- $dns := dict "to" (list (dict "namespaceSelector" (dict) "podSelector" (dict "matchLabels" (dict "k8s-app" "kube-dns")))) "ports" (list (dict "port" 53 "protocol" "UDP") (dict "port" 53 "protocol" "TCP")) }}
+{{- $s3 := dict }}
+{{- if and .Values.minio.enabled (not .Values.storage.endpoint) }}
+{{- $minio := include "posttrain.minioSelectorLabels" . | fromYaml }}
+{{- $s3 = dict "to" (list (dict "namespaceSelector" (dict "matchLabels" (dict "kubernetes.io/metadata.name" .Release.Namespace)) "podSelector" (dict "matchLabels" $minio))) "ports" (list (dict "port" 9000 "protocol" "TCP")) }}
+{{- else }}
+{{- $ports := list }}
+{{- range .Values.networkPolicy.s3Ports }}
+{{- $ports = append $ports (dict "port" . "protocol" "TCP") }}
+{{- end }}
+{{- $s3 = dict "ports" $ports }}
+{{- with .Values.networkPolicy.s3CIDRs }}
+{{- $to := list }}
+{{- range . }}
+{{- $to = append $to (dict "ipBlock" (dict "cidr" .)) }}
+{{- end }}
+{{- $_ := set $s3 "to" $to }}
+{{- end }}
+{{- end }}
+{{- list $dns $s3 | toJson }}
+{{- else }}
+{{- list | toJson }}
+{{- end }}
 {{- end }}
