@@ -81,7 +81,9 @@ def installed(real_cluster: RealCluster, node_kubectl: Kubectl) -> Iterator[str]
         [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "get", "notes", RELEASE,
          "--namespace", SYSTEM], check=True, capture_output=True, text=True, timeout=60,
     ).stdout  # fmt: skip
-    assert "storage keys of its own" in notes and f"kubectl apply -n {run_ns} -f" in notes, notes
+    assert "of its own from the operator" in notes and f"kubectl apply -n {run_ns} -f" in notes, (
+        notes
+    )
     yield run_ns
     subprocess.run([str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "uninstall",
                     RELEASE, "--namespace", SYSTEM, "--wait"], check=True, timeout=300)  # fmt: skip
@@ -184,6 +186,13 @@ def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     # NCCL settings from the chart (trainer.nccl) and the run (resources.nccl).
     assert env["NCCL_SOCKET_IFNAME"] == NCCL_IFNAME and env["NCCL_DEBUG"] == "WARN", env
+    # Its storage keys are its own (storage.scopedCredentials), not the store's admin keys.
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"]
+            for e in pod["spec"]["containers"][0]["env"]
+            if "secretKeyRef" in (e.get("valueFrom") or {})}  # fmt: skip
+    assert (
+        refs["AWS_SECRET_ACCESS_KEY"] == f"{pod['metadata']['labels']['posttrain.io/run']}-run-s3"
+    )
     (container,) = pod["status"]["containerStatuses"]
     container_id = container["containerID"].removeprefix("containerd://")
     assert real_cluster.containerd is not None
