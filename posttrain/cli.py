@@ -20,7 +20,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from posttrain.api.env import OPERATOR_KUBECONFIG
+from posttrain.api.envnames import OPERATOR_KUBECONFIG
 from posttrain.errors import UsageError
 
 # Each module exposes ``register(subparsers)`` and imports only light dependencies at

@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from posttrain.api.env import OPERATOR_SANDBOX_ARTIFACTS_URI, S3_ENDPOINT
+from posttrain.api.envnames import OPERATOR_SANDBOX_ARTIFACTS_URI, S3_ENDPOINT
 from posttrain.kubeapi import custom_objects_api
 from posttrain.telemetry import get_tracer
 

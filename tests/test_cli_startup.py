@@ -64,13 +64,20 @@ def modules_loaded_by(argv: list[str]) -> list[str]:
     return result.stdout.split()
 
 
-def among(modules: list[str], names: tuple[str, ...]) -> list[str]:
-    """The ``modules`` that are one of ``names`` or inside one of them.
+# The api package itself imports its models on first use, and its environment names are plain
+# strings: a command line may load both for its --help (never pydantic or the models).
+LIGHT = ("posttrain.api", "posttrain.api.envnames")
 
-    >>> among(["rich", "richer", "torch.nn", "json"], ("rich", "torch"))
+
+def among(modules: list[str], names: tuple[str, ...]) -> list[str]:
+    """The ``modules`` that are one of ``names`` or inside one of them (``LIGHT`` aside).
+
+    >>> among(["rich", "richer", "torch.nn", "json", "posttrain.api"], ("rich", "torch", "posttrain.api"))
     ['rich', 'torch.nn']
     """
-    return [m for m in modules if any(m == n or m.startswith(f"{n}.") for n in names)]
+    return [
+        m for m in modules if m not in LIGHT and any(m == n or m.startswith(f"{n}.") for n in names)
+    ]
 
 
 def test_help_imports_no_component() -> None:

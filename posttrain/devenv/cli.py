@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import yaml
 
-from posttrain.api.env import DEV_DIR, OPERATOR_S3_ENDPOINT, S3_ENDPOINT, S3_SECURE
+from posttrain.api.envnames import DEV_DIR, OPERATOR_S3_ENDPOINT, S3_ENDPOINT, S3_SECURE
 from posttrain.errors import UsageError
 from posttrain.processes import StartError, http_ok, pid_alive, stop_pid
 
