@@ -302,6 +302,7 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
         f"Step:         {format_step(status)}",
         f"Reward mean:  {format_float(status.get('rewardMean'))}",
         f"Checkpoint:   {status.get('lastCheckpoint') or MISSING}",
+        f"Started from: {status.get('resumedFrom') or MISSING}",
         f"Weights:      {format_number(status.get('weightVersion'))}",
         f"Restarts:     {status.get('restarts', 0)}",
         f"Outputs:      {status.get('reportsUri') or MISSING}",

@@ -147,12 +147,15 @@ def test_describe_shows_where_the_runs_reports_are(kcli: CliRunner, kube: Any) -
     `posttrain report` renders; describe names it, and says so while it is not known."""
     kube.create_run("demo")
     kube.create_run("fresh")
-    uri = f"s3://posttrain/runs/{kube.namespace}/demo/reports"
-    kube.report_progress("demo", **PROGRESS, reports_uri=uri)
+    uri = f"s3://posttrain/runs/{kube.namespace}/demo/u-1/reports"
+    began = f"s3://posttrain/runs/{kube.namespace}/demo/u-0/checkpoints/step-00000003"
+    kube.report_progress("demo", **PROGRESS, reports_uri=uri, resumed_from=began)
 
     out = kcli("describe", "tr", "demo")
     assert out.code == 0, out.err
-    assert f"Outputs:      {uri}" in [line.strip() for line in out.out.splitlines()], out.out
+    lines = [line.strip() for line in out.out.splitlines()]
+    assert f"Outputs:      {uri}" in lines, out.out
+    assert f"Started from: {began}" in lines, out.out  # the apiserver kept status.resumedFrom
     fresh = kcli("describe", "tr", "fresh")
     assert fresh.code == 0, fresh.err
     assert "Outputs:      -" in [line.strip() for line in fresh.out.splitlines()], fresh.out

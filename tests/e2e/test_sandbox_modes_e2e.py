@@ -173,7 +173,7 @@ def run_store(minio_server: MinioServer, c: Cluster, run: str) -> S3Store:
     return S3Store(
         minio_server.endpoint,
         c.bucket,
-        f"runs/{c.namespace}/{run}",
+        c.run_prefix(run),
         access_key=minio_server.access_key,
         secret_key=minio_server.secret_key,
     )
@@ -287,7 +287,7 @@ def test_runner_mode_uses_the_operators_runner_and_outputs_outlive_the_pods(
     ):
         assert key in reports, sorted(reports)
     assert any(k.startswith("reports/eval/heldout_step") for k in reports), sorted(reports)
-    assert final["reportsUri"] == f"s3://{cluster.bucket}/runs/{cluster.namespace}/rn/reports"
+    assert final["reportsUri"] == f"s3://{cluster.bucket}/{cluster.run_prefix('rn')}/reports"
 
     from posttrain.ctl.report import report_command
 

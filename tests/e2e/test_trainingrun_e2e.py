@@ -54,6 +54,14 @@ class Cluster:
         obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
         return obj.get("status") or {}
 
+    def run_prefix(self, name: str) -> str:
+        """The run object's storage in the bucket: ``runs/<ns>/<name>/<uid>`` (each object its
+        own, so a run created again under the same name starts fresh)."""
+        obj = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "trainingruns", name
+        )
+        return f"runs/{self.namespace}/{name}/{obj['metadata']['uid']}"
+
     def run_body(self, name: str, max_steps: int, backoff_limit: int) -> dict[str, Any]:
         return {
             "kind": "TrainingRun",
@@ -175,7 +183,7 @@ def trajectory_steps(minio_server: MinioServer, c: Cluster, run: str) -> collect
     store = S3Store(
         minio_server.endpoint,
         c.bucket,
-        f"runs/{c.namespace}/{run}",
+        c.run_prefix(run),
         access_key=minio_server.access_key,
         secret_key=minio_server.secret_key,
     )
@@ -195,7 +203,7 @@ def test_tiny_training_run_trains_end_to_end(
     pool_log = agent.log_path(cluster.namespace, "pool-0").read_text()
     assert final["phase"] == "Succeeded", trainer_log[-2000:] + "\n--- pool:\n" + pool_log[-3000:]
     # Written by the trainer itself (ServiceAccount token), not by the operator.
-    prefix = f"runs/{cluster.namespace}/tiny"
+    prefix = cluster.run_prefix("tiny")
     assert final["lastCheckpoint"] == f"s3://{cluster.bucket}/{prefix}/checkpoints/step-00000002"
     assert final["evalAccuracy"].keys() == {"arithmetic"}
     stored = {

@@ -83,7 +83,9 @@ def test_single_node_run_children_status_split_and_success(
     assert pod["spec"]["serviceAccountName"] == "r1-trainer"
     config_map = kube.get("v1", "ConfigMap", namespace, "r1-config")
     assert config_map is not None and "maxSteps: 7" in config_map["data"]["run.yaml"]
-    assert f"s3://posttrain/runs/{namespace}/r1" in config_map["data"]["run.yaml"]
+    uid = get_cr(kube, "trainingruns", namespace, "r1")["metadata"]["uid"]
+    assert f"s3://posttrain/runs/{namespace}/r1/{uid}" in config_map["data"]["run.yaml"]
+    assert env["POSTTRAIN_RUN_UID"]["value"] == uid  # whose checkpoints are whose
     role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
     assert role is not None
     assert {r["resources"][0] for r in role["rules"]} == {
