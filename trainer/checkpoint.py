@@ -25,6 +25,7 @@ import random
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,14 @@ if TYPE_CHECKING:
     from posttrain.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
+
+# DCP says this on every save and load of a one-process run (the laptop and the dev cluster's
+# single trainer pod), where one process is exactly what is meant: not actionable.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"  # checkpoints written before DCP: full optimizer state
