@@ -841,3 +841,26 @@ def test_a_vllm_pool_stages_weight_updates_on_a_sized_volume() -> None:
         assert server["resources"][kind]["ephemeral-storage"] == "70Gi"
     cpu = b.build_rollout_deployment(make_pool(engine="cpu", resources={"gpus": 0}), CONFIG)
     assert "ephemeral-storage" not in str(cpu)  # the dev-only cpu engine is left unsized
+
+
+def test_a_pools_deployment_and_service_are_owned_by_the_pool() -> None:
+    """What the garbage collector follows when the pool is deleted (the real one on a
+    cluster, the dev agent's stand-in on the dev cluster): one controller reference, by uid."""
+    pool = make_pool()
+    expected = [
+        {
+            "apiVersion": "posttrain.io/v1alpha1",
+            "kind": "RolloutPool",
+            "name": "pool",
+            "uid": "uid-pool",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    deployment = b.build_rollout_deployment(pool, CONFIG)
+    service = b.build_rollout_service(pool)
+    assert deployment["metadata"]["ownerReferences"] == expected
+    assert service["metadata"]["ownerReferences"] == expected
+    assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
+    # The pods are the Deployment's (its controller sets that reference), not the pool's.
+    assert "ownerReferences" not in deployment["spec"]["template"].get("metadata", {})
