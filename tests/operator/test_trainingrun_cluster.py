@@ -355,3 +355,35 @@ def test_a_run_that_does_not_evaluate_inline_gets_its_evaluator_job_until_it_fai
         120,
         "evaluator Job deleted after the run failed",
     )
+
+
+def test_a_run_applied_again_under_its_name_gets_a_gang_of_its_own(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    """Deleted and applied again before the garbage collector ran (this control plane has
+    none): the old object's finished rank 0, still labelled with the run's name, must not end
+    the new run, and its ConfigMap must not be adopted; the new object gets its own (issue #35)."""
+    create_cr(kube, "trainingruns", namespace, run_body("again"))
+    wait_for(lambda: kube.get("v1", "Pod", namespace, "again-g0-0"), what="first pod")
+    set_pod_terminated(kube, namespace, "again-g0-0", 0)
+    wait_phase(kube, namespace, "again", "Succeeded")
+    old_uid = get_cr(kube, "trainingruns", namespace, "again")["metadata"]["uid"]
+    kube.delete("posttrain.io/v1alpha1", "TrainingRun", namespace, "again")
+    wait_for(lambda: get_cr(kube, "trainingruns", namespace, "again") is None, what="deleted")
+    # No garbage collector here: the old children are all still there.
+    assert kube.get("v1", "Pod", namespace, "again-g0-0") is not None
+
+    create_cr(kube, "trainingruns", namespace, run_body("again"))
+    new_uid = get_cr(kube, "trainingruns", namespace, "again")["metadata"]["uid"]
+    assert new_uid != old_uid
+
+    def owned_by_the_new_run(kind: str, name: str) -> bool:
+        obj = kube.get("v1", kind, namespace, name)
+        return obj is not None and [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [
+            new_uid
+        ]
+
+    wait_for(lambda: owned_by_the_new_run("Pod", "again-g0-0"), what="the new run's own pod")
+    wait_for(lambda: owned_by_the_new_run("ConfigMap", "again-config"), what="its own ConfigMap")
+    status = run_status(kube, namespace, "again")
+    assert status.get("phase") == "Pending", status  # not Succeeded on the old pod's behalf
