@@ -382,6 +382,8 @@ class Checkpointer:
         try:
             return self.manager.load(step, dest, include=include)
         except (ArtifactNotFoundError, CorruptArtifactError):
+            if self.source is None and self.resume_from:  # restarted after it began from it
+                self.source = find_resume_source(self.resume_from, self.run_uid)
             if self.source is None:
                 raise
             return self.source.manager.load(step, dest, include=include)

@@ -175,14 +175,16 @@ def test_gang_restart_then_backoff_limit(
     head = kube.get("v1", "Service", namespace, "g-head")
     assert head is not None and head["spec"]["selector"]["posttrain.io/gang"] == "1"
 
-    # Failing again exceeds backoffLimit=1: Failed, pods gone, a condition says why.
+    # Failing again exceeds backoffLimit=1: Failed, a condition says why, the running rank
+    # deleted and the failed one kept, so its log says why (docs/operator.md, "Trainer pods
+    # after a run").
     set_pod_terminated(kube, namespace, "g-g1-0", 1)
     status = wait_phase(kube, namespace, "g", "Failed")
     assert status["restarts"] == 2
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
     assert "backoffLimit=1" in failed["message"]
-    wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted")
+    wait_for(lambda: pod_names(kube, namespace) == ["g-g1-0"], what="running rank deleted")
     events = kube.request(
         "GET", resource_path("v1", "events", namespace) + "?fieldSelector=involvedObject.name=g"
     )[1]["items"]
