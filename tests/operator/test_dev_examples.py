@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from posttrain.api import RolloutPool, TrainingRun, load_manifests
+from posttrain.api import env as env_names
 from posttrain.devenv.nodeagent import ROLLOUT_IMAGE_NAME
 from posttrain.devenv.podprocess import image_repository
 from posttrain.operator import builders as b
@@ -65,4 +66,4 @@ def test_dev_vllm_example_is_a_cpu_vllm_pool_on_the_rollout_image_and_a_run_on_i
         rollout_dtype=b.pool_serving_dtype(pool),
     )
     env = {e["name"]: e.get("value") for e in trainer["spec"]["containers"][0]["env"]}
-    assert env[b.ROLLOUT_DTYPE_ENV] == "float32"
+    assert env[env_names.ROLLOUT_DTYPE] == "float32"
