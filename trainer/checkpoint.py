@@ -257,7 +257,7 @@ class Checkpointer:
                         "weight_version": state.weight_version,
                         "world_size": world,
                         "run_uid": self.run_uid,  # whose checkpoint this is
-                        "resumed_from": self.resumed_from,  # and where its history began
+                        "resumed_from": self.resumed_from,  # what this attempt started from
                     },
                     eval_score=eval_score if self.keep_best else None,
                     extra_files=others,

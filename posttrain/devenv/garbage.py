@@ -32,6 +32,7 @@ DEPENDENT_KINDS: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "Pod"): ("CoreV1Api", "pod"),
     ("v1", "Service"): ("CoreV1Api", "service"),
     ("v1", "ConfigMap"): ("CoreV1Api", "config_map"),
+    ("v1", "Secret"): ("CoreV1Api", "secret"),
     ("v1", "ServiceAccount"): ("CoreV1Api", "service_account"),
     ("apps/v1", "Deployment"): ("AppsV1Api", "deployment"),
     ("batch/v1", "Job"): ("BatchV1Api", "job"),
