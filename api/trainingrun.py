@@ -433,6 +433,53 @@ class EngineSpec(ApiModel):
     """Train low-rank adapters instead of all weights (null: full-parameter training)."""
 
 
+class ResumeFrom(ApiModel):
+    """The checkpoint a *new* TrainingRun starts from (set exactly one field).
+
+    A run's checkpoints belong to the object that wrote them (its metadata.uid): a run
+    deleted and created again under the same name starts from the base model unless this
+    says otherwise. A restart of the same object (a killed pod, a gang restart, resuming a
+    suspended run) always continues from its own newest checkpoint first; this field is read
+    only when the object has none yet. Resuming continues that run as it was (its step,
+    optimizer state, curriculum), so raise ``maxSteps`` to train further.
+    """
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "has(self.run) != has(self.checkpoint)",
+                    "message": "resumeFrom: set exactly one of run or checkpoint",
+                }
+            ]
+        }
+    )
+
+    run: str | None = Field(
+        default=None, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=63
+    )
+    """A TrainingRun of this namespace, by name: the newest checkpoint any earlier object of
+    that name wrote under the operator's default storage (``s3://<bucket>/runs/<ns>/<run>/``);
+    a run with its own ``checkpoint.storageUri`` is named by ``checkpoint`` instead. In a
+    cluster only (``posttrain run --local`` has no run names: use ``checkpoint``)."""
+    checkpoint: str | None = Field(default=None, min_length=1)
+    """A run's storage (``s3://.../runs/<ns>/<name>/<uid>``, or a local run's ``--out``
+    directory: its newest checkpoint) or one checkpoint (``.../checkpoints/step-00000012``)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ResumeFrom:
+        if (self.run is None) == (self.checkpoint is None):
+            raise ValueError("resumeFrom: set exactly one of run or checkpoint")
+        if self.checkpoint is not None and "://" in self.checkpoint:
+            scheme = self.checkpoint.split("://", 1)[0]
+            if scheme not in ("s3", "file"):
+                raise ValueError(
+                    f"resumeFrom.checkpoint: {self.checkpoint!r} is not s3://BUCKET/PATH, "
+                    "file://PATH or a local path"
+                )
+        return self
+
+
 class CheckpointPolicy(ApiModel):
     """When checkpoints are written and how many are kept."""
 
@@ -443,7 +490,11 @@ class CheckpointPolicy(ApiModel):
     keep_best: bool = True
     """Also keep the checkpoint with the best held-out score."""
     storage_uri: str | None = None
-    """s3://bucket/prefix for this run's artifacts; default s3://<operator bucket>/runs/<ns>/<name>."""
+    """s3://bucket/prefix for this run's artifacts; default s3://<operator
+    bucket>/runs/<ns>/<name>/<uid>: each TrainingRun object (metadata.uid) its own, so a run
+    created again under the same name starts fresh (see ``resumeFrom``). A prefix given here
+    is used as is; a new object that finds another object's checkpoints in it fails with a
+    message, unless ``resumeFrom`` asks to continue them."""
     delete_on_run_deletion: bool = False
     """Delete checkpoints and trajectories when the TrainingRun is deleted (off: never lost)."""
 
@@ -581,6 +632,9 @@ class TrainingRunSpec(ApiModel):
     """Precision, sharding, activation checkpointing, LoRA."""
     checkpoint: CheckpointPolicy = Field(default_factory=CheckpointPolicy)
     """Checkpoint cadence and retention."""
+    resume_from: ResumeFrom | None = None
+    """Start from another run's checkpoint instead of the base model (null: a new object
+    starts fresh; its own restarts always resume from its own checkpoints)."""
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
     """Evaluation matrix."""
     audit: AuditSpec = Field(default_factory=AuditSpec)
@@ -765,6 +819,9 @@ class TrainingRunStatus(ApiModel):
     """Held-out accuracy per domain at the last evaluation."""
     last_checkpoint: str | None = None
     """URI of the newest complete checkpoint."""
+    resumed_from: str | None = None
+    """The checkpoint the trainer last started from (a URI), or ``fresh start`` (the base
+    model); written by the trainer each time it starts."""
     weight_version: int | None = None
     """Weights version last published to the rollout servers."""
     restarts: int = 0

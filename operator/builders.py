@@ -81,14 +81,43 @@ NOBODY_UID = 65534
 
 
 def run_storage_uri(run: TrainingRun, config: OperatorConfig) -> str:
-    """Where the run's checkpoints and trajectories live.
+    """Where this TrainingRun *object* keeps its checkpoints, weights, trajectories and
+    reports: spec.checkpoint.storageUri as given, else ``s3://<bucket>/runs/<ns>/<name>/<uid>``.
+
+    Checkpoints belong to the object that wrote them (metadata.uid): a run deleted and created
+    again under the same name gets a new uid, so a new directory, and starts fresh unless its
+    spec.resumeFrom says otherwise, while every restart of the same object resumes. A
+    storageUri the user gives is theirs to keep per run; the trainer refuses to resume, unasked,
+    another object's checkpoints found there. Every run the operator reads comes from the
+    apiserver, which always sets a uid.
 
     >>> run_storage_uri(_example_run(), OperatorConfig(s3_bucket="b"))
-    's3://b/runs/ns/demo'
+    's3://b/runs/ns/demo/u-1'
     """
-    return run.spec.checkpoint.storage_uri or (
-        f"s3://{config.s3_bucket}/runs/{run.metadata.namespace}/{run.metadata.name}"
-    )
+    if run.spec.checkpoint.storage_uri:
+        return run.spec.checkpoint.storage_uri
+    if not run.metadata.uid:
+        raise BuildError(f"TrainingRun {run.metadata.name} has no metadata.uid to key its storage")
+    return f"s3://{config.s3_bucket}/runs/{run.metadata.namespace}/{run.metadata.name}/{run.metadata.uid}"
+
+
+def resume_source_uri(run: TrainingRun, config: OperatorConfig) -> str | None:
+    """What spec.resumeFrom names, as a storage URI the trainer reads: a checkpoint or run
+    storage as given, or for ``run: NAME`` the default storage root of that name, under which
+    the trainer takes the newest checkpoint of any earlier object (not its own).
+
+    >>> from posttrain.api import ResumeFrom
+    >>> run = _example_run()
+    >>> run.spec.resume_from = ResumeFrom(run="older")
+    >>> resume_source_uri(run, OperatorConfig(s3_bucket="b"))
+    's3://b/runs/ns/older'
+    """
+    source = run.spec.resume_from
+    if source is None:
+        return None
+    if source.checkpoint is not None:
+        return source.checkpoint
+    return f"s3://{config.s3_bucket}/runs/{run.metadata.namespace}/{source.run}"
 
 
 def mount_model_claim(model: str, pod_spec: Manifest, containers: Sequence[Manifest]) -> None:
@@ -173,9 +202,14 @@ def trainer_pod_name(run_name: str, incarnation: int, rank: int) -> str:
 
 
 def render_run_config(run: TrainingRun, config: OperatorConfig) -> str:
-    """The run.yaml the trainer reads: the TrainingRun itself, storage made explicit."""
+    """The run.yaml the trainer reads: the TrainingRun itself, its storage (this object's)
+    and resumeFrom (a URI) made explicit."""
+    from posttrain.api import ResumeFrom
+
     wire = run.model_copy(deep=True)
     wire.spec.checkpoint.storage_uri = run_storage_uri(run, config)
+    source = resume_source_uri(run, config)
+    wire.spec.resume_from = ResumeFrom(checkpoint=source) if source else None
     body = {
         "apiVersion": wire.api_version,
         "kind": wire.kind,

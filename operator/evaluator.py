@@ -77,7 +77,7 @@ def evaluator_command(run: TrainingRun, config: OperatorConfig) -> list[str]:
 
     >>> from posttrain.operator.builders import _example_run
     >>> " ".join(evaluator_command(_example_run(), OperatorConfig(s3_bucket="b")))
-    'posttrain eval-checkpoints /etc/posttrain/run.yaml --storage s3://b/runs/ns/demo --out /workspace --watch --poll-seconds 30 --metrics-port 9090'
+    'posttrain eval-checkpoints /etc/posttrain/run.yaml --storage s3://b/runs/ns/demo/u-1 --out /workspace --watch --poll-seconds 30 --metrics-port 9090'
     """
     command = [
         "posttrain", "eval-checkpoints", RUN_CONFIG_PATH,

@@ -4,7 +4,7 @@ Reconciles run on threads and on the event loop; neither should wait for an Even
 for people reading ``kubectl describe``, not part of the object's state). :meth:`post`
 queues; one daemon thread posts in order through the shared REST client. kopf's own poster
 needs context variables that only its per-object workers carry, so the operator does not
-use it (docs/operator.md, "kopf through its public API only").
+use it (docs/operator.md, "Kopf: kept, through its public API only").
 """
 
 from __future__ import annotations

@@ -31,6 +31,24 @@ class KubeError(RuntimeError):
         self.status = status
 
 
+class SupersededChild(KubeError):
+    """A child's name is still held by the child of a deleted owner of the same name (another
+    uid) that the garbage collector has not removed yet: it was deleted, and the owner's
+    next reconcile creates its own."""
+
+
+def controller_uid(obj: dict[str, Any]) -> str | None:
+    """The uid of ``obj``'s controlling owner, if any.
+
+    >>> controller_uid({"metadata": {"ownerReferences": [{"uid": "a"}, {"uid": "b", "controller": True}]}})
+    'b'
+    """
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
 @dataclass(frozen=True)
 class Credentials:
     """Where the apiserver is and how to authenticate (client cert and/or bearer token)."""
@@ -194,11 +212,28 @@ class KubeClient:
     def create_or_adopt(self, manifest: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
         """Create ``manifest``; if its (deterministic) name exists already, adopt that object.
 
-        Returns (created, object). Adoption is what makes a restarted operator idempotent.
+        Returns (created, object). Adoption is what makes a restarted operator idempotent. An
+        object of that name controlled by *another* owner uid is not adopted: it belongs to a
+        deleted predecessor of the same name (a run deleted and applied again before the
+        garbage collector got to its children), so it is deleted and ``SupersededChild``
+        raised; the owner's next reconcile creates its own.
         """
         status, data = self.request("POST", self.path_of(manifest), manifest, ok=(201, 200, 409))
         if status == 409:
             _, data = self.request("GET", self.path_of(manifest, with_name=True))
+            ours, theirs = controller_uid(manifest), controller_uid(data)
+            if ours is not None and theirs is not None and ours != theirs:
+                meta = manifest["metadata"]
+                self.delete(
+                    manifest["apiVersion"], manifest["kind"], meta["namespace"], meta["name"]
+                )
+                raise SupersededChild(
+                    409,
+                    "POST",
+                    self.path_of(manifest),
+                    f"{manifest['kind']} {meta['name']} belonged to an earlier owner of that "
+                    f"name (uid {theirs}, now {ours}): deleted it; ours follows once it is gone",
+                )
             return False, data
         return True, data
 

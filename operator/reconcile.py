@@ -543,6 +543,20 @@ def managed_elsewhere(managed_by: str | None) -> str | None:
     )
 
 
+def pods_to_delete_at_the_end(pods: list[PodView]) -> list[str]:
+    """The trainer pods a run that ended (Succeeded or Failed) deletes: those still running
+    (other ranks, Ray workers, which would otherwise block forever). Finished pods stay, so
+    ``kubectl logs`` and ``posttrain logs`` read rank 0 after the run, as Kubeflow's
+    ``cleanPodPolicy: Running`` keeps them; they go with the TrainingRun (ownerReferences).
+    A gang restart and ``suspend`` delete every pod of the gang instead.
+
+    >>> done = PodView("r-g0-0", {}, phase="Succeeded", terminated=Terminated(exit_code=0))
+    >>> pods_to_delete_at_the_end([done, PodView("r-g0-1", {}, phase="Running")])
+    ['r-g0-1']
+    """
+    return [p.name for p in pods if not p.finished]
+
+
 def plan_training_run(  # noqa: C901, PLR0915
     run: TrainingRun,
     pods: list[PodView],
@@ -583,7 +597,7 @@ def plan_training_run(  # noqa: C901, PLR0915
         desired.update(phase="Failed", message=message, completionTime=_iso(now))
         conditions = set_condition(conditions, ConditionType.FAILED, "True", reason, message, gen)
         conditions = set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
-        plan.delete_pods = [p.name for p in live]
+        plan.delete_pods = pods_to_delete_at_the_end(live)
         plan.delete_ray_clusters = [c.name for c in live_clusters]
         plan.create_ranks = []
         plan.create_ray_cluster = False
@@ -591,8 +605,7 @@ def plan_training_run(  # noqa: C901, PLR0915
 
     workload = kueue.workload if kueue is not None else None
     if status.phase in TERMINAL:
-        # Finished runs keep no pods (Ray workers would otherwise block forever).
-        plan.delete_pods = [p.name for p in live if not p.finished]
+        plan.delete_pods = pods_to_delete_at_the_end(live)
         plan.delete_ray_clusters = [c.name for c in live_clusters]
         plan.finish_workload = workload is not None and not workload.finished
         return plan
@@ -725,7 +738,7 @@ def plan_training_run(  # noqa: C901, PLR0915
             )
     elif head is not None and head.phase == "Succeeded":
         conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
-        plan.delete_pods = stale + [p.name for p in gang.values() if not p.finished]
+        plan.delete_pods = stale + pods_to_delete_at_the_end(list(gang.values()))
     else:
         missing = [r for r in range(nodes) if str(r) not in gang]
         if missing:

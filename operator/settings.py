@@ -57,13 +57,18 @@ class _ExpectedAtStartup(logging.Filter):
     - "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
       (re)initializing')": the apiserver's 429 while a CRD's watch cache fills, which kopf
       retries as asked (a final failure still logs "escalating" as an ERROR);
-    - "Unresolved resources cannot be served: ... ray.io/v1/rayclusters": KubeRay is optional
-      (multi-node runs as RayClusters); without its CRD those runs use pod gangs.
+    - "Unresolved resources cannot be served: ... ray.io/v1/rayclusters" or
+      "... kueue.x-k8s.io/v1beta2/workloads": KubeRay and Kueue are optional (multi-node runs
+      as RayClusters; queued admission); without their CRDs runs use pod gangs and start at
+      once.
 
     Both become INFO lines; everything else passes unchanged.
     """
 
-    OPTIONAL_CRDS = ("ray.io",)
+    OPTIONAL_CRDS = {
+        "ray.io": "KubeRay: without it multi-node runs use pod gangs",
+        "kueue.x-k8s.io": "Kueue: without it runs are admitted at once, queue labels ignored",
+    }
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not record.name.startswith("kopf"):
@@ -75,11 +80,12 @@ class _ExpectedAtStartup(logging.Filter):
             any(f"group='{group}'" in selector for group in self.OPTIONAL_CRDS)
             for selector in re.findall(r"Selector\([^)]*\)", message) or [""]
         ):
+            hints = [h for g, h in self.OPTIONAL_CRDS.items() if f"group='{g}'" in message]
             self._to_info(
                 record,
                 "optional CRDs not installed, not watched: "
                 + message.split(":", 1)[1].strip()
-                + " (KubeRay: without it multi-node runs use pod gangs)",
+                + f" ({'; '.join(hints)})",
             )
         return True
 

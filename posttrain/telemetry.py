@@ -166,8 +166,8 @@ def start_metrics_server(port: int) -> None:
         except OSError as exc:
             # Metrics are not worth failing a run for: on a shared host (the dev node agent
             # runs pods as host processes) the port may be taken.
-            log.warning(
-                "cannot serve Prometheus metrics on :%d (%s); continuing without", port, exc
-            )
+            # INFO: on the dev node agent every pod shares the host's ports, so the second
+            # pod that asks for the same port always gets EADDRINUSE; nothing to act on.
+            log.info("cannot serve Prometheus metrics on :%d (%s); continuing without", port, exc)
             return
         log.info("Prometheus metrics on :%d/metrics", port)

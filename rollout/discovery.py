@@ -70,7 +70,10 @@ class PoolDiscovery:
             urls = list(status.get("replicaEndpoints") or [])
             if urls:
                 if report is not None:
-                    report({"pool": self.name, "available": True, "readyReplicas": len(urls)})
+                    # message: None deletes the waiting message (status is merge-patched), or
+                    # a run that found its replicas would keep saying it waits for them.
+                    report({"pool": self.name, "available": True, "readyReplicas": len(urls),
+                            "message": None})  # fmt: skip
                 return urls
             conditions: list[dict[str, Any]] = status.get("conditions") or []
             ready = next((c for c in conditions if c.get("type") == "Ready"), {})

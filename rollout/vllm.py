@@ -442,7 +442,11 @@ class VllmFrontDoor:
                         raise
                     message = (f"refused weights v{wanted} from {uri}: {exc}; still serving "
                                f"v{self.version}")  # fmt: skip
-                    log.error("%s", message)
+                    # 400: the caller named weights this replica cannot read (the trainer's
+                    # /dev/shm copy on another host is the usual one) and is told so: it
+                    # falls back, nothing for whoever runs this replica to do. 503: this
+                    # replica's storage settings are, so that stays an ERROR.
+                    log.log(logging.ERROR if status >= 500 else logging.INFO, "%s", message)
                     param = "uri" if status < 500 else None
                     response = _error(status, message, param, weight_version=self.version)
                     response.headers[WEIGHT_VERSION_HEADER] = str(self.version)

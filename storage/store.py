@@ -196,7 +196,8 @@ _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 
 
 def run_prefix(namespace: str, name: str) -> str:
-    """Where one TrainingRun keeps its artifacts inside the bucket.
+    """Where every TrainingRun object of this name keeps its artifacts inside the bucket, each
+    below its own ``<uid>/`` (the operator's default storage; see docs/storage.md).
 
     >>> run_prefix("team-a", "grpo-math-1")
     'runs/team-a/grpo-math-1'

@@ -22,8 +22,10 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +45,14 @@ if TYPE_CHECKING:
     from posttrain.trainer.policy import Policy
 
 log = logging.getLogger(__name__)
+
+# DCP says this on every save and load of a one-process run (the laptop and the dev cluster's
+# single trainer pod), where one process is exactly what is meant: not actionable.
+warnings.filterwarnings(
+    "ignore",
+    message="torch.distributed is disabled, unavailable or uninitialized",
+    category=UserWarning,
+)
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"  # checkpoints written before DCP: full optimizer state
@@ -196,17 +206,28 @@ class Checkpointer:
         keep_best: bool,
         pinned_steps: frozenset[int] = frozenset(),
         block_bytes: int = DEFAULT_BLOCK_BYTES,
+        *,
+        run_uid: str | None = None,
+        resume_from: str | None = None,
     ) -> None:
+        """``store`` is this run's own storage (in a cluster ``<root>/<uid>``; on a laptop the
+        ``--out`` directory): its checkpoints are always resumed first. ``resume_from`` (the
+        URI spec.resumeFrom resolves to) is read only when there are none; ``run_uid`` is
+        recorded in every checkpoint and never resumed from through ``resume_from``."""
         from posttrain.storage.checkpoints import CheckpointManager
 
         self.store = store
         self.keep_best = keep_best
         self.block_bytes = block_bytes
+        self.run_uid = run_uid
+        self.resume_from = resume_from
         # (bytes fetched, bytes of sharded state) by the last restore on this rank
         self.last_shard_fetch: tuple[int, int] | None = None
         self.manager = CheckpointManager(
             store, "checkpoints", keep_last=keep_last, pinned=pinned_steps
         )
+        self.source: ResumeSource | None = None  # resolved from resume_from by restore()
+        self.resumed_from: str | None = None  # URI of the checkpoint restore() loaded
 
     def save(self, policy: Policy, state: TrainerState, eval_score: float | None = None) -> str:
         """Commit a checkpoint of ``state.step``; returns its URI.
@@ -232,7 +253,12 @@ class Checkpointer:
                 self.manager.save(
                     state.step,
                     local,
-                    metadata={"weight_version": state.weight_version, "world_size": world},
+                    metadata={
+                        "weight_version": state.weight_version,
+                        "world_size": world,
+                        "run_uid": self.run_uid,  # whose checkpoint this is
+                        "resumed_from": self.resumed_from,  # what this attempt started from
+                    },
                     eval_score=eval_score if self.keep_best else None,
                     extra_files=others,
                 )
@@ -272,29 +298,39 @@ class Checkpointer:
         one is loaded instead, as for damage found while downloading.
         """
         dest = scratch / "resume"
+        manager, fixed_step = self.manager, None
+        own_latest = self.manager.latest_step()
+        if own_latest is not None:
+            self._check_owner(own_latest)
+        elif self.resume_from:
+            self.source = find_resume_source(self.resume_from, self.run_uid)
+            manager, fixed_step = self.source.manager, self.source.step
+        include = lambda path: (  # noqa: E731
+            not read_on_demand(path, SHARDED_DIR)
+            and not (skip_weights and path.endswith(".safetensors"))
+        )
         refused: set[int] = set()
         while True:
             if dest.exists():
                 shutil.rmtree(dest)
-            found = self.manager.load_latest(
-                dest,
-                include=lambda path: (
-                    not read_on_demand(path, SHARDED_DIR)
-                    and not (skip_weights and path.endswith(".safetensors"))
-                ),
-                exclude=frozenset(refused),
-            )
-            for reason in self.manager.last_refused:
+            if fixed_step is not None:  # asking for step N means step N: no fallback
+                found: tuple[int, Manifest] | None = (
+                    fixed_step,
+                    manager.load(fixed_step, dest, include=include),
+                )
+            else:
+                found = manager.load_latest(dest, include=include, exclude=frozenset(refused))
+            for reason in manager.last_refused:
                 log.warning("skipped a damaged checkpoint: %s", reason)
             if found is None:
                 return None
             step, manifest = found
             policy = policy_factory(dest)
             try:
-                self._load_state(policy, dest, step, manifest)
+                self._load_state(manager, policy, dest, step, manifest)
             except (Exception, CheckpointException) as exc:
                 damage = _damage(exc)
-                if damage is None:
+                if damage is None or fixed_step is not None:
                     raise
                 log.error(
                     "refusing checkpoint step %d: %s; falling back to the previous complete one",
@@ -306,23 +342,121 @@ class Checkpointer:
             break
         restore_rng(torch.load(dest / RNG_FILE, weights_only=False))
         state = TrainerState(**json.loads((dest / STATE_FILE).read_text()))
+        self.resumed_from = manager.store.uri(manager.step_prefix(step))
         log.info(
-            "resumed from checkpoint step %d (weight version %d; written by %s rank(s))",
+            "resumed from checkpoint step %d at %s (weight version %d; written by %s rank(s)%s)",
             step,
+            self.resumed_from,
             state.weight_version,
             manifest.metadata.get("world_size", 1),
+            "" if manager is self.manager else "; spec.resumeFrom: another run's checkpoint",
         )
         return policy, state
 
-    def _load_state(self, policy: Policy, dest: Path, step: int, manifest: Manifest) -> None:
+    def _check_owner(self, step: int) -> None:
+        """Refuse to resume, unasked, a checkpoint another TrainingRun object wrote. The
+        operator keys default storage by uid, so this happens only with a spec.checkpoint.
+        storageUri that a deleted run of the same name used (checkpoints written before they
+        recorded a uid are taken as this run's)."""
+        from posttrain.errors import UsageError
+        from posttrain.storage.commit import read_manifest
+
+        manifest = read_manifest(self.store, self.manager.step_prefix(step))
+        owner = manifest.metadata.get("run_uid") if manifest is not None else None
+        if owner and self.run_uid and owner != self.run_uid and not self.resume_from:
+            uri = self.store.uri()
+            raise UsageError(
+                f"spec.checkpoint.storageUri {uri} holds checkpoints of another TrainingRun "
+                f"object (uid {owner}; this one is {self.run_uid}): a new run starts fresh. "
+                f"Continue that run with spec.resumeFrom: {{checkpoint: {uri}}}, or give "
+                "this run a storageUri of its own"
+            )
+
+    def load_step(
+        self, step: int, dest: Path, include: Callable[[str], bool] | None = None
+    ) -> Manifest:
+        """One checkpoint by step: this run's own, else (a run that began from
+        spec.resumeFrom) the source run's, where its early steps, e.g. a KL anchor, live."""
+        from posttrain.storage.errors import ArtifactNotFoundError
+
+        try:
+            return self.manager.load(step, dest, include=include)
+        except (ArtifactNotFoundError, CorruptArtifactError):
+            if self.source is None and self.resume_from:  # restarted after it began from it
+                self.source = find_resume_source(self.resume_from, self.run_uid)
+            if self.source is None:
+                raise
+            return self.source.manager.load(step, dest, include=include)
+
+    def _load_state(
+        self, manager: Any, policy: Policy, dest: Path, step: int, manifest: Manifest
+    ) -> None:
         if (dest / SHARDED_DIR).is_dir():
             shards = ShardSource(
-                self.store, self.manager.step_prefix(step), manifest, dest, SHARDED_DIR
+                manager.store, manager.step_prefix(step), manifest, dest, SHARDED_DIR
             )
             load_training_state(policy, dest / SHARDED_DIR, shards)
             self.last_shard_fetch = (shards.fetched_bytes, shards.total_bytes)
         else:  # written before sharded checkpoints: one process, full optimizer state
             policy.optimizer.load_state_dict(torch.load(dest / OPTIMIZER_FILE, weights_only=False))
+
+
+FRESH_START = "fresh start"
+"""status.resumedFrom of a run that started from its base model."""
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+
+
+@dataclass
+class ResumeSource:
+    """Where spec.resumeFrom points: a checkpoint series, and one step of it or its newest."""
+
+    manager: Any  # CheckpointManager over the source run's storage
+    step: int | None = None
+
+
+def find_resume_source(uri: str, own_uid: str | None) -> ResumeSource:
+    """Resolve spec.resumeFrom (a URI, see ``ResumeFrom``) to a checkpoint series.
+
+    ``uri`` is one of: a checkpoint (``.../checkpoints/step-00000012``); a run's storage
+    with a ``checkpoints/`` series (its newest checkpoint; a local run's ``--out``); or, for
+    ``resumeFrom.run``, the root every object of that name writes below (``<root>/<uid>/``):
+    the series whose newest checkpoint was committed last, never this object's own
+    (``own_uid``). Raises ``UsageError`` when there is no checkpoint: the spec asked for one.
+    """
+    from posttrain.errors import UsageError
+    from posttrain.storage.checkpoints import CheckpointManager
+    from posttrain.storage.commit import read_manifest
+    from posttrain.storage.store import open_store
+
+    # A relative path is a local run's --out, relative to where the trainer was started.
+    remote_or_absolute = uri.startswith("/") or "://" in uri
+    where = uri.rstrip("/") if remote_or_absolute else str(Path(uri).resolve())
+    head, _, last = where.rpartition("/")
+    match = _STEP_DIR.fullmatch(last)
+    if match and head.endswith("/checkpoints"):
+        store = open_store(head.removesuffix("/checkpoints"), create_bucket=False)
+        return ResumeSource(CheckpointManager(store, "checkpoints"), int(match.group(1)))
+    store = open_store(where, create_bucket=False)
+    own = CheckpointManager(store, "checkpoints")
+    if own.latest_step() is not None:
+        return ResumeSource(own)
+    newest: tuple[str, str] | None = None  # (commit time, incarnation)
+    for key in store.list(""):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[1:] != ["checkpoints", "latest.json"] or parts[0] == own_uid:
+            continue
+        manager = CheckpointManager(store, f"{parts[0]}/checkpoints")
+        step = manager.latest_step()
+        manifest = read_manifest(store, manager.step_prefix(step)) if step is not None else None
+        if manifest is not None and (newest is None or manifest.created > newest[0]):
+            newest = (manifest.created, parts[0])
+    if newest is None:
+        raise UsageError(
+            f"spec.resumeFrom: no checkpoint under {store.uri()} (neither a checkpoints/ "
+            "series nor an earlier run of that name with one); name a run or checkpoint "
+            "that exists, or remove resumeFrom to start fresh"
+        )
+    return ResumeSource(CheckpointManager(store, f"{newest[1]}/checkpoints"))
 
 
 def _damage(exc: BaseException) -> CorruptArtifactError | None:

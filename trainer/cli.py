@@ -32,7 +32,8 @@ def register(subparsers: Any) -> None:
         help="run RL post-training from a TrainingRun manifest",
         description="Train with RL from verifiable rewards. With --local a CPU rollout server "
         "is started as a child process; otherwise the manifest's rollout endpoints are used. "
-        "A run resumes from the newest checkpoint under --out (or checkpoint.storageUri).",
+        "A run resumes from the newest checkpoint under --out (or checkpoint.storageUri); "
+        "with none there, from spec.resumeFrom if set, else it starts fresh.",
     )
     run.add_argument("manifest", type=Path, help="TrainingRun YAML, e.g. examples/local-demo.yaml")
     run.add_argument("--local", action="store_true", help="start a local CPU rollout server")

@@ -27,6 +27,7 @@ from posttrain.storage.reports import ReportSync
 from posttrain.trainer.audit import Auditor, trajectory_record
 from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.checkpoint import (
+    FRESH_START,
     STATE_FILE,
     Checkpointer,
     TrainerState,
@@ -394,6 +395,10 @@ class Run:
             spec.checkpoint.keep_last,
             spec.checkpoint.keep_best,
             pinned_steps=self.kl_anchor_steps(),
+            # A run's identity: its TrainingRun's uid in a cluster; on a laptop none, and the
+            # --out directory (its own storage) is what it resumes from.
+            run_uid=contract.run_uid,
+            resume_from=resume_source(spec),
         )
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
         self.publisher = WeightPublisher(
@@ -470,6 +475,7 @@ class Run:
             stage=current,
             stages=list(run.stage_records),
             reports_uri=run.outputs.uri() if run.outputs else None,
+            resumed_from=run.checkpointer.resumed_from or FRESH_START,
             sandbox=run.verification.health.to_wire()
             if run.verification and run.data.executes_code()
             else None,
@@ -477,22 +483,24 @@ class Run:
         return run
 
     def announce_start(self, resumed: bool) -> None:
-        """Say whether this run resumes or starts over, and drop records past that step."""
+        """Say, always, which checkpoint this run resumes from or that it starts fresh, and
+        drop records past that step."""
         # A fresh start evaluates the base model again, so even step 0's records go.
         dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
         if resumed:
             log.info(
-                "resuming from the checkpoint of step %d (%s)%s",
+                "resuming from checkpoint %s (step %d)%s",
+                self.checkpointer.resumed_from,
                 self.step,
-                self.checkpointer.store.uri("checkpoints"),
                 f"; dropped {dropped} later step(s) an earlier attempt recorded" if dropped else "",
             )
-        elif dropped:
-            log.warning(
-                "no checkpoint under %s: starting over from step 0 (the %d step(s) "
-                "an earlier attempt recorded there are dropped)",
+        else:
+            log.info(
+                "fresh start from %s: no checkpoint of this run under %s%s%s",
+                self.spec.model,
                 self.checkpointer.store.uri("checkpoints"),
-                dropped,
+                "" if self.checkpointer.run_uid is None else f" (uid {self.checkpointer.run_uid})",
+                f"; dropped the {dropped} step(s) an earlier attempt recorded" if dropped else "",
             )
 
     def kl_anchor_steps(self) -> frozenset[int]:
@@ -518,7 +526,7 @@ class Run:
             return self.base_dir  # not inside a later RL stage (yet)
         dest = self.scratch / "kl-reference"
         try:
-            self.checkpointer.manager.load(plan.first_step - 1, dest, include=weights_only)
+            self.checkpointer.load_step(plan.first_step - 1, dest, include=weights_only)
         except Exception as exc:
             raise RuntimeError(
                 f"resuming inside stage {plan.name!r} needs its KL anchor, the checkpoint of "
@@ -864,3 +872,19 @@ def _stage_summary(plan: StagePlan) -> str:
     if plan.type == "dpo":
         parts.append(f"beta {stage.beta:g}")
     return ", ".join(parts)
+
+
+def resume_source(spec: TrainingRunSpec) -> str | None:
+    """spec.resumeFrom as the URI :class:`Checkpointer` reads. The operator resolves
+    ``run: NAME`` to that name's storage root; a local run has no run names to resolve."""
+    source = spec.resume_from
+    if source is None:
+        return None
+    if source.run is not None:
+        from posttrain.errors import UsageError
+
+        raise UsageError(
+            f"spec.resumeFrom.run {source.run!r} names a TrainingRun in a cluster; a local run "
+            "resumes from a directory: resumeFrom: {checkpoint: RUNS/OTHER} (its --out)"
+        )
+    return source.checkpoint

@@ -7,7 +7,10 @@ so a report can be rebuilt for any finished or interrupted run.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +25,29 @@ from posttrain.trainer.progress import load_metrics
 
 
 def _pyplot() -> Any:
+    """pyplot for files, without the warnings a pod's first plot would log: a non-writable
+    $HOME (pods run as a user without one) gets a config dir in /tmp of our choosing instead
+    of matplotlib's "created a temporary cache directory" WARNING, and the one-time "building
+    the font cache" notice is not a warning for anyone to act on."""
+    config_dir = Path(os.environ.get("MPLCONFIGDIR") or Path.home() / ".config" / "matplotlib")
+    if not _writable(config_dir):
+        os.environ["MPLCONFIGDIR"] = tempfile.mkdtemp(prefix="posttrain-matplotlib-")
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
     import matplotlib
 
     matplotlib.use("Agg")  # files only: trainer pods and CI have no display
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _writable(directory: Path) -> bool:
+    """Whether matplotlib could use ``directory`` (creating it if need be)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
 
 
 def latest_eval_per_step(out_dir: Path, split: str) -> list[EvalResult]:

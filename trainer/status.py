@@ -49,6 +49,7 @@ class RunStatus:
     stages: list[dict[str, Any]] = field(default_factory=list)  # StageStatus wire dicts
     sandbox: dict[str, Any] | None = None  # verification.SandboxHealth.to_wire()
     reports_uri: str | None = None  # where the outputs are uploaded as they are written
+    resumed_from: str | None = None  # the checkpoint URI the trainer started from, or FRESH_START
 
     def to_wire(self) -> dict[str, Any]:
         """camelCase, Nones dropped (a merge patch with null would *delete* the field).

@@ -210,7 +210,9 @@ class WeightPublisher:
         try:
             self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
-            log.warning(
+            # Expected whenever the servers run in other pods or hosts (they do not see this
+            # pod's /dev/shm): the registry path is the normal one there, so INFO, not WARNING.
+            log.info(
                 "rollout server cannot read weights from %s (%s); publishing through "
                 "the weight registry from now on",
                 self.shared_dir,

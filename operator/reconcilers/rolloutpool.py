@@ -17,6 +17,7 @@ from posttrain.api import RolloutPool
 from posttrain.storage.errors import StorageError
 
 from .. import builders as b
+from ..kube import controller_uid
 from ..reconcile import PodView, plan_rollout_pool, pod_view
 from .state import OperatorState
 from .storage_credentials import StorageCredentials
@@ -80,6 +81,11 @@ class RolloutPoolReconciler:
                 self.credentials.failed(body, exc)
                 return
             deployment = state.deployments.get(namespace, name)
+            if deployment is not None and controller_uid(deployment) not in (
+                None,
+                pool.metadata.uid,
+            ):
+                deployment = None  # an earlier pool's of that name: creating ours replaces it
             pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
             selector = b.selector_string(b.pool_selector(name))
             served = served_weight_versions(pods, pool.spec.port)

@@ -30,7 +30,7 @@ from posttrain.api.reasons import ConditionType, Reason
 from posttrain.telemetry import get_tracer
 
 from ..config import OperatorConfig
-from ..kube import KubeClient
+from ..kube import KubeClient, SupersededChild
 from ..metrics import (
     CHILDREN_ADOPTED,
     CHILDREN_CREATED,
@@ -228,6 +228,10 @@ class OperatorState:
             span.set_attribute("posttrain.object", name)
             try:
                 yield
+            except SupersededChild as exc:
+                # Expected after a delete and re-apply of the same name: not an error. The
+                # next reconcile (an event, or the resync) creates the child.
+                log.info("%s %s/%s: %s", kind, namespace, name, exc)
             except Exception as exc:
                 RECONCILE_ERRORS.labels(kind).inc()
                 span.record_exception(exc)

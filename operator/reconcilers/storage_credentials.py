@@ -34,17 +34,20 @@ KIND_CREDENTIALS = "ScopedCredentials"  # the parent label of count_child's metr
 
 
 def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
-    """What a run's pods may touch: its storage prefix (read-write), and an ``s3://`` model
-    (read).
+    """What a run's pods may touch: its own storage prefix (read-write; the object's, by uid),
+    what spec.resumeFrom names (read) and an ``s3://`` model (read).
 
     >>> from posttrain.api import TrainingRun
-    >>> run = TrainingRun.model_validate({"metadata": {"name": "demo", "namespace": "ns"},
-    ...     "spec": {"model": "m", "domains": [{"name": "d", "dataset": "builtin:arithmetic",
-    ...                                         "verifier": {"kind": "numeric"}}]}})
+    >>> run = TrainingRun.model_validate({"metadata": {"name": "demo", "namespace": "ns",
+    ...     "uid": "u1"}, "spec": {"model": "m", "resumeFrom": {"run": "demo"}, "domains": [
+    ...     {"name": "d", "dataset": "builtin:arithmetic", "verifier": {"kind": "numeric"}}]}})
     >>> run_grants(run, OperatorConfig(s3_bucket="b"))
-    [Grant(bucket='b', prefix='runs/ns/demo', write=True)]
+    [Grant(bucket='b', prefix='runs/ns/demo/u1', write=True), Grant(bucket='b', prefix='runs/ns/demo', write=False)]
     """
     grants = [Grant.for_uri(b.run_storage_uri(run, config), write=True)]
+    source = b.resume_source_uri(run, config)
+    if source is not None and source.startswith("s3://"):
+        grants.append(Grant.for_uri(source, write=False))
     if run.spec.model.startswith("s3://"):
         grants.append(Grant.for_uri(run.spec.model, write=False))
     return grants

@@ -21,7 +21,7 @@ from .. import builders as b
 from .. import evaluator, sandbox_runner
 from ..admission import KueueAdmission
 from ..config import OperatorConfig
-from ..kube import KubeError
+from ..kube import KubeError, controller_uid
 from ..reconcile import (
     TERMINAL,
     EventSpec,
@@ -77,7 +77,7 @@ class TrainingRunReconciler:
                 return
             annotations = run.metadata.annotations
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
-            pods = [pod_view(p) for p in state.trainer_pods.children(namespace, name)]
+            pods = [pod_view(p) for p in self._own_pods(run)]
             clusters = self._ray_clusters_of(run, pods)
             kueue = self.kueue.gate(run)
             plan = plan_training_run(
@@ -215,6 +215,28 @@ class TrainingRunReconciler:
             )
             return None
         return RolloutPool.model_validate(body)
+
+    def _own_pods(self, run: TrainingRun) -> list[Body]:
+        """The trainer pods of this run *object*. Pods of a deleted run of the same name
+        (another uid; they carry the same label) are not its gang, whatever their phase:
+        they are deleted, as the garbage collector would, so a run deleted and applied again
+        neither takes the old run's finished rank 0 for its own nor waits on its names."""
+        namespace, name = run.metadata.namespace, run.metadata.name
+        own = []
+        for pod in self.state.trainer_pods.children(namespace, name):
+            if controller_uid(pod) in (None, run.metadata.uid):
+                own.append(pod)
+                continue
+            pod_name = pod["metadata"]["name"]
+            log.info(
+                "TrainingRun %s/%s: deleting %s of an earlier run of that name",
+                namespace,
+                name,
+                pod_name,
+            )
+            self.state.kube.delete("v1", "Pod", namespace, pod_name)
+            self.state.trainer_pods.remove(namespace, pod_name)
+        return own
 
     def _ensure_children(
         self,

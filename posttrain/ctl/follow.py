@@ -230,7 +230,8 @@ def watch_command(args: argparse.Namespace) -> int:
 def pick_trainer_pod(pods: Sequence[Any]) -> Any | None:
     """Rank 0 of the newest gang: the pod whose log tells the run's story.
 
-    Earlier gangs (restarts) are kept by the operator for debugging; the newest one is live.
+    A restart deletes the failed gang's pods, but one still terminating may be listed beside
+    the next gang's: the newest gang is the one to read.
     """
     if not pods:
         return None
@@ -289,7 +290,7 @@ def stream_trainer_logs(
         if phase in TERMINAL_PHASES:
             return fail(
                 f"trainingrun {name} is {phase} and its trainer pods are gone (the operator "
-                "deletes them when a run ends); its outputs are in storage: "
+                "keeps finished ones, so they were deleted or lost); its outputs are in storage: "
                 f"posttrain describe tr {name} shows the last checkpoint"
             )
         return fail(f"no trainer pod yet: the run is {phase}; see posttrain describe tr {name}")

@@ -157,7 +157,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         metavar="RUN_DIR|S3_URI",
         help="the run's --out directory, or where a cluster run uploads its outputs "
         "(status.reportsUri, shown by `posttrain describe tr NAME`: s3://BUCKET/runs/NS/NAME"
-        "/reports, or the run's prefix above it)",
+        "/UID/reports, or the run's prefix above it)",
     )
     report.add_argument(
         "--out",

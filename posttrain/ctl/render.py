@@ -72,6 +72,21 @@ def format_float(value: float | int | None, digits: int = 3) -> str:
     return MISSING if value is None else f"{float(value):.{digits}f}"
 
 
+def format_duration_ms(value: float | int | None) -> str:
+    """A sandbox program's run time: milliseconds below a second (most unit-test programs
+    run in tens of them, which as ``0.02s`` read as nothing), seconds above.
+
+    >>> format_duration_ms(23.4), format_duration_ms(0.4), format_duration_ms(1534), format_duration_ms(None)
+    ('23ms', '0.4ms', '1.53s', '-')
+    """
+    if value is None:
+        return MISSING
+    ms = float(value)
+    if ms >= 1000:
+        return f"{ms / 1000:.2f}s"
+    return f"{ms:.0f}ms" if ms >= 1 else f"{ms:.1f}ms"
+
+
 def format_domains(values: Mapping[str, float] | None, limit: int = MAX_DOMAINS_SHOWN) -> str:
     """``name=value`` per domain (sorted), the first ``limit`` of them.
 
@@ -160,12 +175,11 @@ def pool_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
 def task_row(obj: Mapping[str, Any], now: datetime | None = None) -> list[str]:
     """One SandboxTask as a ``get`` row (headers: :data:`TASK_HEADERS`)."""
     status = _status(obj)
-    duration_ms = status.get("durationMs")
     return [
         _meta(obj).get("name", MISSING),
         status.get("phase") or MISSING,
         format_float(status.get("reward")),
-        MISSING if duration_ms is None else f"{float(duration_ms) / 1000:.2f}s",
+        format_duration_ms(status.get("durationMs")),
         format_number(status.get("exitCode")),
         task_reason(status),
         str(status.get("attempts", 0)),
@@ -302,6 +316,7 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
         f"Step:         {format_step(status)}",
         f"Reward mean:  {format_float(status.get('rewardMean'))}",
         f"Checkpoint:   {status.get('lastCheckpoint') or MISSING}",
+        f"Started from: {status.get('resumedFrom') or MISSING}",
         f"Weights:      {format_number(status.get('weightVersion'))}",
         f"Restarts:     {status.get('restarts', 0)}",
         f"Outputs:      {status.get('reportsUri') or MISSING}",

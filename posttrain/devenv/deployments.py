@@ -57,7 +57,7 @@ class DeploymentStandIn:
     every pod at once (no rolling strategy, no maxSurge); a pod that ends is deleted and
     recreated after ``replace_delay_s`` (that is the only "restart", with no backoff);
     the selector is not used (ownership is by ownerReference); pods of a deleted
-    Deployment are deleted here because there is no garbage collector either.
+    Deployment are deleted by the garbage-collector stand-in (:mod:`.garbage`).
     """
 
     cluster: NodeAPI
@@ -70,11 +70,6 @@ class DeploymentStandIn:
             uid = controller_uid(pod)
             if uid is not None:
                 by_owner.setdefault(uid, []).append(pod)
-        live_uids = {d["metadata"]["uid"] for d in deployments}
-        for pod in pods:
-            refs = pod["metadata"].get("ownerReferences") or []
-            if any(r.get("kind") == "Deployment" and r.get("uid") not in live_uids for r in refs):
-                self.cluster.delete_pod(pod["metadata"]["namespace"], pod["metadata"]["name"], 0)
         for deployment in deployments:
             if not deployment["metadata"].get("deletionTimestamp"):
                 self._sync_one(deployment, by_owner.get(deployment["metadata"]["uid"], []))

@@ -17,6 +17,8 @@ plays those three roles just far enough for end-to-end runs on one machine:
   process group when the pod is deleted.
 * **Deployment controller stand-in**: keeps ``spec.replicas`` pods per Deployment and writes
   the Deployment's status (see :class:`~.deployments.DeploymentStandIn` for its limits).
+* **garbage collector stand-in**: deletes what a deleted owner owned (a RolloutPool's
+  Deployment and Service, a TrainingRun's pods; :mod:`.garbage`).
 
 Images are not pulled: ``posttrain``/``python``/``python3`` resolve to a local environment of
 the checked-out project chosen by the image's repository name (``rollout`` images -- the
@@ -30,7 +32,7 @@ with ``setpriv``; as another user it runs everything as that user.
 This module is the agent's loop (node heartbeat, scheduling, starting and stopping pods);
 each role it plays has its own module: :mod:`.node` (the Node object), :mod:`.kubelet` (one
 pod: :class:`~.kubelet.PodRunner`), :mod:`.deployments` (the Deployment stand-in),
-:mod:`.nodeapi` (its API calls), :mod:`.podprocess` (pure pod-spec helpers) and
+:mod:`.garbage` (the garbage collector), :mod:`.nodeapi` (its API calls), :mod:`.podprocess` (pure pod-spec helpers) and
 :mod:`.kubeletlogs` (``kubectl logs``).
 """
 
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from .deployments import DeploymentStandIn
+from .garbage import GarbageCollectorStandIn
 from .kubelet import PodRunner
 from .kubeletlogs import KubeletLogServer
 from .node import node_manifest, node_ready_condition
@@ -190,6 +193,7 @@ class NodeAgent:
         self.namespaces = tuple(namespaces) if namespaces is not None else None
         self.poll_interval_s = poll_interval_s
         self.deployments = DeploymentStandIn(self.cluster)
+        self.garbage = GarbageCollectorStandIn(api_client, self.namespaces)
         self.runners: dict[str, PodRunner] = {}
         self._finished: set[str] = set()
         self._terminating: set[str] = set()
@@ -298,6 +302,7 @@ class NodeAgent:
             self._last_heartbeat = time.monotonic()
         pods = self.cluster.list_pods(self.namespaces)
         self._sync_pods(pods)
+        self.garbage.sync()  # before the Deployment stand-in, so it sees what is gone
         self.deployments.sync(self.cluster.list_deployments(self.namespaces), pods)
         self._sync_service_names(self.cluster.list_services(self.namespaces), pods)
 

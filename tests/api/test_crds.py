@@ -81,7 +81,7 @@ def test_apiserver_accepts_examples_and_prints_columns(
     # Ready and Version are empty until the operator reports; Desired comes from the spec.
     desired_at = pools[0].index("DESIRED")
     desired = {row.split()[0]: row[desired_at:].split()[0] for row in pools[1:]}
-    assert desired == {"dev-pool": "1", "smollm2-pool": "2"}
+    assert desired == {"dev-pool": "1", "dev-vllm-pool": "1", "smollm2-pool": "2"}
     tasks = kubectl("get", "st", "-n", namespace).stdout
     assert tasks.split()[:4] == ["NAME", "PHASE", "REWARD", "DURATION-MS"]
     everything = kubectl("get", "posttrain", "-n", namespace, "-o", "name").stdout.split()

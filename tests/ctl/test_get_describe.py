@@ -147,12 +147,15 @@ def test_describe_shows_where_the_runs_reports_are(kcli: CliRunner, kube: Any) -
     `posttrain report` renders; describe names it, and says so while it is not known."""
     kube.create_run("demo")
     kube.create_run("fresh")
-    uri = f"s3://posttrain/runs/{kube.namespace}/demo/reports"
-    kube.report_progress("demo", **PROGRESS, reports_uri=uri)
+    uri = f"s3://posttrain/runs/{kube.namespace}/demo/u-1/reports"
+    began = f"s3://posttrain/runs/{kube.namespace}/demo/u-0/checkpoints/step-00000003"
+    kube.report_progress("demo", **PROGRESS, reports_uri=uri, resumed_from=began)
 
     out = kcli("describe", "tr", "demo")
     assert out.code == 0, out.err
-    assert f"Outputs:      {uri}" in [line.strip() for line in out.out.splitlines()], out.out
+    lines = [line.strip() for line in out.out.splitlines()]
+    assert f"Outputs:      {uri}" in lines, out.out
+    assert f"Started from: {began}" in lines, out.out  # the apiserver kept status.resumedFrom
     fresh = kcli("describe", "tr", "fresh")
     assert fresh.code == 0, fresh.err
     assert "Outputs:      -" in [line.strip() for line in fresh.out.splitlines()], fresh.out
@@ -352,3 +355,44 @@ def test_warm_pools_and_a_task_the_operator_refused(
     pool = kcli("describe", "sandboxwarmpool", "py")
     assert pool.code == 0 and "claimed: 1" in pool.out, pool.out
     assert "posttrain.io/warm-pool=py" in pool.out
+
+
+def test_a_run_that_found_its_pool_keeps_no_stale_waiting_message(kube: Any) -> None:
+    """The trainer reports status.rollout while it waits for the pool (ReplicasUnavailable)
+    and again once it found replicas: that second merge patch must clear the waiting message,
+    or a Succeeded run still says it waits (issue #35)."""
+    from posttrain.api.base import GROUP, VERSION
+    from posttrain.rollout.discovery import PoolDiscovery
+    from posttrain.trainer.status import KubeStatusReporter
+
+    kube.create_run("demo")
+    pool = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "RolloutPool",
+        "metadata": {"name": "p"},
+        "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "replicas": 1},
+    }
+    kube.custom.create_namespaced_custom_object(
+        GROUP, VERSION, kube.namespace, "rolloutpools", pool
+    )
+
+    def pool_status(status: dict[str, Any]) -> None:
+        kube.custom.patch_namespaced_custom_object_status(
+            GROUP, VERSION, kube.namespace, "rolloutpools", "p", {"status": status}
+        )
+
+    waiting = {"type": "Ready", "status": "False", "reason": "ReplicasUnavailable",
+               "message": "0/1 replica(s) ready", "lastTransitionTime": "2026-12-06T00:00:00Z"}  # fmt: skip
+    pool_status({"conditions": [waiting]})
+    reporter = KubeStatusReporter("demo", kube.namespace, api=kube.custom)
+    report = lambda health: reporter.patch({"rollout": health})  # noqa: E731  (as the trainer)
+    discovery = PoolDiscovery("p", kube.namespace, api=kube.custom)
+    with pytest.raises(TimeoutError):
+        discovery.wait_ready(timeout_s=0.5, poll_s=0.1, report=report)
+    assert "ReplicasUnavailable" in kube.get_run("demo")["status"]["rollout"]["message"]
+
+    pool_status({"replicaEndpoints": ["http://127.0.0.1:1"]})
+    discovery.wait_ready(timeout_s=5, poll_s=0.1, report=report)
+    rollout = kube.get_run("demo")["status"]["rollout"]
+    assert rollout["available"] is True and rollout["readyReplicas"] == 1
+    assert "message" not in rollout, rollout

@@ -466,3 +466,78 @@ def test_warm_pool_pod_is_claimed_and_runs_the_task(
     assert final["podName"] == idle.metadata.name  # the pre-started pod, not a cold one
     assert final["warmPool"] == "warm" and final["exitCode"] == 0
     assert "hello from a warm pod" in log_text
+
+
+def test_children_go_with_their_owner_through_the_garbage_collector_stand_in(
+    crds_installed: None, agent: NodeAgent, kube_api: Any, core: Any, namespace: str
+) -> None:
+    """Deleting a RolloutPool removes its Deployment, Service and server pod; deleting a
+    TrainingRun its pod and ConfigMap; what a live owner owns stays. The children are the
+    operator's own builders' (their ownerReferences are what is tested), with a cheap
+    command instead of the rollout server (issue #35)."""
+    from kubernetes import client
+
+    from posttrain.api import RolloutPool, TrainingRun
+    from posttrain.api.base import GROUP, VERSION
+    from posttrain.operator import builders as b
+    from posttrain.operator.config import OperatorConfig
+
+    custom, apps = client.CustomObjectsApi(kube_api), client.AppsV1Api(kube_api)
+
+    def create(plural: str, body: dict[str, Any]) -> dict[str, Any]:
+        body = {"apiVersion": f"{GROUP}/{VERSION}", **body}
+        return custom.create_namespaced_custom_object(GROUP, VERSION, namespace, plural, body)  # type: ignore[no-any-return]
+
+    def cheap(pod_spec: dict[str, Any]) -> None:
+        pod_spec.pop("initContainers", None)
+        pod_spec.pop("volumes", None)
+        (container,) = pod_spec["containers"]
+        for key in ("readinessProbe", "startupProbe", "livenessProbe", "volumeMounts", "env"):
+            container.pop(key, None)
+        container["command"] = ["python", "-c", "import time; time.sleep(300)"]
+
+    pool = RolloutPool.model_validate(
+        create("rolloutpools", {"kind": "RolloutPool", "metadata": {"name": "p"},
+                                "spec": {"model": "smollm2-135m-instruct", "engine": "cpu"}})
+    )  # fmt: skip
+    deployment = b.build_rollout_deployment(pool, OperatorConfig())
+    cheap(deployment["spec"]["template"]["spec"])
+    apps.create_namespaced_deployment(namespace, deployment)
+    core.create_namespaced_service(namespace, b.build_rollout_service(pool))
+    spec = {"model": "m", "domains": [{"name": "a", "dataset": "builtin:arithmetic",
+                                       "verifier": {"kind": "numeric"}}]}  # fmt: skip
+    runs = {
+        name: TrainingRun.model_validate(
+            create(
+                "trainingruns", {"kind": "TrainingRun", "metadata": {"name": name}, "spec": spec}
+            )
+        )
+        for name in ("gone", "kept")
+    }
+    for run in runs.values():
+        core.create_namespaced_config_map(namespace, b.build_run_config_map(run, OperatorConfig()))
+        pod = b.build_trainer_pod(run, OperatorConfig(), 0, 0)
+        cheap(pod["spec"])
+        core.create_namespaced_pod(namespace, pod)
+    for name in ("p-0", "gone-g0-0", "kept-g0-0"):
+        wait_for(lambda n=name: pod_phase(core, namespace, n) == "Running", what=f"{name} runs")
+
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "rolloutpools", "p")
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, "trainingruns", "gone")
+
+    def names(listed: Any) -> set[str]:
+        return {i["metadata"]["name"] for i in json.loads(listed.data)["items"]}
+
+    def left() -> set[str]:
+        return (
+            names(apps.list_namespaced_deployment(namespace, _preload_content=False))
+            | names(core.list_namespaced_service(namespace, _preload_content=False))
+            | names(core.list_namespaced_pod(namespace, _preload_content=False))
+            | names(core.list_namespaced_config_map(namespace, _preload_content=False))
+        )
+
+    # kube-root-ca.crt: the namespace's own ConfigMap, owned by nothing.
+    wait_for(lambda: left() <= {"kept-g0-0", "kept-config", "kube-root-ca.crt"} and left(),
+             timeout_s=60, what="the deleted owners' children gone")  # fmt: skip
+    assert {"kept-g0-0", "kept-config"} <= left()
+    assert pod_phase(core, namespace, "kept-g0-0") == "Running"

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.devenv import deployments, kubeletlogs, nodeagent, podprocess
+from posttrain.devenv import deployments, garbage, kubeletlogs, nodeagent, podprocess
 from posttrain.devenv.podprocess import PodSpecError, bwrap_prefix, field_ref_value
 
 
-@pytest.mark.parametrize("module", [nodeagent, deployments, podprocess, kubeletlogs])
+@pytest.mark.parametrize("module", [nodeagent, deployments, garbage, podprocess, kubeletlogs])
 def test_docstring_examples_hold(module: object) -> None:
     result = doctest.testmod(module)  # type: ignore[arg-type]
     assert result.attempted >= 2

@@ -173,7 +173,7 @@ def run_store(minio_server: MinioServer, c: Cluster, run: str) -> S3Store:
     return S3Store(
         minio_server.endpoint,
         c.bucket,
-        f"runs/{c.namespace}/{run}",
+        c.run_prefix(run),
         access_key=minio_server.access_key,
         secret_key=minio_server.secret_key,
     )
@@ -287,7 +287,7 @@ def test_runner_mode_uses_the_operators_runner_and_outputs_outlive_the_pods(
     ):
         assert key in reports, sorted(reports)
     assert any(k.startswith("reports/eval/heldout_step") for k in reports), sorted(reports)
-    assert final["reportsUri"] == f"s3://{cluster.bucket}/runs/{cluster.namespace}/rn/reports"
+    assert final["reportsUri"] == f"s3://{cluster.bucket}/{cluster.run_prefix('rn')}/reports"
 
     from posttrain.ctl.report import report_command
 
@@ -379,9 +379,8 @@ def test_a_runner_outage_mid_run_is_a_condition_and_a_wait_not_zero_rewards(
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"  # the agent's pods share the host network
-    store = run_store(minio_server, cluster, "ou")
 
-    def step1_stored() -> bool:
+    def step1_stored() -> bool:  # asked only once the trainer runs, after `store` is set
         return any(r["step"] >= 1 for r in read_trajectories(store, "trajectories"))
 
     executor = OutageAfterStep1(step1_stored)
@@ -398,6 +397,7 @@ def test_a_runner_outage_mid_run_is_a_condition_and_a_wait_not_zero_rewards(
                 eval_items=1,
             ),
         )
+        store = run_store(minio_server, cluster, "ou")  # its uid exists from here on
         wait_logged(
             while_running(cluster, "ou", agent, "ou-g0-0", executor.down.is_set),
             RUN_TIMEOUT_S,

@@ -54,6 +54,14 @@ class Cluster:
         obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, self.namespace, plural, name)
         return obj.get("status") or {}
 
+    def run_prefix(self, name: str) -> str:
+        """The run object's storage in the bucket: ``runs/<ns>/<name>/<uid>`` (each object its
+        own, so a run created again under the same name starts fresh)."""
+        obj = self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, "trainingruns", name
+        )
+        return f"runs/{self.namespace}/{name}/{obj['metadata']['uid']}"
+
     def run_body(self, name: str, max_steps: int, backoff_limit: int) -> dict[str, Any]:
         return {
             "kind": "TrainingRun",
@@ -175,7 +183,7 @@ def trajectory_steps(minio_server: MinioServer, c: Cluster, run: str) -> collect
     store = S3Store(
         minio_server.endpoint,
         c.bucket,
-        f"runs/{c.namespace}/{run}",
+        c.run_prefix(run),
         access_key=minio_server.access_key,
         secret_key=minio_server.secret_key,
     )
@@ -195,7 +203,7 @@ def test_tiny_training_run_trains_end_to_end(
     pool_log = agent.log_path(cluster.namespace, "pool-0").read_text()
     assert final["phase"] == "Succeeded", trainer_log[-2000:] + "\n--- pool:\n" + pool_log[-3000:]
     # Written by the trainer itself (ServiceAccount token), not by the operator.
-    prefix = f"runs/{cluster.namespace}/tiny"
+    prefix = cluster.run_prefix("tiny")
     assert final["lastCheckpoint"] == f"s3://{cluster.bucket}/{prefix}/checkpoints/step-00000002"
     assert final["evalAccuracy"].keys() == {"arithmetic"}
     stored = {
@@ -206,6 +214,8 @@ def test_tiny_training_run_trains_end_to_end(
     }
     assert any(name.endswith(".safetensors") for name in stored), sorted(stored)
     assert trajectory_steps(minio_server, cluster, "tiny") == {1: 4, 2: 4}
+    assert final["resumedFrom"] == "fresh start"  # said in the status, and in the log:
+    assert "fresh start from smollm2-135m-instruct" in trainer_log, trainer_log[-3000:]
 
 
 def test_killing_operator_and_trainer_mid_run_resumes_from_the_last_checkpoint(
@@ -248,6 +258,9 @@ def test_killing_operator_and_trainer_mid_run_resumes_from_the_last_checkpoint(
     resumed = re.search(r"resumed from checkpoint step (\d+)", log)
     assert resumed is not None, log[-3000:]
     assert checkpointed <= int(resumed.group(1)) < steps
+    # The same object (same uid): its own checkpoint, named in its status.
+    own = f"s3://{cluster.bucket}/{cluster.run_prefix(name)}/checkpoints"
+    assert final["resumedFrom"] == f"{own}/step-{int(resumed.group(1)):08d}", final
 
     def trainer_pods() -> list[Any]:
         return cluster.core.list_namespaced_pod(
@@ -267,3 +280,65 @@ def test_killing_operator_and_trainer_mid_run_resumes_from_the_last_checkpoint(
     assert trajectory_steps(minio_server, cluster, name) == {
         s: PROMPTS * GROUP_SIZE for s in range(1, steps + 1)
     }
+
+
+def test_a_run_applied_again_starts_fresh_unless_it_asks_to_resume(
+    cluster: Cluster, minio_server: MinioServer, agent: NodeAgent
+) -> None:
+    """Issue #35: delete a run and apply it again, and it trains from the base model (its own
+    storage, its own uid); with spec.resumeFrom.run it continues the deleted run's checkpoint,
+    and says which, in its status and its log."""
+    name = "again"
+
+    def delete() -> None:
+        cluster.custom.delete_namespaced_custom_object(
+            GROUP, VERSION, cluster.namespace, "trainingruns", name
+        )
+        wait_for(
+            lambda: (
+                name
+                not in {
+                    i["metadata"]["name"]
+                    for i in cluster.custom.list_namespaced_custom_object(
+                        GROUP, VERSION, cluster.namespace, "trainingruns"
+                    )["items"]
+                }
+            ),
+            60,
+            "run deleted",
+        )
+
+    operator = run_operator(cluster)
+    try:
+        cluster.create("trainingruns", cluster.run_body(name, max_steps=1, backoff_limit=0))
+        first = cluster.wait_finished(name)
+        first_prefix = cluster.run_prefix(name)
+        assert first["phase"] == "Succeeded" and first["resumedFrom"] == "fresh start", first
+        delete()
+
+        cluster.create("trainingruns", cluster.run_body(name, max_steps=1, backoff_limit=0))
+        second = cluster.wait_finished(name)
+        second_prefix = cluster.run_prefix(name)
+        assert second_prefix != first_prefix
+        assert second["phase"] == "Succeeded" and second["resumedFrom"] == "fresh start", second
+        assert second["lastCheckpoint"] == (
+            f"s3://{cluster.bucket}/{second_prefix}/checkpoints/step-00000001"
+        )
+        delete()
+
+        body = cluster.run_body(name, max_steps=2, backoff_limit=0)
+        body["spec"]["resumeFrom"] = {"run": name}
+        cluster.create("trainingruns", body)
+        third = cluster.wait_finished(name)
+    finally:
+        operator.stop()
+    # The newest earlier object's checkpoint (the second's), one step more on top of it.
+    began = f"s3://{cluster.bucket}/{second_prefix}/checkpoints/step-00000001"
+    # The agent keeps each pod's log under its name (the three objects' pods share it).
+    log = agent.log_path(cluster.namespace, f"{name}-g0-0").read_text()
+    assert third["phase"] == "Succeeded" and third["resumedFrom"] == began, (third, log[-3000:])
+    assert f"resuming from checkpoint {began} (step 1)" in log, log[-3000:]
+    assert third["step"] == 2
+    assert third["lastCheckpoint"] == (
+        f"s3://{cluster.bucket}/{cluster.run_prefix(name)}/checkpoints/step-00000002"
+    )

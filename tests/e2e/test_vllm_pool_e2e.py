@@ -97,7 +97,7 @@ def pool_body(model_dir: Path, weights_uri: str) -> dict[str, Any]:
     }
 
 
-def run_body() -> dict[str, Any]:
+def run_body(storage_uri: str) -> dict[str, Any]:
     return {
         "kind": "TrainingRun",
         "metadata": {"name": RUN},
@@ -121,7 +121,9 @@ def run_body() -> dict[str, Any]:
             ],
             "rollout": {"pool": POOL, "timeoutSeconds": 900},
             "resources": {"cpu": "1", "memory": "4Gi", "gpusPerNode": 0},
-            "checkpoint": {"everySteps": 100, "keepLast": 1},  # only the last step's
+            # Storage named up front (not <name>/<uid>, known only once the run exists): the
+            # pool, created first, pulls weights from it.
+            "checkpoint": {"everySteps": 100, "keepLast": 1, "storageUri": storage_uri},
             "evaluation": {"everySteps": 100, "maxItemsPerDomain": 2},
             "backoffLimit": 0,  # a trainer crash (e.g. a failed publish) fails the test
         },
@@ -227,7 +229,7 @@ def test_training_run_on_a_two_replica_vllm_pool_survives_a_replica_kill(  # noq
 
     store = run_store(minio_server, c)
     registry = WeightRegistry(store, "weights")
-    c.create("trainingruns", run_body())
+    c.create("trainingruns", run_body(f"s3://{c.bucket}/runs/{c.namespace}/{RUN}"))
     # The operator tells the trainer the pool's serving dtype, to publish in.
     trainer = wait_logged(
         lambda: next(

@@ -272,9 +272,28 @@ def test_run_config_map_renders_spec_with_default_storage() -> None:
     body = yaml.safe_load(cm["data"]["run.yaml"])
     assert body["kind"] == "TrainingRun"
     assert body["spec"]["algorithm"]["maxSteps"] == 9
-    assert body["spec"]["checkpoint"]["storageUri"] == "s3://posttrain/runs/ml/demo"
+    # The object's own storage: a run created again under this name (another uid) starts fresh.
+    assert body["spec"]["checkpoint"]["storageUri"] == "s3://posttrain/runs/ml/demo/uid-run"
+    assert "resumeFrom" not in body["spec"]
     # It round-trips through the API model the trainer uses.
     assert TrainingRun.model_validate(body).spec.algorithm.max_steps == 9
+    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env[env_names.RUN_UID] == "uid-run"
+
+
+def test_resume_from_is_rendered_as_the_uri_the_trainer_reads() -> None:
+    def rendered(**spec: Any) -> dict[str, Any]:
+        cm = b.build_run_config_map(make_run(**spec), CONFIG)
+        return dict(yaml.safe_load(cm["data"]["run.yaml"])["spec"])
+
+    by_name = rendered(resumeFrom={"run": "demo"})
+    # Every earlier object named demo lives under this root; the trainer skips its own uid.
+    assert by_name["resumeFrom"] == {"checkpoint": "s3://posttrain/runs/ml/demo"}
+    step = "s3://other/exp/3e1f/checkpoints/step-00000004"
+    assert rendered(resumeFrom={"checkpoint": step})["resumeFrom"] == {"checkpoint": step}
+    own = rendered(checkpoint={"storageUri": "s3://team/exp1"})  # theirs, used as given
+    assert own["checkpoint"]["storageUri"] == "s3://team/exp1"
 
 
 def test_trainer_rbac_is_narrow() -> None:
@@ -616,7 +635,7 @@ def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() 
     # The trainer's own config and storage: it scores exactly what the trainer commits.
     assert container["command"] == [
         "posttrain", "eval-checkpoints", b.RUN_CONFIG_PATH,
-        "--storage", "s3://posttrain/runs/ml/demo", "--out", "/workspace",
+        "--storage", "s3://posttrain/runs/ml/demo/uid-run", "--out", "/workspace",
         "--watch", "--poll-seconds", "30", "--metrics-port", str(CONFIG.pod_metrics_port),
     ]  # fmt: skip
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
@@ -822,3 +841,26 @@ def test_a_vllm_pool_stages_weight_updates_on_a_sized_volume() -> None:
         assert server["resources"][kind]["ephemeral-storage"] == "70Gi"
     cpu = b.build_rollout_deployment(make_pool(engine="cpu", resources={"gpus": 0}), CONFIG)
     assert "ephemeral-storage" not in str(cpu)  # the dev-only cpu engine is left unsized
+
+
+def test_a_pools_deployment_and_service_are_owned_by_the_pool() -> None:
+    """What the garbage collector follows when the pool is deleted (the real one on a
+    cluster, the dev agent's stand-in on the dev cluster): one controller reference, by uid."""
+    pool = make_pool()
+    expected = [
+        {
+            "apiVersion": "posttrain.io/v1alpha1",
+            "kind": "RolloutPool",
+            "name": "pool",
+            "uid": "uid-pool",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
+    deployment = b.build_rollout_deployment(pool, CONFIG)
+    service = b.build_rollout_service(pool)
+    assert deployment["metadata"]["ownerReferences"] == expected
+    assert service["metadata"]["ownerReferences"] == expected
+    assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
+    # The pods are the Deployment's (its controller sets that reference), not the pool's.
+    assert "ownerReferences" not in deployment["spec"]["template"].get("metadata", {})

@@ -89,11 +89,9 @@ def test_delete_keeps_storage_unless_asked(
         "model": "smollm2-135m-instruct",
         "domains": [{"name": "math", "dataset": "builtin:arith", "verifier": {"kind": "numeric"}}],
     }
-    keep = open_store(f"s3://runs-test/runs/{namespace}/keep")
-    drop = open_store(f"s3://runs-test/runs/{namespace}/drop")
-    keep.put_bytes("checkpoints/step-1/model.bin", b"weights")
-    drop.put_bytes("checkpoints/step-1/model.bin", b"weights")
-    drop.put_bytes("trajectories/part-0.jsonl", b"{}")
+    # An earlier object named drop (another uid): its checkpoints are not the new drop's.
+    earlier = open_store(f"s3://runs-test/runs/{namespace}/drop/uid-of-an-earlier-drop")
+    earlier.put_bytes("checkpoints/step-1/model.bin", b"weights")
     with OperatorThread(config):
         create_cr(
             kube,
@@ -111,6 +109,16 @@ def test_delete_keeps_storage_unless_asked(
                 "spec": {**spec, "checkpoint": {"deleteOnRunDeletion": True}},
             },
         )
+        # Each object's storage is <root>/<its uid>.
+        uids = {
+            n: get_cr(kube, "trainingruns", namespace, n)["metadata"]["uid"]
+            for n in ("keep", "drop")
+        }
+        keep = open_store(f"s3://runs-test/runs/{namespace}/keep/{uids['keep']}")
+        drop = open_store(f"s3://runs-test/runs/{namespace}/drop/{uids['drop']}")
+        keep.put_bytes("checkpoints/step-1/model.bin", b"weights")
+        drop.put_bytes("checkpoints/step-1/model.bin", b"weights")
+        drop.put_bytes("trajectories/part-0.jsonl", b"{}")
         pod = wait_for(lambda: kube.get("v1", "Pod", namespace, "keep-g0-0"), what="pod")
         # No garbage collector in this control plane: assert the references it would follow.
         keep_uid = get_cr(kube, "trainingruns", namespace, "keep")["metadata"]["uid"]
@@ -140,6 +148,7 @@ def test_delete_keeps_storage_unless_asked(
         )
     assert keep.list("") == ["checkpoints/step-1/model.bin"]
     assert drop.list("") == []
+    assert earlier.list("") == ["checkpoints/step-1/model.bin"]  # deleteOnRunDeletion: its own
 
 
 def test_pod_result_after_task_deleted_is_harmless(

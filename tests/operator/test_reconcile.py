@@ -170,6 +170,24 @@ def test_run_success_only_from_rank_zero_and_cleans_workers() -> None:
     assert plan.delete_pods == ["r-g0-1"]
 
 
+def test_a_failed_run_keeps_the_failed_pod_whose_log_says_why() -> None:
+    """The documented pod policy (docs/operator.md, "Trainer pods after a run"): a run that
+    ended deletes its running pods and keeps the finished ones, failed as well as succeeded,
+    so `posttrain logs` still shows why; later reconciles keep them too."""
+    status = {"phase": "Running", "restarts": 1, "startTime": NOW.isoformat(), "step": 2}
+    pods = [trainer_pod(1, 0, "Failed"), trainer_pod(1, 1, "Running")]
+    plan = plan_training_run(run(status, resources={"nodes": 2}, backoffLimit=1), pods, 1, NOW)
+    assert plan.status_patch["phase"] == "Failed"
+    assert plan.delete_pods == ["r-g1-1"] and plan.create_ranks == []
+    after = plan_training_run(
+        run({**status, "phase": "Failed"}, resources={"nodes": 2}, backoffLimit=1),
+        [trainer_pod(1, 0, "Failed")],
+        1,
+        NOW,
+    )
+    assert after.delete_pods == []
+
+
 def test_pool_plan_scales_and_reports_selector() -> None:
     pool = RolloutPool.model_validate(
         {

@@ -27,9 +27,17 @@ def test_expected_start_up_lines_become_info_and_real_problems_stay() -> None:
         "Unresolved resources cannot be served (try creating their CRDs): "
         "Selector(group='ray.io', version='v1', any_name='rayclusters')",
     )
-    for expected in (retry, ray):
+    both = record(  # what a fresh dev cluster logs: neither KubeRay nor Kueue installed
+        "kopf._core.reactor.observation",
+        logging.WARNING,
+        "Unresolved resources cannot be served (try creating their CRDs): "
+        "Selector(group='ray.io', version='v1', any_name='rayclusters'), "
+        "Selector(group='kueue.x-k8s.io', version='v1beta2', any_name='workloads')",
+    )
+    for expected in (retry, ray, both):
         assert keep.filter(expected) and expected.levelno == logging.INFO
     assert "optional CRDs not installed" in ray.getMessage()
+    assert "KubeRay" in both.getMessage() and "Kueue" in both.getMessage()
 
     escalated = record(
         "kopf._cogs.clients.watching",

@@ -83,7 +83,9 @@ def test_single_node_run_children_status_split_and_success(
     assert pod["spec"]["serviceAccountName"] == "r1-trainer"
     config_map = kube.get("v1", "ConfigMap", namespace, "r1-config")
     assert config_map is not None and "maxSteps: 7" in config_map["data"]["run.yaml"]
-    assert f"s3://posttrain/runs/{namespace}/r1" in config_map["data"]["run.yaml"]
+    uid = get_cr(kube, "trainingruns", namespace, "r1")["metadata"]["uid"]
+    assert f"s3://posttrain/runs/{namespace}/r1/{uid}" in config_map["data"]["run.yaml"]
+    assert env["POSTTRAIN_RUN_UID"]["value"] == uid  # whose checkpoints are whose
     role = kube.get("rbac.authorization.k8s.io/v1", "Role", namespace, "r1-trainer")
     assert role is not None
     assert {r["resources"][0] for r in role["rules"]} == {
@@ -173,14 +175,16 @@ def test_gang_restart_then_backoff_limit(
     head = kube.get("v1", "Service", namespace, "g-head")
     assert head is not None and head["spec"]["selector"]["posttrain.io/gang"] == "1"
 
-    # Failing again exceeds backoffLimit=1: Failed, pods gone, a condition says why.
+    # Failing again exceeds backoffLimit=1: Failed, a condition says why, the running rank
+    # deleted and the failed one kept, so its log says why (docs/operator.md, "Trainer pods
+    # after a run").
     set_pod_terminated(kube, namespace, "g-g1-0", 1)
     status = wait_phase(kube, namespace, "g", "Failed")
     assert status["restarts"] == 2
     failed = next(c for c in status["conditions"] if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
     assert "backoffLimit=1" in failed["message"]
-    wait_for(lambda: pod_names(kube, namespace) == [], what="pods deleted")
+    wait_for(lambda: pod_names(kube, namespace) == ["g-g1-0"], what="running rank deleted")
     events = kube.request(
         "GET", resource_path("v1", "events", namespace) + "?fieldSelector=involvedObject.name=g"
     )[1]["items"]
@@ -353,3 +357,35 @@ def test_a_run_that_does_not_evaluate_inline_gets_its_evaluator_job_until_it_fai
         120,
         "evaluator Job deleted after the run failed",
     )
+
+
+def test_a_run_applied_again_under_its_name_gets_a_gang_of_its_own(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    """Deleted and applied again before the garbage collector ran (this control plane has
+    none): the old object's finished rank 0, still labelled with the run's name, must not end
+    the new run, and its ConfigMap must not be adopted; the new object gets its own (issue #35)."""
+    create_cr(kube, "trainingruns", namespace, run_body("again"))
+    wait_for(lambda: kube.get("v1", "Pod", namespace, "again-g0-0"), what="first pod")
+    set_pod_terminated(kube, namespace, "again-g0-0", 0)
+    wait_phase(kube, namespace, "again", "Succeeded")
+    old_uid = get_cr(kube, "trainingruns", namespace, "again")["metadata"]["uid"]
+    kube.delete("posttrain.io/v1alpha1", "TrainingRun", namespace, "again")
+    wait_for(lambda: get_cr(kube, "trainingruns", namespace, "again") is None, what="deleted")
+    # No garbage collector here: the old children are all still there.
+    assert kube.get("v1", "Pod", namespace, "again-g0-0") is not None
+
+    create_cr(kube, "trainingruns", namespace, run_body("again"))
+    new_uid = get_cr(kube, "trainingruns", namespace, "again")["metadata"]["uid"]
+    assert new_uid != old_uid
+
+    def owned_by_the_new_run(kind: str, name: str) -> bool:
+        obj = kube.get("v1", kind, namespace, name)
+        return obj is not None and [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [
+            new_uid
+        ]
+
+    wait_for(lambda: owned_by_the_new_run("Pod", "again-g0-0"), what="the new run's own pod")
+    wait_for(lambda: owned_by_the_new_run("ConfigMap", "again-config"), what="its own ConfigMap")
+    status = run_status(kube, namespace, "again")
+    assert status.get("phase") == "Pending", status  # not Succeeded on the old pod's behalf
