@@ -93,11 +93,13 @@ def test_runs_and_pools_reach_only_their_prefixes_and_lose_access_when_deleted(
         return S3Store(minio_server.endpoint, bucket, prefix, access_key=keys[0],
                        secret_key=keys[1], secure=False)  # fmt: skip
 
-    store(f"runs/{namespace}/mine").put_bytes("probe", b"ok")
-    with pytest.raises(StorageAuthError):
-        store(f"runs/{namespace}/other")
+    uid = run["metadata"]["uid"]
+    store(f"runs/{namespace}/mine/{uid}").put_bytes("probe", b"ok")  # the object's own prefix
+    for elsewhere in (f"runs/{namespace}/other", f"runs/{namespace}/mine/an-earlier-uid"):
+        with pytest.raises(StorageAuthError):
+            store(elsewhere)
     mine = client(minio_server, keys)
-    own = f"runs/{namespace}/mine/checkpoint"
+    own = f"runs/{namespace}/mine/{uid}/checkpoint"
     mine.put_object(bucket, own, io.BytesIO(b"ours"), 4)
     assert mine.get_object(bucket, own).read() == b"ours"
     other = f"runs/{namespace}/other/checkpoint"
