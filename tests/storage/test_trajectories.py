@@ -184,6 +184,10 @@ def test_spool_left_by_a_failed_close_is_uploaded_by_the_next_writer(
         again.append(record(7))
     # record 7 is step 1 again, by a later attempt: superseded=True shows every upload.
     assert ids(read_trajectories(store, "traj", superseded=True)) == list(range(8))
+    # A storage outage plus a kill (issue 31's fourth resume path): the dead attempt's spooled
+    # step 1 (records 5, 6) is uploaded by the next process, which sampled step 1 again (7);
+    # readers see step 1 once, from the attempt that went on.
+    assert ids(read_trajectories(store, "traj")) == [0, 1, 2, 3, 4, 7]
 
 
 def test_a_step_sampled_again_after_a_resume_is_read_once(
