@@ -105,6 +105,8 @@ class PodContainer:
                 env[item["name"]] = self.field_refs[source["fieldRef"]["fieldPath"]]
             elif "secretKeyRef" in source:
                 ref = source["secretKeyRef"]
+                if (ref["name"], ref["key"]) not in self.secrets and ref.get("optional"):
+                    continue  # as the kubelet does: an optional key that is absent is unset
                 env[item["name"]] = self.secrets[(ref["name"], ref["key"])]
             else:
                 raise NotImplementedError(f"env {item['name']}: {source}")

@@ -35,6 +35,8 @@ def _rendered_chart(helm_bin: Path, health_port: int) -> dict[tuple[str, str], d
             "--set", "operator.peering.enabled=false",
             "--set", f"operator.healthPort={health_port}",
             "--set", "metrics.enabled=false",
+            # No MinIO runs here to mint per-run users in (test_storage_credentials_cluster).
+            "--set", "storage.scopedCredentials=false",
         ],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip

@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from posttrain.api.envnames import WEIGHTS_TOKEN
 from posttrain.api.manifests import parse_resource
 from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.process import free_port
@@ -72,7 +73,7 @@ def _wait_healthy(url: str, running: Any) -> dict[str, Any]:
 
 
 def test_vllm_pool_pod_serves_and_takes_published_weights(
-    workdir: Path, minio_server: MinioServer
+    workdir: Path, minio_server: MinioServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bucket = f"smoke-{uuid.uuid4().hex[:8]}"
     store = S3Store(minio_server.endpoint, bucket, access_key=minio_server.access_key,
@@ -85,7 +86,10 @@ def test_vllm_pool_pod_serves_and_takes_published_weights(
     secrets = {
         (config.s3_credentials_secret, "AWS_ACCESS_KEY_ID"): minio_server.access_key,
         (config.s3_credentials_secret, "AWS_SECRET_ACCESS_KEY"): minio_server.secret_key,
+        # The pool's weight token (the operator's Secret); the publisher below holds it too.
+        (builders.pool_token_secret_name("smoke-vllm"), "token"): "smoke-token",
     }
+    monkeypatch.setenv(WEIGHTS_TOKEN, "smoke-token")
     volume_dirs: dict[str, Path] = {}  # the pod's emptyDirs, shared by its two containers
     fetch = PodContainer(pod_spec, "fetch-model", field_refs={"status.podIP": "127.0.0.1"},
                          secrets=secrets, volume_dirs=volume_dirs)  # fmt: skip

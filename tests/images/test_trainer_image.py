@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from posttrain.api.envnames import WEIGHTS_TOKEN
 from posttrain.api.manifests import parse_resource
 from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.process import free_port
@@ -37,10 +38,14 @@ def _config(minio: MinioServer, bucket: str) -> OperatorConfig:
     )
 
 
+POOL_TOKEN = "smoke-pool-token"
+
+
 def _secrets(config: OperatorConfig, minio: MinioServer) -> dict[tuple[str, str], str]:
     name = config.s3_credentials_secret
     return {(name, "AWS_ACCESS_KEY_ID"): minio.access_key,
-            (name, "AWS_SECRET_ACCESS_KEY"): minio.secret_key}  # fmt: skip
+            (name, "AWS_SECRET_ACCESS_KEY"): minio.secret_key,
+            (builders.pool_token_secret_name("smoke-pool"), "token"): POOL_TOKEN}  # fmt: skip
 
 
 def _pool() -> Any:
@@ -120,6 +125,9 @@ def test_pool_and_trainer_pods_train_one_step(
         secrets=secrets,
         config_maps={config_map["metadata"]["name"]: config_map["data"]},
         kubeconfig=kubeconfig,
+        # The run names its pool by URL (rollout.endpoints), which carries no pool token: a
+        # run that names the pool gets it from the operator (tests/operator/test_builders.py).
+        extra_env={WEIGHTS_TOKEN: POOL_TOKEN},
     )
     serving = start(server, image_ref("trainer"), workdir)
     try:

@@ -215,7 +215,7 @@ def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and
     # Gang 1's trainer resumed from the checkpoint gang 0 left, not from step 0.
     (resumed,) = _get(node_kubectl, ns, "pods", "-l", "posttrain.io/gang=1")["items"]
     logs = node_kubectl("logs", "-n", ns, resumed["metadata"]["name"]).stdout
-    match = re.search(r"resuming from the checkpoint of step (\d+)", logs)
+    match = re.search(r"resuming from checkpoint \S+ \(step (\d+)\)", logs)
     assert match and int(match.group(1)) >= checkpointed["step"], logs[-3000:]
     assert "step 3" in logs or "step=3" in logs, logs[-3000:]
 
