@@ -504,6 +504,17 @@ class VllmFrontDoor:
         return app
 
 
+def _start_vllm(spec: VllmServeSpec) -> subprocess.Popen[bytes]:
+    """``vllm serve`` on loopback only, in dev mode (the front door's /collective_rpc)."""
+    if spec.host not in {"127.0.0.1", "localhost", "::1"}:
+        raise ValueError(f"vLLM must listen on loopback only (its /collective_rpc loads "
+                         f"arbitrary files), got host {spec.host!r}")  # fmt: skip
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    argv = vllm_launcher(build_vllm_command(spec))
+    log.info("starting %s", " ".join(argv))
+    return subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+
+
 def run_vllm_entry(
     spec: VllmServeSpec,
     *,
@@ -522,13 +533,7 @@ def run_vllm_entry(
     """
     import uvicorn
 
-    if spec.host not in {"127.0.0.1", "localhost", "::1"}:
-        raise ValueError(f"vLLM must listen on loopback only (its /collective_rpc loads "
-                         f"arbitrary files), got host {spec.host!r}")  # fmt: skip
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-    argv = vllm_launcher(build_vllm_command(spec))
-    log.info("starting %s", " ".join(argv))
-    process = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    process = _start_vllm(spec)
     scratch = os.environ.get(WEIGHTS_SCRATCH, tempfile.gettempdir())
     limits = limits or RequestLimits()
     door = VllmFrontDoor(

@@ -359,7 +359,6 @@ class Run:
 
         from posttrain.models import resolve_model
         from posttrain.rollout.protocol import SamplingParams
-        from posttrain.storage.checkpoints import WeightRegistry
         from posttrain.storage.store import open_store
         from posttrain.storage.trajectories import TrajectoryWriter
 
@@ -390,25 +389,9 @@ class Run:
         # With storage of its own (always in a cluster), the run's outputs go there as they
         # are written: a pod's emptyDir dies with the pod and with every gang restart.
         self.outputs = ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main else None
-        self.checkpointer = Checkpointer(
-            store,
-            spec.checkpoint.keep_last,
-            spec.checkpoint.keep_best,
-            pinned_steps=self.kl_anchor_steps(),
-            # A run's identity: its TrainingRun's uid in a cluster; on a laptop none, and the
-            # --out directory (its own storage) is what it resumes from.
-            run_uid=contract.run_uid,
-            resume_from=resume_source(spec),
-        )
+        self.checkpointer = self._checkpointer(store)
         self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
-        self.publisher = WeightPublisher(
-            WeightRegistry(store, "weights", keep_last=2),
-            store.uri("weights"),
-            client,
-            self.scratch,
-            shared=all_on_this_host(getattr(client, "urls", [])),
-            dtype=serving_dtype(contract.rollout_dtype),  # the pool's (None: ours)
-        )
+        self.publisher = self._publisher(store, client)
         # Every scored sample goes to durable storage for later analysis and audits.
         self.trajectories = TrajectoryWriter(
             store, "trajectories", out_dir / "spool", writer_id=f"rank{dist.rank}"
@@ -502,6 +485,33 @@ class Run:
                 "" if self.checkpointer.run_uid is None else f" (uid {self.checkpointer.run_uid})",
                 f"; dropped the {dropped} step(s) an earlier attempt recorded" if dropped else "",
             )
+
+    def _checkpointer(self, store: Any) -> Checkpointer:
+        """The run's checkpoints in ``store``, under its identity: its TrainingRun's uid in a
+        cluster; on a laptop none, and the --out directory (its own storage) is what it
+        resumes from."""
+        spec = self.spec
+        return Checkpointer(
+            store,
+            spec.checkpoint.keep_last,
+            spec.checkpoint.keep_best,
+            pinned_steps=self.kl_anchor_steps(),
+            run_uid=self.contract.run_uid,
+            resume_from=resume_source(spec),
+        )
+
+    def _publisher(self, store: Any, client: Any) -> WeightPublisher:
+        """Weight versions for the rollout servers, in the pool's serving dtype (None: ours)."""
+        from posttrain.storage.checkpoints import WeightRegistry
+
+        return WeightPublisher(
+            WeightRegistry(store, "weights", keep_last=2),
+            store.uri("weights"),
+            client,
+            self.scratch,
+            shared=all_on_this_host(getattr(client, "urls", [])),
+            dtype=serving_dtype(self.contract.rollout_dtype),
+        )
 
     def kl_anchor_steps(self) -> frozenset[int]:
         """Checkpoints that hold an RL stage's KL anchor (the step before it starts), kept
