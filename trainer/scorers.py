@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 from prometheus_client import Counter
 
+from posttrain.api.verifier import MODEL_KINDS
 from posttrain.envs.task import content_hash
 from posttrain.errors import UsageError
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MODEL_KINDS = ("judge", "reward_model")
 MAX_BACKOFF_S = 30.0
 POOL_REFRESH_S = 5.0
 CACHE_ENTRIES = 65536
