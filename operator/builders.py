@@ -977,23 +977,18 @@ def build_rollout_service(pool: RolloutPool) -> Manifest:
     }
 
 
-def pool_clients(run: TrainingRun) -> list[str]:
-    """The RolloutPools a run's trainer pods call, judges' included (their NetworkPolicies
-    admit them).
+def pool_client_labels(run: TrainingRun) -> dict[str, str]:
+    """``client.posttrain.io/<pool>: "true"`` for each pool the run's pods call (judges'
+    included): those pools' NetworkPolicies admit them.
 
     >>> run = _example_run()
-    >>> pool_clients(run)
-    []
+    >>> pool_client_labels(run)
+    {}
     >>> run.spec.rollout.pool = "gen"
-    >>> pool_clients(run)
-    ['gen']
+    >>> pool_client_labels(run)
+    {'client.posttrain.io/gen': 'true'}
     """
-    return trainer_pools(run.spec)
-
-
-def pool_client_labels(run: TrainingRun) -> dict[str, str]:
-    """``client.posttrain.io/<pool>: "true"`` for each pool the run's pods call."""
-    return {f"{POOL_CLIENT_PREFIX}{pool}": "true" for pool in pool_clients(run)}
+    return {f"{POOL_CLIENT_PREFIX}{pool}": "true" for pool in trainer_pools(run.spec)}
 
 
 def build_pool_network_policy(pool: RolloutPool, config: OperatorConfig) -> Manifest:

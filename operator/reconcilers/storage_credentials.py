@@ -153,18 +153,22 @@ class StorageCredentials:
         if not self.enabled:
             return []
         state = self.state
-        live = {
+        cached = {
             str((body.get("metadata") or {}).get("uid"))
             for store in (state.runs, state.pools)
             for namespace, name in store.snapshot_keys()
             if (body := store.get(namespace, name) or {})
         }
-        watched = set(state.config.namespaces) or {"default"}
+        watched = state.config.watched_namespaces  # empty: every namespace
+        listed: dict[str, set[str] | None] = {}  # namespace -> the apiserver's uids, once
         revoked = []
         for namespace, uid in self.iam.owners():
-            if uid in live or not (state.config.all_namespaces or namespace in watched):
+            if uid in cached or (watched and namespace not in watched):
                 continue
-            if not self._owner_gone(namespace, uid):
+            if namespace not in listed:
+                listed[namespace] = self._live_uids(namespace)
+            live = listed[namespace]
+            if live is None or uid in live:
                 continue
             self.iam.revoke(namespace, uid)
             with self._lock:
@@ -175,20 +179,20 @@ class StorageCredentials:
             revoked.append(uid)
         return revoked
 
-    def _owner_gone(self, namespace: str, uid: str) -> bool:
-        """Confirm with the apiserver (the caches may lag a fresh object): no run or pool of
-        ``namespace`` has ``uid``."""
+    def _live_uids(self, namespace: str) -> set[str] | None:
+        """The uids of the runs and pools the apiserver has in ``namespace`` (the caches may
+        lag a fresh object); None when it cannot say, and nothing is revoked."""
         from posttrain.api import API_VERSION
 
+        uids: set[str] = set()
         for kind in ("TrainingRun", "RolloutPool"):
             try:
                 listed = self.state.kube.list(API_VERSION, kind, namespace)
             except KubeError as exc:
                 log.info("cannot list %s in %s to collect credentials: %s", kind, namespace, exc)
-                return False
-            if any((o.get("metadata") or {}).get("uid") == uid for o in listed):
-                return False
-        return True
+                return None
+            uids.update(str((o.get("metadata") or {}).get("uid")) for o in listed)
+        return uids
 
     def failed(self, body: dict[str, Any], exc: Exception) -> None:
         """Say on the object why its pods wait (retried at the next resync)."""
