@@ -100,6 +100,7 @@ class ServerState:
     load_error: str | None = None
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
     refused: dict[int, str] = field(default_factory=dict)  # versions that failed verification
+    held: Any = None  # rollout.weights.HeldWeights: the served version's bytes (delta base)
 
     @property
     def model_name(self) -> str:
@@ -147,13 +148,19 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
     with state.weights_lock, tracer.start_as_current_span("rollout.load_weights") as span:
         span.set_attribute("weights.uri", uri)
         span.set_attribute("weights.version", version)
-        path, temporary = weights.fetch_weights(uri, version)
+        path, temporary = weights.fetch_version(uri, version, held=state.held)
         try:
             state_dict = read_safetensors_dir(path)
-        finally:
+            state.engine.swap_weights(state_dict, version).result()
+        except BaseException:
             if temporary:
                 shutil.rmtree(path, ignore_errors=True)
-        state.engine.swap_weights(state_dict, version).result()
+            raise
+        if temporary or weights.version_metadata(uri, version) is not None:
+            # A registry version: keep its bytes as the base of the next delta.
+            previous, state.held = state.held, weights.hold(version, path, temporary, None)
+            if previous is not None and previous.directory != state.held.directory:
+                shutil.rmtree(previous.directory, ignore_errors=True)
     elapsed = time.monotonic() - started
     WEIGHT_LOAD_SECONDS.observe(elapsed)
     log.info("loaded weights v%d from %s in %.2fs", version, uri, elapsed)
@@ -565,6 +572,8 @@ class ServerThread:
         if self.state.engine is not None:
             self.state.engine.close()
         self._sock.close()
+        if self.state.held is not None:
+            shutil.rmtree(self.state.held.directory, ignore_errors=True)
 
 
 def run(config: ServerConfig, *, host: str, port: int) -> None:

@@ -274,6 +274,7 @@ class VllmFrontDoor:
         self.version = 0
         self.ready = False
         self.refused: dict[int, str] = {}  # versions that failed verification: why
+        self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
         self.lock = AsyncReadWriteLock()
         self.loading = asyncio.Lock()  # one weight load at a time (trainer + poller)
         self.http = httpx.AsyncClient(
@@ -321,8 +322,9 @@ class VllmFrontDoor:
                     # trainer's call arrives): versions are immutable, so this is a no-op.
                     log.info("already serving weights v%d; not reloading it", version)
                     return 0.0
+                scratch = Path(self.scratch_dir)
                 path, temporary = await asyncio.to_thread(
-                    weights.fetch_weights, uri, version, Path(self.scratch_dir)
+                    weights.fetch_version, uri, version, scratch, self.held
                 )
                 try:
                     await self.lock.acquire_write()
@@ -334,14 +336,30 @@ class VllmFrontDoor:
                         self.refused.pop(version, None)
                     finally:
                         await self.lock.release_write()
-                finally:
+                except BaseException:
                     if temporary:
                         shutil.rmtree(path, ignore_errors=True)
+                    raise
+                await asyncio.to_thread(self._hold, uri, version, path, temporary)
         elapsed = time.monotonic() - started
         WEIGHT_LOAD_SECONDS.observe(elapsed)
         SERVED_VERSION.set(version)
         log.info("vLLM now serving weights v%d from %s (%.2fs)", version, uri, elapsed)
         return elapsed
+
+    def _hold(self, uri: str, version: int, path: Path, temporary: bool) -> None:
+        """Keep a registry version's bytes as the next delta's base (one version of the
+        weights in scratch, besides the one being staged)."""
+        from posttrain.rollout import weights
+
+        if not temporary and weights.version_metadata(uri, version) is None:
+            return  # not a registry version: no delta will name it
+        previous, self.held = (
+            self.held,
+            weights.hold(version, path, temporary, Path(self.scratch_dir)),
+        )
+        if previous is not None and previous.directory != self.held.directory:
+            shutil.rmtree(previous.directory, ignore_errors=True)
 
     async def load_latest(self) -> None:
         """Serve the newest committed version under ``weights_uri`` that verifies.

@@ -13,6 +13,7 @@ import logging
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +244,127 @@ def _fetch_s3(uri: str, version: int, scratch: Path | None) -> Path:
 def _latest_version_s3(prefix: str) -> int | None:
     found = _registry(prefix).latest_version()
     return None if found is None else int(found)
+
+
+# --- delta versions (posttrain.rollout.deltas): a version may ship only its changed elements
+
+
+@dataclass
+class HeldWeights:
+    """A replica's own copy of the version it serves (safetensors in a scratch directory it
+    owns), kept so that the next delta version has its base without a download."""
+
+    version: int
+    directory: Path
+
+
+def version_metadata(uri: str, version: int) -> dict[str, Any] | None:
+    """The manifest metadata of ``version`` under the registry ``uri``; None when the
+    version has no manifest (the trainer's shared-memory files, a hand-made directory)."""
+    from posttrain.storage.commit import Manifest, read_manifest
+
+    if uri.startswith("s3://"):
+        registry = _registry(uri)
+        manifest = read_manifest(registry.store, registry.version_key(version))
+        return None if manifest is None else dict(manifest.metadata)
+    path = _local_path(uri)
+    directory = path if _has_weights(path) else path / version_dir_name(version)
+    manifest_path = directory / MANIFEST_NAME
+    if not manifest_path.is_file():
+        return None
+    return dict(Manifest.from_json(manifest_path.read_bytes(), str(manifest_path)).metadata)
+
+
+def delta_base(metadata: dict[str, Any] | None) -> int | None:
+    """The base version a delta version applies to; None for a full version.
+
+    >>> delta_base({"delta": {"base": 4}}), delta_base({"dtype": "bfloat16"}), delta_base(None)
+    (4, None, None)
+    """
+    delta = (metadata or {}).get("delta")
+    return int(delta["base"]) if isinstance(delta, dict) and "base" in delta else None
+
+
+def fetch_version(
+    uri: str, version: int, scratch: Path | None = None, held: HeldWeights | None = None
+) -> tuple[Path, bool]:
+    """A local directory holding version ``version``'s full safetensors, as
+    :func:`fetch_weights` returns it, for full and delta versions alike.
+
+    A delta version is rebuilt from the newest base on its chain this replica can get: the
+    version it ``held`` when the chain reaches it, else the full version the chain starts
+    from (a replica that missed versions or joins late), then every delta after it in order,
+    each checked tensor by tensor against the digests of the full version's bytes. When the
+    held copy does not give the published bytes (damaged on disk) the chain is replayed from
+    its full version before the version is refused.
+    """
+    check_uri(uri)
+    metadata = version_metadata(uri, version)
+    if delta_base(metadata) is None:
+        return fetch_weights(uri, version, scratch)
+    try:
+        return _rebuild(uri, version, scratch, held)
+    except unusable_version_errors() as exc:
+        if held is None:
+            raise
+        log.warning("rebuilding weights v%d on the held v%d failed (%s); replaying the delta "
+                    "chain from its full version instead", version, held.version, exc)  # fmt: skip
+        return _rebuild(uri, version, scratch, None)
+
+
+def _rebuild(
+    uri: str, version: int, scratch: Path | None, held: HeldWeights | None
+) -> tuple[Path, bool]:
+    from safetensors.torch import save_file
+
+    from posttrain.rollout.deltas import apply_delta
+    from posttrain.rollout.engine import read_safetensors_dir
+    from posttrain.storage.errors import ArtifactNotFoundError
+
+    chain: list[tuple[int, dict[str, Any]]] = []  # the deltas to apply, newest first
+    current, metadata = version, version_metadata(uri, version)
+    while (base := delta_base(metadata)) is not None:
+        assert metadata is not None
+        chain.append((current, metadata["delta"]))
+        if held is not None and base == held.version:
+            break
+        if base >= current:
+            raise ValueError(f"weights v{current} under {uri} names base v{base}, not older")
+        current, metadata = base, version_metadata(uri, base)
+        if metadata is None:
+            raise ArtifactNotFoundError(
+                f"weights v{version} under {uri} is a delta whose chain reaches v{base}, which "
+                "is no longer published; a newer full version will follow"
+            )
+    start_version = chain[-1][1]["base"]
+    if held is not None and start_version == held.version:
+        state = read_safetensors_dir(held.directory)
+    else:
+        path, temporary = fetch_weights(uri, start_version, scratch)
+        try:
+            state = read_safetensors_dir(path)
+        finally:
+            if temporary:
+                shutil.rmtree(path, ignore_errors=True)
+    for number, delta in reversed(chain):
+        path, temporary = fetch_weights(uri, number, scratch)
+        try:
+            state = apply_delta(state, path / "delta.safetensors", delta, f"{uri} v{number}")
+        finally:
+            if temporary:
+                shutil.rmtree(path, ignore_errors=True)
+    dest = Path(tempfile.mkdtemp(prefix=f"weights-{version_dir_name(version)}-", dir=scratch))
+    save_file(state, str(dest / "model.safetensors"))
+    log.info("rebuilt weights v%d from v%d and %d delta(s)", version, start_version, len(chain))
+    return dest, True
+
+
+def hold(version: int, path: Path, temporary: bool, scratch: Path | None) -> HeldWeights:
+    """Keep the version just loaded as the base for the next delta: a temporary directory
+    is taken over as it is, one read in place is copied (the registry may prune it)."""
+    if temporary:
+        return HeldWeights(version, path)
+    copy = Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=scratch))
+    for file in path.glob("*.safetensors"):
+        shutil.copyfile(file, copy / file.name)
+    return HeldWeights(version, copy)

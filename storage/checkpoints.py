@@ -455,6 +455,11 @@ class WeightRegistry:
     The trainer publishes after each optimizer step it wants sampled from; rollout servers
     poll :meth:`latest_version` (one small GET) and :meth:`fetch` when it changes. The newest
     ``keep_last`` versions are retained so a slow server can finish downloading.
+
+    A version may be a *delta* (manifest metadata ``delta.base``: the version it applies to,
+    see :mod:`posttrain.rollout.deltas`). Retention keeps every version a retained delta's
+    chain passes through down to its full version, so a replica can always rebuild a
+    retained version; deltas go with their base, never before it.
     """
 
     def __init__(
@@ -464,10 +469,45 @@ class WeightRegistry:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self._series = _CommittedSeries(store, prefix, _WEIGHTS)
         self.keep_last = keep_last
+        self._bases: dict[int, int | None] = {}  # version -> delta base (versions are immutable)
+
+    @property
+    def store(self) -> ArtifactStore:
+        return self._series.store
 
     @property
     def last_refused(self) -> list[str]:
         return self._series.last_refused
+
+    def version_key(self, version: int) -> str:
+        """The store key of one version's directory."""
+        return self._series.dir_key(version)
+
+    def delta_base(self, version: int) -> int | None:
+        """The version ``version`` is a delta over; None for a full (or unreadable) one."""
+        if version not in self._bases:
+            try:
+                manifest = read_manifest(self.store, self.version_key(version))
+            except CorruptArtifactError:
+                manifest = None
+            delta = manifest.metadata.get("delta") if manifest else None
+            base = delta.get("base") if isinstance(delta, dict) else None
+            self._bases[version] = int(base) if isinstance(base, int) else None
+        return self._bases[version]
+
+    def retained(self, versions: list[int], newest: int) -> set[int]:
+        """The versions to keep: the newest ``keep_last`` and ``newest``, plus every base
+        their delta chains pass through (so pruning never breaks a chain).
+
+        A delta whose base is gone (a chain already broken) is not a reason to keep more.
+        """
+        present = set(versions)
+        keep = {*sorted(versions)[-self.keep_last :], newest}
+        for version in list(keep):
+            while (base := self.delta_base(version)) is not None and base in present:
+                keep.add(base)
+                version = base
+        return keep
 
     def publish(
         self,
@@ -475,17 +515,28 @@ class WeightRegistry:
         local_dir: str | os.PathLike[str],
         metadata: dict[str, Any] | None = None,
     ) -> Manifest:
+        """Commit ``local_dir`` as ``version`` (a delta when ``metadata["delta"]`` names its
+        base), move ``latest.json``, prune what no retained chain needs."""
         with tracer.start_as_current_span("weights.publish") as span:
             span.set_attribute("weights.version", version)
-            manifest = self._series.commit(
-                version, local_dir, {**(metadata or {}), "version": version}
-            )
+            meta = {**(metadata or {}), "version": version}
+            delta = meta.get("delta")
+            if isinstance(delta, dict) and delta.get("base") not in self.versions():
+                raise ValueError(
+                    f"weights v{version} is a delta over v{delta.get('base')}, which is not "
+                    f"published under {self.store.uri(self._series.prefix)}; publish it full"
+                )
+            manifest = self._series.commit(version, local_dir, meta)
             span.set_attribute("storage.bytes", manifest.total_bytes)
+            span.set_attribute("weights.delta", isinstance(delta, dict))
+            self._bases[version] = int(delta["base"]) if isinstance(delta, dict) else None
             versions = self._series.numbers()
-            self._series.prune(
-                {*versions[-self.keep_last :], version},
+            removed = self._series.prune(
+                self.retained(versions, version),
                 newest_committed=max(versions, default=version),
             )
+            for number in removed:
+                self._bases.pop(number, None)
             return manifest
 
     def latest_version(self) -> int | None:
@@ -501,7 +552,10 @@ class WeightRegistry:
     def fetch(
         self, version: int | Literal["latest"], dest: str | os.PathLike[str]
     ) -> tuple[int, Manifest]:
-        """Fetch and verify a version (``"latest"``: the newest that verifies) into ``dest``."""
+        """Fetch and verify a version (``"latest"``: the newest that verifies) into ``dest``.
+
+        The directory as committed: a delta version holds its ``delta.safetensors``, which
+        :func:`posttrain.rollout.weights.fetch_version` applies to its base."""
         with tracer.start_as_current_span("weights.fetch") as span:
             if version == "latest":
                 result = self._series.fetch_latest(dest)

@@ -15,6 +15,13 @@ where ``uri`` points:
   ~0.5 s. The registry still gets the weights whenever a checkpoint is saved
   (``durable=True``), so ``weights/`` keeps up with the checkpoints.
 
+A registry version is published as a **delta** over the previous registry version (only
+the elements whose bits changed, :mod:`posttrain.rollout.deltas`) when that pays
+(:class:`DeltaPolicy`): at RL learning rates most bf16 weights are bit-identical between
+steps. Replicas rebuild and digest-check the full bytes (:func:`posttrain.rollout.weights.
+fetch_version`); a full version at least every ``max_chain`` versions bounds what a
+replica that joins late replays.
+
 A loopback URL can still hide another machine (``kubectl port-forward``): if the server
 cannot read the shared file, the publisher falls back to the registry for the rest of the
 run instead of failing it.
@@ -28,6 +35,7 @@ import logging
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -114,6 +122,26 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class DeltaPolicy:
+    """When a registry version ships as a delta over the previous one."""
+
+    max_ratio: float = 0.5
+    """Publish a delta only when its bytes are at most this fraction of the full version's:
+    a delta costs the replicas a rebuild (read base, scatter, digest every tensor) and
+    lengthens the chain a late joiner replays, so it must save real bytes. Sparse entries
+    cost an int32 index plus the value (6 bytes per changed bf16 element vs 2 per element
+    in full), so 0.5 means fewer than ~1 in 6 elements changed."""
+    max_chain: int = 8
+    """A full version after this many deltas in a row: bounds what a replica that joins
+    late replays (one full download plus at most this many deltas) and what retention keeps
+    (up to ``keep_last + max_chain`` versions)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_ratio <= 1 or self.max_chain < 1:
+            raise ValueError(f"DeltaPolicy needs 0 < max_ratio <= 1 and max_chain >= 1, got {self}")
+
+
 class WeightPublisher:
     """Publishes policy versions to the rollout servers through the cheapest working path."""
 
@@ -126,10 +154,12 @@ class WeightPublisher:
         *,
         shared: bool,
         dtype: Any | None = None,
+        deltas: DeltaPolicy | None = DeltaPolicy(),
     ) -> None:
         """``dtype``: publish floating-point tensors in this dtype (the pool's serving dtype,
         e.g. bf16 from fp32 master weights: half the bytes every replica reads); None
-        publishes what the trainer holds (bf16 already when it trains in bf16)."""
+        publishes what the trainer holds (bf16 already when it trains in bf16).
+        ``deltas``: when registry versions may be deltas; None publishes every one full."""
         self.registry = registry  # posttrain.storage.checkpoints.WeightRegistry
         self.registry_uri = registry_uri
         self.client = client  # posttrain.rollout.client.RolloutClient
@@ -143,6 +173,13 @@ class WeightPublisher:
         self.durable_versions: list[int] = []  # versions committed to the registry
         self.dtype = dtype
         self.last_bytes = 0  # bytes written by the last publish (all transports)
+        self.deltas = deltas
+        self.last_kind = ""  # "full" | "delta": how the last registry version was published
+        self.last_changed_fraction: float | None = None  # of elements, when it was compared
+        # The tensors of the last registry version (the next delta's base), and how many
+        # deltas in a row lead to it.
+        self._base: tuple[int, Path] | None = None
+        self._chain = 0
 
     @property
     def transport(self) -> str:
@@ -189,6 +226,9 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._stop_sharing()
+        if self._base is not None:
+            shutil.rmtree(self._base[1], ignore_errors=True)
+            self._base = None
 
     def _write(self, policy: Any, version: int, *, weights_only: bool) -> Path | None:
         """The version as an HF directory (in ``self.dtype`` when set): in tmpfs when
@@ -228,11 +268,59 @@ class WeightPublisher:
     def _publish_registry(
         self, local: Path, version: int, *, load: bool, metadata: dict[str, Any] | None = None
     ) -> None:
-        manifest = self.registry.publish(version, local, metadata)
+        delta = self._write_delta(local, version)
+        delta_dir = None if delta is None else delta[0]
+        meta = dict(metadata or {}) if delta is None else {**(metadata or {}), "delta": delta[1]}
+        try:
+            manifest = self.registry.publish(version, delta_dir or local, meta)
+        finally:
+            if delta_dir is not None:
+                shutil.rmtree(delta_dir, ignore_errors=True)
+        self.last_kind = "full" if delta_dir is None else "delta"
+        self._chain = 0 if delta_dir is None else self._chain + 1
+        self._keep_base(local, version)
         self.last_bytes += int(getattr(manifest, "total_bytes", 0))
         self.durable_versions.append(version)
         if load:
             self.client.load_weights(self.registry_uri, version)
+
+    def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
+        """The delta of ``local`` over the last registry version as a directory to commit
+        and its manifest entry, or None when a full version is due or pays better (:class:`DeltaPolicy`)."""
+        from posttrain.rollout.deltas import diff_state_dicts, write_delta
+        from posttrain.rollout.engine import read_safetensors_dir
+
+        policy, base = self.deltas, self._base
+        self.last_changed_fraction = None
+        if policy is None or base is None or self._chain >= policy.max_chain:
+            return None
+        if base[0] not in self.registry.versions():  # pruned by another writer: start over
+            return None
+        plan = diff_state_dicts(base[0], read_safetensors_dir(base[1]), read_safetensors_dir(local))
+        self.last_changed_fraction = None if plan is None else plan.changed_fraction
+        if plan is None or plan.delta_bytes > policy.max_ratio * plan.full_bytes:
+            log.info("weights v%d: full version (%s)", version,
+                     "tensors changed names, shapes or dtypes" if plan is None else
+                     f"{plan.changed_fraction:.1%} of elements changed")  # fmt: skip
+            return None
+        log.info("weights v%d: delta over v%d, %.2f%% of elements changed, %.1f MB vs %.1f MB "
+                 "full", version, base[0], 100 * plan.changed_fraction, plan.delta_bytes / 1e6,
+                 plan.full_bytes / 1e6)  # fmt: skip
+        return write_delta(plan, self.scratch / f"delta-v{version}").parent, plan.metadata
+
+    def _keep_base(self, local: Path, version: int) -> None:
+        """Keep ``version``'s tensors as the next delta's base (moved out of a scratch
+        directory about to be deleted; copied out of shared memory, which a server reads)."""
+        if self.deltas is None:
+            return
+        target = self.scratch / f"delta-base-v{version}"
+        target.mkdir(parents=True, exist_ok=True)
+        in_scratch = self.shared_dir is None or not local.is_relative_to(self.shared_dir)
+        for file in local.glob("*.safetensors"):
+            (shutil.move if in_scratch else shutil.copyfile)(file, target / file.name)
+        if self._base is not None:
+            shutil.rmtree(self._base[1], ignore_errors=True)
+        self._base = (version, target)
 
     def _stop_sharing(self) -> None:
         if self.shared_dir is not None:

@@ -235,3 +235,42 @@ def test_checkpoint_saved_with_sha256_manifest_v1_still_resumes(
     step, loaded = manager.load_latest(tmp_path / "dest")  # type: ignore[misc]
     assert step == 7 and "fails its checksum: xxh3-128" in manager.last_refused[0]
     assert loaded_step(tmp_path / "dest") == 7
+
+
+def test_weight_retention_never_breaks_a_delta_chain(store: ArtifactStore, tmp_path: Path) -> None:
+    """keep_last counts versions, but a retained delta keeps every base down to its full
+    version; deltas go with their base. What a version holds does not matter here."""
+    registry = WeightRegistry(store, "weights", keep_last=2)
+
+    def publish(version: int, base: int | None) -> None:
+        meta = {"delta": {"base": base}} if base is not None else {}
+        registry.publish(version, make_checkpoint(tmp_path, version, size=10), meta)
+
+    def chains_intact() -> bool:
+        kept = registry.versions()
+        for version in kept:
+            while (base := registry.delta_base(version)) is not None:
+                if base not in kept:
+                    return False
+                version = base
+        return True
+
+    publish(1, None)
+    for version in (2, 3, 4, 5):
+        publish(version, version - 1)
+        assert registry.versions() == list(range(1, version + 1)) and chains_intact()
+    publish(6, None)  # a full version; v5 is still among the newest two, so is its chain
+    assert registry.versions() == [1, 2, 3, 4, 5, 6] and chains_intact()
+    publish(7, 6)
+    assert registry.versions() == [6, 7] and chains_intact()  # v1-v5 gone with their base
+    publish(8, 7)
+    assert registry.versions() == [6, 7, 8] and chains_intact()
+    # A fresh registry object (another process) reads the chain from the manifests.
+    assert WeightRegistry(store, "weights", keep_last=1).retained(registry.versions(), 8) == {
+        6,
+        7,
+        8,
+    }
+    with pytest.raises(ValueError, match="delta over v3, which is not published"):
+        publish(9, 3)
+    assert registry.latest_version() == 8
