@@ -101,19 +101,27 @@ class DeltaPlan:
 
 
 def diff_state_dicts(
-    base_version: int, base: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+    base_version: int,
+    base: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    max_changed_fraction: float = 1.0,
 ) -> DeltaPlan | None:
     """The delta taking ``base`` to ``new``; None when none can express it (tensors added,
-    removed, reshaped or recast: publish a full version).
+    removed, reshaped or recast) or more than ``max_changed_fraction`` of the elements
+    changed (fp32 weights under Adam: nearly all), found without compressing the rest:
+    publish a full version.
 
     >>> base = {"w": torch.zeros(4, dtype=torch.bfloat16)}
     >>> new = {"w": torch.tensor([0, 1, 0, 0], dtype=torch.bfloat16)}
     >>> plan = diff_state_dicts(3, base, new)
     >>> plan.changed, plan.metadata["base"], sorted(plan.tensors)
     (1, 3, ['w::xor'])
+    >>> diff_state_dicts(3, base, {"w": torch.ones(4, dtype=torch.bfloat16)}, 0.5) is None
+    True
     """
     if set(base) != set(new):
         return None
+    budget = max_changed_fraction * sum(t.numel() for t in new.values())
     tensors: dict[str, torch.Tensor] = {}
     described: dict[str, dict[str, Any]] = {}
     changed = elements = delta_bytes = full_bytes = 0
@@ -127,6 +135,8 @@ def diff_state_dicts(
             tensors[name + XOR_SUFFIX] = pack_xor(xor)
             delta_bytes += tensors[name + XOR_SUFFIX].numel()
         changed += moved
+        if changed > budget:
+            return None
         elements += now.numel()
         full_bytes += now.numel() * now.element_size()
         described[name] = {

@@ -128,10 +128,11 @@ class DeltaPolicy:
 
     max_ratio: float = 0.5
     """Publish a delta only when its bytes are at most this fraction of the full version's:
-    a delta costs the replicas a rebuild (read base, scatter, digest every tensor) and
-    lengthens the chain a late joiner replays, so it must save real bytes. Sparse entries
-    cost an int32 index plus the value (6 bytes per changed bf16 element vs 2 per element
-    in full), so 0.5 means fewer than ~1 in 6 elements changed."""
+    a delta costs the replicas a rebuild (read base, XOR, digest every tensor) and
+    lengthens the chain a late joiner replays, so it must save real bytes. More than this
+    fraction of the *elements* changed (fp32 weights under Adam: all of them) also makes a
+    full version, decided before compressing the rest. At the demo's learning rate in bf16
+    ~5% change and a delta is ~1/20 of the bytes (docs/benchmarks.md, "Weight deltas")."""
     max_chain: int = 8
     """A full version after this many deltas in a row: bounds what a replica that joins
     late replays (one full download plus at most this many deltas) and what retention keeps
@@ -296,12 +297,13 @@ class WeightPublisher:
             return None
         if base[0] not in self.registry.versions():  # pruned by another writer: start over
             return None
-        plan = diff_state_dicts(base[0], read_safetensors_dir(base[1]), read_safetensors_dir(local))
+        base_state, state = read_safetensors_dir(base[1]), read_safetensors_dir(local)
+        plan = diff_state_dicts(base[0], base_state, state, policy.max_ratio)
         self.last_changed_fraction = None if plan is None else plan.changed_fraction
         if plan is None or plan.delta_bytes > policy.max_ratio * plan.full_bytes:
             log.info("weights v%d: full version (%s)", version,
-                     "tensors changed names, shapes or dtypes" if plan is None else
-                     f"{plan.changed_fraction:.1%} of elements changed")  # fmt: skip
+                     f"{plan.changed_fraction:.1%} of elements changed" if plan else
+                     "tensors renamed, reshaped or recast, or most elements changed")  # fmt: skip
             return None
         log.info("weights v%d: delta over v%d, %.2f%% of elements changed, %.1f MB vs %.1f MB "
                  "full", version, base[0], 100 * plan.changed_fraction, plan.delta_bytes / 1e6,

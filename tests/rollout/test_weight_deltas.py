@@ -225,3 +225,19 @@ def test_fetch_version_refuses_a_chain_whose_base_is_gone(tmp_path: Path) -> Non
     upload_dir(store, "weights/v00000002", delta_dir, metadata={"delta": plan.metadata})
     with pytest.raises(weights.unusable_version_errors(), match="no longer published"):
         weights.fetch_version(store.uri("weights"), 2, tmp_path)
+
+
+def test_a_step_that_moves_most_weights_publishes_a_full_version(
+    tiny_model_dir: Path, replicas: Replicas, tmp_path: Path
+) -> None:
+    policy = Policy(tiny_model_dir, learning_rate=1e-3)
+    _, client = replicas.start()
+    publisher = _publisher(tmp_path, "run", client)
+    publisher.publish(policy, 1)
+    _sparse_step(policy, seed=2, fraction=1.0)  # every weight moves
+    publisher.publish(policy, 2)
+    assert publisher.last_kind == "full" and publisher.last_changed_fraction is None
+    manifest = json.loads((tmp_path / "run/weights/v00000002/manifest.json").read_text())
+    assert "delta" not in manifest["metadata"]
+    assert _greedy(client, policy)[0] == 2
+    publisher.close()
