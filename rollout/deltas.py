@@ -18,6 +18,8 @@ the version (``CorruptArtifactError`` naming the tensor) and keeps serving what 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,10 +102,40 @@ class DeltaPlan:
         return self.changed / max(self.elements, 1)
 
 
+class SafetensorsDir(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's ``*.safetensors`` files, each read when asked for: a
+    diff holds one tensor pair at a time, not two copies of the model."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        self._files: dict[str, Path] = {}
+        self.elements = 0  # across all tensors, from the headers
+        for file in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (not a dict)
+                    self._files[name] = file
+                    self.elements += math.prod(handle.get_slice(name).get_shape())
+        if not self._files:
+            raise FileNotFoundError(f"no *.safetensors files in {directory}")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
 def diff_state_dicts(
     base_version: int,
-    base: dict[str, torch.Tensor],
-    new: dict[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
     max_changed_fraction: float = 1.0,
 ) -> DeltaPlan | None:
     """The delta taking ``base`` to ``new``; None when none can express it (tensors added,
@@ -121,7 +153,8 @@ def diff_state_dicts(
     """
     if set(base) != set(new):
         return None
-    budget = max_changed_fraction * sum(t.numel() for t in new.values())
+    total = getattr(new, "elements", None) or sum(t.numel() for t in new.values())
+    budget = max_changed_fraction * total
     tensors: dict[str, torch.Tensor] = {}
     described: dict[str, dict[str, Any]] = {}
     changed = elements = delta_bytes = full_bytes = 0

@@ -615,6 +615,8 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
         stop_polling.set()
         if state.engine is not None:
             state.engine.close()
+        if state.held is not None:
+            shutil.rmtree(state.held.directory, ignore_errors=True)
     if state.load_error is not None:
         raise ModelLoadError(f"could not load model {config.model!r}: {state.load_error}")
 

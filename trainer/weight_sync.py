@@ -288,8 +288,7 @@ class WeightPublisher:
     def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
         """The delta of ``local`` over the last registry version as a directory to commit
         and its manifest entry, or None when a full version is due or pays better (:class:`DeltaPolicy`)."""
-        from posttrain.rollout.deltas import diff_state_dicts, write_delta
-        from posttrain.rollout.engine import read_safetensors_dir
+        from posttrain.rollout.deltas import SafetensorsDir, diff_state_dicts, write_delta
 
         policy, base = self.deltas, self._base
         self.last_changed_fraction = None
@@ -297,8 +296,9 @@ class WeightPublisher:
             return None
         if base[0] not in self.registry.versions():  # pruned by another writer: start over
             return None
-        base_state, state = read_safetensors_dir(base[1]), read_safetensors_dir(local)
-        plan = diff_state_dicts(base[0], base_state, state, policy.max_ratio)
+        plan = diff_state_dicts(
+            base[0], SafetensorsDir(base[1]), SafetensorsDir(local), policy.max_ratio
+        )
         self.last_changed_fraction = None if plan is None else plan.changed_fraction
         if plan is None or plan.delta_bytes > policy.max_ratio * plan.full_bytes:
             log.info("weights v%d: full version (%s)", version,
