@@ -287,7 +287,8 @@ class WeightPublisher:
 
     def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
         """The delta of ``local`` over the last registry version as a directory to commit
-        and its manifest entry, or None when a full version is due or pays better (:class:`DeltaPolicy`)."""
+        and its manifest entry, or None when a full version is due or pays better
+        (:class:`DeltaPolicy`)."""
         from posttrain.rollout.deltas import SafetensorsDir, diff_state_dicts, write_delta
 
         policy, base = self.deltas, self._base
