@@ -271,3 +271,41 @@ def test_concurrent_requests_during_a_load_report_one_version_each(vllm_pool: Po
             groups = sampling.result()
     versions = {c.weight_version for g in groups for c in g}
     assert versions <= {old, new} and versions
+
+
+def test_a_delta_version_serves_exactly_what_the_full_version_does(vllm_pool: Pool) -> None:
+    """The trainer publishes a step as a delta (only the final norm moved), then the same
+    weights again as a full version: each replica's greedy token ids and logprobs agree."""
+    pool = vllm_pool
+    scratch = pool.root / "delta-scratch"
+    scratch.mkdir(exist_ok=True)
+    with pool.client() as both:
+        deltas = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False)
+        full = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False,
+                               deltas=None)  # fmt: skip
+        pool.version += 1
+        deltas.publish(pool.policy, pool.version)  # this publisher's first: full
+        pool.perturb(seed=21)
+        pool.version += 1
+        deltas.publish(pool.policy, pool.version)
+        assert deltas.last_kind == "delta" and deltas.last_bytes < full_bytes(pool) / 20
+        assert served_versions(pool) == [pool.version, pool.version]
+        via_delta = [outputs(pool, replica) for replica in pool.replicas]
+        pool.version += 1
+        full.publish(pool.policy, pool.version)
+        assert full.last_kind == "full"
+        assert served_versions(pool) == [pool.version, pool.version]
+        via_full = [outputs(pool, replica) for replica in pool.replicas]
+        assert via_delta == via_full
+        deltas.close()
+        full.close()
+
+
+def full_bytes(pool: Pool) -> int:
+    return sum(f.stat().st_size for f in pool.model_dir.glob("*.safetensors"))
+
+
+def outputs(pool: Pool, replica: LocalVllmReplica) -> list[tuple[list[int], list[float]]]:
+    with pool.client(replica) as client:
+        return [(group[0].token_ids, group[0].logprobs)
+                for group in client.generate(pool.prompts(), GREEDY)]  # fmt: skip
