@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,6 +21,9 @@ from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import open_store
 from posttrain.trainer.policy import Policy
 from posttrain.trainer.weight_sync import DeltaPolicy, WeightPublisher
+
+if TYPE_CHECKING:
+    from posttrain.devenv.minio import MinioServer
 
 
 class Replicas:
@@ -241,3 +245,44 @@ def test_a_step_that_moves_most_weights_publishes_a_full_version(
     assert "delta" not in manifest["metadata"]
     assert _greedy(client, policy)[0] == 2
     publisher.close()
+
+
+def test_a_delta_chain_through_s3_rebuilds_the_full_bytes_and_refuses_a_bad_digest(
+    minio_server: MinioServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The s3:// path a cluster replica takes (real MinIO): the manifests name the bases,
+    each directory is downloaded and verified, the result is checked tensor by tensor."""
+    from posttrain.storage.store import S3Store
+
+    monkeypatch.setenv("POSTTRAIN_S3_ENDPOINT", minio_server.endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", minio_server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", minio_server.secret_key)
+    store = S3Store(minio_server.endpoint, "deltas", "run", access_key=minio_server.access_key,
+                    secret_key=minio_server.secret_key)  # fmt: skip
+    registry = WeightRegistry(store, "weights", keep_last=5)
+    generator = torch.Generator().manual_seed(0)
+    states = [{"w": torch.randn(64, 32, generator=generator).to(torch.bfloat16)}]
+    for _ in range(3):
+        moved = states[-1]["w"].clone()
+        moved[torch.rand(moved.shape, generator=generator) < 0.05] += 1
+        states.append({"w": moved})
+    from safetensors.torch import save_file
+
+    (tmp_path / "v1").mkdir()
+    save_file(states[0], str(tmp_path / "v1" / "model.safetensors"))
+    registry.publish(1, tmp_path / "v1")
+    for version in (2, 3, 4):
+        plan = diff_state_dicts(version - 1, states[version - 2], states[version - 1])
+        assert plan is not None
+        if version == 4:
+            plan.metadata["tensors"]["w"]["sha256"] = "f" * 64
+        delta_dir = write_delta(plan, tmp_path / f"d{version}").parent
+        registry.publish(version, delta_dir, {"delta": plan.metadata})
+    uri = "s3://deltas/run/weights"
+
+    path, temporary = weights.fetch_version(uri, 3, tmp_path)  # joins late: v1 + v2 + v3
+    assert temporary and _same_bits(read_safetensors_dir(path), states[2])
+    held = weights.hold(3, path, temporary, tmp_path)
+    with pytest.raises(weights.unusable_version_errors(), match="tensor w after applying"):
+        weights.fetch_version(uri, 4, tmp_path, held)
+    assert _same_bits(read_safetensors_dir(held.directory), states[2])  # still v3's bytes
