@@ -58,6 +58,11 @@ PUBLISH_BYTES = Counter(
     "Bytes of weights written per publish (the transfer every replica then reads)",
     ["transport"],
 )
+REGISTRY_VERSIONS = Counter(
+    "posttrain_trainer_weight_versions_total",
+    "Weight versions committed to the registry, full or as a delta over the previous one",
+    ["kind"],
+)
 SHARED_MEMORY_ROOT = Path("/dev/shm")
 
 
@@ -278,6 +283,7 @@ class WeightPublisher:
             if delta_dir is not None:
                 shutil.rmtree(delta_dir, ignore_errors=True)
         self.last_kind = "full" if delta_dir is None else "delta"
+        REGISTRY_VERSIONS.labels(self.last_kind).inc()
         self._chain = 0 if delta_dir is None else self._chain + 1
         self._keep_base(local, version)
         self.last_bytes += int(getattr(manifest, "total_bytes", 0))

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from posttrain.rollout import weights
 from posttrain.rollout.client import RolloutClient, RolloutError
@@ -109,7 +110,11 @@ def test_delta_and_full_versions_serve_identical_logits(
         full.publish(policy, version)
         delta.publish(policy, version)
         assert (full.last_kind, delta.last_kind) == ("full", "full" if version == 1 else "delta")
-    assert delta.last_bytes < full.last_bytes / 5  # 2% changed: ~6% of the bytes
+    assert delta.last_bytes < full.last_bytes / 5  # 2% changed
+    deltas_counted = REGISTRY.get_sample_value(
+        "posttrain_trainer_weight_versions_total", {"kind": "delta"}
+    )
+    assert deltas_counted is not None and deltas_counted >= 2
     manifest = json.loads((tmp_path / "delta/weights/v00000003/manifest.json").read_text())
     assert manifest["metadata"]["delta"]["base"] == 2
     assert [f["path"] for f in manifest["files"]] == ["delta.safetensors"]
