@@ -83,6 +83,14 @@ def test_shared_memory_publish_serves_the_new_version(
     shared_dir = publisher.shared_dir
     assert shared_dir is not None
     assert [p.name for p in shared_dir.iterdir()] == ["v00000002"]  # older files deleted
+
+    # The next checkpoint step: every fp32 weight moved, so the registry gets a full version
+    # (no delta), and the server still reads it from shared memory.
+    _perturb(policy, seed=3)
+    publisher.publish(policy, 3, durable=True)
+    assert _served_matches(policy, client) == (3, True)
+    assert registry.versions() == [2, 3] and publisher.last_kind == "full"
+    assert [p.name for p in shared_dir.iterdir()] == ["v00000003"]
     publisher.close()
     assert not shared_dir.exists()
 
