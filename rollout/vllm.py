@@ -608,6 +608,8 @@ def run_vllm_entry(
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+        if door.held is not None:
+            shutil.rmtree(door.held.directory, ignore_errors=True)
     return 0 if process.returncode in (0, -15, None) else 1
 
 

@@ -10,6 +10,7 @@ directly at one version's directory.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -361,10 +362,16 @@ def _rebuild(
 
 def hold(version: int, path: Path, temporary: bool, scratch: Path | None) -> HeldWeights:
     """Keep the version just loaded as the base for the next delta: a temporary directory
-    is taken over as it is, one read in place is copied (the registry may prune it)."""
+    is taken over as it is; the files of one read in place (a local registry, which may
+    prune them) are hard-linked where the filesystem allows, else copied. A link shares
+    later damage to the registry's file, which the next rebuild's digests catch (and then
+    replay the chain from its full version)."""
     if temporary:
         return HeldWeights(version, path)
     copy = Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=scratch))
     for file in path.glob("*.safetensors"):
-        shutil.copyfile(file, copy / file.name)
+        try:
+            os.link(file, copy / file.name)
+        except OSError:  # another filesystem, or links not supported
+            shutil.copyfile(file, copy / file.name)
     return HeldWeights(version, copy)
