@@ -275,6 +275,7 @@ class VllmFrontDoor:
         self.ready = False
         self.refused: dict[int, str] = {}  # versions that failed verification: why
         self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
+        self.held_root: Path | None = None  # where it lives (weights.held_root)
         self.lock = AsyncReadWriteLock()
         self.loading = asyncio.Lock()  # one weight load at a time (trainer + poller)
         self.http = httpx.AsyncClient(
@@ -354,10 +355,9 @@ class VllmFrontDoor:
 
         if not temporary and weights.version_metadata(uri, version) is None:
             return  # not a registry version: no delta will name it
-        previous, self.held = (
-            self.held,
-            weights.hold(version, path, temporary, Path(self.scratch_dir)),
-        )
+        if self.held_root is None:
+            self.held_root = weights.held_root(Path(self.scratch_dir))
+        previous, self.held = self.held, weights.hold(version, path, temporary, self.held_root)
         if previous is not None and previous.directory != self.held.directory:
             shutil.rmtree(previous.directory, ignore_errors=True)
 
@@ -608,8 +608,8 @@ def run_vllm_entry(
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-        if door.held is not None:
-            shutil.rmtree(door.held.directory, ignore_errors=True)
+        if door.held_root is not None:  # (uvicorn re-raises SIGTERM: the next start cleans)
+            shutil.rmtree(door.held_root, ignore_errors=True)
     return 0 if process.returncode in (0, -15, None) else 1
 
 

@@ -360,18 +360,51 @@ def _rebuild(
     return dest, True
 
 
-def hold(version: int, path: Path, temporary: bool, scratch: Path | None) -> HeldWeights:
-    """Keep the version just loaded as the base for the next delta: a temporary directory
-    is taken over as it is; the files of one read in place (a local registry, which may
-    prune them) are hard-linked where the filesystem allows, else copied. A link shares
-    later damage to the registry's file, which the next rebuild's digests catch (and then
-    replay the chain from its full version)."""
+def hold(version: int, path: Path, temporary: bool, root: Path | None) -> HeldWeights:
+    """Keep the version just loaded as the base for the next delta, under ``root`` (None:
+    the temporary directory): a temporary directory is moved there as it is; the files of
+    one read in place (a local registry, which may prune them) are hard-linked where the
+    filesystem allows, else copied. A link shares later damage to the registry's file,
+    which the next rebuild's digests catch (and then replay the chain from its full
+    version)."""
     if temporary:
-        return HeldWeights(version, path)
-    copy = Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=scratch))
+        if root is None:
+            return HeldWeights(version, path)
+        moved = root / path.name
+        shutil.move(path, moved)
+        return HeldWeights(version, moved)
+    copy = Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=root))
     for file in path.glob("*.safetensors"):
         try:
             os.link(file, copy / file.name)
         except OSError:  # another filesystem, or links not supported
             shutil.copyfile(file, copy / file.name)
     return HeldWeights(version, copy)
+
+
+HELD_PREFIX = "posttrain-held-"
+
+
+def held_root(scratch: Path) -> Path:
+    """This process's directory for its held copy under ``scratch``, created empty, after
+    removing those of processes that are gone: a replica killed mid-run, or a container
+    restarted on the same emptyDir (where the new process may well have the old one's
+    pid, so a directory with our pid is stale too). One per process: for servers that run
+    one per process (the vLLM front door)."""
+    for old in scratch.glob(HELD_PREFIX + "*"):
+        pid = old.name.removeprefix(HELD_PREFIX)
+        if pid.isdigit() and (int(pid) == os.getpid() or not _process_alive(int(pid))):
+            shutil.rmtree(old, ignore_errors=True)
+    root = scratch / f"{HELD_PREFIX}{os.getpid()}"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True

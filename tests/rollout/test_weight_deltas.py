@@ -291,3 +291,22 @@ def test_a_delta_chain_through_s3_rebuilds_the_full_bytes_and_refuses_a_bad_dige
     with pytest.raises(weights.unusable_version_errors(), match="tensor w after applying"):
         weights.fetch_version(uri, 4, tmp_path, held)
     assert _same_bits(read_safetensors_dir(held.directory), states[2])  # still v3's bytes
+
+
+def test_held_root_removes_the_copies_of_processes_that_are_gone(tmp_path: Path) -> None:
+    """A vLLM front door killed mid-run leaves its held copy; the next one removes it (and a
+    restarted container's directory under its own pid), never a live process's."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for pid in (gone.pid, os.getpid(), 1):
+        (tmp_path / f"{weights.HELD_PREFIX}{pid}").mkdir()
+        (tmp_path / f"{weights.HELD_PREFIX}{pid}" / "model.safetensors").write_bytes(b"x")
+    root = weights.held_root(tmp_path)
+    assert root == tmp_path / f"{weights.HELD_PREFIX}{os.getpid()}" and not any(root.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"{weights.HELD_PREFIX}1", f"{weights.HELD_PREFIX}{os.getpid()}"]
+    )
