@@ -225,8 +225,8 @@ def apply_delta(
                 f"{where}: {DELTA_FILE} holds tensors its manifest does not describe: "
                 f"{sorted(keys - {n + XOR_SUFFIX for n in described})[:3]}"
             )
-        for name, info in described.items():
-            tensor = base[name]
+        for name, tensor in base.items():  # the base's order: the full version's layout
+            info = described[name]
             if str(tensor.dtype).removeprefix("torch.") != info.get("dtype") or list(
                 tensor.shape
             ) != info.get("shape"):
