@@ -6,7 +6,7 @@ typed model down. A name changed on one side only would fail silently at run tim
 names live here, once: no other module of posttrain spells a ``POSTTRAIN_`` name
 (tests/test_env_contract.py enforces it). The two stdlib-only entrypoints the operator ships
 as source into foreign images (``sandboxes/task_entrypoint.py``,
-``operator/warm_entrypoint.py``) cannot import this module; a test keeps their copies equal.
+``operator/warmpool/entrypoint.py``) cannot import this module; a test keeps their copies equal.
 
 Torch's and Ray's own names (``MASTER_ADDR``, ``MASTER_PORT``, ``RAY_ADDRESS``) are in the
 trainer's model too: the operator writes them and the trainer reads them, so they are part of
@@ -281,7 +281,7 @@ class SandboxTaskEnv(PodEnv):
 
 
 class WarmPoolEnv(PodEnv):
-    """What the operator hands a warm pool's waiting pod (operator/warm_entrypoint.py)."""
+    """What the operator hands a warm pool's waiting pod (operator/warmpool/entrypoint.py)."""
 
     workdir: str = _env(WARM_WORKDIR, "where the claimed task's files are written", ...)
     claim_file: str = _env(WARM_CLAIM_FILE, "the downward-API file that holds the claim", ...)

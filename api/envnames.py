@@ -51,7 +51,7 @@ NUM_THREADS: Final = "POSTTRAIN_NUM_THREADS"  # the CPU engine's torch threads
 VLLM_PYTHON: Final = "POSTTRAIN_VLLM_PYTHON"  # the interpreter of a laptop's vLLM environment
 
 # ------------------------------------------------------------------ sandbox pods
-# Read by sandboxes/task_entrypoint.py and operator/warm_entrypoint.py (stdlib only, copies).
+# Read by sandboxes/task_entrypoint.py and operator/warmpool/entrypoint.py (stdlib only, copies).
 SANDBOX_TASK: Final = "POSTTRAIN_SANDBOX_TASK"
 SANDBOX_ATTEMPT: Final = "POSTTRAIN_SANDBOX_ATTEMPT"
 SANDBOX_WORKDIR: Final = "POSTTRAIN_SANDBOX_WORKDIR"

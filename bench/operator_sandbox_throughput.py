@@ -46,9 +46,9 @@ import yaml
 from posttrain.api import SandboxTask
 from posttrain.devenv.controlplane import ControlPlane
 from posttrain.devenv.process import free_port
-from posttrain.operator.builders import build_sandbox_pod
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient, load_credentials, resource_path
+from posttrain.operator.sandboxtask.builders import build_sandbox_pod
 
 REPO = Path(__file__).resolve().parents[1]
 GV = "posttrain.io/v1alpha1"

@@ -1,10 +1,10 @@
 """The operator's reconcilers wired over one state, and where each watch event goes.
 
 Every watch event (kopf's streams in handlers.py, the lean informers in informer.py) is
-cached in :class:`~.reconcilers.state.OperatorState` first; an event that told the cache
+cached in :class:`~.shared.state.OperatorState` first; an event that told the cache
 something new then reconciles its object, or its owner for a child (a pod reconciles its
-SandboxTask, TrainingRun or RolloutPool). The reconcilers themselves live one per kind in
-:mod:`.reconcilers`.
+SandboxTask, TrainingRun or RolloutPool). The reconcilers themselves live one per kind, each in its kind's package
+(``trainingrun/``, ``rolloutpool/``, ``sandboxtask/``, ``warmpool/``: ``reconciler.py``).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from posttrain.storage.errors import StorageError
 
 from .config import OperatorConfig
 from .kube import KubeClient, KubeError
-from .reconcilers.rolloutpool import RolloutPoolReconciler
-from .reconcilers.sandbox_artifacts import SandboxArtifactSigner
-from .reconcilers.sandbox_namespace import SandboxNamespaces
-from .reconcilers.sandboxtask import SandboxTaskReconciler
-from .reconcilers.state import Body, EventPoster, Key, OperatorState, Store, observe
-from .reconcilers.storage_credentials import StorageCredentials
-from .reconcilers.trainingrun import TrainingRunReconciler
-from .reconcilers.warmpool import WarmPoolReconciler
+from .rolloutpool.reconciler import RolloutPoolReconciler
+from .sandboxtask.artifacts import SandboxArtifactSigner
+from .sandboxtask.reconciler import SandboxTaskReconciler
+from .shared.sandbox_namespace import SandboxNamespaces
+from .shared.state import Body, EventPoster, Key, OperatorState, Store, observe
+from .storage_credentials import StorageCredentials
+from .trainingrun.reconciler import TrainingRunReconciler
+from .warmpool.reconciler import WarmPoolReconciler
 
 log = logging.getLogger(__name__)
 

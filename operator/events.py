@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from .kube import KubeClient, KubeError, resource_path
-from .reconcile import EventSpec
+from .shared.observe import EventSpec
 
 log = logging.getLogger(__name__)
 

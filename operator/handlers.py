@@ -1,5 +1,5 @@
 """Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
-(see controllers.py for where each event goes, reconcilers/ for what it does).
+(see controllers.py for where each event goes, each kind's package for what it does).
 
 Watches feed the controller's caches (kopf's for most kinds; lean informers, informer.py,
 for SandboxTasks and labelled pods, the burst path); every event triggers a level-triggered
@@ -23,7 +23,7 @@ from posttrain.api import GROUP, VERSION
 from posttrain.api.labels import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
 
 from .controllers import Controller
-from .reconcilers.state import Body
+from .shared.state import Body
 
 log = logging.getLogger(__name__)
 

@@ -162,7 +162,6 @@ def run_forever(config: OperatorConfig) -> None:
         where,
         "standalone" if config.standalone else f"peering {config.peering_name}",
     )
-    from . import handlers  # noqa: F401  (imported before the freeze)
 
     # What exists now (every module, the config, the clients) lives as long as the process:
     # frozen, the cyclic GC's full passes skip it (a 500-task burst triggers a few, 0.1 s each

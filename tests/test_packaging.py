@@ -69,7 +69,7 @@ COMPONENT_MODULES = (
     "posttrain.api",
     "posttrain.api.labels",
     "posttrain.operator.handlers",
-    "posttrain.operator.builders",
+    "posttrain.operator.trainingrun.builders",
     "posttrain.trainer.loop",
     "posttrain.rollout.server",
     "posttrain.sandboxes.executor",

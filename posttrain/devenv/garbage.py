@@ -5,7 +5,7 @@ owners that no longer exist (background propagation). The dev control plane runs
 controller-manager, so without this a deleted RolloutPool left its Deployment, Service and
 server running, and a deleted TrainingRun its pods, ConfigMap and RBAC (issue #35). The
 operator relies on the garbage collector, as on a real cluster (its children carry a
-controller ownerReference: operator/common.py ``child_metadata``); this plays that part here.
+controller ownerReference: operator/shared/builders.py ``child_metadata``); this plays that part here.
 Part of the dev node agent (:mod:`.nodeagent`), a development aid.
 
 Limits, on purpose: the dependent and owner kinds are the ones posttrain creates and owns

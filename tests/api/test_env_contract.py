@@ -82,7 +82,7 @@ def test_empty_means_unset_and_defaults_hold() -> None:
 def test_the_stdlib_entrypoints_copies_of_the_names_agree() -> None:
     # task_entrypoint.py and warm_entrypoint.py run in the task's own image with the stdlib
     # only (the operator ships their source), so they keep copies of the names they read.
-    from posttrain.operator import warm_entrypoint
+    from posttrain.operator.warmpool import entrypoint as warm_entrypoint
     from posttrain.sandboxes import task_entrypoint
 
     assert task_entrypoint.WORKDIR_ENV == env.SANDBOX_WORKDIR
@@ -104,7 +104,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # Every folder of posttrain's package (the components are symlinked into posttrain/).
 SOURCE_FOLDERS = ("operator", "trainer", "rollout", "sandboxes", "storage", "envs", "posttrain")
 # Shipped as source into the task's own image, stdlib only: they keep copies (checked above).
-STDLIB_COPIES = {"sandboxes/task_entrypoint.py", "operator/warm_entrypoint.py"}
+STDLIB_COPIES = {"sandboxes/task_entrypoint.py", "operator/warmpool/entrypoint.py"}
 NAME = re.compile(r"(?<![A-Za-z0-9_])POSTTRAIN_[A-Z0-9_]*")
 
 

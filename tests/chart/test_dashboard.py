@@ -12,8 +12,10 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from posttrain.api import RolloutPool, TrainingRun
-from posttrain.operator import builders as b
-from posttrain.operator.evaluator import COMPONENT_EVALUATOR, build_evaluator_job
+from posttrain.api import labels as api_labels
+from posttrain.operator.rolloutpool import builders as pool_builders
+from posttrain.operator.trainingrun import builders as run_builders
+from posttrain.operator.trainingrun.evaluator import COMPONENT_EVALUATOR, build_evaluator_job
 
 from .conftest import CHART_DIR, Render, by_kind, one
 from .test_render import operator_config_from
@@ -91,12 +93,12 @@ def test_dashboard_configmap_and_pod_monitors_render(render: Render) -> None:
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["posttrain.json"]) == json.loads(DASHBOARD.read_text())
     monitors = {
-        m["spec"]["selector"]["matchLabels"][b.LABEL_COMPONENT]: m
+        m["spec"]["selector"]["matchLabels"][api_labels.LABEL_COMPONENT]: m
         for m in by_kind(objects, "PodMonitor")
     }
     assert set(monitors) == {
-        b.COMPONENT_TRAINER,
-        b.COMPONENT_ROLLOUT,
+        api_labels.COMPONENT_TRAINER,
+        api_labels.COMPONENT_ROLLOUT,
         "sandbox-runner",
         COMPONENT_EVALUATOR,
     }
@@ -113,16 +115,18 @@ def test_dashboard_configmap_and_pod_monitors_render(render: Render) -> None:
             },
         }
     )
-    trainer = b.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]
+    trainer = run_builders.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]
     pool = RolloutPool.model_validate(
         {"metadata": {"name": "p", "namespace": "team-a", "uid": "u"}, "spec": {"model": "m"}}
     )
-    rollout = b.build_rollout_deployment(pool, config)["spec"]["template"]["spec"]["containers"][0]
+    rollout = pool_builders.build_rollout_deployment(pool, config)["spec"]["template"]["spec"][
+        "containers"
+    ][0]
     run.spec.evaluation.inline = False
     evaluator = build_evaluator_job(run, config)["spec"]["template"]["spec"]["containers"][0]
     for component, container in (
-        (b.COMPONENT_TRAINER, trainer),
-        (b.COMPONENT_ROLLOUT, rollout),
+        (api_labels.COMPONENT_TRAINER, trainer),
+        (api_labels.COMPONENT_ROLLOUT, rollout),
         (COMPONENT_EVALUATOR, evaluator),
     ):
         port = monitors[component]["spec"]["podMetricsEndpoints"][0]["port"]
@@ -147,7 +151,7 @@ def test_otlp_endpoint_reaches_the_operator_and_its_pods(render: Render) -> None
     )
     env = {
         e["name"]: e.get("value")
-        for e in b.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]["env"]
+        for e in run_builders.build_trainer_pod(run, config, 0, 0)["spec"]["containers"][0]["env"]
     }
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == endpoint
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in one(render(), "ConfigMap", "-operator")["data"]

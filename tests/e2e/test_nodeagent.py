@@ -479,8 +479,9 @@ def test_children_go_with_their_owner_through_the_garbage_collector_stand_in(
 
     from posttrain.api import RolloutPool, TrainingRun
     from posttrain.api.base import GROUP, VERSION
-    from posttrain.operator import builders as b
     from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.rolloutpool import builders as pool_builders
+    from posttrain.operator.trainingrun import builders as b
 
     custom, apps = client.CustomObjectsApi(kube_api), client.AppsV1Api(kube_api)
 
@@ -500,10 +501,10 @@ def test_children_go_with_their_owner_through_the_garbage_collector_stand_in(
         create("rolloutpools", {"kind": "RolloutPool", "metadata": {"name": "p"},
                                 "spec": {"model": "smollm2-135m-instruct", "engine": "cpu"}})
     )  # fmt: skip
-    deployment = b.build_rollout_deployment(pool, OperatorConfig())
+    deployment = pool_builders.build_rollout_deployment(pool, OperatorConfig())
     cheap(deployment["spec"]["template"]["spec"])
     apps.create_namespaced_deployment(namespace, deployment)
-    core.create_namespaced_service(namespace, b.build_rollout_service(pool))
+    core.create_namespaced_service(namespace, pool_builders.build_rollout_service(pool))
     spec = {"model": "m", "domains": [{"name": "a", "dataset": "builtin:arithmetic",
                                        "verifier": {"kind": "numeric"}}]}  # fmt: skip
     runs = {

@@ -40,7 +40,10 @@ def test_the_operators_runner_pod_scores_like_the_local_executor(
     from posttrain.api import TrainingRun
     from posttrain.api.trainingrun import SandboxPolicy
     from posttrain.operator.config import OperatorConfig
-    from posttrain.operator.sandbox_runner import SANDBOX_RUNNER_PORT, build_runner_deployment
+    from posttrain.operator.trainingrun.sandbox_runner import (
+        SANDBOX_RUNNER_PORT,
+        build_runner_deployment,
+    )
     from posttrain.sandboxes.client import SandboxClient
     from posttrain.trainer.rundata import domain_tasks
     from posttrain.trainer.verification import build_verification

@@ -18,8 +18,8 @@ from posttrain.api.envnames import WEIGHTS_TOKEN
 from posttrain.api.manifests import parse_resource
 from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.process import free_port
-from posttrain.operator import builders
 from posttrain.operator.config import OperatorConfig
+from posttrain.operator.rolloutpool import builders
 from posttrain.rollout.client import RolloutClient
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.storage.checkpoints import WeightRegistry

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from posttrain.api.manifests import parse_resource
-from posttrain.operator import sandbox_runner
 from posttrain.operator.config import OperatorConfig
+from posttrain.operator.trainingrun import sandbox_runner
 
 from .podman import PodContainer, image_ref, run_simple, start
 

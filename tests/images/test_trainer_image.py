@@ -13,8 +13,9 @@ from posttrain.api.envnames import WEIGHTS_TOKEN
 from posttrain.api.manifests import parse_resource
 from posttrain.devenv.minio import MinioServer
 from posttrain.devenv.process import free_port
-from posttrain.operator import builders
 from posttrain.operator.config import OperatorConfig
+from posttrain.operator.rolloutpool import builders as pool_builders
+from posttrain.operator.trainingrun import builders
 from posttrain.storage.store import S3Store
 
 from .podman import PodContainer, image_ref, run_simple, run_to_completion, start
@@ -45,7 +46,7 @@ def _secrets(config: OperatorConfig, minio: MinioServer) -> dict[tuple[str, str]
     name = config.s3_credentials_secret
     return {(name, "AWS_ACCESS_KEY_ID"): minio.access_key,
             (name, "AWS_SECRET_ACCESS_KEY"): minio.secret_key,
-            (builders.pool_token_secret_name("smoke-pool"), "token"): POOL_TOKEN}  # fmt: skip
+            (pool_builders.pool_token_secret_name("smoke-pool"), "token"): POOL_TOKEN}  # fmt: skip
 
 
 def _pool() -> Any:
@@ -108,7 +109,7 @@ def test_pool_and_trainer_pods_train_one_step(
     config = _config(minio_server, bucket)
     secrets = _secrets(config, minio_server)
     pool = _pool()
-    deployment = builders.build_rollout_deployment(pool, config)
+    deployment = pool_builders.build_rollout_deployment(pool, config)
     server = PodContainer(
         pod_spec=deployment["spec"]["template"]["spec"],
         container_name="server",

@@ -11,11 +11,18 @@ from pydantic import ValidationError
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
 from posttrain.api import env as env_names
+from posttrain.api import labels as api_labels
 from posttrain.errors import UsageError
-from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig, load_config
 from posttrain.operator.rbac import OPERATOR_RULES, TRAINER_RULES, rbac_yaml
-from posttrain.operator.run_children import build_trainer_children
+from posttrain.operator.rolloutpool import builders as b
+from posttrain.operator.sandboxtask import builders as sandbox_builders
+from posttrain.operator.shared import builders as shared_builders
+from posttrain.operator.shared import sandbox as sandbox_shared
+from posttrain.operator.trainingrun import builders as run_builders
+from posttrain.operator.trainingrun import names as run_names
+from posttrain.operator.trainingrun import raycluster
+from posttrain.operator.trainingrun.builders import build_trainer_children
 
 CONFIG = OperatorConfig(
     s3_endpoint="minio.storage:9000",
@@ -64,7 +71,9 @@ def env_of(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_sandbox_pod_is_locked_down() -> None:
-    pod = b.build_sandbox_pod(make_task(runtimeClassName="gvisor", timeoutSeconds=30), CONFIG, 2)
+    pod = sandbox_builders.build_sandbox_pod(
+        make_task(runtimeClassName="gvisor", timeoutSeconds=30), CONFIG, 2
+    )
     assert pod["metadata"]["name"] == "t-2"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "uid-task"
     spec = pod["spec"]
@@ -95,7 +104,7 @@ def test_sandbox_pod_is_locked_down() -> None:
     assert main["terminationMessagePolicy"] == "FallbackToLogsOnError"
     workdir = next(v for v in spec["volumes"] if v["name"] == "workdir")
     assert workdir["emptyDir"]["sizeLimit"] == CONFIG.sandbox_workdir_size
-    assert pod["metadata"]["labels"][b.LABEL_SANDBOX_NETWORK] == "none"
+    assert pod["metadata"]["labels"][api_labels.LABEL_SANDBOX_NETWORK] == "none"
     assert "initContainers" not in spec  # no files, nothing to copy
 
 
@@ -105,7 +114,7 @@ def test_sandbox_files_travel_in_annotations_and_init_copy() -> None:
         stdin="5\n",
         network="egress",
     )
-    pod = b.build_sandbox_pod(task, CONFIG, 1)
+    pod = sandbox_builders.build_sandbox_pod(task, CONFIG, 1)
     annotations = pod["metadata"]["annotations"]
     assert sorted(annotations.values()) == ["5\n", "def test(): pass", "print(1)"]
     items = next(v for v in pod["spec"]["volumes"] if v["name"] == "files")["downwardAPI"]["items"]
@@ -117,22 +126,22 @@ def test_sandbox_files_travel_in_annotations_and_init_copy() -> None:
     # stdin is redirected from the copied file, the program's argv kept verbatim.
     assert pod["spec"]["containers"][0]["command"][-2:] == ["python", "main.py"]
     assert "< /workspace/.stdin" in pod["spec"]["containers"][0]["command"][2]
-    assert pod["metadata"]["labels"][b.LABEL_SANDBOX_NETWORK] == "egress"
+    assert pod["metadata"]["labels"][api_labels.LABEL_SANDBOX_NETWORK] == "egress"
 
 
 @pytest.mark.parametrize("bad", ["/etc/passwd", "../escape.py", "a/../../b", ".hidden", "a//b"])
 def test_sandbox_rejects_unsafe_file_names(bad: str) -> None:
-    with pytest.raises(b.BuildError, match="plain relative path"):
-        b.build_sandbox_pod(make_task(files={bad: "x"}), CONFIG, 1)
+    with pytest.raises(shared_builders.BuildError, match="plain relative path"):
+        sandbox_builders.build_sandbox_pod(make_task(files={bad: "x"}), CONFIG, 1)
 
 
 def test_network_policy_denies_all_for_sandboxes_only() -> None:
-    policy = b.build_sandbox_network_policy("ml")
-    assert policy["metadata"]["name"] == b.SANDBOX_NETWORK_POLICY
+    policy = sandbox_shared.build_sandbox_network_policy("ml")
+    assert policy["metadata"]["name"] == sandbox_shared.SANDBOX_NETWORK_POLICY
     assert "ownerReferences" not in policy["metadata"]  # shared by all tasks of the namespace
     assert policy["spec"]["podSelector"]["matchLabels"] == {
-        b.LABEL_COMPONENT: "sandbox",
-        b.LABEL_SANDBOX_NETWORK: "none",
+        api_labels.LABEL_COMPONENT: "sandbox",
+        api_labels.LABEL_SANDBOX_NETWORK: "none",
     }
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
     assert "egress" not in policy["spec"] and "ingress" not in policy["spec"]
@@ -148,7 +157,7 @@ def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
         },
         activeDeadlineSeconds=3600,
     )
-    pod = b.build_trainer_pod(run, CONFIG, incarnation=3, rank=0)
+    pod = run_builders.build_trainer_pod(run, CONFIG, incarnation=3, rank=0)
     assert pod["metadata"]["name"] == "demo-g3-0"
     (main,) = pod["spec"]["containers"]
     assert main["image"] == "trainer:1"
@@ -177,7 +186,7 @@ def test_trainer_pod_gpus_shm_env_and_secrets() -> None:
 def test_only_trainers_of_the_pools_runs_get_its_weight_token() -> None:
     """The pool's token reaches the trainers of runs that name the pool (optional: a pool
     made later) and no one else; explicit endpoints get none (they are not a pool's)."""
-    pooled = b.build_trainer_pod(
+    pooled = run_builders.build_trainer_pod(
         make_run(rollout={"pool": "gen"}), CONFIG, 0, 0, rollout_endpoints=["http://gen:8000"]
     )
     env = env_of(pooled["spec"]["containers"][0])
@@ -187,7 +196,9 @@ def test_only_trainers_of_the_pools_runs_get_its_weight_token() -> None:
         "optional": True,
     }
     assert pooled["metadata"]["labels"]["client.posttrain.io/gen"] == "true"  # its pool admits it
-    explicit = b.build_trainer_pod(make_run(rollout={"endpoints": ["http://x:8000"]}), CONFIG, 0, 0)
+    explicit = run_builders.build_trainer_pod(
+        make_run(rollout={"endpoints": ["http://x:8000"]}), CONFIG, 0, 0
+    )
     assert "POSTTRAIN_WEIGHTS_TOKEN" not in env_of(explicit["spec"]["containers"][0])
     assert not [k for k in explicit["metadata"]["labels"] if k.startswith("client.posttrain.io/")]
     policy = b.build_pool_network_policy(make_pool(port=8123), CONFIG.model_copy(
@@ -211,31 +222,31 @@ def test_only_trainers_of_the_pools_runs_get_its_weight_token() -> None:
 
 
 def test_cpu_trainer_has_no_gpu_resource() -> None:
-    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    pod = run_builders.build_trainer_pod(make_run(), CONFIG, 0, 0)
     assert "nvidia.com/gpu" not in pod["spec"]["containers"][0]["resources"]["limits"]
 
 
 def test_multi_node_gang_head_and_workers() -> None:
     run = make_run(resources={"nodes": 3})
-    gang = b.build_trainer_gang(run, CONFIG, incarnation=0)
+    gang = run_builders.build_trainer_gang(run, CONFIG, incarnation=0)
     assert [p["metadata"]["name"] for p in gang] == ["demo-g0-0", "demo-g0-1", "demo-g0-2"]
     head, worker = gang[0]["spec"]["containers"][0], gang[2]["spec"]["containers"][0]
     # every node runs torchrun's agent (posttrain run); the rendezvous orders them by rank
-    train = ["posttrain", "run", b.RUN_CONFIG_PATH, "--out", "/workspace"]
+    train = ["posttrain", "run", run_names.RUN_CONFIG_PATH, "--out", "/workspace"]
     assert head["command"][:5] == worker["command"] == train  # rank 0 also serves /metrics
     assert env_of(worker)["POSTTRAIN_NODE_RANK"]["value"] == "2"
     assert "RAY_ADDRESS" not in env_of(worker)
     assert env_of(worker)["RANK"]["value"] == "2"
     assert env_of(worker)["WORLD_SIZE"]["value"] == "3"
     assert env_of(worker)["MASTER_ADDR"]["value"] == "demo-head.ml.svc"
-    service = b.build_head_service(run, CONFIG, 4)
-    assert service["spec"]["selector"][b.LABEL_RANK] == "0"
+    service = run_builders.build_head_service(run, CONFIG, 4)
+    assert service["spec"]["selector"][api_labels.LABEL_RANK] == "0"
     assert service["spec"]["publishNotReadyAddresses"] is True
     # Only gang 4's rank 0: a terminating rank 0 of gang 3 must not resolve (it would, since
     # not-ready addresses are published).
     selector = service["spec"]["selector"]
-    new_head = b.build_trainer_pod(run, CONFIG, 4, 0)["metadata"]["labels"]
-    old_head = b.build_trainer_pod(run, CONFIG, 3, 0)["metadata"]["labels"]
+    new_head = run_builders.build_trainer_pod(run, CONFIG, 4, 0)["metadata"]["labels"]
+    old_head = run_builders.build_trainer_pod(run, CONFIG, 3, 0)["metadata"]["labels"]
     assert selector.items() <= new_head.items()
     assert not selector.items() <= old_head.items()
 
@@ -246,11 +257,11 @@ def test_nccl_settings_reach_every_gang_pod_run_over_chart() -> None:
     )
     run = make_run(resources={"nodes": 3, "nccl": {"NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1"}})
     want = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "INFO", "NCCL_IB_DISABLE": "1"}
-    for pod in b.build_trainer_gang(run, config, 0):
+    for pod in run_builders.build_trainer_gang(run, config, 0):
         env = env_of(pod["spec"]["containers"][0])
         assert {k: env[k]["value"] for k in env if k.startswith("NCCL_")} == want
     # The RayCluster path takes its pod templates from the same builder.
-    cluster = b.build_ray_cluster(run, config, 0)
+    cluster = raycluster.build_ray_cluster(run, config, 0)
     groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
     for group in groups:
         env = env_of(group["template"]["spec"]["containers"][0])
@@ -268,7 +279,7 @@ def test_nccl_settings_accept_only_nccl_names() -> None:
 
 
 def test_run_config_map_renders_spec_with_default_storage() -> None:
-    cm = b.build_run_config_map(make_run(algorithm={"maxSteps": 9}), CONFIG)
+    cm = run_builders.build_run_config_map(make_run(algorithm={"maxSteps": 9}), CONFIG)
     body = yaml.safe_load(cm["data"]["run.yaml"])
     assert body["kind"] == "TrainingRun"
     assert body["spec"]["algorithm"]["maxSteps"] == 9
@@ -277,14 +288,14 @@ def test_run_config_map_renders_spec_with_default_storage() -> None:
     assert "resumeFrom" not in body["spec"]
     # It round-trips through the API model the trainer uses.
     assert TrainingRun.model_validate(body).spec.algorithm.max_steps == 9
-    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    pod = run_builders.build_trainer_pod(make_run(), CONFIG, 0, 0)
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env[env_names.RUN_UID] == "uid-run"
 
 
 def test_resume_from_is_rendered_as_the_uri_the_trainer_reads() -> None:
     def rendered(**spec: Any) -> dict[str, Any]:
-        cm = b.build_run_config_map(make_run(**spec), CONFIG)
+        cm = run_builders.build_run_config_map(make_run(**spec), CONFIG)
         return dict(yaml.safe_load(cm["data"]["run.yaml"])["spec"])
 
     by_name = rendered(resumeFrom={"run": "demo"})
@@ -297,7 +308,7 @@ def test_resume_from_is_rendered_as_the_uri_the_trainer_reads() -> None:
 
 
 def test_trainer_rbac_is_narrow() -> None:
-    sa, role, binding = b.build_trainer_rbac(make_run())
+    sa, role, binding = run_builders.build_trainer_rbac(make_run())
     assert sa["metadata"]["name"] == "demo-trainer"
     named = [rule for rule in role["rules"] if rule["resources"] != ["events"]]
     assert all(rule["resourceNames"] == ["demo"] for rule in named)
@@ -326,16 +337,16 @@ def test_judges_get_their_pools_and_api_keys_and_nothing_more() -> None:
             {"name": "b", "dataset": "builtin:arithmetic", "verifier": remote},
         ],
     )
-    role = next(m for m in b.build_trainer_rbac(run) if m["kind"] == "Role")
+    role = next(m for m in run_builders.build_trainer_rbac(run) if m["kind"] == "Role")
     pools = [r for r in role["rules"] if r["resources"] == ["rolloutpools"]]
     assert pools == [{"apiGroups": ["posttrain.io"], "resources": ["rolloutpools"],
                       "verbs": ["get"], "resourceNames": ["policy", "judges"]}]  # fmt: skip
-    env = b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+    env = run_builders.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
     keys = [e for e in env if e["name"] == "JUDGE_KEY"]
     assert keys == [
         {"name": "JUDGE_KEY", "valueFrom": {"secretKeyRef": {"name": "judge", "key": "token"}}}
     ]
-    plain = next(m for m in b.build_trainer_rbac(make_run()) if m["kind"] == "Role")
+    plain = next(m for m in run_builders.build_trainer_rbac(make_run()) if m["kind"] == "Role")
     assert not [r for r in plain["rules"] if r["resources"] == ["rolloutpools"]]
 
 
@@ -385,7 +396,7 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
     assert dep["spec"]["selector"]["matchLabels"] == b.pool_selector("pool")
-    assert dep["spec"]["template"]["metadata"]["labels"][b.LABEL_POOL] == "pool"
+    assert dep["spec"]["template"]["metadata"]["labels"][api_labels.LABEL_POOL] == "pool"
 
 
 def test_cpu_pool_binds_its_pod_ip_so_replicas_sharing_a_host_network_coexist() -> None:
@@ -403,7 +414,7 @@ def test_spec_hash_changes_with_template_not_replicas() -> None:
     one = b.build_rollout_deployment(make_pool(replicas=1), CONFIG)
     three = b.build_rollout_deployment(make_pool(replicas=3), CONFIG)
     other = b.build_rollout_deployment(make_pool(replicas=1, port=9000), CONFIG)
-    key = b.ANNOTATION_SPEC_HASH
+    key = api_labels.ANNOTATION_SPEC_HASH
     assert one["metadata"]["annotations"][key] == three["metadata"]["annotations"][key]
     assert one["metadata"]["annotations"][key] != other["metadata"]["annotations"][key]
 
@@ -459,16 +470,18 @@ def test_chart_style_environment_reaches_the_pods() -> None:
         }
     )
     assert config.trainer_affinity == {} and config.log_level == "DEBUG"
-    pod = b.build_trainer_pod(make_run(resources={"nodeSelector": {"zone": "b"}}), config, 0, 0)
+    pod = run_builders.build_trainer_pod(
+        make_run(resources={"nodeSelector": {"zone": "b"}}), config, 0, 0
+    )
     assert pod["spec"]["nodeSelector"] == {"pool": "gpu", "zone": "b"}  # the run wins per key
     assert pod["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert "affinity" not in pod["spec"]
-    sandbox = b.build_sandbox_pod(make_task(), config, 1)
+    sandbox = sandbox_builders.build_sandbox_pod(make_task(), config, 1)
     assert sandbox["spec"]["runtimeClassName"] == "gvisor"
     assert sandbox["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert (
-        b.build_sandbox_pod(make_task(runtimeClassName="kata"), config, 1)["spec"][
+        sandbox_builders.build_sandbox_pod(make_task(runtimeClassName="kata"), config, 1)["spec"][
             "runtimeClassName"
         ]
         == "kata"
@@ -482,12 +495,12 @@ def test_chart_style_environment_reaches_the_pods() -> None:
 def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -> None:
     pool_url = b.pool_endpoint(make_pool(port=8001))
     assert pool_url == "http://pool.ml.svc:8001"
-    pod = b.build_trainer_pod(
+    pod = run_builders.build_trainer_pod(
         make_run(rollout={"pool": "pool"}), CONFIG, 0, 0, rollout_endpoints=[pool_url]
     )
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env[env_names.ROLLOUT_ENDPOINTS] == pool_url
-    explicit = b.build_trainer_pod(
+    explicit = run_builders.build_trainer_pod(
         make_run(rollout={"pool": "pool", "endpoints": ["http://10.0.0.9:8000"]}),
         CONFIG,
         0,
@@ -508,13 +521,15 @@ def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
     assert dtype == "bfloat16"
     run = make_run(rollout={"pool": "pool"})
     url = [b.pool_endpoint(pool)]
-    pod = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url, rollout_dtype=dtype)
+    pod = run_builders.build_trainer_pod(
+        run, CONFIG, 0, 0, rollout_endpoints=url, rollout_dtype=dtype
+    )
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env[env_names.ROLLOUT_DTYPE] == "bfloat16"
     # What the trainer then reads.
     contract = env_names.TrainerEnv.from_env({k: v for k, v in env.items() if v is not None})
     assert str(serving_dtype(contract.rollout_dtype)) == "torch.bfloat16"
-    ray = b.build_ray_cluster(
+    ray = raycluster.build_ray_cluster(
         make_run(rollout={"pool": "pool"}, resources={"nodes": 2}),
         CONFIG,
         0,
@@ -529,7 +544,7 @@ def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
         assert group_env[env_names.ROLLOUT_DTYPE] == "bfloat16"
     assert b.pool_serving_dtype(make_pool(engine="vllm")) is None  # auto: vLLM decides
     assert b.pool_serving_dtype(make_pool(engine="cpu", engineArgs={"dtype": "bfloat16"})) is None
-    plain = b.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url)
+    plain = run_builders.build_trainer_pod(run, CONFIG, 0, 0, rollout_endpoints=url)
     assert env_names.ROLLOUT_DTYPE not in {e["name"] for e in plain["spec"]["containers"][0]["env"]}
 
 
@@ -539,7 +554,7 @@ CODE_DOMAIN = {"name": "code", "dataset": "builtin:code", "verifier": {"kind": "
 def test_a_terminal_environment_runs_model_output_so_the_run_gets_a_runner() -> None:
     """A terminal environment's commands run in the sandbox, verifier or not; a
     function-calling one runs nothing (BFCL's checker judges in the trainer)."""
-    from posttrain.operator import sandbox_runner as sr
+    from posttrain.operator.trainingrun import sandbox_runner as sr
 
     terminal = {
         "name": "shell",
@@ -599,18 +614,18 @@ def test_runner_mode_without_url_gets_a_restricted_runner_of_its_own() -> None:
     policy = children["NetworkPolicy"]["spec"]
     assert policy["policyTypes"] == ["Ingress", "Egress"] and "egress" not in policy
     assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == {
-        b.LABEL_COMPONENT: b.COMPONENT_TRAINER,
-        b.LABEL_RUN: "demo",
+        api_labels.LABEL_COMPONENT: api_labels.COMPONENT_TRAINER,
+        api_labels.LABEL_RUN: "demo",
     }
     env = {
         e["name"]: e.get("value")
-        for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+        for e in run_builders.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
     }
     assert env[env_names.SANDBOX_RUNNER_URL] == "http://demo-sandbox-runner.ml.svc:8090"
 
 
 def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() -> None:
-    from posttrain.operator.evaluator import COMPONENT_EVALUATOR
+    from posttrain.operator.trainingrun.evaluator import COMPONENT_EVALUATOR
 
     assert "Job" not in [c["kind"] for c in build_trainer_children(make_run(), CONFIG, 0)]
     run = make_run(
@@ -621,12 +636,12 @@ def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() 
     assert (job["apiVersion"], job["metadata"]["name"]) == ("batch/v1", "demo-evaluator")
     owner = job["metadata"]["ownerReferences"][0]
     assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingRun", "uid-run", True)
-    assert job["metadata"]["labels"][b.LABEL_COMPONENT] == COMPONENT_EVALUATOR
+    assert job["metadata"]["labels"][api_labels.LABEL_COMPONENT] == COMPONENT_EVALUATOR
     assert job["spec"]["backoffLimit"] >= 1
     template = job["spec"]["template"]
     assert template["metadata"]["labels"] == {
-        b.LABEL_COMPONENT: COMPONENT_EVALUATOR,
-        b.LABEL_RUN: "demo",
+        api_labels.LABEL_COMPONENT: COMPONENT_EVALUATOR,
+        api_labels.LABEL_RUN: "demo",
     }
     pod = template["spec"]
     assert pod["restartPolicy"] == "OnFailure" and pod["automountServiceAccountToken"] is False
@@ -634,7 +649,7 @@ def test_a_run_that_does_not_evaluate_inline_gets_an_evaluator_job_of_its_own() 
     assert container["image"] == "mine:2"
     # The trainer's own config and storage: it scores exactly what the trainer commits.
     assert container["command"] == [
-        "posttrain", "eval-checkpoints", b.RUN_CONFIG_PATH,
+        "posttrain", "eval-checkpoints", run_names.RUN_CONFIG_PATH,
         "--storage", "s3://posttrain/runs/ml/demo/uid-run", "--out", "/workspace",
         "--watch", "--poll-seconds", "30", "--metrics-port", str(CONFIG.pod_metrics_port),
     ]  # fmt: skip
@@ -666,24 +681,27 @@ def test_runner_url_given_means_no_runner_of_our_own() -> None:
     kinds = [c["kind"] for c in build_trainer_children(run, CONFIG, 0)]
     assert "Deployment" not in kinds
     env = [
-        e["name"] for e in b.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
+        e["name"]
+        for e in run_builders.build_trainer_pod(run, CONFIG, 0, 0)["spec"]["containers"][0]["env"]
     ]
     assert "POSTTRAIN_SANDBOX_RUNNER_URL" not in env
 
 
 def test_local_mode_gives_the_trainer_what_bubblewrap_needs_only_when_code_runs() -> None:
-    code = b.build_trainer_pod(make_run(domains=[CODE_DOMAIN]), CONFIG, 0, 0)["spec"]
+    code = run_builders.build_trainer_pod(make_run(domains=[CODE_DOMAIN]), CONFIG, 0, 0)["spec"]
     assert code["hostUsers"] is False
     context = code["containers"][0]["securityContext"]
     assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"}, "Unmasked")
     assert context["capabilities"] == {"drop": ["ALL"]}
-    numeric = b.build_trainer_pod(make_run(), CONFIG, 0, 0)["spec"]
+    numeric = run_builders.build_trainer_pod(make_run(), CONFIG, 0, 0)["spec"]
     assert "hostUsers" not in numeric and "securityContext" not in numeric["containers"][0]
 
 
 def test_task_mode_lets_the_trainer_create_sandbox_tasks_and_nothing_more() -> None:
     role = next(
-        m for m in b.build_trainer_rbac(make_run(sandbox={"mode": "task"})) if m["kind"] == "Role"
+        m
+        for m in run_builders.build_trainer_rbac(make_run(sandbox={"mode": "task"}))
+        if m["kind"] == "Role"
     )
     rules = [r for r in role["rules"] if r["resources"] == ["sandboxtasks"]]
     assert rules == [
@@ -696,24 +714,24 @@ def test_task_mode_lets_the_trainer_create_sandbox_tasks_and_nothing_more() -> N
     # The operator holds what it grants (RBAC escalation check).
     held = next(r for r in OPERATOR_RULES if r["resources"] == ["sandboxtasks"])
     assert {"get", "create", "delete"} <= set(held["verbs"])
-    local = next(m for m in b.build_trainer_rbac(make_run()) if m["kind"] == "Role")
+    local = next(m for m in run_builders.build_trainer_rbac(make_run()) if m["kind"] == "Role")
     assert all("sandboxtasks" not in r["resources"] for r in local["rules"])
 
 
 def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> None:
-    pod = b.build_trainer_pod(make_run(), CONFIG, 0, 0)
+    pod = run_builders.build_trainer_pod(make_run(), CONFIG, 0, 0)
     container = pod["spec"]["containers"][0]
     assert container["command"][-2:] == ["--metrics-port", str(CONFIG.pod_metrics_port)]
     assert container["ports"] == [{"name": "metrics", "containerPort": CONFIG.pod_metrics_port}]
     assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert "OTEL_EXPORTER_OTLP_ENDPOINT" not in env_of(container)  # none configured
     # A Ray worker runs no trainer process, so it has nothing to scrape.
-    worker = b.build_trainer_pod(make_run(resources={"nodes": 2}), CONFIG, 0, 1)
+    worker = run_builders.build_trainer_pod(make_run(resources={"nodes": 2}), CONFIG, 0, 1)
     assert "ports" not in worker["spec"]["containers"][0]
     assert "annotations" not in worker["metadata"]
 
     traced = CONFIG.model_copy(update={"otlp_endpoint": "http://collector.monitoring:4318"})
-    env = env_of(b.build_trainer_pod(make_run(), traced, 0, 0)["spec"]["containers"][0])
+    env = env_of(run_builders.build_trainer_pod(make_run(), traced, 0, 0)["spec"]["containers"][0])
     assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.monitoring:4318"
     assert env["OTEL_SERVICE_NAME"]["value"] == "posttrain-trainer"
     deployment = b.build_rollout_deployment(make_pool(), traced)
@@ -726,7 +744,9 @@ def test_trainer_and_rollout_pods_expose_metrics_and_get_the_otlp_endpoint() -> 
     off = CONFIG.model_copy(update={"pod_metrics_port": 0})
     assert (
         "--metrics-port"
-        not in b.build_trainer_pod(make_run(), off, 0, 0)["spec"]["containers"][0]["command"]
+        not in run_builders.build_trainer_pod(make_run(), off, 0, 0)["spec"]["containers"][0][
+            "command"
+        ]
     )
 
 
@@ -756,7 +776,7 @@ def test_the_pods_of_a_run_with_an_hf_model_download_it_onto_their_workspace() -
         hfTokenSecret={"name": "hub-token", "key": "token"},
         evaluation={"inline": False},
     )
-    trainer = b.build_trainer_pod(run, CONFIG, incarnation=1, rank=0)
+    trainer = run_builders.build_trainer_pod(run, CONFIG, incarnation=1, rank=0)
     (job,) = [c for c in build_trainer_children(run, CONFIG, 0) if c["kind"] == "Job"]
     for pod in (trainer["spec"], job["spec"]["template"]["spec"]):
         (container,) = pod["containers"]
@@ -765,11 +785,11 @@ def test_the_pods_of_a_run_with_an_hf_model_download_it_onto_their_workspace() -
         assert env["HF_HUB_OFFLINE"]["value"] == "0"
         assert env["HF_TOKEN"] == HF_TOKEN_ENV  # never a literal
         assert "emptyDir" in _volume_under(pod, container, env["HF_HOME"]["value"])
-    without_token = b.build_trainer_pod(
+    without_token = run_builders.build_trainer_pod(
         make_run(model="hf://org/public"), CONFIG, incarnation=1, rank=0
     )
     assert "HF_TOKEN" not in env_of(without_token["spec"]["containers"][0])
-    plain = b.build_trainer_pod(make_run(), CONFIG, incarnation=1, rank=0)
+    plain = run_builders.build_trainer_pod(make_run(), CONFIG, incarnation=1, rank=0)
     assert not [e for e in plain["spec"]["containers"][0]["env"] if e["name"].startswith("HF_")]
 
 

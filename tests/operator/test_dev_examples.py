@@ -10,8 +10,9 @@ from posttrain.api import RolloutPool, TrainingRun, load_manifests
 from posttrain.api import env as env_names
 from posttrain.devenv.nodeagent import ROLLOUT_IMAGE_NAME
 from posttrain.devenv.podprocess import image_repository
-from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
+from posttrain.operator.rolloutpool import builders as b
+from posttrain.operator.trainingrun import builders as run_builders
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SUFFIXES = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
@@ -57,7 +58,7 @@ def test_dev_vllm_example_is_a_cpu_vllm_pool_on_the_rollout_image_and_a_run_on_i
     kv = engine_args["extra_args"][engine_args["extra_args"].index("--kv-cache-memory-bytes") + 1]
     assert int(kv) <= 512 << 20
     # The trainer publishes in the pool's dtype, so replicas read float32 weights.
-    trainer = b.build_trainer_pod(
+    trainer = run_builders.build_trainer_pod(
         run,
         config,
         0,

@@ -9,20 +9,28 @@ import pytest
 
 # Every operator module with examples (the others have none to run).
 MODULES = [
-    "builders",
-    "common",
     "config",
-    "reconcile",
-    "warmpool",
     "kube",
-    "reconcilers.kuberay",
-    "warm_entrypoint",
     "informer",
     "events",
-    "kueue",
-    "sandbox_runner",
-    "evaluator",
-    "reconcilers.storage_credentials",
+    "shared.builders",
+    "shared.observe",
+    "storage_credentials",
+    "trainingrun.builders",
+    "trainingrun.names",
+    "trainingrun.raycluster",
+    "trainingrun.plan",
+    "trainingrun.kuberay",
+    "trainingrun.kueue",
+    "trainingrun.sandbox_runner",
+    "trainingrun.evaluator",
+    "rolloutpool.builders",
+    "rolloutpool.plan",
+    "sandboxtask.builders",
+    "sandboxtask.plan",
+    "warmpool.builders",
+    "warmpool.plan",
+    "warmpool.entrypoint",
 ]
 
 

@@ -9,16 +9,13 @@ from typing import Any
 import pytest
 
 from posttrain.api import TrainingRun
-from posttrain.operator import builders as b
+from posttrain.api import labels as api_labels
 from posttrain.operator.config import OperatorConfig
-from posttrain.operator.reconcile import (
-    PodView,
-    RayClusterView,
-    Terminated,
-    plan_training_run,
-    ray_cluster_view,
-)
-from posttrain.operator.run_children import build_trainer_children
+from posttrain.operator.shared import builders as shared_builders
+from posttrain.operator.shared.observe import PodView, Terminated
+from posttrain.operator.trainingrun import raycluster as b
+from posttrain.operator.trainingrun.builders import build_trainer_children
+from posttrain.operator.trainingrun.plan import RayClusterView, plan_training_run, ray_cluster_view
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 CONFIG = OperatorConfig(s3_endpoint="minio:9000", shm_size="4Gi", trainer_image="img:1")
@@ -42,7 +39,7 @@ def run(status: dict[str, Any] | None = None, nodes: int = 3, **spec: Any) -> Tr
 def cluster(incarnation: int, state: str = "", available: int = 0) -> RayClusterView:
     return RayClusterView(
         b.ray_cluster_name("r", incarnation),
-        {b.LABEL_GANG: str(incarnation)},
+        {api_labels.LABEL_GANG: str(incarnation)},
         state=state,
         available_workers=available,
         desired_workers=2,
@@ -52,9 +49,9 @@ def cluster(incarnation: int, state: str = "", available: int = 0) -> RayCluster
 def ray_pod(
     incarnation: int, node_type: str, phase: str = "Running", exit_code: int | None = None
 ) -> PodView:
-    labels = {b.LABEL_GANG: str(incarnation), b.RAY_NODE_TYPE_LABEL: node_type}
+    labels = {api_labels.LABEL_GANG: str(incarnation), b.RAY_NODE_TYPE_LABEL: node_type}
     if node_type == "head":
-        labels[b.LABEL_RANK] = "0"
+        labels[api_labels.LABEL_RANK] = "0"
     terminated = Terminated(exit_code) if exit_code is not None else None
     return PodView(f"r-g{incarnation}-{node_type}-x", labels, phase=phase, terminated=terminated)
 
@@ -69,7 +66,9 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
     meta = rc["metadata"]
     assert meta["name"] == "r-g4"
     assert meta["ownerReferences"][0]["uid"] == "u" and meta["ownerReferences"][0]["controller"]
-    assert meta["labels"][b.LABEL_RUN] == "r" and meta["labels"][b.LABEL_GANG] == "4"
+    assert (
+        meta["labels"][api_labels.LABEL_RUN] == "r" and meta["labels"][api_labels.LABEL_GANG] == "4"
+    )
     assert meta["annotations"][b.RAY_OVERWRITE_CMD_ANNOTATION] == "true"
     spec = rc["spec"]
     assert spec["enableInTreeAutoscaling"] is False
@@ -94,7 +93,7 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
         assert pod_spec["restartPolicy"] == "Never"
         assert pod_spec["serviceAccountName"] == "r-trainer"
         assert "hostname" not in pod_spec and "subdomain" not in pod_spec
-        assert template["metadata"]["labels"][b.LABEL_GANG] == "4"
+        assert template["metadata"]["labels"][api_labels.LABEL_GANG] == "4"
     head_cmd = head["spec"]["containers"][0]["command"]
     assert "ray start --head" in head_cmd[2] and "posttrain run" in head_cmd[2]
     ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
@@ -103,7 +102,7 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
         "dist": CONFIG.trainer_master_port,
         "metrics": CONFIG.pod_metrics_port,
     }  # the trainer's /metrics
-    assert head["metadata"]["labels"][b.LABEL_RANK] == "0"
+    assert head["metadata"]["labels"][api_labels.LABEL_RANK] == "0"
     worker_cmd = worker["spec"]["containers"][0]["command"]
     assert worker_cmd == [
         "ray",
@@ -119,11 +118,11 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
     assert (head_probe, worker_probe) == (CONFIG.ray_port, b.RAY_WORKER_RAYLET_PORT)
     # One template for all workers: a per-pod RANK would be wrong, so there is none.
     assert "RANK" not in env_of(worker["spec"]["containers"][0])
-    assert b.LABEL_RANK not in worker["metadata"]["labels"]
+    assert api_labels.LABEL_RANK not in worker["metadata"]["labels"]
 
 
 def test_ray_cluster_is_only_for_multi_node_and_drops_our_head_service() -> None:
-    with pytest.raises(b.BuildError, match="nodes > 1"):
+    with pytest.raises(shared_builders.BuildError, match="nodes > 1"):
         b.build_ray_cluster(run(nodes=1), CONFIG, 0)
     kinds = [m["kind"] for m in build_trainer_children(run(), CONFIG, 0, ray_cluster=True)]
     assert "Service" not in kinds and "ConfigMap" in kinds
@@ -133,7 +132,7 @@ def test_ray_cluster_is_only_for_multi_node_and_drops_our_head_service() -> None
 def test_ray_cluster_view_reads_kuberay_status() -> None:
     view = ray_cluster_view(
         {
-            "metadata": {"name": "r-g0", "labels": {b.LABEL_GANG: "0"}},
+            "metadata": {"name": "r-g0", "labels": {api_labels.LABEL_GANG: "0"}},
             "spec": {"workerGroupSpecs": [{"replicas": 2}]},
             "status": {"state": "failed", "reason": "HeadPodFailed", "availableWorkerReplicas": 1},
         }

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from posttrain.api import labels
+from posttrain.api import labels as api_labels
 from posttrain.devenv.controlplane import ControlPlane
-from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient, resource_path
 from posttrain.operator.runtime import OperatorThread
+from posttrain.operator.trainingrun import raycluster
 
 from .conftest import (
     cr_path,
@@ -63,7 +64,9 @@ def set_ray_cluster_status(
 def trainer_pods(kube: KubeClient, namespace: str) -> list[str]:
     return sorted(
         p["metadata"]["name"]
-        for p in list_pods(kube, namespace, f"{b.LABEL_COMPONENT}={b.COMPONENT_TRAINER}")
+        for p in list_pods(
+            kube, namespace, f"{api_labels.LABEL_COMPONENT}={api_labels.COMPONENT_TRAINER}"
+        )
         if not p["metadata"].get("deletionTimestamp")
     )
 
@@ -127,7 +130,7 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
         "metadata": {
             "name": "mr-g0-head-abcde",
             "namespace": namespace,
-            "labels": {**template["metadata"]["labels"], b.RAY_NODE_TYPE_LABEL: "head"},
+            "labels": {**template["metadata"]["labels"], raycluster.RAY_NODE_TYPE_LABEL: "head"},
         },
         "spec": template["spec"],
     }

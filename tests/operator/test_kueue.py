@@ -8,22 +8,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from posttrain.api import TrainingRun
+from posttrain.api import labels as api_labels
 from posttrain.api.reasons import Reason
-from posttrain.operator import builders as b
-from posttrain.operator.common import owner_reference
 from posttrain.operator.config import OperatorConfig
-from posttrain.operator.kueue import (
+from posttrain.operator.shared.builders import owner_reference
+from posttrain.operator.shared.observe import PodView
+from posttrain.operator.trainingrun import builders as run_builders
+from posttrain.operator.trainingrun.kueue import (
     QUEUE_NAME_LABEL,
     WorkloadView,
     build_workload,
     workload_view,
 )
-from posttrain.operator.reconcile import (
-    KueueGate,
-    PodView,
-    managed_elsewhere,
-    plan_training_run,
-)
+from posttrain.operator.trainingrun.plan import KueueGate, managed_elsewhere, plan_training_run
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -55,8 +52,8 @@ def condition(plan_status: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def test_workload_is_one_gang_sized_pod_set_owned_by_the_run() -> None:
     run = queued_run()
-    pod = b.build_trainer_pod(run, OperatorConfig(), 0, 0)
-    labels = {b.LABEL_RUN: "r"}
+    pod = run_builders.build_trainer_pod(run, OperatorConfig(), 0, 0)
+    labels = {api_labels.LABEL_RUN: "r"}
     workload = build_workload(run, pod, labels, owner_reference(run))
     assert workload["metadata"]["name"] == "trainingrun-r"
     assert workload["metadata"]["ownerReferences"][0]["uid"] == "u"
@@ -135,7 +132,11 @@ def test_admission_starts_the_gang_and_eviction_deletes_it() -> None:
 
     running = queued_run(status={**waiting.status.to_wire(), **start.status_patch})
     pods = [
-        PodView(f"r-g0-{i}", {b.LABEL_GANG: "0", b.LABEL_RANK: str(i)}, phase="Running")
+        PodView(
+            f"r-g0-{i}",
+            {api_labels.LABEL_GANG: "0", api_labels.LABEL_RANK: str(i)},
+            phase="Running",
+        )
         for i in range(2)
     ]
     evicted = WorkloadView("trainingrun-r", admitted=False, evicted_reason="Preempted")

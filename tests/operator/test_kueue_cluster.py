@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from posttrain.api import labels as api_labels
 from posttrain.devenv.controlplane import ControlPlane
-from posttrain.operator import builders as b
 from posttrain.operator.kube import KubeClient, resource_path
-from posttrain.operator.kueue import KUEUE_API_VERSION
 from posttrain.operator.runtime import OperatorThread
+from posttrain.operator.trainingrun.kueue import KUEUE_API_VERSION
 
 from .conftest import (
     cr_path,
@@ -113,7 +113,7 @@ def evict(kube: KubeClient, namespace: str, name: str) -> None:
 def trainer_pods(kube: KubeClient, namespace: str, run: str) -> list[str]:
     return sorted(
         p["metadata"]["name"]
-        for p in list_pods(kube, namespace, f"{b.LABEL_RUN}={run}")
+        for p in list_pods(kube, namespace, f"{api_labels.LABEL_RUN}={run}")
         if not p["metadata"].get("deletionTimestamp")
     )
 

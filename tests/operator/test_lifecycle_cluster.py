@@ -6,10 +6,10 @@ import pytest
 
 from posttrain.api import SandboxTask
 from posttrain.devenv.minio import MinioServer
-from posttrain.operator import builders
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient
 from posttrain.operator.runtime import OperatorThread
+from posttrain.operator.sandboxtask import builders
 from posttrain.storage.store import open_store
 
 from .conftest import create_cr, get_cr, list_pods, set_pod_terminated, wait_for

@@ -6,17 +6,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from posttrain.api import RolloutPool, SandboxTask, TrainingRun
-from posttrain.operator import builders as b
+from posttrain.api import labels as api_labels
 from posttrain.operator.config import OperatorConfig
-from posttrain.operator.reconcile import (
-    PodView,
-    Terminated,
-    parse_sandbox_result,
-    plan_rollout_pool,
-    plan_sandbox,
-    plan_training_run,
-    pod_view,
-)
+from posttrain.operator.rolloutpool import builders as pool_builders
+from posttrain.operator.rolloutpool.plan import plan_rollout_pool
+from posttrain.operator.sandboxtask.plan import parse_sandbox_result, plan_sandbox
+from posttrain.operator.shared.observe import PodView, Terminated, pod_view
+from posttrain.operator.trainingrun.plan import plan_training_run
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 
@@ -48,7 +44,7 @@ def run(status: dict[str, Any] | None = None, **spec: Any) -> TrainingRun:
 def trainer_pod(incarnation: int, rank: int, phase: str = "Running") -> PodView:
     return PodView(
         f"r-g{incarnation}-{rank}",
-        {b.LABEL_GANG: str(incarnation), b.LABEL_RANK: str(rank)},
+        {api_labels.LABEL_GANG: str(incarnation), api_labels.LABEL_RANK: str(rank)},
         phase=phase,
         terminated=Terminated(1) if phase == "Failed" else None,
     )
@@ -195,7 +191,7 @@ def test_pool_plan_scales_and_reports_selector() -> None:
             "spec": {"model": "m", "engine": "cpu", "replicas": 3},
         }
     )
-    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    desired = pool_builders.build_rollout_deployment(pool, OperatorConfig())
     have = {
         **desired,
         "spec": {**desired["spec"], "replicas": 1},
@@ -214,7 +210,7 @@ def _vllm_pool_with(pod_status: dict[str, Any], model: str) -> dict[str, Any]:
             "spec": {"model": model, "replicas": 1},
         }
     )
-    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    desired = pool_builders.build_rollout_deployment(pool, OperatorConfig())
     have = {**desired, "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1}}
     pod = pod_view({"metadata": {"name": "p-abc"}, "status": pod_status})
     plan = plan_rollout_pool(pool, desired, have, [pod], "sel", "http://p")
@@ -356,7 +352,7 @@ def test_pool_weight_version_is_cleared_when_a_ready_replica_is_unknown() -> Non
             "status": {"weightVersion": 3},
         }
     )
-    desired = b.build_rollout_deployment(pool, OperatorConfig())
+    desired = pool_builders.build_rollout_deployment(pool, OperatorConfig())
     have = {**desired, "status": {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2}}
     ready = {"phase": "Running", "conditions": [
         {"type": "Ready", "status": "True"}]}  # fmt: skip

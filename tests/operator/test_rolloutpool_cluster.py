@@ -137,12 +137,13 @@ def test_pool_deployment_service_and_kubectl_scale(
 
 def _replica_pod(kube: KubeClient, namespace: str, pool: str, name: str) -> None:
     """A pod of the pool as its Deployment would create it (no controller runs here)."""
-    from posttrain.operator import builders as b
+    from posttrain.api import labels as api_labels
     from posttrain.operator.kube import resource_path
+    from posttrain.operator.rolloutpool import builders as b
 
     kube.request("POST", resource_path("v1", "pods", namespace), {
         "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "labels": {**b.MANAGED_BY, **b.pool_selector(pool)}},
+        "metadata": {"name": name, "labels": {**api_labels.MANAGED_BY, **b.pool_selector(pool)}},
         "spec": {"containers": [{"name": "server", "image": "x"}]},
     })  # fmt: skip
 

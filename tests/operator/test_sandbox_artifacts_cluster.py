@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from posttrain.devenv.minio import MinioServer
-from posttrain.operator import builders as b
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient
 from posttrain.operator.runtime import OperatorThread
+from posttrain.operator.sandboxtask import builders as sandbox_builders
+from posttrain.operator.shared import sandbox as b
 from posttrain.sandboxes import task_entrypoint
 from posttrain.storage.store import open_store
 
@@ -87,7 +88,9 @@ def play_kubelet(kube: KubeClient, pod: dict[str, Any], root: Path) -> None:
     entrypoint.write_text(config_map["data"][b.SANDBOX_ENTRYPOINT_KEY])
     (container,) = pod["spec"]["containers"]
     argv = [
-        str(entrypoint) if a == f"{b.SANDBOX_ENTRYPOINT_DIR}/{b.SANDBOX_ENTRYPOINT_KEY}" else a
+        str(entrypoint)
+        if a == f"{sandbox_builders.SANDBOX_ENTRYPOINT_DIR}/{b.SANDBOX_ENTRYPOINT_KEY}"
+        else a
         for a in container["command"]
     ]
     env = {e["name"]: e["value"] for e in container["env"] if "value" in e}

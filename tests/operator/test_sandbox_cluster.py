@@ -7,9 +7,9 @@ import json
 import pytest
 from prometheus_client import REGISTRY
 
-from posttrain.operator.builders import SANDBOX_NETWORK_POLICY
 from posttrain.operator.kube import KubeClient, resource_path
 from posttrain.operator.runtime import OperatorThread
+from posttrain.operator.shared.sandbox import SANDBOX_NETWORK_POLICY
 from posttrain.telemetry import memory_exporter
 
 from .conftest import (

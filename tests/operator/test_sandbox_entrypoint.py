@@ -18,9 +18,13 @@ from typing import Any
 import pytest
 
 from posttrain.api import SandboxTask
-from posttrain.operator import builders as b
+from posttrain.api import labels as api_labels
 from posttrain.operator.config import OperatorConfig
-from posttrain.operator.reconcile import PodView, Terminated, parse_sandbox_result
+from posttrain.operator.sandboxtask import builders as sandbox_builders
+from posttrain.operator.sandboxtask.plan import parse_sandbox_result
+from posttrain.operator.shared import builders as shared_builders
+from posttrain.operator.shared import sandbox as b
+from posttrain.operator.shared.observe import PodView, Terminated
 from posttrain.sandboxes import task_entrypoint
 from posttrain.storage.store import S3Store, s3_store_from_env
 
@@ -204,14 +208,16 @@ def storing_task(**spec: Any) -> SandboxTask:
 
 def test_storing_pod_wraps_the_command_and_mounts_the_entrypoint_read_only() -> None:
     config = OperatorConfig(sandbox_artifacts_uri="s3://bkt/p", sandbox_upload_grace_seconds=20)
-    artifacts = b.SandboxArtifacts(
+    artifacts = sandbox_builders.SandboxArtifacts(
         logs_uri="s3://b/p/ns/t/1/logs.txt",
         logs_url="http://l",
         snapshot_uri="s3://b/p/ns/t/1/snapshot.tar",
         snapshot_url="http://s",
         restore_url="http://r",
     )
-    pod = b.build_sandbox_pod(storing_task(snapshot=True), config, 1, artifacts=artifacts)
+    pod = sandbox_builders.build_sandbox_pod(
+        storing_task(snapshot=True), config, 1, artifacts=artifacts
+    )
     (container,) = pod["spec"]["containers"]
     assert container["command"] == [
         "python3",
@@ -233,10 +239,10 @@ def test_storing_pod_wraps_the_command_and_mounts_the_entrypoint_read_only() -> 
     volume = next(v for v in pod["spec"]["volumes"] if v["name"] == "entrypoint")
     assert volume["configMap"]["name"] == b.sandbox_entrypoint_config_map_name()
     annotations = pod["metadata"]["annotations"]
-    assert annotations[b.ANNOTATION_LOGS_URI] == artifacts.logs_uri
-    assert annotations[b.ANNOTATION_SNAPSHOT_URI] == artifacts.snapshot_uri
+    assert annotations[api_labels.ANNOTATION_LOGS_URI] == artifacts.logs_uri
+    assert annotations[api_labels.ANNOTATION_SNAPSHOT_URI] == artifacts.snapshot_uri
     # Without artifacts nothing changes: the program is the container's command.
-    plain = b.build_sandbox_pod(storing_task(), config, 1)
+    plain = sandbox_builders.build_sandbox_pod(storing_task(), config, 1)
     assert plain["spec"]["containers"][0]["command"] == ["python3", "main.py"]
     assert plain["spec"]["activeDeadlineSeconds"] == 40
 
@@ -245,13 +251,16 @@ def test_entrypoint_config_map_is_named_by_its_content() -> None:
     config_map = b.build_sandbox_entrypoint_config_map("ns")
     assert config_map["data"]["entrypoint.py"] == ENTRYPOINT.read_text()
     assert config_map["metadata"]["name"] == (
-        f"posttrain-sandbox-entrypoint-{b.spec_hash(ENTRYPOINT.read_text())[:10]}"
+        f"posttrain-sandbox-entrypoint-{shared_builders.spec_hash(ENTRYPOINT.read_text())[:10]}"
     )
     assert "ownerReferences" not in config_map["metadata"]  # shared by the namespace's tasks
 
 
 def test_result_uris_come_from_the_pod_only_when_the_upload_worked() -> None:
-    annotations = {b.ANNOTATION_LOGS_URI: "s3://b/l", b.ANNOTATION_SNAPSHOT_URI: "s3://b/s"}
+    annotations = {
+        api_labels.ANNOTATION_LOGS_URI: "s3://b/l",
+        api_labels.ANNOTATION_SNAPSHOT_URI: "s3://b/s",
+    }
 
     def result(message: str) -> tuple[str | None, str | None]:
         pod = PodView(

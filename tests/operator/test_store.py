@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.operator.reconcilers.state import Store
+from posttrain.operator.shared.state import Store
 
 
 def pod(name: str, rv: int, uid: str = "u1", deleting: bool = False) -> dict[str, Any]:

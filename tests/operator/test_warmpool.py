@@ -13,20 +13,25 @@ from pathlib import Path
 import pytest
 
 from posttrain.api import SandboxTask, SandboxWarmPool
-from posttrain.operator.builders import ANNOTATION_SPEC_HASH, LABEL_ATTEMPT, build_sandbox_pod
-from posttrain.operator.config import OperatorConfig
-from posttrain.operator.reconcile import PodView, plan_sandbox
-from posttrain.operator.warmpool import (
+from posttrain.api.labels import (
     ANNOTATION_CLAIM,
-    ENTRYPOINT_SOURCE,
+    ANNOTATION_SPEC_HASH,
+    LABEL_ATTEMPT,
     LABEL_WARM_POOL,
+)
+from posttrain.operator.config import OperatorConfig
+from posttrain.operator.sandboxtask.builders import build_sandbox_pod
+from posttrain.operator.sandboxtask.plan import plan_sandbox
+from posttrain.operator.shared.observe import PodView
+from posttrain.operator.warmpool.builders import (
+    ENTRYPOINT_SOURCE,
     build_claim_patch,
     build_warm_pod,
     claim_mismatch,
-    plan_warm_pool,
     pool_template,
     template_hash,
 )
+from posttrain.operator.warmpool.plan import plan_warm_pool
 
 CONFIG = OperatorConfig()
 

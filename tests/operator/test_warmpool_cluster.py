@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 from posttrain.api import SandboxTask
+from posttrain.api.labels import ANNOTATION_CLAIM, LABEL_WARM_POOL
 from posttrain.devenv.controlplane import ControlPlane
 from posttrain.operator.kube import KubeClient, KubeError, resource_path
 from posttrain.operator.runtime import OperatorThread
-from posttrain.operator.warmpool import ANNOTATION_CLAIM, LABEL_WARM_POOL, build_claim_patch
+from posttrain.operator.warmpool.builders import build_claim_patch
 
 from .conftest import create_cr, get_cr, list_pods, set_pod_running, set_pod_terminated, wait_for
 

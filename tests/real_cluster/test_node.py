@@ -148,8 +148,9 @@ def test_the_gang_head_service_resolves_only_the_current_gangs_rank_0(
     from kubernetes import client
 
     from posttrain.api import TrainingRun
-    from posttrain.operator import builders as b
+    from posttrain.api import labels as api_labels
     from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.trainingrun import builders as b
 
     ns = node_namespace
     run = TrainingRun.model_validate({
@@ -166,7 +167,9 @@ def test_the_gang_head_service_resolves_only_the_current_gangs_rank_0(
         "metadata": {"name": "ungated-head"},
         "spec": {
             **service["spec"],
-            "selector": {k: v for k, v in service["spec"]["selector"].items() if k != b.LABEL_GANG},
+            "selector": {
+                k: v for k, v in service["spec"]["selector"].items() if k != api_labels.LABEL_GANG
+            },
         },
     }
 
@@ -225,8 +228,8 @@ def test_vllm_weight_staging_is_bounded_by_its_declared_volume(
     from kubernetes import client
 
     from posttrain.api import RolloutPool
-    from posttrain.operator import builders as b
     from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.rolloutpool import builders as pool_builders
 
     ns = node_namespace
     pool = RolloutPool.model_validate({
@@ -235,7 +238,9 @@ def test_vllm_weight_staging_is_bounded_by_its_declared_volume(
                  "resources": {"gpus": 0, "cpu": "100m", "memory": "256Mi",
                                "weightsScratch": "16Mi", "ephemeralStorage": "512Mi"}},
     })  # fmt: skip
-    spec = b.build_rollout_deployment(pool, OperatorConfig())["spec"]["template"]["spec"]
+    spec = pool_builders.build_rollout_deployment(pool, OperatorConfig())["spec"]["template"][
+        "spec"
+    ]
     spec.pop("initContainers")
     (server,) = spec["containers"]
     server.pop("startupProbe"), server.pop("readinessProbe")

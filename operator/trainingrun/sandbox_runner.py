@@ -21,8 +21,8 @@ from typing import Any
 
 from posttrain.api import TrainingRun
 
-from .common import apply_sandbox_runtime, child_metadata, resources
-from .config import OperatorConfig
+from ..config import OperatorConfig
+from ..shared.builders import apply_sandbox_runtime, child_metadata, resources
 
 Manifest = dict[str, Any]
 
@@ -45,7 +45,7 @@ TRAINER_TASK_RULES: list[dict[str, Any]] = [
 def runner_name(run: TrainingRun) -> str:
     """``<run>-sandbox-runner``.
 
-    >>> from posttrain.operator.builders import _example_run
+    >>> from posttrain.operator.trainingrun.names import _example_run
     >>> runner_name(_example_run())
     'demo-sandbox-runner'
     """
@@ -116,7 +116,7 @@ def runner_limit_args(run: TrainingRun) -> list[str]:
     the runner refuses what the run's trainer would never send (it caps requests to the same
     values). No ``--allow-host-network``: the runner's NetworkPolicy lets nothing out anyway.
 
-    >>> from posttrain.operator.builders import _example_run
+    >>> from posttrain.operator.trainingrun.names import _example_run
     >>> runner_limit_args(_example_run())
     ['--max-timeout-s', '60.0', '--max-memory-mb', '512']
     """

@@ -1,6 +1,6 @@
 """SandboxTask reconciler: one pod per attempt, retries, TTL, warm-pool claims, artifact URLs.
 
-plan (:func:`..reconcile.plan_sandbox`) → build (:func:`..builders.build_sandbox_pod`) →
+plan (:func:`.plan.plan_sandbox`) → build (:func:`.builders.build_sandbox_pod`) →
 apply (here). A burst of new tasks is the operator's hot path: :meth:`reconcile_on_loop`
 handles the plain "create the first pod" case without leaving the event loop.
 """
@@ -15,12 +15,14 @@ from pydantic import ValidationError
 
 from posttrain.api import API_VERSION, SandboxTask
 
-from .. import builders as b
-from ..reconcile import SandboxPlan, plan_sandbox, pod_view
-from .sandbox_artifacts import SandboxArtifactSigner
-from .sandbox_namespace import SandboxNamespaces
-from .state import Body, OperatorState, count_child, now
-from .warmpool import WarmPoolReconciler
+from ..shared.builders import BuildError
+from ..shared.observe import pod_view
+from ..shared.sandbox_namespace import SandboxNamespaces
+from ..shared.state import Body, OperatorState, count_child, now
+from ..warmpool.reconciler import WarmPoolReconciler
+from . import builders
+from .artifacts import SandboxArtifactSigner
+from .plan import SandboxPlan, plan_sandbox
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class SandboxTaskReconciler:
             if plan.create_attempt == 1 and task.spec.warm_pool_ref and not needs_entrypoint:
                 try:
                     claimed = self.warm_pools.claim(task, body)
-                except b.BuildError as exc:
+                except BuildError as exc:
                     state.invalid(state.tasks, body, exc, terminal_phase="Failed")
                     return
                 if claimed is not None:
@@ -81,10 +83,10 @@ class SandboxTaskReconciler:
                     self.namespaces.ensure_network_policy(namespace)
                 try:
                     artifacts = self.artifacts.sign(task, plan.create_attempt)
-                    manifest = b.build_sandbox_pod(
+                    manifest = builders.build_sandbox_pod(
                         task, state.config, plan.create_attempt, artifacts=artifacts
                     )
-                except b.BuildError as exc:
+                except BuildError as exc:
                     state.invalid(state.tasks, body, exc, terminal_phase="Failed")
                     return
                 state.sandbox_pods.put(state.create(KIND, manifest))
@@ -166,6 +168,6 @@ class SandboxTaskReconciler:
         ):
             return _FULL
         try:
-            return b.build_sandbox_pod(task, state.config, plan.create_attempt)
-        except b.BuildError:
+            return builders.build_sandbox_pod(task, state.config, plan.create_attempt)
+        except BuildError:
             return _FULL

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from .. import builders as b
+from . import sandbox
 from .state import OperatorState
 
 
@@ -33,7 +33,7 @@ class SandboxNamespaces:
             return
         config, kube = self.state.config, self.state.kube
         egress = config.sandbox_artifacts_egress if config.sandbox_artifacts_uri else []
-        manifest = b.build_sandbox_network_policy(namespace, egress)
+        manifest = sandbox.build_sandbox_network_policy(namespace, egress)
         _, existing = kube.create_or_adopt(manifest)
         if (existing.get("spec") or {}).get("egress") != manifest["spec"].get("egress"):
             kube.patch(manifest, {"spec": {"egress": manifest["spec"].get("egress")}})
@@ -44,6 +44,6 @@ class SandboxNamespaces:
         """The namespace's entrypoint ConfigMap, created once per operator process."""
         if namespace in self._entrypoint_namespaces:
             return
-        self.state.kube.create_or_adopt(b.build_sandbox_entrypoint_config_map(namespace))
+        self.state.kube.create_or_adopt(sandbox.build_sandbox_entrypoint_config_map(namespace))
         with self._lock:
             self._entrypoint_namespaces.add(namespace)

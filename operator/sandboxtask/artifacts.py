@@ -19,10 +19,11 @@ from posttrain.api import SandboxTask
 from posttrain.api.env import OPERATOR_SANDBOX_ARTIFACTS_URI
 from posttrain.errors import UsageError
 
-from .. import builders as b
 from ..config import OperatorConfig
 from ..metrics import SANDBOX_ARTIFACT_URLS
-from .sandbox_namespace import SandboxNamespaces
+from ..shared.builders import BuildError
+from ..shared.sandbox_namespace import SandboxNamespaces
+from . import builders
 
 if TYPE_CHECKING:
     from posttrain.storage.store import S3Store
@@ -51,7 +52,7 @@ class SandboxArtifactSigner:
             self._store = s3_store_from_env(bucket, create_bucket=True)
         return self._store
 
-    def sign(self, task: SandboxTask, attempt: int) -> b.SandboxArtifacts | None:
+    def sign(self, task: SandboxTask, attempt: int) -> builders.SandboxArtifacts | None:
         """Presigned URLs for this attempt's log (always), snapshot (spec.snapshot) and the
         snapshot to restore (spec.restoreFrom); None when artifact storage is off.
 
@@ -63,7 +64,7 @@ class SandboxArtifactSigner:
         uri = self.config.sandbox_artifacts_uri
         if not uri:
             if spec.snapshot or spec.restore_from:
-                raise b.BuildError(
+                raise BuildError(
                     "spec.snapshot / spec.restoreFrom need sandbox artifact storage, which this "
                     f"operator has not got: set {OPERATOR_SANDBOX_ARTIFACTS_URI} "
                     "(s3://bucket/prefix) or drop those fields"
@@ -74,7 +75,7 @@ class SandboxArtifactSigner:
         if spec.restore_from and not spec.restore_from.startswith(
             f"s3://{bucket}/{namespace_prefix}/"
         ):
-            raise b.BuildError(
+            raise BuildError(
                 f"spec.restoreFrom {spec.restore_from!r} is not a sandbox snapshot of this "
                 f"namespace; use a status.snapshotUri under s3://{bucket}/{namespace_prefix}/"
             )
@@ -87,13 +88,13 @@ class SandboxArtifactSigner:
         self.namespaces.ensure_entrypoint(task.metadata.namespace)
         try:
             client = self._artifact_store().client
-            logs_key = b.sandbox_artifact_key(prefix, task, attempt, "logs.txt")
-            artifacts = b.SandboxArtifacts(
+            logs_key = builders.sandbox_artifact_key(prefix, task, attempt, "logs.txt")
+            artifacts = builders.SandboxArtifacts(
                 logs_uri=f"s3://{bucket}/{logs_key}",
                 logs_url=client.presigned_put_object(bucket, logs_key, expires=expires),
             )
             if spec.snapshot:
-                key = b.sandbox_artifact_key(prefix, task, attempt, "snapshot.tar")
+                key = builders.sandbox_artifact_key(prefix, task, attempt, "snapshot.tar")
                 artifacts = replace(
                     artifacts,
                     snapshot_uri=f"s3://{bucket}/{key}",

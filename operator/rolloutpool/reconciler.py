@@ -1,6 +1,6 @@
 """RolloutPool reconciler: a Deployment of vLLM replicas, its Service, and the pool's status.
 
-plan (:func:`..reconcile.plan_rollout_pool`) → build (:func:`..builders.build_rollout_deployment`,
+plan (:func:`.plan.plan_rollout_pool`) → build (:func:`.builders.build_rollout_deployment`,
 :func:`..builders.build_rollout_service`) → apply (here). Each reconcile also asks the ready
 replicas which weight version they serve (status.weightVersion).
 """
@@ -16,11 +16,13 @@ from pydantic import ValidationError
 from posttrain.api import RolloutPool
 from posttrain.storage.errors import StorageError
 
-from .. import builders as b
 from ..kube import controller_uid
-from ..reconcile import PodView, plan_rollout_pool, pod_view
-from .state import OperatorState
-from .storage_credentials import StorageCredentials
+from ..shared.builders import BuildError, selector_string
+from ..shared.observe import PodView, pod_view
+from ..shared.state import OperatorState
+from ..storage_credentials import StorageCredentials
+from . import builders
+from .plan import plan_rollout_pool
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,8 @@ class RolloutPoolReconciler:
             try:
                 pool = RolloutPool.model_validate(body)
                 config = self.credentials.config_for_pool(pool)  # its own storage credentials
-                desired = b.build_rollout_deployment(pool, config)
-            except (ValidationError, b.BuildError, ValueError) as exc:
+                desired = builders.build_rollout_deployment(pool, config)
+            except (ValidationError, BuildError, ValueError) as exc:
                 state.invalid(state.pools, body, exc, terminal_phase=None)
                 return
             except StorageError as exc:
@@ -87,16 +89,18 @@ class RolloutPoolReconciler:
             ):
                 deployment = None  # an earlier pool's of that name: creating ours replaces it
             pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
-            selector = b.selector_string(b.pool_selector(name))
+            selector = selector_string(builders.pool_selector(name))
             served = served_weight_versions(pods, pool.spec.port)
             plan = plan_rollout_pool(
-                pool, desired, deployment, pods, selector, b.pool_endpoint(pool), served
+                pool, desired, deployment, pods, selector, builders.pool_endpoint(pool), served
             )
             service_key = (namespace, name, pool.metadata.uid)
             if service_key not in self._services:
-                state.kube.create_if_absent(b.build_pool_token_secret(pool))  # kept if it exists
-                state.create(KIND, b.build_rollout_service(pool))
-                state.create(KIND, b.build_pool_network_policy(pool, state.config))
+                state.kube.create_if_absent(
+                    builders.build_pool_token_secret(pool)
+                )  # kept if it exists
+                state.create(KIND, builders.build_rollout_service(pool))
+                state.create(KIND, builders.build_pool_network_policy(pool, state.config))
                 self._services.add(service_key)
             if plan.create_deployment:
                 state.deployments.put(state.create(KIND, desired))

@@ -1,6 +1,6 @@
 """SandboxWarmPool reconciler: keep ``spec.replicas`` idle ready pods, hand them to tasks.
 
-plan (:func:`..warmpool.plan_warm_pool`) → build (:func:`..warmpool.build_warm_pod`) → apply
+plan (:func:`.plan.plan_warm_pool`) → build (:func:`.builders.build_warm_pod`) → apply
 (here). Claims are made here too, for the SandboxTask reconciler: a claim is one conditional
 patch of an idle pod, so a pod is never handed to two tasks.
 """
@@ -23,7 +23,6 @@ from posttrain.api.labels import (
 )
 from posttrain.api.reasons import Reason
 
-from .. import warmpool as wp
 from ..kube import KubeError, resource_path
 from ..metrics import (
     CHILDREN_CREATED,
@@ -31,9 +30,11 @@ from ..metrics import (
     WARM_POOL_CLAIM_SECONDS,
     WARM_POOL_CLAIMS,
 )
-from ..reconcile import EventSpec, pod_view
-from .sandbox_namespace import SandboxNamespaces
-from .state import Body, Key, OperatorState, now
+from ..shared.observe import EventSpec, pod_view
+from ..shared.sandbox_namespace import SandboxNamespaces
+from ..shared.state import Body, Key, OperatorState, now
+from . import builders as wp
+from . import plan as warm_plan
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +215,7 @@ class WarmPoolReconciler:
             pods = [pod_view(p) for p in state.warm_pods.children(namespace, name)]
             with self._claim_lock:
                 reserved = frozenset(n for ns, n in self._claiming if ns == namespace)
-            plan = wp.plan_warm_pool(pool, pods, want_hash, reserved)
+            plan = warm_plan.plan_warm_pool(pool, pods, want_hash, reserved)
             for pod_name in plan.delete_pods:
                 self._delete_idle_pod(namespace, pod_name)
             if plan.create and pool.spec.network == "none":

@@ -24,20 +24,20 @@ from typing import Any
 
 from posttrain.api import TrainingRun
 
-from .builders import (
+from ..config import OperatorConfig
+from ..shared.builders import (
     METRICS_PORT_NAME,
-    RUN_CONFIG_PATH,
     WORKSPACE_HF_HOME,
+    child_metadata,
     hf_model_env,
     mount_model_claim,
     otlp_env,
-    run_storage_uri,
+    resources,
     s3_env,
+    schedule,
     scrape_annotations,
-    trainer_names,
 )
-from .common import child_metadata, resources, schedule
-from .config import OperatorConfig
+from .names import RUN_CONFIG_PATH, run_storage_uri, trainer_names
 
 Manifest = dict[str, Any]
 
@@ -51,7 +51,7 @@ EVALUATOR_POLL_SECONDS = 30
 def needs_evaluator(run: TrainingRun) -> bool:
     """``evaluation.inline: false``: the trainer does not evaluate, the evaluator does.
 
-    >>> from posttrain.operator.builders import _example_run
+    >>> from posttrain.operator.trainingrun.names import _example_run
     >>> run = _example_run()
     >>> needs_evaluator(run)
     False
@@ -65,7 +65,7 @@ def needs_evaluator(run: TrainingRun) -> bool:
 def evaluator_name(run: TrainingRun) -> str:
     """``<run>-evaluator``.
 
-    >>> from posttrain.operator.builders import _example_run
+    >>> from posttrain.operator.trainingrun.names import _example_run
     >>> evaluator_name(_example_run())
     'demo-evaluator'
     """
@@ -75,7 +75,7 @@ def evaluator_name(run: TrainingRun) -> str:
 def evaluator_command(run: TrainingRun, config: OperatorConfig) -> list[str]:
     """``posttrain eval-checkpoints`` on the run's config and storage, watching.
 
-    >>> from posttrain.operator.builders import _example_run
+    >>> from posttrain.operator.trainingrun.names import _example_run
     >>> " ".join(evaluator_command(_example_run(), OperatorConfig(s3_bucket="b")))
     'posttrain eval-checkpoints /etc/posttrain/run.yaml --storage s3://b/runs/ns/demo/u-1 --out /workspace --watch --poll-seconds 30 --metrics-port 9090'
     """

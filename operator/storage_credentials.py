@@ -18,15 +18,17 @@ import threading
 from typing import Any
 
 from posttrain.api import RolloutPool, TrainingRun
+from posttrain.api.reasons import Reason
 from posttrain.errors import UsageError
 from posttrain.storage.errors import StorageError
 from posttrain.storage.iam import Grant, ScopedCredentials
 
-from .. import builders as b
-from ..common import child_metadata
-from ..config import OperatorConfig
-from ..kube import KubeError
-from .state import OperatorState
+from .config import OperatorConfig
+from .kube import KubeError
+from .shared.builders import child_metadata
+from .shared.observe import EventSpec
+from .shared.state import OperatorState
+from .trainingrun.names import resume_source_uri, run_storage_uri
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,8 @@ def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
     >>> run_grants(run, OperatorConfig(s3_bucket="b"))
     [Grant(bucket='b', prefix='runs/ns/demo/u1', write=True), Grant(bucket='b', prefix='runs/ns/demo', write=False)]
     """
-    grants = [Grant.for_uri(b.run_storage_uri(run, config), write=True)]
-    source = b.resume_source_uri(run, config)
+    grants = [Grant.for_uri(run_storage_uri(run, config), write=True)]
+    source = resume_source_uri(run, config)
     if source is not None and source.startswith("s3://"):
         grants.append(Grant.for_uri(source, write=False))
     if run.spec.model.startswith("s3://"):
@@ -196,10 +198,6 @@ class StorageCredentials:
 
     def failed(self, body: dict[str, Any], exc: Exception) -> None:
         """Say on the object why its pods wait (retried at the next resync)."""
-        from posttrain.api.reasons import Reason
-
-        from ..reconcile import EventSpec
-
         meta = body.get("metadata") or {}
         log.warning(
             "%s %s/%s: cannot mint scoped storage credentials: %s",

@@ -8,7 +8,7 @@ object's pods from existing until Kueue writes ``status.admission`` with conditi
 ``Admitted=True``, starts them then, stops them again if Kueue evicts the Workload
 (preemption, ``spec.active: false``), and marks the Workload ``Finished`` when the object
 finishes, which gives the quota back. This module holds the manifests and the reading of
-Kueue's answer; :mod:`.reconcile` decides, :mod:`.controllers` executes.
+Kueue's answer; :mod:`.plan` decides, :mod:`.admission` executes.
 
 A run opts in with the label ``kueue.x-k8s.io/queue-name: <LocalQueue>`` (as every Kueue
 integration does) when Kueue's CRDs are installed; without the label, or without Kueue,

@@ -1,7 +1,7 @@
 """Kueue admission for TrainingRuns, on the controller side: discovery, the Workload cache,
-and executing what :func:`.reconcile.plan_training_run` decided about a run's Workload.
+and executing what :func:`.plan.plan_training_run` decided about a run's Workload.
 
-Kept beside the TrainingRun reconciler (:mod:`.reconcilers.trainingrun`, which owns one
+Kept beside the TrainingRun reconciler (:mod:`.reconciler`, which owns one
 instance) so it only asks :meth:`KueueAdmission.gate` and hands the plan back to :meth:`KueueAdmission.apply`.
 """
 
@@ -18,9 +18,10 @@ import httpx
 from posttrain.api import TrainingRun
 from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
 
-from .common import owner_reference
-from .config import OperatorConfig
-from .kube import KubeClient, KubeError, resource_path
+from ..config import OperatorConfig
+from ..kube import KubeClient, KubeError, resource_path
+from ..shared.builders import owner_reference
+from ..shared.state import Store
 from .kueue import (
     FLAVOR_PLURAL,
     KUEUE_API_VERSION,
@@ -31,8 +32,7 @@ from .kueue import (
     workload_name,
     workload_view,
 )
-from .reconcile import KueueGate, RunPlan
-from .reconcilers.state import Store
+from .plan import KueueGate, RunPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """TrainingRun reconciler: the trainer gang (plain pods or a KubeRay RayCluster), its
 ConfigMap/RBAC/Service, Kueue admission, restarts by incarnation, and the run's status.
 
-plan (:func:`..reconcile.plan_training_run`) → build (:func:`..builders.build_trainer_pod`,
-:func:`..builders.build_ray_cluster`, :func:`..run_children.build_trainer_children`) → apply
+plan (:func:`.plan.plan_training_run`) → build (:func:`.builders.build_trainer_pod`,
+:func:`.raycluster.build_ray_cluster`, :func:`.builders.build_trainer_children`) → apply
 (here). ``spec.managedBy`` is checked first: another controller's run is left alone.
 """
 
@@ -17,25 +17,17 @@ from posttrain.api.labels import ANNOTATION_INCARNATION
 from posttrain.api.reasons import Reason
 from posttrain.storage.errors import StorageError
 
-from .. import builders as b
-from .. import evaluator, sandbox_runner
-from ..admission import KueueAdmission
 from ..config import OperatorConfig
 from ..kube import KubeError, controller_uid
-from ..reconcile import (
-    TERMINAL,
-    EventSpec,
-    PodView,
-    RayClusterView,
-    managed_elsewhere,
-    plan_training_run,
-    pod_view,
-    ray_cluster_view,
-)
-from ..run_children import build_trainer_children
+from ..rolloutpool import builders as pool_builders
+from ..shared.observe import TERMINAL, EventSpec, PodView, pod_view
+from ..shared.state import Body, OperatorState, now
+from ..storage_credentials import StorageCredentials
+from . import builders, evaluator, names, raycluster, sandbox_runner
+from .admission import KueueAdmission
+from .builders import build_trainer_children
 from .kuberay import KubeRayDiscovery
-from .state import Body, OperatorState, now
-from .storage_credentials import StorageCredentials
+from .plan import RayClusterView, managed_elsewhere, plan_training_run, ray_cluster_view
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +79,7 @@ class TrainingRunReconciler:
                 state.kube.delete("v1", "Pod", namespace, pod)
                 state.trainer_pods.remove(namespace, pod)
             for cluster in plan.delete_ray_clusters:
-                state.kube.delete(b.RAY_API_VERSION, "RayCluster", namespace, cluster)
+                state.kube.delete(raycluster.RAY_API_VERSION, "RayCluster", namespace, cluster)
                 state.ray_clusters.remove(namespace, cluster)
             if plan.incarnation != incarnation:
                 # Persist the new incarnation before its pods exist, so a restarted operator
@@ -104,7 +96,7 @@ class TrainingRunReconciler:
                 body = updated
             if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
                 template = (
-                    b.build_trainer_pod(run, config, plan.incarnation, 0)
+                    builders.build_trainer_pod(run, config, plan.incarnation, 0)
                     if plan.create_workload
                     else None
                 )
@@ -115,14 +107,14 @@ class TrainingRunReconciler:
                 )
             creates = plan.create_ranks or plan.create_ray_cluster
             pool = self._rollout_pool(run) if creates else None
-            endpoints = [b.pool_endpoint(pool)] if pool is not None else []
-            dtype = b.pool_serving_dtype(pool) if pool is not None else None
+            endpoints = [pool_builders.pool_endpoint(pool)] if pool is not None else []
+            dtype = pool_builders.pool_serving_dtype(pool) if pool is not None else None
             if creates:
                 run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
             if plan.create_ray_cluster:
                 self._create_ray_cluster(run, config, plan.incarnation, endpoints, dtype)
             for rank in plan.create_ranks:
-                manifest = b.build_trainer_pod(
+                manifest = builders.build_trainer_pod(
                     run,
                     config,
                     plan.incarnation,
@@ -169,7 +161,7 @@ class TrainingRunReconciler:
         if clusters:
             return clusters
         live = [p for p in pods if not p.deleting]
-        if any(b.RAY_NODE_TYPE_LABEL not in p.labels for p in live):
+        if any(raycluster.RAY_NODE_TYPE_LABEL not in p.labels for p in live):
             return None
         if live:
             return []
@@ -186,7 +178,7 @@ class TrainingRunReconciler:
         dtype: str | None,
     ) -> None:
         state = self.state
-        manifest = b.build_ray_cluster(
+        manifest = raycluster.build_ray_cluster(
             run, config, incarnation, rollout_endpoints=endpoints, rollout_dtype=dtype
         )
         try:
@@ -263,7 +255,7 @@ class TrainingRunReconciler:
         from posttrain.storage.store import open_store
 
         run = TrainingRun.model_validate(body)
-        uri = b.run_storage_uri(run, self.state.config)
+        uri = names.run_storage_uri(run, self.state.config)
         store = open_store(uri, create_bucket=False)
         keys = store.list("")
         for key in keys:

@@ -18,9 +18,9 @@ from posttrain.api.labels import (
     LABEL_COMPONENT,
 )
 
-from .. import builders as b
 from ..kube import KubeError
-from .state import Body, OperatorState
+from ..shared.state import Body, OperatorState
+from . import raycluster
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +61,14 @@ class KubeRayDiscovery:
             if not fresh and age < config.kuberay_discovery_seconds:
                 return self._installed
         try:
-            installed = self.state.kube.serves(b.RAY_API_VERSION, b.RAY_CLUSTER_PLURAL)
+            installed = self.state.kube.serves(
+                raycluster.RAY_API_VERSION, raycluster.RAY_CLUSTER_PLURAL
+            )
         except (KubeError, httpx.HTTPError) as exc:
             log.warning(
-                "API discovery of %s failed (%s); keeping the last answer", b.RAY_API_VERSION, exc
+                "API discovery of %s failed (%s); keeping the last answer",
+                raycluster.RAY_API_VERSION,
+                exc,
             )
             installed = self._installed
         with self._lock:
@@ -99,7 +103,9 @@ class KubeRayDiscovery:
         selector = f"{LABEL_COMPONENT}={COMPONENT_TRAINER}"
         for namespace in namespaces:
             try:
-                items = state.kube.list(b.RAY_API_VERSION, "RayCluster", namespace, selector)
+                items = state.kube.list(
+                    raycluster.RAY_API_VERSION, "RayCluster", namespace, selector
+                )
             except (KubeError, httpx.HTTPError) as exc:
                 log.warning("listing RayClusters in %s failed: %s", namespace, exc)
                 continue

@@ -1,0 +1,349 @@
+"""Pure builders of a RolloutPool's children: the Deployment (model fetch + server), its
+Service, its NetworkPolicy and the weights token Secret; plus what a run needs to call a
+pool (endpoint, serving dtype, the token env).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from posttrain.api import (
+    RolloutPool,
+)
+from posttrain.api.env import (
+    WEIGHTS_SCRATCH,
+    WEIGHTS_TOKEN,
+    RolloutPoolEnv,
+)
+from posttrain.api.labels import (
+    ANNOTATION_SPEC_HASH,
+    COMPONENT_ROLLOUT,
+    LABEL_COMPONENT,
+    LABEL_POOL,
+    MANAGED_BY,
+    POOL_CLIENT_PREFIX,
+)
+
+from ..config import OperatorConfig
+from ..shared.builders import (
+    Manifest,
+    child_metadata,
+    hf_model_env,
+    mount_model_claim,
+    otlp_env,
+    resources,
+    s3_env,
+    schedule,
+    scrape_annotations,
+    spec_hash,
+)
+
+
+def pool_selector(pool_name: str) -> dict[str, str]:
+    return {LABEL_COMPONENT: COMPONENT_ROLLOUT, LABEL_POOL: pool_name}
+
+
+def pool_endpoint(pool: RolloutPool) -> str:
+    """In-cluster base URL of the pool's Service."""
+    return f"http://{pool.metadata.name}.{pool.metadata.namespace}.svc:{pool.spec.port}"
+
+
+def pool_serving_dtype(pool: RolloutPool) -> str | None:
+    """The dtype the pool's replicas hold their weights in, when the spec fixes it.
+
+    A trainer publishing fp32 master weights to a bf16 pool moves twice the bytes each step
+    and every replica casts them down anyway, so the trainer publishes in this dtype. vLLM
+    serves ``engineArgs.dtype``; ``auto`` is decided by vLLM from the model's config, which
+    the operator does not read: None (the trainer publishes in its own compute dtype). The
+    cpu engine holds float32 whatever it is sent and takes any dtype: None too (the
+    trainer's compute dtype is never more bytes than float32).
+
+    >>> from posttrain.api import RolloutPool
+    >>> def pool(**spec):
+    ...     return RolloutPool.model_validate({"metadata": {"name": "p"},
+    ...                                        "spec": {"model": "m", **spec}})
+    >>> pool_serving_dtype(pool(engineArgs={"dtype": "bfloat16"}))
+    'bfloat16'
+    >>> pool_serving_dtype(pool()), pool_serving_dtype(pool(engine="cpu"))
+    (None, None)
+    """
+    if pool.spec.engine != "vllm":
+        return None
+    dtype = pool.spec.engine_args.dtype
+    return None if dtype == "auto" else dtype
+
+
+# A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the
+# server starts from the link: vLLM never sees a packaged id or an s3:// URI. An hf:// model's
+# Hugging Face cache is on it too (the link points into it), also for the cpu engine, whose
+# server downloads the model itself.
+MODEL_VOLUME = "models"
+
+
+MODEL_MOUNT = "/models"
+
+
+MODEL_LINK = f"{MODEL_MOUNT}/current"
+
+
+POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
+
+
+# Where a vLLM replica stages weight updates (POSTTRAIN_WEIGHTS_SCRATCH), a sized emptyDir.
+WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
+
+
+WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
+
+
+WEIGHTS_SCRATCH_ENV = WEIGHTS_SCRATCH
+
+
+def model_fetch_command(pool: RolloutPool) -> list[str]:
+    """The init step that puts spec.model on the pod's volume (fails naming the URI)."""
+    return ["posttrain", "rollout", "fetch-model", "--model", pool.spec.model, "--link", MODEL_LINK]
+
+
+def rollout_command(pool: RolloutPool) -> list[str]:
+    """The server argv: vLLM behind posttrain's front door, or ``posttrain serve`` for cpu.
+
+    The front door (``posttrain rollout vllm-entry``) is the entrypoint, not ``vllm serve``:
+    it serves the pod's port, stamps each response with its weight version, loads weights
+    on ``/v1/weights/load`` and pulls the latest committed version before it reports ready.
+    vLLM itself listens on 127.0.0.1 at a free port (``--internal-port 0``), so its
+    dev-mode ``/collective_rpc`` is unreachable from other pods.
+    """
+    spec = pool.spec
+    served = spec.served_model_name or pool.metadata.name
+    if spec.engine == "cpu":
+        # Bind the pod IP, not 0.0.0.0: probes and the Service reach the pod IP either way, and
+        # on a node whose pods share the host network (the dev node agent) replicas then do
+        # not fight over one port.
+        return [
+            "posttrain", "serve", "--model", spec.model, "--host", "$(POD_IP)",
+            "--port", str(spec.port), "--served-model-name", served,
+        ]  # fmt: skip
+    engine_args = spec.engine_args.model_dump(mode="json", exclude_none=True)
+    return [
+        "posttrain", "rollout", "vllm-entry", "--model", MODEL_LINK,
+        "--host", "$(POD_IP)", "--port", str(spec.port), "--internal-port", "0",
+        "--served-model-name", served,
+        "--engine-args", json.dumps(engine_args, sort_keys=True, separators=(",", ":")),
+    ]  # fmt: skip
+
+
+def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manifest:
+    """The pool's Deployment: replicas from spec, /health readiness, surge-only rollouts.
+
+    maxUnavailable 0 + maxSurge 1: a weight-version or image rollout adds a new replica before
+    removing an old one, so sampling capacity never drops during training.
+    """
+    spec = pool.spec
+    name = pool.metadata.name
+    labels = pool_selector(name)
+    image = spec.image or (config.rollout_cpu_image if spec.engine == "cpu" else config.vllm_image)
+    # Trainers publish weights to S3 and ask every replica to load them (POST
+    # /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
+    # even when they do not poll a weight source themselves.
+    polls = bool(spec.weight_update.source_uri)
+    contract = RolloutPoolEnv(
+        pool_name=name,
+        weights_uri=spec.weight_update.source_uri if polls else None,
+        weights_poll_seconds=spec.weight_update.poll_seconds if polls else None,
+    )
+    env: list[dict[str, Any]] = [
+        *contract.to_env(),
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Only the token's holders may load weights (the reconciler creates the Secret first).
+        weights_token_env(name, optional=False),
+    ]
+    if config.s3_endpoint:
+        env += s3_env(config)
+    env += otlp_env(config, "posttrain-rollout", pool)
+    gpus = spec.resources.gpus if spec.engine == "vllm" else 0
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": rollout_command(pool),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.port}],
+        # A replica that exits (bad weights, a model that will not load) leaves its last
+        # log lines as the termination message the pool's status reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": resources(spec.resources.cpu, spec.resources.memory, gpus),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        # Model loading can take minutes; don't let liveness kill a replica that is loading.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 180,
+        },
+    }
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    # An hf:// model: the Hub, the cache and the token for whichever container downloads it.
+    hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
+    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+    if spec.engine == "vllm":
+        model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
+        # Weight updates are staged on a declared volume, not in the container's /tmp: its
+        # sizeLimit and the container's ephemeral-storage bound what a replica may write, so
+        # an oversized update evicts that replica instead of filling the node's disk.
+        container["env"] = [
+            *model_env,
+            {"name": WEIGHTS_SCRATCH_ENV, "value": WEIGHTS_SCRATCH_MOUNT},
+        ]
+        container["volumeMounts"] = [
+            mount,
+            {"name": WEIGHTS_SCRATCH_VOLUME, "mountPath": WEIGHTS_SCRATCH_MOUNT},
+        ]
+        container["resources"] = resources(
+            spec.resources.cpu,
+            spec.resources.memory,
+            gpus,
+            ephemeral_storage=spec.resources.ephemeral_storage,
+        )
+        pod_spec["volumes"] = [
+            {"name": MODEL_VOLUME, "emptyDir": {}},
+            {
+                "name": WEIGHTS_SCRATCH_VOLUME,
+                "emptyDir": {"sizeLimit": spec.resources.weights_scratch},
+            },
+        ]
+        pod_spec["initContainers"] = [{
+            "name": "fetch-model",
+            "image": image,
+            "imagePullPolicy": config.image_pull_policy,
+            "command": model_fetch_command(pool),
+            "env": [*model_env, *hf_env],  # the server only reads /models/current
+            "volumeMounts": [mount],
+            # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
+            # message the operator puts in the pool's Ready condition.
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }]  # fmt: skip
+    elif hf_env:  # the cpu server resolves spec.model itself: the cache on a volume of its own
+        container["env"] = [*env, *hf_env]
+        container["volumeMounts"] = [mount]
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+    mount_model_claim(
+        spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
+    )  # the fetch-model step links /models/current into the claim: both need it
+    if gpus or spec.engine == "vllm":
+        # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
+        # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
+        # against the pod's memory limit, which sizes it.
+        pod_spec.setdefault("volumes", []).append(
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+        )
+        container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
+    schedule(
+        pod_spec,
+        config,
+        config.rollout_node_selector,
+        spec.resources.node_selector,
+        config.rollout_tolerations,
+        config.rollout_affinity,
+    )
+    # Both engines serve Prometheus /metrics on the API port (vLLM's own metrics, or ours).
+    template = {
+        "metadata": {
+            "labels": {**MANAGED_BY, **labels},
+            "annotations": scrape_annotations(spec.port),
+        },
+        "spec": pod_spec,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(
+            pool, name, labels, annotations={ANNOTATION_SPEC_HASH: spec_hash(template)}
+        ),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": labels},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+            },
+            "template": template,
+        },
+    }
+
+
+def build_rollout_service(pool: RolloutPool) -> Manifest:
+    """ClusterIP Service in front of the pool's ready replicas (the OpenAI API port)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(pool, pool.metadata.name, pool_selector(pool.metadata.name)),
+        "spec": {
+            "selector": pool_selector(pool.metadata.name),
+            "ports": [{"name": "http", "port": pool.spec.port, "targetPort": "http"}],
+        },
+    }
+
+
+def build_pool_network_policy(pool: RolloutPool, config: OperatorConfig) -> Manifest:
+    """Who may reach a pool's replicas: the pods of runs that name the pool (labelled by
+    :func:`pool_client_labels`) and the operator (which asks each replica for its weight
+    version). Sampling and ``/v1/weights/load`` share the port, so this narrows who can try;
+    the weight token decides who succeeds (rollout/auth.py)."""
+    name = pool.metadata.name
+    sources: list[dict[str, Any]] = [
+        {"podSelector": {"matchLabels": {f"{POOL_CLIENT_PREFIX}{name}": "true"}}}
+    ]
+    if config.operator_namespace:
+        sources.append(
+            {
+                "namespaceSelector": {
+                    "matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}
+                },
+                "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(pool, name, pool_selector(name)),
+        "spec": {
+            "podSelector": {"matchLabels": pool_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": sources, "ports": [{"port": pool.spec.port}]}],
+        },
+    }
+
+
+def pool_token_secret_name(pool_name: str) -> str:
+    """The Secret holding a pool's weight token (rollout/auth.py).
+
+    >>> pool_token_secret_name("dev-pool")
+    'dev-pool-weights-token'
+    """
+    return f"{pool_name}-weights-token"
+
+
+def build_pool_token_secret(pool: RolloutPool) -> Manifest:
+    """The pool's weight token: a fresh random value, created once (a reconcile that finds
+    the Secret keeps it), collected with the pool. Only the pool's replicas and the trainers
+    of runs that sample from the pool get it (a secretKeyRef in their pod specs)."""
+    import secrets
+
+    name = pool_token_secret_name(pool.metadata.name)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_metadata(pool, name, pool_selector(pool.metadata.name)),
+        "type": "Opaque",
+        "stringData": {"token": secrets.token_urlsafe(32)},
+    }
+
+
+def weights_token_env(pool_name: str, *, optional: bool) -> Manifest:
+    """``$POSTTRAIN_WEIGHTS_TOKEN`` from the pool's token Secret."""
+    ref = {"name": pool_token_secret_name(pool_name), "key": "token", "optional": optional}
+    return {"name": WEIGHTS_TOKEN, "valueFrom": {"secretKeyRef": ref}}
