@@ -15,64 +15,18 @@ from typing import Any
 
 from posttrain.api import (
     TrainingRun,
-    TrainingRunStatus,
 )
 from posttrain.api.base import Condition, ConditionStatus, get_condition, set_condition
-from posttrain.api.labels import (
-    LABEL_GANG,
-    LABEL_RANK,
-)
 from posttrain.api.reasons import ConditionType, Reason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from ..shared.observe import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
+from .decision import ConditionChange, Decision, pods_to_delete_at_the_end, run_failed
+from .gang import RayClusterView, plan_gang, pod_gang, ray_cluster_gang
 from .kueue import WorkloadView, workload_name
-from .raycluster import ray_cluster_name
 
 
 @dataclass(frozen=True)
-class RayClusterView:
-    """The parts of a KubeRay RayCluster the TrainingRun decisions depend on."""
-
-    name: str
-    labels: dict[str, str]
-    state: str = ""
-    """status.state: "" until KubeRay has looked at it, then ready / failed / suspended."""
-    reason: str = ""
-    available_workers: int = 0
-    desired_workers: int = 0
-    deleting: bool = False
-
-    @property
-    def failed(self) -> bool:
-        return self.state == "failed"
-
-
-def ray_cluster_view(body: dict[str, Any]) -> RayClusterView:
-    """Reduce a RayCluster (as the apiserver returns it) to a RayClusterView.
-
-    >>> ray_cluster_view({"metadata": {"name": "r-g0"}, "status": {"state": "ready",
-    ...                   "availableWorkerReplicas": 3}}).available_workers
-    3
-    """
-    meta = body.get("metadata") or {}
-    status = body.get("status") or {}
-    groups = (body.get("spec") or {}).get("workerGroupSpecs") or []
-    desired = status.get("desiredWorkerReplicas")
-    if desired is None:
-        desired = sum(int(g.get("replicas") or 0) for g in groups)
-    return RayClusterView(
-        name=meta.get("name", ""),
-        labels=dict(meta.get("labels") or {}),
-        state=str(status.get("state") or ""),
-        reason=str(status.get("reason") or ""),
-        available_workers=int(status.get("availableWorkerReplicas") or 0),
-        desired_workers=int(desired),
-        deleting=bool(meta.get("deletionTimestamp")),
-    )
-
-
-@dataclass
 class RunPlan:
     """What to do for one TrainingRun."""
 
@@ -129,22 +83,7 @@ def managed_elsewhere(managed_by: str | None) -> str | None:
     )
 
 
-def pods_to_delete_at_the_end(pods: list[PodView]) -> list[str]:
-    """The trainer pods a run that ended (Succeeded or Failed) deletes: those still running
-    (other ranks, Ray workers, which would otherwise block forever). Finished pods stay, so
-    ``kubectl logs`` and ``posttrain logs`` read rank 0 after the run, as Kubeflow's
-    ``cleanPodPolicy: Running`` keeps them; they go with the TrainingRun (ownerReferences).
-    A gang restart and ``suspend`` delete every pod of the gang instead.
-
-    >>> from posttrain.operator.shared.observe import Terminated
-    >>> done = PodView("r-g0-0", {}, phase="Succeeded", terminated=Terminated(exit_code=0))
-    >>> pods_to_delete_at_the_end([done, PodView("r-g0-1", {}, phase="Running")])
-    ['r-g0-1']
-    """
-    return [p.name for p in pods if not p.finished]
-
-
-def plan_training_run(  # noqa: C901, PLR0915
+def plan_training_run(
     run: TrainingRun,
     pods: list[PodView],
     incarnation: int,
@@ -168,211 +107,187 @@ def plan_training_run(  # noqa: C901, PLR0915
     RayCluster exists until Kueue admits the run's Workload; an eviction deletes the gang and
     re-admission starts a new one from the last checkpoint; suspend deactivates the Workload
     and a finished run marks it Finished, so the quota is released either way.
+
+    The phases (:func:`_decide`) each return an immutable :class:`.decision.Decision`; the
+    status is calculated once from all of them (:func:`_calculate`).
     """
-    spec, status = run.spec, run.status
-    gen = run.metadata.generation
-    nodes = spec.resources.nodes
-    plan = RunPlan(incarnation=incarnation)
-    live = [p for p in pods if not p.deleting]
-    live_clusters = [c for c in ray_clusters or [] if not c.deleting]
-    kuberay = ray_clusters is not None
-    conditions = list(status.conditions)
-    desired: dict[str, Any] = {"observedGeneration": gen, "maxSteps": spec.total_steps()}
+    live = tuple(p for p in pods if not p.deleting)
+    clusters = None if ray_clusters is None else tuple(c for c in ray_clusters if not c.deleting)
+    if run.status.phase in TERMINAL:
+        return _ended(incarnation, live, clusters or (), kueue)
+    return _calculate(run, incarnation, _decide(run, live, clusters, incarnation, now, kueue))
 
-    def fail(reason: str, message: str) -> None:
-        nonlocal conditions
-        desired.update(phase="Failed", message=message, completionTime=iso_time(now))
-        conditions = set_condition(conditions, ConditionType.FAILED, "True", reason, message, gen)
-        conditions = set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
-        plan.delete_pods = pods_to_delete_at_the_end(live)
-        plan.delete_ray_clusters = [c.name for c in live_clusters]
-        plan.create_ranks = []
-        plan.create_ray_cluster = False
-        plan.events.append(EventSpec("Warning", reason, message))
 
-    workload = kueue.workload if kueue is not None else None
-    if status.phase in TERMINAL:
-        plan.delete_pods = pods_to_delete_at_the_end(live)
-        plan.delete_ray_clusters = [c.name for c in live_clusters]
-        plan.finish_workload = workload is not None and not workload.finished
-        return plan
-
-    conditions = _sandbox_condition(run, conditions, plan)
-    conditions = _rollout_condition(run, conditions, plan)
-    if spec.suspend:
-        if workload is not None and workload.active:
-            plan.workload_active = False  # Kueue evicts it and gives the quota back
-        plan.delete_pods = [p.name for p in live]
-        plan.delete_ray_clusters = [c.name for c in live_clusters]
-        if status.ray_cluster is not None:
-            # JSON merge patch: null removes the mirrored RayCluster fields with the cluster.
-            desired.update(rayCluster=None, rayClusterState=None, availableWorkers=None)
-        if status.phase != "Suspended":
-            desired.update(phase="Suspended", message="suspended: trainer pods deleted")
-            plan.events.append(
-                EventSpec("Normal", Reason.SUSPENDED, "spec.suspend=true: deleted the trainer pods")
-            )
-        conditions = set_condition(
-            conditions,
-            ConditionType.SUSPENDED,
-            "True",
-            Reason.SUSPENDED,
-            "spec.suspend is true",
-            gen,
-        )
-        conditions = set_condition(
-            conditions, ConditionType.READY, "False", Reason.SUSPENDED, "suspended", gen
-        )
-        desired["conditions"] = conditions_wire(conditions)
-        plan.status_patch = status_diff(status.to_wire(), desired)
-        return plan
-
-    if status.phase == "Suspended":
-        plan.incarnation = incarnation = incarnation + 1
-        conditions = set_condition(
-            conditions,
-            ConditionType.SUSPENDED,
-            "False",
-            Reason.RESUMED,
-            "resumed from the last checkpoint",
-            gen,
-        )
-        plan.events.append(
-            EventSpec(
-                "Normal",
-                Reason.RESUMED,
-                f"resumed from {status.last_checkpoint or 'the start (no checkpoint yet)'}",
-            )
-        )
-    elif get_condition(conditions, ConditionType.SUSPENDED) is None:
-        conditions = set_condition(
-            conditions, ConditionType.SUSPENDED, "False", Reason.NOT_SUSPENDED, "", gen
-        )
-
+def _decide(
+    run: TrainingRun,
+    live: tuple[PodView, ...],
+    clusters: tuple[RayClusterView, ...] | None,
+    incarnation: int,
+    now: datetime,
+    kueue: KueueGate | None,
+) -> list[Decision]:
+    """The run's phases in order: health reports, suspension, admission, start and
+    deadline, then the gang. The last decision is the one whose actions the plan carries."""
+    names = tuple(c.name for c in clusters or ())
+    decisions = [_sandbox_health(run), _rollout_health(run)]
+    if run.spec.suspend:
+        return [*decisions, _suspend(run, live, names, kueue)]
+    decisions.append(_suspension_lifted(run, incarnation))
     if kueue is not None:
-        waiting = _plan_kueue_admission(run, kueue, live, live_clusters, plan, desired, conditions)
-        if waiting is not None:
-            desired["conditions"] = conditions_wire(waiting)
-            plan.status_patch = status_diff(status.to_wire(), desired)
-            return plan
-        conditions = _mark_admitted(run, kueue, plan, conditions)
-        incarnation = plan.incarnation
-
-    start = status.start_time or now
-    if status.start_time is None:
-        desired["startTime"] = iso_time(now)
-    deadline = spec.active_deadline_seconds
-    if deadline is not None and now >= start + timedelta(seconds=deadline):
-        fail(
-            Reason.DEADLINE_EXCEEDED,
-            f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
-            f"{status.last_checkpoint or 'scratch'} in a new run",
-        )
-        desired["conditions"] = conditions_wire(conditions)
-        plan.status_patch = status_diff(status.to_wire(), desired)
-        return plan
-
-    if kuberay:
-        conditions, failure = _plan_ray_cluster_gang(
-            run, live, live_clusters, plan, desired, conditions, now
-        )
-        if failure is not None:
-            fail(*failure)
-        desired["conditions"] = conditions_wire(conditions)
-        plan.status_patch = status_diff(status.to_wire(), desired)
-        return plan
-
-    gang = {
-        p.labels.get(LABEL_RANK): p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)
-    }
-    stale = [p.name for p in live if p.labels.get(LABEL_GANG) != str(incarnation)]
-    plan.delete_pods = stale
-    failed = [p for p in gang.values() if p.phase == "Failed"]
-    head = gang.get("0")
-    restarts = status.restarts
-
-    if failed:
-        restarts += 1
-        desired["restarts"] = restarts
-        why = ", ".join(f"{p.name} ({p.reason or _exit_text(p)})" for p in failed)
-        if restarts > spec.backoff_limit:
-            fail(
-                Reason.BACKOFF_LIMIT_EXCEEDED, _backoff_exceeded(restarts, spec.backoff_limit, why)
-            )
-        else:
-            plan.delete_pods = stale + [p.name for p in gang.values()]
-            plan.incarnation = incarnation + 1
-            plan.create_ranks = list(range(nodes))
-            plan.ensure_children = True
-            desired.update(
-                phase="Pending", message=f"restart {restarts}/{spec.backoff_limit} after {why}"
-            )
-            conditions = set_condition(
-                conditions,
-                ConditionType.READY,
-                "False",
-                Reason.GANG_RESTART,
-                desired["message"],
-                gen,
-            )
-            plan.events.append(
-                EventSpec(
-                    "Warning",
-                    Reason.GANG_RESTART,
-                    f"{why} failed: recreating all {nodes} pod(s) as gang {plan.incarnation} "
-                    f"(restart {restarts} of {spec.backoff_limit})",
-                )
-            )
-    elif head is not None and head.phase == "Succeeded":
-        conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
-        plan.delete_pods = stale + pods_to_delete_at_the_end(list(gang.values()))
+        conditions = _conditions_after(run, decisions)
+        workload = kueue.workload
+        if workload is None or not (workload.admitted and workload.active):
+            return [*decisions, _wait_for_admission(run, kueue, live, names, conditions)]
+        current = _incarnation_after(incarnation, decisions)
+        decisions.append(_admitted(run, kueue, conditions, current))
+    if run.status.start_time is None:
+        decisions.append(Decision(fields=(("startTime", iso_time(now)),)))
+    deadline = _deadline_exceeded(run, now)
+    if deadline is not None:
+        return [*decisions, run_failed(Reason.DEADLINE_EXCEEDED, deadline, now, live, names)]
+    current = _incarnation_after(incarnation, decisions)
+    if clusters is None:
+        gang = pod_gang(run, live, current)
     else:
-        missing = [r for r in range(nodes) if str(r) not in gang]
-        if missing:
-            plan.create_ranks = missing
-            plan.ensure_children = True
-        if not missing and all(p.phase == "Running" for p in gang.values()):
-            if status.phase != "Running":
-                plan.events.append(
-                    EventSpec("Normal", Reason.RUNNING, f"all {nodes} trainer pod(s) running")
-                )
-            desired.update(phase="Running", message=f"{nodes} trainer pod(s) running")
-            conditions = set_condition(
-                conditions, ConditionType.READY, "True", Reason.RUNNING, desired["message"], gen
-            )
-        else:
-            if status.phase in (None, "Suspended"):
-                plan.events.append(
-                    EventSpec(
-                        "Normal",
-                        Reason.PODS_CREATED,
-                        f"creating gang {incarnation} of {nodes} pod(s)",
-                    )
-                )
-            pending = nodes - sum(p.phase == "Running" for p in gang.values())
-            desired.update(phase="Pending", message=f"waiting for {pending}/{nodes} pod(s)")
-            conditions = set_condition(
-                conditions,
-                ConditionType.READY,
-                "False",
-                Reason.PODS_PENDING,
-                desired["message"],
-                gen,
-            )
-    desired["conditions"] = conditions_wire(conditions)
-    plan.status_patch = status_diff(status.to_wire(), desired)
-    return plan
+        gang = ray_cluster_gang(run, live, clusters, current)
+    return [*decisions, plan_gang(run, gang, live, names, now)]
 
 
-def _sandbox_condition(
-    run: TrainingRun, conditions: list[Condition], plan: RunPlan
-) -> list[Condition]:
+def _conditions_after(run: TrainingRun, decisions: list[Decision]) -> list[Condition]:
+    """The run's conditions with every decision's changes applied, in order."""
+    conditions = list(run.status.conditions)
+    for decision in decisions:
+        for c in decision.conditions:
+            conditions = set_condition(
+                conditions, c.type, c.status, c.reason, c.message, run.metadata.generation
+            )
+    return conditions
+
+
+def _incarnation_after(incarnation: int, decisions: list[Decision]) -> int:
+    for decision in decisions:
+        if decision.incarnation is not None:
+            incarnation = decision.incarnation
+    return incarnation
+
+
+def _calculate(run: TrainingRun, incarnation: int, decisions: list[Decision]) -> RunPlan:
+    """The one place the status is computed: every decision's fields and conditions over
+    the run's observedGeneration and maxSteps, sent as the diff against the current status."""
+    desired: dict[str, Any] = {
+        "observedGeneration": run.metadata.generation,
+        "maxSteps": run.spec.total_steps(),
+    }
+    for decision in decisions:
+        desired.update(decision.fields)
+    desired["conditions"] = conditions_wire(_conditions_after(run, decisions))
+    last = decisions[-1]
+    return RunPlan(
+        incarnation=_incarnation_after(incarnation, decisions),
+        create_ranks=list(last.create_ranks),
+        delete_pods=list(last.delete_pods),
+        ensure_children=last.ensure_children,
+        create_ray_cluster=last.create_ray_cluster,
+        delete_ray_clusters=list(last.delete_ray_clusters),
+        status_patch=status_diff(run.status.to_wire(), desired),
+        events=[event for decision in decisions for event in decision.events],
+        create_workload=last.create_workload,
+        workload_active=last.workload_active,
+    )
+
+
+def _ended(
+    incarnation: int,
+    live: tuple[PodView, ...],
+    clusters: tuple[RayClusterView, ...],
+    kueue: KueueGate | None,
+) -> RunPlan:
+    """A run that ended keeps its status: what still runs goes, and Kueue gets its quota back."""
+    workload = kueue.workload if kueue is not None else None
+    return RunPlan(
+        incarnation=incarnation,
+        delete_pods=pods_to_delete_at_the_end(live),
+        delete_ray_clusters=[c.name for c in clusters],
+        finish_workload=workload is not None and not workload.finished,
+    )
+
+
+def _suspend(
+    run: TrainingRun, live: tuple[PodView, ...], clusters: tuple[str, ...], kueue: KueueGate | None
+) -> Decision:
+    """spec.suspend: the gang goes (pods or RayCluster), and Kueue's quota with it."""
+    status = run.status
+    workload = kueue.workload if kueue is not None else None
+    fields: list[tuple[str, Any]] = []
+    if status.ray_cluster is not None:
+        # JSON merge patch: null removes the mirrored RayCluster fields with the cluster.
+        fields += [("rayCluster", None), ("rayClusterState", None), ("availableWorkers", None)]
+    events: tuple[EventSpec, ...] = ()
+    if status.phase != "Suspended":
+        fields += [("phase", "Suspended"), ("message", "suspended: trainer pods deleted")]
+        events = (
+            EventSpec("Normal", Reason.SUSPENDED, "spec.suspend=true: deleted the trainer pods"),
+        )
+    return Decision(
+        conditions=(
+            ConditionChange(
+                ConditionType.SUSPENDED, "True", Reason.SUSPENDED, "spec.suspend is true"
+            ),
+            ConditionChange(ConditionType.READY, "False", Reason.SUSPENDED, "suspended"),
+        ),
+        events=events,
+        fields=tuple(fields),
+        delete_pods=tuple(p.name for p in live),
+        delete_ray_clusters=clusters,
+        # Kueue evicts an inactive Workload and gives the quota back.
+        workload_active=False if workload is not None and workload.active else None,
+    )
+
+
+def _suspension_lifted(run: TrainingRun, incarnation: int) -> Decision:
+    """Not suspended: a resumed run starts the next incarnation from its last checkpoint."""
+    status = run.status
+    if status.phase == "Suspended":
+        resumed = f"resumed from {status.last_checkpoint or 'the start (no checkpoint yet)'}"
+        return Decision(
+            conditions=(
+                ConditionChange(
+                    ConditionType.SUSPENDED,
+                    "False",
+                    Reason.RESUMED,
+                    "resumed from the last checkpoint",
+                ),
+            ),
+            events=(EventSpec("Normal", Reason.RESUMED, resumed),),
+            incarnation=incarnation + 1,
+        )
+    if get_condition(status.conditions, ConditionType.SUSPENDED) is None:
+        return Decision(
+            conditions=(
+                ConditionChange(ConditionType.SUSPENDED, "False", Reason.NOT_SUSPENDED, ""),
+            )
+        )
+    return Decision()
+
+
+def _deadline_exceeded(run: TrainingRun, now: datetime) -> str | None:
+    """Why the run ran out of activeDeadlineSeconds (counted from startTime), if it did."""
+    deadline = run.spec.active_deadline_seconds
+    start = run.status.start_time or now
+    if deadline is None or now < start + timedelta(seconds=deadline):
+        return None
+    return (
+        f"ran longer than activeDeadlineSeconds={deadline}; raise it or resume from "
+        f"{run.status.last_checkpoint or 'scratch'} in a new run"
+    )
+
+
+def _sandbox_health(run: TrainingRun) -> Decision:
     """SandboxAvailable from what the trainer reported in status.sandbox (absent until the
     trainer first verified with it); a change posts an event naming the sandbox."""
     health = run.status.sandbox
     if health is None:
-        return conditions
-    gen = run.metadata.generation
+        return Decision()
     where = f"{health.mode} sandbox {health.endpoint or ''}".rstrip()
     status: ConditionStatus
     if health.available:
@@ -384,17 +299,18 @@ def _sandbox_condition(
             f"{where}: {health.last_error or 'executions fail'}; retried "
             f"{health.infra_failures} time(s), no sample scored while it fails"
         )
-    before = get_condition(conditions, ConditionType.SANDBOX_AVAILABLE)
-    if before is None or before.status != status:
-        plan.events.append(EventSpec("Normal" if status == "True" else "Warning", reason, message))
-    return set_condition(
-        conditions, ConditionType.SANDBOX_AVAILABLE, status, reason, message[:1000], gen
+    before = get_condition(run.status.conditions, ConditionType.SANDBOX_AVAILABLE)
+    changed = before is None or before.status != status
+    kind = "Normal" if status == "True" else "Warning"
+    return Decision(
+        conditions=(
+            ConditionChange(ConditionType.SANDBOX_AVAILABLE, status, reason, message[:1000]),
+        ),
+        events=(EventSpec(kind, reason, message),) if changed else (),
     )
 
 
-def _rollout_condition(
-    run: TrainingRun, conditions: list[Condition], plan: RunPlan
-) -> list[Condition]:
+def _rollout_health(run: TrainingRun) -> Decision:
     """RolloutAvailable from what the trainer reported in status.rollout (absent until a
     trainer looked for its pool's replicas); turning False posts a Warning event.
 
@@ -402,16 +318,15 @@ def _rollout_condition(
     >>> from posttrain.operator.trainingrun.names import _example_run
     >>> run = _example_run()
     >>> run.status.rollout = RolloutHealth(pool="p", available=False, message="0 ready")
-    >>> plan = RunPlan(incarnation=0)
-    >>> [(c.type, c.status, c.reason) for c in _rollout_condition(run, [], plan)]
+    >>> decision = _rollout_health(run)
+    >>> [(c.type, c.status, c.reason) for c in decision.conditions]
     [('RolloutAvailable', 'False', 'NoReadyReplica')]
-    >>> plan.events[0].reason
+    >>> decision.events[0].reason
     'NoReadyReplica'
     """
     health = run.status.rollout
     if health is None:
-        return conditions
-    gen = run.metadata.generation
+        return Decision()
     status: ConditionStatus
     if health.available:
         status, reason = "True", Reason.REPLICAS_READY
@@ -419,248 +334,78 @@ def _rollout_condition(
     else:
         status, reason = "False", Reason.NO_READY_REPLICA
         message = f"RolloutPool {health.pool} has no ready replica: {health.message or ''}"
-    before = get_condition(conditions, ConditionType.ROLLOUT_AVAILABLE)
-    if status == "False" and (before is None or before.status != status):
-        plan.events.append(EventSpec("Warning", reason, message))
-    return set_condition(
-        conditions, ConditionType.ROLLOUT_AVAILABLE, status, reason, message[:1000], gen
+    before = get_condition(run.status.conditions, ConditionType.ROLLOUT_AVAILABLE)
+    warn = status == "False" and (before is None or before.status != status)
+    return Decision(
+        conditions=(
+            ConditionChange(ConditionType.ROLLOUT_AVAILABLE, status, reason, message[:1000]),
+        ),
+        events=(EventSpec("Warning", reason, message),) if warn else (),
     )
 
 
-def _plan_kueue_admission(
+def _wait_for_admission(
     run: TrainingRun,
     kueue: KueueGate,
-    live: list[PodView],
-    live_clusters: list[RayClusterView],
-    plan: RunPlan,
-    desired: dict[str, Any],
+    live: tuple[PodView, ...],
+    clusters: tuple[str, ...],
     conditions: list[Condition],
-) -> list[Condition] | None:
-    """Hold the run back until Kueue admits its Workload: the conditions to write while it
-    waits (no pods, no RayCluster), or None once it is admitted."""
-    gen = run.metadata.generation
+) -> Decision:
+    """Hold the run back until Kueue admits its Workload: no pods, no RayCluster,
+    Suspended=True with Kueue's reason, and the Workload created or reactivated."""
     workload = kueue.workload
-    if workload is None:
-        plan.create_workload = True
-    elif not workload.active:
-        plan.workload_active = True  # resumed after a suspend
-    if workload is not None and workload.admitted and workload.active:
-        return None
     name = workload_name(run)
-    evicted = workload is not None and bool(workload.evicted_reason) and bool(live or live_clusters)
-    if evicted:
-        assert workload is not None
+    previous = get_condition(conditions, ConditionType.SUSPENDED)
+    events: tuple[EventSpec, ...] = ()
+    if workload is not None and workload.evicted_reason and (live or clusters):
         reason = Reason.EVICTED
         message = (
             f"Kueue evicted Workload {name} ({workload.evicted_reason}: "
             f"{workload.evicted_message or 'no message'}); the trainer pods were deleted "
             "and the run resumes from its last checkpoint when admitted again"
         )
-        plan.events.append(EventSpec("Warning", reason, message))
+        events = (EventSpec("Warning", reason, message),)
     else:
-        previous = get_condition(conditions, ConditionType.SUSPENDED)
-        reason = (
-            previous.reason
-            if previous is not None
-            and previous.status == "True"
-            and (previous.reason == Reason.EVICTED)
-            else Reason.WAITING_FOR_ADMISSION
+        still_evicted = (
+            previous is not None and previous.status == "True" and previous.reason == Reason.EVICTED
         )
+        reason = Reason.EVICTED if still_evicted else Reason.WAITING_FOR_ADMISSION
         why = workload.pending_message if workload is not None else ""
         message = f"waiting for Kueue to admit Workload {name} in LocalQueue {kueue.queue}" + (
             f": {why}" if why else ""
         )
         if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
-            plan.events.append(EventSpec("Normal", Reason.WAITING_FOR_ADMISSION, message))
-    plan.delete_pods = [p.name for p in live]
-    plan.delete_ray_clusters = [c.name for c in live_clusters]
-    desired.update(phase="Pending", message=message)
-    conditions = set_condition(conditions, ConditionType.SUSPENDED, "True", reason, message, gen)
-    return set_condition(conditions, ConditionType.READY, "False", reason, message, gen)
+            events = (EventSpec("Normal", Reason.WAITING_FOR_ADMISSION, message),)
+    return Decision(
+        conditions=(
+            ConditionChange(ConditionType.SUSPENDED, "True", reason, message),
+            ConditionChange(ConditionType.READY, "False", reason, message),
+        ),
+        events=events,
+        fields=(("phase", "Pending"), ("message", message)),
+        delete_pods=tuple(p.name for p in live),
+        delete_ray_clusters=clusters,
+        create_workload=workload is None,
+        # Resumed after a suspend: the Workload competes for quota again.
+        workload_active=True if workload is not None and not workload.active else None,
+    )
 
 
-def _mark_admitted(
-    run: TrainingRun, kueue: KueueGate, plan: RunPlan, conditions: list[Condition]
-) -> list[Condition]:
+def _admitted(
+    run: TrainingRun, kueue: KueueGate, conditions: list[Condition], incarnation: int
+) -> Decision:
     """Admitted: Suspended=False; after an eviction the gang restarts as a new incarnation
     (the old pods may still be terminating under the old names)."""
     previous = get_condition(conditions, ConditionType.SUSPENDED)
     if previous is None or previous.status != "True" or previous.reason not in _KUEUE_WAITING:
-        return conditions
+        return Decision()
     assert kueue.workload is not None
-    if previous.reason == Reason.EVICTED:
-        plan.incarnation += 1
     message = (
         f"Kueue admitted Workload {kueue.workload.name} to ClusterQueue "
         f"{kueue.workload.cluster_queue or '?'}"
     )
-    plan.events.append(EventSpec("Normal", Reason.ADMITTED, message))
-    return set_condition(
-        conditions,
-        ConditionType.SUSPENDED,
-        "False",
-        Reason.ADMITTED,
-        message,
-        run.metadata.generation,
+    return Decision(
+        conditions=(ConditionChange(ConditionType.SUSPENDED, "False", Reason.ADMITTED, message),),
+        events=(EventSpec("Normal", Reason.ADMITTED, message),),
+        incarnation=incarnation + 1 if previous.reason == Reason.EVICTED else None,
     )
-
-
-def _mark_trainer_succeeded(
-    status: TrainingRunStatus,
-    desired: dict[str, Any],
-    conditions: list[Condition],
-    plan: RunPlan,
-    now: datetime,
-    gen: int | None,
-) -> list[Condition]:
-    """The head pod (rank 0) succeeded: the run is Succeeded, for pod gangs and RayClusters."""
-    message = (
-        f"trainer finished at step {status.step}"
-        if status.step is not None
-        else ("trainer finished")
-    )
-    desired.update(phase="Succeeded", message=message, completionTime=iso_time(now))
-    conditions = set_condition(
-        conditions, ConditionType.SUCCEEDED, "True", Reason.TRAINER_SUCCEEDED, message, gen
-    )
-    conditions = set_condition(
-        conditions, ConditionType.READY, "False", Reason.TRAINER_SUCCEEDED, message, gen
-    )
-    plan.events.append(EventSpec("Normal", Reason.TRAINER_SUCCEEDED, message))
-    return conditions
-
-
-def _backoff_exceeded(restarts: int, limit: int, why: str) -> str:
-    """
-    >>> _backoff_exceeded(3, 2, "r-g2-0 (Error)")
-    'gang failed 3 times, more than backoffLimit=2; last failure: r-g2-0 (Error)'
-    """
-    return f"gang failed {restarts} times, more than backoffLimit={limit}; last failure: {why}"
-
-
-def _plan_ray_cluster_gang(
-    run: TrainingRun,
-    live: list[PodView],
-    clusters: list[RayClusterView],
-    plan: RunPlan,
-    desired: dict[str, Any],
-    conditions: list[Condition],
-    now: datetime,
-) -> tuple[list[Condition], tuple[str, str] | None]:
-    """The gang part of :func:`plan_training_run` when the gang is a KubeRay RayCluster.
-
-    Returns the new conditions and, when the run must fail, (reason, message). The pods are
-    KubeRay's (they carry our labels from the templates): a failed one fails the gang at once,
-    before KubeRay deletes and replaces it, and the head pod succeeding is the trainer
-    finishing. ``status.rayCluster``, ``rayClusterState`` and ``availableWorkers`` mirror the
-    cluster so ``kubectl get tr`` shows what KubeRay is doing.
-    """
-    spec, status = run.spec, run.status
-    gen = run.metadata.generation
-    incarnation = plan.incarnation
-    workers = spec.resources.nodes - 1
-    name = ray_cluster_name(run.metadata.name, incarnation)
-    current = next((c for c in clusters if c.name == name), None)
-    gang = [p for p in live if p.labels.get(LABEL_GANG) == str(incarnation)]
-    plan.delete_ray_clusters = [c.name for c in clusters if c.name != name]
-    plan.delete_pods = [p.name for p in live if p.labels.get(LABEL_GANG) != str(incarnation)]
-    head = next((p for p in gang if p.labels.get(LABEL_RANK) == "0"), None)
-    failed = [f"{p.name} ({p.reason or _exit_text(p)})" for p in gang if p.phase == "Failed"]
-    if current is not None and current.failed:
-        failed.insert(0, f"RayCluster {name} failed ({current.reason or 'no reason given'})")
-    desired.update(
-        rayCluster=name,
-        rayClusterState=current.state if current else None,
-        availableWorkers=current.available_workers if current else 0,
-    )
-    if desired["rayClusterState"] is None:
-        del desired["rayClusterState"]
-
-    if failed:
-        restarts = status.restarts + 1
-        desired["restarts"] = restarts
-        why = ", ".join(failed)
-        if restarts > spec.backoff_limit:
-            return conditions, (
-                Reason.BACKOFF_LIMIT_EXCEEDED,
-                _backoff_exceeded(restarts, spec.backoff_limit, why),
-            )
-        plan.delete_ray_clusters.append(name)
-        plan.delete_pods += [p.name for p in gang]
-        plan.incarnation = incarnation + 1
-        plan.create_ray_cluster = True
-        plan.ensure_children = True
-        new_name = ray_cluster_name(run.metadata.name, plan.incarnation)
-        desired.update(
-            phase="Pending",
-            rayCluster=new_name,
-            availableWorkers=0,
-            message=f"restart {restarts}/{spec.backoff_limit} after {why}",
-        )
-        desired.pop("rayClusterState", None)
-        conditions = set_condition(
-            conditions, ConditionType.READY, "False", Reason.GANG_RESTART, desired["message"], gen
-        )
-        plan.events.append(
-            EventSpec(
-                "Warning",
-                Reason.GANG_RESTART,
-                f"{why}: recreating the RayCluster as {new_name} "
-                f"(restart {restarts} of {spec.backoff_limit})",
-            )
-        )
-    elif head is not None and head.phase == "Succeeded":
-        conditions = _mark_trainer_succeeded(status, desired, conditions, plan, now, gen)
-        plan.delete_ray_clusters.append(name)
-        plan.delete_pods += [p.name for p in gang if not p.finished]
-    elif current is None:
-        plan.create_ray_cluster = True
-        plan.ensure_children = True
-        if status.phase in (None, "Suspended"):
-            plan.events.append(
-                EventSpec(
-                    "Normal",
-                    Reason.RAY_CLUSTER_CREATED,
-                    f"creating RayCluster {name}: a head and {workers} worker(s)",
-                )
-            )
-        desired.update(phase="Pending", message=f"waiting for RayCluster {name}")
-        conditions = set_condition(
-            conditions,
-            ConditionType.READY,
-            "False",
-            Reason.RAY_CLUSTER_PENDING,
-            desired["message"],
-            gen,
-        )
-    elif current.state == "ready":
-        message = (
-            f"RayCluster {name} ready: {current.available_workers}/{workers} worker(s) available"
-        )
-        if status.phase != "Running":
-            plan.events.append(EventSpec("Normal", Reason.RUNNING, message))
-        desired.update(phase="Running", message=message)
-        conditions = set_condition(
-            conditions, ConditionType.READY, "True", Reason.RUNNING, message, gen
-        )
-    else:
-        desired.update(
-            phase="Pending",
-            message=(
-                f"waiting for RayCluster {name} (state {current.state or 'not reported yet'}, "
-                f"{current.available_workers}/{workers} worker(s) available)"
-            ),
-        )
-        conditions = set_condition(
-            conditions,
-            ConditionType.READY,
-            "False",
-            Reason.RAY_CLUSTER_PENDING,
-            desired["message"],
-            gen,
-        )
-    return conditions, None
-
-
-def _exit_text(pod: PodView) -> str:
-    return f"exit {pod.terminated.exit_code}" if pod.terminated else "failed"

@@ -26,8 +26,9 @@ from ..storage_credentials import StorageCredentials
 from . import builders, evaluator, names, raycluster, sandbox_runner
 from .admission import KueueAdmission
 from .builders import build_trainer_children
+from .gang import RayClusterView, ray_cluster_view
 from .kuberay import KubeRayDiscovery
-from .plan import RayClusterView, managed_elsewhere, plan_training_run, ray_cluster_view
+from .plan import managed_elsewhere, plan_training_run
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,8 @@ MODULES = [
     "trainingrun.names",
     "trainingrun.raycluster",
     "trainingrun.plan",
+    "trainingrun.decision",
+    "trainingrun.gang",
     "trainingrun.kuberay",
     "trainingrun.kueue",
     "trainingrun.sandbox_runner",

@@ -15,7 +15,8 @@ from posttrain.operator.shared import builders as shared_builders
 from posttrain.operator.shared.observe import PodView, Terminated
 from posttrain.operator.trainingrun import raycluster as b
 from posttrain.operator.trainingrun.builders import build_trainer_children
-from posttrain.operator.trainingrun.plan import RayClusterView, plan_training_run, ray_cluster_view
+from posttrain.operator.trainingrun.gang import RayClusterView, ray_cluster_view
+from posttrain.operator.trainingrun.plan import plan_training_run
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
 CONFIG = OperatorConfig(s3_endpoint="minio:9000", shm_size="4Gi", trainer_image="img:1")
