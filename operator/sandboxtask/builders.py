@@ -9,6 +9,7 @@ from typing import Any
 
 from posttrain.api import (
     SandboxTask,
+    SandboxTaskSpec,
 )
 from posttrain.api.env import (
     SandboxTaskEnv,
@@ -128,6 +129,90 @@ def build_sandbox_pod(
     """
     spec = task.spec
     name = task.metadata.name
+    files, annotations, items = _files_in_annotations(spec)
+    command = _sandbox_command(spec)
+    contract = SandboxTaskEnv(task=name, attempt=attempt)
+    if artifacts is not None:
+        # The program runs under the entrypoint, which reads the URLs from the contract.
+        contract = _store_artifacts(contract, task, annotations, artifacts)
+        command = ["python3", f"{SANDBOX_ENTRYPOINT_DIR}/{SANDBOX_ENTRYPOINT_KEY}", "--", *command]
+    restricted = restricted_container_context()
+    res = spec.resources
+    container: dict[str, Any] = {
+        "name": "sandbox",
+        "image": spec.image or config.sandbox_image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": command,
+        "workingDir": SANDBOX_WORKDIR,
+        "env": [
+            {"name": "HOME", "value": SANDBOX_WORKDIR},
+            {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
+            *contract.to_env(),
+        ],
+        "resources": resources(res.cpu, res.memory, ephemeral_storage=res.ephemeral_storage),
+        "securityContext": restricted,
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "volumeMounts": [_workdir_mount()],
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "workdir", "emptyDir": {"sizeLimit": config.sandbox_workdir_size}}
+    ]
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "activeDeadlineSeconds": spec.timeout_seconds,
+        "terminationGracePeriodSeconds": 1,
+        "securityContext": restricted_pod_context(),
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if items:
+        pod_spec["initContainers"] = [_files_init_container(config, files, restricted)]
+        volumes.append({"name": "files", "downwardAPI": {"items": items}})
+    if artifacts is not None:
+        _mount_entrypoint(pod_spec, spec.timeout_seconds + config.sandbox_upload_grace_seconds)
+    apply_sandbox_runtime(pod_spec, spec.runtime_class_name, config)
+    labels = {
+        LABEL_COMPONENT: COMPONENT_SANDBOX,
+        LABEL_TASK: name,
+        LABEL_ATTEMPT: str(attempt),
+        LABEL_SANDBOX_NETWORK: "egress" if spec.network == "egress" else "none",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": child_metadata(task, sandbox_pod_name(name, attempt), labels, annotations),
+        "spec": pod_spec,
+    }
+
+
+def _mount_entrypoint(pod_spec: dict[str, Any], deadline: int) -> None:
+    """Mount the shared entrypoint ConfigMap. The program keeps its full timeoutSeconds (the
+    entrypoint enforces it); the pod's ``deadline`` leaves the entrypoint time to upload
+    after a timeout."""
+    pod_spec["containers"][0]["volumeMounts"].append(
+        {"name": "entrypoint", "mountPath": SANDBOX_ENTRYPOINT_DIR, "readOnly": True}
+    )
+    pod_spec["volumes"].append(
+        {
+            "name": "entrypoint",
+            "configMap": {"name": sandbox_entrypoint_config_map_name(), "defaultMode": 0o444},
+        }
+    )
+    pod_spec["activeDeadlineSeconds"] = deadline
+
+
+def _workdir_mount() -> dict[str, Any]:
+    return {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
+
+
+def _files_in_annotations(
+    spec: SandboxTaskSpec,
+) -> tuple[dict[str, str], dict[str, str], list[dict[str, Any]]]:
+    """spec.files (and stdin, as ``.stdin``) as pod annotations, with the downward-API items
+    that project them: (files, annotations, items)."""
     annotations: dict[str, str] = {}
     items: list[dict[str, Any]] = []
     files = dict(spec.files)
@@ -141,109 +226,38 @@ def build_sandbox_pod(
         items.append(
             {"path": file_name, "fieldRef": {"fieldPath": f"metadata.annotations['{key}']"}}
         )
+    return files, annotations, items
+
+
+def _sandbox_command(spec: SandboxTaskSpec) -> list[str]:
+    """The task's command (``python main.py`` by default), fed its stdin file if it has one."""
     command = list(spec.command) or ["python", "main.py"]
-    if spec.stdin is not None:
-        # Pods have no stdin pipe; the shell redirects the stdin file into the program.
-        command = [
-            "sh",
-            "-c",
-            f'exec "$@" < {SANDBOX_WORKDIR}/{SANDBOX_STDIN_FILE}',
-            "sandbox",
-            *command,
-        ]
-    restricted = restricted_container_context()
-    res = spec.resources
-    workdir_mount = {"name": "workdir", "mountPath": SANDBOX_WORKDIR}
-    contract = SandboxTaskEnv(task=name, attempt=attempt)
-    if artifacts is not None:
-        # The program runs under the entrypoint, which reads the URLs from the contract.
-        contract = _store_artifacts(contract, task, annotations, artifacts)
-        command = ["python3", f"{SANDBOX_ENTRYPOINT_DIR}/{SANDBOX_ENTRYPOINT_KEY}", "--", *command]
-    env: list[dict[str, Any]] = [
-        {"name": "HOME", "value": SANDBOX_WORKDIR},
-        {"name": "TMPDIR", "value": SANDBOX_WORKDIR},
-        *contract.to_env(),
-    ]
-    containers: list[dict[str, Any]] = [
-        {
-            "name": "sandbox",
-            "image": spec.image or config.sandbox_image,
-            "imagePullPolicy": config.image_pull_policy,
-            "command": command,
-            "workingDir": SANDBOX_WORKDIR,
-            "env": env,
-            "resources": resources(res.cpu, res.memory, ephemeral_storage=res.ephemeral_storage),
-            "securityContext": restricted,
-            "terminationMessagePath": "/dev/termination-log",
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-            "volumeMounts": [workdir_mount],
-        }
-    ]
-    init_containers: list[dict[str, Any]] = []
-    volumes: list[dict[str, Any]] = [
-        {"name": "workdir", "emptyDir": {"sizeLimit": config.sandbox_workdir_size}}
-    ]
-    if items:
-        top_level = sorted({f.split("/", 1)[0] for f in files})
-        init_containers.append(
-            {
-                "name": "files",
-                "image": config.sandbox_init_image,
-                "imagePullPolicy": config.image_pull_policy,
-                # -L: downward-API files are symlinks into a timestamped dir; copy contents.
-                "command": [
-                    "cp",
-                    "-rL",
-                    *(f"{SANDBOX_FILES_DIR}/{t}" for t in top_level),
-                    SANDBOX_WORKDIR + "/",
-                ],
-                "resources": resources("100m", "32Mi", ephemeral_storage="16Mi"),
-                "securityContext": restricted,
-                "volumeMounts": [
-                    workdir_mount,
-                    {"name": "files", "mountPath": SANDBOX_FILES_DIR, "readOnly": True},
-                ],
-            }
-        )
-        volumes.append({"name": "files", "downwardAPI": {"items": items}})
-    network = "egress" if spec.network == "egress" else "none"
-    labels = {
-        LABEL_COMPONENT: COMPONENT_SANDBOX,
-        LABEL_TASK: name,
-        LABEL_ATTEMPT: str(attempt),
-        LABEL_SANDBOX_NETWORK: network,
-    }
-    pod_spec: dict[str, Any] = {
-        "restartPolicy": "Never",
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "activeDeadlineSeconds": spec.timeout_seconds,
-        "terminationGracePeriodSeconds": 1,
-        "securityContext": restricted_pod_context(),
-        "containers": containers,
-        "volumes": volumes,
-    }
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
-    if artifacts is not None:
-        containers[0]["volumeMounts"].append(
-            {"name": "entrypoint", "mountPath": SANDBOX_ENTRYPOINT_DIR, "readOnly": True}
-        )
-        volumes.append(
-            {
-                "name": "entrypoint",
-                "configMap": {"name": sandbox_entrypoint_config_map_name(), "defaultMode": 0o444},
-            }
-        )
-        # The program keeps its full timeoutSeconds (the entrypoint enforces it); the pod's
-        # deadline leaves the entrypoint time to upload after a timeout.
-        pod_spec["activeDeadlineSeconds"] = (
-            spec.timeout_seconds + config.sandbox_upload_grace_seconds
-        )
-    apply_sandbox_runtime(pod_spec, spec.runtime_class_name, config)
+    if spec.stdin is None:
+        return command
+    # Pods have no stdin pipe; the shell redirects the stdin file into the program.
+    return ["sh", "-c", f'exec "$@" < {SANDBOX_WORKDIR}/{SANDBOX_STDIN_FILE}', "sandbox", *command]
+
+
+def _files_init_container(
+    config: OperatorConfig, files: dict[str, str], restricted: dict[str, Any]
+) -> dict[str, Any]:
+    """Copies the projected files into the writable workdir before the program starts."""
+    top_level = sorted({f.split("/", 1)[0] for f in files})
     return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": child_metadata(task, sandbox_pod_name(name, attempt), labels, annotations),
-        "spec": pod_spec,
+        "name": "files",
+        "image": config.sandbox_init_image,
+        "imagePullPolicy": config.image_pull_policy,
+        # -L: downward-API files are symlinks into a timestamped dir; copy contents.
+        "command": [
+            "cp",
+            "-rL",
+            *(f"{SANDBOX_FILES_DIR}/{t}" for t in top_level),
+            SANDBOX_WORKDIR + "/",
+        ],
+        "resources": resources("100m", "32Mi", ephemeral_storage="16Mi"),
+        "securityContext": restricted,
+        "volumeMounts": [
+            _workdir_mount(),
+            {"name": "files", "mountPath": SANDBOX_FILES_DIR, "readOnly": True},
+        ],
     }

@@ -223,34 +223,94 @@ def build_trainer_pod(
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
-    res = run.spec.resources
     on_ray = head_host is not None and nodes > 1
     head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
-    master_addr = head if nodes > 1 else "127.0.0.1"
-    train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
     serves_metrics = bool(config.pod_metrics_port) and (nodes == 1 or rank == 0)
+    command = _trainer_command(config, rank, head if on_ray else None, serves_metrics)
+    env = _trainer_env(
+        run, config, incarnation, rank, head, on_ray, rollout_endpoints, rollout_dtype
+    )
+    pod_spec = _trainer_pod_spec(run, config, command, env)
+    if nodes > 1:
+        # Stable DNS for each rank through the headless Service.
+        pod_spec["hostname"] = f"rank-{rank}"
+        pod_spec["subdomain"] = trainer_names(run)["head_service"]
+    schedule(
+        pod_spec,
+        config,
+        config.trainer_node_selector,
+        run.spec.resources.node_selector,
+        config.trainer_tolerations,
+        config.trainer_affinity,
+    )
+    sandbox_runner.apply_local_sandbox_context(run, pod_spec)
+    if run.spec.active_deadline_seconds:
+        pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
+    annotations = None
+    if serves_metrics:
+        pod_spec["containers"][0]["ports"] = [
+            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}
+        ]
+        annotations = scrape_annotations(config.pod_metrics_port)
+    labels = {
+        LABEL_COMPONENT: COMPONENT_TRAINER,
+        LABEL_RUN: name,
+        LABEL_RANK: str(rank),
+        LABEL_GANG: str(incarnation),
+        **pool_client_labels(run),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": child_metadata(
+            run, trainer_pod_name(name, incarnation, rank), labels, annotations=annotations
+        ),
+        "spec": pod_spec,
+    }
+
+
+def _trainer_command(
+    config: OperatorConfig, rank: int, ray_head: str | None, serves_metrics: bool
+) -> list[str]:
+    """``posttrain run`` (torchrun's agent); on a RayCluster (``ray_head``), the head starts
+    Ray's GCS first and the workers run ``ray start`` instead."""
+    train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
     if serves_metrics:  # rank 0's pod (on a RayCluster, Ray workers run `ray start`)
         train += ["--metrics-port", str(config.pod_metrics_port)]
-    if not on_ray:
-        command = train
-    elif rank == 0:
+    if ray_head is None:
+        return train
+    if rank == 0:
         # The head runs Ray's GCS and then the trainer, which drives the workers through Ray.
-        command = [
+        return [
             "sh", "-c",
             f"ray start --head --port={config.ray_port} --disable-usage-stats && exec "
             + " ".join(train),
         ]  # fmt: skip
-    else:
-        command = ["ray", "start", f"--address={head}:{config.ray_port}", "--block"]
+    return ["ray", "start", f"--address={ray_head}:{config.ray_port}", "--block"]
+
+
+def _trainer_env(
+    run: TrainingRun,
+    config: OperatorConfig,
+    incarnation: int,
+    rank: int,
+    head: str,
+    on_ray: bool,
+    rollout_endpoints: Sequence[str],
+    rollout_dtype: str | None,
+) -> list[dict[str, Any]]:
+    """The trainer's environment: the operator→trainer contract, storage, telemetry, model,
+    NCCL, the pool's weights token and the judges' API keys."""
+    nodes = run.spec.resources.nodes
     # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
     # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get that
     # one pool) so each weight version reaches every ready replica.
     resolved_pool = bool(rollout_endpoints) and not run.spec.rollout.endpoints
     contract = TrainerEnv(
-        run_name=name,
+        run_name=run.metadata.name,
         run_namespace=run.metadata.namespace,
         run_uid=run.metadata.uid,
-        master_addr=master_addr,
+        master_addr=head if nodes > 1 else "127.0.0.1",
         master_port=config.trainer_master_port,
         world_size=nodes,
         rank=rank,
@@ -273,14 +333,15 @@ def build_trainer_pod(
         # Optional: a pool created after the run starts the trainer without it, and its
         # loads are then refused with a 401 that says why.
         env.append(weights_token_env(run.spec.rollout.pool, optional=True))
-    env += scorer_key_env(run.spec)  # judges' and reward models' API keys
-    labels = {
-        LABEL_COMPONENT: COMPONENT_TRAINER,
-        LABEL_RUN: name,
-        LABEL_RANK: str(rank),
-        LABEL_GANG: str(incarnation),
-        **pool_client_labels(run),
-    }
+    return env + scorer_key_env(run.spec)  # judges' and reward models' API keys
+
+
+def _trainer_pod_spec(
+    run: TrainingRun, config: OperatorConfig, command: list[str], env: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The trainer container and its volumes: run.yaml, /dev/shm, the workspace, a model
+    claim when the model is a PVC."""
+    res = run.spec.resources
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "serviceAccountName": trainer_names(run)["service_account"],
@@ -310,35 +371,7 @@ def build_trainer_pod(
         ],
     }
     mount_model_claim(run.spec.model, pod_spec, pod_spec["containers"])
-    if nodes > 1:
-        # Stable DNS for each rank through the headless Service.
-        pod_spec["hostname"] = f"rank-{rank}"
-        pod_spec["subdomain"] = trainer_names(run)["head_service"]
-    schedule(
-        pod_spec,
-        config,
-        config.trainer_node_selector,
-        res.node_selector,
-        config.trainer_tolerations,
-        config.trainer_affinity,
-    )
-    sandbox_runner.apply_local_sandbox_context(run, pod_spec)
-    if run.spec.active_deadline_seconds:
-        pod_spec["activeDeadlineSeconds"] = run.spec.active_deadline_seconds
-    annotations = None
-    if serves_metrics:
-        pod_spec["containers"][0]["ports"] = [
-            {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}
-        ]
-        annotations = scrape_annotations(config.pod_metrics_port)
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": child_metadata(
-            run, trainer_pod_name(name, incarnation, rank), labels, annotations=annotations
-        ),
-        "spec": pod_spec,
-    }
+    return pod_spec
 
 
 def build_trainer_gang(
