@@ -143,97 +143,14 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     name = pool.metadata.name
     labels = pool_selector(name)
     image = spec.image or (config.rollout_cpu_image if spec.engine == "cpu" else config.vllm_image)
-    # Trainers publish weights to S3 and ask every replica to load them (POST
-    # /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
-    # even when they do not poll a weight source themselves.
-    polls = bool(spec.weight_update.source_uri)
-    contract = RolloutPoolEnv(
-        pool_name=name,
-        weights_uri=spec.weight_update.source_uri if polls else None,
-        weights_poll_seconds=spec.weight_update.poll_seconds if polls else None,
-    )
-    env: list[dict[str, Any]] = [
-        *contract.to_env(),
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-        # Only the token's holders may load weights (the reconciler creates the Secret first).
-        weights_token_env(name, optional=False),
-    ]
-    if config.s3_endpoint:
-        env += s3_env(config)
-    env += otlp_env(config, "posttrain-rollout", pool)
-    gpus = spec.resources.gpus if spec.engine == "vllm" else 0
-    container: dict[str, Any] = {
-        "name": "server",
-        "image": image,
-        "imagePullPolicy": config.image_pull_policy,
-        "command": rollout_command(pool),
-        "env": env,
-        "ports": [{"name": "http", "containerPort": spec.port}],
-        # A replica that exits (bad weights, a model that will not load) leaves its last
-        # log lines as the termination message the pool's status reports.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-        "resources": resources(spec.resources.cpu, spec.resources.memory, gpus),
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 5,
-            "failureThreshold": 3,
-        },
-        # Model loading can take minutes; don't let liveness kill a replica that is loading.
-        "startupProbe": {
-            "httpGet": {"path": "/health", "port": "http"},
-            "periodSeconds": 10,
-            "failureThreshold": 180,
-        },
-    }
+    env = _rollout_env(pool, config)
+    container = _server_container(pool, config, image, env)
     pod_spec: dict[str, Any] = {"containers": [container]}
-    # An hf:// model: the Hub, the cache and the token for whichever container downloads it.
-    hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
-    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
-    if spec.engine == "vllm":
-        model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
-        # Weight updates are staged on a declared volume, not in the container's /tmp: its
-        # sizeLimit and the container's ephemeral-storage bound what a replica may write, so
-        # an oversized update evicts that replica instead of filling the node's disk.
-        container["env"] = [
-            *model_env,
-            {"name": WEIGHTS_SCRATCH_ENV, "value": WEIGHTS_SCRATCH_MOUNT},
-        ]
-        container["volumeMounts"] = [
-            mount,
-            {"name": WEIGHTS_SCRATCH_VOLUME, "mountPath": WEIGHTS_SCRATCH_MOUNT},
-        ]
-        container["resources"] = resources(
-            spec.resources.cpu,
-            spec.resources.memory,
-            gpus,
-            ephemeral_storage=spec.resources.ephemeral_storage,
-        )
-        pod_spec["volumes"] = [
-            {"name": MODEL_VOLUME, "emptyDir": {}},
-            {
-                "name": WEIGHTS_SCRATCH_VOLUME,
-                "emptyDir": {"sizeLimit": spec.resources.weights_scratch},
-            },
-        ]
-        pod_spec["initContainers"] = [{
-            "name": "fetch-model",
-            "image": image,
-            "imagePullPolicy": config.image_pull_policy,
-            "command": model_fetch_command(pool),
-            "env": [*model_env, *hf_env],  # the server only reads /models/current
-            "volumeMounts": [mount],
-            # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
-            # message the operator puts in the pool's Ready condition.
-            "terminationMessagePolicy": "FallbackToLogsOnError",
-        }]  # fmt: skip
-    elif hf_env:  # the cpu server resolves spec.model itself: the cache on a volume of its own
-        container["env"] = [*env, *hf_env]
-        container["volumeMounts"] = [mount]
-        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+    _stage_model(pool, config, image, env, pod_spec)
     mount_model_claim(
         spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
     )  # the fetch-model step links /models/current into the claim: both need it
-    if gpus or spec.engine == "vllm":
+    if _server_gpus(pool) or spec.engine == "vllm":
         # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
         # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
         # against the pod's memory limit, which sizes it.
@@ -273,6 +190,119 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             "template": template,
         },
     }
+
+
+def _rollout_env(pool: RolloutPool, config: OperatorConfig) -> list[dict[str, Any]]:
+    """The server's environment: the pool contract, its pod IP, the weights token, S3 and
+    telemetry.
+
+    Trainers publish weights to S3 and ask every replica to load them (POST
+    /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
+    even when they do not poll a weight source themselves.
+    """
+    spec = pool.spec
+    polls = bool(spec.weight_update.source_uri)
+    contract = RolloutPoolEnv(
+        pool_name=pool.metadata.name,
+        weights_uri=spec.weight_update.source_uri if polls else None,
+        weights_poll_seconds=spec.weight_update.poll_seconds if polls else None,
+    )
+    env: list[dict[str, Any]] = [
+        *contract.to_env(),
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # Only the token's holders may load weights (the reconciler creates the Secret first).
+        weights_token_env(pool.metadata.name, optional=False),
+    ]
+    if config.s3_endpoint:
+        env += s3_env(config)
+    return env + otlp_env(config, "posttrain-rollout", pool)
+
+
+def _server_gpus(pool: RolloutPool) -> int:
+    return pool.spec.resources.gpus if pool.spec.engine == "vllm" else 0
+
+
+def _server_container(
+    pool: RolloutPool, config: OperatorConfig, image: str, env: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The OpenAI-compatible server with its /health readiness and startup probes."""
+    spec = pool.spec
+    return {
+        "name": "server",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": rollout_command(pool),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.port}],
+        # A replica that exits (bad weights, a model that will not load) leaves its last
+        # log lines as the termination message the pool's status reports.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": resources(spec.resources.cpu, spec.resources.memory, _server_gpus(pool)),
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        # Model loading can take minutes; don't let liveness kill a replica that is loading.
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 180,
+        },
+    }
+
+
+def _stage_model(
+    pool: RolloutPool,
+    config: OperatorConfig,
+    image: str,
+    env: list[dict[str, Any]],
+    pod_spec: dict[str, Any],
+) -> None:
+    """Where the model comes from: vLLM gets a fetch-model init container and a bounded
+    weights scratch volume; the cpu server resolves an hf:// model itself into a cache volume.
+    """
+    spec = pool.spec
+    container = pod_spec["containers"][0]
+    # An hf:// model: the Hub, the cache and the token for whichever container downloads it.
+    hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
+    mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
+    if spec.engine != "vllm":
+        if hf_env:  # the cpu server resolves spec.model itself: the cache on its own volume
+            container["env"] = [*env, *hf_env]
+            container["volumeMounts"] = [mount]
+            pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        return
+    model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
+    # Weight updates are staged on a declared volume, not in the container's /tmp: its
+    # sizeLimit and the container's ephemeral-storage bound what a replica may write, so
+    # an oversized update evicts that replica instead of filling the node's disk.
+    container["env"] = [*model_env, {"name": WEIGHTS_SCRATCH_ENV, "value": WEIGHTS_SCRATCH_MOUNT}]
+    container["volumeMounts"] = [
+        mount,
+        {"name": WEIGHTS_SCRATCH_VOLUME, "mountPath": WEIGHTS_SCRATCH_MOUNT},
+    ]
+    container["resources"] = resources(
+        spec.resources.cpu,
+        spec.resources.memory,
+        _server_gpus(pool),
+        ephemeral_storage=spec.resources.ephemeral_storage,
+    )
+    pod_spec["volumes"] = [
+        {"name": MODEL_VOLUME, "emptyDir": {}},
+        {"name": WEIGHTS_SCRATCH_VOLUME, "emptyDir": {"sizeLimit": spec.resources.weights_scratch}},
+    ]
+    pod_spec["initContainers"] = [{
+        "name": "fetch-model",
+        "image": image,
+        "imagePullPolicy": config.image_pull_policy,
+        "command": model_fetch_command(pool),
+        "env": [*model_env, *hf_env],  # the server only reads /models/current
+        "volumeMounts": [mount],
+        # Its stderr line ("cannot fetch model s3://...: ...") becomes the termination
+        # message the operator puts in the pool's Ready condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }]  # fmt: skip
 
 
 def build_rollout_service(pool: RolloutPool) -> Manifest:

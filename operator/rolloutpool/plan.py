@@ -46,66 +46,16 @@ def plan_rollout_pool(
     directly because ``kubectl scale`` changes only them.
     """
 
-    plan = PoolPlan()
     gen = pool.metadata.generation
     status = pool.status
-    conditions = list(status.conditions)
     want_replicas = pool.spec.replicas
-    if deployment is None:
-        plan.create_deployment = True
-        plan.events.append(
-            EventSpec(
-                "Normal",
-                Reason.DEPLOYMENT_CREATED,
-                f"created Deployment with {want_replicas} replica(s)",
-            )
-        )
-        replicas = ready = updated = 0
-    else:
-        have_hash = ((deployment.get("metadata") or {}).get("annotations") or {}).get(
-            ANNOTATION_SPEC_HASH
-        )
-        want_hash = desired_deployment["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
-        patch: dict[str, Any] = {}
-        if have_hash != want_hash:
-            patch = {
-                "metadata": {"annotations": {ANNOTATION_SPEC_HASH: want_hash}},
-                "spec": {
-                    "template": desired_deployment["spec"]["template"],
-                    "replicas": want_replicas,
-                },
-            }
-            plan.events.append(
-                EventSpec(
-                    "Normal", Reason.DEPLOYMENT_UPDATED, "server template changed: rolling update"
-                )
-            )
-        elif (deployment.get("spec") or {}).get("replicas") != want_replicas:
-            patch = {"spec": {"replicas": want_replicas}}
-            plan.events.append(
-                EventSpec(
-                    "Normal",
-                    Reason.DEPLOYMENT_UPDATED,
-                    f"scaled from {(deployment.get('spec') or {}).get('replicas')} to "
-                    f"{want_replicas} replica(s)",
-                )
-            )
-        plan.patch_deployment = patch or None
-        dstatus = deployment.get("status") or {}
-        replicas = int(dstatus.get("replicas") or 0)
-        ready = int(dstatus.get("readyReplicas") or 0)
-        updated = int(dstatus.get("updatedReplicas") or 0)
-    cond: ConditionStatus
-    if want_replicas == 0:
-        phase, cond, reason = "Ready", "True", Reason.SCALED_TO_ZERO
-    elif ready >= want_replicas and updated >= want_replicas and replicas == want_replicas:
-        phase, cond, reason = "Ready", "True", Reason.REPLICAS_READY
-    elif deployment is not None and updated < replicas:
-        phase, cond, reason = "Updating", "True" if ready > 0 else "False", Reason.ROLLING_UPDATE
-    elif ready > 0:
-        phase, cond, reason = "Degraded", "True", Reason.REPLICAS_UNAVAILABLE
-    else:
-        phase, cond, reason = "Pending", "False", Reason.REPLICAS_UNAVAILABLE
+    plan = _converge_deployment(desired_deployment, deployment, want_replicas)
+    dstatus = (deployment or {}).get("status") or {}
+    replicas = int(dstatus.get("replicas") or 0)
+    ready = int(dstatus.get("readyReplicas") or 0)
+    updated = int(dstatus.get("updatedReplicas") or 0)
+    rolling = deployment is not None and updated < replicas
+    phase, cond, reason = _readiness(want_replicas, replicas, ready, updated, rolling)
     message = f"{ready}/{want_replicas} replica(s) ready"
     trouble = replica_trouble(pods, pool.spec.model) if ready < want_replicas else None
     if trouble is not None:
@@ -119,7 +69,9 @@ def plan_rollout_pool(
                 f"{status.phase} -> {phase}: {message}",
             )
         )
-    conditions = set_condition(conditions, ConditionType.READY, cond, reason, message, gen)
+    conditions = set_condition(
+        list(status.conditions), ConditionType.READY, cond, reason, message, gen
+    )
     desired: dict[str, Any] = {
         "observedGeneration": gen,
         "phase": phase,
@@ -128,21 +80,96 @@ def plan_rollout_pool(
         "selector": selector,
         "endpoint": endpoint,
         "conditions": conditions_wire(conditions),
+        **_replica_fields(pods, pool.spec.port, served),
     }
-    desired["replicaEndpoints"] = replica_endpoints(pods, pool.spec.port)
+    plan.status_patch = status_diff(status.to_wire(), desired)
+    return plan
+
+
+def _converge_deployment(
+    desired_deployment: dict[str, Any], deployment: dict[str, Any] | None, want_replicas: int
+) -> PoolPlan:
+    """Create the Deployment, or patch it when its template's spec hash or its replicas
+    differ from the desired ones."""
+    plan = PoolPlan()
+    if deployment is None:
+        plan.create_deployment = True
+        plan.events.append(
+            EventSpec(
+                "Normal",
+                Reason.DEPLOYMENT_CREATED,
+                f"created Deployment with {want_replicas} replica(s)",
+            )
+        )
+        return plan
+    have_hash = ((deployment.get("metadata") or {}).get("annotations") or {}).get(
+        ANNOTATION_SPEC_HASH
+    )
+    want_hash = desired_deployment["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    have_replicas = (deployment.get("spec") or {}).get("replicas")
+    if have_hash != want_hash:
+        plan.patch_deployment = {
+            "metadata": {"annotations": {ANNOTATION_SPEC_HASH: want_hash}},
+            "spec": {
+                "template": desired_deployment["spec"]["template"],
+                "replicas": want_replicas,
+            },
+        }
+        plan.events.append(
+            EventSpec(
+                "Normal", Reason.DEPLOYMENT_UPDATED, "server template changed: rolling update"
+            )
+        )
+    elif have_replicas != want_replicas:
+        plan.patch_deployment = {"spec": {"replicas": want_replicas}}
+        plan.events.append(
+            EventSpec(
+                "Normal",
+                Reason.DEPLOYMENT_UPDATED,
+                f"scaled from {have_replicas} to {want_replicas} replica(s)",
+            )
+        )
+    return plan
+
+
+def _readiness(
+    want: int, replicas: int, ready: int, updated: int, rolling: bool
+) -> tuple[str, ConditionStatus, str]:
+    """(phase, Ready status, reason) from the Deployment's replica counts.
+
+    >>> _readiness(2, 2, 1, 1, rolling=True)
+    ('Updating', 'True', 'RollingUpdate')
+    """
+    if want == 0:
+        return "Ready", "True", Reason.SCALED_TO_ZERO
+    if ready >= want and updated >= want and replicas == want:
+        return "Ready", "True", Reason.REPLICAS_READY
+    if rolling:
+        return "Updating", "True" if ready > 0 else "False", Reason.ROLLING_UPDATE
+    if ready > 0:
+        return "Degraded", "True", Reason.REPLICAS_UNAVAILABLE
+    return "Pending", "False", Reason.REPLICAS_UNAVAILABLE
+
+
+def _replica_fields(
+    pods: list[PodView], port: int, served: dict[str, int] | None
+) -> dict[str, Any]:
+    """replicaEndpoints, replicaWeights and weightVersion from the ready replicas."""
     ready_pods = sorted((p for p in pods if p.ready and p.ip and not p.deleting),
                         key=lambda p: p.name)  # fmt: skip
-    desired["replicaWeights"] = [
-        {"pod": p.name, "endpoint": f"http://{p.ip}:{pool.spec.port}",
+    weights = [
+        {"pod": p.name, "endpoint": f"http://{p.ip}:{port}",
          "weightVersion": (served or {}).get(p.name)}
         for p in ready_pods
     ]  # fmt: skip
-    # Unknown (a ready replica did not answer) clears it: a merge patch with null deletes
-    # the field, so status.weightVersion is never a stale number from before a replica
-    # was replaced.
-    desired["weightVersion"] = pool_weight_version(pods, served)
-    plan.status_patch = status_diff(status.to_wire(), desired)
-    return plan
+    return {
+        "replicaEndpoints": replica_endpoints(pods, port),
+        "replicaWeights": weights,
+        # Unknown (a ready replica did not answer) clears it: a merge patch with null deletes
+        # the field, so status.weightVersion is never a stale number from before a replica
+        # was replaced.
+        "weightVersion": pool_weight_version(pods, served),
+    }
 
 
 # Restarts after which a replica that is not ready counts as crash-looping.
