@@ -125,19 +125,10 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
     ``ttlSecondsAfterFinished`` after completionTime.
     """
     status = task.status
+    if status.phase in TERMINAL:
+        return _plan_finished(task, pods, now)
     plan = SandboxPlan()
     gen = task.metadata.generation
-    if status.phase in TERMINAL:
-        ttl = task.spec.ttl_seconds_after_finished
-        done_at = status.completion_time
-        if ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl):
-            plan.delete_task = True
-            plan.delete_pods = [p.name for p in pods if not p.deleting]
-            plan.events.append(
-                EventSpec("Normal", Reason.TTL_EXPIRED, f"deleted {ttl} s after it finished")
-            )
-        return plan
-
     # Attempt 1 is implied: its pod is created without a status write, so a burst of tasks
     # costs one pod create each; attempts/podName are written with the first transition.
     attempts = max(status.attempts, 1)
@@ -178,22 +169,7 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
     else:
         result = parse_sandbox_result(current)
         if result.sandbox_failed and attempts < 1 + task.spec.retries:
-            attempts += 1
-            plan.create_attempt = attempts
-            desired.update(
-                attempts=attempts,
-                podName=sandbox_pod_name(task.metadata.name, attempts),
-                phase="Pending",
-            )
-            why = current.reason or current.message or "the pod failed before the program ran"
-            plan.events.append(
-                EventSpec(
-                    "Warning",
-                    Reason.SANDBOX_RETRY,
-                    f"attempt {attempts - 1} failed ({why}); retrying as {desired['podName']} "
-                    f"({attempts}/{1 + task.spec.retries})",
-                )
-            )
+            _retry(task, current, attempts + 1, desired, plan)
         else:
             desired["startTime"] = iso_time(status.start_time or current.start_time or now)
             _finish_sandbox(task, result, attempts, now, desired, plan)
@@ -201,6 +177,41 @@ def plan_sandbox(task: SandboxTask, pods: list[PodView], now: datetime) -> Sandb
     desired["conditions"] = conditions_wire(conditions)
     plan.status_patch = status_diff(task.status.to_wire(), desired)
     return plan
+
+
+def _plan_finished(task: SandboxTask, pods: list[PodView], now: datetime) -> SandboxPlan:
+    """A finished task is deleted, with its pods, ``ttlSecondsAfterFinished`` after it ended."""
+    plan = SandboxPlan()
+    ttl = task.spec.ttl_seconds_after_finished
+    done_at = task.status.completion_time
+    if ttl is not None and done_at is not None and now >= done_at + timedelta(seconds=ttl):
+        plan.delete_task = True
+        plan.delete_pods = [p.name for p in pods if not p.deleting]
+        plan.events.append(
+            EventSpec("Normal", Reason.TTL_EXPIRED, f"deleted {ttl} s after it finished")
+        )
+    return plan
+
+
+def _retry(
+    task: SandboxTask, failed: PodView, attempt: int, desired: dict[str, Any], plan: SandboxPlan
+) -> None:
+    """The sandbox (not the program) failed and retries remain: start ``attempt``."""
+    plan.create_attempt = attempt
+    desired.update(
+        attempts=attempt,
+        podName=sandbox_pod_name(task.metadata.name, attempt),
+        phase="Pending",
+    )
+    why = failed.reason or failed.message or "the pod failed before the program ran"
+    plan.events.append(
+        EventSpec(
+            "Warning",
+            Reason.SANDBOX_RETRY,
+            f"attempt {attempt - 1} failed ({why}); retrying as {desired['podName']} "
+            f"({attempt}/{1 + task.spec.retries})",
+        )
+    )
 
 
 def _finish_sandbox(

@@ -28,7 +28,7 @@ from .admission import KueueAdmission
 from .builders import build_trainer_children
 from .gang import RayClusterView, ray_cluster_view
 from .kuberay import KubeRayDiscovery
-from .plan import managed_elsewhere, plan_training_run
+from .plan import KueueGate, RunPlan, managed_elsewhere, plan_training_run
 
 log = logging.getLogger(__name__)
 
@@ -76,66 +76,92 @@ class TrainingRunReconciler:
             plan = plan_training_run(
                 run, pods, incarnation, now(), ray_clusters=clusters, kueue=kueue
             )
-            for pod in plan.delete_pods:
-                state.kube.delete("v1", "Pod", namespace, pod)
-                state.trainer_pods.remove(namespace, pod)
-            for cluster in plan.delete_ray_clusters:
-                state.kube.delete(raycluster.RAY_API_VERSION, "RayCluster", namespace, cluster)
-                state.ray_clusters.remove(namespace, cluster)
-            if plan.incarnation != incarnation:
-                # Persist the new incarnation before its pods exist, so a restarted operator
-                # continues this gang instead of recreating the old one.
-                updated = state.kube.patch(
-                    {
-                        "apiVersion": body["apiVersion"],
-                        "kind": KIND,
-                        "metadata": body["metadata"],
-                    },
-                    {"metadata": {"annotations": {ANNOTATION_INCARNATION: str(plan.incarnation)}}},
-                )
-                state.runs.put(updated)
-                body = updated
-            if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
-                template = (
-                    builders.build_trainer_pod(run, config, plan.incarnation, 0)
-                    if plan.create_workload
-                    else None
-                )
-                self.kueue.apply(run, plan, template)
-            if plan.ensure_children:
-                self._ensure_children(
-                    run, config, plan.incarnation, ray_cluster=clusters is not None
-                )
-            creates = plan.create_ranks or plan.create_ray_cluster
-            pool = self._rollout_pool(run) if creates else None
-            endpoints = [pool_builders.pool_endpoint(pool)] if pool is not None else []
-            dtype = pool_builders.pool_serving_dtype(pool) if pool is not None else None
-            if creates:
-                run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
-            if plan.create_ray_cluster:
-                self._create_ray_cluster(run, config, plan.incarnation, endpoints, dtype)
-            for rank in plan.create_ranks:
-                manifest = builders.build_trainer_pod(
-                    run,
-                    config,
-                    plan.incarnation,
-                    rank,
-                    rollout_endpoints=endpoints,
-                    rollout_dtype=dtype,
-                )
-                state.trainer_pods.put(state.create(KIND, manifest))
-            state.patch_status(state.runs, body, plan.status_patch)
-            state.emit(body, plan.events)
-            if plan.status_patch.get("phase") in TERMINAL and sandbox_runner.needs_own_runner(run):
-                # The run's own runner has nothing left to verify (its Service and
-                # NetworkPolicy cost nothing and go with the run).
-                state.kube.delete(
-                    "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
-                )
-            if plan.status_patch.get("phase") == "Failed" and evaluator.needs_evaluator(run):
-                # No more checkpoints will come: the evaluator would wait for the final one
-                # forever. After Succeeded it still scores the last checkpoint, then ends.
-                state.kube.delete("batch/v1", "Job", namespace, evaluator.evaluator_name(run))
+            self._apply(run, body, config, plan, incarnation, clusters is not None, kueue)
+
+    def _apply(
+        self,
+        run: TrainingRun,
+        body: Body,
+        config: OperatorConfig,
+        plan: RunPlan,
+        incarnation: int,
+        on_kuberay: bool,
+        kueue: KueueGate | None,
+    ) -> None:
+        """Execute the plan: deletes first, then the new incarnation (persisted before its
+        pods exist), the Workload, the children and the gang, then status and Events."""
+        state = self.state
+        namespace = run.metadata.namespace
+        for pod in plan.delete_pods:
+            state.kube.delete("v1", "Pod", namespace, pod)
+            state.trainer_pods.remove(namespace, pod)
+        for cluster in plan.delete_ray_clusters:
+            state.kube.delete(raycluster.RAY_API_VERSION, "RayCluster", namespace, cluster)
+            state.ray_clusters.remove(namespace, cluster)
+        if plan.incarnation != incarnation:
+            # Persist the new incarnation before its pods exist, so a restarted operator
+            # continues this gang instead of recreating the old one.
+            updated = state.kube.patch(
+                {
+                    "apiVersion": body["apiVersion"],
+                    "kind": KIND,
+                    "metadata": body["metadata"],
+                },
+                {"metadata": {"annotations": {ANNOTATION_INCARNATION: str(plan.incarnation)}}},
+            )
+            state.runs.put(updated)
+            body = updated
+        if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+            template = (
+                builders.build_trainer_pod(run, config, plan.incarnation, 0)
+                if plan.create_workload
+                else None
+            )
+            self.kueue.apply(run, plan, template)
+        if plan.ensure_children:
+            self._ensure_children(run, config, plan.incarnation, ray_cluster=on_kuberay)
+        if plan.create_ranks or plan.create_ray_cluster:
+            self._create_gang(run, config, plan, kueue)
+        state.patch_status(state.runs, body, plan.status_patch)
+        state.emit(body, plan.events)
+        self._release_after_end(run, plan.status_patch.get("phase"))
+
+    def _create_gang(
+        self, run: TrainingRun, config: OperatorConfig, plan: RunPlan, kueue: KueueGate | None
+    ) -> None:
+        """The gang of ``plan.incarnation``: its RayCluster or its missing ranks' pods, told
+        where the run's rollout pool serves and in which dtype."""
+        state = self.state
+        pool = self._rollout_pool(run)
+        endpoints = [pool_builders.pool_endpoint(pool)] if pool is not None else []
+        dtype = pool_builders.pool_serving_dtype(pool) if pool is not None else None
+        run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
+        if plan.create_ray_cluster:
+            self._create_ray_cluster(run, config, plan.incarnation, endpoints, dtype)
+        for rank in plan.create_ranks:
+            manifest = builders.build_trainer_pod(
+                run,
+                config,
+                plan.incarnation,
+                rank,
+                rollout_endpoints=endpoints,
+                rollout_dtype=dtype,
+            )
+            state.trainer_pods.put(state.create(KIND, manifest))
+
+    def _release_after_end(self, run: TrainingRun, phase: str | None) -> None:
+        """A run that just ended frees what only served it while it trained."""
+        namespace = run.metadata.namespace
+        if phase in TERMINAL and sandbox_runner.needs_own_runner(run):
+            # The run's own runner has nothing left to verify (its Service and
+            # NetworkPolicy cost nothing and go with the run).
+            self.state.kube.delete(
+                "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
+            )
+        if phase == "Failed" and evaluator.needs_evaluator(run):
+            # No more checkpoints will come: the evaluator would wait for the final one
+            # forever. After Succeeded it still scores the last checkpoint, then ends.
+            self.state.kube.delete("batch/v1", "Job", namespace, evaluator.evaluator_name(run))
 
     def _leave_alone(self, body: Body, why: str) -> None:
         """One Event per run (per operator process) saying why it is left alone."""

@@ -82,31 +82,16 @@ def plan_warm_pool(
                 f"creating {plan.create} idle pod(s) ({len(idle)}/{want})",
             )
         )
-    removed = len(plan.delete_pods)
-    if removed:
-        why = []
-        if broken:
-            why.append(f"{len(broken)} ended unclaimed")
-        if stale:
-            why.append(f"{len(stale)} from an old template")
-        if removed - len(broken) - len(stale):
-            why.append(f"{removed - len(broken) - len(stale)} above spec.replicas")
-        plan.events.append(
-            EventSpec(
-                "Normal", Reason.WARM_PODS_DELETED, f"deleting {removed} pod(s): {', '.join(why)}"
-            )
-        )
+    if plan.delete_pods:
+        plan.events.append(_deleted_event(len(plan.delete_pods), len(broken), len(stale)))
     gen = pool.metadata.generation
     status = pool.status
     cond: ConditionStatus
     if ready >= want:
         cond, reason, message = "True", Reason.WARM_POOL_READY, f"{ready}/{want} idle pod(s) ready"
     else:
-        cond, reason, message = (
-            "False",
-            Reason.WARM_POOL_FILLING,
-            f"{ready}/{want} idle pod(s) ready; the rest are starting",
-        )
+        cond, reason = "False", Reason.WARM_POOL_FILLING
+        message = f"{ready}/{want} idle pod(s) ready; the rest are starting"
     conditions = set_condition(
         list(status.conditions), ConditionType.READY, cond, reason, message, gen
     )
@@ -120,3 +105,21 @@ def plan_warm_pool(
     }
     plan.status_patch = status_diff(status.to_wire(), desired)
     return plan
+
+
+def _deleted_event(removed: int, broken: int, stale: int) -> EventSpec:
+    """Why ``removed`` pods go: ended unclaimed, an old template, or above spec.replicas.
+
+    >>> _deleted_event(3, 1, 0).message
+    'deleting 3 pod(s): 1 ended unclaimed, 2 above spec.replicas'
+    """
+    why = []
+    if broken:
+        why.append(f"{broken} ended unclaimed")
+    if stale:
+        why.append(f"{stale} from an old template")
+    if removed - broken - stale:
+        why.append(f"{removed - broken - stale} above spec.replicas")
+    return EventSpec(
+        "Normal", Reason.WARM_PODS_DELETED, f"deleting {removed} pod(s): {', '.join(why)}"
+    )
