@@ -21,6 +21,7 @@ from posttrain.api.reasons import ConditionType, Reason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
 from ..shared.observe import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
+from . import evaluator, sandbox_runner
 from .decision import ConditionChange, Decision, pods_to_delete_at_the_end, run_failed
 from .gang import RayClusterView, plan_gang, pod_gang, ray_cluster_gang
 from .kueue import WorkloadView, workload_name
@@ -47,6 +48,9 @@ class RunPlan:
     """Set the Workload's spec.active (False on suspend gives the quota back)."""
     finish_workload: bool = False
     """Mark the Workload Finished (the run ended), so Kueue releases its quota."""
+    release: list[tuple[str, str, str]] = field(default_factory=list)
+    """(apiVersion, kind, name) of children that only serve a training run, deleted when it
+    ends: its own sandbox runner's Deployment, and on failure its evaluator Job."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,7 @@ def _calculate(run: TrainingRun, incarnation: int, decisions: list[Decision]) ->
     for decision in decisions:
         desired.update(decision.fields)
     desired["conditions"] = conditions_wire(_conditions_after(run, decisions))
+    status_patch = status_diff(run.status.to_wire(), desired)
     last = decisions[-1]
     return RunPlan(
         incarnation=_incarnation_after(incarnation, decisions),
@@ -189,11 +194,25 @@ def _calculate(run: TrainingRun, incarnation: int, decisions: list[Decision]) ->
         ensure_children=last.ensure_children,
         create_ray_cluster=last.create_ray_cluster,
         delete_ray_clusters=list(last.delete_ray_clusters),
-        status_patch=status_diff(run.status.to_wire(), desired),
+        status_patch=status_patch,
         events=[event for decision in decisions for event in decision.events],
         create_workload=last.create_workload,
         workload_active=last.workload_active,
+        release=_released_when_ended(run, status_patch.get("phase")),
     )
+
+
+def _released_when_ended(run: TrainingRun, phase: str | None) -> list[tuple[str, str, str]]:
+    """What a run that ends now frees: its own sandbox runner has nothing left to verify (its
+    Service and NetworkPolicy cost nothing and go with the run); after a failure no more
+    checkpoints will come, so the evaluator would wait for the final one forever (after
+    Succeeded it still scores the last checkpoint, then ends)."""
+    release = []
+    if phase in TERMINAL and sandbox_runner.needs_own_runner(run):
+        release.append(("apps/v1", "Deployment", sandbox_runner.runner_name(run)))
+    if phase == "Failed" and evaluator.needs_evaluator(run):
+        release.append(("batch/v1", "Job", evaluator.evaluator_name(run)))
+    return release
 
 
 def _ended(

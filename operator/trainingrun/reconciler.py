@@ -23,7 +23,7 @@ from ..rolloutpool import builders as pool_builders
 from ..shared.observe import TERMINAL, EventSpec, PodView, pod_view
 from ..shared.state import Body, OperatorState, now
 from ..storage_credentials import StorageCredentials
-from . import builders, evaluator, names, raycluster, sandbox_runner
+from . import builders, names, raycluster
 from .admission import KueueAdmission
 from .builders import build_trainer_children
 from .gang import RayClusterView, ray_cluster_view
@@ -124,7 +124,8 @@ class TrainingRunReconciler:
             self._create_gang(run, config, plan, kueue)
         state.patch_status(state.runs, body, plan.status_patch)
         state.emit(body, plan.events)
-        self._release_after_end(run, plan.status_patch.get("phase"))
+        for api_version, kind, child in plan.release:
+            state.kube.delete(api_version, kind, namespace, child)
 
     def _create_gang(
         self, run: TrainingRun, config: OperatorConfig, plan: RunPlan, kueue: KueueGate | None
@@ -148,20 +149,6 @@ class TrainingRunReconciler:
                 rollout_dtype=dtype,
             )
             state.trainer_pods.put(state.create(KIND, manifest))
-
-    def _release_after_end(self, run: TrainingRun, phase: str | None) -> None:
-        """A run that just ended frees what only served it while it trained."""
-        namespace = run.metadata.namespace
-        if phase in TERMINAL and sandbox_runner.needs_own_runner(run):
-            # The run's own runner has nothing left to verify (its Service and
-            # NetworkPolicy cost nothing and go with the run).
-            self.state.kube.delete(
-                "apps/v1", "Deployment", namespace, sandbox_runner.runner_name(run)
-            )
-        if phase == "Failed" and evaluator.needs_evaluator(run):
-            # No more checkpoints will come: the evaluator would wait for the final one
-            # forever. After Succeeded it still scores the last checkpoint, then ends.
-            self.state.kube.delete("batch/v1", "Job", namespace, evaluator.evaluator_name(run))
 
     def _leave_alone(self, body: Body, why: str) -> None:
         """One Event per run (per operator process) saying why it is left alone."""
