@@ -8,14 +8,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from posttrain.api import (
-    RolloutPool,
-)
-from posttrain.api.env import (
-    WEIGHTS_SCRATCH,
-    WEIGHTS_TOKEN,
-    RolloutPoolEnv,
-)
+from posttrain.api import RolloutPool
+from posttrain.api.env import WEIGHTS_SCRATCH, WEIGHTS_TOKEN, RolloutPoolEnv
 from posttrain.api.labels import (
     ANNOTATION_SPEC_HASH,
     COMPONENT_ROLLOUT,
@@ -79,24 +73,14 @@ def pool_serving_dtype(pool: RolloutPool) -> str | None:
 # Hugging Face cache is on it too (the link points into it), also for the cpu engine, whose
 # server downloads the model itself.
 MODEL_VOLUME = "models"
-
-
 MODEL_MOUNT = "/models"
-
-
 MODEL_LINK = f"{MODEL_MOUNT}/current"
-
-
 POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
 
 
 # Where a vLLM replica stages weight updates (POSTTRAIN_WEIGHTS_SCRATCH), a sized emptyDir.
 WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
-
-
 WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
-
-
 WEIGHTS_SCRATCH_ENV = WEIGHTS_SCRATCH
 
 

@@ -7,14 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.api import (
-    RolloutPool,
-)
+from posttrain.api import RolloutPool
 from posttrain.api.base import ConditionStatus, set_condition
-from posttrain.api.labels import (
-    ANNOTATION_SPEC_HASH,
-    ANNOTATION_WEIGHT_VERSION,
-)
+from posttrain.api.labels import ANNOTATION_SPEC_HASH, ANNOTATION_WEIGHT_VERSION
 from posttrain.api.reasons import ConditionType, Reason
 
 from ..shared.observe import EventSpec, PodView, conditions_wire, status_diff

@@ -7,13 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.api import (
-    SandboxTask,
-    SandboxTaskSpec,
-)
-from posttrain.api.env import (
-    SandboxTaskEnv,
-)
+from posttrain.api import SandboxTask, SandboxTaskSpec
+from posttrain.api.env import SandboxTaskEnv
 from posttrain.api.labels import (
     ANNOTATION_FILE_PREFIX,
     ANNOTATION_LOGS_URI,
@@ -42,11 +37,7 @@ from ..shared.sandbox import (
 )
 
 SANDBOX_FILES_DIR = "/sandbox/files"
-
-
 SANDBOX_STDIN_FILE = ".stdin"
-
-
 SANDBOX_ENTRYPOINT_DIR = "/sandbox/entrypoint"
 
 

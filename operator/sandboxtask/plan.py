@@ -9,15 +9,9 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from posttrain.api import (
-    SandboxTask,
-)
+from posttrain.api import SandboxTask
 from posttrain.api.base import Condition, set_condition
-from posttrain.api.labels import (
-    ANNOTATION_LOGS_URI,
-    ANNOTATION_SNAPSHOT_URI,
-    LABEL_ATTEMPT,
-)
+from posttrain.api.labels import ANNOTATION_LOGS_URI, ANNOTATION_SNAPSHOT_URI, LABEL_ATTEMPT
 from posttrain.api.reasons import ConditionType, Reason, SandboxExitReason
 
 from ..shared.observe import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff

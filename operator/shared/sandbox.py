@@ -20,11 +20,7 @@ from posttrain.api.labels import (
 from .builders import BuildError, Manifest, spec_hash
 
 SANDBOX_WORKDIR = "/workspace"
-
-
 SANDBOX_NETWORK_POLICY = "posttrain-sandbox-default-deny"
-
-
 SANDBOX_ENTRYPOINT_KEY = "entrypoint.py"
 
 

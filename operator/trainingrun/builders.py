@@ -15,14 +15,8 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import (
-    GROUP,
-    TrainingRun,
-    TrainingRunSpec,
-)
-from posttrain.api.env import (
-    TrainerEnv,
-)
+from posttrain.api import GROUP, TrainingRun, TrainingRunSpec
+from posttrain.api.env import TrainerEnv
 from posttrain.api.labels import (
     COMPONENT_TRAINER,
     LABEL_COMPONENT,

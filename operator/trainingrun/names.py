@@ -5,16 +5,12 @@ run the docstrings use).
 
 from __future__ import annotations
 
-from posttrain.api import (
-    TrainingRun,
-)
+from posttrain.api import TrainingRun
 
 from ..config import OperatorConfig
 from ..shared.builders import BuildError
 
 RUN_CONFIG_PATH = "/etc/posttrain/run.yaml"
-
-
 RUN_CONFIG_KEY = "run.yaml"
 
 

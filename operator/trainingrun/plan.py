@@ -13,9 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from posttrain.api import (
-    TrainingRun,
-)
+from posttrain.api import TrainingRun
 from posttrain.api.base import Condition, ConditionStatus, get_condition, set_condition
 from posttrain.api.reasons import ConditionType, Reason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN

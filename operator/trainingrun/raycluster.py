@@ -9,13 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from posttrain.api import (
-    TrainingRun,
-)
-from posttrain.api.env import (
-    NODE_RANK,
-    RANK,
-)
+from posttrain.api import TrainingRun
+from posttrain.api.env import NODE_RANK, RANK
 from posttrain.api.labels import (
     COMPONENT_TRAINER,
     LABEL_COMPONENT,
@@ -29,16 +24,12 @@ from ..shared.builders import BuildError, Manifest, child_metadata
 from .builders import build_trainer_pod, pool_client_labels
 
 RAY_API_VERSION = "ray.io/v1"
-
-
 RAY_CLUSTER_PLURAL = "rayclusters"
 
 
 # KubeRay leaves container commands alone with this annotation (it still exports its own
 # `ray start` line as KUBERAY_GEN_RAY_START_CMD): ours starts Ray and then the trainer.
 RAY_OVERWRITE_CMD_ANNOTATION = "ray.io/overwrite-container-cmd"
-
-
 RAY_WORKER_GROUP = "workers"
 
 

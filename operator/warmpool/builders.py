@@ -25,13 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from posttrain.api import (
-    SandboxTask,
-    SandboxWarmPool,
-)
-from posttrain.api.env import (
-    WarmPoolEnv,
-)
+from posttrain.api import SandboxTask, SandboxWarmPool
+from posttrain.api.env import WarmPoolEnv
 from posttrain.api.labels import (
     ANNOTATION_CLAIM,
     ANNOTATION_SPEC_HASH,
@@ -57,11 +52,7 @@ from ..shared.observe import PodView
 from ..shared.sandbox import SANDBOX_WORKDIR, check_file_name
 
 CLAIM_DIR = "/sandbox/claim"
-
-
 CLAIM_FILE = "task.json"
-
-
 ENTRYPOINT_SOURCE = (Path(__file__).parent / "entrypoint.py").read_text()
 
 

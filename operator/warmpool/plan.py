@@ -7,14 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.api import (
-    SandboxWarmPool,
-)
+from posttrain.api import SandboxWarmPool
 from posttrain.api.base import ConditionStatus, set_condition
-from posttrain.api.labels import (
-    ANNOTATION_SPEC_HASH,
-    LABEL_TASK,
-)
+from posttrain.api.labels import ANNOTATION_SPEC_HASH, LABEL_TASK
 from posttrain.api.reasons import ConditionType, Reason
 
 from ..shared.observe import EventSpec, PodView, status_diff
