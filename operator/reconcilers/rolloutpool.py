@@ -2,7 +2,8 @@
 
 plan (:func:`..reconcile.plan_rollout_pool`) → build (:func:`..builders.build_rollout_deployment`,
 :func:`..builders.build_rollout_service`) → apply (here). Each reconcile also asks the ready
-replicas which weight version they serve (status.weightVersion).
+replicas which weight version they serve (status.weightVersion), and with spec.autoscaling
+sizes the pool first (:mod:`.pool_autoscaler`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from posttrain.storage.errors import StorageError
 from .. import builders as b
 from ..kube import controller_uid
 from ..reconcile import PodView, plan_rollout_pool, pod_view
+from .pool_autoscaler import autoscale_pool
 from .state import OperatorState
 from .storage_credentials import StorageCredentials
 
@@ -89,6 +91,9 @@ class RolloutPoolReconciler:
             pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
             selector = b.selector_string(b.pool_selector(name))
             served = served_weight_versions(pods, pool.spec.port)
+            ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+            scaled = autoscale_pool(state, pool, body, ready)  # spec.autoscaling, via /scale
+            pool = scaled.pool
             plan = plan_rollout_pool(
                 pool, desired, deployment, pods, selector, b.pool_endpoint(pool), served
             )
@@ -102,5 +107,7 @@ class RolloutPoolReconciler:
                 state.deployments.put(state.create(KIND, desired))
             if plan.patch_deployment:
                 state.deployments.put(state.kube.patch(desired, plan.patch_deployment))
-            state.patch_status(state.pools, body, plan.status_patch)
-            state.emit(body, plan.events)
+            state.patch_status(
+                state.pools, body, {**plan.status_patch, **(scaled.status_patch or {})}
+            )
+            state.emit(body, scaled.events + plan.events)
