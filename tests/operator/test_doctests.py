@@ -23,6 +23,7 @@ MODULES = [
     "sandbox_runner",
     "evaluator",
     "reconcilers.storage_credentials",
+    "autoscale",
 ]
 
 
