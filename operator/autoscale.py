@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from posttrain.api import RolloutPool, TrainingRun
 from posttrain.api.reasons import Reason
@@ -51,7 +51,7 @@ def rollout_wait_signal(
 ) -> WaitSignal | None:
     """The highest wait fraction among the Running runs whose trainer reads ``pool`` (its
     rollout pool, or a judge's or reward model's), counting only signals whose every
-    averaged step started at or after ``since`` (the last scale). None when there is none.
+    averaged step started after ``since`` (the last scale). None when there is none.
 
     The highest, as an HPA with several metrics takes the largest proposal: the pool is
     short for as long as one of its runs waits on it.
@@ -64,7 +64,9 @@ def rollout_wait_signal(
             or run.metadata.namespace != pool.metadata.namespace
             or run.status.phase != "Running"
             or pool.metadata.name not in trainer_pools(run.spec)
-            or (since is not None and wait.window_start < since)
+            # status times are whole seconds: a step that started within the scale's
+            # second may have started before it, so it does not count either
+            or (since is not None and wait.window_start < since + timedelta(seconds=1))
         ):
             continue
         if best is None or wait.fraction > best.fraction:

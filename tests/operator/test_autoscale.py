@@ -150,6 +150,9 @@ def test_signal_is_the_highest_of_the_running_runs_on_the_pool_measured_since_th
     assert rollout_wait_signal(pool, runs, since) == WaitSignal(0.4, "b")
     assert rollout_wait_signal(pool, runs, None) == WaitSignal(0.9, "old")
     assert rollout_wait_signal(pool, runs[3:], since) is None
+    # within the scale's second (status times are whole seconds): may predate it
+    same_second = [_run("a", "p", 0.2, T0 + timedelta(milliseconds=500))]
+    assert rollout_wait_signal(pool, same_second, since) is None
 
 
 def test_status_clears_what_is_not_pending() -> None:
