@@ -16,12 +16,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Gauge
+
 if TYPE_CHECKING:
     from posttrain.trainer.rollouts import RolloutBatch, RolloutProducer
 
 WINDOW_STEPS = 4
 """Steps averaged: enough to smooth one long-tailed batch, few enough that the signal
 follows a change in demand (a new domain with longer outputs) within a few steps."""
+
+ROLLOUT_WAIT_FRACTION = Gauge(
+    "posttrain_trainer_rollout_wait_fraction",
+    "Seconds blocked waiting for rollouts / step seconds, over the last few RL steps "
+    "(status.rolloutWait.fraction; an HPA can scale a RolloutPool on it through an adapter)",
+)
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,9 @@ class RolloutWaitWindow:
         ``started_at`` (default: when :meth:`take` was called)."""
         start = started_at or self._step_started_at or datetime.now(UTC)
         self._steps.append(StepWait(max(wait_seconds, 0.0), max(step_seconds, 0.0), start))
+        wire = self.to_wire()
+        if wire is not None:
+            ROLLOUT_WAIT_FRACTION.set(wire["fraction"])
 
     def to_wire(self) -> dict[str, Any] | None:
         """camelCase, as ``TrainingRunStatus.rolloutWait``; None before the first step."""

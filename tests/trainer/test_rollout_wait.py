@@ -8,6 +8,8 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
+from prometheus_client import REGISTRY
+
 from posttrain.api import TrainingRunStatus
 from posttrain.trainer import rollout_wait
 from posttrain.trainer.rollout_wait import RolloutWaitWindow
@@ -62,3 +64,5 @@ def test_window_forgets_old_steps_and_starts_at_the_oldest_kept() -> None:
         "windowStart": "2026-01-01T00:00:02Z",
     }
     assert RolloutWaitWindow().to_wire() is None  # before the first step: nothing to say
+    # the same number on the trainer's /metrics (for an HPA through a metrics adapter)
+    assert REGISTRY.get_sample_value("posttrain_trainer_rollout_wait_fraction") == 0.05
