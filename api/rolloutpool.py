@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta
 from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
@@ -87,6 +87,20 @@ class PoolAutoscaling(ApiModel):
     computes ``ceil(replicas * observed / target)`` as Kubernetes' HPA does, and writes it to
     ``spec.replicas`` through the scale subresource (docs/rollout.md, "Autoscaling").
     """
+
+    # The apiserver checks the bounds too (CEL), so kubectl apply refuses them as the
+    # operator and posttrain apply do, with the same message.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+                    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+                    "fieldPath": ".minReplicas",
+                }
+            ]
+        }
+    )
 
     min_replicas: int = Field(default=1, ge=1, le=1024)
     """Fewest replicas. At least 1: a run measures its wait only while it samples, so a pool

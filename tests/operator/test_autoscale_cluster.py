@@ -175,3 +175,21 @@ def test_pool_without_autoscaling_is_left_to_kubectl_scale(
     assert "autoscaling" not in pool_status(kube, namespace, "fixed")
     assert spec_replicas(kube, namespace, "fixed") == 1
     assert kube.get("apps/v1", "Deployment", namespace, "fixed")["spec"]["replicas"] == 1
+
+
+def test_apiserver_refuses_min_above_max(
+    crds_installed: None, kube: KubeClient, namespace: str
+) -> None:
+    """The CRD's CEL rule says what the pydantic model says, before any operator sees it."""
+    body = {
+        "apiVersion": "posttrain.io/v1alpha1",
+        "kind": "RolloutPool",
+        "metadata": {"name": "bad", "namespace": namespace},
+        "spec": {"model": "m", "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+    }
+    status, answer = kube.request(
+        "POST", resource_path("posttrain.io/v1alpha1", "rolloutpools", namespace), body,
+        ok=(201, 422),
+    )  # fmt: skip
+    assert status == 422
+    assert "autoscaling.minReplicas must be <= autoscaling.maxReplicas" in answer["message"]
