@@ -109,8 +109,8 @@ class PoolAutoscaling(ApiModel):
     """Most replicas (the cost ceiling); required, as for an HPA."""
     target_rollout_wait_fraction: float = Field(default=0.1, gt=0, lt=1)
     """Wanted share of a training step spent waiting for rollouts (0.1: a tenth). Lower
-    buys more replicas; 0 is not allowed (the formula needs a positive target, and a
-    trainer never waits exactly zero while its rollouts overlap with training)."""
+    buys more replicas; 0 is not allowed (the formula divides by it; a pool that never
+    makes a step wait is what maxReplicas is for)."""
     tolerance: float = Field(default=0.1, ge=0, lt=1)
     """No change while observed/target is within 1 +/- tolerance (HPA's default 0.1), so
     noise around the target does not resize the pool each resync."""

@@ -94,6 +94,7 @@ class RolloutPoolReconciler:
             ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
             scaled = autoscale_pool(state, pool, body, ready)  # spec.autoscaling, via /scale
             pool = scaled.pool
+            desired["spec"]["replicas"] = pool.spec.replicas  # a Deployment created now too
             plan = plan_rollout_pool(
                 pool, desired, deployment, pods, selector, b.pool_endpoint(pool), served
             )

@@ -193,3 +193,33 @@ def test_apiserver_refuses_min_above_max(
     )  # fmt: skip
     assert status == 422
     assert "autoscaling.minReplicas must be <= autoscaling.maxReplicas" in answer["message"]
+
+
+def test_a_new_pool_below_min_starts_at_min(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    """replicas: 0 with minReplicas: 2: raised through /scale, and the Deployment is created
+    with 2 in that same reconcile (generation 1: never created at 0 and patched)."""
+    create_cr(
+        kube,
+        "rolloutpools",
+        namespace,
+        {
+            "kind": "RolloutPool",
+            "metadata": {"name": "low"},
+            "spec": {
+                "model": "smollm2-135m-instruct",
+                "engine": "cpu",
+                "replicas": 0,
+                "autoscaling": {"minReplicas": 2, "maxReplicas": 3},
+            },
+        },
+    )
+    dep = wait_for(lambda: kube.get("apps/v1", "Deployment", namespace, "low"), what="Deployment")
+    assert dep["spec"]["replicas"] == 2 and dep["metadata"]["generation"] == 1
+    assert spec_replicas(kube, namespace, "low") == 2
+    event = wait_for(
+        lambda: [e for e in pool_events(kube, namespace, "low") if e["reason"] == "ScaledUp"],
+        what="ScaledUp event",
+    )
+    assert "0 -> 2 replica(s): 0 replica(s) outside [2, 3]" in event[0]["message"]
