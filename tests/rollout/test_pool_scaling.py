@@ -1,21 +1,27 @@
-"""A replica removed by a scale-down (SIGTERM, as the kubelet sends it) loses no rollout:
-it finishes what it is generating and refuses new connections, and the trainer's client
-takes every remaining request elsewhere. Real ``posttrain serve`` processes."""
+"""A pool that scales under a running trainer, on real ``posttrain serve`` processes: a
+replica that joins is brought to the trainer's version before it is sampled from, and used;
+a replica removed by a scale-down (SIGTERM, as the kubelet sends it) loses no rollout: it
+finishes what it is generating and refuses new connections, and the trainer's client takes
+every remaining request elsewhere."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from posttrain.processes import wait_for
 from posttrain.rollout.client import RolloutClient
+from posttrain.rollout.discovery import follow_pool
 from posttrain.rollout.protocol import SamplingParams
 
-from .test_client import running_sequences
+from .test_client import running_sequences, served_requests
 
 TOKENS = 300
 
@@ -73,3 +79,29 @@ def test_scale_down_mid_rollout_loses_nothing(serve_process: type) -> None:
     for index, (completion,) in enumerate(results):
         assert completion.prompt_index == index
         assert len(completion.token_ids) == TOKENS
+
+
+def test_a_joining_replica_is_caught_up_and_used_and_a_leaving_one_dropped(
+    serve_process: type, tmp_path: Path, publish_weights: Callable[[Path, int, float], Path]
+) -> None:
+    """The trainer's pool follower (``follow_pool``, fed here by a list standing in for the
+    pool's status.replicaEndpoints) over real replicas: scale up, then down."""
+    first, second = serve_process(), serve_process()
+    first.wait_ready()
+    second.wait_ready()
+    publish_weights(tmp_path, 2, 0.0)
+    ready = [first.url]  # status.replicaEndpoints as the operator writes it
+    with RolloutClient([first.url], discover=lambda: list(ready), timeout_s=60) as client:
+        client.load_weights(str(tmp_path), 2)
+        stop = follow_pool(client, lambda: list(ready), interval_s=0.2)
+        try:
+            ready.append(second.url)  # scaled up: the new replica turned ready (at v0)
+            wait_for(lambda: second.url in client.urls, timeout_s=60, what="joiner followed")
+            assert client.weight_versions() == {first.url: 2, second.url: 2}
+            groups = client.generate([[i + 1] for i in range(8)], SamplingParams(max_tokens=4))
+            assert {c.weight_version for g in groups for c in g} == {2}
+            assert served_requests(second.url) > 0  # the new replica takes a share at once
+            ready.remove(second.url)  # scaled down: the pod is deleting, no longer listed
+            wait_for(lambda: client.urls == [first.url], timeout_s=60, what="leaver dropped")
+        finally:
+            stop.set()
