@@ -160,3 +160,14 @@ def test_status_clears_what_is_not_pending() -> None:
     assert wire["lastScaleTime"] == "2026-12-06T07:00:00Z"
     assert wire["scaleDownPendingSince"] is None  # a merge patch with null removes it
     assert wire["desiredReplicas"] == 3 and wire["signalRun"] == "run-a"
+
+
+def test_status_reads_back_equal_so_an_unchanged_decision_patches_nothing() -> None:
+    """pool_autoscaler compares the wire form with the stored status: a decision that did
+    not change must compare equal after the apiserver round trip (no patch per resync)."""
+    from posttrain.api.rolloutpool import AutoscalingStatus
+
+    decision = decide_replicas(POLICY, 4, 4, signal(0.05), T0)
+    wire = autoscaling_status(decision, signal(0.05), T0)
+    stored = AutoscalingStatus.model_validate({k: v for k, v in wire.items() if v is not None})
+    assert stored.to_wire() == {k: v for k, v in wire.items() if v is not None}
