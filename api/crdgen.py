@@ -79,6 +79,31 @@ RESOURCES: tuple[ResourceDef, ...] = (
             AGE,
             {"name": "Engine", "type": "string", "priority": 1, "jsonPath": ".spec.engine"},
             {"name": "Model", "type": "string", "priority": 1, "jsonPath": ".spec.model"},
+            # -o wide with spec.autoscaling: the bounds, the signal and the last decision.
+            {
+                "name": "Min",
+                "type": "integer",
+                "priority": 1,
+                "jsonPath": ".spec.autoscaling.minReplicas",
+            },
+            {
+                "name": "Max",
+                "type": "integer",
+                "priority": 1,
+                "jsonPath": ".spec.autoscaling.maxReplicas",
+            },
+            {
+                "name": "Wait",
+                "type": "number",
+                "priority": 1,
+                "jsonPath": ".status.autoscaling.rolloutWaitFraction",
+            },
+            {
+                "name": "Scaling",
+                "type": "string",
+                "priority": 1,
+                "jsonPath": ".status.autoscaling.reason",
+            },
         ],
         scale={
             "specReplicasPath": ".spec.replicas",

@@ -62,6 +62,14 @@ class Reason:
     MODEL_UNAVAILABLE: Final = "ModelUnavailable"
     # A pool replica's server keeps exiting (the message has its last words).
     REPLICA_CRASH_LOOP: Final = "ReplicaCrashLooping"
+    # RolloutPool autoscaling decisions (status.autoscaling.reason; Events for the first three)
+    SCALED_UP: Final = "ScaledUp"
+    SCALED_DOWN: Final = "ScaledDown"
+    SCALE_DOWN_PENDING: Final = "ScaleDownPending"
+    WITHIN_TOLERANCE: Final = "WithinTolerance"
+    NO_SIGNAL: Final = "NoSignal"
+    SCALE_IN_PROGRESS: Final = "ScaleInProgress"
+    AT_LIMIT: Final = "AtLimit"
     # SandboxTask
     POD_RUNNING: Final = "PodRunning"
     COMPLETED: Final = "Completed"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from .base import CONDITIONS_FIELD, QUANTITY, ApiModel, Condition, ObjectMeta
 from .modelref import HfTokenSecret, check_hf_token_secret, check_model_ref
@@ -77,6 +78,57 @@ class PoolResources(ApiModel):
     places a replica only on a node with that much local disk free."""
 
 
+class PoolAutoscaling(ApiModel):
+    """Scale the pool with the demand of the TrainingRuns that sample from it.
+
+    The signal is what a short rollout pool costs a run: the fraction of its step time the
+    trainer spent blocked waiting for rollouts (``status.rolloutWait.fraction`` of each
+    Running TrainingRun whose trainer reads this pool; the highest one counts). The operator
+    computes ``ceil(replicas * observed / target)`` as Kubernetes' HPA does, and writes it to
+    ``spec.replicas`` through the scale subresource (docs/rollout.md, "Autoscaling").
+    """
+
+    # The apiserver checks the bounds too (CEL), so kubectl apply refuses them as the
+    # operator and posttrain apply do, with the same message.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.minReplicas) || self.minReplicas <= self.maxReplicas",
+                    "message": "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+                    "fieldPath": ".minReplicas",
+                }
+            ]
+        }
+    )
+
+    min_replicas: int = Field(default=1, ge=1, le=1024)
+    """Fewest replicas. At least 1: a run measures its wait only while it samples, so a pool
+    at zero would never see the demand that should bring it back."""
+    max_replicas: int = Field(ge=1, le=1024)
+    """Most replicas (the cost ceiling); required, as for an HPA."""
+    target_rollout_wait_fraction: float = Field(default=0.1, gt=0, lt=1)
+    """Wanted share of a training step spent waiting for rollouts (0.1: a tenth). Lower
+    buys more replicas; 0 is not allowed (the formula divides by it; a pool that never
+    makes a step wait is what maxReplicas is for)."""
+    tolerance: float = Field(default=0.1, ge=0, lt=1)
+    """No change while observed/target is within 1 +/- tolerance (HPA's default 0.1), so
+    noise around the target does not resize the pool each resync."""
+    scale_down_stabilization_seconds: int = Field(default=300, ge=0, le=86_400)
+    """A scale-down happens only after every recommendation for this long asked for fewer
+    replicas, and then to the highest of them (HPA's scale-down window, default 300 s):
+    replicas take minutes to load a model, so a short lull must not remove them."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PoolAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"autoscaling.minReplicas ({self.min_replicas}) must be <= "
+                f"autoscaling.maxReplicas ({self.max_replicas})"
+            )
+        return self
+
+
 class RolloutPoolSpec(ApiModel):
     """Desired state of a RolloutPool."""
 
@@ -90,7 +142,12 @@ class RolloutPoolSpec(ApiModel):
     served_model_name: str | None = None
     """Name clients use in requests; defaults to the pool name."""
     replicas: int = Field(default=1, ge=0, le=1024)
-    """Server replicas (the scale subresource writes this)."""
+    """Server replicas (the scale subresource writes this; with ``autoscaling`` the operator
+    does, through the same subresource)."""
+    autoscaling: PoolAutoscaling | None = None
+    """Scale on the trainers' rollout wait between min and max replicas; absent: replicas
+    stay what ``spec.replicas`` says (``kubectl scale``, or an HPA on the scale
+    subresource)."""
     engine: Literal["vllm", "cpu"] = "vllm"
     """vllm on GPUs; cpu is posttrain's transformers engine (same HTTP contract) for dev."""
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
@@ -124,6 +181,33 @@ class ReplicaWeights(ApiModel):
     """None when the replica did not answer ``/v1/weights/version``."""
 
 
+class AutoscalingStatus(ApiModel):
+    """What the operator's autoscaler saw and decided (with ``spec.autoscaling`` only)."""
+
+    rollout_wait_fraction: float | None = None
+    """The signal used at the last decision: the highest wait fraction of the runs that
+    sample from the pool (unset when none reports one measured since the last scale)."""
+    signal_run: str | None = None
+    """The TrainingRun that reported it."""
+    desired_replicas: int | None = None
+    """What the last decision asked for (spec.replicas once it scaled)."""
+    reason: str | None = None
+    """Why, as a fixed reason (ScaledUp, ScaledDown, ScaleDownPending, WithinTolerance,
+    NoSignal, ScaleInProgress, AtLimit)."""
+    message: str | None = None
+    """The decision in words (the formula with its numbers)."""
+    last_scale_time: datetime | None = None
+    """When the operator last changed spec.replicas. A run's signal counts only when every
+    step it averages started after this (steps measured on the old size say nothing of
+    the new one)."""
+    scale_down_pending_since: datetime | None = None
+    """Since when every decision asked for fewer replicas (the stabilization window's
+    start); unset when none is pending."""
+    scale_down_pending_replicas: int | None = None
+    """The highest replica count recommended since then: what the pool scales down to when
+    the window has passed."""
+
+
 class RolloutPoolStatus(ApiModel):
     """Observed state of a RolloutPool."""
 
@@ -147,6 +231,8 @@ class RolloutPoolStatus(ApiModel):
     weight version to every one of them and samples from them directly."""
     endpoint: str | None = None
     """In-cluster base URL of the pool's Service."""
+    autoscaling: AutoscalingStatus | None = None
+    """The autoscaler's signal and last decision (with spec.autoscaling only)."""
 
 
 class RolloutPool(ApiModel):

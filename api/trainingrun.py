@@ -793,6 +793,23 @@ class RolloutHealth(ApiModel):
     """Why not, in words (the pool's Ready condition), and how long the trainer still waits."""
 
 
+class RolloutWait(ApiModel):
+    """How long the trainer waited for rollouts, over its last few RL steps: the demand
+    signal a RolloutPool's ``spec.autoscaling`` acts on (written by the trainer)."""
+
+    fraction: float = Field(ge=0, le=1)
+    """Seconds blocked waiting for the next batch of rollouts / seconds of those steps."""
+    wait_seconds: float = Field(ge=0)
+    """Seconds waited over the averaged steps."""
+    step_seconds: float = Field(ge=0)
+    """Seconds those steps took (sampling wait, scoring, the optimizer step, publishing)."""
+    steps: int = Field(ge=1)
+    """How many steps are averaged (the most recent ones)."""
+    window_start: datetime
+    """When the first averaged step started: an autoscaler ignores a signal measured partly
+    before its last scale."""
+
+
 class TrainingRunStatus(ApiModel):
     """Observed state, written by the operator (phase, conditions) and the trainer (progress)."""
 
@@ -831,6 +848,9 @@ class TrainingRunStatus(ApiModel):
     rollout: RolloutHealth | None = None
     """Whether the trainer found a ready replica of spec.rollout.pool (written by the
     trainer while it waits for one, and when it found them)."""
+    rollout_wait: RolloutWait | None = None
+    """Fraction of recent step time the trainer spent waiting for rollouts (written by the
+    trainer after each RL step); RolloutPools with spec.autoscaling scale on it."""
     reports_uri: str | None = None
     """Where the trainer uploads metrics, eval results, audit alerts, spot checks, plots and
     the report as it writes them; ``posttrain report <reportsUri>`` renders them."""

@@ -36,6 +36,9 @@ OPERATOR_RULES: list[Rule] = [
         ],
         "verbs": ["get", "patch"],
     },
+    # spec.autoscaling: the operator sets a pool's replicas through its scale subresource,
+    # the same door kubectl scale and an HPA use (never a patch of the whole spec).
+    {"apiGroups": [GROUP], "resources": ["rolloutpools/scale"], "verbs": ["get", "patch"]},
     # ownerReferences with blockOwnerDeletion=true require update on the owner's finalizers.
     {
         "apiGroups": [GROUP],

@@ -68,6 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-batch-size", type=int, default=64, help="sequences per batch")
     serve.add_argument("--threads", type=int, default=None, help="torch threads (default: cores)")
     serve.add_argument("--metrics-port", type=int, default=0, help="extra Prometheus port")
+    serve.add_argument(
+        "--drain-seconds", type=float, default=25.0,
+        help="on SIGTERM, let in-flight requests finish for up to this long (default 25, "
+        "below a pod's 30 s grace period)",
+    )  # fmt: skip
     add_limit_flags(serve)
     serve.set_defaults(func=_serve)
 
@@ -240,6 +245,7 @@ def _serve(args: argparse.Namespace) -> int:
                 num_threads=args.threads,
                 reward_model=args.reward_model,
                 limits=limits,
+                drain_seconds=args.drain_seconds,
             ),
             host=args.host,
             port=args.port,

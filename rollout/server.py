@@ -87,6 +87,11 @@ class ServerConfig:
     """What one request may ask for, and the HTTP bounds (body size, read deadlines)."""
     weights_token: str | None = field(default=None, repr=False)
     """The pool's weight token: /v1/weights/load needs it (rollout/auth.py); None: open."""
+    drain_seconds: float = 25.0
+    """On SIGTERM (a scale-down, a rolling update) stop accepting connections and let
+    in-flight requests finish for up to this long; the rest fail and the trainer's client
+    retries them on another replica. Below a pod's default 30 s grace period; an idle
+    replica exits at once."""
 
 
 @dataclass
@@ -581,15 +586,16 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
     import uvicorn
 
     state = ServerState(config)
-    # Short graceful shutdown: in-flight requests are failed by engine.close() anyway,
-    # and Kubernetes should not wait the full termination grace period.
+    # Drain on SIGTERM: uvicorn closes the listener and idle connections at once, then
+    # waits up to drain_seconds for in-flight requests (a removed replica's rollouts finish
+    # instead of being sampled again elsewhere); engine.close() fails what is left.
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(state),
             host=host,
             port=port,
             log_level="info",
-            timeout_graceful_shutdown=5,
+            timeout_graceful_shutdown=max(1, round(config.drain_seconds)),
             **uvicorn_options(config.limits.http),
         )
     )

@@ -55,6 +55,7 @@ from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
 from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_records_after
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
+from posttrain.trainer.rollout_wait import RolloutWaitWindow
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
 from posttrain.trainer.rundata import build_run_data, loss_config
 from posttrain.trainer.status import (
@@ -219,7 +220,7 @@ def rl_stage(
             # 1. choose prompts for every batch allowed to be in flight (curriculum)
             run.submit_ahead()
             # 2. take this step's batch (sampled in the background)
-            batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
+            batch, rollout_wait_s = run.waits.take(producer, step, spec.rollout.timeout_seconds * 4)
             if batch.error:
                 raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
             staleness = run.version - batch.weight_version  # versions behind, before step
@@ -298,8 +299,10 @@ def rl_stage(
                 stage=plan.name,
                 learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
                 masked_samples=prepared.masked_samples,
+                rollout_wait_seconds=rollout_wait_s,
             )
             progress.record(metrics, span)
+            run.waits.record(rollout_wait_s, metrics.step_seconds)
         # 7. evaluate and checkpoint at their intervals (the stage's end is both)
         if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
             run.final_eval = run.evaluate(step)
@@ -366,6 +369,7 @@ class Run:
         self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
         self.reporter, self.dist, self.contract = reporter, dist, contract
         self._status_lock = threading.Lock()  # verifier threads report sandbox health too
+        self.waits = RolloutWaitWindow()  # status.rolloutWait: what a pool autoscales on
         self._sandbox_reported = (True, 0.0)  # (available, when) of the last health report
         self.verification: Any = None
         if verify is None:  # spec.sandbox decides where code runs (trainer/verification.py)
@@ -812,6 +816,7 @@ class Run:
         with self._status_lock:
             self.status.step, self.status.weight_version = self.step, self.version
             self.status.stages = list(self.stage_records)
+            self.status.rollout_wait = self.waits.to_wire()
             if self.verification is not None and self.status.sandbox is not None:
                 self.status.sandbox = self.verification.health.to_wire()
             self.reporter.report(self.status)

@@ -50,6 +50,7 @@ class RunStatus:
     sandbox: dict[str, Any] | None = None  # verification.SandboxHealth.to_wire()
     reports_uri: str | None = None  # where the outputs are uploaded as they are written
     resumed_from: str | None = None  # the checkpoint URI the trainer started from, or FRESH_START
+    rollout_wait: dict[str, Any] | None = None  # rollout_wait.RolloutWaitWindow.to_wire()
 
     def to_wire(self) -> dict[str, Any]:
         """camelCase, Nones dropped (a merge patch with null would *delete* the field).

@@ -2,7 +2,8 @@
 
 plan (:func:`.plan.plan_rollout_pool`) → build (:func:`.builders.build_rollout_deployment`,
 :func:`..builders.build_rollout_service`) → apply (here). Each reconcile also asks the ready
-replicas which weight version they serve (status.weightVersion).
+replicas which weight version they serve (status.weightVersion), and with spec.autoscaling
+sizes the pool first (:mod:`.autoscaler`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ..shared.observe import PodView, pod_view
 from ..shared.state import OperatorState
 from ..storage_credentials import StorageCredentials
 from . import builders
+from .autoscaler import autoscale_pool
 from .plan import plan_rollout_pool
 
 log = logging.getLogger(__name__)
@@ -91,6 +93,10 @@ class RolloutPoolReconciler:
             pods = [pod_view(p) for p in state.rollout_pods.children(namespace, name)]
             selector = selector_string(builders.pool_selector(name))
             served = served_weight_versions(pods, pool.spec.port)
+            ready = int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
+            scaled = autoscale_pool(state, pool, body, ready)  # spec.autoscaling, via /scale
+            pool = scaled.pool
+            desired["spec"]["replicas"] = pool.spec.replicas  # a Deployment created now too
             plan = plan_rollout_pool(
                 pool, desired, deployment, pods, selector, builders.pool_endpoint(pool), served
             )
@@ -106,5 +112,7 @@ class RolloutPoolReconciler:
                 state.deployments.put(state.create(KIND, desired))
             if plan.patch_deployment:
                 state.deployments.put(state.kube.patch(desired, plan.patch_deployment))
-            state.patch_status(state.pools, body, plan.status_patch)
-            state.emit(body, plan.events)
+            state.patch_status(
+                state.pools, body, {**plan.status_patch, **(scaled.status_patch or {})}
+            )
+            state.emit(body, scaled.events + plan.events)

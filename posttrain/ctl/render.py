@@ -321,6 +321,12 @@ def describe_run_status(status: Mapping[str, Any]) -> list[str]:
         f"Restarts:     {status.get('restarts', 0)}",
         f"Outputs:      {status.get('reportsUri') or MISSING}",
     ]
+    wait = status.get("rolloutWait")
+    if wait:  # what a RolloutPool's spec.autoscaling acts on
+        lines.append(
+            f"Rollout wait: {float(wait.get('fraction', 0)):.0%} of step time "
+            f"(last {wait.get('steps', '?')} step(s))"
+        )
     sandbox = status.get("sandbox")
     if sandbox:
         state = "available" if sandbox.get("available", True) else "UNAVAILABLE"

@@ -149,13 +149,16 @@ def test_describe_shows_where_the_runs_reports_are(kcli: CliRunner, kube: Any) -
     kube.create_run("fresh")
     uri = f"s3://posttrain/runs/{kube.namespace}/demo/u-1/reports"
     began = f"s3://posttrain/runs/{kube.namespace}/demo/u-0/checkpoints/step-00000003"
-    kube.report_progress("demo", **PROGRESS, reports_uri=uri, resumed_from=began)
+    wait = {"fraction": 0.25, "waitSeconds": 5.0, "stepSeconds": 20.0, "steps": 4,
+            "windowStart": "2026-12-06T07:00:00Z"}  # fmt: skip
+    kube.report_progress("demo", **PROGRESS, reports_uri=uri, resumed_from=began, rollout_wait=wait)
 
     out = kcli("describe", "tr", "demo")
     assert out.code == 0, out.err
     lines = [line.strip() for line in out.out.splitlines()]
     assert f"Outputs:      {uri}" in lines, out.out
     assert f"Started from: {began}" in lines, out.out  # the apiserver kept status.resumedFrom
+    assert "Rollout wait: 25% of step time (last 4 step(s))" in lines, out.out
     fresh = kcli("describe", "tr", "fresh")
     assert fresh.code == 0, fresh.err
     assert "Outputs:      -" in [line.strip() for line in fresh.out.splitlines()], fresh.out

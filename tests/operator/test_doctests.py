@@ -33,6 +33,7 @@ MODULES = [
     "warmpool.builders",
     "warmpool.plan",
     "warmpool.entrypoint",
+    "rolloutpool.autoscale",
 ]
 
 

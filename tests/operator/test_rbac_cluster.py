@@ -166,6 +166,26 @@ def test_operator_works_with_exactly_its_rbac(
             what="pool status",
         )
         wait_for(lambda: kube.get("v1", "Service", namespace, "p"), what="pool Service")
+        # spec.autoscaling: replicas below minReplicas are raised through /scale.
+        create_cr(
+            kube,
+            "rolloutpools",
+            namespace,
+            {
+                "kind": "RolloutPool",
+                "metadata": {"name": "auto"},
+                "spec": {
+                    "model": "m",
+                    "engine": "cpu",
+                    "replicas": 1,
+                    "autoscaling": {"minReplicas": 2, "maxReplicas": 3},
+                },
+            },
+        )
+        wait_for(
+            lambda: get_cr(kube, "rolloutpools", namespace, "auto")["spec"]["replicas"] == 2,
+            what="autoscaled pool raised to minReplicas through /scale",
+        )
         # SandboxWarmPool: pool pods, pool status, and the claim (a pod patch).
         wait_for(
             lambda: (

@@ -1,6 +1,6 @@
 """Scoped storage credentials against the real apiserver and the real MinIO: a run's pods
 get keys for the run's own prefix, a pool's for reading its namespace's runs, and deleting
-the owner revokes them (posttrain/storage/iam.py, reconcilers/storage_credentials.py)."""
+the owner revokes them (posttrain/storage/iam.py, storage_credentials.py)."""
 
 from __future__ import annotations
 
