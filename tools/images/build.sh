@@ -36,6 +36,22 @@ if ! podman image exists localhost/posttrain/pause:1; then
   echo "[images] localhost/posttrain/pause:1: built"
 fi
 
+# The chart's bundled MinIO on the dev cluster (charts/posttrain/values-dev.yaml): the MinIO
+# server of tools/versions.env (the binary the tests and `dev up` already run) on the local
+# base, because quay.io/minio/minio cannot be pulled here. Rebuilt when the pin changes.
+# shellcheck source=../versions.env
+source "$repo/tools/versions.env"
+minio_ref="localhost/posttrain/minio:$MINIO_VERSION"
+if ! podman image exists "$minio_ref"; then
+  bash tools/ensure-binaries.sh >/dev/null
+  context="$(mktemp -d)"
+  cp "${POSTTRAIN_BIN_DIR:-$HOME/.cache/posttrain/bin}/minio-$MINIO_VERSION" "$context/minio"
+  printf 'FROM %s\nCOPY minio /usr/local/bin/minio\nUSER 1000:1000\nENTRYPOINT ["/usr/local/bin/minio"]\n' \
+    "$base" | podman build --quiet -t "$minio_ref" -f - "$context" >/dev/null
+  rm -rf "$context"
+  echo "[images] $minio_ref: built"
+fi
+
 declare -A dockerfile=(
   [operator]=operator/Dockerfile [sandbox]=sandboxes/Dockerfile
   [trainer]=trainer/Dockerfile [rollout]=rollout/Dockerfile

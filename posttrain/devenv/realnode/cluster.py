@@ -29,12 +29,12 @@ from posttrain.api.env import CACHE
 from posttrain.processes import ManagedProcess, free_port
 from posttrain.telemetry import get_tracer
 
-from ..binaries import REPO_ROOT, go_binary
+from ..binaries import REPO_ROOT, go_binary, pinned_versions
 from ..certs import issue
 from ..controlplane import ControlPlane
 from ..minio import MinioServer
-from . import components
-from .containerd import Containerd
+from . import components, volumes
+from .containerd import PAUSE_IMAGE, Containerd
 from .network import CNI_BIN_DIR, NodeNetwork
 
 log = logging.getLogger(__name__)
@@ -75,6 +75,13 @@ def chart_tag() -> str:
 def image_ref(name: str) -> str:
     """``ghcr.io/posttrain/<name>:<appVersion>``, the chart's default for that image."""
     return f"ghcr.io/posttrain/{name}:{chart_tag()}"
+
+
+def minio_image() -> str:
+    """The MinIO server image ``tools/images/build.sh`` makes from the pinned MinIO build: what
+    the chart's bundled MinIO runs on the dev cluster (``charts/posttrain/values-dev.yaml``),
+    where ``quay.io/minio/minio`` cannot be pulled."""
+    return f"localhost/posttrain/minio:{pinned_versions()['MINIO_VERSION']}"
 
 
 def image_refs(names: Sequence[str] = IMAGE_NAMES) -> list[str]:
@@ -169,7 +176,7 @@ class RealCluster:
             )
             self.containerd.start()
         with self._timed("images"):
-            for ref in ["localhost/posttrain/pause:1", *self.images]:
+            for ref in [PAUSE_IMAGE, minio_image(), *self.images]:
                 seconds = self.containerd.import_from_podman(ref, podman_env())
                 if seconds:
                     log.info("real node: imported %s in %.1f s", ref, seconds)
@@ -215,6 +222,12 @@ class RealCluster:
         self.network.fence_first()
         with self._timed("node-ready"):
             self.wait_node_ready()
+        with self._timed("volumes"):
+            api = self.api()
+            try:
+                volumes.provide(api, self.workdir / "volumes")
+            finally:
+                api.close()
         with self._timed("minio"):
             self.minio = MinioServer(data_dir=minio_data or (self.workdir / "minio"),
                                      host=self.node_ip)  # fmt: skip
