@@ -36,9 +36,10 @@ from posttrain.api import TrainingRunSpec
 from posttrain.rollout.protocol import Completion
 from posttrain.trainer.audit import Auditor
 from posttrain.trainer.batch import prepare_batch, score_batch
+from posttrain.trainer.loss import loss_config
 from posttrain.trainer.progress import ProgressReporter, StepMetrics, load_metrics
 from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.rundata import build_run_data, loss_config
+from posttrain.trainer.rundata import build_run_data
 from posttrain.trainer.status import LocalStatusReporter, RunStatus
 
 

@@ -40,6 +40,7 @@ from posttrain.trainer.checkpoint import (
 from posttrain.trainer.dist_context import DistContext
 from posttrain.trainer.evaluate import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.interrupt import INTERRUPTED
+from posttrain.trainer.loss import loss_config
 from posttrain.trainer.pipeline import (
     StagePlan,
     load_pipeline_data,
@@ -56,7 +57,7 @@ from posttrain.trainer.progress import ProgressReporter, StepMetrics, discard_re
 from posttrain.trainer.report import plot_run, write_report
 from posttrain.trainer.rewards import VerifyFn
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest, is_too_stale
-from posttrain.trainer.rundata import build_run_data, loss_config
+from posttrain.trainer.rundata import build_run_data
 from posttrain.trainer.status import (
     STAGE_STARTED,
     STAGE_SUCCEEDED,

@@ -29,8 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from posttrain.api import AlgorithmSpec
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,20 @@ class LossConfig:
     aggregation: str = "token_mean"  # token_mean | sequence_mean | constant
     max_new_tokens: int = 128
     importance_sampling: str = "token"  # token (PPO/GRPO) | sequence (GSPO)
+
+
+def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
+    """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation,
+    GSPO a sequence-level importance ratio)."""
+    aggregation = "constant" if algorithm.name == "dr_grpo" else algorithm.loss_aggregation
+    return LossConfig(
+        clip_low=algorithm.clip_low,
+        clip_high=algorithm.clip_high,
+        kl_coef=algorithm.kl_coef,
+        aggregation=aggregation,
+        max_new_tokens=algorithm.max_new_tokens,
+        importance_sampling="sequence" if algorithm.name == "gspo" else "token",
+    )
 
 
 def sequence_coefficients(

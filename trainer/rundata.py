@@ -20,10 +20,9 @@ from posttrain.trainer.datasets import (
     load_tasks,
     split_tasks,
 )
-from posttrain.trainer.loss import LossConfig
 
 if TYPE_CHECKING:
-    from posttrain.api import AlgorithmSpec, TrainingRunSpec
+    from posttrain.api import TrainingRunSpec
 
 VerifierSpecs = dict[str, tuple[str | None, dict[str, Any]]]
 
@@ -141,17 +140,3 @@ def build_run_data(spec: TrainingRunSpec, seed_offset: int = 0) -> RunData:
         seed=spec.algorithm.seed + seed_offset,
     )
     return RunData(curriculum, heldout, regression, verifiers)
-
-
-def loss_config(algorithm: AlgorithmSpec) -> LossConfig:
-    """Map the spec's algorithm to loss settings (Dr. GRPO implies constant normalisation,
-    GSPO a sequence-level importance ratio)."""
-    aggregation = "constant" if algorithm.name == "dr_grpo" else algorithm.loss_aggregation
-    return LossConfig(
-        clip_low=algorithm.clip_low,
-        clip_high=algorithm.clip_high,
-        kl_coef=algorithm.kl_coef,
-        aggregation=aggregation,
-        max_new_tokens=algorithm.max_new_tokens,
-        importance_sampling="sequence" if algorithm.name == "gspo" else "token",
-    )

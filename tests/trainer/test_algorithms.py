@@ -12,8 +12,12 @@ import torch
 
 from posttrain.api import AlgorithmSpec
 from posttrain.trainer.advantages import batch_whiten, compute_advantages
-from posttrain.trainer.loss import LossConfig, clipped_policy_loss, sequence_coefficients
-from posttrain.trainer.rundata import loss_config
+from posttrain.trainer.loss import (
+    LossConfig,
+    clipped_policy_loss,
+    loss_config,
+    sequence_coefficients,
+)
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ from posttrain.trainer.audit import (
 )
 from posttrain.trainer.batch import prepare_batch, score_batch
 from posttrain.trainer.datasets import Task
+from posttrain.trainer.loss import loss_config
 from posttrain.trainer.policy import chat_prompt_ids
 from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.rundata import loss_config
 from posttrain.trainer.server_process import LocalRolloutServer
 
 
