@@ -53,8 +53,8 @@ def make_model(dest: Path, hidden: int, layers: int, heads: int) -> tuple[Path, 
 
 def batch(policy: Any, samples: int, completion: int) -> list[Any]:
     """``samples`` completions of ``completion`` tokens after two prompts (GRPO-like)."""
+    from posttrain.trainer.logprobs import TrainSample
     from posttrain.trainer.loss import sequence_coefficients
-    from posttrain.trainer.policy import TrainSample
 
     prompts = [
         policy.encode_prompt("What is 12 * 12? Think step by step."),

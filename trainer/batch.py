@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from posttrain.trainer.advantages import compute_advantages
 from posttrain.trainer.audit import Trajectory, round_logprobs, verifier_record
+from posttrain.trainer.logprobs import TrainSample
 from posttrain.trainer.loss import LossConfig, sequence_coefficients
-from posttrain.trainer.policy import TrainSample
 from posttrain.trainer.rewards import ScoredSample, VerifyFn, score_samples
 from posttrain.trainer.rollouts import RolloutBatch
 

@@ -16,24 +16,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from posttrain.trainer.policy import TrainSample, completion_logits
+from posttrain.trainer.logprobs import TrainSample, completion_logits
 from posttrain.trainer.stage_data import PreferencePair
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from posttrain.trainer.policy import Policy
+
+class TokenLogprobsFn(Protocol):
+    """What DPO needs of the policy: the log-prob of every completion token under its
+    training engine (:meth:`posttrain.trainer.policy.Policy.token_logprobs`). A protocol, so
+    the algorithm does not import the engine that runs it."""
+
+    def token_logprobs(
+        self, samples: Sequence[TrainSample], temperature: float = ...
+    ) -> torch.Tensor: ...
 
 
 def answer_samples(pairs: Sequence[PreferencePair]) -> list[TrainSample]:
     """Both answers of every pair as loss-forward samples: chosen, rejected, chosen, ...
 
     Both answers of a pair share their prompt, so the policy's forward runs it through the
-    decoder once (:func:`posttrain.trainer.policy.completion_hidden`).
+    decoder once (:func:`posttrain.trainer.logprobs.completion_hidden`).
     """
     return [
         TrainSample(p.prompt_ids, ids, [], 0.0, 0.0)
@@ -61,7 +69,7 @@ def sum_per_answer(
 
 
 def policy_sequence_logps(
-    policy: Policy, pairs: Sequence[PreferencePair]
+    policy: TokenLogprobsFn, pairs: Sequence[PreferencePair]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probs (B,) of the chosen and rejected answers under the policy, through
     its training engine (the RL loss forward: FSDP root, precision, chunked LM head)."""

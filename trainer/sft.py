@@ -102,11 +102,11 @@ def completion_token_logprobs(
 
     The LM head runs only at the positions predicting completion tokens (a (T, V) head over
     prompt positions would be wasted work), in chunks of ``chunk_tokens`` rows as in the RL
-    loss (:func:`~posttrain.trainer.policy.chunked_token_logprobs`), so memory is bounded by
+    loss (:func:`~posttrain.trainer.logprobs.chunked_token_logprobs`), so memory is bounded by
     the chunk, not by completion tokens x vocabulary. Models whose forward post-processes
     logits (soft-capping, logit scales) take their full forward.
     """
-    from posttrain.trainer.policy import chunked_token_logprobs, input_device
+    from posttrain.trainer.logprobs import chunked_token_logprobs, input_device
 
     device = input_device(model)
     batch = batch.to(device)

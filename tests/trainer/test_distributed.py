@@ -324,8 +324,9 @@ def test_both_ranks_train_in_lockstep_on_two_ray_nodes(two_node_run: TwoNodeRun)
 
 def _replay_step(model: Path, records: list[dict[str, Any]], spec: Any) -> Any:
     """One single-process optimizer step over the global batch rebuilt from the records."""
+    from posttrain.trainer.logprobs import TrainSample
     from posttrain.trainer.loss import loss_config, sequence_coefficients
-    from posttrain.trainer.policy import Policy, TrainSample
+    from posttrain.trainer.policy import Policy
 
     algo = spec.algorithm
     config = loss_config(algo)

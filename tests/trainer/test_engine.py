@@ -25,13 +25,9 @@ from posttrain.trainer.engine import (
     lr_factor,
     plan_device,
 )
+from posttrain.trainer.logprobs import TrainSample, chunked_token_logprobs
 from posttrain.trainer.loss import LossConfig, sequence_coefficients
-from posttrain.trainer.policy import (
-    Policy,
-    RankInfo,
-    TrainSample,
-    chunked_token_logprobs,
-)
+from posttrain.trainer.policy import Policy, RankInfo
 
 from .conftest import assert_same_adam_update
 

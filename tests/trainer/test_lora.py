@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from posttrain.trainer.logprobs import TrainSample
 from posttrain.trainer.loss import LossConfig, sequence_coefficients
-from posttrain.trainer.policy import EngineOptions, LoraOptions, Policy, TrainSample
+from posttrain.trainer.policy import EngineOptions, LoraOptions, Policy
 
 pytest.importorskip("peft", reason="LoRA needs peft (in the train extra)")
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from posttrain.trainer.logprobs import TrainSample
 from posttrain.trainer.loss import LossConfig
-from posttrain.trainer.policy import Policy, TrainSample
+from posttrain.trainer.policy import Policy
 
 
 @pytest.fixture(scope="module")

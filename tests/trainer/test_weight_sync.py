@@ -18,7 +18,8 @@ from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import open_store
-from posttrain.trainer.policy import Policy, TrainSample
+from posttrain.trainer.logprobs import TrainSample
+from posttrain.trainer.policy import Policy
 from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest
 from posttrain.trainer.weight_sync import WeightPublisher
 
