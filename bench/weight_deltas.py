@@ -28,8 +28,8 @@ from posttrain.rollout.client import RolloutClient, SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import LocalStore
-from posttrain.trainer.policy import Policy
-from posttrain.trainer.weight_sync import DeltaPolicy, WeightPublisher
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import DeltaPolicy, WeightPublisher
 
 TEXTS = [
     "Q: What is 17 + 25? A: 17 + 25 = 42.",

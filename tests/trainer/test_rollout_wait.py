@@ -12,7 +12,7 @@ import pytest
 from posttrain.devenv.process import free_port
 from posttrain.errors import UsageError
 from posttrain.rollout.client import RolloutClient
-from posttrain.trainer.cli import _require_healthy
+from posttrain.trainer.run.entrypoints import _require_healthy
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

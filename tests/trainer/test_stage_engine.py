@@ -19,16 +19,16 @@ import torch.multiprocessing as mp
 
 from posttrain.api import AlgorithmSpec, StageSpec
 from posttrain.processes import free_port
-from posttrain.trainer.engine import LrSchedule
-from posttrain.trainer.pipeline import (
+from posttrain.trainer.data.stage_data import PreferencePair, SftExample, StageData
+from posttrain.trainer.model.policy import Policy, RankInfo
+from posttrain.trainer.model.training_engine import LrSchedule
+from posttrain.trainer.run.pipeline import (
     StagePlan,
     offline_step,
     reference_logps,
     stage_batch,
     stage_schedule,
 )
-from posttrain.trainer.policy import Policy, RankInfo
-from posttrain.trainer.stage_data import PreferencePair, SftExample, StageData
 
 from .conftest import assert_same_adam_update
 
@@ -224,7 +224,7 @@ def test_each_stage_runs_its_own_learning_rate_curve(tiny_model: Path) -> None:
     """Warm-up from the stage's first step, cosine to minLrRatio at its last: an SFT stage of
     4 steps and an RL stage of 3 after it, whatever algorithm.maxSteps says."""
     from posttrain.api import TrainingRunSpec
-    from posttrain.trainer.pipeline import plan_stages
+    from posttrain.trainer.run.pipeline import plan_stages
 
     spec = TrainingRunSpec.model_validate(
         {
