@@ -120,7 +120,7 @@ def evaluate_tasks(
     from posttrain.rollout.protocol import SamplingParams
 
     started = time.monotonic()
-    with tracer.start_as_current_span("trainer.evaluation.heldout") as span:
+    with tracer.start_as_current_span("trainer.evaluate") as span:
         span.set_attribute("step", step)
         span.set_attribute("split", split)
         span.set_attribute("items", len(tasks))
