@@ -27,6 +27,7 @@ from posttrain.trainer.rewards.scoring import VerifyFn, score_samples
 
 if TYPE_CHECKING:
     from posttrain.rollout.client import RolloutClient
+    from posttrain.rollout.protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -128,43 +129,17 @@ def evaluate_tasks(
         played = [t for t in tasks if episodes is not None and episodes.handles(t)]
         tasks = [t for t in tasks if episodes is None or not episodes.handles(t)]
         label = "evaluation" if split == "eval" else f"{split} evaluation at step {step}"
-        progress = ItemProgress(label, len(tasks))
-        completions: list[Any] = []
-        scored: list[Any] = []
-        # In chunks, so a long evaluation (164 HumanEval items: half an hour on CPU) logs
-        # done/total, rate and ETA as it goes instead of staying silent to the end.
-        for first in range(0, len(tasks), EVAL_CHUNK):
-            chunk = tasks[first : first + EVAL_CHUNK]
-            groups = client.generate([encode_prompt(t.prompt) for t in chunk], params)
-            chunk_completions = [group[0] for group in groups]
-            scored += score_samples(
-                [c.text for c in chunk_completions],
-                [len(c.token_ids) for c in chunk_completions],
-                chunk,
-                verifier_specs,
-                max_new_tokens=max_new_tokens,
-                overlong_buffer=0,
-                overlong_penalty_value=0.0,
-                max_concurrency=max_concurrency,
-                verify=verify,
-            )
-            completions += chunk_completions
-            progress.advance(len(chunk))
-        if tasks:
-            progress.finish()
-        items = [
-            EvalItem(
-                task_id=t.task_id,
-                domain=t.domain,
-                prompt=t.prompt,
-                expected=t.answer if t.answer is not None else (t.tests or ""),
-                completion=c.text,
-                passed=s.passed,
-                reward=s.verifier_reward,
-            )
-            for t, c, s in zip(tasks, completions, scored, strict=True)
-            if not s.errored  # a judge that could not score it: not an item scored wrong
-        ]
+        items = _answer_and_score(
+            client,
+            encode_prompt,
+            tasks,
+            verifier_specs,
+            params,
+            ItemProgress(label, len(tasks)),
+            max_new_tokens=max_new_tokens,
+            max_concurrency=max_concurrency,
+            verify=verify,
+        )
         agent: dict[str, dict[str, float]] = {}
         if played:
             finished, agent = episodes.evaluate(played, params)
@@ -197,6 +172,58 @@ def evaluate_tasks(
         result.seconds,
     )
     return result
+
+
+def _answer_and_score(
+    client: RolloutClient,
+    encode_prompt: Callable[[str], list[int]],
+    tasks: Sequence[Task],
+    verifier_specs: dict[str, tuple[str | None, dict[str, Any]]],
+    params: SamplingParams,
+    progress: ItemProgress,
+    *,
+    max_new_tokens: int,
+    max_concurrency: int,
+    verify: VerifyFn | None,
+) -> list[EvalItem]:
+    """One answer per (single-turn) task, scored by its verifier; items a judge could not
+    score are left out (not scored wrong)."""
+    completions: list[Any] = []
+    scored: list[Any] = []
+    # In chunks, so a long evaluation (164 HumanEval items: half an hour on CPU) logs
+    # done/total, rate and ETA as it goes instead of staying silent to the end.
+    for first in range(0, len(tasks), EVAL_CHUNK):
+        chunk = tasks[first : first + EVAL_CHUNK]
+        groups = client.generate([encode_prompt(t.prompt) for t in chunk], params)
+        chunk_completions = [group[0] for group in groups]
+        scored += score_samples(
+            [c.text for c in chunk_completions],
+            [len(c.token_ids) for c in chunk_completions],
+            chunk,
+            verifier_specs,
+            max_new_tokens=max_new_tokens,
+            overlong_buffer=0,
+            overlong_penalty_value=0.0,
+            max_concurrency=max_concurrency,
+            verify=verify,
+        )
+        completions += chunk_completions
+        progress.advance(len(chunk))
+    if tasks:
+        progress.finish()
+    return [
+        EvalItem(
+            task_id=t.task_id,
+            domain=t.domain,
+            prompt=t.prompt,
+            expected=t.answer if t.answer is not None else (t.tests or ""),
+            completion=c.text,
+            passed=s.passed,
+            reward=s.verifier_reward,
+        )
+        for t, c, s in zip(tasks, completions, scored, strict=True)
+        if not s.errored  # a judge that could not score it: not an item scored wrong
+    ]
 
 
 def save_eval(result: EvalResult, out_dir: Path) -> Path:

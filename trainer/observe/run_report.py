@@ -322,43 +322,10 @@ def write_report(
         lines.append(f"- **{key}:** {value}")
     lines.append("")
     if stages and len(stages) > 1:
-        lines += [
-            "## Held-out accuracy by stage",
-            "",
-            "| stage | type | steps | before | after | change | training (first -> last step) |",
-            "| --- | --- | --- | ---: | ---: | ---: | --- |",
-        ]
-        records = load_metrics(out_dir)
-        for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
-            change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
-            lines.append(
-                f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} | {change} "
-                f"| {stage_training(records, name)} |"
-            )
-        lines.append("")
+        lines += _stage_section(out_dir, stages, evals)
     pair = trained_comparison(evals)
     if pair is not None:
-        base, trained = pair
-        lines += [
-            f"## Held-out accuracy: base (step {base.step}) vs trained (step {trained.step})",
-            "",
-            "| domain | base | trained | change | items |",
-            "| --- | ---: | ---: | ---: | ---: |",
-        ]
-        shown, left_out = readable_rows(comparison_rows(base, trained))
-        for domain, before, after, n in shown:
-            lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
-        lines.append(
-            f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
-            f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
-        )
-        if left_out:
-            lines += [
-                "",
-                f"Shown: {left_out}; every domain is in "
-                f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png.",
-            ]
-        lines += ["", *_agent_rows(base, trained), *_flip_examples(base, trained)]
+        lines += _comparison_section(*pair)
     elif evals:
         only = evals[0]
         lines += [
@@ -397,6 +364,51 @@ def write_report(
     path = out_dir / "report.md"
     path.write_text("\n".join(lines))
     return path
+
+
+def _stage_section(
+    out_dir: Path, stages: list[dict[str, Any]], evals: list[EvalResult]
+) -> list[str]:
+    """The "Held-out accuracy by stage" table: before and after each stage, what it trained."""
+    lines = [
+        "## Held-out accuracy by stage",
+        "",
+        "| stage | type | steps | before | after | change | training (first -> last step) |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    records = load_metrics(out_dir)
+    for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
+        change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
+        lines.append(
+            f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} | {change} "
+            f"| {stage_training(records, name)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _comparison_section(base: EvalResult, trained: EvalResult) -> list[str]:
+    """Base vs trained held-out accuracy per domain, episodes' figures, and flipped items."""
+    lines = [
+        f"## Held-out accuracy: base (step {base.step}) vs trained (step {trained.step})",
+        "",
+        "| domain | base | trained | change | items |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    shown, left_out = readable_rows(comparison_rows(base, trained))
+    for domain, before, after, n in shown:
+        lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
+    lines.append(
+        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
+        f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
+    )
+    if left_out:
+        lines += [
+            "",
+            f"Shown: {left_out}; every domain is in "
+            f"eval/heldout_step{trained.step:04d}.json and plots/eval_matrix.png.",
+        ]
+    return [*lines, "", *_agent_rows(base, trained), *_flip_examples(base, trained)]
 
 
 def _agent_rows(base: EvalResult, trained: EvalResult) -> list[str]:

@@ -123,7 +123,6 @@ def prepare_batch(
     step: int,
 ) -> PreparedBatch:
     """Advantages per group, drop no-signal groups, attach normalisation coefficients."""
-    tasks = batch.request.tasks
     completions = batch.completions
     # Errored episodes (the environment failed, not the policy) and samples a judge or reward
     # model could not score take no part in a group: masked, never scored 0.
@@ -132,6 +131,37 @@ def prepare_batch(
         for i, group in enumerate(completions)
     ]
     rewards = [[scored[i][j].reward for j in members] for i, members in enumerate(usable)]
+    kept = _kept_with_advantages(batch, usable, rewards, algorithm, dynamic_sampling)
+    advantage_of = {(i, j): a for i, j, a in kept}
+    trajectories, by_domain_reward, by_domain_pass = _trajectories(
+        batch, scored, step, advantage_of
+    )
+    all_rewards = [r for group in rewards for r in group]
+    return PreparedBatch(
+        samples=_train_samples(batch, kept, loss_config),
+        domain_rewards={d: _mean(v) for d, v in sorted(by_domain_reward.items())},
+        domain_pass_rates={d: _mean(v) for d, v in sorted(by_domain_pass.items())},
+        group_pass_rates=[
+            _mean([float(scored[i][j].passed) for j in members]) if members else None
+            for i, members in enumerate(usable)
+        ],
+        reward_mean=_mean(all_rewards),
+        response_length=_mean([_model_tokens(c) for g in completions for c in g]),
+        kept_groups=len({i for i, _, _ in kept}),
+        trajectories=trajectories,
+        masked_samples=sum(s.errored for group in scored for s in group),
+    )
+
+
+def _kept_with_advantages(
+    batch: RolloutBatch,
+    usable: list[list[int]],
+    rewards: list[list[float]],
+    algorithm: str,
+    dynamic_sampling: bool,
+) -> list[tuple[int, int, float]]:
+    """(prompt, sample, advantage) of every usable sample in a group that keeps its signal."""
+    completions = batch.completions
     groups = compute_advantages(
         [r or [0.0] for r in rewards],
         algorithm=algorithm,
@@ -140,19 +170,25 @@ def prepare_batch(
             [_model_tokens(completions[i][j]) for j in m] or [0] for i, m in enumerate(usable)
         ],
     )
-    advantage_of: dict[tuple[int, int], float] = {}
-    kept: list[tuple[int, int, float]] = []  # (prompt, sample, advantage)
+    kept: list[tuple[int, int, float]] = []
     for i, group in enumerate(groups):
         if group.kept and usable[i]:
             for j, a in zip(usable[i], group.advantages, strict=True):
-                advantage_of[i, j] = a
                 kept.append((i, j, a))
+    return kept
+
+
+def _train_samples(
+    batch: RolloutBatch, kept: list[tuple[int, int, float]], loss_config: LossConfig
+) -> list[TrainSample]:
+    """The loss inputs of the kept samples, with the batch's normalisation coefficients."""
+    completions = batch.completions
     # Only the policy's tokens count towards the normaliser (episodes carry tool output).
     lengths = [_model_tokens(completions[i][j]) for i, j, _ in kept]
     coefficients = sequence_coefficients(
         lengths, loss_config.aggregation, loss_config.max_new_tokens
     )
-    samples = [
+    return [
         TrainSample(
             prompt_ids=_prompt_ids(batch, i, completions[i][j]),
             completion_ids=list(completions[i][j].token_ids),
@@ -163,6 +199,17 @@ def prepare_batch(
         )
         for (i, j, advantage), coefficient in zip(kept, coefficients, strict=True)
     ]
+
+
+def _trajectories(
+    batch: RolloutBatch,
+    scored: Sequence[Sequence[ScoredSample]],
+    step: int,
+    advantage_of: dict[tuple[int, int], float],
+) -> tuple[list[Trajectory], dict[str, list[float]], dict[str, list[float]]]:
+    """Every sample's trajectory record, and the rewards and passes of the usable ones by
+    domain."""
+    tasks, completions = batch.request.tasks, batch.completions
     by_domain_reward: dict[str, list[float]] = {}
     by_domain_pass: dict[str, list[float]] = {}
     trajectories = []
@@ -195,18 +242,4 @@ def prepare_batch(
                     ),
                 )
             )
-    all_rewards = [r for group in rewards for r in group]
-    return PreparedBatch(
-        samples=samples,
-        domain_rewards={d: _mean(v) for d, v in sorted(by_domain_reward.items())},
-        domain_pass_rates={d: _mean(v) for d, v in sorted(by_domain_pass.items())},
-        group_pass_rates=[
-            _mean([float(scored[i][j].passed) for j in members]) if members else None
-            for i, members in enumerate(usable)
-        ],
-        reward_mean=_mean(all_rewards),
-        response_length=_mean([_model_tokens(c) for g in completions for c in g]),
-        kept_groups=len({i for i, _, _ in kept}),
-        trajectories=trajectories,
-        masked_samples=sum(s.errored for group in scored for s in group),
-    )
+    return trajectories, by_domain_reward, by_domain_pass

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,11 +37,16 @@ from posttrain.trainer.checkpointing.checkpoint import (
     request_to_json,
     weights_only,
 )
-from posttrain.trainer.data.rollouts import RolloutProducer, RolloutRequest, is_too_stale
+from posttrain.trainer.data.rollouts import (
+    RolloutBatch,
+    RolloutProducer,
+    RolloutRequest,
+    is_too_stale,
+)
 from posttrain.trainer.data.rundata import build_run_data
 from posttrain.trainer.evaluation.heldout import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.model.dist_context import DistContext
-from posttrain.trainer.model.policy import EngineOptions, Policy, RankInfo
+from posttrain.trainer.model.policy import EngineOptions, Policy, RankInfo, StepStats
 from posttrain.trainer.model.weight_sync import WeightPublisher, all_on_this_host, serving_dtype
 from posttrain.trainer.observe.audit import Auditor, trajectory_record
 from posttrain.trainer.observe.run_report import plot_run, write_report
@@ -57,7 +63,7 @@ from posttrain.trainer.observe.step_metrics import (
     discard_records_after,
 )
 from posttrain.trainer.rewards.scoring import VerifyFn
-from posttrain.trainer.run.batch import prepare_batch, score_batch
+from posttrain.trainer.run.batch import PreparedBatch, prepare_batch, score_batch
 from posttrain.trainer.run.interrupt import INTERRUPTED
 from posttrain.trainer.run.pipeline import (
     StagePlan,
@@ -210,128 +216,175 @@ def rl_stage(
 ) -> bool:
     """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
     checkpointing the step)."""
-    spec, algo = run.spec, run.algo
     producer = run.producer
     assert producer is not None, "rl_stage before start_rollouts"
     steps_started = time.monotonic()
+
+    def budget_spent() -> bool:
+        return wall_budget_s is not None and time.monotonic() - steps_started >= wall_budget_s
+
     while run.step < stop_at:
         if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
             return True
         run.step += 1
-        step = run.step
-        with progress.step_span(step) as span:
-            step_started = time.monotonic()
-            # 1. choose prompts for every batch allowed to be in flight (curriculum)
-            run.submit_ahead()
-            # 2. take this step's batch (sampled in the background)
-            batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
-            if batch.error:
-                raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
-            staleness = run.version - batch.weight_version  # versions behind, before step
-            stale = is_too_stale(batch, run.version, algo.max_policy_lag)
-            # 3. rewards: verifiers + overlong penalty
-            scored = score_batch(
-                batch,
-                run.data.verifiers,
-                algo,
-                verify=run.verify,
-                max_concurrency=spec.sandbox.max_concurrency,
-            )
-            # 4. group advantages + dynamic sampling + loss coefficients
-            prepared = prepare_batch(
-                batch,
-                scored,
-                algorithm=algo.name,
-                dynamic_sampling=algo.dynamic_sampling,
-                loss_config=run.loss_config,
-                step=step,
-            )
-            run.observe(batch, prepared)
-            # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
-            train_started = time.monotonic()
-            stats = run.policy.train_step(
-                [] if stale else prepared.samples,
-                run.loss_config,
-                micro_batch_size=algo.micro_batch_size,
-                grad_clip=algo.grad_clip,
-                temperature=algo.temperature,
-                step=step,
-            )
-            if stale:
-                stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
-            # 6. publish the new weights so the server samples from them; this also
-            #    releases the producer to sample the batch k+1 steps ahead
-            last = step == plan.last_step
-            budget_spent = wall_budget_s is not None and (
-                time.monotonic() - steps_started >= wall_budget_s
-            )
-            checkpoint_due = (
-                step % spec.checkpoint.every_steps == 0
-                or last
-                or step == stop_after_step
-                or budget_spent
-            )
-            if stats.applied:
-                run.version += 1
-                # every rank: the weights are gathered from the shards as they stream out
-                run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
-            run.dist.barrier()  # multi-node: no rank samples before rank 0 published
-            producer.step_finished(step)
-            metrics = StepMetrics(
-                step=step,
-                reward_mean=prepared.reward_mean,
-                domain_rewards=prepared.domain_rewards,
-                domain_pass_rates=prepared.domain_pass_rates,
-                loss=stats.loss,
-                grad_norm=stats.grad_norm,
-                kl=stats.kl,
-                clip_fraction=stats.clip_fraction,
-                ratio_mean=stats.ratio_mean,
-                response_length=prepared.response_length,
-                kept_groups=prepared.kept_groups,
-                total_groups=len(batch.completions),
-                weight_version=run.version,
-                staleness=staleness,
-                applied=stats.applied,
-                skip_reason=stats.skip_reason,
-                rollout_seconds=batch.seconds,
-                train_seconds=time.monotonic() - train_started,
-                step_seconds=time.monotonic() - step_started,
-                strata={
-                    d: run.data.curriculum.current_stratum(d) for d in run.data.curriculum.pools
-                },
-                stage=plan.name,
-                learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
-                masked_samples=prepared.masked_samples,
-            )
-            progress.record(metrics, span)
-        # 7. evaluate and checkpoint at their intervals (the stage's end is both)
-        if run.inline_eval and (step % spec.evaluation.every_steps == 0 or last):
-            run.final_eval = run.evaluate(step)
-            run.auditor.observe_eval(step, prepared.domain_rewards, run.final_eval.accuracy)
-            run.auditor.write_spot_checks()  # the export is refreshed at each eval
-            run.status.eval_accuracy = run.final_eval.accuracy
-        if last:
-            run.close_stage_record(plan)
-        interrupted = run.dist.any_rank(stop is not None and stop.is_set())
-        if checkpoint_due or interrupted:  # every rank writes its shards; rank 0 commits
-            latest = run.final_eval
-            evaluated = latest is not None and latest.step == step
-            run.save_checkpoint(latest.overall if latest is not None and evaluated else None)
-        if last:
-            run.announce_stage_end(plan)
-        with run._status_lock:
-            run.status.reward_mean = metrics.reward_mean
-            run.status.domain_rewards = metrics.domain_rewards
-        run.report_progress()
-        run.sync_outputs()
-        if budget_spent:
-            log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, step)
+        with progress.step_span(run.step) as span:
+            done = rl_step(run, plan, producer, run.step, stop_after_step, budget_spent)
+            progress.record(done.metrics, span)
+        if after_rl_step(run, plan, done, stop):
+            if done.budget_spent:
+                log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, run.step)
             return True
-        if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
-            if not (interrupted or checkpoint_due):  # (stop is only set in one process)
-                run.save_checkpoint(None)  # pressed during reporting
-            return True
+    return False
+
+
+@dataclass
+class RlStep:
+    """What one RL step did, for what follows it (evaluation, checkpoint, status)."""
+
+    prepared: PreparedBatch
+    metrics: StepMetrics
+    last: bool  # the stage's last step
+    checkpoint_due: bool
+    budget_spent: bool  # the wall-clock budget ran out during this step
+
+
+def rl_step(
+    run: Run,
+    plan: StagePlan,
+    producer: RolloutProducer,
+    step: int,
+    stop_after_step: int | None,
+    budget_spent: Callable[[], bool],
+) -> RlStep:
+    """Steps 1-6 of one RL step: prompts, rollouts, rewards, advantages, the policy-gradient
+    step, and publishing the new weights."""
+    spec, algo = run.spec, run.algo
+    step_started = time.monotonic()
+    # 1. choose prompts for every batch allowed to be in flight (curriculum)
+    run.submit_ahead()
+    # 2. take this step's batch (sampled in the background)
+    batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
+    if batch.error:
+        raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
+    staleness = run.version - batch.weight_version  # versions behind, before step
+    stale = is_too_stale(batch, run.version, algo.max_policy_lag)
+    # 3. rewards: verifiers + overlong penalty
+    scored = score_batch(
+        batch,
+        run.data.verifiers,
+        algo,
+        verify=run.verify,
+        max_concurrency=spec.sandbox.max_concurrency,
+    )
+    # 4. group advantages + dynamic sampling + loss coefficients
+    prepared = prepare_batch(
+        batch,
+        scored,
+        algorithm=algo.name,
+        dynamic_sampling=algo.dynamic_sampling,
+        loss_config=run.loss_config,
+        step=step,
+    )
+    run.observe(batch, prepared)
+    # 5. the policy-gradient step (skipped for stale batches / non-finite loss)
+    train_started = time.monotonic()
+    stats = run.policy.train_step(
+        [] if stale else prepared.samples,
+        run.loss_config,
+        micro_batch_size=algo.micro_batch_size,
+        grad_clip=algo.grad_clip,
+        temperature=algo.temperature,
+        step=step,
+    )
+    if stale:
+        stats.skip_reason = f"stale batch (v{batch.weight_version} < v{run.version})"
+    # 6. publish the new weights so the server samples from them; this also
+    #    releases the producer to sample the batch k+1 steps ahead
+    last = step == plan.last_step
+    spent = budget_spent()
+    checkpoint_due = (
+        step % spec.checkpoint.every_steps == 0 or last or step == stop_after_step or spent
+    )
+    if stats.applied:
+        run.version += 1
+        # every rank: the weights are gathered from the shards as they stream out
+        run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
+    run.dist.barrier()  # multi-node: no rank samples before rank 0 published
+    producer.step_finished(step)
+    metrics = rl_step_metrics(
+        run, plan, batch, prepared, stats, staleness, train_started, step_started
+    )
+    return RlStep(prepared, metrics, last, checkpoint_due, spent)
+
+
+def rl_step_metrics(
+    run: Run,
+    plan: StagePlan,
+    batch: RolloutBatch,
+    prepared: PreparedBatch,
+    stats: StepStats,
+    staleness: int,
+    train_started: float,
+    step_started: float,
+) -> StepMetrics:
+    """The step's line of ``metrics.jsonl`` (``*_started``: ``time.monotonic()`` when the
+    policy-gradient step and the whole step began)."""
+    return StepMetrics(
+        step=run.step,
+        reward_mean=prepared.reward_mean,
+        domain_rewards=prepared.domain_rewards,
+        domain_pass_rates=prepared.domain_pass_rates,
+        loss=stats.loss,
+        grad_norm=stats.grad_norm,
+        kl=stats.kl,
+        clip_fraction=stats.clip_fraction,
+        ratio_mean=stats.ratio_mean,
+        response_length=prepared.response_length,
+        kept_groups=prepared.kept_groups,
+        total_groups=len(batch.completions),
+        weight_version=run.version,
+        staleness=staleness,
+        applied=stats.applied,
+        skip_reason=stats.skip_reason,
+        rollout_seconds=batch.seconds,
+        train_seconds=time.monotonic() - train_started,
+        step_seconds=time.monotonic() - step_started,
+        strata={d: run.data.curriculum.current_stratum(d) for d in run.data.curriculum.pools},
+        stage=plan.name,
+        learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
+        masked_samples=prepared.masked_samples,
+    )
+
+
+def after_rl_step(run: Run, plan: StagePlan, done: RlStep, stop: threading.Event | None) -> bool:
+    """Step 7: evaluate and checkpoint at their intervals (the stage's end is both), then
+    report; True when the stage stops here (budget spent or Ctrl-C, the step checkpointed)."""
+    spec, step = run.spec, done.metrics.step
+    if run.inline_eval and (step % spec.evaluation.every_steps == 0 or done.last):
+        run.final_eval = run.evaluate(step)
+        run.auditor.observe_eval(step, done.prepared.domain_rewards, run.final_eval.accuracy)
+        run.auditor.write_spot_checks()  # the export is refreshed at each eval
+        run.status.eval_accuracy = run.final_eval.accuracy
+    if done.last:
+        run.close_stage_record(plan)
+    interrupted = run.dist.any_rank(stop is not None and stop.is_set())
+    if done.checkpoint_due or interrupted:  # every rank writes its shards; rank 0 commits
+        latest = run.final_eval
+        evaluated = latest is not None and latest.step == step
+        run.save_checkpoint(latest.overall if latest is not None and evaluated else None)
+    if done.last:
+        run.announce_stage_end(plan)
+    with run._status_lock:
+        run.status.reward_mean = done.metrics.reward_mean
+        run.status.domain_rewards = done.metrics.domain_rewards
+    run.report_progress()
+    run.sync_outputs()
+    if done.budget_spent:
+        return True
+    if stop is not None and stop.is_set():  # Ctrl-C: this step is checkpointed
+        if not (interrupted or done.checkpoint_due):  # (stop is only set in one process)
+            run.save_checkpoint(None)  # pressed during reporting
+        return True
     return False
 
 
