@@ -37,10 +37,10 @@ from posttrain.trainer.checkpointing.checkpoint import (
     request_to_json,
     weights_only,
 )
+from posttrain.trainer.data.rollout_feed import RolloutFeed
 from posttrain.trainer.data.rollouts import (
     RolloutBatch,
     RolloutProducer,
-    RolloutRequest,
     is_too_stale,
 )
 from posttrain.trainer.data.rundata import build_run_data
@@ -216,8 +216,8 @@ def rl_stage(
 ) -> bool:
     """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
     checkpointing the step)."""
-    producer = run.producer
-    assert producer is not None, "rl_stage before start_rollouts"
+    producer = run.rollouts.producer
+    assert producer is not None, "rl_stage before the rollouts started"
     steps_started = time.monotonic()
 
     def budget_spent() -> bool:
@@ -261,7 +261,7 @@ def rl_step(
     spec, algo = run.spec, run.algo
     step_started = time.monotonic()
     # 1. choose prompts for every batch allowed to be in flight (curriculum)
-    run.submit_ahead()
+    run.rollouts.submit_ahead(step, run.policy.encode_prompt)
     # 2. take this step's batch (sampled in the background)
     batch = producer.take(step, timeout=spec.rollout.timeout_seconds * 4)
     if batch.error:
@@ -394,8 +394,6 @@ class Run:
     policy: Policy
     step: int  # optimizer steps taken (or skipped) so far, over all stages
     version: int  # weight version the servers serve: one per publish
-    submitted: int  # highest batch index whose prompts were chosen
-    producer: RolloutProducer | None  # started when the RL stage starts
     episodes: EpisodeSampler | None  # None: no environment domain
     status: RunStatus
     plan: StagePlan  # the stage being trained
@@ -442,7 +440,6 @@ class Run:
         self.stage_data = load_pipeline_data(
             self.plans, AutoTokenizer.from_pretrained(self.base_dir)
         )
-        self.prompts_per_rank = max(1, self.algo.prompts_per_step // dist.world_size)
         store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
         # With storage of its own (always in a cluster), the run's outputs go there as they
         # are written: a pod's emptyDir dies with the pod and with every gang restart.
@@ -458,19 +455,24 @@ class Run:
             out_dir, spec.audit.spot_check_samples if spec.audit.enabled else 0, self.algo.seed
         )
         self.loss_config = loss_config(self.algo)
-        self.sampling = SamplingParams(
-            n=self.algo.group_size,
-            max_tokens=self.algo.max_new_tokens,
-            temperature=self.algo.temperature,
-            top_p=self.algo.top_p,
+        self.rollouts = RolloutFeed(
+            client,
+            SamplingParams(
+                n=self.algo.group_size,
+                max_tokens=self.algo.max_new_tokens,
+                temperature=self.algo.temperature,
+                top_p=self.algo.top_p,
+            ),
+            self.data.curriculum,
+            prompts_per_rank=max(1, self.algo.prompts_per_step // dist.world_size),
+            max_policy_lag=self.algo.max_policy_lag,
+            seed=self.algo.seed,
         )
-        self.producer, self.final_eval, self.last_checkpoint = None, None, None
+        self.final_eval, self.last_checkpoint = None, None
         # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluation/checkpoint_eval.py)
         self.inline_eval = dist.is_main and spec.evaluation.inline
         self.stage_state = {}
         self.stage_records: list[dict[str, Any]] = []
-        self.pending: list[RolloutRequest] = []  # restored RL work, handed to the producer
-        self.sampled: list[Any] = []
 
     @classmethod
     def start(
@@ -494,8 +496,10 @@ class Run:
             run.step, run.version = state.step, state.weight_version
             run.data.curriculum.load_state_dict(state.curriculum)
             run.auditor.load_state_dict(state.audit)
-            run.pending = [request_from_json(r) for r in state.pending_requests]
-            run.sampled = [batch_from_json(b) for b in state.sampled_batches]
+            run.rollouts.restore(
+                [request_from_json(r) for r in state.pending_requests],
+                [batch_from_json(b) for b in state.sampled_batches],
+            )
             run.stage_state, run.stage_records = state.stage_state, state.stages
             # the server restarted with the base model: give it our weights (every rank
             # takes part in gathering them; rank 0 sends them)
@@ -675,32 +679,9 @@ class Run:
                 plan.last_step,
             )
         if plan.type == "rl":
-            self.start_rollouts(plan)
+            self.rollouts.start(plan.last_step, self.step, self.episodes)
         self.status.stage = plan.name
         self.report_progress()
-
-    def start_rollouts(self, plan: StagePlan) -> None:
-        """Start the rollout producer, with the requests and batches a checkpoint held."""
-        self.rl_last_step = plan.last_step
-        self.producer = RolloutProducer(
-            self.client,
-            self.sampling,
-            self.algo.max_policy_lag,
-            steps_done=self.step,
-            sample=self.episodes,
-        )
-        for batch in self.sampled:
-            self.producer.preload(batch)
-        for request in self.pending:
-            self.producer.submit(request)
-        self.submitted = max(
-            [
-                self.step,
-                *[r.batch_index for r in self.pending],
-                *[b.request.batch_index for b in self.sampled],
-            ]
-        )
-        self.pending, self.sampled = [], []
 
     def end_stage(self, plan: StagePlan) -> None:
         """After an SFT/DPO stage's last step: publish, evaluate, checkpoint (the next stage
@@ -763,22 +744,6 @@ class Run:
             contract=self.contract,
         )
 
-    def submit_ahead(self) -> None:
-        """Choose prompts for every batch up to ``max_policy_lag`` steps ahead."""
-        algo = self.algo
-        assert self.producer is not None, "submit_ahead outside the RL stage"
-        while self.submitted < min(self.step + algo.max_policy_lag, self.rl_last_step):
-            self.submitted += 1
-            tasks = self.data.curriculum.next_prompts(self.prompts_per_rank)
-            self.producer.submit(
-                RolloutRequest(
-                    self.submitted,
-                    tasks,
-                    [self.policy.encode_prompt(t.prompt) for t in tasks],
-                    seed=algo.seed * 1_000_003 + self.submitted,
-                )
-            )
-
     def observe(self, batch: Any, prepared: Any) -> None:
         """Feed the curriculum, the audit and the trajectory store with a scored batch."""
         for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
@@ -833,7 +798,7 @@ class Run:
     def save_checkpoint(self, eval_score: float | None) -> str:
         """Checkpoint weights, optimizer, curriculum, the not-yet-trained rollouts and the
         current stage's state."""
-        waiting, done = self.producer.buffered() if self.producer is not None else ([], [])
+        waiting, done = self.rollouts.buffered()
         state = TrainerState(
             self.step,
             self.version,
@@ -892,8 +857,7 @@ class Run:
 
     def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
-        if self.producer is not None:
-            self.producer.close()
+        self.rollouts.close()
         self.publisher.close()
         self.trajectories.close()
         shutil.rmtree(self.scratch, ignore_errors=True)
