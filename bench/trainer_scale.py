@@ -151,7 +151,7 @@ def label_phases(policy: Any, sampler: AnonPeak) -> None:
         return run
 
     policy.completion_logprobs = labelled(policy.completion_logprobs, "forward", "backward")
-    policy.apply_gradients = labelled(policy.apply_gradients, "clip", "between steps")
+    policy.optimization.apply = labelled(policy.optimization.apply, "clip", "between steps")
     policy.optimizer.step = labelled(policy.optimizer.step, "optimizer step", "clip")
 
 

@@ -50,7 +50,7 @@ def optimizer_step(policy: Policy, batch: list[str]) -> float:
     policy.optimizer.zero_grad(set_to_none=True)
     loss = policy.model(**encoded, labels=labels).loss
     loss.backward()  # type: ignore[no-untyped-call]
-    policy.apply_gradients(float(loss.detach()), grad_clip=1.0)
+    policy.optimization.apply(float(loss.detach()), grad_clip=1.0)
     return float(loss.detach())
 
 

@@ -15,7 +15,6 @@ is the FSDP root, so the embeddings and the LM head are gathered for it like eve
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from posttrain.trainer.algorithms.logprobs import (
 )
 from posttrain.trainer.algorithms.loss import LossConfig, clipped_policy_loss
 from posttrain.trainer.model.lora import LoraOptions
+from posttrain.trainer.model.optimizer import PolicyOptimizer
 from posttrain.trainer.model.training_engine import (
     DevicePlan,
     LrSchedule,
@@ -46,7 +46,6 @@ from posttrain.trainer.model.training_engine import (
     needs_sharding,
     plan_device,
     shard,
-    to_full,
 )
 
 if TYPE_CHECKING:
@@ -164,7 +163,6 @@ class Policy:
         self.plan: DevicePlan = plan_device(self.engine.gpus_per_node, self.rank.local_rank)
         self.dtype = compute_dtype(self.engine.precision, self.plan)
         self.sharded = needs_sharding(self.rank.world_size, self.plan, self.dtype)
-        self.base_learning_rate = learning_rate
         self._check_memory(Path(model_dir), reference=reference_dir is not None)
         if self.sharded:
             ensure_process_group(self.plan)
@@ -202,13 +200,19 @@ class Policy:
             self.reference_module = self._place(
                 self.reference, trainable=False, source=Path(reference_dir)
             )
-        self.schedule = LrSchedule(
-            self.engine.lr_schedule,
-            self.engine.lr_warmup_steps,
-            self.engine.total_steps,
-            self.engine.min_lr_ratio,
+        self.optimization = PolicyOptimizer(
+            self.module,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+            schedule=LrSchedule(
+                self.engine.lr_schedule,
+                self.engine.lr_warmup_steps,
+                self.engine.total_steps,
+                self.engine.min_lr_ratio,
+            ),
+            world_size=self.rank.world_size,
+            device=self.plan.device,
         )
-        self.reset_optimizer(learning_rate, weight_decay)
 
     @staticmethod
     def reads_own_slices(engine: EngineOptions, rank: RankInfo) -> bool:
@@ -218,21 +222,10 @@ class Policy:
         sharded = needs_sharding(rank.world_size, plan, compute_dtype(engine.precision, plan))
         return sharded and not engine.full_load_before_sharding
 
-    def reset_optimizer(
-        self, learning_rate: float, weight_decay: float = 0.0, schedule: LrSchedule | None = None
-    ) -> None:
-        """A fresh AdamW: every stage of a pipeline starts with its own rate, its own
-        learning-rate ``schedule`` (kept when None) and no moments."""
-        self.set_schedule(learning_rate, schedule or self.schedule)
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
-        # fused: one kernel over all tensors instead of a Python loop of small ops; on 2 CPU
-        # cores 0.16 vs 0.9 CPU-s per SmolLM2-135M step (what HF Trainer / TRL use too).
-        # Also for sharded (DTensor) parameters, as torchtitan does: the foreach kernels
-        # build sqrt(exp_avg_sq) for every tensor at once, one shard-sized temporary (+1.9
-        # GiB per rank at 1.02B on two ranks); the fused kernel updates in place.
-        self.optimizer = torch.optim.AdamW(
-            trainable, lr=learning_rate, weight_decay=weight_decay, fused=True
-        )
+    @property
+    def optimizer(self) -> torch.optim.AdamW:
+        """The AdamW of :attr:`optimization` (checkpoints save and restore its state)."""
+        return self.optimization.adamw
 
     def _check_memory(self, model_dir: Path, *, reference: bool) -> None:
         """Refuse before loading when the per-rank training state cannot fit."""
@@ -528,7 +521,7 @@ class Policy:
         if tokens == 0:  # every rank agrees: the sums are global
             self.optimizer.zero_grad(set_to_none=True)
             return StepStats(total_loss, 0.0, False, 0.0, 0.0, 0.0, 0, "no samples with signal")
-        grad_norm, applied, skip_reason = self.apply_gradients(
+        grad_norm, applied, skip_reason = self.optimization.apply(
             total_loss, grad_clip=grad_clip, step=step
         )
         return StepStats(
@@ -541,50 +534,6 @@ class Policy:
             tokens=int(tokens),
             skip_reason=skip_reason,
         )
-
-    def apply_gradients(
-        self, loss: float, *, grad_clip: float, world_size: int = 1, step: int | None = None
-    ) -> tuple[float, bool, str]:
-        """Clip and step: ``(grad_norm, applied, skip_reason)``.
-
-        Every objective (RL, SFT, DPO) ends its step here, so all share the same clipping,
-        learning-rate schedule (``step``) and refusal to apply a non-finite update.
-        Gradients are already averaged over ranks by FSDP's reduce-scatter; the norm is the
-        global one, and a non-finite ``loss`` on any rank skips the step on every rank.
-        ``world_size`` is unused (the process group decides; kept for callers).
-        """
-        del world_size
-        parameters = [p for p in self.module.parameters() if p.requires_grad]
-        grad_norm = float(to_full(torch.nn.utils.clip_grad_norm_(parameters, grad_clip)))
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if self.rank.world_size > 1:
-            import torch.distributed as dist
-
-            flag = torch.tensor([0 if finite else 1], device=self.plan.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            finite = not bool(flag.item())
-        if not finite:
-            # Applying a NaN/inf update would silently destroy the weights; skip and say so.
-            self.optimizer.zero_grad(set_to_none=True)
-            reason = f"non-finite loss={loss} grad_norm={grad_norm}"
-            log.warning("optimizer step skipped: %s", reason)
-            return grad_norm, False, reason
-        if step is not None:
-            self.set_learning_rate(step)
-        self.optimizer.step()
-        return grad_norm, True, ""
-
-    def set_schedule(self, learning_rate: float, schedule: LrSchedule) -> None:
-        """The base learning rate and curve that :meth:`set_learning_rate` follows (a
-        resumed stage keeps its restored optimizer and takes its own curve again)."""
-        self.base_learning_rate, self.schedule = learning_rate, schedule
-
-    def set_learning_rate(self, step: int) -> float:
-        """Apply the schedule's learning rate for optimizer step ``step``; returns it."""
-        lr = self.base_learning_rate * self.schedule.factor(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        return lr
 
 
 def _load_model(model_dir: Path | str) -> PreTrainedModel:

@@ -644,7 +644,7 @@ class Run:
         fresh = self.step == plan.first_step - 1
         stage = plan.spec
         if fresh:
-            self.policy.reset_optimizer(
+            self.policy.optimization.reset(
                 resolved(stage.learning_rate, "learningRate"),
                 resolved(stage.weight_decay, "weightDecay"),
                 stage_schedule(plan),
@@ -667,7 +667,7 @@ class Run:
                 f"{plan.first_step}-{plan.last_step}, {_stage_summary(plan)}",
             )
         else:  # the optimizer's moments came from the checkpoint; the curve is the stage's
-            self.policy.set_schedule(
+            self.policy.optimization.set_schedule(
                 resolved(stage.learning_rate, "learningRate"), stage_schedule(plan)
             )
             log.info(

@@ -11,7 +11,7 @@ The SFT and DPO steps run on the same training engine as RL: every forward goes 
 :class:`~posttrain.trainer.model.policy.Policy`'s FSDP root (:meth:`~posttrain.trainer.model.policy.Policy.run`
 for SFT's packed rows, :meth:`~posttrain.trainer.model.policy.Policy.token_logprobs` for DPO), so
 sharding, precision and the chunked LM head are RL's; every step ends in
-:meth:`~posttrain.trainer.model.policy.Policy.apply_gradients` (clipping, the stage's own
+:meth:`~posttrain.trainer.model.optimizer.PolicyOptimizer.apply` (clipping, the stage's own
 learning-rate schedule, the non-finite guard), and checkpoints are the same sharded ones.
 """
 
@@ -276,7 +276,9 @@ def offline_step(
     else:
         totals = _dpo_backward(policy, stage, data, examples, chunks, world, stage_state)
     loss, tokens, count, chosen, rejected, correct = global_sums(totals, policy)
-    grad_norm, applied, skip_reason = policy.apply_gradients(loss, grad_clip=grad_clip, step=step)
+    grad_norm, applied, skip_reason = policy.optimization.apply(
+        loss, grad_clip=grad_clip, step=step
+    )
     metrics = StageStepMetrics(
         step=step,
         stage=plan.name,
