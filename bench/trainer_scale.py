@@ -17,8 +17,8 @@ anonymous RSS per phase of the step (forward, backward, clip, AdamW step: where 
 memory goes); ``--compare-shared-prompts`` adds the two ranks with the shared-prompt forward
 side by side, ``--malloc-mmap-threshold`` measures live tensors instead of glibc's retained
 heap. Then a planning table: bytes per parameter
-measured here, applied through :func:`posttrain.trainer.model.training_engine.estimate_training_memory` to
-Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
+measured here, applied through
+:func:`posttrain.trainer.model.training_engine.estimate_training_memory` to Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
 
     .venv/bin/python bench/trainer_scale.py --hidden 1024 --layers 12
 """

@@ -31,7 +31,8 @@ LEAVES_ANYONE_MAY_IMPORT = ("posttrain.errors",)
 
 
 def _module_name(path: Path) -> str:
-    """``trainer/run/loop.py`` -> ``posttrain.trainer.run.loop``; ``posttrain/cli.py`` -> ``posttrain.cli``."""
+    """``trainer/run/loop.py`` -> ``posttrain.trainer.run.loop``;
+    ``posttrain/cli.py`` -> ``posttrain.cli``."""
     parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
     if parts[0] != "posttrain":
         parts.insert(0, "posttrain")

@@ -102,8 +102,8 @@ def completion_token_logprobs(
 
     The LM head runs only at the positions predicting completion tokens (a (T, V) head over
     prompt positions would be wasted work), in chunks of ``chunk_tokens`` rows as in the RL
-    loss (:func:`~posttrain.trainer.algorithms.logprobs.chunked_token_logprobs`), so memory is bounded by
-    the chunk, not by completion tokens x vocabulary. Models whose forward post-processes
+    loss (:func:`~posttrain.trainer.algorithms.logprobs.chunked_token_logprobs`), so memory
+    is bounded by the chunk, not by completion tokens x vocabulary. Models whose forward post-processes
     logits (soft-capping, logit scales) take their full forward.
     """
     from posttrain.trainer.algorithms.logprobs import chunked_token_logprobs, input_device

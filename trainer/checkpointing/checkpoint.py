@@ -169,7 +169,8 @@ def save_training_state(policy: Policy, dest: Path) -> None:
 def load_training_state(policy: Policy, source: Path, shards: ShardSource | None = None) -> None:
     """Load weights and optimizer state saved by :func:`save_training_state`, resharded to
     this run's ranks (any world size). With ``shards`` the DCP data files are not local yet:
-    only the slices this rank reads are fetched (:mod:`posttrain.trainer.checkpointing.shard_reads`)."""
+    only the slices this rank reads are fetched
+    (:mod:`posttrain.trainer.checkpointing.shard_reads`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

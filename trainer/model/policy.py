@@ -1,15 +1,17 @@
-"""The trainable policy: model, tokenizer, optimizer, and one policy-gradient step.
+"""The trainable policy: model, tokenizer, KL reference, and one policy-gradient step.
 
 The trainer owns tokenisation (the chat template is applied here and token ids are sent
 to the rollout server), so the ids the server samples after are exactly the ids the
 loss is computed on. The step accumulates micro-batch gradients with batch-level loss
-coefficients (see :mod:`posttrain.trainer.algorithms.loss`), so ``micro_batch_size`` only trades
-memory for time and never changes the update. A non-finite loss or gradient norm skips
+coefficients (see :mod:`posttrain.trainer.algorithms.loss`), so ``micro_batch_size`` only
+trades memory for time and never changes the update. A non-finite loss or gradient norm skips
 the optimizer step (on every rank) instead of corrupting the weights.
 
-The model runs on the engine of :mod:`posttrain.trainer.model.training_engine`: its device, precision and
-FSDP2 sharding. The forward that the loss needs (:class:`~posttrain.trainer.algorithms.logprobs.TokenLogprobs`)
-is the FSDP root, so the embeddings and the LM head are gathered for it like every decoder block.
+The model runs on the engine of :mod:`posttrain.trainer.model.training_engine`: its device,
+precision and FSDP2 sharding. The forward that the loss needs
+(:class:`~posttrain.trainer.algorithms.logprobs.TokenLogprobs`) is the FSDP root, so the
+embeddings and the LM head are gathered for it like every decoder block. Its AdamW, learning-rate
+curve and clipped step are :class:`~posttrain.trainer.model.optimizer.PolicyOptimizer`.
 """
 
 from __future__ import annotations

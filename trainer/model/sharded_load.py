@@ -15,8 +15,8 @@ ranks on a node would need 2.2 TB of RAM. Instead, as torchtitan does:
    :func:`init_adapters` from a seed and the parameter's name, so every rank (and a single
    process) derives the same full adapter and keeps its own slice.
 
-Tested (tests/trainer/test_training_engine.py): two Gloo ranks load exactly the parameters one process
-loads. Measured (bench/trainer_scale.py): peak host RSS per rank, this way and the old way.
+Tested (tests/trainer/test_training_engine.py): two Gloo ranks load exactly the parameters one
+process loads. Measured (bench/trainer_scale.py): peak host RSS per rank, this way and the old way.
 """
 
 from __future__ import annotations

@@ -469,7 +469,8 @@ class Run:
             seed=self.algo.seed,
         )
         self.final_eval, self.last_checkpoint = None, None
-        # rank 0 evaluates in the loop unless a separate evaluator does (trainer/evaluation/checkpoint_eval.py)
+        # rank 0 evaluates in the loop unless a separate evaluator does
+        # (trainer/evaluation/checkpoint_eval.py)
         self.inline_eval = dist.is_main and spec.evaluation.inline
         self.stage_state = {}
         self.stage_records: list[dict[str, Any]] = []

@@ -8,8 +8,9 @@ run finds its place from the checkpoint's step alone: inside a stage it restores
 stage's optimizer and state; at a boundary it starts the next stage.
 
 The SFT and DPO steps run on the same training engine as RL: every forward goes through the
-:class:`~posttrain.trainer.model.policy.Policy`'s FSDP root (:meth:`~posttrain.trainer.model.policy.Policy.run`
-for SFT's packed rows, :meth:`~posttrain.trainer.model.policy.Policy.token_logprobs` for DPO), so
+:class:`~posttrain.trainer.model.policy.Policy`'s FSDP root
+(:meth:`~posttrain.trainer.model.policy.Policy.run` for SFT's packed rows,
+:meth:`~posttrain.trainer.model.policy.Policy.token_logprobs` for DPO), so
 sharding, precision and the chunked LM head are RL's; every step ends in
 :meth:`~posttrain.trainer.model.optimizer.PolicyOptimizer.apply` (clipping, the stage's own
 learning-rate schedule, the non-finite guard), and checkpoints are the same sharded ones.
