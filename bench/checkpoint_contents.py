@@ -71,9 +71,10 @@ def measure(model: str) -> dict[str, Any]:
 
     from posttrain.models import resolve_model
     from posttrain.storage.store import LocalStore
-    from posttrain.trainer.checkpoint import Checkpointer, TrainerState
-    from posttrain.trainer.loss import LossConfig, sequence_coefficients
-    from posttrain.trainer.policy import Policy, TrainSample
+    from posttrain.trainer.algorithms.logprobs import TrainSample
+    from posttrain.trainer.algorithms.loss import LossConfig, sequence_coefficients
+    from posttrain.trainer.checkpointing.checkpoint import Checkpointer, TrainerState
+    from posttrain.trainer.model.policy import Policy
 
     torch.manual_seed(0)
     policy = Policy(resolve_model(model), learning_rate=1e-6)

@@ -34,12 +34,13 @@ from typing import Any
 
 from posttrain.api import TrainingRunSpec
 from posttrain.rollout.protocol import Completion
-from posttrain.trainer.audit import Auditor
-from posttrain.trainer.batch import prepare_batch, score_batch
-from posttrain.trainer.progress import ProgressReporter, StepMetrics, load_metrics
-from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.rundata import build_run_data, loss_config
-from posttrain.trainer.status import LocalStatusReporter, RunStatus
+from posttrain.trainer.algorithms.loss import loss_config
+from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.data.rundata import build_run_data
+from posttrain.trainer.observe.audit import Auditor
+from posttrain.trainer.observe.status import LocalStatusReporter, RunStatus
+from posttrain.trainer.observe.step_metrics import ProgressReporter, StepMetrics, load_metrics
+from posttrain.trainer.run.batch import prepare_batch, score_batch
 
 
 def write_domains(folder: Path, count: int, tasks_per_domain: int) -> list[dict[str, Any]]:
@@ -199,8 +200,8 @@ def stage_step_seconds(
 def loop_step_seconds(spec: TrainingRunSpec, out: Path) -> list[float]:
     """``step_seconds`` of whole train() steps 2.. (tiny model, real server)."""
     from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.run.loop import train
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     with LocalRolloutServer(spec.model, out / "server.log") as server:
         client = RolloutClient([server.url], timeout_s=600, max_in_flight=4)

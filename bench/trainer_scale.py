@@ -17,8 +17,8 @@ anonymous RSS per phase of the step (forward, backward, clip, AdamW step: where 
 memory goes); ``--compare-shared-prompts`` adds the two ranks with the shared-prompt forward
 side by side, ``--malloc-mmap-threshold`` measures live tensors instead of glibc's retained
 heap. Then a planning table: bytes per parameter
-measured here, applied through :func:`posttrain.trainer.engine.estimate_training_memory` to
-Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
+measured here, applied through
+:func:`posttrain.trainer.model.training_engine.estimate_training_memory` to Llama-2-7B and Llama-3-70B configs on 8 x 80 GB GPUs (bf16 compute, fp32 master weights).
 
     .venv/bin/python bench/trainer_scale.py --hidden 1024 --layers 12
 """
@@ -46,15 +46,15 @@ def make_model(dest: Path, hidden: int, layers: int, heads: int) -> tuple[Path, 
 
     if not (dest / "config.json").exists():
         make_tiny_model(dest, seed=0, num_layers=layers, hidden_size=hidden, num_heads=heads)
-    from posttrain.trainer.engine import count_parameters
+    from posttrain.trainer.model.training_engine import count_parameters
 
     return dest, count_parameters(dest)[0]
 
 
 def batch(policy: Any, samples: int, completion: int) -> list[Any]:
     """``samples`` completions of ``completion`` tokens after two prompts (GRPO-like)."""
-    from posttrain.trainer.loss import sequence_coefficients
-    from posttrain.trainer.policy import TrainSample
+    from posttrain.trainer.algorithms.logprobs import TrainSample
+    from posttrain.trainer.algorithms.loss import sequence_coefficients
 
     prompts = [
         policy.encode_prompt("What is 12 * 12? Think step by step."),
@@ -151,7 +151,7 @@ def label_phases(policy: Any, sampler: AnonPeak) -> None:
         return run
 
     policy.completion_logprobs = labelled(policy.completion_logprobs, "forward", "backward")
-    policy.apply_gradients = labelled(policy.apply_gradients, "clip", "between steps")
+    policy.optimization.apply = labelled(policy.optimization.apply, "clip", "between steps")
     policy.optimizer.step = labelled(policy.optimizer.step, "optimizer step", "clip")
 
 
@@ -183,7 +183,7 @@ def measure(
     full_load: bool = False,
     share_prompts: bool = False,
 ) -> dict[str, Any]:
-    from posttrain.trainer.policy import EngineOptions, Policy, RankInfo
+    from posttrain.trainer.model.policy import EngineOptions, Policy, RankInfo
 
     started = time.perf_counter()
     anon = AnonPeak()
@@ -221,7 +221,7 @@ def _train(
     policy: Any, rank: int, world: int, samples: int, completion: int, steps: int
 ) -> list[float]:
     """``steps`` RL steps of this rank's share of the global batch; seconds per step."""
-    from posttrain.trainer.loss import LossConfig
+    from posttrain.trainer.algorithms.loss import LossConfig
 
     everything = batch(policy, samples, completion)
     mine = everything[rank::world]
@@ -317,7 +317,7 @@ def planning_table(bytes_per_param: float) -> list[dict[str, Any]]:
     """7B and 70B on 8 x 80 GB, full fine-tune and LoRA, from their configs (meta device)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from posttrain.trainer.engine import decoder_layers, estimate_training_memory
+    from posttrain.trainer.model.training_engine import decoder_layers, estimate_training_memory
 
     configs = {
         "Llama-2-7B": LlamaConfig(

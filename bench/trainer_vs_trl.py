@@ -36,12 +36,12 @@ from posttrain.api import TrainingRunSpec
 from posttrain.models import resolve_model
 from posttrain.rollout.client import RolloutClient
 from posttrain.sandboxes.verifiers import verify
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.loop import train
-from posttrain.trainer.progress import load_metrics
-from posttrain.trainer.rundata import balanced_subset, domain_tasks
-from posttrain.trainer.server_process import LocalRolloutServer, thread_split
-from posttrain.trainer.status import LocalStatusReporter, RunStatus
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.data.rundata import balanced_subset, domain_tasks
+from posttrain.trainer.observe.status import LocalStatusReporter, RunStatus
+from posttrain.trainer.observe.step_metrics import load_metrics
+from posttrain.trainer.run.loop import train
+from posttrain.trainer.run.server_process import LocalRolloutServer, thread_split
 
 MODEL = "smollm2-135m-instruct"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")

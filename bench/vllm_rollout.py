@@ -31,9 +31,9 @@ from posttrain.rollout.client import RolloutClient, SamplingParams
 from posttrain.rollout.vllm_local import LocalVllmReplica
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import LocalStore
-from posttrain.trainer.policy import Policy
-from posttrain.trainer.server_process import LocalRolloutServer
-from posttrain.trainer.weight_sync import WeightPublisher
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import WeightPublisher
+from posttrain.trainer.run.server_process import LocalRolloutServer
 
 TOPICS = [
     "the ocean", "a lighthouse keeper", "machine learning", "a lost cat", "the moon landing",

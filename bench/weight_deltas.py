@@ -28,8 +28,8 @@ from posttrain.rollout.client import RolloutClient, SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import LocalStore
-from posttrain.trainer.policy import Policy
-from posttrain.trainer.weight_sync import DeltaPolicy, WeightPublisher
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import DeltaPolicy, WeightPublisher
 
 TEXTS = [
     "Q: What is 17 + 25? A: 17 + 25 = 42.",
@@ -50,7 +50,7 @@ def optimizer_step(policy: Policy, batch: list[str]) -> float:
     policy.optimizer.zero_grad(set_to_none=True)
     loss = policy.model(**encoded, labels=labels).loss
     loss.backward()  # type: ignore[no-untyped-call]
-    policy.apply_gradients(float(loss.detach()), grad_clip=1.0)
+    policy.optimization.apply(float(loss.detach()), grad_clip=1.0)
     return float(loss.detach())
 
 

@@ -28,7 +28,7 @@ from posttrain.errors import UsageError
 # one-line help of every command it registers is repeated here so that ``--help`` needs
 # no import; tests/test_cli_startup.py fails when the two drift apart.
 COMMANDS: dict[str, dict[str, str]] = {
-    "posttrain.trainer.cli": {
+    "posttrain.trainer.run.entrypoints": {
         "run": "run RL post-training from a TrainingRun manifest",
         "eval": "score a model or checkpoint on a JSONL task file",
         "eval-checkpoints": "score a run's committed checkpoints, off the training path",

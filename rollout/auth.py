@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from posttrain.api.env import WEIGHTS_TOKEN
 
 SHARED_MEMORY_PREFIX = "file:///dev/shm/posttrain-weights-"
-"""Where the trainer's shared-memory publisher writes (trainer/weight_sync.py)."""
+"""Where the trainer's shared-memory publisher writes (trainer/model/weight_sync.py)."""
 
 
 class WeightLoadDenied(Exception):

@@ -570,7 +570,7 @@ def left_padded(
     """``(input_ids, attention_mask, position_ids)``, each (U, L), of left-padded prompts.
 
     One definition for the sampler's prefill and the trainer's shared prompt pass
-    (``trainer.policy.completion_logits``): the positions must agree, or the trainer's
+    (``trainer.algorithms.logprobs.completion_logits``): the positions must agree, or the trainer's
     log-probs would not be the sampler's.
 
     >>> ids, mask, positions = left_padded([[5, 6], [7]], pad_id=0)

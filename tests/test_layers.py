@@ -31,7 +31,8 @@ LEAVES_ANYONE_MAY_IMPORT = ("posttrain.errors",)
 
 
 def _module_name(path: Path) -> str:
-    """``trainer/loop.py`` -> ``posttrain.trainer.loop``; ``posttrain/cli.py`` -> ``posttrain.cli``."""
+    """``trainer/run/loop.py`` -> ``posttrain.trainer.run.loop``;
+    ``posttrain/cli.py`` -> ``posttrain.cli``."""
     parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
     if parts[0] != "posttrain":
         parts.insert(0, "posttrain")
@@ -84,7 +85,7 @@ def test_the_checker_sees_imports_inside_functions(tmp_path: Path) -> None:
         "def f():\n    from posttrain.operator import builders\n    from . import loop\n"
     )
     found = set(imported_modules(sample, package="posttrain.trainer"))
-    assert {"posttrain.operator.builders", "posttrain.trainer.loop"} <= found
+    assert {"posttrain.operator.builders", "posttrain.trainer.run.loop"} <= found
 
 
 def test_api_imports_nothing_of_ours() -> None:
@@ -117,6 +118,80 @@ def test_nothing_imports_a_component_by_its_bare_folder_name() -> None:
         for path in sorted((REPO_ROOT / folder).rglob("*.py")):
             for module in imported_modules(path):
                 assert module.split(".")[0] not in bare, f"{path} imports {module}"
+
+
+# The trainer's packages by role, lowest first: a module may import its own package and those
+# listed before it, never one after (torchtitan's components sit under its trainer the same way).
+TRAINER_LAYERS = (
+    "data",  # task records, their sources, curriculum, SFT/DPO data, the rollout producer
+    "rewards",  # verifiers where spec.sandbox says, model-based scorers, the answer's score
+    "algorithms",  # advantages, the policy-gradient loss, SFT, DPO, the log-prob forward
+    "model",  # the training engine, the policy, LoRA, sharded loading, export, weight sync
+    "checkpointing",  # exact-resume checkpoints and per-rank shard reads
+    "evaluation",  # held-out evaluation and the off-path checkpoint evaluator
+    "observe",  # step metrics, status, audits, the end-of-run report
+    "run",  # the loop, its stages, the launcher and the CLI entry points
+)
+
+
+def trainer_layer(module: str) -> str | None:
+    """The role package of a trainer module (``posttrain.trainer.run.loop`` -> ``run``).
+
+    >>> trainer_layer("posttrain.trainer.model.policy"), trainer_layer("posttrain.rollout.client")
+    ('model', None)
+    """
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["posttrain", "trainer"] and len(parts) > 2 else None
+
+
+def test_every_trainer_module_lives_in_a_role_package() -> None:
+    flat = sorted(
+        str(p.relative_to(REPO_ROOT))
+        for p in (REPO_ROOT / "trainer").glob("*.py")
+        if p.name != "__init__.py"
+    )
+    assert flat == [], "put it in one of " + ", ".join(TRAINER_LAYERS)
+    packages = sorted(p.parent.name for p in (REPO_ROOT / "trainer").glob("*/__init__.py"))
+    assert packages == sorted(TRAINER_LAYERS)
+
+
+def test_trainer_packages_import_only_those_below_them() -> None:
+    # A package that imported one above it would make the two one unit (a cycle between
+    # packages even where the modules are acyclic): what both need belongs in the lower one.
+    found = []
+    for path in _files("trainer"):
+        source = trainer_layer(_module_name(path))
+        if source is None:
+            continue
+        for module in imported_modules(path):
+            target = trainer_layer(module)
+            if target is not None and TRAINER_LAYERS.index(target) > TRAINER_LAYERS.index(source):
+                found.append(
+                    f"{path.relative_to(REPO_ROOT)} ({source}) imports {module} ({target})"
+                )
+    assert sorted(set(found)) == []
+
+
+def test_no_trainer_module_shares_its_name_with_another_module() -> None:
+    # "report" or "engine" should name one room: a reader (or a traceback) that says
+    # progress.py must not leave open which of three it means.
+    others: dict[str, list[str]] = {}
+    for folder in (*COMPONENTS, "posttrain", "bench"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            if path.name != "__init__.py" and folder != "trainer":
+                others.setdefault(path.stem, []).append(str(path.relative_to(REPO_ROOT)))
+    names: dict[str, list[str]] = {}
+    for path in sorted((REPO_ROOT / "trainer").rglob("*")):
+        if path.name == "__init__.py" or path.name.startswith("__pycache__"):
+            continue
+        if path.suffix == ".py" or (path / "__init__.py").exists():
+            names.setdefault(path.stem, []).append(str(path.relative_to(REPO_ROOT)))
+    clashes = {
+        name: where + others.get(name, [])
+        for name, where in names.items()
+        if len(where) > 1 or name in others
+    }
+    assert clashes == {}
 
 
 # ------------------------------------------------------------------ cycles and private names
@@ -223,7 +298,7 @@ def package_of(module: str) -> str:
     """The package a module belongs to for layering: ``posttrain.<component>`` (devenv and
     ctl included), or the top-level module itself (``posttrain.cli``).
 
-    >>> package_of("posttrain.trainer.loop"), package_of("posttrain.cli")
+    >>> package_of("posttrain.trainer.run.loop"), package_of("posttrain.cli")
     ('posttrain.trainer', 'posttrain.cli')
     """
     return ".".join(module.split(".")[:2])
@@ -245,7 +320,7 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def test_no_package_level_import_cycles() -> None:
-    # Modules can be acyclic while their packages are not (trainer.loop -> envs.training ->
+    # Modules can be acyclic while their packages are not (trainer.run.loop -> envs.training ->
     # trainer.task): then neither package can be understood, tested or shipped without the
     # other. What both need belongs in the lower one.
     graph = import_graph()

@@ -70,7 +70,7 @@ COMPONENT_MODULES = (
     "posttrain.api.labels",
     "posttrain.operator.handlers",
     "posttrain.operator.trainingrun.builders",
-    "posttrain.trainer.loop",
+    "posttrain.trainer.run.loop",
     "posttrain.rollout.server",
     "posttrain.sandboxes.executor",
     "posttrain.storage.store",

@@ -1,7 +1,7 @@
 """``posttrain report RUN_DIR``: one self-contained HTML or Markdown file per local run.
 
 The trainer already draws reward/accuracy/KL/length/loss plots from its own files
-(:mod:`posttrain.trainer.report`); this module reuses those functions and adds what a
+(:mod:`posttrain.trainer.observe.run_report`); this module reuses those functions and adds what a
 reader of a shared report also needs: rollout throughput, the sandbox latency
 histogram (when the run recorded latencies) and the base-vs-trained table, with every
 PNG embedded as base64 so the single file can be mailed or attached to a ticket.
@@ -195,15 +195,15 @@ def gather(run_dir: Path, manifest: Path | None = None, source: str | None = Non
     ``source`` is where the files came from when ``run_dir`` is only a download of them (an
     s3:// URI): the report names it rather than a temporary directory deleted afterwards.
     """
-    from posttrain.trainer.many_domains import readable_rows
-    from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.report import (
+    from posttrain.trainer.observe.domain_tables import readable_rows
+    from posttrain.trainer.observe.run_report import (
         comparison_rows,
         flipped_items,
         latest_eval_per_step,
         plot_run,
         trained_comparison,
     )
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     if not run_dir.is_dir():
         raise UsageError(f"{run_dir}: no such directory; pass the --out DIR of a local run")
@@ -314,7 +314,7 @@ def _domain_names(rewards: Mapping[str, Any]) -> str:
     >>> _domain_names({"b": 1.0, "a": 0.0}), _domain_names({f"d{i:02d}": 0 for i in range(40)})
     ('a, b', '40 domains (d00, d01, d02, ...)')
     """
-    from posttrain.trainer.many_domains import MANY_DOMAINS
+    from posttrain.trainer.observe.domain_tables import MANY_DOMAINS
 
     names = sorted(rewards)
     if len(names) > MANY_DOMAINS:
@@ -322,7 +322,7 @@ def _domain_names(rewards: Mapping[str, Any]) -> str:
     return ", ".join(names) or "-"
 
 
-TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.report.plot_run
+TRAINER_PLOT_TITLES = {  # file names written by posttrain.trainer.observe.run_report.plot_run
     "reward_accuracy": "Reward and held-out accuracy per domain",
     "kl": "KL to the reference model",
     "response_length": "Response length",
@@ -348,7 +348,7 @@ def _comparison_heading(data: ReportData) -> str:
 
 def render_markdown(data: ReportData) -> str:
     """The report as Markdown with inline base64 images."""
-    from posttrain.trainer.report import code_fence
+    from posttrain.trainer.observe.run_report import code_fence
 
     lines = [f"# {data.title}", ""]
     lines += [f"- **{key}:** {value}" for key, value in data.facts]

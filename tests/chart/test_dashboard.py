@@ -23,11 +23,11 @@ from .test_render import operator_config_from
 DASHBOARD = CHART_DIR / "dashboards" / "posttrain.json"
 # Every module that defines Prometheus metrics a pod of a run exports.
 METRIC_MODULES = [
-    "posttrain.trainer.progress",
-    "posttrain.trainer.evaluate",
-    "posttrain.trainer.evaluator",
-    "posttrain.trainer.rollouts",
-    "posttrain.trainer.audit",
+    "posttrain.trainer.observe.step_metrics",
+    "posttrain.trainer.evaluation.heldout",
+    "posttrain.trainer.evaluation.checkpoint_eval",
+    "posttrain.trainer.data.rollouts",
+    "posttrain.trainer.observe.audit",
     "posttrain.rollout.engine",
     "posttrain.rollout.server",
     "posttrain.rollout.client",

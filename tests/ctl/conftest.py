@@ -112,7 +112,7 @@ class Kube:
     def report_progress(self, name: str, **fields: Any) -> None:
         """Patch /status through the trainer's own reporter (RunStatus -> merge patch); a
         ``phase`` is written as the operator writes it (the trainer never sends one)."""
-        from posttrain.trainer.status import KubeStatusReporter, RunStatus
+        from posttrain.trainer.observe.status import KubeStatusReporter, RunStatus
 
         KubeStatusReporter(name, self.namespace, api=self.custom).report(RunStatus(**fields))
         if "phase" in fields:

@@ -167,7 +167,7 @@ def test_describe_shows_where_the_runs_reports_are(kcli: CliRunner, kube: Any) -
 def test_trainer_stage_events_and_records_reach_kubectl(kube: Any, kubectl: Any) -> None:
     """The trainer's stage boundary Events and status.stages, through its own reporter."""
     from posttrain.api import TrainingRun
-    from posttrain.trainer.status import STAGE_STARTED, KubeStatusReporter, RunStatus
+    from posttrain.trainer.observe.status import STAGE_STARTED, KubeStatusReporter, RunStatus
 
     kube.create_run("staged")
     reporter = KubeStatusReporter("staged", kube.namespace, api=kube.custom)
@@ -366,7 +366,7 @@ def test_a_run_that_found_its_pool_keeps_no_stale_waiting_message(kube: Any) -> 
     or a Succeeded run still says it waits (issue #35)."""
     from posttrain.api.base import GROUP, VERSION
     from posttrain.rollout.discovery import PoolDiscovery
-    from posttrain.trainer.status import KubeStatusReporter
+    from posttrain.trainer.observe.status import KubeStatusReporter
 
     kube.create_run("demo")
     pool = {

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
-from posttrain.trainer.progress import StepMetrics
+from posttrain.trainer.evaluation.heldout import EvalItem, EvalResult, save_eval
+from posttrain.trainer.observe.step_metrics import StepMetrics
 
 CliRunner = Any
 DOMAINS = ("arith", "code")
@@ -230,7 +230,7 @@ def test_report_of_an_interrupted_run_claims_no_trained_result(
     cli: CliRunner, tmp_path: Path
 ) -> None:
     """Only the base model (step 0) was evaluated: nothing may be called "trained"."""
-    from posttrain.trainer.report import write_report
+    from posttrain.trainer.observe.run_report import write_report
 
     run_dir = tmp_path / "run"
     write_run_dir(run_dir, steps=2, latencies=False, eval_steps=(0,))
@@ -247,7 +247,7 @@ def test_report_of_an_interrupted_run_claims_no_trained_result(
 def test_markdown_report_fences_survive_completions_with_fences(tmp_path: Path) -> None:
     """A completion holding ```python ... ``` is wrapped in a longer fence, so the report's
     own blocks open and close where they should (every fence line pairs up)."""
-    from posttrain.trainer.report import write_report
+    from posttrain.trainer.observe.run_report import write_report
 
     run_dir = tmp_path / "run"
     write_run_dir(run_dir, latencies=False)
@@ -259,7 +259,7 @@ def test_markdown_report_fences_survive_completions_with_fences(tmp_path: Path) 
 
 
 def test_curriculum_promotions_and_a_zero_kl_weight_are_explained() -> None:
-    from posttrain.trainer.report import curriculum_changes, kl_note
+    from posttrain.trainer.observe.run_report import curriculum_changes, kl_note
 
     metrics = [{"step": s, "strata": {"arith": "easy" if s < 3 else "hard"}} for s in (1, 2, 3)]
     assert curriculum_changes(metrics) == [(3, "arith -> hard")]
@@ -278,7 +278,7 @@ def test_a_cluster_runs_outputs_synced_to_minio_render_without_the_pod(
 
     from posttrain.storage.reports import ReportSync
     from posttrain.storage.store import S3Store
-    from posttrain.trainer.loop import output_files
+    from posttrain.trainer.run.loop import output_files
 
     for key, value in minio_server.env().items():
         monkeypatch.setenv(key, value)

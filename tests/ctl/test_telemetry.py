@@ -156,7 +156,7 @@ def test_reconcile_span_metrics_and_what_the_user_sees(
 
 COMPONENT_METRIC_MODULES = {
     "operator": "posttrain.operator.metrics",
-    "trainer": "posttrain.trainer.progress",
+    "trainer": "posttrain.trainer.observe.step_metrics",
     "rollout": "posttrain.rollout.server",
     "rollout client": "posttrain.rollout.client",
     "sandboxes": "posttrain.sandboxes.executor",

@@ -45,8 +45,8 @@ def test_the_operators_runner_pod_scores_like_the_local_executor(
         build_runner_deployment,
     )
     from posttrain.sandboxes.client import SandboxClient
-    from posttrain.trainer.rundata import domain_tasks
-    from posttrain.trainer.verification import build_verification
+    from posttrain.trainer.data.rundata import domain_tasks
+    from posttrain.trainer.rewards.verification import build_verification
 
     run = TrainingRun.model_validate(
         {
@@ -119,8 +119,8 @@ def test_sandbox_task_pods_score_like_the_local_executor(
     from posttrain.operator.runtime import OperatorThread
     from posttrain.sandboxes.tasks import SandboxTaskRunner
     from posttrain.sandboxes.verifiers import verify
-    from posttrain.trainer.rundata import domain_tasks
-    from posttrain.trainer.verification import build_verification
+    from posttrain.trainer.data.rundata import domain_tasks
+    from posttrain.trainer.rewards.verification import build_verification
 
     env = minio_server.env()
     for key, value in env.items():

@@ -186,8 +186,8 @@ def condition(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
 def assert_rewards_match_the_local_executor(records: list[dict[str, Any]]) -> None:
     """Re-verify every stored completion with the local bubblewrap executor."""
     from posttrain.api.trainingrun import SandboxPolicy
-    from posttrain.trainer.rundata import domain_tasks
-    from posttrain.trainer.verification import build_verification
+    from posttrain.trainer.data.rundata import domain_tasks
+    from posttrain.trainer.rewards.verification import build_verification
 
     train, heldout = domain_tasks("code", "builtin:code", None)
     tasks = {t.task_id: t for t in train + heldout}

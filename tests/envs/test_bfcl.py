@@ -15,7 +15,7 @@ import pytest
 
 from posttrain.sandboxes import bfcl
 from posttrain.sandboxes.verifiers import verify
-from posttrain.trainer.datasets import builtin_tasks, is_held_out
+from posttrain.trainer.data.datasets import builtin_tasks, is_held_out
 
 
 def _task(item: dict[str, Any]) -> dict[str, Any]:
@@ -142,8 +142,8 @@ def test_builtin_bfcl_splits_by_content_hash_without_overlap() -> None:
 
 
 def test_live_categories_are_builtin_datasets_named_as_bfcl_names_them() -> None:
-    from posttrain.trainer.datasets import BFCL_SINGLE_TURN
-    from posttrain.trainer.stage_data import builtin_records
+    from posttrain.trainer.data.datasets import BFCL_SINGLE_TURN
+    from posttrain.trainer.data.stage_data import builtin_records
 
     assert BFCL_SINGLE_TURN == bfcl.ALL_CATEGORIES
     train = builtin_tasks("bfcl_live", "train", per_stratum=0)
@@ -166,7 +166,7 @@ def test_live_categories_are_builtin_datasets_named_as_bfcl_names_them() -> None
 def test_run_spec_accepts_the_benchmark_datasets() -> None:
     from posttrain.api import TrainingRunSpec
     from posttrain.errors import UsageError
-    from posttrain.trainer.rundata import check_dataset_sources
+    from posttrain.trainer.data.rundata import check_dataset_sources
 
     def spec(dataset: str) -> TrainingRunSpec:
         return TrainingRunSpec.model_validate(

@@ -16,7 +16,7 @@ import pytest
 from posttrain.envs import bfcl_multi_turn as mt
 from posttrain.envs.episode import ChatTokens, agent_metrics, run_episode
 from posttrain.rollout.protocol import SamplingParams
-from posttrain.trainer.datasets import Task, builtin_tasks
+from posttrain.trainer.data.datasets import Task, builtin_tasks
 
 from .conftest import ScriptedPolicy
 

@@ -11,8 +11,8 @@ from posttrain.envs.terminal import TerminalEnv
 from posttrain.rollout.client import RolloutClient
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.policy import chat_prompt_ids
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.model.policy import chat_prompt_ids
 
 from .conftest import ScriptedPolicy
 

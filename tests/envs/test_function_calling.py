@@ -7,7 +7,7 @@ from typing import Any
 from posttrain.envs.episode import ChatTokens, agent_metrics, run_episode
 from posttrain.envs.function_calling import FunctionCallingEnv
 from posttrain.rollout.protocol import SamplingParams
-from posttrain.trainer.datasets import Task, builtin_tasks
+from posttrain.trainer.data.datasets import Task, builtin_tasks
 
 from .conftest import ScriptedPolicy
 

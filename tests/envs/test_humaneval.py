@@ -9,7 +9,7 @@ import pytest
 
 from posttrain.envs import humaneval
 from posttrain.sandboxes.verifiers import verify
-from posttrain.trainer.datasets import builtin_tasks
+from posttrain.trainer.data.datasets import builtin_tasks
 
 
 @pytest.mark.slow

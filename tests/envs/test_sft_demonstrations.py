@@ -9,9 +9,9 @@ import pytest
 from posttrain.envs.episode import ChatTokens
 from posttrain.errors import UsageError
 from posttrain.sandboxes import bfcl
-from posttrain.trainer.datasets import builtin_tasks
-from posttrain.trainer.policy import chat_messages_ids, chat_prompt_ids
-from posttrain.trainer.stage_data import load_stage_data, read_records
+from posttrain.trainer.data.datasets import builtin_tasks
+from posttrain.trainer.data.stage_data import load_stage_data, read_records
+from posttrain.trainer.model.policy import chat_messages_ids, chat_prompt_ids
 
 
 def test_demonstrations_are_training_items_answered_as_bfcl_accepts(tokenizer: Any) -> None:

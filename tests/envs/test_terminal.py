@@ -10,7 +10,7 @@ from posttrain.envs.episode import ChatTokens, agent_metrics, run_episode
 from posttrain.envs.terminal import TerminalEnv
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.sandboxes.executor import SandboxError
-from posttrain.trainer.datasets import Task
+from posttrain.trainer.data.datasets import Task
 
 from .conftest import ScriptedPolicy
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from posttrain.envs.training import EpisodeCompletion
-from posttrain.trainer.batch import prepare_batch, score_batch
-from posttrain.trainer.checkpoint import batch_from_json, batch_to_json
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.loss import LossConfig
-from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.algorithms.loss import LossConfig
+from posttrain.trainer.checkpointing.checkpoint import batch_from_json, batch_to_json
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.run.batch import prepare_batch, score_batch
 
 TASK = Task("shell", "make a.txt", "", extra={"verify": ["test -f a.txt"]})
 
@@ -93,8 +93,8 @@ def test_sampled_episodes_survive_a_checkpoint() -> None:
 def train_locally(spec: Any, out: Path) -> int:
     """Run ``train`` against a local CPU rollout server of ``spec.model``; steps done."""
     from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.run.loop import train
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     with LocalRolloutServer(spec.model, out / "server.log") as server:
         client = RolloutClient([server.url], timeout_s=600, max_in_flight=4)
@@ -107,7 +107,7 @@ def train_locally(spec: Any, out: Path) -> int:
 @pytest.mark.slow  # a real server process and two training steps on the tiny model
 def test_training_loop_plays_bfcl_episodes(tmp_path: Path, tiny_model_dir: Path) -> None:
     from posttrain.api import TrainingRunSpec
-    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     spec = TrainingRunSpec.model_validate(
         {
@@ -164,7 +164,7 @@ def test_training_loop_plays_bfcl_multi_turn_episodes(tmp_path: Path) -> None:
     from posttrain.models import make_tiny_model
     from posttrain.storage.store import LocalStore
     from posttrain.storage.trajectories import read_trajectories
-    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     model = make_tiny_model(tmp_path / "model", seed=0, max_positions=8192)
     shortest = sorted(

@@ -24,8 +24,8 @@ from posttrain.rollout.client import RolloutClient
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import S3Store
-from posttrain.trainer.policy import Policy
-from posttrain.trainer.weight_sync import WeightPublisher
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import WeightPublisher
 
 from .podman import PodContainer, image_ref, run_to_completion, start
 

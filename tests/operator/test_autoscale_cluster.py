@@ -12,8 +12,8 @@ import pytest
 
 from posttrain.operator.kube import KubeClient, resource_path
 from posttrain.operator.runtime import OperatorThread
-from posttrain.trainer.rollout_wait import RolloutWaitWindow
-from posttrain.trainer.status import KubeStatusReporter, RunStatus
+from posttrain.trainer.observe.rollout_wait import RolloutWaitWindow
+from posttrain.trainer.observe.status import KubeStatusReporter, RunStatus
 
 from .conftest import create_cr, get_cr, run_body, set_pod_running, wait_for
 from .test_rolloutpool_cluster import pool_status, set_deployment_status

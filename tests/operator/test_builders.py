@@ -514,7 +514,7 @@ def test_trainer_pod_gets_the_pools_endpoint_unless_the_spec_names_endpoints() -
 def test_trainer_pods_publish_in_the_pools_serving_dtype() -> None:
     """A bf16 vLLM pool: the trainer pods (plain gang and RayCluster) are told to publish
     bf16; ``auto`` and the cpu engine leave the trainer's own dtype."""
-    from posttrain.trainer.weight_sync import serving_dtype
+    from posttrain.trainer.model.weight_sync import serving_dtype
 
     pool = make_pool(engine="vllm", engineArgs={"dtype": "bfloat16"})
     dtype = b.pool_serving_dtype(pool)

@@ -264,7 +264,7 @@ def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_ste
     operator then writes everything a user waits for."""
     from kubernetes import client
 
-    from posttrain.trainer.status import KubeStatusReporter, RunStatus
+    from posttrain.trainer.observe.status import KubeStatusReporter, RunStatus
 
     create_cr(kube, "trainingruns", namespace, run_body("fin", algorithm={"maxSteps": 3}))
     wait_for(lambda: kube.get("v1", "Pod", namespace, "fin-g0-0"), what="trainer pod")

@@ -23,8 +23,9 @@ from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.vllm_local import REPO_VLLM_VENV, LocalVllmReplica, vllm_python
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import LocalStore
-from posttrain.trainer.policy import Policy, TrainSample
-from posttrain.trainer.weight_sync import WeightPublisher
+from posttrain.trainer.algorithms.logprobs import TrainSample
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import WeightPublisher
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import open_store
-from posttrain.trainer.policy import Policy
-from posttrain.trainer.weight_sync import DeltaPolicy, WeightPublisher
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import DeltaPolicy, WeightPublisher
 
 if TYPE_CHECKING:
     from posttrain.devenv.minio import MinioServer

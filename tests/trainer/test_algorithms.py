@@ -11,9 +11,13 @@ import pytest
 import torch
 
 from posttrain.api import AlgorithmSpec
-from posttrain.trainer.advantages import batch_whiten, compute_advantages
-from posttrain.trainer.loss import LossConfig, clipped_policy_loss, sequence_coefficients
-from posttrain.trainer.rundata import loss_config
+from posttrain.trainer.algorithms.advantages import batch_whiten, compute_advantages
+from posttrain.trainer.algorithms.loss import (
+    LossConfig,
+    clipped_policy_loss,
+    loss_config,
+    sequence_coefficients,
+)
 
 
 @pytest.fixture(scope="module")
@@ -288,10 +292,10 @@ def test_prepare_batch_weighs_reinforce_pp_by_each_completions_tokens() -> None:
     """Through the loop's batch stage: the whitening statistics count a completion once per
     loss token, as verl's masked_whiten over the response mask does."""
     from posttrain.rollout.protocol import Completion
-    from posttrain.trainer.batch import prepare_batch
-    from posttrain.trainer.datasets import Task
-    from posttrain.trainer.rewards import ScoredSample
-    from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
+    from posttrain.trainer.data.datasets import Task
+    from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+    from posttrain.trainer.rewards.scoring import ScoredSample
+    from posttrain.trainer.run.batch import prepare_batch
 
     lengths, rewards = [1, 3, 2, 2], [1.0, 0.0, 1.0, 0.0]
     group = [Completion(0, "x", [7] * n, [-0.1] * n, "stop", 0) for n in lengths]
@@ -317,9 +321,9 @@ def test_each_algorithm_runs_the_loop_and_moves_the_weights(
 
     from posttrain.api import TrainingRunSpec
     from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
-    from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.observe.step_metrics import load_metrics
+    from posttrain.trainer.run.loop import train
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     clip = {"clipLow": 3e-4, "clipHigh": 4e-4} if name == "gspo" else {}
     spec = TrainingRunSpec.model_validate(

@@ -10,11 +10,11 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.devenv.process import free_port
-from posttrain.trainer.audit import Auditor, Trajectory
-from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
-from posttrain.trainer.progress import ProgressReporter, StepMetrics
-from posttrain.trainer.report import plot_run, write_report
-from posttrain.trainer.status import KubeStatusReporter, LocalStatusReporter, RunStatus
+from posttrain.trainer.evaluation.heldout import EvalItem, EvalResult, save_eval
+from posttrain.trainer.observe.audit import Auditor, Trajectory
+from posttrain.trainer.observe.run_report import plot_run, write_report
+from posttrain.trainer.observe.status import KubeStatusReporter, LocalStatusReporter, RunStatus
+from posttrain.trainer.observe.step_metrics import ProgressReporter, StepMetrics
 
 
 def _traj(step: int, text: str, passed: bool, signals: tuple[str, ...] = ()) -> Trajectory:
@@ -174,7 +174,7 @@ def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptur
 
     from posttrain.cli import main
     from posttrain.models import make_tiny_model
-    from posttrain.trainer import evaluate
+    from posttrain.trainer.evaluation import heldout
 
     model = make_tiny_model(tmp_path / "tiny", seed=0)
     tasks = tmp_path / "tasks.jsonl"
@@ -184,7 +184,7 @@ def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptur
                 {"domain": "arithmetic", "prompt": f"What is {i} + 1?", "answer": str(i + 1)}
             )
             + "\n"
-            for i in range(2 * evaluate.EVAL_CHUNK + 3)
+            for i in range(2 * heldout.EVAL_CHUNK + 3)
         )
     )
     with caplog.at_level(logging.INFO, logger="posttrain.progresslog"):
@@ -203,5 +203,5 @@ def test_eval_logs_progress_with_an_eta(tmp_path: Path, caplog: pytest.LogCaptur
         )
     assert code == 0
     lines = [r.getMessage() for r in caplog.records if r.name == "posttrain.progresslog"]
-    total = 2 * evaluate.EVAL_CHUNK + 3
+    total = 2 * heldout.EVAL_CHUNK + 3
     assert lines and lines[-1].startswith(f"evaluation: {total}/{total} items (100%) in"), lines

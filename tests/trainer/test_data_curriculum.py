@@ -10,13 +10,13 @@ import pytest
 
 from posttrain.errors import UsageError
 from posttrain.rollout.protocol import Completion
-from posttrain.trainer.batch import prepare_batch
-from posttrain.trainer.curriculum import Curriculum, DomainPool, allocate_slots
-from posttrain.trainer.datasets import Task, builtin_tasks, load_jsonl_tasks, load_tasks
-from posttrain.trainer.loss import LossConfig
-from posttrain.trainer.rewards import ScoredSample
-from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.rundata import balanced_subset, domain_tasks
+from posttrain.trainer.algorithms.loss import LossConfig
+from posttrain.trainer.data.curriculum import Curriculum, DomainPool, allocate_slots
+from posttrain.trainer.data.datasets import Task, builtin_tasks, load_jsonl_tasks, load_tasks
+from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.data.rundata import balanced_subset, domain_tasks
+from posttrain.trainer.rewards.scoring import ScoredSample
+from posttrain.trainer.run.batch import prepare_batch
 
 
 def test_builtin_splits_are_deterministic_and_disjoint() -> None:

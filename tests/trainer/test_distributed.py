@@ -51,7 +51,7 @@ def two_local_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``posttrain run --local`` with ``engine.cpuRanks: 2``: torchrun's agent starts two
     Gloo ranks that shard the model (FSDP2) and sample from one local rollout server."""
     from posttrain.models import make_tiny_model
-    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     root = tmp_path_factory.mktemp("two-local-ranks")
     model = make_tiny_model(root / "model", seed=0)
@@ -250,8 +250,8 @@ def two_node_run(ray_two_nodes: str, tmp_path_factory: pytest.TempPathFactory) -
     from posttrain.models import make_tiny_model
     from posttrain.storage.store import open_store
     from posttrain.storage.trajectories import read_trajectories
-    from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.observe.step_metrics import load_metrics
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     root = tmp_path_factory.mktemp("two-nodes")
     model = make_tiny_model(root / "model", seed=0)
@@ -324,9 +324,9 @@ def test_both_ranks_train_in_lockstep_on_two_ray_nodes(two_node_run: TwoNodeRun)
 
 def _replay_step(model: Path, records: list[dict[str, Any]], spec: Any) -> Any:
     """One single-process optimizer step over the global batch rebuilt from the records."""
-    from posttrain.trainer.loss import sequence_coefficients
-    from posttrain.trainer.policy import Policy, TrainSample
-    from posttrain.trainer.rundata import loss_config
+    from posttrain.trainer.algorithms.logprobs import TrainSample
+    from posttrain.trainer.algorithms.loss import loss_config, sequence_coefficients
+    from posttrain.trainer.model.policy import Policy
 
     algo = spec.algorithm
     config = loss_config(algo)
@@ -391,8 +391,8 @@ def test_rank0_checkpoint_loads_with_optimizer_state(
     two_node_run: TwoNodeRun, tmp_path: Path
 ) -> None:
     from posttrain.storage.store import open_store
-    from posttrain.trainer.checkpoint import Checkpointer
-    from posttrain.trainer.policy import Policy
+    from posttrain.trainer.checkpointing.checkpoint import Checkpointer
+    from posttrain.trainer.model.policy import Policy
 
     run = two_node_run
     lr = run.spec.algorithm.learning_rate
@@ -427,7 +427,7 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging(
     30-minute timeout unless the driver kills it, which it must do at once."""
     import time
 
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     out = tmp_path / "out"
     (out / "rank1").parent.mkdir(parents=True)
@@ -465,7 +465,7 @@ def test_a_failing_rank_fails_the_run_instead_of_hanging(
 def test_too_few_ray_nodes_fails_with_an_actionable_error(ray_two_nodes: str) -> None:
     import ray
 
-    from posttrain.trainer.distributed import NODE_WAIT_ENV, _wait_for_nodes
+    from posttrain.trainer.run.distributed import NODE_WAIT_ENV, _wait_for_nodes
 
     ray.init(address=ray_two_nodes, log_to_driver=False)
     try:

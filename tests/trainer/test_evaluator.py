@@ -14,11 +14,11 @@ from transformers import AutoTokenizer
 from posttrain.api import TrainingRunSpec
 from posttrain.rollout.client import RolloutClient
 from posttrain.storage.store import open_store
-from posttrain.trainer.evaluator import CheckpointEvaluator, result_key
-from posttrain.trainer.loop import train as train_run
-from posttrain.trainer.policy import chat_prompt_ids
-from posttrain.trainer.rundata import build_run_data
-from posttrain.trainer.server_process import LocalRolloutServer
+from posttrain.trainer.data.rundata import build_run_data
+from posttrain.trainer.evaluation.checkpoint_eval import CheckpointEvaluator, result_key
+from posttrain.trainer.model.policy import chat_prompt_ids
+from posttrain.trainer.run.loop import train as train_run
+from posttrain.trainer.run.server_process import LocalRolloutServer
 
 
 @pytest.fixture(scope="module")

@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 
 from posttrain.api import TrainingRunSpec
 from posttrain.rollout.client import RolloutClient
-from posttrain.trainer.distributed import DistContext
-from posttrain.trainer.loop import train
-from posttrain.trainer.progress import load_metrics
-from posttrain.trainer.server_process import LocalRolloutServer
+from posttrain.trainer.observe.step_metrics import load_metrics
+from posttrain.trainer.run.distributed import DistContext
+from posttrain.trainer.run.loop import train
+from posttrain.trainer.run.server_process import LocalRolloutServer
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +184,12 @@ def test_ctrl_c_checkpoints_and_a_rerun_resumes_without_duplicate_records(
     from there, and records an earlier attempt wrote past that step are dropped."""
     import threading
 
-    from posttrain.trainer.interrupt import INTERRUPTED, last_checkpoint
-    from posttrain.trainer.status import FanOutStatusReporter, LocalStatusReporter, RunStatus
+    from posttrain.trainer.observe.status import (
+        FanOutStatusReporter,
+        LocalStatusReporter,
+        RunStatus,
+    )
+    from posttrain.trainer.run.interrupt import INTERRUPTED, last_checkpoint
 
     spec = tiny_spec(tiny_model, maxSteps=3)
     spec.checkpoint.every_steps = 10  # none due before the end: only the interrupt saves one

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from posttrain.trainer.loss import LossConfig, sequence_coefficients
-from posttrain.trainer.policy import EngineOptions, LoraOptions, Policy, TrainSample
+from posttrain.trainer.algorithms.logprobs import TrainSample
+from posttrain.trainer.algorithms.loss import LossConfig, sequence_coefficients
+from posttrain.trainer.model.policy import EngineOptions, LoraOptions, Policy
 
 pytest.importorskip("peft", reason="LoRA needs peft (in the train extra)")
 
@@ -96,7 +97,7 @@ def _two_rank_lora_worker(rank: int, port: int, model: str, store: str, results:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from posttrain.trainer.policy import RankInfo
+    from posttrain.trainer.model.policy import RankInfo
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -139,7 +140,7 @@ def _two_rank_lora_worker(rank: int, port: int, model: str, store: str, results:
     )
     results[f"trained{rank}"] = trained
     from posttrain.storage.store import LocalStore
-    from posttrain.trainer.checkpoint import Checkpointer, TrainerState
+    from posttrain.trainer.checkpointing.checkpoint import Checkpointer, TrainerState
 
     engine, info = policy.engine, policy.rank
     Checkpointer(LocalStore(store), keep_last=1, keep_best=False).save(

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.trainer.loss import LossConfig
-from posttrain.trainer.policy import Policy, TrainSample
+from posttrain.trainer.algorithms.logprobs import TrainSample
+from posttrain.trainer.algorithms.loss import LossConfig
+from posttrain.trainer.model.policy import Policy
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def _episode_sample(policy: Policy, behaviour: list[float]) -> TrainSample:
 def _loss_and_grad(policy: Policy, sample: TrainSample) -> tuple[float, torch.Tensor]:
     policy.optimizer.zero_grad(set_to_none=True)
     logp, behaviour, mask = policy.completion_logprobs(policy.model, [sample], 1.0)
-    from posttrain.trainer.loss import clipped_policy_loss
+    from posttrain.trainer.algorithms.loss import clipped_policy_loss
 
     terms = clipped_policy_loss(
         logp,

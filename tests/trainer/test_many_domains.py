@@ -9,10 +9,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from posttrain.trainer.evaluate import EvalItem, EvalResult, save_eval
-from posttrain.trainer.many_domains import MANY_DOMAINS, SHOW_K, TABLE_K, readable_rows
-from posttrain.trainer.progress import ProgressReporter, StepMetrics
-from posttrain.trainer.report import plot_run, write_report
+from posttrain.trainer.evaluation.heldout import EvalItem, EvalResult, save_eval
+from posttrain.trainer.observe.domain_tables import MANY_DOMAINS, SHOW_K, TABLE_K, readable_rows
+from posttrain.trainer.observe.run_report import plot_run, write_report
+from posttrain.trainer.observe.step_metrics import ProgressReporter, StepMetrics
 
 DOMAINS = [f"skill-{i:03d}" for i in range(300)]
 

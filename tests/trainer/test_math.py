@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from posttrain.trainer.advantages import compute_advantages, group_advantages
-from posttrain.trainer.loss import (
+from posttrain.trainer.algorithms.advantages import compute_advantages, group_advantages
+from posttrain.trainer.algorithms.loss import (
     LossConfig,
     clipped_policy_loss,
     k3_kl,
     sequence_coefficients,
 )
-from posttrain.trainer.rewards import overlong_penalty
+from posttrain.trainer.rewards.scoring import overlong_penalty
 
 
 def test_grpo_advantages_match_hand_computation() -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.trainer.loss import LossConfig, sequence_coefficients
-from posttrain.trainer.policy import Policy, TrainSample
+from posttrain.trainer.algorithms.logprobs import TrainSample
+from posttrain.trainer.algorithms.loss import LossConfig, sequence_coefficients
+from posttrain.trainer.model.policy import Policy
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_temperature_scales_logits(tiny_model: Path) -> None:
 def test_shared_prompt_forward_equals_separate_forwards(tiny_model: Path) -> None:
     """Each distinct prompt runs once and its KV cache serves its whole group: the logits
     and the gradients must be those of one full forward per sample."""
-    from posttrain.trainer.policy import _full_forward_logits, completion_logits
+    from posttrain.trainer.algorithms.logprobs import _full_forward_logits, completion_logits
 
     policy = Policy(tiny_model, learning_rate=1e-3)
     short, long = policy.encode_prompt("2 + 2?"), policy.encode_prompt("What is 12 * 12? " * 3)

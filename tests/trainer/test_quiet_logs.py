@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-import posttrain.trainer.checkpoint  # noqa: F401  (its warning filter)
-from posttrain.trainer.report import _pyplot
+import posttrain.trainer.checkpointing.checkpoint  # noqa: F401  (its warning filter)
+from posttrain.trainer.observe.run_report import _pyplot
 
 out = Path(sys.argv[1])
 state = {"w": torch.zeros(4)}

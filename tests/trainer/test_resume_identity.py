@@ -14,12 +14,12 @@ import torch
 from posttrain.errors import UsageError
 from posttrain.storage.checkpoints import CheckpointManager
 from posttrain.storage.store import LocalStore
-from posttrain.trainer.checkpoint import (
+from posttrain.trainer.checkpointing.checkpoint import (
     Checkpointer,
     TrainerState,
     find_resume_source,
 )
-from posttrain.trainer.policy import Policy
+from posttrain.trainer.model.policy import Policy
 
 LR = 1e-3
 

@@ -1,4 +1,4 @@
-"""The trainer's rollout wait signal (trainer/rollout_wait.py): timed on a real
+"""The trainer's rollout wait signal (trainer/observe/rollout_wait.py): timed on a real
 RolloutProducer-like take, averaged over the last steps."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 from prometheus_client import REGISTRY
 
 from posttrain.api import TrainingRunStatus
-from posttrain.trainer import rollout_wait
-from posttrain.trainer.rollout_wait import RolloutWaitWindow
-from posttrain.trainer.status import RunStatus
+from posttrain.trainer.observe import rollout_wait
+from posttrain.trainer.observe.rollout_wait import RolloutWaitWindow
+from posttrain.trainer.observe.status import RunStatus
 
 
 def test_docstring_examples_hold() -> None:

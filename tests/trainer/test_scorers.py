@@ -21,13 +21,11 @@ import pytest
 
 from posttrain.api import TrainingRunSpec, VerifierSpec
 from posttrain.rollout.protocol import Completion
-from posttrain.trainer.audit import Auditor
-from posttrain.trainer.batch import prepare_batch, score_batch
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.loss import LossConfig
-from posttrain.trainer.rewards import score_samples
-from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.scorers import (
+from posttrain.trainer.algorithms.loss import LossConfig
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.observe.audit import Auditor
+from posttrain.trainer.rewards.scorers import (
     FORMAT_INSTRUCTION,
     ChatJudge,
     Endpoint,
@@ -35,7 +33,9 @@ from posttrain.trainer.scorers import (
     RewardModelScorer,
     ScoringUnavailable,
 )
-from posttrain.trainer.verification import Verification
+from posttrain.trainer.rewards.scoring import score_samples
+from posttrain.trainer.rewards.verification import Verification
+from posttrain.trainer.run.batch import prepare_batch, score_batch
 
 Reply = tuple[int, Any, float]  # status, JSON body, seconds to wait before answering
 
@@ -256,7 +256,7 @@ def test_unscorable_samples_are_masked_out_of_the_loss_and_the_statistics(
 
 
 def test_audit_shows_rationales_and_the_judge_rule_disagreement(tmp_path: Path) -> None:
-    from posttrain.trainer.audit import Trajectory
+    from posttrain.trainer.observe.audit import Trajectory
 
     def judged(passed: bool, rule: bool, rationale: str) -> Trajectory:
         details = {"rationale": rationale, "rule_check": "numeric", "rule_passed": rule}
@@ -449,9 +449,9 @@ def test_a_run_trains_on_judge_and_reward_model_domains_with_gspo(
     from posttrain.rollout.client import RolloutClient
     from posttrain.storage.store import open_store
     from posttrain.storage.trajectories import read_trajectories
-    from posttrain.trainer.loop import train
-    from posttrain.trainer.progress import load_metrics
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.observe.step_metrics import load_metrics
+    from posttrain.trainer.run.loop import train
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     def judge_reply(body: dict[str, Any]) -> Reply:
         answer = body["messages"][0]["content"].split("Answer: ", 1)[1].split("\nReference")[0]
@@ -520,7 +520,7 @@ def test_a_judge_that_cannot_work_as_configured_fails_the_step_not_the_samples(
 ) -> None:
     """A pool judge outside a cluster, or a task asking for a judge its domain does not
     configure: an error naming the fix, never every sample masked or scored 0."""
-    from posttrain.trainer.scorers import ScorerConfigError
+    from posttrain.trainer.rewards.scorers import ScorerConfigError
 
     monkeypatch.delenv("POSTTRAIN_RUN_NAMESPACE", raising=False)
     spec = VerifierSpec.model_validate(

@@ -19,16 +19,16 @@ import torch.multiprocessing as mp
 
 from posttrain.api import AlgorithmSpec, StageSpec
 from posttrain.processes import free_port
-from posttrain.trainer.engine import LrSchedule
-from posttrain.trainer.pipeline import (
+from posttrain.trainer.data.stage_data import PreferencePair, SftExample, StageData
+from posttrain.trainer.model.policy import Policy, RankInfo
+from posttrain.trainer.model.training_engine import LrSchedule
+from posttrain.trainer.run.pipeline import (
     StagePlan,
     offline_step,
     reference_logps,
     stage_batch,
     stage_schedule,
 )
-from posttrain.trainer.policy import Policy, RankInfo
-from posttrain.trainer.stage_data import PreferencePair, SftExample, StageData
 
 from .conftest import assert_same_adam_update
 
@@ -116,14 +116,14 @@ def run_stages(policy: Policy, rank: int, world: int) -> dict[str, Any]:
     sft_plan, dpo_plan = plans()
     out: dict[str, Any] = {"base": full_state(policy)[0]}
     data = sft_data()
-    policy.reset_optimizer(LR, 0.0, stage_schedule(sft_plan))
+    policy.optimization.reset(LR, 0.0, stage_schedule(sft_plan))
     indices = stage_batch(sft_plan, data, 1, SEED, rank, world)
     out["sft"] = offline_step(policy, sft_plan, data, indices, {}, grad_clip=1.0, step=1)
     out["sft_weights"], out["sft_moments"] = full_state(policy)
     policy.anchor_reference()
     out["anchored"] = reference_state(policy)
     pairs = dpo_data()
-    policy.reset_optimizer(LR, 0.0, stage_schedule(dpo_plan))
+    policy.optimization.reset(LR, 0.0, stage_schedule(dpo_plan))
     state = reference_logps(policy, dpo_plan, pairs, SEED)
     out["reference_logps"] = state["reference_logps"]
     indices = stage_batch(dpo_plan, pairs, 2, SEED, rank, world)
@@ -224,7 +224,7 @@ def test_each_stage_runs_its_own_learning_rate_curve(tiny_model: Path) -> None:
     """Warm-up from the stage's first step, cosine to minLrRatio at its last: an SFT stage of
     4 steps and an RL stage of 3 after it, whatever algorithm.maxSteps says."""
     from posttrain.api import TrainingRunSpec
-    from posttrain.trainer.pipeline import plan_stages
+    from posttrain.trainer.run.pipeline import plan_stages
 
     spec = TrainingRunSpec.model_validate(
         {
@@ -255,13 +255,16 @@ def test_each_stage_runs_its_own_learning_rate_curve(tiny_model: Path) -> None:
     policy = Policy(tiny_model, learning_rate=1.0)
     rates = []
     for plan in (sft, rl):
-        policy.reset_optimizer(plan.spec.learning_rate, 0.0, stage_schedule(plan))
-        rates += [policy.set_learning_rate(s) for s in range(plan.first_step, plan.last_step + 1)]
+        policy.optimization.reset(plan.spec.learning_rate, 0.0, stage_schedule(plan))
+        rates += [
+            policy.optimization.set_learning_rate(s)
+            for s in range(plan.first_step, plan.last_step + 1)
+        ]
     # rl: no warm-up, cosine over its 3 steps from 1e-4 to 0.1 x 1e-4
     expected = [5e-4, 1e-3, 5e-4, 0.0, 7.75e-5, 3.25e-5, 1e-5]
     assert rates == pytest.approx(expected, rel=1e-9, abs=1e-15)
     # an SFT step applies it: the step's learning rate is the curve's
     data, (plan, _) = sft_data(), plans()
-    policy.reset_optimizer(LR, 0.0, LrSchedule("cosine", 2, 4, 0.0, 1))
+    policy.optimization.reset(LR, 0.0, LrSchedule("cosine", 2, 4, 0.0, 1))
     metrics = offline_step(policy, plan, data, [0, 1], {}, grad_clip=1.0, step=1)
     assert metrics.applied and metrics.learning_rate == LR / 2

@@ -12,10 +12,9 @@ import torch
 
 from posttrain.api import TrainingRunSpec
 from posttrain.errors import UsageError
-from posttrain.trainer.dpo import dpo_loss, sequence_logps
-from posttrain.trainer.pipeline import plan_stages, stage_batch
-from posttrain.trainer.sft import packed_batch, sft_loss_sum
-from posttrain.trainer.stage_data import (
+from posttrain.trainer.algorithms.dpo import dpo_loss, sequence_logps
+from posttrain.trainer.algorithms.sft import packed_batch, sft_loss_sum
+from posttrain.trainer.data.stage_data import (
     EMPTY_COMPLETION,
     IDENTICAL_PAIR,
     PROMPT_TOO_LONG,
@@ -24,6 +23,7 @@ from posttrain.trainer.stage_data import (
     builtin_records,
     load_stage_data,
 )
+from posttrain.trainer.run.pipeline import plan_stages, stage_batch
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_packing_really_packs_and_keeps_examples_apart(model: Any) -> None:
     # comparison above is not vacuous.
     running = packed_batch(examples, max_length=24, pad_id=2, packing=True)
     running.position_ids = torch.arange(running.input_ids.shape[1]).expand_as(running.input_ids)
-    from posttrain.trainer.sft import completion_token_logprobs
+    from posttrain.trainer.algorithms.sft import completion_token_logprobs
 
     with torch.no_grad():
         apart = completion_token_logprobs(model, batch)
@@ -248,7 +248,7 @@ def pipeline_spec(model: str, stages: list[dict[str, Any]], **extra: Any) -> Tra
 
 
 def test_missing_data_file_fails_before_any_training(tiny_model: Path, tmp_path: Path) -> None:
-    from posttrain.trainer.loop import train
+    from posttrain.trainer.run.loop import train
 
     missing = tmp_path / "nowhere" / "sft.jsonl"
     spec = pipeline_spec(
@@ -266,7 +266,7 @@ def test_missing_data_file_fails_before_any_training(tiny_model: Path, tmp_path:
 
 def test_builtin_answers_are_right_and_rejected_ones_wrong() -> None:
     from posttrain.sandboxes.verifiers import verify
-    from posttrain.trainer.datasets import builtin_tasks
+    from posttrain.trainer.data.datasets import builtin_tasks
 
     # code answers run in the sandbox (seconds each on a loaded machine): a few of each
     for name, kind, n in (("arithmetic", "numeric", 12), ("code", "unit_tests", 3)):
@@ -348,8 +348,8 @@ PIPELINE = [
 
 def run_with_server(spec: TrainingRunSpec, out: Path, **kwargs: Any) -> Any:
     from posttrain.rollout.client import RolloutClient
-    from posttrain.trainer.loop import train
-    from posttrain.trainer.server_process import LocalRolloutServer
+    from posttrain.trainer.run.loop import train
+    from posttrain.trainer.run.server_process import LocalRolloutServer
 
     with LocalRolloutServer(spec.model, out / "server.log") as server:
         client = RolloutClient([server.url], timeout_s=300, max_in_flight=4)
@@ -365,7 +365,7 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
 ) -> None:
     from safetensors.torch import load_file
 
-    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     # every checkpoint kept: the DPO stage's start (step 2) is read below
     spec = pipeline_spec(str(tiny_model), PIPELINE, checkpoint={"everySteps": 1, "keepLast": 5})
@@ -438,7 +438,7 @@ def test_pipeline_resumes_inside_the_right_stage_at_the_right_step(
 def assert_dpo_reference_is_the_stage_start(spec: Any, base: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.trainer.pipeline import load_pipeline_data
+    from posttrain.trainer.run.pipeline import load_pipeline_data
 
     state = json.loads((out / "checkpoints/step-00000004/trainer_state.json").read_text())
     stored = state["stage_state"]["reference_logps"]
@@ -544,7 +544,7 @@ def test_rl_stage_kl_anchor_is_the_stage_start_also_after_a_resume(
 
     from safetensors.torch import load_file
 
-    from posttrain.trainer.progress import load_metrics
+    from posttrain.trainer.observe.step_metrics import load_metrics
 
     def coin_verify(kind: str, text: str, task: Any, config: Any) -> Any:
         """A deterministic reward that differs within groups (the tiny model never solves

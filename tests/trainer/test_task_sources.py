@@ -15,8 +15,8 @@ import pytest
 
 from posttrain.errors import UsageError
 from posttrain.storage.store import open_store
-from posttrain.trainer.datasets import load_jsonl_tasks, load_tasks
-from posttrain.trainer.rundata import domain_tasks
+from posttrain.trainer.data.datasets import load_jsonl_tasks, load_tasks
+from posttrain.trainer.data.rundata import domain_tasks
 
 ROWS = [
     {"prompt": "What is 2 + 3?", "answer": "5", "difficulty": "easy"},

@@ -19,18 +19,18 @@ from posttrain.rollout.client import RolloutClient
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.storage.store import open_store
 from posttrain.storage.trajectories import TrajectoryWriter, read_trajectories
-from posttrain.trainer.audit import (
+from posttrain.trainer.algorithms.loss import loss_config
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.data.rollouts import RolloutBatch, RolloutRequest
+from posttrain.trainer.model.policy import chat_prompt_ids
+from posttrain.trainer.observe.audit import (
     LOGPROB_DECIMALS,
     Auditor,
     trajectory_from_record,
     trajectory_record,
 )
-from posttrain.trainer.batch import prepare_batch, score_batch
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.policy import chat_prompt_ids
-from posttrain.trainer.rollouts import RolloutBatch, RolloutRequest
-from posttrain.trainer.rundata import loss_config
-from posttrain.trainer.server_process import LocalRolloutServer
+from posttrain.trainer.run.batch import prepare_batch, score_batch
+from posttrain.trainer.run.server_process import LocalRolloutServer
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ import uvicorn
 from posttrain.api.trainingrun import SandboxPolicy
 from posttrain.sandboxes.executor import ExecRequest, Executor, SandboxError
 from posttrain.sandboxes.runner import create_app
-from posttrain.trainer.datasets import Task
-from posttrain.trainer.rewards import VerificationUnavailable, score_samples
-from posttrain.trainer.verification import (
+from posttrain.trainer.data.datasets import Task
+from posttrain.trainer.rewards.scoring import VerificationUnavailable, score_samples
+from posttrain.trainer.rewards.verification import (
     INFRA_FAILURES,
     CappedRunner,
     SandboxHealth,

@@ -18,9 +18,10 @@ from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.server import ServerConfig, ServerThread
 from posttrain.storage.checkpoints import WeightRegistry
 from posttrain.storage.store import open_store
-from posttrain.trainer.policy import Policy, TrainSample
-from posttrain.trainer.rollouts import RolloutProducer, RolloutRequest
-from posttrain.trainer.weight_sync import WeightPublisher
+from posttrain.trainer.algorithms.logprobs import TrainSample
+from posttrain.trainer.data.rollouts import RolloutProducer, RolloutRequest
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import WeightPublisher
 
 
 @pytest.fixture(scope="module")
