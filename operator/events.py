@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 
 from .kube import KubeClient, KubeError, resource_path
-from .shared.observe import EventSpec
+from .shared.views import EventSpec
 
 log = logging.getLogger(__name__)
 

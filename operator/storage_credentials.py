@@ -26,8 +26,8 @@ from posttrain.storage.iam import Grant, ScopedCredentials
 from .config import OperatorConfig
 from .kube import KubeError
 from .shared.builders import child_metadata
-from .shared.observe import EventSpec
 from .shared.state import OperatorState
+from .shared.views import EventSpec
 from .trainingrun.names import resume_source_uri, run_storage_uri
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from posttrain.api import RolloutPool, TrainingRun
 from posttrain.api.reasons import Reason
 from posttrain.api.rolloutpool import AutoscalingStatus
 
-from ..shared.observe import EventSpec
 from ..shared.state import Body, OperatorState, now
+from ..shared.views import EventSpec
 from .autoscale import autoscaling_status, decide_replicas, rollout_wait_signal
 
 log = logging.getLogger(__name__)

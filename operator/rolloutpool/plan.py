@@ -12,7 +12,7 @@ from posttrain.api.base import ConditionStatus, set_condition
 from posttrain.api.labels import ANNOTATION_SPEC_HASH, ANNOTATION_WEIGHT_VERSION
 from posttrain.api.reasons import ConditionType, Reason
 
-from ..shared.observe import EventSpec, PodView, conditions_wire, status_diff
+from ..shared.views import EventSpec, PodView, conditions_wire, status_diff
 
 
 @dataclass

@@ -19,8 +19,8 @@ from posttrain.storage.errors import StorageError
 
 from ..kube import controller_uid
 from ..shared.builders import BuildError, selector_string
-from ..shared.observe import PodView, pod_view
 from ..shared.state import OperatorState
+from ..shared.views import PodView, pod_view
 from ..storage_credentials import StorageCredentials
 from . import builders
 from .autoscaler import autoscale_pool

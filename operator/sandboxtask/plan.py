@@ -14,7 +14,7 @@ from posttrain.api.base import Condition, set_condition
 from posttrain.api.labels import ANNOTATION_LOGS_URI, ANNOTATION_SNAPSHOT_URI, LABEL_ATTEMPT
 from posttrain.api.reasons import ConditionType, Reason, SandboxExitReason
 
-from ..shared.observe import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
+from ..shared.views import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
 from .builders import sandbox_pod_name
 
 
@@ -45,7 +45,7 @@ def parse_sandbox_result(pod: PodView) -> SandboxResult:
     /dev/termination-log; with FallbackToLogsOnError a crash leaves log text there instead,
     so anything that is not that JSON falls back to the exit code (reward 1 on exit 0).
 
-    >>> from posttrain.operator.shared.observe import Terminated
+    >>> from posttrain.operator.shared.views import Terminated
     >>> t = Terminated(exit_code=0, message='{"exit_code": 0, "reward": 0.5, "duration_ms": 7}')
     >>> parse_sandbox_result(PodView("p", {}, phase="Succeeded", terminated=t)).reward
     0.5

@@ -16,9 +16,9 @@ from pydantic import ValidationError
 from posttrain.api import API_VERSION, SandboxTask
 
 from ..shared.builders import BuildError
-from ..shared.observe import pod_view
 from ..shared.sandbox_namespace import SandboxNamespaces
 from ..shared.state import Body, OperatorState, count_child, now
+from ..shared.views import pod_view
 from ..warmpool.reconciler import WarmPoolReconciler
 from . import builders
 from .artifacts import SandboxArtifactSigner

@@ -38,7 +38,7 @@ from ..metrics import (
     RECONCILE_SECONDS,
     RECONCILES,
 )
-from .observe import EventSpec
+from .views import EventSpec
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)

@@ -15,7 +15,7 @@ from typing import Any
 from posttrain.api.base import ConditionStatus
 from posttrain.api.reasons import ConditionType
 
-from ..shared.observe import EventSpec, PodView, iso_time
+from ..shared.views import EventSpec, PodView, iso_time
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ def pods_to_delete_at_the_end(pods: list[PodView] | tuple[PodView, ...]) -> list
     ``cleanPodPolicy: Running`` keeps them; they go with the TrainingRun (ownerReferences).
     A gang restart and ``suspend`` delete every pod of the gang instead.
 
-    >>> from posttrain.operator.shared.observe import Terminated
+    >>> from posttrain.operator.shared.views import Terminated
     >>> done = PodView("r-g0-0", {}, phase="Succeeded", terminated=Terminated(exit_code=0))
     >>> pods_to_delete_at_the_end([done, PodView("r-g0-1", {}, phase="Running")])
     ['r-g0-1']

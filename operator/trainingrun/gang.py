@@ -18,7 +18,7 @@ from posttrain.api import TrainingRun, TrainingRunStatus
 from posttrain.api.labels import LABEL_GANG, LABEL_RANK
 from posttrain.api.reasons import ConditionType, Reason
 
-from ..shared.observe import EventSpec, PodView, iso_time
+from ..shared.views import EventSpec, PodView, iso_time
 from .decision import ConditionChange, Decision, pods_to_delete_at_the_end, run_failed
 from .raycluster import ray_cluster_name
 

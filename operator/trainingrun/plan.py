@@ -18,7 +18,7 @@ from posttrain.api.base import Condition, ConditionStatus, get_condition, set_co
 from posttrain.api.reasons import ConditionType, Reason
 from posttrain.api.trainingrun import MANAGED_BY_POSTTRAIN
 
-from ..shared.observe import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
+from ..shared.views import TERMINAL, EventSpec, PodView, conditions_wire, iso_time, status_diff
 from . import evaluator, sandbox_runner
 from .decision import ConditionChange, Decision, pods_to_delete_at_the_end, run_failed
 from .gang import RayClusterView, plan_gang, pod_gang, ray_cluster_gang

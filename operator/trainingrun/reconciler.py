@@ -20,8 +20,8 @@ from posttrain.storage.errors import StorageError
 from ..config import OperatorConfig
 from ..kube import KubeError, controller_uid
 from ..rolloutpool import builders as pool_builders
-from ..shared.observe import TERMINAL, EventSpec, PodView, pod_view
 from ..shared.state import Body, OperatorState, now
+from ..shared.views import TERMINAL, EventSpec, PodView, pod_view
 from ..storage_credentials import StorageCredentials
 from . import builders, names, raycluster
 from .admission import KueueAdmission

@@ -48,8 +48,8 @@ from ..shared.builders import (
     restricted_pod_context,
     spec_hash,
 )
-from ..shared.observe import PodView
 from ..shared.sandbox import SANDBOX_WORKDIR, check_file_name
+from ..shared.views import PodView
 
 CLAIM_DIR = "/sandbox/claim"
 CLAIM_FILE = "task.json"

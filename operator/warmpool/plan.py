@@ -12,7 +12,7 @@ from posttrain.api.base import ConditionStatus, set_condition
 from posttrain.api.labels import ANNOTATION_SPEC_HASH, LABEL_TASK
 from posttrain.api.reasons import ConditionType, Reason
 
-from ..shared.observe import EventSpec, PodView, status_diff
+from ..shared.views import EventSpec, PodView, status_diff
 from .builders import idle_selector, is_idle
 
 

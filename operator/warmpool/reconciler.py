@@ -30,9 +30,9 @@ from ..metrics import (
     WARM_POOL_CLAIM_SECONDS,
     WARM_POOL_CLAIMS,
 )
-from ..shared.observe import EventSpec, pod_view
 from ..shared.sandbox_namespace import SandboxNamespaces
 from ..shared.state import Body, Key, OperatorState, now
+from ..shared.views import EventSpec, pod_view
 from . import builders as wp
 from . import plan as warm_plan
 

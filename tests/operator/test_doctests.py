@@ -14,7 +14,7 @@ MODULES = [
     "informer",
     "events",
     "shared.builders",
-    "shared.observe",
+    "shared.views",
     "storage_credentials",
     "trainingrun.builders",
     "trainingrun.names",

@@ -12,7 +12,7 @@ from posttrain.api import TrainingRun
 from posttrain.api import labels as api_labels
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.shared import builders as shared_builders
-from posttrain.operator.shared.observe import PodView, Terminated
+from posttrain.operator.shared.views import PodView, Terminated
 from posttrain.operator.trainingrun import raycluster as b
 from posttrain.operator.trainingrun.builders import build_trainer_children
 from posttrain.operator.trainingrun.gang import RayClusterView, ray_cluster_view

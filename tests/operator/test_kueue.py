@@ -12,7 +12,7 @@ from posttrain.api import labels as api_labels
 from posttrain.api.reasons import Reason
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.shared.builders import owner_reference
-from posttrain.operator.shared.observe import PodView
+from posttrain.operator.shared.views import PodView
 from posttrain.operator.trainingrun import builders as run_builders
 from posttrain.operator.trainingrun.kueue import (
     QUEUE_NAME_LABEL,

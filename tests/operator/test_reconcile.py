@@ -11,7 +11,7 @@ from posttrain.operator.config import OperatorConfig
 from posttrain.operator.rolloutpool import builders as pool_builders
 from posttrain.operator.rolloutpool.plan import plan_rollout_pool
 from posttrain.operator.sandboxtask.plan import parse_sandbox_result, plan_sandbox
-from posttrain.operator.shared.observe import PodView, Terminated, pod_view
+from posttrain.operator.shared.views import PodView, Terminated, pod_view
 from posttrain.operator.trainingrun.plan import plan_training_run
 
 NOW = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)

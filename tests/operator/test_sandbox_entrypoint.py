@@ -24,7 +24,7 @@ from posttrain.operator.sandboxtask import builders as sandbox_builders
 from posttrain.operator.sandboxtask.plan import parse_sandbox_result
 from posttrain.operator.shared import builders as shared_builders
 from posttrain.operator.shared import sandbox as b
-from posttrain.operator.shared.observe import PodView, Terminated
+from posttrain.operator.shared.views import PodView, Terminated
 from posttrain.sandboxes import task_entrypoint
 from posttrain.storage.store import S3Store, s3_store_from_env
 

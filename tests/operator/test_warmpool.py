@@ -22,7 +22,7 @@ from posttrain.api.labels import (
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.sandboxtask.builders import build_sandbox_pod
 from posttrain.operator.sandboxtask.plan import plan_sandbox
-from posttrain.operator.shared.observe import PodView
+from posttrain.operator.shared.views import PodView
 from posttrain.operator.warmpool.builders import (
     ENTRYPOINT_SOURCE,
     build_claim_patch,
