@@ -307,6 +307,11 @@ def full_bytes(pool: Pool) -> int:
 
 
 def outputs(pool: Pool, replica: LocalVllmReplica) -> list[tuple[list[int], list[float]]]:
+    """Greedy token ids and logprobs, one prompt per request and one request at a time: the
+    client sends a list's prompts concurrently, and which requests vLLM batches together
+    changes the float sums (a logprob, sometimes a token), whatever the weights. Alone, each
+    prompt is computed the same way under two versions with the same bytes."""
     with pool.client(replica) as client:
         return [(group[0].token_ids, group[0].logprobs)
-                for group in client.generate(pool.prompts(), GREEDY)]  # fmt: skip
+                for prompt in pool.prompts()
+                for group in client.generate([prompt], GREEDY)]  # fmt: skip
