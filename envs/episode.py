@@ -256,67 +256,89 @@ def run_episode(
                 task, env.name, [], status="errored", error=f"reset: {type(exc).__name__}: {exc}"
             )
         episode = Episode(task, env.name, chat.prompt_ids(messages), status="truncated")
-        context = list(episode.prompt_ids)
-        result: StepResult | None = None
-        for turn_index in range(env.max_turns):
-            if episode.turns:  # the previous observation's tokens start this turn's context
-                previous = episode.turns[-1]
-                ended = bool(previous.token_ids) and previous.token_ids[-1] == chat.eos_id
-                previous.observation_ids = chat.observation_ids(
-                    env.observation_role, previous.observation or "", model_ended_turn=ended
-                )
-                context += previous.observation_ids
-            room = max_context_tokens - len(context)
-            if room <= 0 and not episode.turns:
-                # The task's opening messages alone fill the budget: the policy never acts,
-                # so there is nothing to judge or train on. Counted as errored (reported,
-                # never scored), with the sizes, rather than scored as a failure.
-                episode.status = "errored"
-                episode.error = (
-                    f"reset: the first prompt is {len(context)} tokens, over maxContextTokens "
-                    f"{max_context_tokens}"
-                )
-                log.warning("%s task %s: %s", env.name, task.task_id, episode.error)
-                break
-            if room <= 0:  # context budget spent: the observation is kept as text only
-                episode.turns[-1].observation_ids = []
-                break
-            seed = None if params.seed is None else params.seed * 1009 + turn_index
-            turn_params = replace(params, n=1, max_tokens=min(params.max_tokens, room), seed=seed)
-            (completion,) = client.generate([context], turn_params)[0]
-            turn = EpisodeTurn(
-                completion.text,
-                list(completion.token_ids),
-                list(completion.logprobs),
-                completion.weight_version,
-                completion.finish_reason,
-            )
-            episode.turns.append(turn)
-            context += turn.token_ids
-            try:
-                result = env.step(completion.text)
-            except Exception as exc:  # the environment's failure, not the policy's
-                log.warning("%s step failed on task %s: %s", env.name, task.task_id, exc)
-                episode.status, episode.error = "errored", f"step: {type(exc).__name__}: {exc}"
-                break
-            turn.info, turn.observation = dict(result.info), result.observation
-            if result.done:
-                episode.status = "done"
-                break
-        if episode.status == "truncated":  # out of turns or context: judge the final state
-            try:
-                result = env.score()
-            except Exception as exc:
-                episode.status, episode.error = "errored", f"score: {type(exc).__name__}: {exc}"
-        if episode.status != "errored" and result is not None:
-            episode.reward = float(result.reward)
-            episode.passed = bool(result.info.get("passed", result.reward >= 1.0))
-            episode.details = dict(result.info.get("details", {}))
+        result = _play_turns(client, chat, env, episode, params, max_context_tokens)
+        _judge(env, episode, result)
         span.set_attribute("env.status", episode.status)
         span.set_attribute("env.turns", len(episode.turns))
         span.set_attribute("env.reward", episode.reward)
     EPISODES.labels(env.name, episode.status).inc()
     return episode
+
+
+def _play_turns(
+    client: Any,
+    chat: ChatTokens,
+    env: Environment,
+    episode: Episode,
+    params: Any,
+    max_context_tokens: int,
+) -> StepResult | None:
+    """Alternate policy turns and environment steps into ``episode.turns`` until the
+    environment says done (status ``done``), it fails (``errored``), or turns or context run
+    out (status stays ``truncated``). Returns the last step's result (None: no step ran)."""
+    task = episode.task
+    context = list(episode.prompt_ids)
+    result: StepResult | None = None
+    for turn_index in range(env.max_turns):
+        if episode.turns:  # the previous observation's tokens start this turn's context
+            previous = episode.turns[-1]
+            ended = bool(previous.token_ids) and previous.token_ids[-1] == chat.eos_id
+            previous.observation_ids = chat.observation_ids(
+                env.observation_role, previous.observation or "", model_ended_turn=ended
+            )
+            context += previous.observation_ids
+        room = max_context_tokens - len(context)
+        if room <= 0 and not episode.turns:
+            # The task's opening messages alone fill the budget: the policy never acts,
+            # so there is nothing to judge or train on. Counted as errored (reported,
+            # never scored), with the sizes, rather than scored as a failure.
+            episode.status = "errored"
+            episode.error = (
+                f"reset: the first prompt is {len(context)} tokens, over maxContextTokens "
+                f"{max_context_tokens}"
+            )
+            log.warning("%s task %s: %s", env.name, task.task_id, episode.error)
+            break
+        if room <= 0:  # context budget spent: the observation is kept as text only
+            episode.turns[-1].observation_ids = []
+            break
+        seed = None if params.seed is None else params.seed * 1009 + turn_index
+        turn_params = replace(params, n=1, max_tokens=min(params.max_tokens, room), seed=seed)
+        (completion,) = client.generate([context], turn_params)[0]
+        turn = EpisodeTurn(
+            completion.text,
+            list(completion.token_ids),
+            list(completion.logprobs),
+            completion.weight_version,
+            completion.finish_reason,
+        )
+        episode.turns.append(turn)
+        context += turn.token_ids
+        try:
+            result = env.step(completion.text)
+        except Exception as exc:  # the environment's failure, not the policy's
+            log.warning("%s step failed on task %s: %s", env.name, task.task_id, exc)
+            episode.status, episode.error = "errored", f"step: {type(exc).__name__}: {exc}"
+            break
+        turn.info, turn.observation = dict(result.info), result.observation
+        if result.done:
+            episode.status = "done"
+            break
+    return result
+
+
+def _judge(env: Environment, episode: Episode, result: StepResult | None) -> None:
+    """Set the episode's reward and verdict from the final step, or from ``env.score()``
+    when turns or context ran out; an environment failure leaves it errored, unscored."""
+    if episode.status == "truncated":  # out of turns or context: judge the final state
+        try:
+            result = env.score()
+        except Exception as exc:
+            episode.status, episode.error = "errored", f"score: {type(exc).__name__}: {exc}"
+    if episode.status != "errored" and result is not None:
+        episode.reward = float(result.reward)
+        episode.passed = bool(result.info.get("passed", result.reward >= 1.0))
+        episode.details = dict(result.info.get("details", {}))
 
 
 def run_episodes(

@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     pool_env = RolloutPoolEnv.from_env()  # what the operator hands a pool's replicas
+    _register_serve(subparsers, pool_env)
+    rollout = subparsers.add_parser("rollout", help="rollout replica helpers (vLLM)")
+    rollout_sub = rollout.add_subparsers(
+        dest="rollout_command", metavar="SUBCOMMAND", required=True
+    )
+    _register_vllm(rollout_sub, pool_env)
+    _register_fetch_model(rollout_sub)
+
+
+def _register_serve(subparsers: argparse._SubParsersAction, pool_env: RolloutPoolEnv) -> None:
+    """``posttrain serve``: the CPU engine (or vLLM) behind the OpenAI contract."""
     serve = subparsers.add_parser(
         "serve",
         help="OpenAI-compatible rollout server on the CPU engine",
@@ -76,10 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_limit_flags(serve)
     serve.set_defaults(func=_serve)
 
-    rollout = subparsers.add_parser("rollout", help="rollout replica helpers (vLLM)")
-    rollout_sub = rollout.add_subparsers(
-        dest="rollout_command", metavar="SUBCOMMAND", required=True
-    )
+
+def _register_vllm(rollout_sub: argparse._SubParsersAction, pool_env: RolloutPoolEnv) -> None:
+    """``posttrain rollout vllm-entry|vllm-command``: the two share every engine flag, so
+    the command a pod runs and the one ``vllm-command`` prints cannot drift apart."""
     for name, handler, text in (
         ("vllm-entry", _vllm_entry, "run vllm serve behind posttrain's weight-sync front door"),
         ("vllm-command", _vllm_command, "print the vllm serve command line for engine args"),
@@ -116,6 +127,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             add_limit_flags(parser)
         parser.set_defaults(func=handler)
 
+
+def _register_fetch_model(rollout_sub: argparse._SubParsersAction) -> None:
+    """``posttrain rollout fetch-model``: a pool pod's init step."""
     fetch = rollout_sub.add_parser(
         "fetch-model",
         help="resolve a model reference into a local directory (a pool pod's init step)",

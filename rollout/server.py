@@ -22,7 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
@@ -211,11 +211,27 @@ def poll_weights(state: ServerState, stop: threading.Event) -> None:
             log.exception("polling %s for new weights failed; will retry", config.weights_uri)
 
 
-def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
-    """The FastAPI app; ``state`` is filled by :func:`load_engine` (possibly later)."""
+def create_app(state: ServerState) -> FastAPI:
+    """The FastAPI app; ``state`` is filled by :func:`load_engine` (possibly later).
+
+    One router per concern, each built over the shared ``state``: status (health, metrics,
+    models), weights, generation (completions, chat) and rewards.
+    """
     app = FastAPI(title="posttrain rollout server")
-    limits = state.config.limits
-    app.add_middleware(BoundedBody, limits=limits.http, render=error_body)
+    app.add_middleware(BoundedBody, limits=state.config.limits.http, render=error_body)
+    _install_error_handlers(app)
+    for router in (
+        status_router(state),
+        weights_router(state),
+        generation_router(state),
+        rewards_router(state),
+    ):
+        app.include_router(router)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every refusal in the OpenAI error shape (routers cannot carry exception handlers)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -235,7 +251,12 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
             message = UNPARSEABLE_BODY
         return _error(exc.status_code, message)
 
-    @app.get("/health")
+
+def status_router(state: ServerState) -> APIRouter:
+    """``/health`` (503 until the model and latest weights are in), ``/metrics``, ``/v1/models``."""
+    router = APIRouter()
+
+    @router.get("/health")
     async def health() -> Response:
         if state.ready.is_set():
             body: dict[str, Any] = {"status": "ok", "weight_version": state.engine.weight_version}
@@ -245,11 +266,11 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
         detail = state.load_error or "loading model and latest weights"
         return JSONResponse({"status": "loading", "detail": detail}, status_code=503)
 
-    @app.get("/metrics")
+    @router.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @router.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {
             "object": "list",
@@ -264,7 +285,14 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
             ],
         }
 
-    @app.get("/v1/weights/version")
+    return router
+
+
+def weights_router(state: ServerState) -> APIRouter:
+    """``/v1/weights/version`` and ``/v1/weights/load`` (token-checked, rollout/auth.py)."""
+    router = APIRouter()
+
+    @router.get("/v1/weights/version")
     async def weight_version() -> Response:
         engine = _engine(state)
         return JSONResponse(
@@ -272,138 +300,169 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
             headers={WEIGHT_VERSION_HEADER: str(engine.weight_version)},
         )
 
-    @app.post("/v1/weights/load")
+    @router.post("/v1/weights/load")
     async def weights_load(body: WeightLoadRequest, request: Request) -> Response:
-        try:
-            check_weight_load(
-                request.headers, body.uri, state.config.weights_token, state.config.weights_uri
-            )
-        except WeightLoadDenied as exc:
-            REQUESTS.labels("weights_load", str(exc.status)).inc()
-            return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
-        _engine(state)
-        with tracer.start_as_current_span(
-            "rollout.weights_load", context=extract_context(request.headers)
-        ):
-            try:
-                elapsed = await asyncio.to_thread(load_weights, state, body.uri, body.version)
-            except Exception as exc:
-                status = weight_load_status(exc)
-                if status is None:
-                    raise
-                REQUESTS.labels("weights_load", str(status)).inc()
-                message = f"cannot load weights v{body.version} from {body.uri}: {exc}"
-                return _error(status, message, "uri" if status < 500 else None)
-        REQUESTS.labels("weights_load", "200").inc()
-        return JSONResponse(
-            {"weight_version": body.version, "load_seconds": elapsed},
-            headers={WEIGHT_VERSION_HEADER: str(body.version)},
+        return await _weights_load(state, body, request)
+
+    return router
+
+
+async def _weights_load(state: ServerState, body: WeightLoadRequest, request: Request) -> Response:
+    try:
+        check_weight_load(
+            request.headers, body.uri, state.config.weights_token, state.config.weights_uri
         )
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        started = time.monotonic()
-        engine = _engine(state)
-        if body.stream or body.echo:
-            unsupported = "stream" if body.stream else "echo"
-            raise ApiError(400, f"{unsupported} is not supported by posttrain serve", unsupported)
-        prompts = normalize_prompts(body.prompt)
-        check_limits(body, limits, len(prompts), engine.max_positions)
-        token_prompts = [
-            p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False)
-            for p in prompts
-        ]
-        params = sampling_params(body)
-        with tracer.start_as_current_span(
-            "rollout.completions", context=extract_context(request.headers)
-        ) as span:
-            span.set_attribute("rollout.prompts", len(token_prompts))
-            span.set_attribute("rollout.n", body.n)
-            results = await _generate(engine, token_prompts, params, body.logprobs or 0, request)
-        choices = []
-        for prompt_index, samples in enumerate(results):
-            for sample_index, sample in enumerate(samples):
-                choices.append(
-                    {
-                        "index": prompt_index * body.n + sample_index,
-                        "text": sample.text,
-                        "finish_reason": sample.finish_reason,
-                        "token_ids": sample.token_ids,
-                        "weight_version": sample.weight_version,
-                        "logprobs": (
-                            _completion_logprobs(engine, sample, body.return_tokens_as_token_ids)
-                            if body.logprobs is not None
-                            else None
-                        ),
-                    }
-                )
-        version = min(c["weight_version"] for c in choices)
-        payload = {
-            "id": f"cmpl-{uuid.uuid4().hex}",
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": choices,
-            "usage": _usage(token_prompts, results, body.n),
-            "weight_version": version,
-        }
-        REQUESTS.labels("completions", "200").inc()
-        REQUEST_LATENCY.labels("completions").observe(time.monotonic() - started)
-        return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        started = time.monotonic()
-        engine = _engine(state)
-        if body.stream:
-            raise ApiError(400, "stream is not supported by posttrain serve", "stream")
-        check_limits(body, limits, 1, engine.max_positions)
+    except WeightLoadDenied as exc:
+        REQUESTS.labels("weights_load", str(exc.status)).inc()
+        return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
+    _engine(state)
+    with tracer.start_as_current_span(
+        "rollout.weights_load", context=extract_context(request.headers)
+    ):
         try:
-            prompt_ids = engine.tokenizer.apply_chat_template(
-                body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            elapsed = await asyncio.to_thread(load_weights, state, body.uri, body.version)
         except Exception as exc:
-            message = f"messages do not fit the chat template: {exc}"
-            raise ApiError(400, message, "messages") from exc
-        if hasattr(prompt_ids, "input_ids"):
-            prompt_ids = prompt_ids["input_ids"]
-        params = sampling_params(body)
-        top = body.top_logprobs if body.logprobs else 0
-        with tracer.start_as_current_span(
-            "rollout.chat_completions", context=extract_context(request.headers)
-        ):
-            (samples,) = await _generate(engine, [list(prompt_ids)], params, top, request)
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": sample.text},
-                "finish_reason": sample.finish_reason,
-                "token_ids": sample.token_ids,
-                "weight_version": sample.weight_version,
-                "logprobs": (
-                    _chat_logprobs(engine, sample, body.return_tokens_as_token_ids)
-                    if body.logprobs
-                    else None
-                ),
-            }
-            for i, sample in enumerate(samples)
-        ]
-        version = min(c["weight_version"] for c in choices)
-        payload = {
-            "id": f"chatcmpl-{uuid.uuid4().hex}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": choices,
-            "prompt_token_ids": list(prompt_ids),
-            "usage": _usage([list(prompt_ids)], [samples], body.n),
-            "weight_version": version,
-        }
-        REQUESTS.labels("chat", "200").inc()
-        REQUEST_LATENCY.labels("chat").observe(time.monotonic() - started)
-        return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+            status = weight_load_status(exc)
+            if status is None:
+                raise
+            REQUESTS.labels("weights_load", str(status)).inc()
+            message = f"cannot load weights v{body.version} from {body.uri}: {exc}"
+            return _error(status, message, "uri" if status < 500 else None)
+    REQUESTS.labels("weights_load", "200").inc()
+    return JSONResponse(
+        {"weight_version": body.version, "load_seconds": elapsed},
+        headers={WEIGHT_VERSION_HEADER: str(body.version)},
+    )
 
-    @app.post("/v1/rewards")
+
+def generation_router(state: ServerState) -> APIRouter:
+    """``/v1/completions`` and ``/v1/chat/completions`` on the engine."""
+    router = APIRouter()
+
+    @router.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _completions(state, body, request)
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        return await _chat_completions(state, body, request)
+
+    return router
+
+
+async def _completions(state: ServerState, body: CompletionRequest, request: Request) -> Response:
+    started = time.monotonic()
+    engine = _engine(state)
+    if body.stream or body.echo:
+        unsupported = "stream" if body.stream else "echo"
+        raise ApiError(400, f"{unsupported} is not supported by posttrain serve", unsupported)
+    prompts = normalize_prompts(body.prompt)
+    check_limits(body, state.config.limits, len(prompts), engine.max_positions)
+    token_prompts = [
+        p if isinstance(p, list) else engine.tokenizer.encode(p, add_special_tokens=False)
+        for p in prompts
+    ]
+    params = sampling_params(body)
+    with tracer.start_as_current_span(
+        "rollout.completions", context=extract_context(request.headers)
+    ) as span:
+        span.set_attribute("rollout.prompts", len(token_prompts))
+        span.set_attribute("rollout.n", body.n)
+        results = await _generate(engine, token_prompts, params, body.logprobs or 0, request)
+    choices = [
+        {
+            "index": prompt_index * body.n + sample_index,
+            "text": sample.text,
+            "finish_reason": sample.finish_reason,
+            "token_ids": sample.token_ids,
+            "weight_version": sample.weight_version,
+            "logprobs": (
+                _completion_logprobs(engine, sample, body.return_tokens_as_token_ids)
+                if body.logprobs is not None
+                else None
+            ),
+        }
+        for prompt_index, samples in enumerate(results)
+        for sample_index, sample in enumerate(samples)
+    ]
+    version = min(c["weight_version"] for c in choices)
+    payload = {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "usage": _usage(token_prompts, results, body.n),
+        "weight_version": version,
+    }
+    REQUESTS.labels("completions", "200").inc()
+    REQUEST_LATENCY.labels("completions").observe(time.monotonic() - started)
+    return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+
+
+async def _chat_completions(state: ServerState, body: ChatRequest, request: Request) -> Response:
+    started = time.monotonic()
+    engine = _engine(state)
+    if body.stream:
+        raise ApiError(400, "stream is not supported by posttrain serve", "stream")
+    check_limits(body, state.config.limits, 1, engine.max_positions)
+    prompt_ids = _chat_prompt_ids(engine, body)
+    params = sampling_params(body)
+    top = body.top_logprobs if body.logprobs else 0
+    with tracer.start_as_current_span(
+        "rollout.chat_completions", context=extract_context(request.headers)
+    ):
+        (samples,) = await _generate(engine, [prompt_ids], params, top, request)
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": sample.text},
+            "finish_reason": sample.finish_reason,
+            "token_ids": sample.token_ids,
+            "weight_version": sample.weight_version,
+            "logprobs": (
+                _chat_logprobs(engine, sample, body.return_tokens_as_token_ids)
+                if body.logprobs
+                else None
+            ),
+        }
+        for i, sample in enumerate(samples)
+    ]
+    version = min(c["weight_version"] for c in choices)
+    payload = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": choices,
+        "prompt_token_ids": prompt_ids,
+        "usage": _usage([prompt_ids], [samples], body.n),
+        "weight_version": version,
+    }
+    REQUESTS.labels("chat", "200").inc()
+    REQUEST_LATENCY.labels("chat").observe(time.monotonic() - started)
+    return JSONResponse(payload, headers={WEIGHT_VERSION_HEADER: str(version)})
+
+
+def _chat_prompt_ids(engine: Any, body: ChatRequest) -> list[int]:
+    """The messages through the model's chat template, as token ids (400 if they do not fit)."""
+    try:
+        prompt_ids = engine.tokenizer.apply_chat_template(
+            body.messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    except Exception as exc:
+        message = f"messages do not fit the chat template: {exc}"
+        raise ApiError(400, message, "messages") from exc
+    if hasattr(prompt_ids, "input_ids"):
+        prompt_ids = prompt_ids["input_ids"]
+    return list(prompt_ids)
+
+
+def rewards_router(state: ServerState) -> APIRouter:
+    """``/v1/rewards``: the sequence classifier of ``--reward-model`` (404 without one)."""
+    router = APIRouter()
+
+    @router.post("/v1/rewards")
     async def rewards(body: RewardRequest) -> Response:
         started = time.monotonic()
         _engine(state)  # 503 while loading
@@ -422,7 +481,7 @@ def create_app(state: ServerState) -> FastAPI:  # noqa: C901, PLR0915
         REQUEST_LATENCY.labels("rewards").observe(time.monotonic() - started)
         return JSONResponse(payload)
 
-    return app
+    return router
 
 
 def _engine(state: ServerState) -> Any:

@@ -417,109 +417,112 @@ class VllmFrontDoor:
             )
         return response.json()
 
-    def create_app(self) -> FastAPI:  # noqa: C901
-        from posttrain.rollout.weights import load_failure_status
-
+    def create_app(self) -> FastAPI:
+        """The public app: each route a method of this front door (its state is ``self``)."""
         app = FastAPI(title="posttrain vLLM front door")
         app.add_middleware(BoundedBody, limits=self.limits.http, render=error_body)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/weights/version", self.weight_version, methods=["GET"])
+        app.add_api_route("/v1/weights/load", self.weights_load, methods=["POST"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/{path:path}", self.proxy, methods=["GET", "POST"])
+        return app
 
-        @app.get("/health")
-        async def health() -> Response:
-            status = 200 if self.ready else 503
-            body: dict[str, Any] = {"ready": self.ready, "weight_version": self.version}
-            if self.refused:
-                body["refused_versions"] = sorted(self.refused)
-            return JSONResponse(body, status)
+    async def health(self) -> Response:
+        """200 once vLLM is up and the latest weights are loaded; 503 before."""
+        status = 200 if self.ready else 503
+        body: dict[str, Any] = {"ready": self.ready, "weight_version": self.version}
+        if self.refused:
+            body["refused_versions"] = sorted(self.refused)
+        return JSONResponse(body, status)
 
-        @app.get("/v1/weights/version")
-        async def version() -> Response:
-            return JSONResponse(
-                {"weight_version": self.version},
-                headers={WEIGHT_VERSION_HEADER: str(self.version)},
-            )
+    async def weight_version(self) -> Response:
+        return JSONResponse(
+            {"weight_version": self.version},
+            headers={WEIGHT_VERSION_HEADER: str(self.version)},
+        )
 
-        @app.post("/v1/weights/load")
-        async def load(request: Request) -> Response:
+    async def weights_load(self, request: Request) -> Response:
+        """``/v1/weights/load``: token-checked (rollout/auth.py), then :meth:`load`; a
+        refused version leaves the served one in place and says which it is."""
+        from posttrain.rollout.weights import load_failure_status
+
+        try:
+            body = parse_body(WeightLoadRequest, await request.body())
+        except ApiError as exc:
+            return _error(exc.status, exc.message, exc.param)
+        uri, wanted = body.uri, body.version
+        try:
+            check_weight_load(request.headers, uri, self.weights_token, self.weights_uri)
+        except WeightLoadDenied as exc:
+            return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
+        with tracer.start_as_current_span(
+            "rollout.weights_load", context=extract_context(request.headers)
+        ):
             try:
-                body = parse_body(WeightLoadRequest, await request.body())
+                elapsed = await self.load(uri, wanted)
+            except Exception as exc:
+                status = load_failure_status(exc)
+                if status is None:
+                    raise
+                message = (f"refused weights v{wanted} from {uri}: {exc}; still serving "
+                           f"v{self.version}")  # fmt: skip
+                # 400: the caller named weights this replica cannot read (the trainer's
+                # /dev/shm copy on another host is the usual one) and is told so: it
+                # falls back, nothing for whoever runs this replica to do. 503: this
+                # replica's storage settings are, so that stays an ERROR.
+                log.log(logging.ERROR if status >= 500 else logging.INFO, "%s", message)
+                param = "uri" if status < 500 else None
+                response = _error(status, message, param, weight_version=self.version)
+                response.headers[WEIGHT_VERSION_HEADER] = str(self.version)
+                return response
+        return JSONResponse(
+            {"weight_version": self.version, "load_seconds": elapsed},
+            headers={WEIGHT_VERSION_HEADER: str(self.version)},
+        )
+
+    async def metrics(self) -> Response:
+        """vLLM's metrics followed by the front door's own."""
+        upstream = await self.http.get(f"{self.upstream}/metrics")
+        body = upstream.content if upstream.status_code == 200 else b""
+        return Response(body + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    async def proxy(self, path: str, request: Request) -> Response:
+        """Every OpenAI route to vLLM under the read lock, answers tagged with the one
+        weight version they were sampled with."""
+        if not is_proxied(path):
+            return _error(404, f"/{path} is not served by the posttrain front door")
+        if not self.ready:
+            return _error(503, "loading")
+        headers = {
+            k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}
+        }
+        body = await request.body()
+        if request.method == "POST":
+            try:
+                check_proxied_body(path, body, self.limits, self.context_length)
             except ApiError as exc:
                 return _error(exc.status, exc.message, exc.param)
-            uri, wanted = body.uri, body.version
-            try:
-                check_weight_load(request.headers, uri, self.weights_token, self.weights_uri)
-            except WeightLoadDenied as exc:
-                return _error(exc.status, str(exc), "uri" if exc.status == 403 else None)
-            with tracer.start_as_current_span(
-                "rollout.weights_load", context=extract_context(request.headers)
-            ):
-                try:
-                    elapsed = await self.load(uri, wanted)
-                except Exception as exc:
-                    status = load_failure_status(exc)
-                    if status is None:
-                        raise
-                    message = (f"refused weights v{wanted} from {uri}: {exc}; still serving "
-                               f"v{self.version}")  # fmt: skip
-                    # 400: the caller named weights this replica cannot read (the trainer's
-                    # /dev/shm copy on another host is the usual one) and is told so: it
-                    # falls back, nothing for whoever runs this replica to do. 503: this
-                    # replica's storage settings are, so that stays an ERROR.
-                    log.log(logging.ERROR if status >= 500 else logging.INFO, "%s", message)
-                    param = "uri" if status < 500 else None
-                    response = _error(status, message, param, weight_version=self.version)
-                    response.headers[WEIGHT_VERSION_HEADER] = str(self.version)
-                    return response
-            return JSONResponse(
-                {"weight_version": self.version, "load_seconds": elapsed},
-                headers={WEIGHT_VERSION_HEADER: str(self.version)},
+        await self.lock.acquire_read()
+        try:
+            version = self.version
+            upstream = await self.http.request(
+                request.method, f"{self.upstream}/{path}", content=body, headers=headers
             )
-
-        @app.get("/metrics")
-        async def metrics() -> Response:
-            """vLLM's metrics followed by the front door's own."""
-            upstream = await self.http.get(f"{self.upstream}/metrics")
-            body = upstream.content if upstream.status_code == 200 else b""
-            return Response(body + generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-        @app.api_route("/{path:path}", methods=["GET", "POST"])
-        async def proxy(path: str, request: Request) -> Response:
-            if not is_proxied(path):
-                return _error(404, f"/{path} is not served by the posttrain front door")
-            if not self.ready:
-                return _error(503, "loading")
-            headers = {
-                k: v
-                for k, v in request.headers.items()
-                if k.lower() not in {"host", "content-length"}
-            }
-            body = await request.body()
-            if request.method == "POST":
-                try:
-                    check_proxied_body(path, body, self.limits, self.context_length)
-                except ApiError as exc:
-                    return _error(exc.status, exc.message, exc.param)
-            await self.lock.acquire_read()
-            try:
-                version = self.version
-                upstream = await self.http.request(
-                    request.method, f"{self.upstream}/{path}", content=body, headers=headers
-                )
-            finally:
-                await self.lock.release_read()
-            content_type = upstream.headers.get("content-type", "")
-            if path.endswith("completions") and content_type.startswith("application/json"):
-                payload = upstream.json()
-                if isinstance(payload, dict) and "choices" in payload:
-                    payload["weight_version"] = version
-                    for choice in payload["choices"]:
-                        choice["weight_version"] = version
-                return JSONResponse(
-                    payload, upstream.status_code, headers={WEIGHT_VERSION_HEADER: str(version)}
-                )
-            return Response(upstream.content, upstream.status_code, media_type=content_type,
-                            headers={WEIGHT_VERSION_HEADER: str(version)})  # fmt: skip
-
-        return app
+        finally:
+            await self.lock.release_read()
+        content_type = upstream.headers.get("content-type", "")
+        if path.endswith("completions") and content_type.startswith("application/json"):
+            payload = upstream.json()
+            if isinstance(payload, dict) and "choices" in payload:
+                payload["weight_version"] = version
+                for choice in payload["choices"]:
+                    choice["weight_version"] = version
+            return JSONResponse(
+                payload, upstream.status_code, headers={WEIGHT_VERSION_HEADER: str(version)}
+            )
+        return Response(upstream.content, upstream.status_code, media_type=content_type,
+                        headers={WEIGHT_VERSION_HEADER: str(version)})  # fmt: skip
 
 
 def _start_vllm(spec: VllmServeSpec) -> subprocess.Popen[bytes]:

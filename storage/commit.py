@@ -224,22 +224,7 @@ def upload_dir(
     old manifest with new files; files left over from an earlier attempt that are not in
     the new manifest are deleted after the commit.
     """
-    root = Path(local_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"cannot upload {root}: not a directory")
-    files = local_files(root)
-    if any(rel == MANIFEST_NAME for rel, _ in files):
-        raise ValueError(
-            f"{root} contains {MANIFEST_NAME}, which is reserved for the commit record; rename it"
-        )
-    new_hasher(algorithm)  # an unknown algorithm fails here, before any upload
-    try:  # fail before moving gigabytes, not at the commit point
-        json.dumps(metadata or {})
-    except (TypeError, ValueError) as exc:
-        raise ValueError(
-            f"metadata for {store.uri(prefix)} is not JSON-serialisable ({exc}); pass plain "
-            "numbers, strings, lists and dicts"
-        ) from None
+    files = _files_to_upload(store, prefix, Path(local_dir), metadata, algorithm)
     sizes = {rel: path.stat().st_size for rel, path in files}
     total = sum(sizes.values())
     target = store.uri(prefix)
@@ -252,26 +237,10 @@ def upload_dir(
         if manifest_key(prefix) in previous:
             store.delete(manifest_key(prefix))  # uncommit before overwriting files
         progress = TransferProgress(f"upload {target}", total)
-
-        def upload(rel: str, path: Path) -> Digest:
-            digest = store.put_file(
-                join_key(prefix, rel), path, progress=progress, algorithm=algorithm
-            )
-            if digest.size != sizes[rel]:
-                raise RuntimeError(
-                    f"{path} changed size during upload ({sizes[rel]} -> {digest.size} bytes); "
-                    "finish writing the directory before uploading it"
-                )
-            return digest
-
-        # Largest first, so the long transfers overlap with the many small ones.
-        ordered = sorted(files, key=lambda item: -sizes[item[0]])
-        digests = _run_parallel(
-            [(rel, partial(upload, rel, path)) for rel, path in ordered],
-            file_workers,
+        digests = _upload_checking_sizes(
+            store, prefix, files, sizes, progress, algorithm, file_workers
         )
-        own = {rel for rel, _ in files}
-        clashing = sorted(own & {f.path for f in extra_files})
+        clashing = sorted({rel for rel, _ in files} & {f.path for f in extra_files})
         if clashing:
             raise ValueError(f"files uploaded by two writers under {target}: {clashing}")
         manifest = Manifest(
@@ -301,6 +270,58 @@ def upload_dir(
             format_bytes(total / max(elapsed, 1e-9)),
         )
         return manifest
+
+
+def _files_to_upload(
+    store: ArtifactStore,
+    prefix: str,
+    root: Path,
+    metadata: dict[str, Any] | None,
+    algorithm: str,
+) -> list[tuple[str, Path]]:
+    """``root``'s files, after every check that can fail before a byte moves: the directory
+    exists, no file takes the manifest's name, the algorithm is known, metadata is JSON."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"cannot upload {root}: not a directory")
+    files = local_files(root)
+    if any(rel == MANIFEST_NAME for rel, _ in files):
+        raise ValueError(
+            f"{root} contains {MANIFEST_NAME}, which is reserved for the commit record; rename it"
+        )
+    new_hasher(algorithm)  # an unknown algorithm fails here, before any upload
+    try:  # fail before moving gigabytes, not at the commit point
+        json.dumps(metadata or {})
+    except (TypeError, ValueError) as exc:
+        raise ValueError(
+            f"metadata for {store.uri(prefix)} is not JSON-serialisable ({exc}); pass plain "
+            "numbers, strings, lists and dicts"
+        ) from None
+    return files
+
+
+def _upload_checking_sizes(
+    store: ArtifactStore,
+    prefix: str,
+    files: list[tuple[str, Path]],
+    sizes: dict[str, int],
+    progress: TransferProgress,
+    algorithm: str,
+    file_workers: int,
+) -> dict[str, Digest]:
+    """Upload ``files`` in parallel, largest first (the long transfers overlap with the
+    many small ones); a file whose size changed since it was listed fails the upload."""
+
+    def upload(rel: str, path: Path) -> Digest:
+        digest = store.put_file(join_key(prefix, rel), path, progress=progress, algorithm=algorithm)
+        if digest.size != sizes[rel]:
+            raise RuntimeError(
+                f"{path} changed size during upload ({sizes[rel]} -> {digest.size} bytes); "
+                "finish writing the directory before uploading it"
+            )
+        return digest
+
+    ordered = sorted(files, key=lambda item: -sizes[item[0]])
+    return _run_parallel([(rel, partial(upload, rel, path)) for rel, path in ordered], file_workers)
 
 
 def download_dir(
