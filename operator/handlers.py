@@ -4,6 +4,7 @@
 Watches feed the controller's caches (kopf's for most kinds; lean informers, informer.py,
 for SandboxTasks and labelled pods, the burst path); every event triggers a level-triggered
 reconcile of the affected object (pod and Deployment events reconcile their owner). A
+failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
 periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
 anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
 finalizer: it is the one case where deletion needs cleanup (the artifacts in S3).
@@ -229,8 +230,8 @@ def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
 
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` as a task of its own; its failure is logged (the resync retries), like a
-    kopf on.event handler's."""
+    """Run ``work`` as a task of its own; its failure is logged (the failed reconcile has
+    requeued its object with backoff), like a kopf on.event handler's."""
     task = asyncio.create_task(work)
     memo.inflight.add(task)
     task.add_done_callback(lambda done: _finished(memo, done))
@@ -239,6 +240,4 @@ def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
 def _finished(memo: Any, task: asyncio.Task[None]) -> None:
     memo.inflight.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.error(
-            "reconcile failed (the resync retries): %r", task.exception(), exc_info=task.exception()
-        )
+        log.error("reconcile failed (requeued): %r", task.exception(), exc_info=task.exception())

@@ -66,6 +66,7 @@ async def run_async(
     memo.executor = settings.execution.executor
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
+    bind_requeue(memo)
     # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
     # more root task, gated by kopf's peering (read from the peering objects: PeeringGate).
     existing = asyncio.all_tasks()
@@ -91,7 +92,26 @@ async def run_async(
         )
     )
     informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
-    await kopf.run_tasks([*tasks, informers], ignored=existing)
+    try:
+        await kopf.run_tasks([*tasks, informers], ignored=existing)
+    finally:
+        memo.controller.state.requeue.unbind()
+
+
+def bind_requeue(memo: kopf.Memo) -> None:
+    """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
+    reconciler threads (a failure there requeues it again, with a longer delay)."""
+    loop = asyncio.get_running_loop()
+    controller: Controller = memo.controller
+
+    def retry(kind: str, namespace: str, name: str) -> None:
+        future = loop.run_in_executor(
+            memo.executor, controller.reconciler_of(kind), namespace, name
+        )
+        # Its failure was logged and requeued inside the reconcile; only consume it here.
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    controller.state.requeue.bind(loop, retry)
 
 
 def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:

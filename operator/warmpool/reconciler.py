@@ -188,7 +188,7 @@ class WarmPoolReconciler:
                 self.reconcile(namespace, pool)
             except (KubeError, OSError, httpx.HTTPError) as exc:
                 log.warning(
-                    "refill of SandboxWarmPool %s/%s failed: %s (resync retries)",
+                    "refill of SandboxWarmPool %s/%s failed: %s (requeued)",
                     namespace,
                     pool,
                     exc,
