@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import httpx
-
 from posttrain.api.labels import (
     COMPONENT_ROLLOUT,
     COMPONENT_SANDBOX,
@@ -155,7 +153,7 @@ class Controller:
             for namespace, name in store.snapshot_keys():
                 try:
                     reconcile(namespace, name)
-                except (KubeError, OSError, httpx.HTTPError) as exc:
+                except (KubeError, OSError) as exc:
                     log.warning("resync of %s/%s failed: %s", namespace, name, exc)
         try:
             self.credentials.collect()  # revoke what deleted runs and pools held

@@ -26,8 +26,7 @@ from urllib.parse import urlencode
 import aiohttp
 from pydantic_core import from_json
 
-from .akube import AsyncKube
-from .kube import KubeError
+from .kube import AsyncKube, KubeError
 
 log = logging.getLogger(__name__)
 

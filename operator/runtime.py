@@ -14,12 +14,11 @@ from posttrain.api import API_VERSION
 from posttrain.api.labels import LABEL_COMPONENT
 from posttrain.telemetry import start_metrics_server
 
-from .akube import AsyncKube
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
 from .informer import Gate, Informer, PeeringGate
-from .kube import KubeClient, load_credentials
+from .kube import AsyncKube, KubeClient, load_credentials
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 
 log = logging.getLogger(__name__)
