@@ -6,18 +6,19 @@ import asyncio
 import gc
 import logging
 import threading
+from collections.abc import Callable
 
 import kopf
 import uvloop
 
 from posttrain.api import API_VERSION
-from posttrain.api.labels import LABEL_COMPONENT
+from posttrain.api.labels import COMPONENT_ROLLOUT, LABEL_COMPONENT
 from posttrain.telemetry import start_metrics_server
 
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
-from .informer import Gate, Informer, PeeringGate
+from .informer import Body, Gate, Informer, PeeringGate
 from .kube import AsyncKube, KubeClient, load_credentials
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 
@@ -114,39 +115,50 @@ def bind_requeue(memo: kopf.Memo) -> None:
 
 
 def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
-    """SandboxTasks and labelled pods (the burst path), per watched namespace or cluster-wide."""
+    """Every watch but kopf's (TrainingRuns, RayClusters, Workloads): SandboxTasks,
+    RolloutPools, SandboxWarmPools, labelled pods and rollout Deployments, per watched
+    namespace or cluster-wide."""
     namespaces: list[str | None] = (
         [None] if config.all_namespaces else list(config.watched_namespaces)
     )
-    from .handlers import on_pod, on_sandbox_task
+    from . import handlers
+
+    def watching(
+        api_version: str,
+        kind: str,
+        plural: str,
+        on_event: Callable[[kopf.Memo, str, Body], None],
+        namespace: str | None,
+        label_selector: str = "",
+    ) -> Informer:
+        return Informer(
+            memo.akube,
+            api_version,
+            kind,
+            plural,
+            namespace,
+            on_event=lambda event, body: on_event(memo, event, body),
+            label_selector=label_selector,
+            server_timeout=config.watch_server_timeout,
+            client_timeout=config.watch_client_timeout,
+        )
 
     informers = []
-    for namespace in namespaces:
-        informers.append(
-            Informer(
-                memo.akube,
-                API_VERSION,
-                "SandboxTask",
-                "sandboxtasks",
-                namespace,
-                on_event=lambda event, body: on_sandbox_task(memo, event, body),
-                server_timeout=config.watch_server_timeout,
-                client_timeout=config.watch_client_timeout,
-            )
-        )
-        informers.append(
-            Informer(
-                memo.akube,
-                "v1",
-                "Pod",
-                "pods",
-                namespace,
-                label_selector=LABEL_COMPONENT,
-                on_event=lambda event, body: on_pod(memo, event, body),
-                server_timeout=config.watch_server_timeout,
-                client_timeout=config.watch_client_timeout,
-            )
-        )
+    for ns in namespaces:
+        informers += [
+            watching(API_VERSION, "SandboxTask", "sandboxtasks", handlers.on_sandbox_task, ns),
+            watching("v1", "Pod", "pods", handlers.on_pod, ns, LABEL_COMPONENT),
+            watching(API_VERSION, "RolloutPool", "rolloutpools", handlers.on_rollout_pool, ns),
+            watching(API_VERSION, "SandboxWarmPool", "sandboxwarmpools", handlers.on_warm_pool, ns),
+            watching(
+                "apps/v1",
+                "Deployment",
+                "deployments",
+                handlers.on_deployment,
+                ns,
+                f"{LABEL_COMPONENT}={COMPONENT_ROLLOUT}",
+            ),
+        ]
     return informers
 
 
