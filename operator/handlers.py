@@ -85,8 +85,8 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
 
     The informer callbacks cache an event, and drop the echo of our own write, on the event
-    loop: in a burst half of all events are such echoes, and a
-    thread hop each cost more than the work.
+    loop: in a burst half of all events are such echoes, and a thread hop each cost more
+    than the work.
     """
     context = contextvars.copy_context()
     await asyncio.get_running_loop().run_in_executor(

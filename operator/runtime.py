@@ -66,7 +66,6 @@ async def run_async(
     memo.executor = settings.execution.executor
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
-    bind_requeue(memo)
     # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
     # more root task, gated by kopf's peering (read from the peering objects: PeeringGate).
     existing = asyncio.all_tasks()
@@ -91,6 +90,7 @@ async def run_async(
             config.priority,
         )
     )
+    bind_requeue(memo, gate)
     informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
     try:
         await kopf.run_tasks([*tasks, informers], ignored=existing)
@@ -98,13 +98,17 @@ async def run_async(
         memo.controller.state.requeue.unbind()
 
 
-def bind_requeue(memo: kopf.Memo) -> None:
+def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
     """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
-    reconciler threads (a failure there requeues it again, with a longer delay)."""
+    reconciler threads (a failure there requeues it again, with a longer delay). A replica
+    that peering paused drops its due retries: the replica working now lists everything."""
     loop = asyncio.get_running_loop()
     controller: Controller = memo.controller
 
     def retry(kind: str, namespace: str, name: str) -> None:
+        if not gate.is_open():
+            log.info("%s %s/%s: retry dropped (paused by peering)", kind, namespace, name)
+            return
         future = loop.run_in_executor(
             memo.executor, controller.reconciler_of(kind), namespace, name
         )
