@@ -99,12 +99,12 @@ class Requeue:
             return None
         REQUEUES.labels(kind).inc()
         log.warning(
-            "%s %s/%s: reconcile failed (%s); retry %d in %.1f s",
+            "%s %s/%s: retry %d in %.1f s after a failed reconcile: %s",
             kind,
             *key[1:],
-            why,
             failures,
             delay,
+            why,
         )
         return delay
 
