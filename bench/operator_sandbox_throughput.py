@@ -47,7 +47,13 @@ from posttrain.api import SandboxTask
 from posttrain.devenv.controlplane import ControlPlane
 from posttrain.devenv.process import free_port
 from posttrain.operator.config import OperatorConfig
-from posttrain.operator.kube import KubeClient, load_credentials, resource_path
+from posttrain.operator.kube import (
+    MERGE_PATCH,
+    Credentials,
+    load_credentials,
+    resource_path,
+    ssl_context,
+)
 from posttrain.operator.sandboxtask.builders import build_sandbox_pod
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +63,44 @@ GV = "posttrain.io/v1alpha1"
 PLURALS = ("trainingruns", "rolloutpools", "sandboxtasks", "sandboxwarmpools")
 
 
-def install_crds(kube: KubeClient) -> None:
+class RawClient:
+    """The bench's own hands: a plain pooled synchronous httpx client, the same requests the
+    raw pod loop has always been timed with (the operator's own client may change; this
+    baseline must not)."""
+
+    def __init__(self, creds: Credentials, pool_size: int = 8) -> None:
+        headers = {"Authorization": f"Bearer {creds.token}"} if creds.token else {}
+        self.http = httpx.Client(
+            base_url=creds.server,
+            verify=ssl_context(creds),
+            headers=headers,
+            timeout=30.0,
+            limits=httpx.Limits(max_connections=pool_size, max_keepalive_connections=pool_size),
+        )
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        ok: tuple[int, ...] = (200, 201, 202),
+        content_type: str = "application/json",
+    ) -> tuple[int, dict[str, Any]]:
+        headers = {"Content-Type": content_type} if body is not None else {}
+        response = self.http.request(method, path, json=body, headers=headers)
+        if response.status_code not in ok:
+            raise RuntimeError(f"{method} {path} -> HTTP {response.status_code}: {response.text}")
+        return response.status_code, response.json() if response.content else {}
+
+    def patch(self, path: str, patch: dict[str, Any], subresource: str = "") -> dict[str, Any]:
+        path = f"{path}/{subresource}" if subresource else path
+        return self.request("PATCH", path, patch, content_type=MERGE_PATCH)[1]
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def install_crds(kube: RawClient) -> None:
     for path in sorted((REPO / "crds").glob("posttrain.io_*.yaml")):
         crd = yaml.safe_load(path.read_text())
         kube.request(
@@ -78,7 +121,7 @@ def install_crds(kube: KubeClient) -> None:
             time.sleep(0.1)
 
 
-def new_namespace(kube: KubeClient) -> str:
+def new_namespace(kube: RawClient) -> str:
     name = f"bench-{uuid.uuid4().hex[:6]}"
     kube.request(
         "POST",
@@ -88,13 +131,13 @@ def new_namespace(kube: KubeClient) -> str:
     return name
 
 
-def pod_count(kube: KubeClient, namespace: str) -> int:
+def pod_count(kube: RawClient, namespace: str) -> int:
     """Pods in the namespace from one tiny list call (limit=1 + remainingItemCount)."""
     data = kube.request("GET", resource_path("v1", "pods", namespace) + "?limit=1")[1]
     return len(data["items"]) + int(data["metadata"].get("remainingItemCount") or 0)
 
 
-def wait_pods(kube: KubeClient, namespace: str, n: int, timeout_s: float = 600) -> None:
+def wait_pods(kube: RawClient, namespace: str, n: int, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while pod_count(kube, namespace) < n:
         if time.monotonic() > deadline:
@@ -102,7 +145,7 @@ def wait_pods(kube: KubeClient, namespace: str, n: int, timeout_s: float = 600) 
         time.sleep(0.05)
 
 
-def labelled_pods(kube: KubeClient, namespace: str, selector: str) -> list[dict[str, Any]]:
+def labelled_pods(kube: RawClient, namespace: str, selector: str) -> list[dict[str, Any]]:
     """Full list with a label selector (the apiserver gives no remainingItemCount for those)."""
     path = resource_path("v1", "pods", namespace) + f"?labelSelector={selector}"
     items: list[dict[str, Any]] = kube.request("GET", path)[1]["items"]
@@ -116,7 +159,7 @@ class LabelWatch:
     the apiserver during the timed window; one watch stream costs next to nothing.
     """
 
-    def __init__(self, kube: KubeClient, namespace: str, label: str, n: int) -> None:
+    def __init__(self, kube: RawClient, namespace: str, label: str, n: int) -> None:
         self.seen: set[str] = set()
         self.done = threading.Event()
         self.finished_at = 0.0
@@ -127,8 +170,7 @@ class LabelWatch:
             resource_path("v1", "pods", namespace)
             + f"?watch=1&labelSelector={label}&resourceVersion={rv}"
         )
-        # The bench's KubeClient has no streaming call; its pooled httpx client does.
-        self._stream = kube._http.stream("GET", path, timeout=None)
+        self._stream = kube.http.stream("GET", path, timeout=None)
         self._n = n
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -152,7 +194,7 @@ class LabelWatch:
         return self.finished_at
 
 
-def clean_namespace(kube: KubeClient, namespace: str) -> None:
+def clean_namespace(kube: RawClient, namespace: str) -> None:
     """Delete what a row created (no namespace controller here), so rows stay comparable."""
     for api_version, plural in (("v1", "pods"), (GV, "sandboxtasks"), (GV, "sandboxwarmpools")):
         kube.request("DELETE", resource_path(api_version, plural, namespace), ok=(200, 404))
@@ -161,7 +203,7 @@ def clean_namespace(kube: KubeClient, namespace: str) -> None:
         time.sleep(0.2)
 
 
-def warm_up(kube: KubeClient, config: OperatorConfig, n: int = 100) -> float:
+def warm_up(kube: RawClient, config: OperatorConfig, n: int = 100) -> float:
     """Untimed: first writes of both kinds (CRD handler + OpenAPI models built lazily)."""
     ns = new_namespace(kube)
     started = time.perf_counter()
@@ -188,7 +230,7 @@ def pod_manifest(config: OperatorConfig, name: str, namespace: str) -> dict[str,
     return build_sandbox_pod(SandboxTask.model_validate(body), config, 1)
 
 
-def bench_raw(kube: KubeClient, config: OperatorConfig, n: int) -> float:
+def bench_raw(kube: RawClient, config: OperatorConfig, n: int) -> float:
     """The floor: a loop creating n equivalent pods directly."""
     ns = new_namespace(kube)
     manifests = [pod_manifest(config, f"t-{i}", ns) for i in range(n)]
@@ -201,7 +243,7 @@ def bench_raw(kube: KubeClient, config: OperatorConfig, n: int) -> float:
     return elapsed
 
 
-def bench_tasks_only(kube: KubeClient, n: int) -> float:
+def bench_tasks_only(kube: RawClient, n: int) -> float:
     """The same loop creating n SandboxTasks with no operator: the floor of the operator path."""
     ns = new_namespace(kube)
     started = time.perf_counter()
@@ -254,7 +296,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench_operator(kube: KubeClient, kubeconfig: Path, n: int) -> float:
+def bench_operator(kube: RawClient, kubeconfig: Path, n: int) -> float:
     """The same loop creating SandboxTasks; the operator (own process) creates the pods."""
     ns = new_namespace(kube)
     proc = start_operator(kubeconfig, ns)
@@ -277,7 +319,7 @@ def bench_operator(kube: KubeClient, kubeconfig: Path, n: int) -> float:
         clean_namespace(kube, ns)
 
 
-def play_kubelet_ready(kube: KubeClient, namespace: str, names: list[str]) -> None:
+def play_kubelet_ready(kube: RawClient, namespace: str, names: list[str]) -> None:
     """Mark pods Running and Ready (what a kubelet would report); there is none here."""
     now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     status = {
@@ -291,7 +333,7 @@ def play_kubelet_ready(kube: KubeClient, namespace: str, names: list[str]) -> No
         kube.patch(resource_path("v1", "pods", namespace, name), status, "status")
 
 
-def bench_warm_pool(kube: KubeClient, kubeconfig: Path, n: int) -> tuple[float, int]:
+def bench_warm_pool(kube: RawClient, kubeconfig: Path, n: int) -> tuple[float, int]:
     """Second row: n tasks with spec.warmPoolRef against a pool pre-filled with n ready pods.
 
     Returns (seconds until n tasks are bound to a pooled pod, tasks that went cold).
@@ -358,7 +400,7 @@ def main() -> None:
     n = args.tasks
     cp = ControlPlane().start()
     try:
-        kube = KubeClient(load_credentials(str(cp.kubeconfig)), pool_size=8)
+        kube = RawClient(load_credentials(str(cp.kubeconfig)), pool_size=8)
         install_crds(kube)
         config = OperatorConfig()
         print(f"warm-up (untimed): 100 SandboxTasks + 100 pods in {warm_up(kube, config):.2f} s")

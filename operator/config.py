@@ -118,6 +118,13 @@ class OperatorConfig(BaseModel):
     """Threads running the (synchronous) reconcilers; also the HTTP connection pool size."""
     resync_seconds: float = Field(default=15.0, gt=0)
     """Period of the level-triggered resync (TTL expiry, deadlines, missed events)."""
+    requeue_base_seconds: float = Field(default=1.0, gt=0)
+    """Delay before the first retry of a failed reconcile of one object; it doubles with each
+    consecutive failure of that object (1, 2, 4 ... s) and resets on success. 1 s: long
+    enough for a refused write's cause (a conflict, a brief apiserver outage) to pass."""
+    requeue_max_seconds: float = Field(default=60.0, gt=0)
+    """Cap of that delay: a persistently failing object is retried once a minute (controller-
+    runtime's per-item limiter caps at 1000 s; a minute keeps a fixed outage short)."""
     watch_server_timeout: int = Field(default=300, ge=10)
     """Seconds the apiserver keeps a watch open before kopf re-establishes it."""
     watch_client_timeout: int = Field(default=330, ge=10)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import httpx
-
 from posttrain.api.labels import (
     COMPONENT_ROLLOUT,
     COMPONENT_SANDBOX,
@@ -54,12 +52,21 @@ class Controller:
             self.state, namespaces, SandboxArtifactSigner(config, namespaces), self.warm_pools
         )
 
+    def reconciler_of(self, kind: str) -> Callable[[str, str], None]:
+        """The (blocking) reconcile of ``kind``, e.g. for a requeued object."""
+        return {
+            "TrainingRun": self.training_runs.reconcile,
+            "RolloutPool": self.rollout_pools.reconcile,
+            "SandboxTask": self.sandbox_tasks.reconcile,
+            "SandboxWarmPool": self.warm_pools.reconcile,
+        }[kind]
+
     def observe(self, store: Store, event_type: str | None, body: Body) -> bool:
         """Apply a watch event to ``store``; False when it told the cache nothing new."""
         return observe(store, event_type, body)
 
     def forget(self, kind: str, namespace: str, name: str) -> None:
-        """An object is gone: drop its per-object lock."""
+        """An object is gone: drop its per-object lock and its pending retry."""
         self.state.forget_lock(kind, namespace, name)
 
     # ------------------------------------------------------------ children's events
@@ -146,7 +153,7 @@ class Controller:
             for namespace, name in store.snapshot_keys():
                 try:
                     reconcile(namespace, name)
-                except (KubeError, OSError, httpx.HTTPError) as exc:
+                except (KubeError, OSError) as exc:
                     log.warning("resync of %s/%s failed: %s", namespace, name, exc)
         try:
             self.credentials.collect()  # revoke what deleted runs and pools held

@@ -15,8 +15,6 @@ import threading
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
-
 from .kube import KubeClient, KubeError, resource_path
 from .shared.views import EventSpec
 
@@ -104,7 +102,7 @@ class EventRecorder:
                 namespace = manifest["metadata"]["namespace"]
                 self.kube.request("POST", resource_path("v1", "events", namespace), manifest)
                 self.posted += 1
-            except (KubeError, httpx.HTTPError, RuntimeError) as exc:
+            except (KubeError, RuntimeError) as exc:
                 # RuntimeError: the client was closed at shutdown.
                 log.warning(
                     "posting event %s about %s failed: %s",

@@ -1,9 +1,11 @@
 """Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
 (see controllers.py for where each event goes, each kind's package for what it does).
 
-Watches feed the controller's caches (kopf's for most kinds; lean informers, informer.py,
-for SandboxTasks and labelled pods, the burst path); every event triggers a level-triggered
+Watches feed the controller's caches (kopf's for TrainingRuns, RayClusters and Workloads;
+lean informers, informer.py, for the rest: SandboxTasks and labelled pods, the burst path, and
+RolloutPools, SandboxWarmPools and rollout Deployments); every event triggers a level-triggered
 reconcile of the affected object (pod and Deployment events reconcile their owner). A
+failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
 periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
 anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
 finalizer: it is the one case where deletion needs cleanup (the artifacts in S3).
@@ -20,7 +22,7 @@ from typing import Any, cast
 import kopf
 
 from posttrain.api import GROUP, VERSION
-from posttrain.api.labels import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
+from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT
 
 from .controllers import Controller
 from .shared.state import Body
@@ -79,29 +81,12 @@ async def _resync_forever(controller: Controller, period: float) -> None:
             log.exception("resync failed; retrying in %.1f s", period)
 
 
-def _on_resource_event(
-    kind: str, event: kopf.RawEvent, memo: Any, namespace: str | None, name: str
-) -> None:
-    """Cache the object; reconcile it unless the event is the echo of our own status patch."""
-    namespace = namespace or ""  # our kinds are namespaced
-    controller = _controller(memo)
-    store, reconcile = {
-        "TrainingRun": (controller.state.runs, controller.training_runs.reconcile),
-        "RolloutPool": (controller.state.pools, controller.rollout_pools.reconcile),
-    }[kind]
-    changed = controller.observe(store, event.get("type"), _body(event))
-    if event.get("type") == "DELETED":
-        controller.forget(kind, namespace, name)
-    elif changed:
-        reconcile(namespace, name)
-
-
 async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
 
-    The SandboxWarmPool handler and the informer callbacks cache an event, and drop the echo
-    of our own write, on the event loop: in a burst half of all events are such echoes, and a
-    thread hop each cost more than the work.
+    The informer callbacks cache an event, and drop the echo of our own write, on the event
+    loop: in a burst half of all events are such echoes, and a thread hop each cost more
+    than the work.
     """
     context = contextvars.copy_context()
     await asyncio.get_running_loop().run_in_executor(
@@ -109,24 +94,21 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     )
 
 
-@kopf.on.event(GROUP, VERSION, "sandboxwarmpools", registry=REGISTRY)
-async def sandbox_warm_pool_event(
-    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
-) -> None:
-    namespace = namespace or ""  # our kinds are namespaced
-    controller = _controller(memo)
-    changed = controller.observe(controller.state.warm_pools, event.get("type"), _body(event))
-    if event.get("type") == "DELETED":
-        await _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name))
-    elif changed:
-        await _in_thread(memo, lambda: controller.warm_pools.reconcile(namespace, name))
-
-
 @kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
 def training_run_event(
     event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
-    _on_resource_event("TrainingRun", event, memo, namespace, name)
+    """Cache the run; reconcile it unless the event is the echo of our own status patch.
+
+    TrainingRuns stay on kopf until the storage finalizer is ours (docs/operator.md, "One
+    event path"): kopf watches them for ``delete_run_storage`` anyway."""
+    namespace = namespace or ""  # our kinds are namespaced
+    controller = _controller(memo)
+    changed = controller.observe(controller.state.runs, event.get("type"), _body(event))
+    if event.get("type") == "DELETED":
+        controller.forget("TrainingRun", namespace, name)
+    elif changed:
+        controller.training_runs.reconcile(namespace, name)
 
 
 def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
@@ -137,20 +119,6 @@ def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
 def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
     """Only runs that opted in lose their checkpoints and trajectories (kopf retries this)."""
     _controller(memo).training_runs.delete_storage(dict(body))
-
-
-@kopf.on.event(GROUP, VERSION, "rolloutpools", registry=REGISTRY)
-def rollout_pool_event(
-    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
-) -> None:
-    _on_resource_event("RolloutPool", event, memo, namespace, name)
-
-
-@kopf.on.event(
-    "apps", "v1", "deployments", labels={LABEL_COMPONENT: COMPONENT_ROLLOUT}, registry=REGISTRY
-)
-def deployment_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    _controller(memo).on_deployment(event.get("type"), _body(event))
 
 
 @kopf.on.event(
@@ -175,9 +143,41 @@ def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
     _controller(memo).on_workload(event.get("type"), _body(event))
 
 
-# ------------------------------------------------------------ burst path (informer.py)
-# SandboxTasks and labelled pods are not watched by kopf: lean informers feed these
-# callbacks on kopf's event loop (see runtime.run_informers and docs/operator.md).
+# ------------------------------------------------------------ informers (informer.py)
+# SandboxTasks, RolloutPools, SandboxWarmPools, labelled pods and Deployments are not watched
+# by kopf: lean informers feed these callbacks on kopf's event loop, in stream order (see
+# runtime.build_informers and docs/operator.md, "Burst path" and "One event path").
+
+
+def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A RolloutPool event: cached here; reconciled on a thread unless it is our own echo."""
+    controller = _controller(memo)
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    changed = controller.observe(controller.state.pools, event_type, body)
+    if event_type == "DELETED":
+        controller.forget("RolloutPool", namespace, name)
+    elif changed:
+        _spawn(memo, _in_thread(memo, lambda: controller.rollout_pools.reconcile(namespace, name)))
+
+
+def on_warm_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A SandboxWarmPool event: cached here; its idle pods deleted with it, else reconciled,
+    on a thread."""
+    controller = _controller(memo)
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    changed = controller.observe(controller.state.warm_pools, event_type, body)
+    if event_type == "DELETED":
+        _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name)))
+    elif changed:
+        _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.reconcile(namespace, name)))
+
+
+def on_deployment(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A rollout pool's Deployment event: cached and its pool reconciled, on a thread."""
+    controller = _controller(memo)
+    _spawn(memo, _in_thread(memo, lambda: controller.on_deployment(event_type, body)))
 
 
 def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
@@ -229,8 +229,8 @@ def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
 
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
-    """Run ``work`` as a task of its own; its failure is logged (the resync retries), like a
-    kopf on.event handler's."""
+    """Run ``work`` as a task of its own; its failure is logged (the failed reconcile has
+    requeued its object with backoff), like a kopf on.event handler's."""
     task = asyncio.create_task(work)
     memo.inflight.add(task)
     task.add_done_callback(lambda done: _finished(memo, done))
@@ -239,6 +239,4 @@ def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
 def _finished(memo: Any, task: asyncio.Task[None]) -> None:
     memo.inflight.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.error(
-            "reconcile failed (the resync retries): %r", task.exception(), exc_info=task.exception()
-        )
+        log.error("reconcile failed (requeued): %r", task.exception(), exc_info=task.exception())

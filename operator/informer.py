@@ -1,4 +1,6 @@
-"""Lean list+watch informers for the SandboxTask burst path, run inside kopf's event loop.
+"""Lean list+watch informers, run inside kopf's event loop: for the SandboxTask burst path
+(SandboxTasks, labelled pods) and the low-rate kinds moved off kopf so far (RolloutPools,
+SandboxWarmPools, rollout Deployments; docs/operator.md, "One event path").
 
 Why not kopf's own watch for these: kopf runs every event through its per-object machinery
 (a worker task per object, Body/Patch wrappers, a kwargs context per handler call); a py-spy
@@ -26,8 +28,7 @@ from urllib.parse import urlencode
 import aiohttp
 from pydantic_core import from_json
 
-from .akube import AsyncKube
-from .kube import KubeError
+from .kube import AsyncKube, KubeError
 
 log = logging.getLogger(__name__)
 

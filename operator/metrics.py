@@ -12,6 +12,12 @@ RECONCILE_ERRORS = Counter(
     "Reconciles that raised, by resource kind.",
     ["kind"],
 )
+REQUEUES = Counter(
+    "posttrain_operator_requeues_total",
+    "Retries scheduled after a failed reconcile (exponential backoff per object; one pending "
+    "retry per object), by resource kind.",
+    ["kind"],
+)
 RECONCILE_SECONDS = Histogram(
     "posttrain_operator_reconcile_duration_seconds",
     "Wall time of one reconcile, by kind.",

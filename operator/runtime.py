@@ -6,20 +6,20 @@ import asyncio
 import gc
 import logging
 import threading
+from collections.abc import Callable
 
 import kopf
 import uvloop
 
 from posttrain.api import API_VERSION
-from posttrain.api.labels import LABEL_COMPONENT
+from posttrain.api.labels import COMPONENT_ROLLOUT, LABEL_COMPONENT
 from posttrain.telemetry import start_metrics_server
 
-from .akube import AsyncKube
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
-from .informer import Gate, Informer, PeeringGate
-from .kube import KubeClient, load_credentials
+from .informer import Body, Gate, Informer, PeeringGate
+from .kube import AsyncKube, KubeClient, load_credentials
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 
 log = logging.getLogger(__name__)
@@ -90,44 +90,79 @@ async def run_async(
             config.priority,
         )
     )
+    bind_requeue(memo, gate)
     informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
-    await kopf.run_tasks([*tasks, informers], ignored=existing)
+    try:
+        await kopf.run_tasks([*tasks, informers], ignored=existing)
+    finally:
+        memo.controller.state.requeue.unbind()
+
+
+def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
+    """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
+    reconciler threads (a failure there requeues it again, with a longer delay). A replica
+    that peering paused drops its due retries: the replica working now lists everything."""
+    loop = asyncio.get_running_loop()
+    controller: Controller = memo.controller
+
+    def retry(kind: str, namespace: str, name: str) -> None:
+        if not gate.is_open():
+            log.info("%s %s/%s: retry dropped (paused by peering)", kind, namespace, name)
+            return
+        future = loop.run_in_executor(
+            memo.executor, controller.reconciler_of(kind), namespace, name
+        )
+        # Its failure was logged and requeued inside the reconcile; only consume it here.
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+
+    controller.state.requeue.bind(loop, retry)
 
 
 def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
-    """SandboxTasks and labelled pods (the burst path), per watched namespace or cluster-wide."""
+    """Every watch but kopf's (TrainingRuns, RayClusters, Workloads): SandboxTasks,
+    RolloutPools, SandboxWarmPools, labelled pods and rollout Deployments, per watched
+    namespace or cluster-wide."""
     namespaces: list[str | None] = (
         [None] if config.all_namespaces else list(config.watched_namespaces)
     )
-    from .handlers import on_pod, on_sandbox_task
+    from . import handlers
+
+    def watching(
+        api_version: str,
+        kind: str,
+        plural: str,
+        on_event: Callable[[kopf.Memo, str, Body], None],
+        namespace: str | None,
+        label_selector: str = "",
+    ) -> Informer:
+        return Informer(
+            memo.akube,
+            api_version,
+            kind,
+            plural,
+            namespace,
+            on_event=lambda event, body: on_event(memo, event, body),
+            label_selector=label_selector,
+            server_timeout=config.watch_server_timeout,
+            client_timeout=config.watch_client_timeout,
+        )
 
     informers = []
-    for namespace in namespaces:
-        informers.append(
-            Informer(
-                memo.akube,
-                API_VERSION,
-                "SandboxTask",
-                "sandboxtasks",
-                namespace,
-                on_event=lambda event, body: on_sandbox_task(memo, event, body),
-                server_timeout=config.watch_server_timeout,
-                client_timeout=config.watch_client_timeout,
-            )
-        )
-        informers.append(
-            Informer(
-                memo.akube,
-                "v1",
-                "Pod",
-                "pods",
-                namespace,
-                label_selector=LABEL_COMPONENT,
-                on_event=lambda event, body: on_pod(memo, event, body),
-                server_timeout=config.watch_server_timeout,
-                client_timeout=config.watch_client_timeout,
-            )
-        )
+    for ns in namespaces:
+        informers += [
+            watching(API_VERSION, "SandboxTask", "sandboxtasks", handlers.on_sandbox_task, ns),
+            watching("v1", "Pod", "pods", handlers.on_pod, ns, LABEL_COMPONENT),
+            watching(API_VERSION, "RolloutPool", "rolloutpools", handlers.on_rollout_pool, ns),
+            watching(API_VERSION, "SandboxWarmPool", "sandboxwarmpools", handlers.on_warm_pool, ns),
+            watching(
+                "apps/v1",
+                "Deployment",
+                "deployments",
+                handlers.on_deployment,
+                ns,
+                f"{LABEL_COMPONENT}={COMPONENT_ROLLOUT}",
+            ),
+        ]
     return informers
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 from posttrain.api import RolloutPool, TrainingRun
 from posttrain.api.reasons import Reason
@@ -26,6 +26,7 @@ from posttrain.storage.iam import Grant, ScopedCredentials
 from .config import OperatorConfig
 from .kube import KubeError
 from .shared.builders import child_metadata
+from .shared.requeue import RetryLater
 from .shared.state import OperatorState
 from .shared.views import EventSpec
 from .trainingrun.names import resume_source_uri, run_storage_uri
@@ -196,8 +197,9 @@ class StorageCredentials:
             uids.update(str((o.get("metadata") or {}).get("uid")) for o in listed)
         return uids
 
-    def failed(self, body: dict[str, Any], exc: Exception) -> None:
-        """Say on the object why its pods wait (retried at the next resync)."""
+    def failed(self, body: dict[str, Any], exc: Exception) -> NoReturn:
+        """Say on the object why its pods wait, and end its reconcile with a retry (the
+        object is requeued with backoff)."""
         meta = body.get("metadata") or {}
         log.warning(
             "%s %s/%s: cannot mint scoped storage credentials: %s",
@@ -208,3 +210,4 @@ class StorageCredentials:
         )
         message = f"cannot mint scoped storage credentials (retrying): {exc}"[:1000]
         self.state.emit(body, [EventSpec("Warning", Reason.STORAGE_CREDENTIALS_FAILED, message)])
+        raise RetryLater(f"cannot mint scoped storage credentials: {exc}") from exc

@@ -82,8 +82,7 @@ class RolloutPoolReconciler:
                 state.invalid(state.pools, body, exc, terminal_phase=None)
                 return
             except StorageError as exc:
-                self.credentials.failed(body, exc)
-                return
+                self.credentials.failed(body, exc)  # raises RetryLater: requeued
             deployment = state.deployments.get(namespace, name)
             if deployment is not None and controller_uid(deployment) not in (
                 None,

@@ -38,6 +38,7 @@ from ..metrics import (
     RECONCILE_SECONDS,
     RECONCILES,
 )
+from .requeue import Requeue, RetryLater
 from .views import EventSpec
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ class OperatorState:
         self.workloads = Store(LABEL_RUN)
         self._locks: dict[tuple[str, str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        self.requeue = Requeue(config.requeue_base_seconds, config.requeue_max_seconds)
 
     # ------------------------------------------------------------ per-object locks
 
@@ -204,8 +206,10 @@ class OperatorState:
             return self._locks.setdefault((kind, namespace, name), threading.Lock())
 
     def forget_lock(self, kind: str, namespace: str, name: str) -> None:
+        """The object is gone: drop its lock and its retries."""
         with self._locks_guard:
             self._locks.pop((kind, namespace, name), None)
+        self.requeue.forget(kind, namespace, name)
 
     @contextmanager
     def reconciling(
@@ -217,7 +221,8 @@ class OperatorState:
         started: float | None = None,
     ) -> Iterator[None]:
         """Per-object lock (``locked``: the caller holds it) + OpenTelemetry span + Prometheus
-        metrics around one reconcile."""
+        metrics around one reconcile; a failure (an exception, or :class:`RetryLater`)
+        requeues the object with backoff, a success resets its backoff."""
         started = time.perf_counter() if started is None else started
         RECONCILES.labels(kind).inc()
         with (
@@ -228,14 +233,18 @@ class OperatorState:
             span.set_attribute("posttrain.object", name)
             try:
                 yield
-            except SupersededChild as exc:
-                # Expected after a delete and re-apply of the same name: not an error. The
-                # next reconcile (an event, or the resync) creates the child.
+            except (SupersededChild, RetryLater) as exc:
+                # Expected (e.g. after a delete and re-apply of the same name): not an error,
+                # but the object is retried soon.
                 log.info("%s %s/%s: %s", kind, namespace, name, exc)
+                self.requeue.failed(kind, namespace, name, exc)
             except Exception as exc:
                 RECONCILE_ERRORS.labels(kind).inc()
                 span.record_exception(exc)
+                self.requeue.failed(kind, namespace, name, repr(exc))
                 raise
+            else:
+                self.requeue.succeeded(kind, namespace, name)
             finally:
                 RECONCILE_SECONDS.labels(kind).observe(time.perf_counter() - started)
 

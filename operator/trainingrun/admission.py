@@ -13,8 +13,6 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-import httpx
-
 from posttrain.api import TrainingRun
 from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
 
@@ -59,7 +57,7 @@ class KueueAdmission:
                 return self._installed
         try:
             found = self.kube.serves(KUEUE_API_VERSION, WORKLOAD_PLURAL)
-        except (KubeError, httpx.HTTPError) as exc:
+        except KubeError as exc:
             log.warning(
                 "API discovery of %s failed (%s); keeping the last answer", KUEUE_API_VERSION, exc
             )
@@ -161,7 +159,7 @@ class KueueAdmission:
         for namespace in namespaces:
             try:
                 items = self.kube.list(KUEUE_API_VERSION, "Workload", namespace, selector)
-            except (KubeError, httpx.HTTPError) as exc:
+            except KubeError as exc:
                 log.warning("listing Workloads in %s failed: %s", namespace, exc)
                 continue
             seen = set()

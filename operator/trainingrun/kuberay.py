@@ -11,8 +11,6 @@ import logging
 import threading
 import time
 
-import httpx
-
 from posttrain.api.labels import (
     COMPONENT_TRAINER,
     LABEL_COMPONENT,
@@ -64,7 +62,7 @@ class KubeRayDiscovery:
             installed = self.state.kube.serves(
                 raycluster.RAY_API_VERSION, raycluster.RAY_CLUSTER_PLURAL
             )
-        except (KubeError, httpx.HTTPError) as exc:
+        except KubeError as exc:
             log.warning(
                 "API discovery of %s failed (%s); keeping the last answer",
                 raycluster.RAY_API_VERSION,
@@ -106,7 +104,7 @@ class KubeRayDiscovery:
                 items = state.kube.list(
                     raycluster.RAY_API_VERSION, "RayCluster", namespace, selector
                 )
-            except (KubeError, httpx.HTTPError) as exc:
+            except KubeError as exc:
                 log.warning("listing RayClusters in %s failed: %s", namespace, exc)
                 continue
             seen = set()

@@ -66,8 +66,7 @@ class TrainingRunReconciler:
             try:
                 config = self.credentials.config_for_run(run)  # its own storage credentials
             except StorageError as exc:
-                self.credentials.failed(body, exc)
-                return
+                self.credentials.failed(body, exc)  # raises RetryLater: requeued
             annotations = run.metadata.annotations
             incarnation = int(annotations.get(ANNOTATION_INCARNATION, "0") or 0)
             pods = [pod_view(p) for p in self._own_pods(run)]

@@ -13,7 +13,6 @@ import threading
 import time
 from typing import Any
 
-import httpx
 from pydantic import ValidationError
 
 from posttrain.api import SandboxTask, SandboxWarmPool
@@ -186,9 +185,9 @@ class WarmPoolReconciler:
                 self._refills_pending.discard(key)
             try:
                 self.reconcile(namespace, pool)
-            except (KubeError, OSError, httpx.HTTPError) as exc:
+            except (KubeError, OSError) as exc:
                 log.warning(
-                    "refill of SandboxWarmPool %s/%s failed: %s (resync retries)",
+                    "refill of SandboxWarmPool %s/%s failed: %s (requeued)",
                     namespace,
                     pool,
                     exc,

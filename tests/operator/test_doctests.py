@@ -15,6 +15,7 @@ MODULES = [
     "events",
     "shared.builders",
     "shared.views",
+    "shared.requeue",
     "storage_credentials",
     "trainingrun.builders",
     "trainingrun.names",

@@ -13,9 +13,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from posttrain.operator.akube import AsyncKube
 from posttrain.operator.informer import Gate, Informer, PeeringGate
-from posttrain.operator.kube import KubeClient, load_credentials, resource_path
+from posttrain.operator.kube import AsyncKube, KubeClient, load_credentials, resource_path
 
 pytestmark = pytest.mark.cluster
 
