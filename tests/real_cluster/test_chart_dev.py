@@ -61,10 +61,11 @@ def test_the_docs_dev_cluster_install_runs_a_training_run_as_written(
     try:
         assert done.returncode == 0, f"the block failed (exit {done.returncode}):\n{output}"
         assert "STATUS: deployed" in output, output
-        # `posttrain watch` ended on Succeeded; `kubectl get -o wide` showed it at step 3.
-        assert re.search(r"dev-run\s+Succeeded\s+3/3", output) or "Succeeded" in output, output
-        wide = next(line for line in output.splitlines() if line.startswith("trainingrun"))
-        assert "Succeeded" in wide, output
+        # `posttrain watch` ended on Succeeded; `kubectl get -o wide` showed it at step 3 of 3;
+        # `posttrain logs` printed the trainer's last lines.
+        assert "trainingrun dev-run Succeeded at step 3/3" in output, output
+        assert re.search(r"^trainingrun\.posttrain\.io/dev-run\s+Succeeded\s+3\s+3\s", output, re.M)
+        assert "run finished: 3 steps" in output, output
         # The run's checkpoint and trajectories were written to the bundled MinIO: its data
         # lies on the node's local volume (MinIO keeps one directory per object).
         stored = sorted(
