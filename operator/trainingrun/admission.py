@@ -162,10 +162,4 @@ class KueueAdmission:
             except KubeError as exc:
                 log.warning("listing Workloads in %s failed: %s", namespace, exc)
                 continue
-            seen = set()
-            for item in items:
-                self.workloads.put(item)
-                seen.add(item["metadata"]["name"])
-            for ns, name in self.workloads.snapshot_keys():
-                if ns == namespace and name not in seen:
-                    self.workloads.remove(ns, name)
+            self.workloads.replace_namespace(namespace, items)

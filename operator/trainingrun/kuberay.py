@@ -107,10 +107,4 @@ class KubeRayDiscovery:
             except KubeError as exc:
                 log.warning("listing RayClusters in %s failed: %s", namespace, exc)
                 continue
-            seen = set()
-            for item in items:
-                state.ray_clusters.put(item)
-                seen.add(item["metadata"]["name"])
-            for ns, name in state.ray_clusters.snapshot_keys():
-                if ns == namespace and name not in seen:
-                    state.ray_clusters.remove(ns, name)
+            state.ray_clusters.replace_namespace(namespace, items)
