@@ -223,17 +223,21 @@ class RealCluster:
         with self._timed("node-ready"):
             self.wait_node_ready()
         with self._timed("volumes"):
-            api = self.api()
-            try:
-                volumes.provide(api, self.workdir / "volumes")
-            finally:
-                api.close()
+            self._provide_volumes()
         with self._timed("minio"):
             self.minio = MinioServer(data_dir=minio_data or (self.workdir / "minio"),
                                      host=self.node_ip)  # fmt: skip
             if minio_keys:
                 self.minio.access_key, self.minio.secret_key = minio_keys
             self.minio.start()
+
+    def _provide_volumes(self) -> None:
+        """The default StorageClass and the node's local volumes (:mod:`.volumes`)."""
+        api = self.api()
+        try:
+            volumes.provide(api, self.workdir / "volumes")
+        finally:
+            api.close()
 
     # -- a cluster that outlives the process that started it (`posttrain dev up`) ----------
 
