@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from posttrain.devenv.binaries import link_client_tools, pinned_versions
 from posttrain.devenv.realnode.cluster import RealCluster
+from posttrain.processes import wait_for
 
 from .conftest import Kubectl
 
@@ -36,16 +36,12 @@ def dev_cluster_block() -> str:
 
 
 def gone(node_kubectl: Kubectl, namespace: str, kinds: str, timeout_s: float = 180) -> bool:
-    """True once nothing of ``kinds`` is left in ``namespace``; AssertionError naming what is
-    left after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        left = node_kubectl("get", kinds, "-n", namespace, "-o", "name").stdout
-        if not left:
-            return True
-        if time.monotonic() > deadline:
-            raise AssertionError(f"still in {namespace} after {timeout_s} s:\n{left}")
-        time.sleep(2)
+    """True once nothing of ``kinds`` is left in ``namespace``; AssertionError after
+    ``timeout_s``."""
+    return bool(wait_for(
+        lambda: node_kubectl("get", kinds, "-n", namespace, "-o", "name").stdout == "",
+        timeout_s=timeout_s, what=f"no {kinds} left in {namespace}", interval_s=2.0,
+    ))  # fmt: skip
 
 
 def test_values_dev_names_the_minio_image_build_sh_makes() -> None:
