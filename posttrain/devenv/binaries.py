@@ -37,6 +37,7 @@ KUBERNETES_COMPONENTS = (
     "kube-controller-manager",
     "kube-proxy",
 )
+GVISOR_BINARIES = ("runsc", "containerd-shim-runsc-v1")
 
 
 def bin_dir() -> Path:
@@ -66,6 +67,7 @@ def go_binary(name: str) -> Path:
         "etcd": pins["ETCD_VERSION"],
         "minio": pins["MINIO_VERSION"],
         "coredns": pins["COREDNS_VERSION"],
+        **dict.fromkeys(GVISOR_BINARIES, pins["GVISOR_VERSION"]),
     }[name]
     path = bin_dir() / f"{name}-{version}"
     if not path.exists():

@@ -1,0 +1,146 @@
+"""The sandbox isolation story on the real node (docs/sandboxes.md, "Isolation"):
+
+- a SandboxTask pod, as the operator builds it, is admitted in a namespace that enforces Pod
+  Security ``restricted`` and runs there under the RuntimeClass ``gvisor`` (gVisor's runsc,
+  built from its pinned Go module): the program inside sees gVisor's kernel, not the host's,
+  while the same pod under runc sees the host's;
+- the one exception, the pods that nest bubblewrap (the run's sandbox runner; trainers with
+  ``sandbox.mode: local``), is refused by Pod Security ``baseline`` for exactly the settings
+  bubblewrap needs, which is what the docs tell a platform team to allow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from posttrain.devenv.realnode.cluster import GVISOR_RUNTIME_CLASS
+
+from .conftest import Kubectl
+
+pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(900)]
+
+# What the untrusted program reports about the kernel it runs on.
+PROBE = """
+import os, platform
+print("release", platform.release())
+print("version", open("/proc/version").read().strip())
+print("uid", os.getuid())
+"""
+
+
+def wait_for(what: str, predicate: Any, timeout_s: float = 300.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    next_report = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > next_report:
+            print(f"still waiting for {what}...", flush=True)
+            next_report += 60
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def restricted_namespace(node_api: Any) -> Iterator[str]:
+    """A fresh namespace enforcing Pod Security "restricted" (deleted after)."""
+    from kubernetes import client
+
+    name = f"rc-r-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(node_api)
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+    )
+    yield name
+    core.delete_namespace(name)
+
+
+def _sandbox_pod(name: str, namespace: str, runtime_class: str | None) -> dict[str, Any]:
+    """The operator's pod for one attempt of a SandboxTask running PROBE."""
+    from posttrain.api import SandboxTask
+    from posttrain.operator import builders as b
+    from posttrain.operator.config import OperatorConfig
+
+    task = SandboxTask.model_validate({
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
+        "spec": {"command": ["python3", "main.py"], "files": {"main.py": PROBE},
+                 "timeoutSeconds": 120, "runtimeClassName": runtime_class,
+                 "resources": {"cpu": "250m", "memory": "256Mi"}},
+    })  # fmt: skip
+    pod = b.build_sandbox_pod(task, OperatorConfig(image_pull_policy="Never"), 1)
+    pod["metadata"].pop("ownerReferences", None)  # no SandboxTask object behind it here
+    return pod
+
+
+def _finished_logs(node_kubectl: Kubectl, ns: str, name: str) -> dict[str, str]:
+    def phase() -> str | None:
+        out = node_kubectl("get", "pod", name, "-n", ns, "-o", "jsonpath={.status.phase}").stdout
+        return out if out in {"Succeeded", "Failed"} else None
+
+    finished = wait_for(f"sandbox pod {name} to finish", phase)
+    logs = node_kubectl("logs", "-n", ns, name, "-c", "sandbox").stdout
+    assert finished == "Succeeded", (
+        logs + node_kubectl("describe", "pod", name, "-n", ns).stdout[-3000:]
+    )
+    return dict(line.split(" ", 1) for line in logs.splitlines() if " " in line)
+
+
+def test_sandbox_task_pod_runs_under_gvisor_in_a_restricted_namespace(
+    node_kubectl: Kubectl, restricted_namespace: str
+) -> None:
+    ns = restricted_namespace
+    gvisor = _sandbox_pod("probe-gvisor", ns, GVISOR_RUNTIME_CLASS)
+    runc = _sandbox_pod("probe-runc", ns, None)
+    assert gvisor["spec"]["runtimeClassName"] == "gvisor" and "runtimeClassName" not in runc["spec"]
+    # Admitted by Pod Security "restricted" (enforced: a violation would fail the apply).
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all([gvisor, runc]))
+    inside_gvisor = _finished_logs(node_kubectl, ns, "probe-gvisor")
+    inside_runc = _finished_logs(node_kubectl, ns, "probe-runc")
+    host_release = os.uname().release
+    # runc shares the host's kernel; under gVisor the program talks to gVisor's Sentry.
+    assert inside_runc["release"] == host_release, inside_runc
+    assert inside_gvisor["release"] != host_release, (inside_gvisor, host_release)
+    assert "gvisor" in inside_gvisor["version"].lower(), inside_gvisor
+    assert "gvisor" not in inside_runc["version"].lower(), inside_runc
+    assert inside_gvisor["uid"] == inside_runc["uid"] != "0"
+
+
+def test_bubblewrap_pods_are_the_one_exception_baseline_refuses(
+    node_kubectl: Kubectl, node_namespace: str
+) -> None:
+    """The run's sandbox runner asks for exactly what bubblewrap needs (Unconfined seccomp,
+    an unmasked /proc, its own user namespace); Pod Security "baseline" refuses it and names
+    those fields, while the same pod without them is admitted."""
+    from posttrain.api import TrainingRun
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.sandbox_runner import build_runner_deployment
+
+    run = TrainingRun.model_validate({
+        "metadata": {"name": "demo", "namespace": node_namespace, "uid": "u-1"},
+        "spec": {"model": "smollm2-135m-instruct", "sandbox": {"mode": "runner"},
+                 "domains": [{"name": "c", "dataset": "builtin:code",
+                              "verifier": {"kind": "unit_tests"}}]},
+    })  # fmt: skip
+    spec = build_runner_deployment(run, OperatorConfig(image_pull_policy="Never"))["spec"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "runner"},
+           "spec": spec["template"]["spec"]}  # fmt: skip
+    refused = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
+                           input=yaml.safe_dump(pod), check=False)  # fmt: skip
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+    assert "seccompProfile" in refused.stderr and "procMount" in refused.stderr, refused.stderr
+    context = pod["spec"]["containers"][0]["securityContext"]
+    context.pop("procMount")
+    context["seccompProfile"] = {"type": "RuntimeDefault"}
+    pod["spec"].pop("hostUsers")
+    admitted = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
+                            input=yaml.safe_dump(pod), check=False)  # fmt: skip
+    assert admitted.returncode == 0, admitted.stderr
