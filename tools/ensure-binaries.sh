@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds (once per pin) etcd, the Kubernetes components (kube-apiserver, and for the real
 # single-node cluster of `posttrain dev up`: kubelet, kube-scheduler, kube-controller-manager,
-# kube-proxy), CoreDNS, gVisor's runsc with its containerd shim, and the MinIO server from Go modules into $POSTTRAIN_BIN_DIR (default
+# kube-proxy), CoreDNS, gVisor's runsc with its containerd shim, KubeRay's operator, Kueue,
+# and the MinIO server from Go modules into $POSTTRAIN_BIN_DIR (default
 # ~/.cache/posttrain/bin) as <name>-<version>. A binary already there is reused; the build is
 # skipped entirely.
 set -euo pipefail
@@ -61,6 +62,14 @@ build_gvisor() {  # command-path binary-name out_dir
 }
 build_runsc() { build_gvisor runsc runsc "$1"; }
 build_runsc_shim() { build_gvisor shim containerd-shim-runsc-v1 "$1"; }
+build_kuberay() {
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" \
+    "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+  mv "$1/ray-operator" "$1/kuberay-operator"
+}
+build_kueue() {
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
+}
 build_minio() {
   # MinIO (AGPL-3.0) is installed unmodified as a separate program, never linked.
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/minio/minio@$MINIO_VERSION"
@@ -76,3 +85,5 @@ build kube-proxy "$K8S_VERSION" "kube-proxy from k8s.io/kubernetes" build_proxy
 build coredns "$COREDNS_VERSION" "CoreDNS from github.com/coredns/coredns" build_coredns
 build runsc "$GVISOR_VERSION" "gVisor's runsc from gvisor.dev/gvisor" build_runsc
 build containerd-shim-runsc-v1 "$GVISOR_VERSION" "gVisor's containerd shim from gvisor.dev/gvisor" build_runsc_shim
+build kuberay-operator "$KUBERAY_VERSION" "KubeRay's operator from github.com/ray-project/kuberay/ray-operator" build_kuberay
+build kueue "$KUEUE_VERSION" "Kueue from sigs.k8s.io/kueue" build_kueue

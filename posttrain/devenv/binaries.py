@@ -68,6 +68,8 @@ def go_binary(name: str) -> Path:
         "minio": pins["MINIO_VERSION"],
         "coredns": pins["COREDNS_VERSION"],
         **dict.fromkeys(GVISOR_BINARIES, pins["GVISOR_VERSION"]),
+        "kuberay-operator": pins["KUBERAY_VERSION"],
+        "kueue": pins["KUEUE_VERSION"],
     }[name]
     path = bin_dir() / f"{name}-{version}"
     if not path.exists():
