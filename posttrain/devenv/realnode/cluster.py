@@ -177,6 +177,11 @@ class RealCluster:
                 seconds = self.containerd.import_from_podman(ref, podman_env())
                 if seconds:
                     log.info("real node: imported %s in %.1f s", ref, seconds)
+            # Every current posttrain image stays (also those not imported this time).
+            self.containerd.prune(
+                keep=["localhost/posttrain/pause:1", *image_refs()],
+                prefixes=("ghcr.io/posttrain/", "localhost/posttrain/"),
+            )
         node_dir = self.workdir / "kubelet"
         node_dir.mkdir(parents=True, exist_ok=True)
         client_cert, client_key = issue(
