@@ -114,14 +114,23 @@ def test_operator_pod_runs_the_image_with_the_charts_probes(
     assert "Traceback" not in logs, logs[-3000:]
 
 
+@pytest.mark.parametrize("runtime_class", [None, "gvisor"])
 def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
-    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster, runtime_class: str | None
 ) -> None:
+    """The example SandboxTask, as is and with `runtimeClassName: gvisor` (the node's gVisor
+    RuntimeClass: the same pod, its program under gVisor's kernel)."""
     ns = installed
-    node_kubectl("apply", "-n", ns, "-f", str(REPO_ROOT / "examples" / "sandbox-task.yaml"))
+    task = yaml.safe_load((REPO_ROOT / "examples" / "sandbox-task.yaml").read_text())
+    name = task["metadata"]["name"] = f"add-two-numbers-{runtime_class or 'runc'}"
+    if runtime_class:
+        task["spec"]["runtimeClassName"] = runtime_class
+    # The kernel the program sees goes into its log: gVisor's Sentry names itself there.
+    task["spec"]["files"]["main.py"] += "print(open('/proc/version').read())\n"
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(task))
     task = wait_for(
-        "the SandboxTask to finish",
-        lambda: (t := _get(node_kubectl, ns, "sandboxtask", "add-two-numbers"))
+        f"the SandboxTask {name} to finish",
+        lambda: (t := _get(node_kubectl, ns, "sandboxtask", name))
         .get("status", {}).get("phase") in {"Succeeded", "Failed"} and t,
         timeout_s=300,
         on_timeout=lambda: node_kubectl("describe", "sandboxtask,pods", "-n", ns).stdout[-4000:],
@@ -135,6 +144,7 @@ def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
     bucket, key = logs_uri.removeprefix("s3://").split("/", 1)
     body = real_cluster.minio.client().get_object(bucket, key).read().decode()
     assert "all tests passed" in body, body[-2000:]
+    assert ("gvisor" in body.lower()) == (runtime_class == "gvisor"), body[-2000:]
     # Its default-deny policy, from the chart and the operator alike, allows DNS and the store.
     policies = _get(node_kubectl, ns, "networkpolicies")["items"]
     sandbox_policies = [p for p in policies
