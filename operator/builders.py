@@ -9,6 +9,7 @@ instead of duplicating it.
 from __future__ import annotations
 
 import json
+import math
 import posixpath
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -394,11 +395,12 @@ def build_trainer_pod(
         # The head runs Ray's GCS and then the trainer, which drives the workers through Ray.
         command = [
             "sh", "-c",
-            f"ray start --head --port={config.ray_port} --disable-usage-stats && exec "
-            + " ".join(train),
+            f"ray start --head --port={config.ray_port} --num-cpus={ray_num_cpus(run)} "
+            "--disable-usage-stats && exec " + " ".join(train),
         ]  # fmt: skip
     else:
-        command = ["ray", "start", f"--address={head}:{config.ray_port}", "--block"]
+        command = ["ray", "start", f"--address={head}:{config.ray_port}",
+                   f"--num-cpus={ray_num_cpus(run)}", "--block"]  # fmt: skip
     # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
     # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get that
     # one pool) so each weight version reaches every ready replica.
@@ -559,6 +561,29 @@ RAY_WORKER_GROUP = "workers"
 RAY_NODE_TYPE_LABEL = "ray.io/node-type"
 # Workers pin their raylet to this port so a tcpSocket probe can check it.
 RAY_WORKER_RAYLET_PORT = 6380
+
+
+def ray_num_cpus(run: TrainingRun) -> int:
+    """The CPUs a Ray node of the run declares: the pod's CPU rounded up, and at least one
+    per rank on the node (Ray Train asks one CPU per rank worker).
+
+    Passed explicitly, as KubeRay's own generated start command does: left to itself Ray
+    truncates a fractional cgroup quota, so a ``500m`` pod would declare 0 CPUs and the
+    rank workers would wait for resources that never come.
+
+    >>> run = _example_run()
+    >>> run.spec.resources.cpu, run.spec.resources.gpus_per_node = "500m", 0
+    >>> ray_num_cpus(run)
+    1
+    >>> run.spec.resources.cpu, run.spec.resources.gpus_per_node = "2500m", 8
+    >>> ray_num_cpus(run)
+    8
+    """
+    res = run.spec.resources
+    cpu = res.cpu
+    cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    ranks = res.gpus_per_node if res.gpus_per_node > 0 else run.spec.engine.cpu_ranks
+    return max(math.ceil(cores), ranks, 1)
 
 
 def _ray_probes(port: int) -> dict[str, Any]:
