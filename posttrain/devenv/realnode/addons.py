@@ -14,12 +14,15 @@ kinds: the pod, Deployment and StatefulSet webhooks would put every pod of the n
 process the tests start and stop. The Service ``kueue-webhook-service`` has no selector; an
 EndpointSlice points it at the node's address, where the Kueue process serves its webhooks.
 Kueue's internal certificate management (on by default) issues the serving certificate for
-``kueue-webhook-service.kueue-system.svc`` and writes its CA into the webhook configurations
-and the CRDs' conversion settings, as it does in a cluster.
+``kueue-webhook-service.kueue-system.svc`` into its Secret and writes its CA into the webhook
+configurations and the CRDs' conversion settings, as it does in a cluster; the one step a
+kubelet would do, projecting that Secret into Kueue's cert dir, is done here
+(:func:`_project_cert_secret`).
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import subprocess
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 
 KUEUE_NAMESPACE = "kueue-system"
 KUEUE_WEBHOOK_SERVICE = "kueue-webhook-service"
+KUEUE_CERT_SECRET = "kueue-webhook-server-cert"
 KUEUE_GROUP = "kueue.x-k8s.io"
 
 
@@ -95,6 +99,9 @@ def kueue_manifests(node_ip: str, webhook_port: int) -> list[dict[str, Any]]:
         "endpoints": [{"addresses": [node_ip], "conditions": {"ready": True}}],
         "ports": [{"name": "https", "port": webhook_port, "protocol": "TCP"}],
     })  # fmt: skip
+    # config/components/internalcert: the Secret Kueue's certificate rotator fills in.
+    out.append({"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": KUEUE_CERT_SECRET, "namespace": KUEUE_NAMESPACE}})  # fmt: skip
     for doc in yaml.safe_load_all((root / "webhook" / "manifests.yaml").read_text()):
         if not doc:
             continue
@@ -122,7 +129,7 @@ def kueue_config(workdir: Path, health_port: int, webhook_port: int, node_ip: st
         "webhook": {"port": webhook_port, "host": node_ip, "certDir": str(workdir / "certs")},
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": True, "webhookServiceName": KUEUE_WEBHOOK_SERVICE,
-                                   "webhookSecretName": "kueue-webhook-server-cert"},
+                                   "webhookSecretName": KUEUE_CERT_SECRET},
         "integrations": {"frameworks": ["batch/job"]},
     }  # fmt: skip
     path = workdir / "kueue-config.yaml"
@@ -143,6 +150,24 @@ def apply(kubeconfig: Path, manifests: list[dict[str, Any]] | list[Path]) -> Non
         )  # fmt: skip
         if result.returncode != 0:
             raise RuntimeError(f"kubectl apply failed: {result.stderr[-2000:]}")
+    # A controller started before its CRDs are served fails its first watches.
+    crds = [f"crd/{name}" for name in _applied_crds(manifests)]
+    if crds:
+        subprocess.run(
+            [kubectl, "--kubeconfig", str(kubeconfig), "wait", "--for=condition=Established",
+             "--timeout=120s", *crds],
+            capture_output=True, text=True, timeout=150, check=True,
+        )  # fmt: skip
+
+
+def _applied_crds(manifests: list[dict[str, Any]] | list[Path]) -> list[str]:
+    names = []
+    for item in manifests:
+        docs = yaml.safe_load_all(item.read_text()) if isinstance(item, Path) else [item]
+        names += [
+            d["metadata"]["name"] for d in docs if d and d["kind"] == "CustomResourceDefinition"
+        ]
+    return names
 
 
 def kuberay_process(workdir: Path, kubeconfig: Path) -> ManagedProcess:
@@ -169,10 +194,33 @@ def kueue_process(workdir: Path, kubeconfig: Path, node_ip: str) -> ManagedProce
     (workdir / "certs").mkdir(parents=True, exist_ok=True)
     apply(kubeconfig, kueue_manifests(node_ip, webhook))
     config = kueue_config(workdir, health, webhook, node_ip)
+    certs = workdir / "certs"
     return ManagedProcess(
         name="kueue",
         command=[str(go_binary("kueue")), f"--config={config}", "--zap-log-level=2"],
         log_path=workdir / "kueue.log",
-        ready=lambda: http_ok(f"http://127.0.0.1:{health}/readyz"),
+        ready=lambda: (
+            _project_cert_secret(kubeconfig, certs) and http_ok(f"http://127.0.0.1:{health}/readyz")
+        ),
         env={"KUBECONFIG": str(kubeconfig)},
     )
+
+
+def _project_cert_secret(kubeconfig: Path, certs: Path) -> bool:
+    """Do what the kubelet does for Kueue's pod: write the certificate Secret's keys as files
+    into the cert dir. Kueue's rotator fills the Secret and then waits until the mounted
+    files match it; out of cluster nothing mounts them. True once the files are there."""
+    if (certs / "tls.key").exists():
+        return True
+    result = subprocess.run(
+        [str(client_binary("kubectl")), "--kubeconfig", str(kubeconfig), "get", "secret",
+         KUEUE_CERT_SECRET, "-n", KUEUE_NAMESPACE, "-o", "json"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    data = json.loads(result.stdout).get("data") or {} if result.returncode == 0 else {}
+    if not {"tls.crt", "tls.key", "ca.crt"} <= data.keys():
+        return False
+    for name in ("ca.crt", "tls.crt", "tls.key"):  # the key last: it marks completion
+        (certs / name).write_bytes(base64.b64decode(data[name]))
+    (certs / "tls.key").chmod(0o600)
+    return True
