@@ -556,4 +556,9 @@ def leftovers(workdir: Path) -> list[str]:
                                capture_output=True, text=True).stdout.split()  # fmt: skip
     if processes:
         found.append(f"containerd shims {processes}")
+    # gVisor's sandbox and gofer processes name their runsc root (under the node's dir).
+    runsc = subprocess.run(["pgrep", "-f", f"runsc .*{workdir}/containerd/runsc"],
+                           capture_output=True, text=True).stdout.split()  # fmt: skip
+    if runsc:
+        found.append(f"gVisor processes {runsc}")
     return found
