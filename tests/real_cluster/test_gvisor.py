@@ -103,8 +103,8 @@ def test_sandbox_task_pod_runs_under_gvisor_in_a_restricted_namespace(
     assert gvisor["spec"]["runtimeClassName"] == "gvisor" and "runtimeClassName" not in runc["spec"]
     # Admitted by Pod Security "restricted" (enforced: a violation would fail the apply).
     node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all([gvisor, runc]))
-    inside_gvisor = _finished_logs(node_kubectl, ns, "probe-gvisor")
-    inside_runc = _finished_logs(node_kubectl, ns, "probe-runc")
+    inside_gvisor = _finished_logs(node_kubectl, ns, gvisor["metadata"]["name"])
+    inside_runc = _finished_logs(node_kubectl, ns, runc["metadata"]["name"])
     host_release = os.uname().release
     # runc shares the host's kernel; under gVisor the program talks to gVisor's Sentry.
     assert inside_runc["release"] == host_release, inside_runc
@@ -118,8 +118,9 @@ def test_bubblewrap_pods_are_the_one_exception_baseline_refuses(
     node_kubectl: Kubectl, node_namespace: str
 ) -> None:
     """The run's sandbox runner asks for exactly what bubblewrap needs (Unconfined seccomp,
-    an unmasked /proc, its own user namespace); Pod Security "baseline" refuses it and names
-    those fields, while the same pod without them is admitted."""
+    an unmasked /proc, its own user namespace); Pod Security "baseline" refuses it for the
+    seccomp profile alone (an unmasked /proc is allowed in a pod with its own user namespace),
+    and admits the same pod with RuntimeDefault seccomp."""
     from posttrain.api import TrainingRun
     from posttrain.operator.config import OperatorConfig
     from posttrain.operator.sandbox_runner import build_runner_deployment
@@ -136,11 +137,11 @@ def test_bubblewrap_pods_are_the_one_exception_baseline_refuses(
     refused = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
                            input=yaml.safe_dump(pod), check=False)  # fmt: skip
     assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
-    assert "seccompProfile" in refused.stderr and "procMount" in refused.stderr, refused.stderr
+    assert 'seccompProfile.type to "Unconfined"' in refused.stderr, refused.stderr
+    assert "procMount" not in refused.stderr, refused.stderr
     context = pod["spec"]["containers"][0]["securityContext"]
-    context.pop("procMount")
+    assert (context["procMount"], pod["spec"]["hostUsers"]) == ("Unmasked", False)
     context["seccompProfile"] = {"type": "RuntimeDefault"}
-    pod["spec"].pop("hostUsers")
     admitted = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
                             input=yaml.safe_dump(pod), check=False)  # fmt: skip
     assert admitted.returncode == 0, admitted.stderr
