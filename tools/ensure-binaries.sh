@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Builds (once per pin) etcd, the Kubernetes components (kube-apiserver, and for the real
 # single-node cluster of `posttrain dev up`: kubelet, kube-scheduler, kube-controller-manager,
-# kube-proxy), CoreDNS, gVisor's runsc with its containerd shim, KubeRay's operator, Kueue,
-# and the MinIO server from Go modules into $POSTTRAIN_BIN_DIR (default
-# ~/.cache/posttrain/bin) as <name>-<version>. A binary already there is reused; the build is
-# skipped entirely.
+# kube-proxy), CoreDNS, KubeRay's operator, Kueue and the MinIO server from Go modules into
+# $POSTTRAIN_BIN_DIR (default ~/.cache/posttrain/bin) as <name>-<version>. A binary already
+# there is reused; the build is skipped entirely.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
@@ -50,18 +49,6 @@ build_proxy() { build_controlplane kube-proxy "$1"; }
 build_coredns() {
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
 }
-build_gvisor() {  # command-path binary-name out_dir
-  # Static (CGO_ENABLED=0), as gVisor's own releases are: runsc re-executes itself through
-  # /proc/self/exe inside an empty chroot, where a dynamically linked binary finds no
-  # ld-linux and fails with "fork/exec /proc/self/exe: no such file or directory".
-  local tmp; tmp="$(mktemp -d)"
-  CGO_ENABLED=0 GOBIN="$tmp" GOFLAGS="-trimpath" go install -ldflags="-s -w" \
-    "gvisor.dev/gvisor/$1@$GVISOR_VERSION"
-  mv "$tmp/$(basename "$1")" "$3/$2"
-  rm -rf "$tmp"
-}
-build_runsc() { build_gvisor runsc runsc "$1"; }
-build_runsc_shim() { build_gvisor shim containerd-shim-runsc-v1 "$1"; }
 build_kuberay() {
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" \
     "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
@@ -83,7 +70,5 @@ build kube-scheduler "$K8S_VERSION" "kube-scheduler from k8s.io/kubernetes" buil
 build kube-controller-manager "$K8S_VERSION" "kube-controller-manager from k8s.io/kubernetes" build_controller_manager
 build kube-proxy "$K8S_VERSION" "kube-proxy from k8s.io/kubernetes" build_proxy
 build coredns "$COREDNS_VERSION" "CoreDNS from github.com/coredns/coredns" build_coredns
-build runsc "$GVISOR_VERSION" "gVisor's runsc from gvisor.dev/gvisor" build_runsc
-build containerd-shim-runsc-v1 "$GVISOR_VERSION" "gVisor's containerd shim from gvisor.dev/gvisor" build_runsc_shim
 build kuberay-operator "$KUBERAY_VERSION" "KubeRay's operator from github.com/ray-project/kuberay/ray-operator" build_kuberay
 build kueue "$KUEUE_VERSION" "Kueue from sigs.k8s.io/kueue" build_kueue

@@ -37,7 +37,6 @@ KUBERNETES_COMPONENTS = (
     "kube-controller-manager",
     "kube-proxy",
 )
-GVISOR_BINARIES = ("runsc", "containerd-shim-runsc-v1")
 
 
 def bin_dir() -> Path:
@@ -67,7 +66,6 @@ def go_binary(name: str) -> Path:
         "etcd": pins["ETCD_VERSION"],
         "minio": pins["MINIO_VERSION"],
         "coredns": pins["COREDNS_VERSION"],
-        **dict.fromkeys(GVISOR_BINARIES, pins["GVISOR_VERSION"]),
         "kuberay-operator": pins["KUBERAY_VERSION"],
         "kueue": pins["KUEUE_VERSION"],
     }[name]

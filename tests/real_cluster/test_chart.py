@@ -28,8 +28,9 @@ RELEASE, SYSTEM = "pt", "posttrain-system"
 SECRET = "posttrain-s3"
 ARTIFACTS = "s3://posttrain/sandbox-artifacts"
 NCCL_IFNAME = "eth0"
-# Each Ray pod of the KubeRay run: Ray Train asks one CPU per rank (resources_per_worker).
-RAY_POD_CPU = "1"
+# Each Ray pod of the KubeRay run: with the pool (500m) and the operator (100m) on this 2-CPU
+# node. Ray declares it as 1 CPU (the operator passes --num-cpus, rounded up).
+RAY_POD_CPU = "600m"
 
 
 def wait_for(what: str, predicate: Any, timeout_s: float, on_timeout: Any = None) -> Any:
@@ -114,23 +115,14 @@ def test_operator_pod_runs_the_image_with_the_charts_probes(
     assert "Traceback" not in logs, logs[-3000:]
 
 
-@pytest.mark.parametrize("runtime_class", [None, "gvisor"])
 def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
-    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster, runtime_class: str | None
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
 ) -> None:
-    """The example SandboxTask, as is and with `runtimeClassName: gvisor` (the node's gVisor
-    RuntimeClass: the same pod, its program under gVisor's kernel)."""
     ns = installed
-    task = yaml.safe_load((REPO_ROOT / "examples" / "sandbox-task.yaml").read_text())
-    name = task["metadata"]["name"] = f"add-two-numbers-{runtime_class or 'runc'}"
-    if runtime_class:
-        task["spec"]["runtimeClassName"] = runtime_class
-    # The kernel the program sees goes into its log: gVisor's Sentry names itself there.
-    task["spec"]["files"]["main.py"] += "print(open('/proc/version').read())\n"
-    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(task))
+    node_kubectl("apply", "-n", ns, "-f", str(REPO_ROOT / "examples" / "sandbox-task.yaml"))
     task = wait_for(
-        f"the SandboxTask {name} to finish",
-        lambda: (t := _get(node_kubectl, ns, "sandboxtask", name))
+        "the SandboxTask to finish",
+        lambda: (t := _get(node_kubectl, ns, "sandboxtask", "add-two-numbers"))
         .get("status", {}).get("phase") in {"Succeeded", "Failed"} and t,
         timeout_s=300,
         on_timeout=lambda: node_kubectl("describe", "sandboxtask,pods", "-n", ns).stdout[-4000:],
@@ -144,7 +136,6 @@ def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
     bucket, key = logs_uri.removeprefix("s3://").split("/", 1)
     body = real_cluster.minio.client().get_object(bucket, key).read().decode()
     assert "all tests passed" in body, body[-2000:]
-    assert ("gvisor" in body.lower()) == (runtime_class == "gvisor"), body[-2000:]
     # Its default-deny policy, from the chart and the operator alike, allows DNS and the store.
     policies = _get(node_kubectl, ns, "networkpolicies")["items"]
     sandbox_policies = [p for p in policies

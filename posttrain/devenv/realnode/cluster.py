@@ -34,16 +34,13 @@ from ..certs import issue
 from ..controlplane import ControlPlane
 from ..minio import MinioServer
 from . import components
-from .containerd import RUNSC_HANDLER, Containerd
+from .containerd import Containerd
 from .network import CNI_BIN_DIR, NodeNetwork
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
 
 IMAGE_NAMES = ("operator", "sandbox", "trainer", "rollout")
-# The RuntimeClass of gVisor pods (handler: containerd's `runsc` runtime); the name the
-# agent-sandbox project and GKE Sandbox use, and the operator's docs suggest.
-GVISOR_RUNTIME_CLASS = "gvisor"
 # Paths the kubelet and the CNI plugins write outside their configured directories.
 FIXED_LEFTOVERS = (
     Path("/var/lib/kubelet/device-plugins/kubelet.sock"),
@@ -169,7 +166,6 @@ class RealCluster:
                 content_root=self.cache_dir / "containerd",
                 cni_conf_dir=self.network.cni_conf_dir,
                 cni_bin_dir=CNI_BIN_DIR,
-                runsc=(go_binary("runsc"), go_binary("containerd-shim-runsc-v1")),
             )
             self.containerd.start()
         with self._timed("images"):
@@ -224,7 +220,6 @@ class RealCluster:
         self.network.fence_first()
         with self._timed("node-ready"):
             self.wait_node_ready()
-            self.create_runtime_classes()
         with self._timed("minio"):
             self.minio = MinioServer(data_dir=minio_data or (self.workdir / "minio"),
                                      host=self.node_ip)  # fmt: skip
@@ -321,24 +316,6 @@ class RealCluster:
         finally:
             api.close()
 
-    def create_runtime_classes(self) -> None:
-        """RuntimeClass ``gvisor`` (handler ``runsc``), as a platform team that offers gVisor
-        defines it; kept if it exists (a restarted node's etcd still holds it)."""
-        from kubernetes import client
-
-        api = self.api()
-        try:
-            body = client.V1RuntimeClass(
-                metadata=client.V1ObjectMeta(name=GVISOR_RUNTIME_CLASS), handler=RUNSC_HANDLER
-            )
-            try:
-                client.NodeV1Api(api).create_runtime_class(body)
-            except client.ApiException as error:
-                if error.status != 409:
-                    raise
-        finally:
-            api.close()
-
     # -- stopping ------------------------------------------------------------------------
 
     def stop(self, keep_workdir: bool = False) -> None:
@@ -426,20 +403,11 @@ def running_nodes() -> list[Path]:
 
 
 def _delete_runc_containers(workdir: Path) -> None:
-    """Every container runc (or gVisor's runsc) still holds for the node in ``workdir``
-    (what containerd missed)."""
+    """Every container runc still holds for the node in ``workdir`` (what containerd missed)."""
     runc_root = workdir / "containerd" / "runc" / "k8s.io"
     for container in os.listdir(runc_root) if runc_root.is_dir() else []:
         subprocess.run(["runc", "--root", str(runc_root), "delete", "--force", container],
                        capture_output=True, check=False)  # fmt: skip
-    runsc_root = workdir / "containerd" / "runsc" / "k8s.io"
-    runsc = _binary("runsc") if runsc_root.is_dir() else None
-    if runsc is not None:
-        listed = subprocess.run([str(runsc), "--root", str(runsc_root), "list", "-q"],
-                                capture_output=True, text=True, check=False)  # fmt: skip
-        for container in listed.stdout.split():
-            subprocess.run([str(runsc), "--root", str(runsc_root), "delete", "--force", container],
-                           capture_output=True, check=False)  # fmt: skip
 
 
 def reap_node(workdir: Path) -> None:
@@ -552,13 +520,8 @@ def leftovers(workdir: Path) -> list[str]:
     for hierarchy in CGROUP_ROOT.iterdir() if CGROUP_ROOT.is_dir() else []:
         if (hierarchy / "kubepods").is_dir():
             found.append(f"cgroup {hierarchy / 'kubepods'}")
-    processes = subprocess.run(["pgrep", "-f", "containerd-shim-run(c-v2|sc-v1) .*-address " + str(workdir)],
+    processes = subprocess.run(["pgrep", "-f", "containerd-shim-runc-v2 .*-address " + str(workdir)],
                                capture_output=True, text=True).stdout.split()  # fmt: skip
     if processes:
         found.append(f"containerd shims {processes}")
-    # gVisor's sandbox and gofer processes name their runsc root (under the node's dir).
-    runsc = subprocess.run(["pgrep", "-f", f"runsc .*{workdir}/containerd/runsc"],
-                           capture_output=True, text=True).stdout.split()  # fmt: skip
-    if runsc:
-        found.append(f"gVisor processes {runsc}")
     return found

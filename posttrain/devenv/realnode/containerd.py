@@ -12,10 +12,6 @@ content store under ``~/.cache/posttrain/containerd`` (images stay imported acro
 * runc v2 with ``SystemdCgroup = false`` (cgroupfs, like the kubelet) and its own root.
 * ``sandbox_image``: the pause image cannot be pulled; ``localhost/posttrain/pause`` (the local
   base with ``sleep infinity``) holds each pod's namespaces.
-* a second runtime, ``runsc`` (gVisor, built by tools/ensure-binaries.sh), behind the
-  RuntimeClass ``gvisor``: pods that run untrusted code get a user-space kernel between them
-  and the host's. Its shim is found on containerd's ``PATH`` (a private directory with one
-  link); runsc runs with the ``systrap`` platform (no KVM here) and its own root.
 
 Images come from podman's store (``make images``) with ``podman save | ctr images import``,
 skipped when the same image ID was imported before. A rebuilt image leaves its predecessor
@@ -41,44 +37,17 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "k8s.io"  # the CRI plugin's containerd namespace
 PAUSE_IMAGE = "localhost/posttrain/pause:1"
-RUNSC_HANDLER = "runsc"  # the containerd runtime a RuntimeClass names as its handler
-RUNSC_SHIM = "containerd-shim-runsc-v1"
-
-
-def runsc_toml(*, runsc: Path, root: Path, log_dir: Path) -> str:
-    """The gVisor shim's options (``ConfigPath`` of the ``runsc`` runtime).
-
-    ``systrap``: the platform that needs no KVM (these machines have none). Logs go to
-    ``log_dir/<container id>``, kept with the node's other logs.
-
-    >>> text = runsc_toml(runsc=Path("/b/runsc"), root=Path("/s/runsc"), log_dir=Path("/l"))
-    >>> 'binary_name = "/b/runsc"' in text and 'platform = "systrap"' in text
-    True
-    """
-    return f"""binary_name = "{runsc}"
-root = "{root}"
-log_level = "info"
-log_path = "{log_dir}/%ID%/shim.log"
-
-[runsc_config]
-  platform = "systrap"
-  debug-log = "{log_dir}/%ID%/"
-"""
 
 
 def config_toml(
-    *, root: Path, state: Path, socket: Path, runc_root: Path, cni_conf_dir: Path,
-    cni_bin_dir: Path, runsc_config: Path | None = None,
-) -> str:  # fmt: skip
-    """containerd's config (version 2) for the CRI plugin; with ``runsc_config`` (the shim's
-    options file) also the ``runsc`` runtime.
+    *, root: Path, state: Path, socket: Path, runc_root: Path, cni_conf_dir: Path, cni_bin_dir: Path
+) -> str:
+    """containerd's config (version 2) for the CRI plugin.
 
     >>> text = config_toml(root=Path("/r"), state=Path("/s"), socket=Path("/s/c.sock"),
     ...                    runc_root=Path("/s/runc"), cni_conf_dir=Path("/n"),
-    ...                    cni_bin_dir=Path("/usr/lib/cni"), runsc_config=Path("/s/runsc.toml"))
+    ...                    cni_bin_dir=Path("/usr/lib/cni"))
     >>> "restrict_oom_score_adj = true" in text and 'address = "/s/c.sock"' in text
-    True
-    >>> 'runtime_type = "io.containerd.runsc.v1"' in text
     True
     """
     cri = 'plugins."io.containerd.grpc.v1.cri"'
@@ -115,7 +84,6 @@ oom_score = 0
   SystemdCgroup = false
   Root = "{runc_root}"
 
-{_runsc_runtime(cri, runsc_config) if runsc_config else ""}
 [{cri}.cni]
   bin_dir = "{cni_bin_dir}"
   conf_dir = "{cni_conf_dir}"
@@ -123,17 +91,6 @@ oom_score = 0
 
 [plugins."io.containerd.internal.v1.opt"]
   path = "{state}/opt"
-"""
-
-
-def _runsc_runtime(cri: str, config: Path) -> str:
-    return f"""
-[{cri}.containerd.runtimes.{RUNSC_HANDLER}]
-  runtime_type = "io.containerd.runsc.v1"
-
-[{cri}.containerd.runtimes.{RUNSC_HANDLER}.options]
-  TypeUrl = "io.containerd.runsc.v1.options"
-  ConfigPath = "{config}"
 """
 
 
@@ -145,8 +102,6 @@ class Containerd:
     content_root: Path
     cni_conf_dir: Path
     cni_bin_dir: Path
-    # gVisor's runsc and its shim (None: the node has no `runsc` runtime).
-    runsc: tuple[Path, Path] | None = None
     process: ManagedProcess | None = None
     _imported_dir: Path = field(init=False)
 
@@ -169,28 +124,10 @@ class Containerd:
             capture_output=True, text=True, timeout=timeout, **kwargs,  # type: ignore[call-overload]
         )  # fmt: skip
 
-    @property
-    def runsc_root(self) -> Path:
-        return self.workdir / "runsc"
-
     def start(self, timeout_s: float = 60.0) -> None:
         state = self.workdir / "state"
         for path in (self.workdir, state, self.content_root / "root"):
             path.mkdir(parents=True, exist_ok=True)
-        env: dict[str, str] = {}
-        runsc_config = None
-        if self.runsc is not None:
-            runsc, shim = self.runsc
-            # containerd finds a runtime's shim by its name on PATH.
-            shim_dir = self.workdir / "shims"
-            shim_dir.mkdir(exist_ok=True)
-            (shim_dir / RUNSC_SHIM).unlink(missing_ok=True)
-            (shim_dir / RUNSC_SHIM).symlink_to(shim)
-            env["PATH"] = f"{shim_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
-            runsc_config = self.workdir / "runsc.toml"
-            runsc_config.write_text(
-                runsc_toml(runsc=runsc, root=self.runsc_root, log_dir=self.workdir / "runsc-logs")
-            )
         config = self.workdir / "config.toml"
         config.write_text(
             config_toml(
@@ -200,7 +137,6 @@ class Containerd:
                 runc_root=self.workdir / "runc",
                 cni_conf_dir=self.cni_conf_dir,
                 cni_bin_dir=self.cni_bin_dir,
-                runsc_config=runsc_config,
             )
         )
         self.process = ManagedProcess(
@@ -208,7 +144,6 @@ class Containerd:
             command=["containerd", "--config", str(config)],
             log_path=self.workdir / "containerd.log",
             ready=lambda: self.socket.exists() and self.ctr("version").returncode == 0,
-            env=env,
         )
         self.process.start(timeout_s)
 
