@@ -66,10 +66,7 @@ def _kueue_root() -> Path:
 def kueue_manifests(node_ip: str, webhook_port: int) -> list[dict[str, Any]]:
     """Kueue's CRDs (conversion through its webhook), namespace, webhook Service with an
     EndpointSlice at ``node_ip:webhook_port``, and its webhook configurations (Kueue's own
-    kinds only): what ``config/default`` renders, for a Kueue that runs outside the cluster.
-
-    >>> kinds = [m["kind"] for m in kueue_manifests("10.244.0.1", 9443)]  # doctest: +SKIP
-    """
+    kinds only): what ``config/default`` renders, for a Kueue that runs outside the cluster."""
     root = _kueue_root() / "config" / "components"
     service_ref = {"name": KUEUE_WEBHOOK_SERVICE, "namespace": KUEUE_NAMESPACE}
     converted = {"localqueues", "clusterqueues", "cohorts", "workloads", "multikueueclusters"}
