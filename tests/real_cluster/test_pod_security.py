@@ -69,6 +69,10 @@ def restricted_namespace(node_api: Any) -> Iterator[str]:
     core.create_namespace(
         client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
     )
+    # Pods are refused until the ServiceAccount controller has made the namespace's default.
+    wait_for("the namespace's default ServiceAccount",
+             lambda: any(sa.metadata.name == "default"
+                         for sa in core.list_namespaced_service_account(name).items), 60)  # fmt: skip
     yield name
     core.delete_namespace(name)
 
