@@ -300,7 +300,7 @@ def _check_minio_policy_admits(node_kubectl: Kubectl, real_cluster: RealCluster,
 
 
 def test_kueue_admits_a_run_within_quota_and_holds_one_beyond_it(
-    installed: str, node_kubectl: Kubectl
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
 ) -> None:
     """The real Kueue controller (built from sigs.k8s.io/kueue v0.17.0) decides: a run in a
     LocalQueue whose ClusterQueue has room is admitted and its trainer pod starts; a run in a
@@ -315,7 +315,17 @@ def test_kueue_admits_a_run_within_quota_and_holds_one_beyond_it(
             doc["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["nominalQuota"] = "100m"
         else:
             doc["spec"]["clusterQueue"] = "tiny"
-    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all([*queues, *tiny]))
+    kueue_log = real_cluster.workdir / "controllers" / "kueue.log"
+    # Kueue's own webhooks admit its kinds (reached through the Service, via kube-proxy).
+    wait_for(
+        "Kueue's webhooks to accept the queues",
+        lambda: node_kubectl("apply", "-n", ns, "-f", "-", check=False,
+                             input=yaml.safe_dump_all([*queues, *tiny])).returncode == 0,
+        timeout_s=120,
+        on_timeout=lambda: (node_kubectl("apply", "-n", ns, "-f", "-", check=False,
+                                         input=yaml.safe_dump_all([*queues, *tiny])).stderr
+                            + kueue_log.read_text()[-3000:]),
+    )  # fmt: skip
 
     def run(name: str, queue: str) -> dict[str, Any]:
         doc = yaml.safe_load((REPO_ROOT / "examples" / "kueue-run.yaml").read_text())
@@ -330,7 +340,8 @@ def test_kueue_admits_a_run_within_quota_and_holds_one_beyond_it(
 
     def describe() -> str:
         return (node_kubectl("get", "tr,workloads,pods", "-n", ns, "-o", "wide").stdout
-                + node_kubectl("get", "clusterqueues", "-o", "yaml").stdout[-3000:])  # fmt: skip
+                + node_kubectl("get", "clusterqueues", "-o", "yaml").stdout[-3000:]
+                + kueue_log.read_text()[-3000:])  # fmt: skip
 
     def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
         conditions = obj.get("status", {}).get("conditions", [])
