@@ -194,7 +194,15 @@ def kueue_process(workdir: Path, kubeconfig: Path, node_ip: str) -> ManagedProce
     certs = workdir / "certs"
     return ManagedProcess(
         name="kueue",
-        command=[str(go_binary("kueue")), f"--config={config}", "--zap-log-level=2"],
+        # VisibilityOnDemand serves Kueue's visibility API as an aggregated apiserver, whose
+        # delegated authentication needs an in-cluster config: out of cluster Kueue exits
+        # ("Unable to create and start visibility server") seconds after it is ready.
+        command=[
+            str(go_binary("kueue")),
+            f"--config={config}",
+            "--zap-log-level=2",
+            "--feature-gates=VisibilityOnDemand=false",
+        ],
         log_path=workdir / "kueue.log",
         ready=lambda: (
             _project_cert_secret(kubeconfig, certs) and http_ok(f"http://127.0.0.1:{health}/readyz")
