@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds (once per pin) etcd, the Kubernetes components (kube-apiserver, and for the real
 # single-node cluster of `posttrain dev up`: kubelet, kube-scheduler, kube-controller-manager,
-# kube-proxy), CoreDNS and the MinIO server from Go modules into $POSTTRAIN_BIN_DIR (default
-# ~/.cache/posttrain/bin) as <name>-<version>. A binary already there is reused; the build is
-# skipped entirely.
+# kube-proxy), CoreDNS, KubeRay's operator, Kueue and the MinIO server from Go modules into
+# $POSTTRAIN_BIN_DIR (default ~/.cache/posttrain/bin) as <name>-<version>. A binary already
+# there is reused; the build is skipped entirely.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=versions.env
@@ -49,6 +49,14 @@ build_proxy() { build_controlplane kube-proxy "$1"; }
 build_coredns() {
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
 }
+build_kuberay() {
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" \
+    "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+  mv "$1/ray-operator" "$1/kuberay-operator"
+}
+build_kueue() {
+  GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "sigs.k8s.io/kueue/cmd/kueue@$KUEUE_VERSION"
+}
 build_minio() {
   # MinIO (AGPL-3.0) is installed unmodified as a separate program, never linked.
   GOBIN="$1" GOFLAGS="-trimpath" go install -ldflags="-s -w" "github.com/minio/minio@$MINIO_VERSION"
@@ -62,3 +70,5 @@ build kube-scheduler "$K8S_VERSION" "kube-scheduler from k8s.io/kubernetes" buil
 build kube-controller-manager "$K8S_VERSION" "kube-controller-manager from k8s.io/kubernetes" build_controller_manager
 build kube-proxy "$K8S_VERSION" "kube-proxy from k8s.io/kubernetes" build_proxy
 build coredns "$COREDNS_VERSION" "CoreDNS from github.com/coredns/coredns" build_coredns
+build kuberay-operator "$KUBERAY_VERSION" "KubeRay's operator from github.com/ray-project/kuberay/ray-operator" build_kuberay
+build kueue "$KUEUE_VERSION" "Kueue from sigs.k8s.io/kueue" build_kueue

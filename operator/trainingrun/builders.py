@@ -9,6 +9,7 @@ what it already created instead of duplicating it.
 
 from __future__ import annotations
 
+import math
 import posixpath
 from collections.abc import Sequence
 from typing import Any
@@ -220,7 +221,9 @@ def build_trainer_pod(
     on_ray = head_host is not None and nodes > 1
     head = head_host or f"{trainer_names(run)['head_service']}.{run.metadata.namespace}.svc"
     serves_metrics = bool(config.pod_metrics_port) and (nodes == 1 or rank == 0)
-    command = _trainer_command(config, rank, head if on_ray else None, serves_metrics)
+    command = _trainer_command(
+        config, rank, head if on_ray else None, serves_metrics, ray_num_cpus(run)
+    )
     env = _trainer_env(
         run, config, incarnation, rank, head, on_ray, rollout_endpoints, rollout_dtype
     )
@@ -264,10 +267,10 @@ def build_trainer_pod(
 
 
 def _trainer_command(
-    config: OperatorConfig, rank: int, ray_head: str | None, serves_metrics: bool
+    config: OperatorConfig, rank: int, ray_head: str | None, serves_metrics: bool, num_cpus: int
 ) -> list[str]:
     """``posttrain run`` (torchrun's agent); on a RayCluster (``ray_head``), the head starts
-    Ray's GCS first and the workers run ``ray start`` instead."""
+    Ray's GCS first and the workers run ``ray start`` instead, each declaring ``num_cpus``."""
     train = ["posttrain", "run", RUN_CONFIG_PATH, "--out", "/workspace"]
     if serves_metrics:  # rank 0's pod (on a RayCluster, Ray workers run `ray start`)
         train += ["--metrics-port", str(config.pod_metrics_port)]
@@ -277,10 +280,35 @@ def _trainer_command(
         # The head runs Ray's GCS and then the trainer, which drives the workers through Ray.
         return [
             "sh", "-c",
-            f"ray start --head --port={config.ray_port} --disable-usage-stats && exec "
-            + " ".join(train),
+            f"ray start --head --port={config.ray_port} --num-cpus={num_cpus} "
+            "--disable-usage-stats && exec " + " ".join(train),
         ]  # fmt: skip
-    return ["ray", "start", f"--address={ray_head}:{config.ray_port}", "--block"]
+    return ["ray", "start", f"--address={ray_head}:{config.ray_port}",
+            f"--num-cpus={num_cpus}", "--block"]  # fmt: skip
+
+
+def ray_num_cpus(run: TrainingRun) -> int:
+    """The CPUs a Ray node of the run declares: the pod's CPU rounded up, and at least one
+    per rank on the node (Ray Train asks one CPU per rank worker).
+
+    Passed explicitly, as KubeRay's own generated start command does: left to itself Ray
+    truncates a fractional cgroup quota, so a ``500m`` pod would declare 0 CPUs and the
+    rank workers would wait for resources that never come.
+
+    >>> from posttrain.operator.trainingrun.names import _example_run
+    >>> run = _example_run()
+    >>> run.spec.resources.cpu, run.spec.resources.gpus_per_node = "500m", 0
+    >>> ray_num_cpus(run)
+    1
+    >>> run.spec.resources.cpu, run.spec.resources.gpus_per_node = "2500m", 8
+    >>> ray_num_cpus(run)
+    8
+    """
+    res = run.spec.resources
+    cpu = res.cpu
+    cores = int(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    ranks = res.gpus_per_node if res.gpus_per_node > 0 else run.spec.engine.cpu_ranks
+    return max(math.ceil(cores), ranks, 1)
 
 
 def _trainer_env(

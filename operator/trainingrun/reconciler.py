@@ -227,10 +227,19 @@ class TrainingRunReconciler:
         they are deleted, as the garbage collector would, so a run deleted and applied again
         neither takes the old run's finished rank 0 for its own nor waits on its names."""
         namespace, name = run.metadata.namespace, run.metadata.name
+        # KubeRay's pods are controlled by their RayCluster, not by the run: those of the
+        # run's own clusters are its gang; those of another cluster are left to the garbage
+        # collector (their cluster belongs to an earlier run and goes with it).
+        clusters = self.state.ray_clusters.children(namespace, name)
+        own_clusters = {c["metadata"]["uid"] for c in clusters
+                        if controller_uid(c) == run.metadata.uid}  # fmt: skip
         own = []
         for pod in self.state.trainer_pods.children(namespace, name):
-            if controller_uid(pod) in (None, run.metadata.uid):
+            controller = controller_uid(pod)
+            if controller in (None, run.metadata.uid) or controller in own_clusters:
                 own.append(pod)
+                continue
+            if _controller_kind(pod) == "RayCluster":
                 continue
             pod_name = pod["metadata"]["name"]
             log.info(
@@ -282,3 +291,15 @@ class TrainingRunReconciler:
             ],
         )
         return len(keys)
+
+
+def _controller_kind(obj: Body) -> str | None:
+    """The kind of ``obj``'s controlling owner, if any.
+
+    >>> _controller_kind({"metadata": {"ownerReferences": [{"kind": "RayCluster", "controller": True}]}})
+    'RayCluster'
+    """
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("kind"))
+    return None

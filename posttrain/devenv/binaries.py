@@ -66,6 +66,8 @@ def go_binary(name: str) -> Path:
         "etcd": pins["ETCD_VERSION"],
         "minio": pins["MINIO_VERSION"],
         "coredns": pins["COREDNS_VERSION"],
+        "kuberay-operator": pins["KUBERAY_VERSION"],
+        "kueue": pins["KUEUE_VERSION"],
     }[name]
     path = bin_dir() / f"{name}-{version}"
     if not path.exists():

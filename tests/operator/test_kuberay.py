@@ -14,7 +14,7 @@ from posttrain.operator.config import OperatorConfig
 from posttrain.operator.shared import builders as shared_builders
 from posttrain.operator.shared.views import PodView, Terminated
 from posttrain.operator.trainingrun import raycluster as b
-from posttrain.operator.trainingrun.builders import build_trainer_children
+from posttrain.operator.trainingrun.builders import build_trainer_children, ray_num_cpus
 from posttrain.operator.trainingrun.gang import RayClusterView, ray_cluster_view
 from posttrain.operator.trainingrun.plan import plan_training_run
 
@@ -97,6 +97,8 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
         assert template["metadata"]["labels"][api_labels.LABEL_GANG] == "4"
     head_cmd = head["spec"]["containers"][0]["command"]
     assert "ray start --head" in head_cmd[2] and "posttrain run" in head_cmd[2]
+    # Ray would truncate a fractional cgroup quota; the CPUs are declared, as KubeRay does.
+    assert f"--num-cpus={ray_num_cpus(run())} " in head_cmd[2]
     ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
     assert ports == {
         "gcs-server": CONFIG.ray_port,
@@ -109,6 +111,7 @@ def test_ray_cluster_mirrors_the_trainer_pods_with_kuberay_owning_the_pods() -> 
         "ray",
         "start",
         f"--address=r-g4-head-svc.ns.svc:{CONFIG.ray_port}",
+        f"--num-cpus={ray_num_cpus(run())}",
         "--block",
         f"--node-manager-port={b.RAY_WORKER_RAYLET_PORT}",
     ]

@@ -131,6 +131,18 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
             "name": "mr-g0-head-abcde",
             "namespace": namespace,
             "labels": {**template["metadata"]["labels"], raycluster.RAY_NODE_TYPE_LABEL: "head"},
+            # As KubeRay makes it: controlled by the RayCluster, not by the run (the real
+            # KubeRay showed an operator that deleted such pods as another run's).
+            "ownerReferences": [
+                {
+                    "apiVersion": "ray.io/v1",
+                    "kind": "RayCluster",
+                    "name": "mr-g0",
+                    "uid": rc["metadata"]["uid"],
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
         },
         "spec": template["spec"],
     }

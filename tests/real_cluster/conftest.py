@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from posttrain.devenv.binaries import client_binary
+from posttrain.devenv.realnode import addons
 from posttrain.devenv.realnode.cluster import IMAGE_NAMES, RealCluster, image_refs, leftovers
 from posttrain.devenv.realnode.network import CNI_BIN_DIR
 
@@ -64,6 +65,42 @@ def real_cluster() -> Iterator[RealCluster]:
         left = leftovers(workdir)
         shutil.rmtree(workdir, ignore_errors=True)
         assert not left, f"the real node left these behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def node_controllers(real_cluster: RealCluster) -> Iterator[dict[str, float]]:
+    """KubeRay's operator and Kueue, built from their pinned modules, running against the
+    node's apiserver with their CRDs (and Kueue's webhooks) installed; yields how long each
+    took to become ready. Stopped, and Kueue's webhooks removed, at the end of the session."""
+    import time
+
+    started: dict[str, float] = {}
+    processes = []
+    workdir = real_cluster.workdir / "controllers"
+    workdir.mkdir(exist_ok=True)
+    try:
+        begin = time.monotonic()
+        addons.apply(real_cluster.kubeconfig, addons.kuberay_crds())
+        kuberay = addons.kuberay_process(workdir, real_cluster.kubeconfig)
+        processes.append(kuberay)
+        kuberay.start(180.0)
+        started["kuberay"] = round(time.monotonic() - begin, 1)
+        begin = time.monotonic()
+        kueue = addons.kueue_process(workdir, real_cluster.kubeconfig, real_cluster.node_ip)
+        processes.append(kueue)
+        kueue.start(300.0)
+        started["kueue"] = round(time.monotonic() - begin, 1)
+        print(f"controllers ready: {started}", flush=True)
+        yield started
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        # No webhook may point at the stopped Kueue: it would refuse Kueue's kinds.
+        kubectl = client_binary("kubectl")
+        for kind in ("mutating", "validating"):
+            subprocess.run([str(kubectl), "--kubeconfig", str(real_cluster.kubeconfig), "delete",
+                            f"{kind}webhookconfiguration", f"kueue-{kind}-webhook-configuration",
+                            "--ignore-not-found"], capture_output=True, check=False)  # fmt: skip
 
 
 @pytest.fixture(scope="session")

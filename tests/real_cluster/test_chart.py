@@ -28,6 +28,9 @@ RELEASE, SYSTEM = "pt", "posttrain-system"
 SECRET = "posttrain-s3"
 ARTIFACTS = "s3://posttrain/sandbox-artifacts"
 NCCL_IFNAME = "eth0"
+# Each Ray pod of the KubeRay run: with the pool (500m) and the operator (100m) on this 2-CPU
+# node. Ray declares it as 1 CPU (the operator passes --num-cpus, rounded up).
+RAY_POD_CPU = "600m"
 
 
 def wait_for(what: str, predicate: Any, timeout_s: float, on_timeout: Any = None) -> Any:
@@ -46,9 +49,12 @@ def wait_for(what: str, predicate: Any, timeout_s: float, on_timeout: Any = None
 
 
 @pytest.fixture(scope="module")
-def installed(real_cluster: RealCluster, node_kubectl: Kubectl) -> Iterator[str]:
-    """The chart, installed as docs/chart.md says for an existing object store; yields the
-    run namespace (Pod Security "baseline" enforced)."""
+def installed(
+    real_cluster: RealCluster, node_kubectl: Kubectl, node_controllers: dict[str, float]
+) -> Iterator[str]:
+    """The chart, installed as docs/chart.md says for an existing object store, with KubeRay
+    and Kueue running (the chart's defaults `trainer.kuberay` and `trainer.kueue` on); yields
+    the run namespace (Pod Security "baseline" enforced)."""
     minio = real_cluster.minio
     assert minio is not None
     run_ns = "team-a"
@@ -70,9 +76,7 @@ def installed(real_cluster: RealCluster, node_kubectl: Kubectl) -> Iterator[str]
          # policy lets them reach it and DNS, nothing else.
          "--set", f"sandbox.artifactsUri={ARTIFACTS}",
          "--set", f"networkPolicy.s3CIDRs={{{real_cluster.node_ip}/32}}",
-         "--set", f"trainer.nccl.NCCL_SOCKET_IFNAME={NCCL_IFNAME}",
-         # No KubeRay or Kueue on this node (their CRDs are absent): the operator skips them.
-         "--set", "trainer.kuberay=false", "--set", "trainer.kueue=false"],
+         "--set", f"trainer.nccl.NCCL_SOCKET_IFNAME={NCCL_IFNAME}"],
         check=True, capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     # The store's admin keys are not copied where the runs go (storage.scopedCredentials).
@@ -293,3 +297,133 @@ def _check_minio_policy_admits(node_kubectl: Kubectl, real_cluster: RealCluster,
     everyone = {p["metadata"]["name"] for p in _get(node_kubectl, ns, "pods")["items"]}
     talking = {p["metadata"]["name"] for p in users}
     assert talking <= admitted, (talking - admitted, everyone)
+
+
+def test_kueue_admits_a_run_within_quota_and_holds_one_beyond_it(
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
+    """The real Kueue controller (built from sigs.k8s.io/kueue v0.17.0) decides: a run in a
+    LocalQueue whose ClusterQueue has room is admitted and its trainer pod starts; a run in a
+    LocalQueue whose ClusterQueue is too small waits with no pods and Kueue's own message."""
+    ns = installed
+    queues = list(yaml.safe_load_all(
+        (REPO_ROOT / "examples" / "kubernetes" / "kueue-queues.yaml").read_text()))  # fmt: skip
+    tiny = json.loads(json.dumps([q for q in queues if q["kind"] != "ResourceFlavor"]))
+    for doc in tiny:
+        doc["metadata"]["name"] = "tiny"
+        if doc["kind"] == "ClusterQueue":
+            doc["spec"]["resourceGroups"][0]["flavors"][0]["resources"][0]["nominalQuota"] = "100m"
+        else:
+            doc["spec"]["clusterQueue"] = "tiny"
+    kueue_log = real_cluster.workdir / "controllers" / "kueue.log"
+    # Kueue's own webhooks admit its kinds (reached through the Service, via kube-proxy).
+    wait_for(
+        "Kueue's webhooks to accept the queues",
+        lambda: node_kubectl("apply", "-n", ns, "-f", "-", check=False,
+                             input=yaml.safe_dump_all([*queues, *tiny])).returncode == 0,
+        timeout_s=120,
+        on_timeout=lambda: (node_kubectl("apply", "-n", ns, "-f", "-", check=False,
+                                         input=yaml.safe_dump_all([*queues, *tiny])).stderr
+                            + kueue_log.read_text()[-3000:]),
+    )  # fmt: skip
+
+    def run(name: str, queue: str) -> dict[str, Any]:
+        doc = yaml.safe_load((REPO_ROOT / "examples" / "kueue-run.yaml").read_text())
+        doc["metadata"] = {"name": name, "labels": {"kueue.x-k8s.io/queue-name": queue}}
+        doc["spec"]["rollout"] = {"endpoints": ["http://127.0.0.1:9"]}  # never sampled here
+        doc["spec"]["resources"] = {"nodes": 1, "gpusPerNode": 0, "cpu": "200m",
+                                    "memory": "1Gi"}  # fmt: skip
+        return doc
+
+    node_kubectl("apply", "-n", ns, "-f", "-",
+                 input=yaml.safe_dump_all([run("kq-fits", "team-a"), run("kq-waits", "tiny")]))  # fmt: skip
+
+    def describe() -> str:
+        return (node_kubectl("get", "tr,workloads,pods", "-n", ns, "-o", "wide").stdout
+                + node_kubectl("get", "clusterqueues", "-o", "yaml").stdout[-3000:]
+                + kueue_log.read_text()[-3000:])  # fmt: skip
+
+    def condition(obj: dict[str, Any], kind: str) -> dict[str, Any]:
+        conditions = obj.get("status", {}).get("conditions", [])
+        return next((c for c in conditions if c["type"] == kind), {})
+
+    admitted = wait_for(
+        "Kueue to admit kq-fits",
+        lambda: condition(w := _get(node_kubectl, ns, "workload", "trainingrun-kq-fits"),
+                          "Admitted").get("status") == "True" and w,
+        timeout_s=300, on_timeout=describe,
+    )  # fmt: skip
+    assert admitted["status"]["admission"]["clusterQueue"] == "posttrain", admitted["status"]
+    wait_for(
+        "kq-fits's trainer pod",
+        lambda: _get(node_kubectl, ns, "pods", "-l", "posttrain.io/run=kq-fits").get("items"),
+        timeout_s=300, on_timeout=describe,
+    )  # fmt: skip
+    suspended = condition(_get(node_kubectl, ns, "trainingrun", "kq-fits"), "Suspended")
+    assert (suspended.get("status"), suspended.get("reason")) == ("False", "Admitted"), suspended
+    waiting = wait_for(
+        "Kueue's verdict on kq-waits",
+        lambda: (condition(w := _get(node_kubectl, ns, "workload", "trainingrun-kq-waits"),
+                           "QuotaReserved").get("message") and w),
+        timeout_s=300, on_timeout=describe,
+    )  # fmt: skip
+    assert condition(waiting, "Admitted").get("status") != "True", waiting["status"]
+    status = _get(node_kubectl, ns, "trainingrun", "kq-waits")["status"]
+    assert status["phase"] == "Pending", status
+    assert "insufficient" in status.get("message", "").lower(), status
+    assert not _get(node_kubectl, ns, "pods", "-l", "posttrain.io/run=kq-waits").get("items")
+    node_kubectl("delete", "trainingrun", "kq-fits", "kq-waits", "-n", ns, "--wait=true",
+                 timeout=300)  # fmt: skip
+    node_kubectl("delete", "-n", ns, "-f", "-", input=yaml.safe_dump_all([*queues, *tiny]),
+                 check=False)  # fmt: skip
+
+
+def test_multi_node_run_trains_on_a_ray_cluster_of_the_real_kuberay_operator(
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
+    """A two-node CPU TrainingRun becomes a RayCluster that the real KubeRay operator (built from
+    ray-project/kuberay/ray-operator v1.5.0) turns into a head pod and a worker pod; the
+    trainer drives two Gloo ranks through Ray Train and the run reaches Succeeded."""
+    ns = installed
+    manifests = list(yaml.safe_load_all((REPO_ROOT / "examples" / "dev-run.yaml").read_text()))
+    for doc in manifests:
+        if doc["kind"] == "TrainingRun":
+            doc["metadata"]["name"] = "ray-run"
+            doc["spec"]["algorithm"]["maxSteps"] = 1
+            doc["spec"]["resources"] = {"nodes": 2, "gpusPerNode": 0, "cpu": RAY_POD_CPU,
+                                        "memory": "4Gi"}  # fmt: skip
+            doc["spec"]["checkpoint"] = {"everySteps": 1, "keepLast": 1}
+            doc["spec"]["evaluation"]["inline"] = True
+        else:
+            doc["metadata"]["name"] = "ray-pool"
+    manifests[1]["spec"]["rollout"]["pool"] = "ray-pool"
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(manifests))
+
+    def describe() -> str:
+        return (node_kubectl("get", "tr,rp,rayclusters,pods", "-n", ns, "-o", "wide").stdout
+                + node_kubectl("get", "events", "-n", ns).stdout[-6000:])  # fmt: skip
+
+    cluster = wait_for(
+        "KubeRay to report ray-run-g0 ready",
+        lambda: (c := _get(node_kubectl, ns, "raycluster", "ray-run-g0"))
+        .get("status", {}).get("state") == "ready" and c,
+        timeout_s=900, on_timeout=describe,
+    )  # fmt: skip
+    pods = _get(node_kubectl, ns, "pods", "-l", "ray.io/cluster=ray-run-g0")["items"]
+    types = sorted(p["metadata"]["labels"]["ray.io/node-type"] for p in pods)
+    assert types == ["head", "worker"], (types, cluster["status"])
+    run = wait_for(
+        "ray-run to finish",
+        lambda: (r := _get(node_kubectl, ns, "trainingrun", "ray-run"))
+        .get("status", {}).get("phase") in {"Succeeded", "Failed"} and r,
+        timeout_s=2400, on_timeout=describe,
+    )  # fmt: skip
+    assert run["status"]["phase"] == "Succeeded", (run["status"], describe())
+    node_kubectl("delete", "trainingrun", "ray-run", "-n", ns, "--wait=true", timeout=300)
+    node_kubectl("delete", "rolloutpool", "ray-pool", "-n", ns, "--wait=true", timeout=300)
+    wait_for(
+        "the RayCluster and its pods to be collected",
+        lambda: not _get(node_kubectl, ns, "rayclusters,pods", "-l", "posttrain.io/run=ray-run")
+        .get("items"),
+        timeout_s=300, on_timeout=describe,
+    )  # fmt: skip

@@ -256,3 +256,24 @@ def test_vllm_weight_staging_is_bounded_by_its_declared_volume(
         (p := core.read_namespaced_pod("stager", ns).status).phase == "Failed" and p), 300)  # fmt: skip
     assert status.reason == "Evicted", status
     assert "weights-scratch" in status.message and "16Mi" in status.message, status.message
+
+
+def test_superseded_image_names_are_pruned_from_the_nodes_store(real_cluster: RealCluster) -> None:
+    """`dev up` removes posttrain names of another tag and ID names no current image holds,
+    so a rebuild does not leave its predecessor's layers in containerd; current images stay."""
+    from posttrain.devenv.realnode.cluster import image_refs, minio_image
+
+    containerd = real_cluster.containerd
+    assert containerd is not None
+    old = "ghcr.io/posttrain/sandbox:0.0.0-superseded"
+    tagged = containerd.ctr("images", "tag", "--force", "localhost/posttrain/pause:1", old)
+    assert tagged.returncode == 0, tagged.stderr
+    before = containerd.images()
+    removed = real_cluster.prune_images()
+    after = containerd.images()
+    assert old in removed and old not in after, (removed, sorted(after))
+    assert all(ref in after for ref in before if ref != old and not ref.startswith("sha256:"))
+    named = {digest for ref, digest in after.items() if not ref.startswith("sha256:")}
+    assert all(digest in named for ref, digest in after.items() if ref.startswith("sha256:"))
+    assert "localhost/posttrain/pause:1" in after and image_refs(["sandbox"])[0] in after
+    assert minio_image() in after  # the chart's bundled MinIO (values-dev.yaml) stays

@@ -153,6 +153,26 @@ class RealCluster:
             raise
         return self
 
+    def _load_images(self) -> None:
+        """Import the pause, MinIO and posttrain images into the node's containerd, then
+        prune the names a rebuild left behind; every current posttrain image stays, also
+        those not imported this time."""
+        assert self.containerd is not None
+        for ref in [PAUSE_IMAGE, minio_image(), *self.images]:
+            seconds = self.containerd.import_from_podman(ref, podman_env())
+            if seconds:
+                log.info("real node: imported %s in %.1f s", ref, seconds)
+        self.prune_images()
+
+    def prune_images(self) -> list[str]:
+        """Remove superseded posttrain names from the node's store (``Containerd.prune``),
+        keeping the pause, MinIO and every current posttrain image; the removed names."""
+        assert self.containerd is not None
+        return self.containerd.prune(
+            keep=[PAUSE_IMAGE, minio_image(), *image_refs()],
+            prefixes=("ghcr.io/posttrain/", "localhost/posttrain/"),
+        )
+
     def _start(self, minio_data: Path | None, minio_keys: tuple[str, str] | None) -> None:
         with self._timed("network"):
             self.network.set_up()
@@ -176,10 +196,7 @@ class RealCluster:
             )
             self.containerd.start()
         with self._timed("images"):
-            for ref in [PAUSE_IMAGE, minio_image(), *self.images]:
-                seconds = self.containerd.import_from_podman(ref, podman_env())
-                if seconds:
-                    log.info("real node: imported %s in %.1f s", ref, seconds)
+            self._load_images()
         node_dir = self.workdir / "kubelet"
         node_dir.mkdir(parents=True, exist_ok=True)
         client_cert, client_key = issue(

@@ -14,7 +14,11 @@ content store under ``~/.cache/posttrain/containerd`` (images stay imported acro
   base with ``sleep infinity``) holds each pod's namespaces.
 
 Images come from podman's store (``make images``) with ``podman save | ctr images import``,
-skipped when the same image ID was imported before.
+skipped when the same image ID was imported before. A rebuilt image leaves its predecessor
+behind: the CRI plugin names every image it sees also by its ID (``sha256:...``), and that
+name keeps the old layers (several GB) after the tag moves. :meth:`Containerd.prune` removes
+such names, and posttrain tags other than the current ones, then lets containerd's garbage
+collector free their content and snapshots.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,6 +151,34 @@ class Containerd:
         if self.process is not None:
             self.process.stop()
             self.process = None
+
+    def images(self) -> dict[str, str]:
+        """Every image name in the CRI namespace, with the digest it points to."""
+        lines = self.ctr("images", "ls").stdout.splitlines()[1:]
+        return {cols[0]: cols[2] for line in lines if len(cols := line.split()) >= 3}
+
+    def prune(self, keep: Sequence[str], prefixes: Sequence[str]) -> list[str]:
+        """Remove names under ``prefixes`` that are not in ``keep`` (an older tag), and ID
+        names (``sha256:...``) whose image no other name points to any more (a rebuilt
+        image's predecessor); the last removal waits for the garbage collector. Returns the
+        removed names.
+
+        Only names are removed: an image still running in a pod keeps its content (the
+        CRI plugin holds leases on what containers use).
+        """
+        images = self.images()
+        stale = [ref for ref in images
+                 if ref.startswith(tuple(prefixes)) and ref not in keep]  # fmt: skip
+        named = {digest for ref, digest in images.items()
+                 if not ref.startswith("sha256:") and ref not in stale}  # fmt: skip
+        stale += [ref for ref, digest in images.items()
+                  if ref.startswith("sha256:") and digest not in named]  # fmt: skip
+        if stale:
+            log.info("real node: removing %d superseded image name(s): %s", len(stale), stale)
+            result = self.ctr("images", "rm", "--sync", *stale, timeout=600)
+            if result.returncode != 0:
+                log.warning("real node: removing old images failed: %s", result.stderr[-500:])
+        return stale
 
     def has_image(self, ref: str) -> bool:
         return ref in self.ctr("images", "ls", "-q").stdout.split()

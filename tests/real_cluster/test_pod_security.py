@@ -1,0 +1,159 @@
+"""The sandbox isolation story on the real node (docs/sandboxes.md, "Isolation in a cluster"):
+
+- a SandboxTask pod, as the operator builds it, is admitted in a namespace that enforces Pod
+  Security ``restricted``, and the pod is the boundary: the program in it runs as nobody with
+  no capability, a seccomp filter, no privilege escalation, no token and a read-only root
+  (gVisor, which would add a kernel boundary, cannot run pods here: docs/real-node.md);
+- the one exception, the pods that nest bubblewrap (the run's sandbox runner; trainers with
+  ``sandbox.mode: local``), is refused by Pod Security ``baseline`` for the one setting it
+  objects to, which is what the docs tell a platform team to allow.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import Kubectl
+
+pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(900)]
+
+# What the untrusted program reports about the kernel it runs on.
+PROBE = """
+import os, platform
+print("release", platform.release())
+print("uid", os.getuid())
+print("gid", os.getgid())
+for line in open("/proc/self/status"):
+    key, _, value = line.partition(":")
+    if key in ("CapEff", "CapPrm", "CapBnd", "NoNewPrivs", "Seccomp"):
+        print(key, value.strip())
+token = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+print("token", "present" if os.path.exists(token) else "absent")
+try:
+    open("/etc/probe", "w")
+    print("root_write", "allowed")
+except OSError:
+    print("root_write", "refused")
+"""
+
+
+def wait_for(what: str, predicate: Any, timeout_s: float = 300.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    next_report = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > next_report:
+            print(f"still waiting for {what}...", flush=True)
+            next_report += 60
+        time.sleep(1)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def restricted_namespace(node_api: Any) -> Iterator[str]:
+    """A fresh namespace enforcing Pod Security "restricted" (deleted after)."""
+    from kubernetes import client
+
+    name = f"rc-r-{uuid.uuid4().hex[:8]}"
+    core = client.CoreV1Api(node_api)
+    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
+    core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
+    )
+    # Pods are refused until the ServiceAccount controller has made the namespace's default.
+    wait_for("the namespace's default ServiceAccount",
+             lambda: any(sa.metadata.name == "default"
+                         for sa in core.list_namespaced_service_account(name).items), 60)  # fmt: skip
+    yield name
+    core.delete_namespace(name)
+
+
+def _sandbox_pod(name: str, namespace: str) -> dict[str, Any]:
+    """The operator's pod for one attempt of a SandboxTask running PROBE."""
+    from posttrain.api import SandboxTask
+    from posttrain.operator import builders as b
+    from posttrain.operator.config import OperatorConfig
+
+    task = SandboxTask.model_validate({
+        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
+        "spec": {"command": ["python3", "main.py"], "files": {"main.py": PROBE},
+                 "timeoutSeconds": 120,
+                 "resources": {"cpu": "250m", "memory": "256Mi"}},
+    })  # fmt: skip
+    pod = b.build_sandbox_pod(task, OperatorConfig(image_pull_policy="Never"), 1)
+    pod["metadata"].pop("ownerReferences", None)  # no SandboxTask object behind it here
+    return pod
+
+
+def _finished_logs(node_kubectl: Kubectl, ns: str, name: str) -> dict[str, str]:
+    def phase() -> str | None:
+        out = node_kubectl("get", "pod", name, "-n", ns, "-o", "jsonpath={.status.phase}").stdout
+        return out if out in {"Succeeded", "Failed"} else None
+
+    finished = wait_for(f"sandbox pod {name} to finish", phase)
+    logs = node_kubectl("logs", "-n", ns, name, "-c", "sandbox").stdout
+    assert finished == "Succeeded", (
+        logs + node_kubectl("describe", "pod", name, "-n", ns).stdout[-3000:]
+    )
+    return dict(line.split(" ", 1) for line in logs.splitlines() if " " in line)
+
+
+def test_the_sandbox_task_pod_is_the_boundary_in_a_restricted_namespace(
+    node_kubectl: Kubectl, restricted_namespace: str
+) -> None:
+    """The operator's SandboxTask pod is admitted where Pod Security "restricted" is enforced,
+    and the untrusted program in it holds nothing: not root, no capability, a seccomp filter,
+    no way to gain privileges, no ServiceAccount token, a read-only root and no network but
+    what its policy allows (this node does not enforce NetworkPolicy: docs/real-node.md)."""
+    ns = restricted_namespace
+    pod = _sandbox_pod("probe", ns)
+    # Admitted by Pod Security "restricted" (enforced: a violation would fail the apply).
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(pod))
+    seen = _finished_logs(node_kubectl, ns, pod["metadata"]["name"])
+    assert seen["uid"] == "65534" and seen["gid"] == "65534", seen
+    assert seen["CapEff"] == seen["CapPrm"] == seen["CapBnd"] == "0000000000000000", seen
+    assert seen["NoNewPrivs"] == "1" and seen["Seccomp"] == "2", seen  # 2: a filter applies
+    assert seen["token"] == "absent" and seen["root_write"] == "refused", seen
+    assert seen["release"] == os.uname().release, seen  # runc: the host's kernel, shared
+
+
+def test_bubblewrap_pods_are_the_one_exception_baseline_refuses(
+    node_kubectl: Kubectl, node_namespace: str
+) -> None:
+    """The run's sandbox runner asks for exactly what bubblewrap needs (Unconfined seccomp,
+    an unmasked /proc, its own user namespace); Pod Security "baseline" refuses it for the
+    seccomp profile alone (an unmasked /proc is allowed in a pod with its own user namespace),
+    and admits the same pod with RuntimeDefault seccomp."""
+    from posttrain.api import TrainingRun
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.trainingrun.sandbox_runner import build_runner_deployment
+
+    run = TrainingRun.model_validate({
+        "metadata": {"name": "demo", "namespace": node_namespace, "uid": "u-1"},
+        "spec": {"model": "smollm2-135m-instruct", "sandbox": {"mode": "runner"},
+                 "domains": [{"name": "c", "dataset": "builtin:code",
+                              "verifier": {"kind": "unit_tests"}}]},
+    })  # fmt: skip
+    spec = build_runner_deployment(run, OperatorConfig(image_pull_policy="Never"))["spec"]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "runner"},
+           "spec": spec["template"]["spec"]}  # fmt: skip
+    refused = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
+                           input=yaml.safe_dump(pod), check=False)  # fmt: skip
+    assert refused.returncode != 0 and "violates PodSecurity" in refused.stderr, refused.stderr
+    assert 'seccompProfile.type to "Unconfined"' in refused.stderr, refused.stderr
+    assert "procMount" not in refused.stderr, refused.stderr
+    context = pod["spec"]["containers"][0]["securityContext"]
+    assert (context["procMount"], pod["spec"]["hostUsers"]) == ("Unmasked", False)
+    context["seccompProfile"] = {"type": "RuntimeDefault"}
+    admitted = node_kubectl("apply", "--dry-run=server", "-n", node_namespace, "-f", "-",
+                            input=yaml.safe_dump(pod), check=False)  # fmt: skip
+    assert admitted.returncode == 0, admitted.stderr
