@@ -84,20 +84,11 @@ def pod_template(
     }
 
 
-def pool_template(pool: SandboxWarmPool, config: OperatorConfig) -> dict[str, Any]:
-    spec = pool.spec
-    return pod_template(
-        spec.image or config.sandbox_image,
-        spec.resources.cpu,
-        spec.resources.memory,
-        spec.resources.ephemeral_storage,
-        spec.network,
-        spec.runtime_class_name or config.sandbox_runtime_class_name,
-    )
-
-
-def task_template(task: SandboxTask, config: OperatorConfig) -> dict[str, Any]:
-    spec = task.spec
+def pool_template(owner: SandboxWarmPool | SandboxTask, config: OperatorConfig) -> dict[str, Any]:
+    """The pod template a warm pool's pods have, or a SandboxTask wants: both specs carry
+    the same isolation and size fields, so one function reads them and
+    :func:`claim_mismatch` compares like with like."""
+    spec = owner.spec
     return pod_template(
         spec.image or config.sandbox_image,
         spec.resources.cpu,
@@ -128,7 +119,7 @@ def claim_mismatch(task: SandboxTask, pool: SandboxWarmPool, config: OperatorCon
     if config.sandbox_artifacts_uri:
         # Log upload runs in the cold pod's entrypoint; a pooled pod would lose status.logsUri.
         return "the operator stores sandbox logs (sandbox_artifacts_uri), which needs a cold pod"
-    want, have = task_template(task, config), pool_template(pool, config)
+    want, have = pool_template(task, config), pool_template(pool, config)
     diffs = [f"{k} {want[k]!r} != {have[k]!r}" for k in want if want[k] != have[k]]
     return "; ".join(diffs)
 
