@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -127,19 +128,53 @@ def node_kubectl(real_cluster: RealCluster) -> Kubectl:
     return run
 
 
-@pytest.fixture
-def node_namespace(node_api: Any) -> Iterator[str]:
-    """A fresh namespace on the real node, enforcing Pod Security "baseline" (deleted after)."""
+def wait_for(what: str, predicate: Any, timeout_s: float = 300.0, on_timeout: Any = None) -> Any:
+    """Poll ``predicate`` each second until truthy and return its value; say every minute
+    what is still awaited (real-node waits take minutes), and on timeout add
+    ``on_timeout()``'s description of the cluster to the failure."""
+    deadline = time.monotonic() + timeout_s
+    next_report = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > next_report:
+            print(f"still waiting for {what}...", flush=True)
+            next_report += 60
+        time.sleep(1)
+    detail = on_timeout() if on_timeout else ""
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{detail}")
+
+
+def pod_security_namespace(node_api: Any, level: str, prefix: str) -> Iterator[str]:
+    """A fresh namespace enforcing Pod Security ``level``, ready for pods (its default
+    ServiceAccount exists), deleted after."""
     from kubernetes import client
 
-    name = f"rc-{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
     core = client.CoreV1Api(node_api)
-    labels = {"pod-security.kubernetes.io/enforce": "baseline"}
+    labels = {"pod-security.kubernetes.io/enforce": level}
     core.create_namespace(
         client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
     )
+    # Pods are refused until the ServiceAccount controller has made the namespace's default.
+    wait_for("the namespace's default ServiceAccount",
+             lambda: any(sa.metadata.name == "default"
+                         for sa in core.list_namespaced_service_account(name).items), 60)  # fmt: skip
     yield name
     core.delete_namespace(name)
+
+
+@pytest.fixture
+def node_namespace(node_api: Any) -> Iterator[str]:
+    """A fresh namespace on the real node, enforcing Pod Security "baseline" (deleted after)."""
+    yield from pod_security_namespace(node_api, "baseline", "rc")
+
+
+@pytest.fixture
+def restricted_namespace(node_api: Any) -> Iterator[str]:
+    """A fresh namespace enforcing Pod Security "restricted" (deleted after)."""
+    yield from pod_security_namespace(node_api, "restricted", "rc-r")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

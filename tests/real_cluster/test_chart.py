@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import yaml
 from posttrain.devenv.binaries import client_binary
 from posttrain.devenv.realnode.cluster import RealCluster
 
-from .conftest import Kubectl
+from .conftest import Kubectl, wait_for
 
 pytestmark = [pytest.mark.real_cluster, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -31,21 +30,6 @@ NCCL_IFNAME = "eth0"
 # Each Ray pod of the KubeRay run: with the pool (500m) and the operator (100m) on this 2-CPU
 # node. Ray declares it as 1 CPU (the operator passes --num-cpus, rounded up).
 RAY_POD_CPU = "600m"
-
-
-def wait_for(what: str, predicate: Any, timeout_s: float, on_timeout: Any = None) -> Any:
-    deadline = time.monotonic() + timeout_s
-    next_report = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > next_report:
-            print(f"still waiting for {what}...", flush=True)
-            next_report += 60
-        time.sleep(1)
-    detail = on_timeout() if on_timeout else ""
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{detail}")
 
 
 @pytest.fixture(scope="module")

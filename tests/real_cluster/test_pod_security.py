@@ -12,15 +12,12 @@
 from __future__ import annotations
 
 import os
-import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import yaml
 
-from .conftest import Kubectl
+from .conftest import Kubectl, wait_for
 
 pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(900)]
 
@@ -44,44 +41,11 @@ except OSError:
 """
 
 
-def wait_for(what: str, predicate: Any, timeout_s: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    next_report = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > next_report:
-            print(f"still waiting for {what}...", flush=True)
-            next_report += 60
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-
-
-@pytest.fixture
-def restricted_namespace(node_api: Any) -> Iterator[str]:
-    """A fresh namespace enforcing Pod Security "restricted" (deleted after)."""
-    from kubernetes import client
-
-    name = f"rc-r-{uuid.uuid4().hex[:8]}"
-    core = client.CoreV1Api(node_api)
-    labels = {"pod-security.kubernetes.io/enforce": "restricted"}
-    core.create_namespace(
-        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels=labels))
-    )
-    # Pods are refused until the ServiceAccount controller has made the namespace's default.
-    wait_for("the namespace's default ServiceAccount",
-             lambda: any(sa.metadata.name == "default"
-                         for sa in core.list_namespaced_service_account(name).items), 60)  # fmt: skip
-    yield name
-    core.delete_namespace(name)
-
-
 def _sandbox_pod(name: str, namespace: str) -> dict[str, Any]:
     """The operator's pod for one attempt of a SandboxTask running PROBE."""
     from posttrain.api import SandboxTask
-    from posttrain.operator import builders as b
     from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.sandboxtask import builders as b
 
     task = SandboxTask.model_validate({
         "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}"},
