@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from posttrain.api.env import TrainerEnv
-from posttrain.storage.reports import ReportSync
-from posttrain.trainer.algorithms.loss import loss_config
 from posttrain.trainer.checkpointing.checkpoint import (
     FRESH_START,
     STATE_FILE,
-    Checkpointer,
     TrainerState,
     batch_from_json,
     batch_to_json,
@@ -37,19 +31,16 @@ from posttrain.trainer.checkpointing.checkpoint import (
     request_to_json,
     weights_only,
 )
-from posttrain.trainer.data.rollout_feed import RolloutFeed
 from posttrain.trainer.data.rollouts import (
     RolloutBatch,
     RolloutProducer,
     is_too_stale,
 )
-from posttrain.trainer.data.rundata import build_run_data
 from posttrain.trainer.evaluation.heldout import EvalResult, evaluate_tasks, save_eval
 from posttrain.trainer.model.dist_context import DistContext
 from posttrain.trainer.model.policy import EngineOptions, Policy, RankInfo, StepStats
-from posttrain.trainer.model.weight_sync import WeightPublisher, all_on_this_host, serving_dtype
-from posttrain.trainer.observe.audit import Auditor, trajectory_record
-from posttrain.trainer.observe.rollout_wait import RolloutWaitWindow
+from posttrain.trainer.observe.audit import trajectory_record
+from posttrain.trainer.observe.live_status import LiveStatus
 from posttrain.trainer.observe.run_report import plot_run, write_report
 from posttrain.trainer.observe.status import (
     STAGE_STARTED,
@@ -66,15 +57,14 @@ from posttrain.trainer.observe.step_metrics import (
 from posttrain.trainer.rewards.scoring import VerifyFn
 from posttrain.trainer.run.batch import PreparedBatch, prepare_batch, score_batch
 from posttrain.trainer.run.interrupt import INTERRUPTED
+from posttrain.trainer.run.parts import assemble
 from posttrain.trainer.run.pipeline import (
+    StageBook,
     StagePlan,
-    load_pipeline_data,
     offline_step,
-    plan_stages,
     reference_logps,
     resolved,
     stage_batch,
-    stage_record,
     stage_schedule,
 )
 
@@ -129,13 +119,15 @@ def train(
     contract: TrainerEnv | None = None,  # what the operator handed this pod (default: parsed)
 ) -> RunResult:
     contract = TrainerEnv.from_env() if contract is None else contract
-    run = Run.start(spec, out_dir, client, reporter, dist or DistContext(), verify, contract)
-    total = run.plans[-1].last_step
+    reporter = reporter or LocalStatusReporter(out_dir)
+    run = Run(spec, out_dir, client, reporter, dist or DistContext(), verify, contract)
+    plans = run.parts.plans
+    total = plans[-1].last_step
     stop_at = total if stop_after_step is None else min(total, stop_after_step)
     base_eval = run.evaluate(0) if run.step == 0 and run.inline_eval else None
     run.final_eval = base_eval
     with ProgressReporter(out_dir, total, start_step=run.step) as progress:
-        for plan in run.plans:
+        for plan in plans:
             if run.step >= plan.last_step:
                 continue  # finished before a resume
             if run.step >= stop_at or (stop is not None and stop.is_set()):
@@ -166,7 +158,7 @@ def offline_stage(
     """An SFT or DPO stage: fixed batches of the stage's data, no rollouts. True when
     stopped by Ctrl-C (after checkpointing the step)."""
     spec = run.spec
-    data = run.stage_data[plan.name]
+    data = run.parts.stage_data[plan.name]
     while run.step < min(plan.last_step, stop_at):
         if stop is not None and stop.is_set():  # Ctrl-C before this stage's first step
             return True
@@ -181,7 +173,7 @@ def offline_stage(
                 plan,
                 data,
                 indices,
-                run.stage_state,
+                run.stages.state,
                 grad_clip=run.algo.grad_clip,
                 step=step,
             )
@@ -217,7 +209,7 @@ def rl_stage(
 ) -> bool:
     """The RL stage's steps; True when ``wall_budget_s`` ran out or Ctrl-C stopped it (after
     checkpointing the step)."""
-    producer = run.rollouts.producer
+    producer = run.parts.rollouts.producer
     assert producer is not None, "rl_stage before the rollouts started"
     steps_started = time.monotonic()
 
@@ -231,7 +223,7 @@ def rl_stage(
         with progress.step_span(run.step) as span:
             done = rl_step(run, plan, producer, run.step, stop_after_step, budget_spent)
             progress.record(done.metrics, span)
-            run.waits.record(done.metrics.rollout_wait_seconds, done.metrics.step_seconds)
+            run.live.waits.record(done.metrics.rollout_wait_seconds, done.metrics.step_seconds)
         if after_rl_step(run, plan, done, stop):
             if done.budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, run.step)
@@ -263,9 +255,10 @@ def rl_step(
     spec, algo = run.spec, run.algo
     step_started = time.monotonic()
     # 1. choose prompts for every batch allowed to be in flight (curriculum)
-    run.rollouts.submit_ahead(step, run.policy.encode_prompt)
+    parts = run.parts
+    parts.rollouts.submit_ahead(step, run.policy.encode_prompt)
     # 2. take this step's batch (sampled in the background)
-    batch, rollout_wait_s = run.waits.take(producer, step, spec.rollout.timeout_seconds * 4)
+    batch, rollout_wait_s = run.live.waits.take(producer, step, spec.rollout.timeout_seconds * 4)
     if batch.error:
         raise RuntimeError(f"rollout for step {step} failed: {batch.error}")
     staleness = run.version - batch.weight_version  # versions behind, before step
@@ -273,9 +266,9 @@ def rl_step(
     # 3. rewards: verifiers + overlong penalty
     scored = score_batch(
         batch,
-        run.data.verifiers,
+        parts.data.verifiers,
         algo,
-        verify=run.verify,
+        verify=parts.verify,
         max_concurrency=spec.sandbox.max_concurrency,
     )
     # 4. group advantages + dynamic sampling + loss coefficients
@@ -284,7 +277,7 @@ def rl_step(
         scored,
         algorithm=algo.name,
         dynamic_sampling=algo.dynamic_sampling,
-        loss_config=run.loss_config,
+        loss_config=parts.loss_config,
         step=step,
     )
     run.observe(batch, prepared)
@@ -292,7 +285,7 @@ def rl_step(
     train_started = time.monotonic()
     stats = run.policy.train_step(
         [] if stale else prepared.samples,
-        run.loss_config,
+        parts.loss_config,
         micro_batch_size=algo.micro_batch_size,
         grad_clip=algo.grad_clip,
         temperature=algo.temperature,
@@ -310,7 +303,7 @@ def rl_step(
     if stats.applied:
         run.version += 1
         # every rank: the weights are gathered from the shards as they stream out
-        run.publisher.publish(run.policy, run.version, durable=checkpoint_due)
+        parts.publisher.publish(run.policy, run.version, durable=checkpoint_due)
     run.dist.barrier()  # multi-node: no rank samples before rank 0 published
     producer.step_finished(step)
     metrics = rl_step_metrics(
@@ -332,6 +325,7 @@ def rl_step_metrics(
 ) -> StepMetrics:
     """The step's line of ``metrics.jsonl`` (``*_started``: ``time.monotonic()`` when the
     policy-gradient step and the whole step began)."""
+    curriculum = run.parts.data.curriculum
     return StepMetrics(
         step=run.step,
         reward_mean=prepared.reward_mean,
@@ -352,7 +346,7 @@ def rl_step_metrics(
         rollout_seconds=batch.seconds,
         train_seconds=time.monotonic() - train_started,
         step_seconds=time.monotonic() - step_started,
-        strata={d: run.data.curriculum.current_stratum(d) for d in run.data.curriculum.pools},
+        strata={d: curriculum.current_stratum(d) for d in curriculum.pools},
         stage=plan.name,
         learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
         masked_samples=prepared.masked_samples,
@@ -365,9 +359,10 @@ def after_rl_step(run: Run, plan: StagePlan, done: RlStep, stop: threading.Event
     spec, step = run.spec, done.metrics.step
     if run.inline_eval and (step % spec.evaluation.every_steps == 0 or done.last):
         run.final_eval = run.evaluate(step)
-        run.auditor.observe_eval(step, done.prepared.domain_rewards, run.final_eval.accuracy)
-        run.auditor.write_spot_checks()  # the export is refreshed at each eval
-        run.status.eval_accuracy = run.final_eval.accuracy
+        run.parts.auditor.observe_eval(step, done.prepared.domain_rewards, run.final_eval.accuracy)
+        run.parts.auditor.write_spot_checks()  # the export is refreshed at each eval
+        with run.live.editing() as status:
+            status.eval_accuracy = run.final_eval.accuracy
     if done.last:
         run.close_stage_record(plan)
     interrupted = run.dist.any_rank(stop is not None and stop.is_set())
@@ -377,9 +372,9 @@ def after_rl_step(run: Run, plan: StagePlan, done: RlStep, stop: threading.Event
         run.save_checkpoint(latest.overall if latest is not None and evaluated else None)
     if done.last:
         run.announce_stage_end(plan)
-    with run._status_lock:
-        run.status.reward_mean = done.metrics.reward_mean
-        run.status.domain_rewards = done.metrics.domain_rewards
+    with run.live.editing() as status:
+        status.reward_mean = done.metrics.reward_mean
+        status.domain_rewards = done.metrics.domain_rewards
     run.report_progress()
     run.sync_outputs()
     if done.budget_spent:
@@ -392,17 +387,12 @@ def after_rl_step(run: Run, plan: StagePlan, done: RlStep, stop: threading.Event
 
 
 class Run:
-    """State of one training run plus the parts :func:`train` calls around each step."""
+    """What changes as one run trains (policy, step, weight version, stage, evaluations),
+    over the parts it was assembled from (:mod:`posttrain.trainer.run.parts`), plus the
+    set-up / resume / stage boundaries / teardown that :func:`train` calls around each step.
 
-    policy: Policy
-    step: int  # optimizer steps taken (or skipped) so far, over all stages
-    version: int  # weight version the servers serve: one per publish
-    episodes: EpisodeSampler | None  # None: no environment domain
-    status: RunStatus
-    plan: StagePlan  # the stage being trained
-    stage_state: dict[str, Any]  # the current stage's own state (DPO: reference log-probs)
-    final_eval: EvalResult | None
-    last_checkpoint: str | None
+    Everything is set in the constructor, which resumes from the newest checkpoint if any.
+    """
 
     def __init__(
         self,
@@ -414,133 +404,75 @@ class Run:
         verify: VerifyFn | None,
         contract: TrainerEnv,
     ) -> None:
-        from transformers import AutoTokenizer
-
-        from posttrain.models import resolve_model
-        from posttrain.rollout.protocol import SamplingParams
-        from posttrain.storage.store import open_store
-        from posttrain.storage.trajectories import TrajectoryWriter
-
         self.started = time.monotonic()
         self.spec, self.algo, self.out_dir, self.client = spec, spec.algorithm, out_dir, client
-        self.reporter, self.dist, self.contract = reporter, dist, contract
-        self._status_lock = threading.Lock()  # verifier threads report sandbox health too
-        self.waits = RolloutWaitWindow()  # status.rolloutWait: what a pool autoscales on
-        self._sandbox_reported = (True, 0.0)  # (available, when) of the last health report
-        self.verification: Any = None
-        if verify is None:  # spec.sandbox decides where code runs (trainer/rewards/verification.py)
-            from posttrain.trainer.rewards.verification import build_verification
-
-            self.verification = build_verification(
-                spec.sandbox, on_health=self.report_sandbox, contract=contract
-            )
-            verify = self.verification.verify
-        self.verify: VerifyFn = verify
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.data = build_run_data(spec, seed_offset=dist.rank)  # each rank its own prompts
-        self.plans = plan_stages(spec)
-        self.base_dir = resolve_model(spec.model)
-        # SFT/DPO data is read now, so a missing file fails the run before any training.
-        self.stage_data = load_pipeline_data(
-            self.plans, AutoTokenizer.from_pretrained(self.base_dir)
-        )
-        store = open_store(spec.checkpoint.storage_uri or str(out_dir.resolve()))
-        # With storage of its own (always in a cluster), the run's outputs go there as they
-        # are written: a pod's emptyDir dies with the pod and with every gang restart.
-        self.outputs = ReportSync(store) if spec.checkpoint.storage_uri and dist.is_main else None
-        self.checkpointer = self._checkpointer(store)
-        self.scratch = Path(tempfile.mkdtemp(prefix="posttrain-train-"))
-        self.publisher = self._publisher(store, client)
-        # Every scored sample goes to durable storage for later analysis and audits.
-        self.trajectories = TrajectoryWriter(
-            store, "trajectories", out_dir / "spool", writer_id=f"rank{dist.rank}"
-        )
-        self.auditor = Auditor(
-            out_dir, spec.audit.spot_check_samples if spec.audit.enabled else 0, self.algo.seed
-        )
-        self.loss_config = loss_config(self.algo)
-        self.rollouts = RolloutFeed(
-            client,
-            SamplingParams(
-                n=self.algo.group_size,
-                max_tokens=self.algo.max_new_tokens,
-                temperature=self.algo.temperature,
-                top_p=self.algo.top_p,
-            ),
-            self.data.curriculum,
-            prompts_per_rank=max(1, self.algo.prompts_per_step // dist.world_size),
-            max_policy_lag=self.algo.max_policy_lag,
-            seed=self.algo.seed,
-        )
-        self.final_eval, self.last_checkpoint = None, None
+        self.dist, self.contract = dist, contract
+        self.live = LiveStatus(reporter)  # verifier threads report sandbox health into it
+        self.parts = assemble(spec, out_dir, client, dist, contract, verify, self.report_sandbox)
+        self.stages = StageBook(self.parts.plans[0])
+        self.final_eval: EvalResult | None = None
+        self.last_checkpoint: str | None = None
         # rank 0 evaluates in the loop unless a separate evaluator does
         # (trainer/evaluation/checkpoint_eval.py)
         self.inline_eval = dist.is_main and spec.evaluation.inline
-        self.stage_state = {}
-        self.stage_records: list[dict[str, Any]] = []
-
-    @classmethod
-    def start(
-        cls,
-        spec: TrainingRunSpec,
-        out_dir: Path,
-        client: RolloutClient,
-        reporter: StatusReporter | None,
-        dist: DistContext,
-        verify: VerifyFn | None,
-        contract: TrainerEnv,
-    ) -> Run:
-        """Set up and resume from the newest checkpoint if any (stage, step and state)."""
-        reporter = reporter or LocalStatusReporter(out_dir)
-        run = cls(spec, out_dir, client, reporter, dist, verify, contract)
-        resumed = run.resume()
+        resumed = self.resume()
+        self.policy: Policy
+        self.step: int  # optimizer steps taken (or skipped) so far, over all stages
+        self.version: int  # weight version the servers serve: one per publish
         if resumed is None:  # fresh run: the server already serves the base model as v0
-            run.policy, run.step, run.version = run.make_policy(run.base_dir), 0, 0
+            self.policy, self.step, self.version = self.make_policy(self.parts.base_dir), 0, 0
         else:
-            run.policy, state = resumed
-            run.step, run.version = state.step, state.weight_version
-            run.data.curriculum.load_state_dict(state.curriculum)
-            run.auditor.load_state_dict(state.audit)
-            run.rollouts.restore(
-                [request_from_json(r) for r in state.pending_requests],
-                [batch_from_json(b) for b in state.sampled_batches],
-            )
-            run.stage_state, run.stage_records = state.stage_state, state.stages
-            # the server restarted with the base model: give it our weights (every rank
-            # takes part in gathering them; rank 0 sends them)
-            run.publisher.publish(run.policy, run.version)
+            self.policy, state = resumed
+            self.step, self.version = state.step, state.weight_version
+            self._restore(state)
         if dist.is_main:
-            run.announce_start(resumed is not None)
+            self.announce_start(resumed is not None)
         # Multi-node: no rank samples before rank 0 republished the resumed weights. Every
         # rank waits here, fresh or resumed, so the collectives always pair up.
         dist.barrier()
-        run.episodes = run.make_episode_sampler()
-        run.plan = run.plans[0]
-        current = run.stage_records[-1]["name"] if run.stage_records else run.plans[0].name
-        run.status = RunStatus(
+        self.episodes = self.make_episode_sampler()  # None: no environment domain
+        self.live.begin(self._first_status())
+
+    def _restore(self, state: TrainerState) -> None:
+        """Continue from a checkpoint's state: curriculum, audit, the rollouts not yet
+        trained on, the stages; then give the restarted servers our weights (every rank
+        takes part in gathering them; rank 0 sends them)."""
+        parts = self.parts
+        parts.data.curriculum.load_state_dict(state.curriculum)
+        parts.auditor.load_state_dict(state.audit)
+        parts.rollouts.restore(
+            [request_from_json(r) for r in state.pending_requests],
+            [batch_from_json(b) for b in state.sampled_batches],
+        )
+        self.stages.state, self.stages.records = state.stage_state, state.stages
+        parts.publisher.publish(self.policy, self.version)
+
+    def _first_status(self) -> RunStatus:
+        parts = self.parts
+        return RunStatus(
             phase="Running",
-            step=run.step,
-            max_steps=run.plans[-1].last_step,
-            weight_version=run.version,
-            stage=current,
-            stages=list(run.stage_records),
-            reports_uri=run.outputs.uri() if run.outputs else None,
-            resumed_from=run.checkpointer.resumed_from or FRESH_START,
-            sandbox=run.verification.health.to_wire()
-            if run.verification and run.data.executes_code()
+            step=self.step,
+            max_steps=parts.plans[-1].last_step,
+            weight_version=self.version,
+            stage=self.stages.current_name(),
+            stages=list(self.stages.records),
+            reports_uri=parts.outputs.uri() if parts.outputs else None,
+            resumed_from=parts.checkpointer.resumed_from or FRESH_START,
+            sandbox=parts.verification.health.to_wire()
+            if parts.verification and parts.data.executes_code()
             else None,
         )
-        return run
 
     def announce_start(self, resumed: bool) -> None:
         """Say, always, which checkpoint this run resumes from or that it starts fresh, and
         drop records past that step."""
         # A fresh start evaluates the base model again, so even step 0's records go.
         dropped = discard_records_after(self.out_dir, self.step if resumed else -1)
+        checkpointer = self.parts.checkpointer
         if resumed:
             log.info(
                 "resuming from checkpoint %s (step %d)%s",
-                self.checkpointer.resumed_from,
+                checkpointer.resumed_from,
                 self.step,
                 f"; dropped {dropped} later step(s) an earlier attempt recorded" if dropped else "",
             )
@@ -548,73 +480,40 @@ class Run:
             log.info(
                 "fresh start from %s: no checkpoint of this run under %s%s%s",
                 self.spec.model,
-                self.checkpointer.store.uri("checkpoints"),
-                "" if self.checkpointer.run_uid is None else f" (uid {self.checkpointer.run_uid})",
+                checkpointer.store.uri("checkpoints"),
+                "" if checkpointer.run_uid is None else f" (uid {checkpointer.run_uid})",
                 f"; dropped the {dropped} step(s) an earlier attempt recorded" if dropped else "",
             )
-
-    def _checkpointer(self, store: Any) -> Checkpointer:
-        """The run's checkpoints in ``store``, under its identity: its TrainingRun's uid in a
-        cluster; on a laptop none, and the --out directory (its own storage) is what it
-        resumes from."""
-        spec = self.spec
-        return Checkpointer(
-            store,
-            spec.checkpoint.keep_last,
-            spec.checkpoint.keep_best,
-            pinned_steps=self.kl_anchor_steps(),
-            run_uid=self.contract.run_uid,
-            resume_from=resume_source(spec),
-        )
-
-    def _publisher(self, store: Any, client: Any) -> WeightPublisher:
-        """Weight versions for the rollout servers, in the pool's serving dtype (None: ours)."""
-        from posttrain.storage.checkpoints import WeightRegistry
-
-        return WeightPublisher(
-            WeightRegistry(store, "weights", keep_last=2),
-            store.uri("weights"),
-            client,
-            self.scratch,
-            shared=all_on_this_host(getattr(client, "urls", [])),
-            dtype=serving_dtype(self.contract.rollout_dtype),
-        )
-
-    def kl_anchor_steps(self) -> frozenset[int]:
-        """Checkpoints that hold an RL stage's KL anchor (the step before it starts), kept
-        through retention so a resume inside that stage reloads the same anchor."""
-        if self.algo.kl_coef <= 0:
-            return frozenset()
-        return frozenset(p.first_step - 1 for p in self.plans if p.type == "rl" and p.index > 0)
 
     def kl_reference_dir(self, model_dir: Path) -> Path | None:
         """Where the KL reference of a policy built from ``model_dir`` comes from: the model
         the RL stage started from. For the first stage that is the base model; for a later
-        one its start checkpoint (pinned, see :meth:`kl_anchor_steps`) when resuming inside
-        it, else the base model until :meth:`enter_stage` anchors the reference."""
+        one its start checkpoint (pinned, see :func:`parts.kl_anchor_steps`) when resuming
+        inside it, else the base model until :meth:`enter_stage` anchors the reference."""
         if self.algo.kl_coef <= 0:
             return None
+        parts = self.parts
         state_file = model_dir / STATE_FILE
         if not state_file.is_file():  # the base model: a fresh run
-            return self.base_dir
+            return parts.base_dir
         step = int(json.loads(state_file.read_text())["step"])
-        plan = next((p for p in self.plans if p.first_step <= step + 1 <= p.last_step), None)
+        plan = next((p for p in parts.plans if p.first_step <= step + 1 <= p.last_step), None)
         if plan is None or plan.type != "rl" or plan.index == 0 or step < plan.first_step:
-            return self.base_dir  # not inside a later RL stage (yet)
-        dest = self.scratch / "kl-reference"
+            return parts.base_dir  # not inside a later RL stage (yet)
+        dest = parts.scratch / "kl-reference"
         try:
-            self.checkpointer.load_step(plan.first_step - 1, dest, include=weights_only)
+            parts.checkpointer.load_step(plan.first_step - 1, dest, include=weights_only)
         except Exception as exc:
             raise RuntimeError(
                 f"resuming inside stage {plan.name!r} needs its KL anchor, the checkpoint of "
-                f"step {plan.first_step - 1} under {self.checkpointer.store.uri('checkpoints')}"
+                f"step {plan.first_step - 1} under {parts.checkpointer.store.uri('checkpoints')}"
                 f", and it cannot be read: {exc}"
             ) from exc
         log.info("KL reference: the start of stage %s (step %d)", plan.name, plan.first_step - 1)
         return dest
 
     def make_policy(self, model_dir: Path, weights_from_checkpoint: bool = False) -> Policy:
-        first = self.plans[0].spec
+        first = self.parts.plans[0].spec
         return Policy(
             model_dir,
             learning_rate=resolved(first.learning_rate, "learningRate"),
@@ -637,18 +536,17 @@ class Run:
         slices build the policy without HF weights (DCP fills every one), so they download
         neither the HF weights nor other ranks' shards."""
         own_slices = Policy.reads_own_slices(self.engine_options(), self.rank_info())
-        return self.checkpointer.restore(
+        return self.parts.checkpointer.restore(
             lambda model_dir: self.make_policy(model_dir, weights_from_checkpoint=own_slices),
-            self.scratch,
+            self.parts.scratch,
             skip_weights=own_slices,
         )
 
     def enter_stage(self, plan: StagePlan) -> None:
         """Start ``plan`` (fresh optimizer, DPO reference) or continue it after a resume."""
-        self.plan = plan
-        fresh = self.step == plan.first_step - 1
+        self.stages.plan = plan
         stage = plan.spec
-        if fresh:
+        if self.step == plan.first_step - 1:  # fresh
             self.policy.optimization.reset(
                 resolved(stage.learning_rate, "learningRate"),
                 resolved(stage.weight_decay, "weightDecay"),
@@ -657,15 +555,13 @@ class Run:
             if plan.type == "rl" and plan.index > 0:
                 # KL to the model this stage starts from, not to the original base model
                 self.policy.anchor_reference()
-            self.stage_state = {}
+            self.stages.state = {}
             if plan.type == "dpo":
-                self.stage_state = reference_logps(
-                    self.policy, plan, self.stage_data[plan.name], self.algo.seed
+                self.stages.state = reference_logps(
+                    self.policy, plan, self.parts.stage_data[plan.name], self.algo.seed
                 )
-            self.stage_records.append(
-                stage_record(plan, "Running", _now(), None, {}, self.stage_skips(plan))
-            )
-            self.reporter.event(
+            self.stages.started(plan, self.stage_skips(plan))
+            self.live.reporter.event(
                 "Normal",
                 STAGE_STARTED,
                 f"stage {plan.name} ({plan.type}) started: steps "
@@ -684,20 +580,22 @@ class Run:
                 plan.last_step,
             )
         if plan.type == "rl":
-            self.rollouts.start(plan.last_step, self.step, self.episodes)
-        self.status.stage = plan.name
+            self.parts.rollouts.start(plan.last_step, self.step, self.episodes)
+        with self.live.editing() as status:
+            status.stage = plan.name
         self.report_progress()
 
     def end_stage(self, plan: StagePlan) -> None:
         """After an SFT/DPO stage's last step: publish, evaluate, checkpoint (the next stage
         starts from exactly these weights), then announce."""
         self.version += 1
-        self.publisher.publish(self.policy, self.version, durable=True)  # every rank gathers
+        self.parts.publisher.publish(self.policy, self.version, durable=True)  # every rank
         self.dist.barrier()
         score = None
         if self.inline_eval:
             self.final_eval = self.evaluate(self.step)
-            self.status.eval_accuracy = self.final_eval.accuracy
+            with self.live.editing() as status:
+                status.eval_accuracy = self.final_eval.accuracy
             score = self.final_eval.overall
         self.close_stage_record(plan)
         self.save_checkpoint(score)  # collective: every rank writes its shards
@@ -705,20 +603,13 @@ class Run:
 
     def close_stage_record(self, plan: StagePlan) -> None:
         """Mark ``plan`` Succeeded in status.stages, with the held-out accuracy after it."""
-        accuracy = (
-            self.final_eval.accuracy
-            if self.final_eval is not None and self.final_eval.step == plan.last_step
-            else {}
-        )
-        started = next(
-            (r.get("startTime") for r in self.stage_records if r["name"] == plan.name), None
-        )
-        record = stage_record(plan, "Succeeded", started, _now(), accuracy, self.stage_skips(plan))
-        self.stage_records = [r for r in self.stage_records if r["name"] != plan.name] + [record]
+        latest = self.final_eval
+        accuracy = latest.accuracy if latest is not None and latest.step == plan.last_step else {}
+        self.stages.succeeded(plan, accuracy, self.stage_skips(plan))
 
     def announce_stage_end(self, plan: StagePlan) -> None:
-        accuracy = ", ".join(f"{d}={a:.1%}" for d, a in self.status.eval_accuracy.items())
-        self.reporter.event(
+        accuracy = ", ".join(f"{d}={a:.1%}" for d, a in self.live.status.eval_accuracy.items())
+        self.live.reporter.event(
             "Normal",
             STAGE_SUCCEEDED,
             f"stage {plan.name} ({plan.type}) finished at step {plan.last_step}"
@@ -726,7 +617,7 @@ class Run:
         )
 
     def stage_skips(self, plan: StagePlan) -> dict[str, int]:
-        data = self.stage_data.get(plan.name)
+        data = self.parts.stage_data.get(plan.name)
         return dict(data.skipped) if data is not None else {}
 
     def make_episode_sampler(self) -> EpisodeSampler | None:
@@ -751,9 +642,10 @@ class Run:
 
     def observe(self, batch: Any, prepared: Any) -> None:
         """Feed the curriculum, the audit and the trajectory store with a scored batch."""
+        parts = self.parts
         for task, pass_rate in zip(batch.request.tasks, prepared.group_pass_rates, strict=True):
             if pass_rate is not None:  # None: every episode errored, nothing was learnt
-                self.data.curriculum.observe(task, pass_rate, self.step)
+                parts.data.curriculum.observe(task, pass_rate, self.step)
         if prepared.masked_samples:
             log.warning(
                 "step %d: %d sample(s) masked out of the loss: their judge or reward model "
@@ -761,120 +653,100 @@ class Run:
                 self.step,
                 prepared.masked_samples,
             )
-        self.auditor.observe_batch(self.step, prepared.trajectories)
+        parts.auditor.observe_batch(self.step, prepared.trajectories)
         for trajectory in prepared.trajectories:
-            self.trajectories.append(trajectory_record(trajectory))
+            parts.trajectories.append(trajectory_record(trajectory))
 
     def evaluate(self, at_step: int) -> EvalResult:
         """Greedy held-out accuracy (and the regression set) from the rollout server."""
-        algo, evaluation = self.algo, self.spec.evaluation
-        result = evaluate_tasks(
+        data = self.parts.data
+        concurrency = self.spec.sandbox.max_concurrency
+        result = self._evaluate_split("heldout", data.heldout, at_step, concurrency)
+        save_eval(result, self.out_dir)
+        if data.regression:  # (evaluate_tasks' own default concurrency, as it always had)
+            save_eval(self._evaluate_split("regression", data.regression, at_step), self.out_dir)
+        return result
+
+    def _evaluate_split(
+        self, split: str, tasks: Any, at_step: int, max_concurrency: int = 2
+    ) -> EvalResult:
+        return evaluate_tasks(
             self.client,
             self.policy.encode_prompt,
-            self.data.heldout,
-            self.data.verifiers,
+            tasks,
+            self.parts.data.verifiers,
             step=at_step,
-            split="heldout",
-            max_new_tokens=algo.max_new_tokens,
-            temperature=evaluation.temperature,
-            max_concurrency=self.spec.sandbox.max_concurrency,
-            verify=self.verify,
+            split=split,
+            max_new_tokens=self.algo.max_new_tokens,
+            temperature=self.spec.evaluation.temperature,
+            max_concurrency=max_concurrency,
+            verify=self.parts.verify,
             episodes=self.episodes,
         )
-        save_eval(result, self.out_dir)
-        if self.data.regression:
-            save_eval(
-                evaluate_tasks(
-                    self.client,
-                    self.policy.encode_prompt,
-                    self.data.regression,
-                    self.data.verifiers,
-                    step=at_step,
-                    split="regression",
-                    max_new_tokens=algo.max_new_tokens,
-                    verify=self.verify,
-                    temperature=evaluation.temperature,
-                    episodes=self.episodes,
-                ),
-                self.out_dir,
-            )
-        return result
 
     def save_checkpoint(self, eval_score: float | None) -> str:
         """Checkpoint weights, optimizer, curriculum, the not-yet-trained rollouts and the
         current stage's state."""
-        waiting, done = self.rollouts.buffered()
+        parts = self.parts
+        waiting, done = parts.rollouts.buffered()
         state = TrainerState(
             self.step,
             self.version,
-            self.data.curriculum.state_dict(),
-            self.auditor.state_dict(),
+            parts.data.curriculum.state_dict(),
+            parts.auditor.state_dict(),
             [request_to_json(r) for r in waiting],
             [batch_to_json(b) for b in done],
             self.algo.seed,
-            stage=self.plan.name,
-            stage_state=self.stage_state,
-            stages=self.stage_records,
+            stage=self.stages.plan.name,
+            stage_state=self.stages.state,
+            stages=self.stages.records,
         )
         # Trajectories up to this step become durable before the checkpoint that covers
         # them: a resumed run re-samples only what no checkpoint covers (none lost).
-        self.trajectories.flush()
-        path = self.checkpointer.save(self.policy, state, eval_score=eval_score)
-        self.status.last_checkpoint = self.last_checkpoint = path
+        parts.trajectories.flush()
+        path = parts.checkpointer.save(self.policy, state, eval_score=eval_score)
+        self.last_checkpoint = path
+        with self.live.editing() as status:
+            status.last_checkpoint = path
         return path
 
     def sync_outputs(self) -> None:
         """Upload new or changed output files (never fails the run: the next sync retries)."""
-        if self.outputs is None:
+        outputs = self.parts.outputs
+        if outputs is None:
             return
         try:
-            self.outputs.sync(output_files(self.out_dir))
+            outputs.sync(output_files(self.out_dir))
         except Exception as exc:
             log.warning(
-                "could not upload outputs to %s (retried at the next step): %s",
-                self.outputs.uri(),
-                exc,
+                "could not upload outputs to %s (retried at the next step): %s", outputs.uri(), exc
             )
 
     def report_progress(self) -> None:
-        with self._status_lock:
-            self.status.step, self.status.weight_version = self.step, self.version
-            self.status.stages = list(self.stage_records)
-            self.status.rollout_wait = self.waits.to_wire()
-            if self.verification is not None and self.status.sandbox is not None:
-                self.status.sandbox = self.verification.health.to_wire()
-            self.reporter.report(self.status)
+        verification = self.parts.verification
+        self.live.report(
+            self.step,
+            self.version,
+            self.stages.records,
+            verification.health if verification is not None else None,
+        )
 
     def report_sandbox(self, health: Any) -> None:  # verification.SandboxHealth
-        """Put the sandbox's health into the status at once when it changes (the operator
-        shows it as the SandboxAvailable condition), and at most every 10 s while a failing
-        sandbox keeps the step waiting."""
-        now = time.monotonic()
-        with self._status_lock:
-            was_available, reported_at = self._sandbox_reported
-            if health.available == was_available and now - reported_at < 10.0:
-                return
-            status = getattr(self, "status", None)
-            if status is None:  # before the run started: nothing to report yet
-                return
-            self._sandbox_reported = (health.available, now)
-            status.sandbox = health.to_wire()
-            self.reporter.report(status)
+        """Verifier threads' health reports (the operator's SandboxAvailable condition)."""
+        self.live.report_sandbox(health)
 
     def finish(self, interrupted: bool = False) -> float:
         """Stop the producer, flush outputs, write plots and the report; wall seconds."""
-        self.rollouts.close()
-        self.publisher.close()
-        self.trajectories.close()
-        shutil.rmtree(self.scratch, ignore_errors=True)
-        self.auditor.write_spot_checks()
+        self.parts.close()
+        self.parts.auditor.write_spot_checks()
         plot_run(self.out_dir, kl_coef=self.algo.kl_coef)
-        total = self.plans[-1].last_step
-        with self._status_lock:  # phase, message: status.json only; in a cluster the operator's
-            self.status.phase = "Succeeded" if self.step >= total else "Running"
+        plans = self.parts.plans
+        total = plans[-1].last_step
+        with self.live.editing() as status:  # phase, message: status.json only (operator's)
+            status.phase = "Succeeded" if self.step >= total else "Running"
             if interrupted and self.step < total:
-                self.status.phase = INTERRUPTED
-                self.status.message = f"stopped by Ctrl-C after step {self.step}"
+                status.phase = INTERRUPTED
+                status.message = f"stopped by Ctrl-C after step {self.step}"
         self.report_progress()
         wall = time.monotonic() - self.started
         facts = {
@@ -883,16 +755,12 @@ class Run:
             "model": self.spec.model,
             "algorithm": self.algo.name,
             "stages": " -> ".join(
-                f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})" for p in self.plans
+                f"{p.name} ({p.type}, steps {p.first_step}-{p.last_step})" for p in plans
             ),
         }
-        write_report(self.out_dir, "posttrain run report", facts, stages=self.stage_records)
+        write_report(self.out_dir, "posttrain run report", facts, stages=self.stages.records)
         self.sync_outputs()
         return wall
-
-
-def _now() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat()
 
 
 def _stage_summary(plan: StagePlan) -> str:
@@ -910,19 +778,3 @@ def _stage_summary(plan: StagePlan) -> str:
     if plan.type == "dpo":
         parts.append(f"beta {stage.beta:g}")
     return ", ".join(parts)
-
-
-def resume_source(spec: TrainingRunSpec) -> str | None:
-    """spec.resumeFrom as the URI :class:`Checkpointer` reads. The operator resolves
-    ``run: NAME`` to that name's storage root; a local run has no run names to resolve."""
-    source = spec.resume_from
-    if source is None:
-        return None
-    if source.run is not None:
-        from posttrain.errors import UsageError
-
-        raise UsageError(
-            f"spec.resumeFrom.run {source.run!r} names a TrainingRun in a cluster; a local run "
-            "resumes from a directory: resumeFrom: {checkpoint: RUNS/OTHER} (its --out)"
-        )
-    return source.checkpoint

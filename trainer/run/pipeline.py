@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -406,3 +407,43 @@ def stage_record(
     if skipped:
         record["skippedExamples"] = skipped
     return record
+
+
+@dataclass
+class StageBook:
+    """Where the run is in its stages: the stage being trained, that stage's own state
+    (DPO: the reference log-probs) and the ``status.stages`` records. A checkpoint saves
+    the state and the records, so a resumed run continues the same stage.
+
+    >>> from posttrain.api import StageSpec
+    >>> plan = StagePlan(0, StageSpec(name="s", type="sft"), 1, 3)
+    >>> book = StageBook(plan)
+    >>> book.started(plan, {})
+    >>> book.succeeded(plan, {"math": 0.5}, {})
+    >>> [(r["name"], r["phase"], r["evalAccuracy"]) for r in book.records]
+    [('s', 'Succeeded', {'math': 0.5})]
+    """
+
+    plan: StagePlan
+    state: dict[str, Any] = field(default_factory=dict)
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def current_name(self) -> str:
+        """The stage a resumed run was in (its last record), else the first stage's."""
+        return str(self.records[-1]["name"]) if self.records else self.plan.name
+
+    def started(self, plan: StagePlan, skipped: dict[str, int]) -> None:
+        """Record ``plan`` as Running from now."""
+        self.records.append(stage_record(plan, "Running", _now(), None, {}, skipped))
+
+    def succeeded(
+        self, plan: StagePlan, accuracy: dict[str, float], skipped: dict[str, int]
+    ) -> None:
+        """Mark ``plan`` Succeeded, with the held-out ``accuracy`` after it."""
+        started = next((r.get("startTime") for r in self.records if r["name"] == plan.name), None)
+        record = stage_record(plan, "Succeeded", started, _now(), accuracy, skipped)
+        self.records = [r for r in self.records if r["name"] != plan.name] + [record]
+
+
+def _now() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat()
