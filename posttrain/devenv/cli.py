@@ -477,7 +477,7 @@ AGENT_GIVES_UP_S = 30.0
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     dev = sub.add_parser(
         "dev",
-        help="start/stop a local control plane (etcd + kube-apiserver) and MinIO",
+        help="start/stop a local Kubernetes (a real single-node cluster) and MinIO",
         description="A local Kubernetes for development: a real single-node cluster "
         "(kubelet, containerd, runc) that runs the images of `make images`, or the control "
         "plane alone (--node none), and a MinIO server.",

@@ -48,7 +48,7 @@ def real_cluster() -> Iterator[RealCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
     images = image_refs(NODE_IMAGES)
     # A node an earlier, killed test session left running is stopped; a person's
-    # `posttrain dev up --node real` is not (start() then says so).
+    # `posttrain dev up` is not (start() then says so).
     cluster = RealCluster(workdir, images=images).start(
         reap=lambda other: other.name.startswith("posttrain-node-")
     )

@@ -1,47 +1,54 @@
-"""docs/chart.md, "On the dev cluster", run as written on the real node: the evaluation install
-(bundled MinIO on a local volume, the chart's default images), one TrainingRun through the
-installed operator, the delete and the uninstall. Then what the block leaves is checked: the
-run's checkpoint and trajectories are in MinIO's volume, the run's children are gone, the
-operator and MinIO pods are gone, and the MinIO claim is kept."""
+"""README.md's "End to end on a local cluster", run as written on the real node: `posttrain dev
+up` (the single-node cluster, by default), the chart's evaluation install (bundled MinIO on a
+local volume, the images of `make images`), one TrainingRun through the installed operator,
+the delete, the uninstall, and `posttrain dev down`. Then what the block leaves is checked:
+the run's checkpoint and trajectories are in MinIO's volume, the run's children are gone, the
+operator and MinIO pods are gone, the MinIO claim is kept; and after `dev down` nothing of the
+node is left on the host (process, mount, cgroup, iptables rule, containerd shim, bridge).
+
+The block's first line, `make images`, is not run: `make test` runs it before the tests, and
+the real_cluster tests need the images anyway. The block's `posttrain dev down` runs as a second
+shell, after the checks that need the cluster, as from another terminal.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from posttrain.devenv.binaries import link_client_tools, pinned_versions
-from posttrain.devenv.realnode.cluster import RealCluster
+from posttrain.devenv.binaries import client_binary, link_client_tools, pinned_versions
+from posttrain.devenv.realnode.cluster import leftovers, running_nodes
 from posttrain.processes import wait_for
 
-from .conftest import Kubectl
+from ..docblocks import bash_block, processes_of, running
+from .conftest import missing_requirements
 
 pytestmark = [pytest.mark.real_cluster, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOC = REPO_ROOT / "docs" / "chart.md"
 VALUES_DEV = REPO_ROOT / "charts" / "posttrain" / "values-dev.yaml"
 RUN_NS, SYSTEM = "ml-demo", "posttrain-system"
 
 
-def dev_cluster_block() -> str:
-    """The ```bash block under docs/chart.md's "## On the dev cluster"."""
-    section = DOC.read_text().split("## On the dev cluster\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
-    assert block is not None, "docs/chart.md has no bash block under 'On the dev cluster'"
-    return block.group(1)
-
-
-def gone(node_kubectl: Kubectl, namespace: str, kinds: str, timeout_s: float = 180) -> bool:
-    """True once nothing of ``kinds`` is left in ``namespace``; AssertionError after
-    ``timeout_s``."""
-    return bool(wait_for(
-        lambda: node_kubectl("get", kinds, "-n", namespace, "-o", "name").stdout == "",
-        timeout_s=timeout_s, what=f"no {kinds} left in {namespace}", interval_s=2.0,
-    ))  # fmt: skip
+@pytest.fixture
+def dev_dir() -> Iterator[Path]:
+    """A short state directory (the kubelet's sockets lie ~40 characters below it, and a socket
+    path may not exceed 107 bytes: test_dev_cli.py). Purged after the test."""
+    path = Path(tempfile.mkdtemp(prefix="pt-walk-"))
+    yield path
+    subprocess.run([sys.executable, "-m", "posttrain.cli", "dev", "down", "--purge"],
+                   env={**os.environ, "POSTTRAIN_DEV_DIR": str(path)}, capture_output=True,
+                   timeout=600, check=False)  # fmt: skip
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def test_values_dev_names_the_minio_image_build_sh_makes() -> None:
@@ -52,24 +59,47 @@ def test_values_dev_names_the_minio_image_build_sh_makes() -> None:
     )
 
 
-def test_the_docs_dev_cluster_install_runs_a_training_run_as_written(
-    real_cluster: RealCluster, node_kubectl: Kubectl, tmp_path: Path
+def test_the_readme_walkthrough_trains_on_the_real_node_and_dev_down_leaves_nothing(
+    dev_dir: Path, tmp_path: Path
 ) -> None:
+    missing = missing_requirements()
+    if missing:
+        why = f"the real node cannot start: missing {'; '.join(missing)}"
+        if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+    assert not running_nodes(), f"a real node is already running from {running_nodes()}"
     venv_bin = REPO_ROOT / ".venv" / "bin"
     if not (venv_bin / "activate").exists():
         pytest.fail("the block sources .venv/bin/activate: run `make venv` first")
     link_client_tools(venv_bin)  # what `make venv` does: .venv/bin/kubectl and helm
-    env = {**os.environ, "KUBECONFIG": str(real_cluster.kubeconfig)}
+    lines = bash_block("README.md", "End to end on a local cluster")
+    assert lines[0].startswith("make images"), lines[0]
+    assert lines[-1].startswith("posttrain dev down"), lines[-1]
+    activate, down = lines[1], lines[-1]
+    assert activate == "source .venv/bin/activate", activate
+    # A person's root shell; KUBECONFIG is what the block's `dev env` exports.
+    env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+    env["POSTTRAIN_DEV_DIR"] = str(dev_dir / "dev")
     log = tmp_path / "block.log"
-    with open(log, "wb") as out:
-        # A person's shell: the block's own commands, stopping at the first that fails.
-        done = subprocess.run(
-            ["bash", "-euo", "pipefail", "-c", dev_cluster_block()],
-            cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=3300,
-        )  # fmt: skip
-    output = log.read_text(errors="replace")
+
+    def shell(script: list[str], timeout_s: float) -> int:
+        with open(log, "ab") as out:  # stopping at the first command that fails
+            return subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", "\n".join(script)],
+                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s,
+            ).returncode  # fmt: skip
+
+    state: dict[str, object] = {}
     try:
-        assert done.returncode == 0, f"the block failed (exit {done.returncode}):\n{output}"
+        code = shell(lines[1:-1], timeout_s=3300)
+        output = log.read_text(errors="replace")
+        state_file = dev_dir / "dev" / "state.json"
+        state = json.loads(state_file.read_text()) if state_file.exists() else {}
+        assert code == 0, f"the block failed (exit {code}):\n{output}"
+        assert state.get("node") == "real", state  # `posttrain dev up` chose the real node
+        assert "posttrain dev cluster is up (a real node" in output, output
+        assert re.search(r"^posttrain-node\s+Ready\s", output, re.M), output
         assert "STATUS: deployed" in output, output
         # `posttrain watch` ended on Succeeded; `kubectl get -o wide` showed it at step 3 of 3;
         # `posttrain logs` printed the trainer's last lines.
@@ -78,22 +108,40 @@ def test_the_docs_dev_cluster_install_runs_a_training_run_as_written(
         assert "run finished: 3 steps" in output, output
         # The run's checkpoint and trajectories were written to the bundled MinIO: its data
         # lies on the node's local volume (MinIO keeps one directory per object).
+        workdir = Path(str(state["workdir"]))
         stored = sorted(
             path.relative_to(volume)
-            for volume in (real_cluster.workdir / "volumes").glob("local-*")
+            for volume in (workdir / "volumes").glob("local-*")
             for path in volume.glob(f"*/runs/{RUN_NS}/dev-run/*/*")
         )
-        kinds = {path.parts[-1] for path in stored}
-        assert {"checkpoints", "trajectories"} <= kinds, stored
+        assert {"checkpoints", "trajectories"} <= {path.parts[-1] for path in stored}, stored
         # The delete collected the run's and the pool's children; the uninstall the operator
-        # and MinIO pods. The MinIO claim stays (resource-policy keep).
-        # Collection is asynchronous (the garbage collector, then each pod's grace period).
-        assert gone(node_kubectl, RUN_NS, "pods,deploy,svc")
-        assert gone(node_kubectl, SYSTEM, "pods,deploy")
-        claims = node_kubectl("get", "pvc", "-n", SYSTEM, "-o", "name").stdout.split()
-        assert claims == ["persistentvolumeclaim/posttrain-minio"], claims
+        # and MinIO pods. The MinIO claim stays (resource-policy keep). Collection is
+        # asynchronous (the garbage collector, then each pod's grace period).
+        kubectl = [str(client_binary("kubectl")), "--kubeconfig", str(state["kubeconfig"])]
+
+        def names(kinds: str, namespace: str) -> list[str]:
+            listed = subprocess.run([*kubectl, "get", kinds, "-n", namespace, "-o", "name"],
+                                    capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+            return listed.stdout.split()
+
+        def none_left(kinds: str, namespace: str) -> None:
+            wait_for(lambda: names(kinds, namespace) == [], timeout_s=180, interval_s=2,
+                     what=f"no {kinds} left in {namespace}")  # fmt: skip
+
+        none_left("pods,deploy,svc", RUN_NS)
+        none_left("pods,deploy", SYSTEM)
+        assert names("pvc", SYSTEM) == ["persistentvolumeclaim/posttrain-minio"]
     finally:
-        print(output[-20000:])
-        # Leave the node as the next module expects it: no release, no demo namespaces.
-        node_kubectl("delete", "namespace", RUN_NS, SYSTEM, "--wait", "--ignore-not-found",
-                     check=False, timeout=300)  # fmt: skip
+        print(log.read_text(errors="replace")[-20000:] if log.exists() else "no output")
+        started = processes_of([str(dev_dir)])
+        stopped = shell([activate, down], timeout_s=600)
+    output = log.read_text(errors="replace")
+    assert stopped == 0, output[-4000:]
+    assert "posttrain dev environment stopped; its data is kept" in output, output[-4000:]
+    assert len(started) >= 8, started  # etcd, apiserver, controllers, kubelet, containerd...
+    assert not running_nodes()
+    assert leftovers(workdir) == []
+    # Reaping by init may lag a moment behind the kill.
+    wait_for(lambda: not any(running(pid) for pid in started), timeout_s=10,
+             what="the node's processes to exit")  # fmt: skip
