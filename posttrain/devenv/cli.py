@@ -160,6 +160,11 @@ def dev_up(args: argparse.Namespace) -> int:
         )
     images = _wanted_images(args.images) if node == "real" else []
     if node == "real":
+        if args.apiserver_port or args.etcd_port or args.minio_port:
+            raise UsageError(
+                "--apiserver-port, --etcd-port and --minio-port are for --node none: the real "
+                "node serves on its bridge's address and picks free ports"
+            )
         _refuse_without_real_node(images, asked=args.node == "real")
     if existing is not None:
         print(f"restarting the dev environment in place; its data in {existing.workdir} is kept")
@@ -504,13 +509,19 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "--apiserver-port",
         type=int,
         default=0,
-        help="kube-apiserver's HTTPS port (default: a free port)",
+        help="with --node none: kube-apiserver's HTTPS port (default: a free port)",
     )
     up.add_argument(
-        "--etcd-port", type=int, default=0, help="etcd's client port (default: a free port)"
+        "--etcd-port",
+        type=int,
+        default=0,
+        help="with --node none: etcd's client port (default: a free port)",
     )
     up.add_argument(
-        "--minio-port", type=int, default=0, help="MinIO's S3 port (default: a free port)"
+        "--minio-port",
+        type=int,
+        default=0,
+        help="with --node none: MinIO's S3 port (default: a free port)",
     )
     up.add_argument(
         "--node",
