@@ -77,7 +77,7 @@ def test_the_readme_walkthrough_trains_on_the_real_node_and_dev_down_leaves_noth
     assert lines[0].startswith("make images"), lines[0]
     assert lines[-1].startswith("posttrain dev down"), lines[-1]
     activate, down = lines[1], lines[-1]
-    assert activate == "source .venv/bin/activate", activate
+    assert activate.startswith("source .venv/bin/activate"), activate
     # A person's root shell; KUBECONFIG is what the block's `dev env` exports.
     env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
     env["POSTTRAIN_DEV_DIR"] = str(dev_dir / "dev")
