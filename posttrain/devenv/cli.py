@@ -3,10 +3,10 @@
 ``up`` starts the real single-node cluster (:mod:`.realnode`: kubelet, containerd, runc) where
 it can run, and refuses, saying what is missing and what provides it, where it cannot; the
 control plane alone (``--node none``, whose pods need the stand-in ``posttrain dev agent``) is
-started only when asked for. ``up`` is idempotent: a healthy environment recorded in the state file is reused; a
-stopped or broken one (dead processes) is restarted in place on its own data, with its
-ports, CA and MinIO keys. Whatever fails while starting is stopped again, so nothing
-half-started is left running. Data is deleted only by ``dev down --purge``.
+started only when asked for. ``up`` is idempotent: a healthy environment recorded in the state
+file is reused; a stopped or broken one (dead processes) is restarted in place, as what it was,
+on its own data, with its ports, CA and MinIO keys. Whatever fails while starting is stopped
+again, so nothing half-started is left running. Data is deleted only by ``dev down --purge``.
 """
 
 from __future__ import annotations
@@ -261,7 +261,6 @@ def _refuse_without_real_node(images: list[str], asked: bool) -> None:
     raise UsageError(
         f"{command} starts a real single-node cluster, which cannot run on this machine; "
         f"missing:\n{lines}\n"
-        f"{lines}\n"
         "Provide those and run it again, or start the stand-in explicitly: `posttrain dev up "
         "--node none` runs etcd, kube-apiserver and MinIO without a node, and `posttrain dev "
         "agent` then runs pods as local bubblewrap processes of the checked-out code (no "

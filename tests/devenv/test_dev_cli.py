@@ -195,6 +195,7 @@ def test_dev_up_refuses_where_the_real_node_cannot_run_and_names_the_fallback(
         assert result.returncode == 2, result.stdout + said
         assert "starts a real single-node cluster, which cannot run on this machine" in said
         assert "command containerd, ctr, runc, iptables, ip, podman: `make system-deps`" in said
+        assert said.count("make system-deps") == 1, said  # each missing piece said once
         assert "`posttrain dev up --node none`" in said and "docs/e2e.md" in said, said
         assert "posttrain dev environment is up" not in result.stdout
         assert not (tmp_path / "dev").exists()  # nothing started, nothing recorded
