@@ -55,7 +55,7 @@ venv-vllm: $(VLLM_VENV)/.installed
 
 # Debian packages (root once): bubblewrap isolates sandboxed executions; debootstrap, podman
 # and runc build and run the images (tools/images/); containerd, the CNI plugins, iptables and
-# conntrack run the real node of `posttrain dev up --node real` and the real_cluster tests.
+# conntrack run the real node of `posttrain dev up` and the real_cluster tests.
 SYSTEM_PACKAGES := bubblewrap debootstrap podman runc containerd containernetworking-plugins \
   iptables conntrack
 system-deps:

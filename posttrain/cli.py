@@ -52,7 +52,7 @@ COMMANDS: dict[str, dict[str, str]] = {
         "report": "build an HTML or Markdown report with plots from a local run directory",
     },
     "posttrain.devenv.cli": {
-        "dev": "start/stop a local control plane (etcd + kube-apiserver) and MinIO",
+        "dev": "start/stop a local Kubernetes (a real single-node cluster) and MinIO",
     },
     "posttrain.api.cli": {
         "crds": "write crds/ and the chart's CRDs from the API models",
@@ -69,7 +69,7 @@ def _new_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
         description="LLM post-training with RL from verifiable rewards, on Kubernetes or locally.",
         epilog="`posttrain COMMAND --help` describes one command. Start here: "
         "`posttrain run examples/local-demo.yaml --local` (a local RL run on CPU) or "
-        "`posttrain dev up` (a local control plane).",
+        "`posttrain dev up` (a local single-node Kubernetes cluster).",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -1,9 +1,12 @@
-"""``posttrain dev up|down|status``: the real control plane + MinIO for a person.
+"""``posttrain dev up|down|status``: a local Kubernetes and MinIO for a person.
 
-``up`` is idempotent: a healthy environment recorded in the state file is reused; a
-stopped or broken one (dead processes) is restarted in place on its own data, with its
-ports, CA and MinIO keys. Whatever fails while starting is stopped again, so nothing
-half-started is left running. Data is deleted only by ``dev down --purge``.
+``up`` starts the real single-node cluster (:mod:`.realnode`: kubelet, containerd, runc) where
+it can run, and refuses, saying what is missing and what provides it, where it cannot; the
+control plane alone (``--node none``, whose pods need the stand-in ``posttrain dev agent``) is
+started only when asked for. ``up`` is idempotent: a healthy environment recorded in the state
+file is reused; a stopped or broken one (dead processes) is restarted in place, as what it was,
+on its own data, with its ports, CA and MinIO keys. Whatever fails while starting is stopped
+again, so nothing half-started is left running. Data is deleted only by ``dev down --purge``.
 """
 
 from __future__ import annotations
@@ -39,8 +42,9 @@ class DevState:
     minio_secret_key: str
     pids: list[int]
     node: str = "none"
-    """"real": a kubelet with containerd runs the pods (``--node real``); "none": only the
-    control plane (pods need ``posttrain dev agent``)."""
+    """"real": a kubelet with containerd runs the pods (``--node real``, the default); "none":
+    only the control plane (pods need ``posttrain dev agent``). Records from before the real
+    node lack the field: they were "none"."""
     node_record: dict[str, Any] | None = None
     """The real node's :meth:`RealCluster.record`, which ``dev down`` stops it from."""
 
@@ -135,22 +139,38 @@ def dev_up(args: argparse.Namespace) -> int:
 
     existing = DevState.load()
     if existing and existing.healthy():
+        if args.node is not None and args.node != existing.node:
+            raise UsageError(
+                f"a dev environment with --node {existing.node} is running: `posttrain dev "
+                f"down` stops it first (its data is kept for `posttrain dev up --node "
+                f"{existing.node}`)"
+            )
         print("posttrain dev environment already running")
         _print_state(existing)
         return 0
+    # A recorded environment starts again as what it was; a new one is the real node.
+    node = args.node or (existing.node if existing else "real")
     if existing is None:
-        _refuse_orphaned_data(args.node)
-    elif existing.node != args.node:
+        _refuse_orphaned_data(node)
+    elif existing.node != node:
         raise UsageError(
             f"a stopped dev environment (--node {existing.node}) keeps its data in "
             f"{existing.workdir}: `posttrain dev up --node {existing.node}` starts it again with "
             "that data; `posttrain dev down --purge` deletes it"
         )
-    else:
+    images = _wanted_images(args.images) if node == "real" else []
+    if node == "real":
+        if args.apiserver_port or args.etcd_port or args.minio_port:
+            raise UsageError(
+                "--apiserver-port, --etcd-port and --minio-port are for --node none: the real "
+                "node serves on its bridge's address and picks free ports"
+            )
+        _refuse_without_real_node(images, asked=args.node == "real")
+    if existing is not None:
         print(f"restarting the dev environment in place; its data in {existing.workdir} is kept")
         _stop_processes(existing)
-    if args.node == "real":
-        return _dev_up_real_node(args.images, existing)
+    if node == "real":
+        return _dev_up_real_node(images, existing)
     workdir = Path(existing.workdir) if existing else state_dir() / "env"
     workdir.mkdir(parents=True, exist_ok=True)
     cp = ControlPlane(
@@ -216,16 +236,44 @@ def _refuse_orphaned_data(node: str) -> None:
         )
 
 
-def _dev_up_real_node(images: str, existing: DevState | None) -> int:
-    """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
-    from .realnode.cluster import IMAGE_NAMES, RealCluster, image_refs
+def _wanted_images(images: str) -> list[str]:
+    """``--images`` as image references (``ghcr.io/posttrain/<name>:<appVersion>``)."""
+    from .realnode.cluster import IMAGE_NAMES, image_refs
 
     wanted = [name.strip() for name in images.split(",") if name.strip()]
     unknown = sorted(set(wanted) - set(IMAGE_NAMES))
     if unknown:
         raise UsageError(f"--images: unknown {unknown}; choose from {', '.join(IMAGE_NAMES)}")
+    return image_refs(wanted)
+
+
+def _refuse_without_real_node(images: list[str], asked: bool) -> None:
+    """Say what keeps the real node from running here, what provides it, and how to start the
+    stand-in instead; never fall back to it unasked (its pods are processes, not containers,
+    and run the checked-out code, not the images: docs/e2e.md)."""
+    from .realnode.requirements import missing_for_real_node
+
+    missing = missing_for_real_node(images)
+    if not missing:
+        return
+    command = "`posttrain dev up --node real`" if asked else "`posttrain dev up` (by default)"
+    lines = "\n".join(f"  - {item}" for item in missing)
+    raise UsageError(
+        f"{command} starts a real single-node cluster, which cannot run on this machine; "
+        f"missing:\n{lines}\n"
+        "Provide those and run it again, or start the stand-in explicitly: `posttrain dev up "
+        "--node none` runs etcd, kube-apiserver and MinIO without a node, and `posttrain dev "
+        "agent` then runs pods as local bubblewrap processes of the checked-out code (no "
+        "images, no root; docs/e2e.md)"
+    )
+
+
+def _dev_up_real_node(images: list[str], existing: DevState | None) -> int:
+    """``dev up --node real``: the whole single-node cluster (posttrain.devenv.realnode)."""
+    from .realnode.cluster import RealCluster
+
     workdir = Path(existing.workdir) if existing else state_dir() / "node"
-    cluster = RealCluster(workdir, images=image_refs(wanted))
+    cluster = RealCluster(workdir, images=images)
     try:
         cluster.start(minio_keys=_minio_keys(existing))
         install_crds(cluster.kubeconfig)
@@ -391,7 +439,14 @@ def dev_agent(args: argparse.Namespace) -> int:
     state = DevState.load()
     kubeconfig = args.kubeconfig or (state.kubeconfig if state else None)
     if kubeconfig is None:
-        raise UsageError("no dev environment: run `posttrain dev up` first or pass --kubeconfig")
+        raise UsageError(
+            "no dev environment: run `posttrain dev up --node none` first or pass --kubeconfig"
+        )
+    if state is not None and state.node == "real" and args.kubeconfig is None:
+        raise UsageError(
+            "the dev environment runs a real node, whose kubelet runs the pods: the stand-in "
+            "agent is for `posttrain dev up --node none` (`posttrain dev down` first)"
+        )
     # Inside the dev environment's directory, so `posttrain dev down` removes pod dirs and logs.
     workdir = Path(state.workdir) / "nodeagent" if state else state_dir() / "nodeagent"
     agent = NodeAgent.from_kubeconfig(
@@ -426,46 +481,66 @@ AGENT_GIVES_UP_S = 30.0
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     dev = sub.add_parser(
         "dev",
-        help="start/stop a local control plane (etcd + kube-apiserver) and MinIO",
-        description="A real, local Kubernetes control plane (no kubelet) and MinIO server.",
+        help="start/stop a local Kubernetes (a real single-node cluster) and MinIO",
+        description="A local Kubernetes for development: a real single-node cluster "
+        "(kubelet, containerd, runc) that runs the images of `make images`, or the control "
+        "plane alone (--node none), and a MinIO server.",
     )
     dev_sub = dev.add_subparsers(dest="dev_command", metavar="ACTION", required=True)
     up = dev_sub.add_parser(
         "up",
         help="start (or reuse) the dev environment",
-        description="Start etcd, kube-apiserver (no kubelet, scheduler or controller-manager) "
-        "and MinIO as local processes, install the posttrain CRDs and the posttrain-s3 "
-        "Secret, and record everything in ~/.cache/posttrain/dev/state.json "
-        f"(${DEV_DIR}). Idempotent: a healthy environment is reused; whatever fails "
-        "to start is stopped again.",
-        epilog='next: eval "$(posttrain dev env)"; posttrain dev agent & posttrain operator '
-        "--standalone &  (see README.md, 'End to end on the dev control plane')",
+        description="Start a real single-node cluster: etcd, kube-apiserver, "
+        "kube-controller-manager, kube-scheduler, a kubelet with containerd and runc, CNI, "
+        "kube-proxy, CoreDNS, and MinIO, with the images of `make images` on the node; it "
+        "needs root, containerd, runc, the CNI plugins (`make system-deps`) and the images. "
+        "Where those are missing it refuses and says which. Then install the posttrain CRDs "
+        "and the posttrain-s3 Secret, and record everything in "
+        f"~/.cache/posttrain/dev/state.json (${DEV_DIR}). Idempotent: a healthy environment "
+        "is reused, a stopped one restarts as what it was, on its data; whatever fails to "
+        "start is stopped again.",
+        epilog='next: eval "$(posttrain dev env)"; helm install ... -f '
+        "charts/posttrain/values-dev.yaml; kubectl apply -f examples/dev-run.yaml  (README.md, "
+        "'End to end on a local cluster'). Without a node (--node none): posttrain dev agent "
+        "& posttrain operator --standalone &  (docs/e2e.md)",
     )
     up.add_argument(
         "--apiserver-port",
         type=int,
         default=0,
-        help="kube-apiserver's HTTPS port (default: a free port)",
+        help="with --node none: kube-apiserver's HTTPS port (default: a free port)",
     )
     up.add_argument(
-        "--etcd-port", type=int, default=0, help="etcd's client port (default: a free port)"
+        "--etcd-port",
+        type=int,
+        default=0,
+        help="with --node none: etcd's client port (default: a free port)",
     )
     up.add_argument(
-        "--minio-port", type=int, default=0, help="MinIO's S3 port (default: a free port)"
+        "--minio-port",
+        type=int,
+        default=0,
+        help="with --node none: MinIO's S3 port (default: a free port)",
     )
     up.add_argument(
         "--node",
-        choices=("none", "real"),
-        default="none",
-        help="real: a whole single-node cluster (kubelet, containerd, runc, CNI, kube-proxy, "
-        "CoreDNS, scheduler, controller-manager) that runs the images of `make images`; needs "
-        "root. none (default): etcd + kube-apiserver only (pods need `posttrain dev agent`)",
+        choices=("real", "none"),
+        default=None,
+        help="real (the default for a new environment): a whole single-node cluster "
+        "(kubelet, containerd, runc, CNI, kube-proxy, CoreDNS, scheduler, controller-manager) "
+        "that runs the images of `make images`; needs root, and refuses, saying what is "
+        "missing, where it cannot run. none: etcd + kube-apiserver + MinIO only, for machines "
+        "where the real node cannot run (no root, no containerd, no images): pods then need "
+        "`posttrain dev agent`, a stand-in that runs them as local processes (docs/e2e.md). "
+        "A recorded environment restarts as what it was",
     )
     up.add_argument(
         "--images",
-        default="operator,sandbox,trainer,rollout",
-        help="with --node real: which of `make images`' images to load into the node "
-        "(comma-separated; default all four; each is imported once per image ID)",
+        default="operator,sandbox,trainer",
+        help="with the real node: which of `make images`' images to load into the node "
+        "(comma-separated, from operator, sandbox, trainer, rollout; default: the three the "
+        "chart's install and CPU pools run; add rollout, a 7 GB image, for `engine: vllm` "
+        "pools). Each is imported once per image ID",
     )
     up.set_defaults(func=dev_up)
     down = dev_sub.add_parser(

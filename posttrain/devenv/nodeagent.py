@@ -1,8 +1,9 @@
 """A local node agent for the dev control plane: a DEVELOPMENT AID, not a product component.
 
-``posttrain dev up`` runs etcd + kube-apiserver only: no scheduler, no kubelet, no
-controller-manager, so the pods the operator creates would sit in Pending forever. This agent
-plays those three roles just far enough for end-to-end runs on one machine:
+``posttrain dev up --node none`` (the fallback where the real node cannot run: docs/e2e.md)
+runs etcd + kube-apiserver only: no scheduler, no kubelet, no controller-manager, so the pods
+the operator creates would sit in Pending forever. This agent plays those three roles just far
+enough for end-to-end runs on one machine:
 
 * **node + scheduler**: registers one Node (Ready, ``nvidia.com/gpu: 0``), heartbeats it, and
   binds every unscheduled pod to itself through the ``pods/binding`` subresource (it ignores

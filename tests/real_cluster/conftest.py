@@ -23,38 +23,33 @@ import pytest
 from posttrain.devenv.binaries import client_binary
 from posttrain.devenv.realnode import addons
 from posttrain.devenv.realnode.cluster import IMAGE_NAMES, RealCluster, image_refs, leftovers
-from posttrain.devenv.realnode.network import CNI_BIN_DIR
-
-from ..images.podman import missing_images
+from posttrain.devenv.realnode.requirements import missing_for_real_node
 
 Kubectl = Callable[..., subprocess.CompletedProcess[str]]
 
 
+# The images these tests run (the rollout image's vLLM pool is tested by tests/images).
+NODE_IMAGES = [name for name in IMAGE_NAMES if name != "rollout"]
+
+
 def missing_requirements() -> list[str]:
-    """What the real node needs and this machine lacks ([] when it can start)."""
-    missing = [f"command {c}" for c in ("containerd", "ctr", "runc", "iptables", "ip")
-               if shutil.which(c) is None]  # fmt: skip
-    if os.geteuid() != 0:
-        missing.append("root")
-    if not (CNI_BIN_DIR / "bridge").exists():
-        missing.append("CNI plugins (containernetworking-plugins)")
-    missing += [f"image {name}" for name in missing_images()]
-    return missing
+    """What the real node needs and this machine lacks, each with what provides it ([] when
+    it can start): what `posttrain dev up` checks before it starts one."""
+    return [str(item) for item in missing_for_real_node(image_refs(NODE_IMAGES))]
 
 
 @pytest.fixture(scope="session")
 def real_cluster() -> Iterator[RealCluster]:
     missing = missing_requirements()
     if missing:
-        why = f"the real node cannot start: missing {', '.join(missing)} (make test installs them)"
+        why = f"the real node cannot start: missing {'; '.join(missing)} (make test provides them)"
         if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
             pytest.fail(why)
         pytest.skip(why)
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
-    # The images these tests run (the rollout image's vLLM pool is tested by tests/images).
-    images = image_refs([name for name in IMAGE_NAMES if name != "rollout"])
+    images = image_refs(NODE_IMAGES)
     # A node an earlier, killed test session left running is stopped; a person's
-    # `posttrain dev up --node real` is not (start() then says so).
+    # `posttrain dev up` is not (start() then says so).
     cluster = RealCluster(workdir, images=images).start(
         reap=lambda other: other.name.startswith("posttrain-node-")
     )
@@ -177,11 +172,15 @@ def restricted_namespace(node_api: Any) -> Iterator[str]:
     yield from pod_security_namespace(node_api, "restricted", "rc-r")
 
 
+# Tests that start a node of their own with `posttrain dev up`.
+OWN_NODE = ("test_dev_cli.py", "test_readme_walkthrough.py")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`dev up --node real` starts a node of its own, and one node runs at a time: its test
-    goes before the first test that starts the session's shared node."""
+    """`posttrain dev up` starts a node of its own, and one node runs at a time: the tests
+    that run it go before the first test that starts the session's shared node."""
     here = Path(__file__).parent
-    first = [item for item in items if item.path == here / "test_dev_cli.py"]
+    first = [item for item in items if item.path in [here / name for name in OWN_NODE]]
     if first:
         rest = [item for item in items if item not in first]
         shared = next((i for i, item in enumerate(rest) if item.path.parent == here), len(rest))

@@ -1,6 +1,6 @@
-"""`posttrain dev up --node real` / `status` / `down`, as a person runs them: the node comes up
-with its images, reports its components' start times, serves kubectl, and `dev down` leaves
-nothing behind. Runs before the session's shared node starts (one node at a time)."""
+"""`posttrain dev up` / `status` / `down`, as a person runs them: the real node comes up (the
+default) with its images, reports its components' start times, serves kubectl, and `dev down`
+leaves nothing behind. Runs before the session's shared node starts (one node at a time)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def dev_dir() -> Iterator[Path]:
 def test_dev_up_real_node_status_and_down_leave_nothing(dev_dir: Path) -> None:
     missing = missing_requirements()
     if missing:
-        why = f"the real node cannot start: missing {', '.join(missing)}"
+        why = f"the real node cannot start: missing {'; '.join(missing)}"
         if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
             pytest.fail(why)
         pytest.skip(why)
@@ -49,13 +49,15 @@ def test_dev_up_real_node_status_and_down_leave_nothing(dev_dir: Path) -> None:
         return subprocess.run([*posttrain, "dev", *args], env=env, capture_output=True,
                               text=True, timeout=timeout)  # fmt: skip
 
-    up = run("up", "--node", "real", "--images", "operator,sandbox", timeout=1200)
+    up = run("up", "--images", "operator,sandbox", timeout=1200)  # the real node by default
     workdir = dev_dir / "dev" / "node"
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "a real node" in up.stdout and "node-ready" in up.stdout, up.stdout
         again = run("up", "--node", "real")  # idempotent: the healthy node is reused
         assert again.returncode == 0 and "already running" in again.stdout, again.stdout
+        other = run("up", "--node", "none")  # never a second environment beside it
+        assert other.returncode == 2 and "with --node real is running" in other.stderr, other
         status = run("status")
         assert status.returncode == 0 and "healthy" in status.stdout, status.stdout
         state = json.loads((dev_dir / "dev" / "state.json").read_text())
