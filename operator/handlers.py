@@ -8,7 +8,8 @@ reconcile of the affected object (pod and Deployment events reconcile their owne
 failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
 periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
 anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
-finalizer: it is the one case where deletion needs cleanup (the artifacts in S3).
+finalizer, added and removed by their reconciler (trainingrun/finalizer.py): it is the one case
+where deletion needs cleanup (the artifacts in S3).
 """
 
 from __future__ import annotations
@@ -98,10 +99,8 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
 def training_run_event(
     event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
 ) -> None:
-    """Cache the run; reconcile it unless the event is the echo of our own status patch.
-
-    TrainingRuns stay on kopf until the storage finalizer is ours (docs/operator.md, "One
-    event path"): kopf watches them for ``delete_run_storage`` anyway."""
+    """Cache the run; reconcile it unless the event is the echo of our own write (a deleting
+    run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
     namespace = namespace or ""  # our kinds are namespaced
     controller = _controller(memo)
     changed = controller.observe(controller.state.runs, event.get("type"), _body(event))
@@ -109,16 +108,6 @@ def training_run_event(
         controller.forget("TrainingRun", namespace, name)
     elif changed:
         controller.training_runs.reconcile(namespace, name)
-
-
-def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("checkpoint") or {}).get("deleteOnRunDeletion"))
-
-
-@kopf.on.delete(GROUP, VERSION, "trainingruns", when=_deletes_storage, registry=REGISTRY)
-def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """Only runs that opted in lose their checkpoints and trajectories (kopf retries this)."""
-    _controller(memo).training_runs.delete_storage(dict(body))
 
 
 @kopf.on.event(

@@ -12,13 +12,17 @@ import kopf
 
 from .config import OperatorConfig
 
-FINALIZER = "posttrain.io/finalizer"
+# Kopf removes its finalizer from every object it watches that no handler of its needs it
+# for, and none does any more: the TrainingRun storage finalizer (posttrain.io/finalizer) is
+# the reconciler's own (trainingrun/finalizer.py). So Kopf's is a name nothing ever carries.
+KOPF_FINALIZER = "posttrain.io/kopf-unused"
 ANNOTATIONS_PREFIX = "posttrain.io"
 EVENT_COMPONENT = "posttrain-operator"
 
 # Kinds with a change-detecting (on.create/update/delete) handler: only these need kopf's
-# diff-base essence. Everything else is watched with on.event handlers only.
-KINDS_WITH_CHANGE_HANDLERS = frozenset({"TrainingRun"})
+# diff-base essence. None is left: every kind is watched with on.event handlers or our own
+# informers.
+KINDS_WITH_CHANGE_HANDLERS: frozenset[str] = frozenset()
 
 
 class ChangeHandlerDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
@@ -115,7 +119,8 @@ def quiet_per_request_logs() -> None:
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     """kopf.OperatorSettings for ``config``.
 
-    - persistence: our finalizer name and ``posttrain.io/`` annotations for kopf's progress
+    - persistence: a finalizer name nothing carries (KOPF_FINALIZER) and ``posttrain.io/``
+      annotations for kopf's progress
       and diff-base, so nothing named ``kopf.zalando.org`` lands on user objects; the
       diff-base is built only for kinds with change handlers (ChangeHandlerDiffBaseStorage);
     - watching: server timeout below the client timeout, so the apiserver ends each watch
@@ -129,7 +134,7 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     - posting: Kubernetes Events for INFO and above, from component posttrain-operator.
     """
     settings = kopf.OperatorSettings()
-    settings.persistence.finalizer = FINALIZER
+    settings.persistence.finalizer = KOPF_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATIONS_PREFIX
     )

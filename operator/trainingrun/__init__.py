@@ -12,6 +12,7 @@ module                 role
 :mod:`.kueue`          the Kueue Workload: build and read
 :mod:`.admission`      executes the Kueue part of a plan
 :mod:`.kuberay`        KubeRay discovery and RayCluster listing
+:mod:`.finalizer`      the storage finalizer (``deleteOnRunDeletion``)
 :mod:`.reconciler`     reads the cache, asks the plan, applies it
 =====================  ===================================================================
 """
