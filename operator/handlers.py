@@ -1,8 +1,8 @@
 """Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
 (see controllers.py for where each event goes, each kind's package for what it does).
 
-Watches feed the controller's caches (kopf's for TrainingRuns, RayClusters and Workloads;
-lean informers, informer.py, for the rest: SandboxTasks and labelled pods, the burst path, and
+Watches feed the controller's caches (kopf's for RayClusters and Workloads; lean informers,
+informer.py, for the rest: SandboxTasks and labelled pods, the burst path, and TrainingRuns,
 RolloutPools, SandboxWarmPools and rollout Deployments); every event triggers a level-triggered
 reconcile of the affected object (pod and Deployment events reconcile their owner). A
 failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
@@ -22,7 +22,6 @@ from typing import Any, cast
 
 import kopf
 
-from posttrain.api import GROUP, VERSION
 from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT
 
 from .controllers import Controller
@@ -95,21 +94,6 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     )
 
 
-@kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
-def training_run_event(
-    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
-) -> None:
-    """Cache the run; reconcile it unless the event is the echo of our own write (a deleting
-    run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
-    namespace = namespace or ""  # our kinds are namespaced
-    controller = _controller(memo)
-    changed = controller.observe(controller.state.runs, event.get("type"), _body(event))
-    if event.get("type") == "DELETED":
-        controller.forget("TrainingRun", namespace, name)
-    elif changed:
-        controller.training_runs.reconcile(namespace, name)
-
-
 @kopf.on.event(
     "ray.io", "v1", "rayclusters", labels={LABEL_COMPONENT: COMPONENT_TRAINER}, registry=REGISTRY
 )
@@ -133,9 +117,22 @@ def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
 
 
 # ------------------------------------------------------------ informers (informer.py)
-# SandboxTasks, RolloutPools, SandboxWarmPools, labelled pods and Deployments are not watched
-# by kopf: lean informers feed these callbacks on kopf's event loop, in stream order (see
+# TrainingRuns, SandboxTasks, RolloutPools, SandboxWarmPools, labelled pods and Deployments
+# are not watched by kopf: lean informers feed these callbacks on kopf's event loop, in stream order (see
 # runtime.build_informers and docs/operator.md, "Burst path" and "One event path").
+
+
+def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A TrainingRun event: cached here; reconciled on a thread unless it is our own echo (a
+    deleting run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
+    controller = _controller(memo)
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    changed = controller.observe(controller.state.runs, event_type, body)
+    if event_type == "DELETED":
+        controller.forget("TrainingRun", namespace, name)
+    elif changed:
+        _spawn(memo, _in_thread(memo, lambda: controller.training_runs.reconcile(namespace, name)))
 
 
 def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:

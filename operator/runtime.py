@@ -119,7 +119,7 @@ def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
 
 
 def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
-    """Every watch but kopf's (TrainingRuns, RayClusters, Workloads): SandboxTasks,
+    """Every watch but kopf's (RayClusters, Workloads): TrainingRuns, SandboxTasks,
     RolloutPools, SandboxWarmPools, labelled pods and rollout Deployments, per watched
     namespace or cluster-wide."""
     namespaces: list[str | None] = (
@@ -150,6 +150,7 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
     informers = []
     for ns in namespaces:
         informers += [
+            watching(API_VERSION, "TrainingRun", "trainingruns", handlers.on_training_run, ns),
             watching(API_VERSION, "SandboxTask", "sandboxtasks", handlers.on_sandbox_task, ns),
             watching("v1", "Pod", "pods", handlers.on_pod, ns, LABEL_COMPONENT),
             watching(API_VERSION, "RolloutPool", "rolloutpools", handlers.on_rollout_pool, ns),
