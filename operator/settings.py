@@ -4,7 +4,6 @@ where the default would be wrong for us)."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -56,23 +55,15 @@ class _DropWatchHandlerInfo(logging.Filter):
 
 
 class _ExpectedAtStartup(logging.Filter):
-    """A healthy start logs no WARNING or ERROR: two of kopf's are expected, and say so.
+    """A healthy start logs no WARNING or ERROR: one of kopf's is expected, and says so.
 
-    - "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
-      (re)initializing')": the apiserver's 429 while a CRD's watch cache fills, which kopf
-      retries as asked (a final failure still logs "escalating" as an ERROR);
-    - "Unresolved resources cannot be served: ... ray.io/v1/rayclusters" or
-      "... kueue.x-k8s.io/v1beta2/workloads": KubeRay and Kueue are optional (multi-node runs
-      as RayClusters; queued admission); without their CRDs runs use pod gangs and start at
-      once.
-
-    Both become INFO lines; everything else passes unchanged.
+    "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
+    (re)initializing')": the apiserver's 429 while a CRD's watch cache fills (kopf's watch of
+    the peering objects), which kopf retries as asked (a final failure still logs
+    "escalating" as an ERROR). It becomes an INFO line; everything else passes unchanged.
+    (Kopf's "Unresolved resources" for KubeRay's and Kueue's CRDs is gone with its watches of
+    them: our informers start when API discovery finds those CRDs.)
     """
-
-    OPTIONAL_CRDS = {
-        "ray.io": "KubeRay: without it multi-node runs use pod gangs",
-        "kueue.x-k8s.io": "Kueue: without it runs are admitted at once, queue labels ignored",
-    }
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not record.name.startswith("kopf"):
@@ -80,17 +71,6 @@ class _ExpectedAtStartup(logging.Filter):
         message = record.getMessage()
         if "will retry" in message and "APITooManyRequestsError" in message:
             self._to_info(record, message)
-        elif message.startswith("Unresolved resources cannot be served") and all(
-            any(f"group='{group}'" in selector for group in self.OPTIONAL_CRDS)
-            for selector in re.findall(r"Selector\([^)]*\)", message) or [""]
-        ):
-            hints = [h for g, h in self.OPTIONAL_CRDS.items() if f"group='{g}'" in message]
-            self._to_info(
-                record,
-                "optional CRDs not installed, not watched: "
-                + message.split(":", 1)[1].strip()
-                + f" ({'; '.join(hints)})",
-            )
         return True
 
     @staticmethod

@@ -23,7 +23,7 @@ MODULES = [
     "trainingrun.plan",
     "trainingrun.decision",
     "trainingrun.gang",
-    "trainingrun.kuberay",
+    "trainingrun.finalizer",
     "trainingrun.kueue",
     "trainingrun.sandbox_runner",
     "trainingrun.evaluator",
