@@ -5,13 +5,14 @@ it does).
 Kopf watches nothing any more (it still runs peering, the login and the resync task). Our
 informers (informer.py) feed the controller's caches: SandboxTasks and labelled pods, the
 burst path; TrainingRuns, RolloutPools, SandboxWarmPools and rollout Deployments; KubeRay's
-RayClusters and Kueue's Workloads once API discovery finds their CRDs. Every event triggers a level-triggered
-reconcile of the affected object (pod and Deployment events reconcile their owner). A
-failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
-periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
-anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
-finalizer, added and removed by their reconciler (trainingrun/finalizer.py): it is the one case
-where deletion needs cleanup (the artifacts in S3).
+RayClusters and Kueue's Workloads once API discovery finds their CRDs. Every event triggers
+a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
+owner). A failed reconcile is retried for its object with exponential backoff
+(shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
+activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
+spec.checkpoint.deleteOnRunDeletion get a finalizer, added and removed by their reconciler
+(trainingrun/finalizer.py): it is the one case where deletion needs cleanup (the artifacts
+in S3).
 """
 
 from __future__ import annotations

@@ -100,9 +100,9 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     """kopf.OperatorSettings for ``config``.
 
     - persistence: a finalizer name nothing carries (KOPF_FINALIZER) and ``posttrain.io/``
-      annotations for kopf's progress
-      and diff-base, so nothing named ``kopf.zalando.org`` lands on user objects; the
-      diff-base is built only for kinds with change handlers (ChangeHandlerDiffBaseStorage);
+      annotations for kopf's progress and diff-base, so nothing named ``kopf.zalando.org``
+      lands on user objects; the diff-base is built only for kinds with change handlers
+      (ChangeHandlerDiffBaseStorage: none left);
     - watching: server timeout below the client timeout, so the apiserver ends each watch
       cleanly and kopf re-lists instead of hitting a client-side read timeout;
     - queueing/execution: one worker per object (up to worker_limit) and a thread pool of

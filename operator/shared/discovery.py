@@ -59,10 +59,10 @@ class Discovery:
         with self._lock:
             changed = installed != self._installed
             self._installed, self._checked_at = installed, time.monotonic()
-            on_change = self._on_change
+            if changed:  # under the lock: the callbacks come in the order of the answers
+                self._on_change(installed)
         if changed:
             log.info("%s", self.describe(installed))
-            on_change(installed)
         return installed
 
     def forget(self) -> None:
@@ -74,6 +74,6 @@ class Discovery:
         """Tell ``on_change(installed)`` each time the answer flips (from any thread; it must
         not block), starting with the answer now if that is "installed"."""
         with self._lock:
-            self._on_change, installed = on_change, self._installed
-        if installed:
-            on_change(True)
+            self._on_change = on_change
+            if self._installed:
+                on_change(True)
