@@ -12,6 +12,7 @@ MODULES = [
     "config",
     "kube",
     "informer",
+    "leader",
     "events",
     "shared.builders",
     "shared.views",
