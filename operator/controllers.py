@@ -1,6 +1,6 @@
 """The operator's reconcilers wired over one state, and where each watch event goes.
 
-Every watch event (kopf's streams in handlers.py, the lean informers in informer.py) is
+Every watch event (the informers in informer.py, their callbacks in handlers.py) is
 cached in :class:`~.shared.state.OperatorState` first; an event that told the cache
 something new then reconciles its object, or its owner for a child (a pod reconciles its
 SandboxTask, TrainingRun or RolloutPool). The reconcilers themselves live one per kind, each in its kind's package
@@ -127,22 +127,18 @@ class Controller:
 
     # ------------------------------------------------------------ resync
 
+    def discover(self) -> None:
+        """Ask API discovery (each answer cached for its period) whether KubeRay's RayClusters
+        and Kueue's Workloads are served: a CRD found starts that kind's informers
+        (runtime.OptionalInformers), at start-up or whenever it is installed later."""
+        self.training_runs.kuberay.installed()
+        self.training_runs.kueue.installed()
+
     def resync(self) -> None:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
         net for missed events. Errors are logged per object so one bad object can't stop it."""
         state = self.state
-        self.training_runs.kuberay.refresh_ray_clusters()
-        self.training_runs.kueue.refresh(
-            sorted(
-                {
-                    ns
-                    for ns, name in state.runs.snapshot_keys()
-                    if ((state.runs.get(ns, name) or {}).get("metadata") or {})
-                    .get("labels", {})
-                    .get("kueue.x-k8s.io/queue-name")
-                }
-            )
-        )
+        self.discover()
         reconcilers: list[tuple[Store, Callable[[str, str], None]]] = [
             (state.runs, self.training_runs.reconcile),
             (state.pools, self.rollout_pools.reconcile),

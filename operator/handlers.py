@@ -1,14 +1,18 @@
-"""Kopf handlers (and the informer callbacks): register, log, delegate. No decisions here
-(see controllers.py for where each event goes, each kind's package for what it does).
+"""The informer callbacks and Kopf's start-up/clean-up handlers: register, log, delegate. No
+decisions here (see controllers.py for where each event goes, each kind's package for what
+it does).
 
-Watches feed the controller's caches (kopf's for TrainingRuns, RayClusters and Workloads;
-lean informers, informer.py, for the rest: SandboxTasks and labelled pods, the burst path, and
-RolloutPools, SandboxWarmPools and rollout Deployments); every event triggers a level-triggered
-reconcile of the affected object (pod and Deployment events reconcile their owner). A
-failed reconcile is retried for its object with exponential backoff (shared/requeue.py), and a
-periodic resync handles time-based transitions (sandbox TTL, activeDeadlineSeconds) and
-anything a missed event left behind. Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a
-finalizer: it is the one case where deletion needs cleanup (the artifacts in S3).
+Kopf watches nothing any more (it still runs peering, the login and the resync task). Our
+informers (informer.py) feed the controller's caches: SandboxTasks and labelled pods, the
+burst path; TrainingRuns, RolloutPools, SandboxWarmPools and rollout Deployments; KubeRay's
+RayClusters and Kueue's Workloads once API discovery finds their CRDs. Every event triggers
+a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
+owner). A failed reconcile is retried for its object with exponential backoff
+(shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
+activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
+spec.checkpoint.deleteOnRunDeletion get a finalizer, added and removed by their reconciler
+(trainingrun/finalizer.py): it is the one case where deletion needs cleanup (the artifacts
+in S3).
 """
 
 from __future__ import annotations
@@ -17,26 +21,17 @@ import asyncio
 import contextvars
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
-from posttrain.api import GROUP, VERSION
-from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT
-
 from .controllers import Controller
-from .shared.state import Body
 
 log = logging.getLogger(__name__)
 
 # A registry of our own (not kopf's global one), so embedding the operator in a process that
 # also uses kopf for something else, or starting it twice in tests, registers nothing twice.
 REGISTRY = kopf.OperatorRegistry()
-
-
-def _body(event: kopf.RawEvent) -> Body:
-    """The watched object as the caches keep it (kopf hands over the decoded JSON dict)."""
-    return cast(Body, event["object"])
 
 
 def _controller(memo: Any) -> Controller:
@@ -94,59 +89,23 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
     )
 
 
-@kopf.on.event(GROUP, VERSION, "trainingruns", registry=REGISTRY)
-def training_run_event(
-    event: kopf.RawEvent, memo: Any, namespace: str | None, name: str, **_: Any
-) -> None:
-    """Cache the run; reconcile it unless the event is the echo of our own status patch.
+# ------------------------------------------------------------ informers (informer.py)
+# Every watched kind: lean informers feed these callbacks on kopf's event loop, in stream
+# order (see runtime.build_informers, runtime.OptionalInformers and docs/operator.md, "Burst
+# path" and "One event path").
 
-    TrainingRuns stay on kopf until the storage finalizer is ours (docs/operator.md, "One
-    event path"): kopf watches them for ``delete_run_storage`` anyway."""
-    namespace = namespace or ""  # our kinds are namespaced
+
+def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A TrainingRun event: cached here; reconciled on a thread unless it is our own echo (a
+    deleting run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
     controller = _controller(memo)
-    changed = controller.observe(controller.state.runs, event.get("type"), _body(event))
-    if event.get("type") == "DELETED":
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", ""), meta.get("name", "")
+    changed = controller.observe(controller.state.runs, event_type, body)
+    if event_type == "DELETED":
         controller.forget("TrainingRun", namespace, name)
     elif changed:
-        controller.training_runs.reconcile(namespace, name)
-
-
-def _deletes_storage(spec: kopf.Spec, **_: Any) -> bool:
-    return bool((spec.get("checkpoint") or {}).get("deleteOnRunDeletion"))
-
-
-@kopf.on.delete(GROUP, VERSION, "trainingruns", when=_deletes_storage, registry=REGISTRY)
-def delete_run_storage(body: kopf.Body, memo: Any, **_: Any) -> None:
-    """Only runs that opted in lose their checkpoints and trajectories (kopf retries this)."""
-    _controller(memo).training_runs.delete_storage(dict(body))
-
-
-@kopf.on.event(
-    "ray.io", "v1", "rayclusters", labels={LABEL_COMPONENT: COMPONENT_TRAINER}, registry=REGISTRY
-)
-def ray_cluster_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    """KubeRay's RayClusters of multi-node runs. Served only when the CRD exists at start-up
-    (kopf warns "Unresolved resources" otherwise); the resync's re-list covers the rest."""
-    _controller(memo).on_ray_cluster(event.get("type"), _body(event))
-
-
-@kopf.on.event(
-    "kueue.x-k8s.io",
-    "v1beta2",
-    "workloads",
-    labels={LABEL_COMPONENT: COMPONENT_TRAINER},
-    registry=REGISTRY,
-)
-def workload_event(event: kopf.RawEvent, memo: Any, **_: Any) -> None:
-    """Kueue's Workloads of queued runs (Kueue writes admission and eviction into them).
-    Served only when Kueue's CRD exists at start-up; the resync's re-list covers the rest."""
-    _controller(memo).on_workload(event.get("type"), _body(event))
-
-
-# ------------------------------------------------------------ informers (informer.py)
-# SandboxTasks, RolloutPools, SandboxWarmPools, labelled pods and Deployments are not watched
-# by kopf: lean informers feed these callbacks on kopf's event loop, in stream order (see
-# runtime.build_informers and docs/operator.md, "Burst path" and "One event path").
+        _spawn(memo, _in_thread(memo, lambda: controller.training_runs.reconcile(namespace, name)))
 
 
 def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
@@ -178,6 +137,20 @@ def on_deployment(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     """A rollout pool's Deployment event: cached and its pool reconciled, on a thread."""
     controller = _controller(memo)
     _spawn(memo, _in_thread(memo, lambda: controller.on_deployment(event_type, body)))
+
+
+def on_ray_cluster(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A labelled RayCluster event (KubeRay wrote its status): cached and its run reconciled,
+    on a thread. Watched once API discovery finds KubeRay's CRD (runtime.OptionalInformers)."""
+    controller = _controller(memo)
+    _spawn(memo, _in_thread(memo, lambda: controller.on_ray_cluster(event_type, body)))
+
+
+def on_workload(memo: Any, event_type: str, body: dict[str, Any]) -> None:
+    """A labelled Kueue Workload event (Kueue admitted or evicted it): cached and its run
+    reconciled, on a thread. Watched once API discovery finds Kueue's CRD."""
+    controller = _controller(memo)
+    _spawn(memo, _in_thread(memo, lambda: controller.on_workload(event_type, body)))
 
 
 def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:

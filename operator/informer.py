@@ -1,6 +1,6 @@
 """Lean list+watch informers, run inside kopf's event loop: for the SandboxTask burst path
-(SandboxTasks, labelled pods) and the low-rate kinds moved off kopf so far (RolloutPools,
-SandboxWarmPools, rollout Deployments; docs/operator.md, "One event path").
+(SandboxTasks, labelled pods) and the low-rate kinds moved off kopf so far (TrainingRuns,
+RolloutPools, SandboxWarmPools, rollout Deployments; docs/operator.md, "One event path").
 
 Why not kopf's own watch for these: kopf runs every event through its per-object machinery
 (a worker task per object, Body/Patch wrappers, a kwargs context per handler call); a py-spy

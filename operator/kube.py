@@ -383,6 +383,9 @@ class AsyncKube:
                 await session.close()
 
 
+CLOSE_POLL_S = 0.5  # how often a waiting call checks whether the client was closed
+
+
 class KubeClient:
     """:class:`AsyncKube` for threads: each call runs on the client's own event loop (a daemon
     thread) and blocks its caller until the answer; thread-safe, one instance shared by every
@@ -408,7 +411,18 @@ class KubeClient:
         if self._closed:
             work.close()
             raise RuntimeError("the Kubernetes client is closed")
-        return asyncio.run_coroutine_threadsafe(work, self._loop).result()
+        future = asyncio.run_coroutine_threadsafe(work, self._loop)
+        while True:
+            # Waited on in slices: a call racing close() would otherwise wait forever on a
+            # loop that stopped under it, and a reconcile thread that never returns keeps
+            # the process from exiting (the thread pools are joined at exit).
+            try:
+                return future.result(timeout=CLOSE_POLL_S)
+            except TimeoutError:
+                if future.done():  # just now, or the call's own TimeoutError
+                    return future.result()
+                if self._closed:  # its loop stops (or stopped): the call will never finish
+                    raise RuntimeError("the Kubernetes client was closed during the call") from None
 
     def close(self) -> None:
         """Close the sessions and stop the loop (idempotent); later calls raise RuntimeError."""

@@ -18,8 +18,8 @@ Rule = dict[str, Any]
 READ = ["get", "list", "watch"]
 
 OPERATOR_RULES: list[Rule] = [
-    # Our resources: watch all three; patch TrainingRun metadata (kopf's finalizer and
-    # annotations, the gang incarnation); delete finished SandboxTasks after their TTL.
+    # Our resources: watch all three; patch TrainingRun metadata (the storage finalizer,
+    # the gang incarnation); delete finished SandboxTasks after their TTL.
     {"apiGroups": [GROUP], "resources": ["trainingruns"], "verbs": [*READ, "patch"]},
     {"apiGroups": [GROUP], "resources": ["rolloutpools"], "verbs": READ},
     # create: only so it may grant task-mode trainers that right (an RBAC escalation check).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -12,15 +13,17 @@ import kopf
 import uvloop
 
 from posttrain.api import API_VERSION
-from posttrain.api.labels import COMPONENT_ROLLOUT, LABEL_COMPONENT
+from posttrain.api.labels import COMPONENT_ROLLOUT, COMPONENT_TRAINER, LABEL_COMPONENT
 from posttrain.telemetry import start_metrics_server
 
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
 from .informer import Body, Gate, Informer, PeeringGate
-from .kube import AsyncKube, KubeClient, load_credentials
+from .kube import PLURALS, AsyncKube, KubeClient, load_credentials
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
+from .trainingrun.kueue import KUEUE_API_VERSION
+from .trainingrun.raycluster import RAY_API_VERSION
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,18 @@ async def run_async(
     memo.executor = settings.execution.executor
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
+    gate = (
+        Gate()
+        if config.standalone
+        else PeeringGate(
+            config.peering_name,
+            None if config.all_namespaces else config.watched_namespaces,
+            config.priority,
+        )
+    )
+    bind_requeue(memo, gate)
+    # Before kopf's tasks: its start-up may report ready before spawn_tasks returns.
+    bind_optional_informers(memo, config, gate)
     # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
     # more root task, gated by kopf's peering (read from the peering objects: PeeringGate).
     existing = asyncio.all_tasks()
@@ -81,16 +96,6 @@ async def run_async(
         memo=memo,
         liveness_endpoint=liveness,
     )
-    gate = (
-        Gate()
-        if config.standalone
-        else PeeringGate(
-            config.peering_name,
-            None if config.all_namespaces else config.watched_namespaces,
-            config.priority,
-        )
-    )
-    bind_requeue(memo, gate)
     informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
     try:
         await kopf.run_tasks([*tasks, informers], ignored=existing)
@@ -118,57 +123,137 @@ def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
     controller.state.requeue.bind(loop, retry)
 
 
-def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
-    """Every watch but kopf's (TrainingRuns, RayClusters, Workloads): SandboxTasks,
-    RolloutPools, SandboxWarmPools, labelled pods and rollout Deployments, per watched
-    namespace or cluster-wide."""
-    namespaces: list[str | None] = (
-        [None] if config.all_namespaces else list(config.watched_namespaces)
+def bind_optional_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
+    """KubeRay's and Kueue's informers follow API discovery of their CRDs (started by
+    :func:`run_informers`' first discovery, a reconcile's or a resync's)."""
+    optional = OptionalInformers(build_optional_informers(memo, config), gate)
+    memo.optional_informers = optional
+    controller: Controller = memo.controller
+    controller.training_runs.kuberay.watch(optional.follow("RayCluster"))
+    controller.training_runs.kueue.discovery.watch(optional.follow("Workload"))
+
+
+def _namespaces(config: OperatorConfig) -> list[str | None]:
+    return [None] if config.all_namespaces else list(config.watched_namespaces)
+
+
+def _informer(
+    memo: kopf.Memo,
+    config: OperatorConfig,
+    api_version: str,
+    kind: str,
+    on_event: Callable[[kopf.Memo, str, Body], None],
+    namespace: str | None,
+    label_selector: str = "",
+) -> Informer:
+    return Informer(
+        memo.akube,
+        api_version,
+        kind,
+        PLURALS[kind],
+        namespace,
+        on_event=lambda event, body: on_event(memo, event, body),
+        label_selector=label_selector,
+        server_timeout=config.watch_server_timeout,
+        client_timeout=config.watch_client_timeout,
     )
+
+
+def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
+    """The watches of our kinds and their children: TrainingRuns, SandboxTasks, RolloutPools,
+    SandboxWarmPools, labelled pods and rollout Deployments, per watched namespace or
+    cluster-wide (KubeRay's and Kueue's kinds: :func:`build_optional_informers`)."""
     from . import handlers
 
-    def watching(
-        api_version: str,
-        kind: str,
-        plural: str,
-        on_event: Callable[[kopf.Memo, str, Body], None],
-        namespace: str | None,
-        label_selector: str = "",
-    ) -> Informer:
-        return Informer(
-            memo.akube,
-            api_version,
-            kind,
-            plural,
-            namespace,
-            on_event=lambda event, body: on_event(memo, event, body),
-            label_selector=label_selector,
-            server_timeout=config.watch_server_timeout,
-            client_timeout=config.watch_client_timeout,
-        )
-
+    rollout = f"{LABEL_COMPONENT}={COMPONENT_ROLLOUT}"
     informers = []
-    for ns in namespaces:
+    for ns in _namespaces(config):
         informers += [
-            watching(API_VERSION, "SandboxTask", "sandboxtasks", handlers.on_sandbox_task, ns),
-            watching("v1", "Pod", "pods", handlers.on_pod, ns, LABEL_COMPONENT),
-            watching(API_VERSION, "RolloutPool", "rolloutpools", handlers.on_rollout_pool, ns),
-            watching(API_VERSION, "SandboxWarmPool", "sandboxwarmpools", handlers.on_warm_pool, ns),
-            watching(
-                "apps/v1",
-                "Deployment",
-                "deployments",
-                handlers.on_deployment,
-                ns,
-                f"{LABEL_COMPONENT}={COMPONENT_ROLLOUT}",
-            ),
+            _informer(memo, config, API_VERSION, "TrainingRun", handlers.on_training_run, ns),
+            _informer(memo, config, API_VERSION, "SandboxTask", handlers.on_sandbox_task, ns),
+            _informer(memo, config, "v1", "Pod", handlers.on_pod, ns, LABEL_COMPONENT),
+            _informer(memo, config, API_VERSION, "RolloutPool", handlers.on_rollout_pool, ns),
+            _informer(memo, config, API_VERSION, "SandboxWarmPool", handlers.on_warm_pool, ns),
+            _informer(memo, config, "apps/v1", "Deployment", handlers.on_deployment, ns, rollout),
         ]
     return informers
 
 
+def build_optional_informers(memo: kopf.Memo, config: OperatorConfig) -> dict[str, list[Informer]]:
+    """The watches of kinds whose CRD may be missing, by kind: KubeRay's RayClusters and
+    Kueue's Workloads labelled as a trainer's (run by :class:`OptionalInformers`)."""
+    from . import handlers
+
+    trainer = f"{LABEL_COMPONENT}={COMPONENT_TRAINER}"
+    namespaces = _namespaces(config)
+    return {
+        "RayCluster": [
+            _informer(
+                memo, config, RAY_API_VERSION, "RayCluster", handlers.on_ray_cluster, ns, trainer
+            )
+            for ns in namespaces
+        ],
+        "Workload": [
+            _informer(
+                memo, config, KUEUE_API_VERSION, "Workload", handlers.on_workload, ns, trainer
+            )
+            for ns in namespaces
+        ],
+    }
+
+
+class OptionalInformers:
+    """Informers of a kind whose CRD may be installed after the operator started, or removed:
+    KubeRay's RayClusters and Kueue's Workloads. API discovery (shared/discovery.py) tells
+    :meth:`follow`'s callback when it finds or loses the CRD; the kind's informers are
+    started or stopped then, on the loop, behind the same gate as every other informer.
+    Stopped and started again, an informer lists again and reports what vanished meanwhile."""
+
+    def __init__(self, informers: dict[str, list[Informer]], gate: Gate) -> None:
+        self.informers = informers
+        self.gate = gate
+        self._loop = asyncio.get_running_loop()
+        self._running: dict[str, list[asyncio.Task[None]]] = {}
+
+    def follow(self, kind: str) -> Callable[[bool], None]:
+        """The discovery callback for ``kind`` (any thread; it never blocks)."""
+
+        def changed(installed: bool) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: shutting down
+                self._loop.call_soon_threadsafe(self._set, kind, installed)
+
+        return changed
+
+    def running(self, kind: str) -> bool:
+        return kind in self._running
+
+    def _set(self, kind: str, installed: bool) -> None:
+        if installed and kind not in self._running:
+            log.info("watching %s (API discovery found its CRD)", kind)
+            self._running[kind] = [
+                asyncio.create_task(informer.run(self.gate), name=informer.name)
+                for informer in self.informers[kind]
+            ]
+        elif not installed and kind in self._running:
+            log.info("no longer watching %s (its CRD is gone)", kind)
+            for task in self._running.pop(kind):
+                task.cancel()
+
+    async def close(self) -> None:
+        """Stop every informer (shutdown)."""
+        tasks = [task for kind in list(self._running) for task in self._running.pop(kind)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
-    """The informers until cancelled (at shutdown), then close their HTTP session."""
+    """The informers until cancelled (at shutdown), then close their HTTP session. KubeRay's
+    and Kueue's start when API discovery finds their CRDs: asked once now, then by
+    reconciles that need the answer and at each resync (each answer cached for its period)."""
     memo.informers = build_informers(memo, config)
+    optional: OptionalInformers = memo.optional_informers
+    discovered = asyncio.get_running_loop().run_in_executor(memo.executor, memo.controller.discover)
     # The peering objects are watched whatever the gate says: they are how it opens.
     peering = (
         gate.informers(memo.akube, config.watch_server_timeout, config.watch_client_timeout)
@@ -181,9 +266,10 @@ async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> 
             *(informer.run(Gate()) for informer in peering),
         )
     finally:
-        for task in list(memo.inflight):
+        await optional.close()
+        for task in [*memo.inflight, discovered]:
             task.cancel()
-        await asyncio.gather(*memo.inflight, return_exceptions=True)
+        await asyncio.gather(*memo.inflight, discovered, return_exceptions=True)
         await memo.akube.close()
 
 

@@ -4,7 +4,6 @@ where the default would be wrong for us)."""
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,13 +11,17 @@ import kopf
 
 from .config import OperatorConfig
 
-FINALIZER = "posttrain.io/finalizer"
+# Kopf removes its finalizer from every object it watches that no handler of its needs it
+# for, and none does any more: the TrainingRun storage finalizer (posttrain.io/finalizer) is
+# the reconciler's own (trainingrun/finalizer.py). So Kopf's is a name nothing ever carries.
+KOPF_FINALIZER = "posttrain.io/kopf-unused"
 ANNOTATIONS_PREFIX = "posttrain.io"
 EVENT_COMPONENT = "posttrain-operator"
 
 # Kinds with a change-detecting (on.create/update/delete) handler: only these need kopf's
-# diff-base essence. Everything else is watched with on.event handlers only.
-KINDS_WITH_CHANGE_HANDLERS = frozenset({"TrainingRun"})
+# diff-base essence. None is left: every kind is watched with on.event handlers or our own
+# informers.
+KINDS_WITH_CHANGE_HANDLERS: frozenset[str] = frozenset()
 
 
 class ChangeHandlerDiffBaseStorage(kopf.AnnotationsDiffBaseStorage):
@@ -52,23 +55,15 @@ class _DropWatchHandlerInfo(logging.Filter):
 
 
 class _ExpectedAtStartup(logging.Filter):
-    """A healthy start logs no WARNING or ERROR: two of kopf's are expected, and say so.
+    """A healthy start logs no WARNING or ERROR: one of kopf's is expected, and says so.
 
-    - "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
-      (re)initializing')": the apiserver's 429 while a CRD's watch cache fills, which kopf
-      retries as asked (a final failure still logs "escalating" as an ERROR);
-    - "Unresolved resources cannot be served: ... ray.io/v1/rayclusters" or
-      "... kueue.x-k8s.io/v1beta2/workloads": KubeRay and Kueue are optional (multi-node runs
-      as RayClusters; queued admission); without their CRDs runs use pod gangs and start at
-      once.
-
-    Both become INFO lines; everything else passes unchanged.
+    "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
+    (re)initializing')": the apiserver's 429 while a CRD's watch cache fills (kopf's watch of
+    the peering objects), which kopf retries as asked (a final failure still logs
+    "escalating" as an ERROR). It becomes an INFO line; everything else passes unchanged.
+    (Kopf's "Unresolved resources" for KubeRay's and Kueue's CRDs is gone with its watches of
+    them: our informers start when API discovery finds those CRDs.)
     """
-
-    OPTIONAL_CRDS = {
-        "ray.io": "KubeRay: without it multi-node runs use pod gangs",
-        "kueue.x-k8s.io": "Kueue: without it runs are admitted at once, queue labels ignored",
-    }
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.WARNING or not record.name.startswith("kopf"):
@@ -76,17 +71,6 @@ class _ExpectedAtStartup(logging.Filter):
         message = record.getMessage()
         if "will retry" in message and "APITooManyRequestsError" in message:
             self._to_info(record, message)
-        elif message.startswith("Unresolved resources cannot be served") and all(
-            any(f"group='{group}'" in selector for group in self.OPTIONAL_CRDS)
-            for selector in re.findall(r"Selector\([^)]*\)", message) or [""]
-        ):
-            hints = [h for g, h in self.OPTIONAL_CRDS.items() if f"group='{g}'" in message]
-            self._to_info(
-                record,
-                "optional CRDs not installed, not watched: "
-                + message.split(":", 1)[1].strip()
-                + f" ({'; '.join(hints)})",
-            )
         return True
 
     @staticmethod
@@ -115,9 +99,10 @@ def quiet_per_request_logs() -> None:
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     """kopf.OperatorSettings for ``config``.
 
-    - persistence: our finalizer name and ``posttrain.io/`` annotations for kopf's progress
-      and diff-base, so nothing named ``kopf.zalando.org`` lands on user objects; the
-      diff-base is built only for kinds with change handlers (ChangeHandlerDiffBaseStorage);
+    - persistence: a finalizer name nothing carries (KOPF_FINALIZER) and ``posttrain.io/``
+      annotations for kopf's progress and diff-base, so nothing named ``kopf.zalando.org``
+      lands on user objects; the diff-base is built only for kinds with change handlers
+      (ChangeHandlerDiffBaseStorage: none left);
     - watching: server timeout below the client timeout, so the apiserver ends each watch
       cleanly and kopf re-lists instead of hitting a client-side read timeout;
     - queueing/execution: one worker per object (up to worker_limit) and a thread pool of
@@ -129,7 +114,7 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     - posting: Kubernetes Events for INFO and above, from component posttrain-operator.
     """
     settings = kopf.OperatorSettings()
-    settings.persistence.finalizer = FINALIZER
+    settings.persistence.finalizer = KOPF_FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
         prefix=ANNOTATIONS_PREFIX
     )

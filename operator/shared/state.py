@@ -164,17 +164,6 @@ class Store:
         with self._lock:
             return list(self._items)
 
-    def replace_namespace(self, namespace: str, items: list[Body]) -> None:
-        """Make ``namespace``'s entries those of a fresh LIST of it: each of ``items`` is put,
-        and what the list no longer has is forgotten (a resync's re-list)."""
-        listed = set()
-        for item in items:
-            self.put(item)
-            listed.add(item["metadata"]["name"])
-        for ns, name in self.snapshot_keys():
-            if ns == namespace and name not in listed:
-                self.remove(ns, name)
-
 
 def observe(store: Store, event_type: str | None, body: Body) -> bool:
     """Apply a watch event to ``store``; False when it told the cache nothing new."""

@@ -11,7 +11,8 @@ module                 role
 :mod:`.evaluator`      the evaluator Job (``evaluation.inline: false``)
 :mod:`.kueue`          the Kueue Workload: build and read
 :mod:`.admission`      executes the Kueue part of a plan
-:mod:`.kuberay`        KubeRay discovery and RayCluster listing
+:mod:`.kuberay`        KubeRay discovery (its RayCluster informers follow it)
+:mod:`.finalizer`      the storage finalizer (``deleteOnRunDeletion``)
 :mod:`.reconciler`     reads the cache, asks the plan, applies it
 =====================  ===================================================================
 """

@@ -8,8 +8,6 @@ instance) so it only asks :meth:`KueueAdmission.gate` and hands the plan back to
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -17,12 +15,14 @@ from posttrain.api import TrainingRun
 from posttrain.api.labels import COMPONENT_TRAINER, LABEL_COMPONENT, LABEL_RUN
 
 from ..config import OperatorConfig
-from ..kube import KubeClient, KubeError, resource_path
+from ..kube import KubeClient, resource_path
 from ..shared.builders import owner_reference
+from ..shared.discovery import Discovery
 from ..shared.state import Store
 from .kueue import (
     FLAVOR_PLURAL,
     KUEUE_API_VERSION,
+    QUEUE_NAME_LABEL,
     WORKLOAD_PLURAL,
     build_workload,
     finished_condition,
@@ -43,35 +43,20 @@ class KueueAdmission:
     def __init__(self, config: OperatorConfig, kube: KubeClient, store: Store) -> None:
         self.config, self.kube = config, kube
         self.workloads = store  # keyed by the posttrain.io/run label
-        self._lock = threading.Lock()
-        self._installed = False
-        self._checked_at = float("-inf")
+        self.discovery = Discovery(
+            kube,
+            KUEUE_API_VERSION,
+            WORKLOAD_PLURAL,
+            config.kueue,
+            config.kueue_discovery_seconds,
+            _describe,
+        )
 
     def installed(self) -> bool:
         """Whether the apiserver serves Kueue's workloads, asked through API discovery at
-        most once per ``kueue_discovery_seconds`` (Kueue installed later is picked up then)."""
-        if not self.config.kueue:
-            return False
-        with self._lock:
-            if time.monotonic() - self._checked_at < self.config.kueue_discovery_seconds:
-                return self._installed
-        try:
-            found = self.kube.serves(KUEUE_API_VERSION, WORKLOAD_PLURAL)
-        except KubeError as exc:
-            log.warning(
-                "API discovery of %s failed (%s); keeping the last answer", KUEUE_API_VERSION, exc
-            )
-            found = self._installed
-        with self._lock:
-            if found != self._installed:
-                log.info(
-                    "Kueue %s: runs labelled %s=<LocalQueue> %s",
-                    KUEUE_API_VERSION + (" found" if found else " not found"),
-                    "kueue.x-k8s.io/queue-name",
-                    "wait for admission" if found else "start without admission",
-                )
-            self._installed, self._checked_at = found, time.monotonic()
-        return found
+        most once per ``kueue_discovery_seconds`` (Kueue installed later is picked up then,
+        and its Workload informers started: runtime.OptionalInformers)."""
+        return self.discovery.installed()
 
     def gate(self, run: TrainingRun) -> KueueGate | None:
         """The run's admission state when it goes through Kueue, else None.
@@ -150,16 +135,12 @@ class KueueAdmission:
         placed.spec.resources.node_selector = {**run.spec.resources.node_selector, **labels}
         return placed
 
-    def refresh(self, namespaces: list[str]) -> None:
-        """Re-list the Workloads of namespaces with queue-labelled runs (resync safety net:
-        the kopf watch serves workloads only when Kueue's CRD existed at operator start)."""
-        if not namespaces or not self.installed():
-            return
-        selector = f"{LABEL_COMPONENT}={COMPONENT_TRAINER}"
-        for namespace in namespaces:
-            try:
-                items = self.kube.list(KUEUE_API_VERSION, "Workload", namespace, selector)
-            except KubeError as exc:
-                log.warning("listing Workloads in %s failed: %s", namespace, exc)
-                continue
-            self.workloads.replace_namespace(namespace, items)
+
+def _describe(installed: bool) -> str:
+    return (
+        f"Kueue {KUEUE_API_VERSION} found: runs labelled {QUEUE_NAME_LABEL}=<LocalQueue> wait "
+        "for admission"
+        if installed
+        else f"Kueue {KUEUE_API_VERSION} not found: runs labelled {QUEUE_NAME_LABEL}="
+        "<LocalQueue> start without admission"
+    )

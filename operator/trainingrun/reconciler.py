@@ -23,7 +23,7 @@ from ..rolloutpool import builders as pool_builders
 from ..shared.state import Body, OperatorState, now
 from ..shared.views import TERMINAL, EventSpec, PodView, pod_view
 from ..storage_credentials import StorageCredentials
-from . import builders, names, raycluster
+from . import builders, finalizer, names, raycluster
 from .admission import KueueAdmission
 from .builders import build_trainer_children
 from .gang import RayClusterView, ray_cluster_view
@@ -48,7 +48,12 @@ class TrainingRunReconciler:
     def reconcile(self, namespace: str, name: str) -> None:
         state = self.state
         body = state.runs.get(namespace, name)
-        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+        if body is None:
+            return
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            if finalizer.has_finalizer(body):
+                with state.reconciling(KIND, namespace, name):
+                    self._finalize(state.runs.get(namespace, name) or body)
             return
         with state.reconciling(KIND, namespace, name):
             body = state.runs.get(namespace, name) or body
@@ -63,6 +68,8 @@ class TrainingRunReconciler:
             except ValidationError as exc:
                 state.invalid(state.runs, body, exc, terminal_phase="Failed")
                 return
+            # Before the gang can write anything: the finalizer that deletes it all later.
+            body = self._set_finalizer(body, finalizer.deletes_storage(body))
             try:
                 config = self.credentials.config_for_run(run)  # its own storage credentials
             except StorageError as exc:
@@ -271,6 +278,23 @@ class TrainingRunReconciler:
             if selector and (obj.get("spec") or {}).get("selector") != selector:
                 # A new gang: the head Service must stop resolving to the old gang's rank 0.
                 self.state.kube.patch(manifest, {"spec": {"selector": selector}})
+
+    def _set_finalizer(self, body: Body, present: bool) -> Body:
+        """Add or remove the storage finalizer (finalizer.py); the run as it is now."""
+        patch = finalizer.finalizer_patch(body, present)
+        if patch is None:
+            return body
+        updated = self.state.kube.patch(body, patch)
+        self.state.runs.put(updated)
+        return updated
+
+    def _finalize(self, body: Body) -> None:
+        """A deleting run with the storage finalizer: its storage deleted if it still asks
+        for that, then the finalizer removed, which lets the apiserver delete the run. A
+        failure leaves the finalizer on and requeues the run."""
+        if finalizer.deletes_storage(body):
+            self.delete_storage(body)
+        self._set_finalizer(body, present=False)
 
     def delete_storage(self, body: Body) -> int:
         """Delete every object under the run's storage URI (only with deleteOnRunDeletion)."""

@@ -257,8 +257,8 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
     operator_config: OperatorConfig,
 ) -> None:
     """Runs last in this module: removes the CRD, starts the operator without it, installs
-    it again. kopf then has no RayCluster watch; discovery and the resync's re-list must carry
-    the KubeRay path alone.
+    it again. The RayCluster informers start when discovery finds the CRD (here: the fresh
+    discovery of the resumed gang's start) and stop when it is removed again.
 
     The periodic discovery answer is cached for an hour here, so the only way the resumed gang
     can become a RayCluster is the fresh discovery a gang start does. (With a short cache
@@ -267,7 +267,10 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
     kubectl("delete", "crd", "rayclusters.ray.io", "--wait=true")
     wait_for(lambda: not kube.serves("ray.io/v1", "rayclusters"), what="rayclusters gone")
     config = operator_config.model_copy(update={"kuberay_discovery_seconds": 3600.0})
-    with OperatorThread(config):
+    with OperatorThread(config) as op:
+        assert op.memo is not None
+        optional = op.memo.optional_informers
+        assert not optional.running("RayCluster")  # discovery found no CRD: nothing watched
         create_cr(kube, "trainingruns", namespace, run_body("late", resources={"nodes": 2}))
         wait_for(
             lambda: trainer_pods(kube, namespace) == ["late-g0-0", "late-g0-1"],
@@ -300,6 +303,14 @@ def test_kuberay_installed_after_the_operator_is_used_from_the_next_gang_on(
             lambda: (
                 (s := run_status(kube, namespace, "late")).get("rayClusterState") == "ready" and s
             ),
-            what="status from the re-listed RayCluster",
+            what="status from the watched RayCluster",
         )
         assert running["phase"] == "Running" and running["availableWorkers"] == 1
+        assert optional.running("RayCluster")
+
+        # The CRD removed: discovery says so, and the RayCluster informers stop.
+        kubectl("delete", "crd", "rayclusters.ray.io", "--wait=true")
+        wait_for(lambda: not kube.serves("ray.io/v1", "rayclusters"), what="rayclusters gone")
+        assert not op.controller.training_runs.kuberay.installed(fresh=True)
+        wait_for(lambda: not optional.running("RayCluster"), what="RayCluster informers stopped")
+        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(RAY_CRD))

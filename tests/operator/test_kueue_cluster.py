@@ -201,8 +201,15 @@ def test_queued_run_stays_suspended_until_its_workload_is_admitted(
 
         evict(kube, namespace, "trainingrun-q")
         wait_for(lambda: trainer_pods(kube, namespace, "q") == [], what="gang deleted on eviction")
-        evicted = run_status(kube, namespace, "q")
-        assert condition(evicted, "Suspended")["reason"] == "Evicted"
+        # The gang's deletes come before the status patch of the same reconcile: wait for it.
+        evicted = wait_for(
+            lambda: (
+                (s := run_status(kube, namespace, "q"))
+                and condition(s, "Suspended").get("reason") == "Evicted"
+                and s
+            ),
+            what="Suspended=True/Evicted",
+        )
         assert evicted.get("restarts", 0) == 0  # preemption is not a failure
 
         admit(kube, namespace, "trainingrun-q", 2)

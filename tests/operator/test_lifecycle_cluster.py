@@ -12,7 +12,7 @@ from posttrain.operator.runtime import OperatorThread
 from posttrain.operator.sandboxtask import builders
 from posttrain.storage.store import open_store
 
-from .conftest import create_cr, get_cr, list_pods, set_pod_terminated, wait_for
+from .conftest import cr_path, create_cr, get_cr, list_pods, set_pod_terminated, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -137,6 +137,29 @@ def test_delete_keeps_storage_unless_asked(
                 == ["posttrain.io/finalizer"]
             ),
             what="finalizer on drop",
+        )
+
+        # Turned off, the field takes the finalizer off again (the reconciler keeps it).
+        kube.patch(
+            cr_path("trainingruns", namespace, "drop"),
+            {"spec": {"checkpoint": {"deleteOnRunDeletion": False}}},
+        )
+        wait_for(
+            lambda: (
+                not get_cr(kube, "trainingruns", namespace, "drop")["metadata"].get("finalizers")
+            ),
+            what="finalizer off drop",
+        )
+        kube.patch(
+            cr_path("trainingruns", namespace, "drop"),
+            {"spec": {"checkpoint": {"deleteOnRunDeletion": True}}},
+        )
+        wait_for(
+            lambda: (
+                get_cr(kube, "trainingruns", namespace, "drop")["metadata"].get("finalizers")
+                == ["posttrain.io/finalizer"]
+            ),
+            what="finalizer back on drop",
         )
 
         kube.delete("posttrain.io/v1alpha1", "TrainingRun", namespace, "keep")

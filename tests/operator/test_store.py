@@ -51,16 +51,3 @@ def test_a_new_object_with_the_same_name_is_not_hidden_by_the_old_ones_tombstone
     store.remove("ns", "p", last=pod("p", 20, uid="old"))
     assert store.put(pod("p", 15, uid="new"))  # a recreated pod, another uid
     assert store.children("ns", "r")[0]["metadata"]["uid"] == "new"
-
-
-def test_replace_namespace_keeps_what_the_list_has_and_only_that_namespace() -> None:
-    """A resync's re-list (Workloads, RayClusters): listed objects are put, an object of that
-    namespace the list no longer has is forgotten, other namespaces are left alone."""
-    store = Store()
-    other = pod("b", 1)
-    other["metadata"]["namespace"] = "elsewhere"
-    for body in (pod("a", 1), pod("gone", 1), other):
-        store.put(body)
-    store.replace_namespace("ns", [pod("a", 2), pod("new", 1)])
-    assert sorted(store.snapshot_keys()) == [("elsewhere", "b"), ("ns", "a"), ("ns", "new")]
-    assert store.get("ns", "a")["metadata"]["resourceVersion"] == "2"  # type: ignore[index]
