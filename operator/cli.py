@@ -1,4 +1,4 @@
-"""``posttrain operator`` (run the Kopf operator) and ``posttrain operator rbac``."""
+"""``posttrain operator`` (run the operator) and ``posttrain operator rbac``."""
 
 from __future__ import annotations
 
@@ -32,20 +32,19 @@ def register(subparsers: Any) -> None:
         help="watch every namespace (needs the ClusterRole bound cluster-wide)",
     )
     parser.add_argument(
-        "--standalone", action="store_true", default=None, help="no peering (single replica, tests)"
+        "--standalone",
+        action="store_true",
+        default=None,
+        help="no leader election (single replica, tests)",
     )
     parser.add_argument(
-        "--peering",
-        dest="peering_name",
+        "--lease",
+        "--peering",  # its name until Kopf's peering gave way to a Lease (docs/cli.md)
+        dest="lease_name",
         metavar="NAME",
         default=None,
-        help="KopfPeering object shared by replicas (default posttrain-operator)",
-    )
-    parser.add_argument(
-        "--priority",
-        type=int,
-        default=None,
-        help="peering priority of this replica (distinct per replica)",
+        help="Lease the replicas elect their leader on, in the operator's namespace "
+        "(default posttrain-operator; --peering is its old name)",
     )
     parser.add_argument(
         "--metrics-port",
@@ -86,8 +85,7 @@ def _run(args: argparse.Namespace) -> int:
         namespaces=tuple(args.namespaces) if args.namespaces else None,
         all_namespaces=args.all_namespaces,
         standalone=args.standalone,
-        peering_name=args.peering_name,
-        priority=args.priority,
+        lease_name=args.lease_name,
         metrics_port=args.metrics_port,
         liveness_port=args.liveness_port,
         kubeconfig=args.kubeconfig,

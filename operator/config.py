@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 
 from posttrain.api.env import OPERATOR_PREFIX
@@ -106,11 +108,26 @@ class OperatorConfig(BaseModel):
     """Kubeconfig file; None = in-cluster service account, else $KUBECONFIG / ~/.kube/config."""
 
     standalone: bool = False
-    """Run without peering (tests, single replica); replicas > 1 need peering."""
-    peering_name: str = "posttrain-operator"
-    """KopfPeering object that replicas coordinate through (only the highest priority works)."""
-    priority: int = Field(default=0, ge=0)
-    """Peering priority of this replica; give each replica a distinct value."""
+    """Run without leader election (tests, a single replica): always working. Replicas > 1
+    need leader election, or every one of them reconciles the same objects."""
+    lease_name: str = Field(
+        default="posttrain-operator", pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253
+    )
+    """The coordination.k8s.io Lease the replicas elect their leader on (only its holder
+    works); it lives in :attr:`lease_namespace`."""
+    identity: str = ""
+    """This replica's name in the Lease (``holderIdentity``); must differ between replicas.
+    Empty = the pod's name from ``POD_NAME`` (the chart sets it from the downward API), else
+    ``<hostname>_<pid>``."""
+    lease_duration_seconds: float = Field(default=15.0, gt=0)
+    """How long a candidate waits, after it last saw the Lease change, before it takes over a
+    holder that stopped renewing (client-go's LeaseDuration default; also the takeover time
+    after a crash)."""
+    lease_renew_deadline_seconds: float = Field(default=10.0, gt=0)
+    """The holder stops working when it could not renew for this long (client-go's
+    RenewDeadline); below the lease duration, so it stops before anyone may take over."""
+    lease_retry_period_seconds: float = Field(default=2.0, gt=0)
+    """How often every replica tries to acquire or renew the Lease (client-go's RetryPeriod)."""
 
     worker_limit: int = Field(default=1000, ge=1)
     """Objects processed concurrently (kopf batching.worker_limit); one worker per object."""
@@ -134,7 +151,7 @@ class OperatorConfig(BaseModel):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 = off."""
     liveness_port: int = Field(default=0, ge=0, le=65535)
-    """kopf's /healthz liveness endpoint port; 0 = off."""
+    """Port of the /healthz liveness endpoint (Kopf's); 0 = off."""
 
     pod_metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port trainer pods (rank 0) serve Prometheus /metrics on, as container port "metrics"
@@ -229,9 +246,40 @@ class OperatorConfig(BaseModel):
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
 
+    @model_validator(mode="after")
+    def _lease_timings(self) -> OperatorConfig:
+        if not (
+            self.lease_retry_period_seconds
+            < self.lease_renew_deadline_seconds
+            < self.lease_duration_seconds
+        ):
+            raise ValueError(
+                "leader election needs lease_retry_period_seconds < "
+                "lease_renew_deadline_seconds < lease_duration_seconds, got "
+                f"{self.lease_retry_period_seconds} / {self.lease_renew_deadline_seconds} / "
+                f"{self.lease_duration_seconds}"
+            )
+        return self
+
+    @property
+    def lease_namespace(self) -> str:
+        """Where the Lease lives: the operator's own namespace (the chart grants leases only
+        there), else, for an operator outside the cluster, the first watched namespace
+        (``default`` cluster-wide)."""
+        return self.operator_namespace or (self.watched_namespaces or ("default",))[0]
+
+    @property
+    def lease_identity(self) -> str:
+        """:attr:`identity`, else ``POD_NAME``, else ``<hostname>_<pid>``."""
+        return (
+            self.identity
+            or os.environ.get("POD_NAME", "")
+            or f"{socket.gethostname()}_{os.getpid()}"
+        )
+
     @property
     def watched_namespaces(self) -> tuple[str, ...]:
-        """Namespaces kopf watches (empty tuple = cluster-wide)."""
+        """Namespaces the informers watch (empty tuple = cluster-wide)."""
         if self.all_namespaces:
             return ()
         return self.namespaces or ("default",)

@@ -2,11 +2,11 @@
 decisions here (see controllers.py for where each event goes, each kind's package for what
 it does).
 
-Kopf watches nothing any more (it still runs peering, the login and the resync task). Our
-informers (informer.py) feed the controller's caches: SandboxTasks and labelled pods, the
-burst path; TrainingRuns, RolloutPools, SandboxWarmPools and rollout Deployments; KubeRay's
-RayClusters and Kueue's Workloads once API discovery finds their CRDs. Every event triggers
-a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
+Kopf watches nothing any more (it still runs the login and the resync task; which replica
+works is the Lease's, leader.py). Our informers (informer.py) feed the controller's caches:
+SandboxTasks and labelled pods, the burst path; TrainingRuns, RolloutPools, SandboxWarmPools
+and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery finds
+their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
 owner). A failed reconcile is retried for its object with exponential backoff
 (shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
 activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
@@ -26,6 +26,7 @@ from typing import Any
 import kopf
 
 from .controllers import Controller
+from .informer import Gate
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
 async def start_resync(memo: Any, logger: kopf.Logger, **_: Any) -> None:
     """Start the periodic resync (time-based transitions, safety net for missed events)."""
     period = memo.config.resync_seconds
-    memo.resync_task = asyncio.create_task(_resync_forever(_controller(memo), period))
+    memo.resync_task = asyncio.create_task(_resync_forever(_controller(memo), memo.gate, period))
     logger.info("posttrain operator started; resync every %.1f s", period)
 
 
@@ -64,10 +65,13 @@ async def stop_resync(memo: Any, **_: Any) -> None:
     _controller(memo).state.kube.close()
 
 
-async def _resync_forever(controller: Controller, period: float) -> None:
+async def _resync_forever(controller: Controller, gate: Gate, period: float) -> None:
+    """Resync every ``period`` while this replica works (a standby's caches are stale)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period)
+        if not gate.is_open():
+            continue
         # copy_context: kopf's event poster lives in context variables the thread needs.
         context = contextvars.copy_context()
         try:

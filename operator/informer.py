@@ -8,8 +8,8 @@ Why not kopf's own watch for these: kopf runs every event through its per-object
 task that need a cache update and, for a new task, one pod create. An Informer here lists,
 then watches from the list's resourceVersion, and hands each event to a plain callback.
 
-Kept from kopf: peering (a :class:`PeeringGate` reads kopf's peering objects and applies its
-rule: a paused or not yet announced replica neither lists nor watches), re-list after a pause. Like any informer: bookmarks,
+Behind a :class:`Gate`: a replica that is not the leader (leader.LeaseGate) neither lists nor
+watches, and lists again when it leads again. Like any informer: bookmarks,
 re-list on 410 Gone (expired resourceVersion), re-watch from the last resourceVersion after a
 dropped connection, and a re-list that reports objects deleted meanwhile as DELETED.
 """
@@ -20,8 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Callable, Iterable
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlencode
 
@@ -36,7 +35,6 @@ Body = dict[str, Any]
 Key = tuple[str, str]
 OnEvent = Callable[[str, Body], None]
 LIST_PAGE = 500
-PEERING_API_VERSION = "kopf.dev/v1"
 GATE_POLL_S = 0.1  # how often a gate re-checks whether it opened or closed
 MAX_BACKOFF_S = 30.0
 
@@ -47,7 +45,8 @@ class Gone(Exception):
 
 class Gate:
     """Whether this replica may list/watch. This one is always open: a standalone operator
-    (one replica, no peering) works all the time; :class:`PeeringGate` follows peering."""
+    (one replica, no leader election) works all the time; leader.LeaseGate is open while
+    this replica holds the Lease."""
 
     def is_open(self) -> bool:
         return True
@@ -58,102 +57,6 @@ class Gate:
 
     async def wait_paused(self) -> None:
         await asyncio.Event().wait()  # never
-
-
-def _is_dead(entry: Body, now: datetime) -> bool:
-    """A peer whose keep-alive is older than its lifetime (Kopf's ``Peer.is_dead``; a peer
-    without ``lastseen`` is taken as seen now, as Kopf does)."""
-    lastseen = entry.get("lastseen")
-    if lastseen is None:
-        return False
-    seen = datetime.fromisoformat(str(lastseen))
-    return seen + timedelta(seconds=int(entry.get("lifetime", 60))) <= now
-
-
-def may_work(status: Body | None, priority: int, now: datetime) -> bool:
-    """Kopf's peering verdict for the replica of ``priority``, from a KopfPeering's ``status``
-    (``{identity: {priority, lifetime, lastseen}}``; the rule of Kopf's
-    ``process_peering_event``): pause while another live peer has a higher priority, or the
-    same one (Kopf then pauses every replica of that priority). One more condition, ours:
-    this replica's own entry is there (a live entry of its priority), so a replica whose Kopf
-    has not yet announced itself never acts, not even briefly.
-
-    >>> now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
-    >>> def peer(priority, seen="2026-01-01T11:59:30+00:00"):
-    ...     return {"priority": priority, "lifetime": 60, "lastseen": seen}
-    >>> may_work({"me": peer(10)}, 10, now), may_work({}, 10, now), may_work(None, 10, now)
-    (True, False, False)
-    >>> may_work({"me": peer(10), "leader": peer(100)}, 10, now)
-    False
-    >>> may_work({"me": peer(10), "twin": peer(10)}, 10, now)
-    False
-    >>> may_work({"me": peer(10), "gone": peer(100, "2026-01-01T11:00:00+00:00")}, 10, now)
-    True
-    """
-    live = [
-        entry
-        for entry in (status or {}).values()
-        if isinstance(entry, dict) and not _is_dead(entry, now)
-    ]
-    priorities = [int(entry.get("priority", 0)) for entry in live]
-    return priorities.count(priority) == 1 and not any(p > priority for p in priorities)
-
-
-class PeeringGate(Gate):
-    """Open while Kopf's peering lets this replica work, read from the peering objects.
-
-    Kopf's own pause state has no public accessor (docs/operator.md, "Kopf: kept"), so the
-    gate watches the same KopfPeering objects Kopf decides from (one per watched namespace,
-    or the ClusterKopfPeering with ``--all-namespaces``; :meth:`informers`) and applies Kopf's
-    rule (:func:`may_work`) to each. It stays closed until every one of them has been seen.
-    """
-
-    def __init__(self, peering_name: str, namespaces: Iterable[str] | None, priority: int) -> None:
-        self.peering_name = peering_name
-        self.namespaces: list[str | None] = list(namespaces) if namespaces is not None else [None]
-        self.priority = priority
-        self._needed = {(ns or "", peering_name) for ns in self.namespaces}
-        self._status: dict[Key, Body] = {}
-
-    def on_event(self, event_type: str, body: Body) -> None:
-        """An informer callback for the peering objects (others of their kind are ignored)."""
-        key = _key(body)
-        if key not in self._needed:
-            return
-        if event_type == "DELETED":
-            self._status.pop(key, None)
-        else:
-            self._status[key] = body.get("status") or {}
-
-    def is_open(self) -> bool:
-        now = datetime.now(UTC)
-        return all(
-            key in self._status and may_work(self._status[key], self.priority, now)
-            for key in self._needed
-        )
-
-    async def wait_paused(self) -> None:
-        while self.is_open():
-            await asyncio.sleep(GATE_POLL_S)
-
-    def informers(
-        self, kube: AsyncKube, server_timeout: int, client_timeout: float
-    ) -> list[Informer]:
-        """The list+watch of the peering objects that feed :meth:`on_event` (run them with an
-        open :class:`Gate`: they are how this gate learns)."""
-        return [
-            Informer(
-                kube,
-                PEERING_API_VERSION,
-                "KopfPeering" if namespace else "ClusterKopfPeering",
-                "kopfpeerings" if namespace else "clusterkopfpeerings",
-                namespace,
-                self.on_event,
-                server_timeout=server_timeout,
-                client_timeout=client_timeout,
-            )
-            for namespace in self.namespaces
-        ]
 
 
 def _key(body: Body) -> Key:

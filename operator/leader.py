@@ -1,6 +1,6 @@
-"""Leader election on a ``coordination.k8s.io/v1`` Lease, by client-go's rules: the building
-block of step 4 of "One event path" (docs/operator.md), not wired in yet (Kopf's peering and
-:class:`~.informer.PeeringGate` still decide which replica works).
+"""Leader election on a ``coordination.k8s.io/v1`` Lease, by client-go's rules: which of the
+operator's replicas works (docs/operator.md, "Leader election"). ``runtime.run_async`` gates
+the informers, the requeue and the resync with a :class:`LeaseGate` unless ``--standalone``.
 
 client-go's ``leaderelection`` in short, which :class:`LeaseGate` follows:
 
@@ -124,6 +124,7 @@ class LeaseGate(Gate):
                 "spec": lease_spec(self.identity, round(self.lease_duration_s), None),
             }
             await self.kube.request("POST", self.path.rsplit("/", 1)[0], body)
+            log.info("lease %s: acquired by %s (created)", self.path, self.identity)
             return self._won()
         spec = lease.get("spec") or {}
         holder = spec.get("holderIdentity") or ""

@@ -101,14 +101,20 @@ OPERATOR_RULES: list[Rule] = [
     # Kubernetes Events on every transition (kopf posts core/v1 events).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
-    # kopf peering between replicas (HA): read and patch the peering objects.
-    {
-        "apiGroups": ["kopf.dev"],
-        "resources": ["clusterkopfpeerings", "kopfpeerings"],
-        "verbs": [*READ, "patch"],
-    },
     # No namespaces or CRD watch: the operator watches explicit namespaces (or is cluster-wide)
-    # and kopf's CRD scanning is disabled in settings.py.
+    # and kopf's CRD scanning is disabled in settings.py. Leader election is not here: its
+    # Lease lives in the operator's own namespace (LEADER_ELECTION_RULES).
+]
+
+# Leader election between replicas (leader.py), granted by a Role in the operator's own
+# namespace only, where its Lease lives: read it, create it the first time, update it to
+# acquire, renew and release (every write a PUT guarded by resourceVersion; no watch).
+LEADER_ELECTION_RULES: list[Rule] = [
+    {
+        "apiGroups": ["coordination.k8s.io"],
+        "resources": ["leases"],
+        "verbs": ["get", "create", "update"],
+    },
 ]
 
 # Resources the trainer only creates: a create cannot be narrowed by resourceNames (the
@@ -137,10 +143,12 @@ def cluster_role(name: str = "posttrain-operator") -> dict[str, Any]:
 
 
 def rbac_yaml(name: str = "posttrain-operator") -> str:
-    """``OPERATOR_RULES`` and ``TRAINER_RULES`` as a multi-document YAML.
+    """``OPERATOR_RULES``, ``TRAINER_RULES`` and ``LEADER_ELECTION_RULES`` as a
+    multi-document YAML.
 
     The first document is the operator ClusterRole; the second a ClusterRole template with
-    the trainer's rules (the operator itself creates per-run Roles from the same rules).
+    the trainer's rules (the operator itself creates per-run Roles from the same rules); the
+    third the Role to bind in the operator's own namespace for leader election.
     """
     trainer = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -151,4 +159,13 @@ def rbac_yaml(name: str = "posttrain-operator") -> str:
         },
         "rules": TRAINER_RULES,
     }
-    return yaml.safe_dump_all([cluster_role(name), trainer], sort_keys=False)
+    leader_election = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {
+            "name": f"{name}-leader-election",
+            "labels": {"app.kubernetes.io/name": "posttrain-operator"},
+        },
+        "rules": LEADER_ELECTION_RULES,
+    }
+    return yaml.safe_dump_all([cluster_role(name), trainer, leader_election], sort_keys=False)

@@ -19,8 +19,9 @@ from posttrain.telemetry import start_metrics_server
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
-from .informer import Body, Gate, Informer, PeeringGate
+from .informer import Body, Gate, Informer
 from .kube import PLURALS, AsyncKube, KubeClient, load_credentials
+from .leader import LeaseGate
 from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 from .trainingrun.kueue import KUEUE_API_VERSION
 from .trainingrun.raycluster import RAY_API_VERSION
@@ -69,25 +70,16 @@ async def run_async(
     memo.executor = settings.execution.executor
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
-    gate = (
-        Gate()
-        if config.standalone
-        else PeeringGate(
-            config.peering_name,
-            None if config.all_namespaces else config.watched_namespaces,
-            config.priority,
-        )
-    )
+    gate = Gate() if config.standalone else build_lease_gate(memo, config)
+    memo.gate = gate
     bind_requeue(memo, gate)
     # Before kopf's tasks: its start-up may report ready before spawn_tasks returns.
     bind_optional_informers(memo, config, gate)
-    # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers as one
-    # more root task, gated by kopf's peering (read from the peering objects: PeeringGate).
+    # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers (and the
+    # leader election, which they follow) as one more root task.
     existing = asyncio.all_tasks()
     tasks = await kopf.spawn_tasks(
         registry=REGISTRY,
-        # Peering is configured only through settings: passing peering_name here would make
-        # peering mandatory even for --standalone.
         settings=settings,
         clusterwide=config.all_namespaces,
         namespaces=list(config.watched_namespaces),
@@ -103,16 +95,30 @@ async def run_async(
         memo.controller.state.requeue.unbind()
 
 
+def build_lease_gate(memo: kopf.Memo, config: OperatorConfig) -> LeaseGate:
+    """The leader election of this replica, on the Lease ``config.lease_name`` in the
+    operator's namespace (run by :func:`run_informers`)."""
+    return LeaseGate(
+        memo.akube,
+        config.lease_namespace,
+        config.lease_name,
+        config.lease_identity,
+        lease_duration_s=config.lease_duration_seconds,
+        renew_deadline_s=config.lease_renew_deadline_seconds,
+        retry_period_s=config.lease_retry_period_seconds,
+    )
+
+
 def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
     """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
     reconciler threads (a failure there requeues it again, with a longer delay). A replica
-    that peering paused drops its due retries: the replica working now lists everything."""
+    that is not the leader drops its due retries: the leader lists everything."""
     loop = asyncio.get_running_loop()
     controller: Controller = memo.controller
 
     def retry(kind: str, namespace: str, name: str) -> None:
         if not gate.is_open():
-            log.info("%s %s/%s: retry dropped (paused by peering)", kind, namespace, name)
+            log.info("%s %s/%s: retry dropped (not the leader)", kind, namespace, name)
             return
         future = loop.run_in_executor(
             memo.executor, controller.reconciler_of(kind), namespace, name
@@ -254,22 +260,23 @@ async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> 
     memo.informers = build_informers(memo, config)
     optional: OptionalInformers = memo.optional_informers
     discovered = asyncio.get_running_loop().run_in_executor(memo.executor, memo.controller.discover)
-    # The peering objects are watched whatever the gate says: they are how it opens.
-    peering = (
-        gate.informers(memo.akube, config.watch_server_timeout, config.watch_client_timeout)
-        if isinstance(gate, PeeringGate)
-        else []
+    # The election runs beside the informers and stops after them, so the Lease is released
+    # (a successor need not wait it out) only once this replica no longer watches.
+    leading = (
+        asyncio.create_task(gate.run(), name="leader election")
+        if isinstance(gate, LeaseGate)
+        else None
     )
     try:
-        await asyncio.gather(
-            *(informer.run(gate) for informer in memo.informers),
-            *(informer.run(Gate()) for informer in peering),
-        )
+        await asyncio.gather(*(informer.run(gate) for informer in memo.informers))
     finally:
         await optional.close()
         for task in [*memo.inflight, discovered]:
             task.cancel()
         await asyncio.gather(*memo.inflight, discovered, return_exceptions=True)
+        if leading is not None:
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
         await memo.akube.close()
 
 
@@ -281,7 +288,10 @@ def run_forever(config: OperatorConfig) -> None:
     log.info(
         "posttrain operator watching %s (%s)",
         where,
-        "standalone" if config.standalone else f"peering {config.peering_name}",
+        "standalone"
+        if config.standalone
+        else f"leader election on Lease {config.lease_namespace}/{config.lease_name} "
+        f"as {config.lease_identity}",
     )
 
     # What exists now (every module, the config, the clients) lives as long as the process:

@@ -109,8 +109,8 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
       max_workers for the synchronous reconcilers;
     - scanning off: CRDs are installed before the operator starts, so kopf needs no
       cluster-wide CRD/namespace watch (and the ClusterRole does not grant it);
-    - peering: standalone for tests and single replicas; otherwise replicas share a
-      KopfPeering and only the highest-priority one reconciles;
+    - peering: off (standalone) always: which replica works is decided by the Lease
+      (leader.py), and Kopf watches no kind any more;
     - posting: Kubernetes Events for INFO and above, from component posttrain-operator.
     """
     settings = kopf.OperatorSettings()
@@ -129,11 +129,8 @@ def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
     settings.queueing.idle_timeout = 30.0  # per-object workers exit after 30 s of quiet
     settings.execution.max_workers = config.max_workers
     settings.scanning.disabled = True
-    settings.peering.standalone = config.standalone
-    settings.peering.name = config.peering_name
-    settings.peering.priority = config.priority
-    settings.peering.mandatory = not config.standalone
-    settings.peering.clusterwide = config.all_namespaces
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
     settings.posting.enabled = True
     settings.posting.level = logging.INFO
     settings.posting.reporting_component = EVENT_COMPONENT

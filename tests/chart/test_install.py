@@ -19,7 +19,6 @@ POSTTRAIN_CRDS = (
     "rolloutpools.posttrain.io",
     "sandboxtasks.posttrain.io",
 )
-PEERING_CRDS = ("clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev")
 EXAMPLES = sorted((REPO_ROOT / "examples").glob("*.yaml"))
 
 
@@ -42,8 +41,8 @@ def test_install_upgrade_uninstall(
     full = f"{release}-posttrain"
     helm("install", release, str(CHART_DIR), "--namespace", namespace)
 
-    # CRDs from crds/ (ours and Kopf's peering ones), all served.
-    for crd in (*POSTTRAIN_CRDS, *PEERING_CRDS):
+    # CRDs from crds/, all served.
+    for crd in POSTTRAIN_CRDS:
         control_plane.wait_for_crd(kube_api, crd)
     deployment = get_json(kubectl, "deployment", f"{full}-operator", "-n", namespace)
     assert deployment["spec"]["replicas"] == 1
@@ -52,8 +51,10 @@ def test_install_upgrade_uninstall(
     assert exists(kubectl, "clusterrolebinding", f"{full}-operator")
     assert exists(kubectl, "service", f"{full}-minio", "-n", namespace)
     assert not exists(kubectl, "poddisruptionbudget", f"{full}-operator", "-n", namespace)
-    # The peering object, created once Helm had installed its CRD from crds/.
-    peering_uid = get_json(kubectl, "clusterkopfpeering", full)["metadata"]["uid"]
+    # Leader election: the Role for the Lease, in the release's namespace. The Lease itself is
+    # the operator's to create (no pod runs here).
+    assert exists(kubectl, "role", f"{full}-operator-leader-election", "-n", namespace)
+    assert exists(kubectl, "rolebinding", f"{full}-operator-leader-election", "-n", namespace)
     secret_before = get_json(kubectl, "secret", f"{full}-minio-credentials", "-n", namespace)
 
     # Our custom resources, validated by the apiserver against the installed CRD schemas.
@@ -105,17 +106,13 @@ def test_install_upgrade_uninstall(
     assert pdb["spec"]["minAvailable"] == 1
     secret_after = get_json(kubectl, "secret", f"{full}-minio-credentials", "-n", namespace)
     assert secret_after["data"] == secret_before["data"], "MinIO's password must never change"
-    assert get_json(kubectl, "clusterkopfpeering", full)["metadata"]["uid"] == peering_uid, (
-        "recreating the peering object would drop the live operators' keep-alives"
-    )
 
     helm("uninstall", release, "--namespace", namespace, "--wait")
     assert not exists(kubectl, "deployment", f"{full}-operator", "-n", namespace)
     assert not exists(kubectl, "clusterrole", f"{full}-operator")
-    assert not exists(kubectl, "clusterkopfpeering", full)
-    # Helm never deletes crds/ (user TrainingRuns would go with them, and other Kopf operators
-    # may share the peering CRDs), nor the kept MinIO PVC.
-    for crd in (*POSTTRAIN_CRDS, *PEERING_CRDS):
+    assert not exists(kubectl, "role", f"{full}-operator-leader-election", "-n", namespace)
+    # Helm never deletes crds/ (user TrainingRuns would go with them), nor the kept MinIO PVC.
+    for crd in POSTTRAIN_CRDS:
         assert exists(kubectl, "crd", crd)
     assert exists(kubectl, "pvc", f"{full}-minio", "-n", namespace)
 
@@ -149,9 +146,9 @@ def test_non_default_values_install(
         pod = deployment["spec"]["template"]["spec"]
         assert pod["imagePullSecrets"] == [{"name": "regcred"}]
         assert exists(kubectl, "poddisruptionbudget", f"{full}-operator", "-n", namespace)
+        assert exists(kubectl, "role", f"{full}-operator-leader-election", "-n", namespace)
         for name in watched:
             assert exists(kubectl, "role", f"{full}-operator", "-n", name)
-            assert exists(kubectl, "kopfpeering", "posttrain-prod", "-n", name)
             assert exists(kubectl, "networkpolicy", f"{full}-sandbox-default-deny", "-n", name)
         helm("uninstall", release, "--namespace", namespace, "--wait")
     finally:

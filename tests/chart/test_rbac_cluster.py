@@ -16,14 +16,14 @@ import pytest
 import yaml
 
 from posttrain.operator.config import load_config
-from posttrain.operator.rbac import OPERATOR_RULES
+from posttrain.operator.rbac import LEADER_ELECTION_RULES, OPERATOR_RULES
 from posttrain.operator.runtime import OperatorThread
 
 from .conftest import CHART_DIR, REPO_ROOT, Helm
 
 pytestmark = pytest.mark.cluster
 
-CLUSTER_SCOPED = {"clusterkopfpeerings"}
+CLUSTER_SCOPED = {"resourceflavors"}
 # What a compromised or buggy operator must not be able to do.
 FORBIDDEN_EVERYWHERE = [
     ("list", "secrets", ""),
@@ -110,14 +110,15 @@ def test_cluster_wide_rbac_is_sufficient_and_narrow(
     helm("install", release, str(CHART_DIR), "--namespace", namespace)
     sa = f"system:serviceaccount:{namespace}:{release}-posttrain"
     anywhere = "some-user-namespace"
-    # A cluster-wide operator peers through ClusterKopfPeerings only; the chart leaves the
-    # namespaced KopfPeering rules out in this mode (and the cluster ones in namespaced mode).
-    needed = [g for g in grants(OPERATOR_RULES) if g[1] != "kopfpeerings.kopf.dev"]
+    needed = list(grants(OPERATOR_RULES))
     missing = [
         g for g in needed if not can_i(kubectl, sa, g[0], g[1], g[2], None if g[3] else anywhere)
     ]
     assert not missing, f"the operator's ServiceAccount lacks {missing}"
-    assert not can_i(kubectl, sa, "patch", "kopfpeerings.kopf.dev", ns=anywhere)
+    # Leader election: its Lease in the release's namespace, and nowhere else.
+    for verb, resource, sub, _ in grants(LEADER_ELECTION_RULES):
+        assert can_i(kubectl, sa, verb, resource, sub, namespace), (verb, resource)
+        assert not can_i(kubectl, sa, verb, resource, sub, anywhere), (verb, resource, anywhere)
     allowed = [
         (verb, res, sub)
         for verb, res, sub in FORBIDDEN_EVERYWHERE
@@ -178,7 +179,8 @@ def test_operator_runs_on_its_service_account_token(
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Namespaced mode (Roles only), peering on: the operator reconciles all three examples."""
+    """Namespaced mode (Roles only), leader election on: the operator takes its Lease and
+    reconciles all three examples."""
     helm(
         "install",
         release,
@@ -204,7 +206,7 @@ def test_operator_runs_on_its_service_account_token(
     config = load_config(
         chart_env,
         kubeconfig=str(token_kubeconfig),
-        priority=5,
+        identity="op-under-test",
         liveness_port=0,
         metrics_port=0,
         resync_seconds=1.0,
@@ -226,8 +228,8 @@ def test_operator_runs_on_its_service_account_token(
         # because the operator holds every permission it grants.
         role = wait_exists(kubectl, caplog, "role", "arith-code-trainer", "-n", namespace)
         assert role["rules"][0]["resourceNames"] == ["arith-code"]
-        peering = wait_exists(kubectl, caplog, "kopfpeering", full, "-n", namespace)
-        assert [p["priority"] for p in peering.get("status", {}).values()] == [5], peering
+        lease = wait_exists(kubectl, caplog, "lease", full, "-n", namespace)
+        assert lease["spec"]["holderIdentity"] == "op-under-test", lease
 
     trainer = f"system:serviceaccount:{namespace}:arith-code-trainer"
     assert can_i(

@@ -1,5 +1,5 @@
 """The chart without a cluster: lint, render, Kubernetes 1.36 schema validation, and the
-behaviours values switch on and off (PDB, peering, namespaced RBAC, ServiceMonitor, schema)."""
+behaviours values switch on and off (PDB, leader election, namespaced RBAC, ServiceMonitor, schema)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import yaml
 
 from posttrain.operator.config import ENV_PREFIX, OperatorConfig
 
-from .conftest import CHART_DIR, REPO_ROOT, VALUES_FILES, Render, by_kind, one, run_helm
+from .conftest import CHART_DIR, VALUES_FILES, Render, by_kind, one, run_helm
 
 K8S_VERSION = "1.36.0"
 CASES = [None, *VALUES_FILES]
 CASE_IDS = ["defaults", *(p.stem for p in VALUES_FILES)]
 # Kinds kubernetes-validate has no schema for; they are checked against the real apiserver
 # (server-side dry-run) in test_install.py, or structurally below.
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "ServiceMonitor", "PodMonitor"}
+CUSTOM_KINDS = {"ServiceMonitor", "PodMonitor"}
 # OperatorConfig fields the chart sets ahead of the operator: GPU placement, pull secrets and the
 # default sandbox RuntimeClass are chart values the operator must put on the pods it creates.
 # Listed here so that a renamed field fails this test instead of being silently ignored.
@@ -71,15 +71,30 @@ def test_default_install_has_every_piece(render: Render) -> None:
         "rolloutpools.posttrain.io",
         "sandboxtasks.posttrain.io",
         "sandboxwarmpools.posttrain.io",
-        "clusterkopfpeerings.kopf.dev",
-        "kopfpeerings.kopf.dev",
     }
     # The CRDs are the files in crds/, unchanged (Helm never templates that directory).
     for path in sorted((CHART_DIR / "crds").glob("*.yaml")):
         for crd in yaml.safe_load_all(path.read_text()):
             if crd:
                 assert crd in objects, f"{path.name}: {crd['metadata']['name']} changed"
-    assert one(objects, "ClusterKopfPeering")["metadata"]["name"] == "rel-posttrain"
+    assert not [o for o in objects if o["apiVersion"].startswith("kopf.dev")]
+    # Leader election: a Role for the Lease in the release's namespace only.
+    (role,) = by_kind(objects, "Role")
+    assert role["metadata"]["namespace"] == "posttrain-system"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "verbs": ["create", "get", "update"],
+        }
+    ]
+    binding = one(objects, "RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == one(objects, "ServiceAccount")["metadata"]["name"]
+    data = one(objects, "ConfigMap", "-operator")["data"]
+    assert data["POSTTRAIN_OPERATOR_STANDALONE"] == "false"
+    assert data["POSTTRAIN_OPERATOR_LEASE_NAME"] == "rel-posttrain"
+    assert operator_config_from(data).lease_namespace == "posttrain-system"
     assert not by_kind(objects, "PodDisruptionBudget"), "a single replica gets no PDB"
     assert not by_kind(objects, "ServiceMonitor"), "no ServiceMonitor unless enabled"
     # Evaluation MinIO: pinned image, PVC kept on uninstall, generated Secret.
@@ -112,8 +127,8 @@ def test_operator_pod_is_restricted_and_probed(render: Render) -> None:
     assert health_port == 8080
     assert container["resources"]["limits"]["memory"]
     env_names = {e["name"] for e in container["env"]}
-    assert "POD_ID" in env_names, "Kopf's peering identity must be the pod name"
-    assert "posttrain operator" in container["args"][0]
+    assert "POD_NAME" in env_names, "the Lease identity must be the pod name"
+    assert container["command"] == ["posttrain", "operator"]
 
 
 def operator_config_from(data: dict[str, str]) -> OperatorConfig:
@@ -226,15 +241,19 @@ def test_production_values(render: Render) -> None:
     )
     assert data["POSTTRAIN_OPERATOR_SANDBOX_RUNTIME_CLASS_NAME"] == "gvisor"
     # Namespaced mode: Roles only in the watched namespaces, nothing namespaced cluster-wide.
+    # (And the leader election's Role in the release's own namespace.)
     roles = by_kind(objects, "Role")
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["ml-team-a", "ml-team-b"]
+    assert sorted(r["metadata"]["namespace"] for r in roles) == [
+        "ml-team-a",
+        "ml-team-b",
+        "posttrain-system",
+    ]
     # The one cluster-scoped read: Kueue's ResourceFlavors (their node labels go on the pods).
     (cluster_role,) = by_kind(objects, "ClusterRole")
     assert cluster_role["rules"] == [
         {"apiGroups": ["kueue.x-k8s.io"], "resources": ["resourceflavors"], "verbs": ["get"]}
     ]
-    peerings = by_kind(objects, "KopfPeering")
-    assert {p["metadata"]["namespace"] for p in peerings} == {"ml-team-a", "ml-team-b"}
+    assert data["POSTTRAIN_OPERATOR_LEASE_NAME"] == "posttrain-prod"
     deny = [o for o in by_kind(objects, "NetworkPolicy") if o["metadata"]["name"].endswith("deny")]
     assert {o["metadata"]["namespace"] for o in deny} == {"ml-team-a", "ml-team-b"}
 
@@ -245,19 +264,11 @@ def test_service_monitor_needs_prometheus_operator(render: Render) -> None:
     assert by_kind(render(sets=sets, api_versions=["monitoring.coreos.com/v1"]), "ServiceMonitor")
 
 
-def test_chart_peering_crds_are_the_operators_copy() -> None:
-    """crds/kopf-peering.yaml (the operator's) is shipped unchanged in the chart."""
-    chart_copy = CHART_DIR / "crds" / "kopf-peering.yaml"
-    assert chart_copy.read_text() == (REPO_ROOT / "crds" / "kopf-peering.yaml").read_text(), (
-        "cp crds/kopf-peering.yaml charts/posttrain/crds/"
-    )
-
-
-def test_peering_off_removes_its_object_and_rules(render: Render) -> None:
-    objects = render(sets={"operator.peering.enabled": "false"})
-    assert not [o for o in objects if o["apiVersion"] == "kopf.dev/v1"]
+def test_leader_election_off_removes_its_role(render: Render) -> None:
+    objects = render(sets={"operator.leaderElection.enabled": "false"})
+    assert not by_kind(objects, "Role") and not by_kind(objects, "RoleBinding")
     rules = one(objects, "ClusterRole")["rules"]
-    assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
+    assert not [r for r in rules if "coordination.k8s.io" in r["apiGroups"]]
     data = one(objects, "ConfigMap", "-operator")["data"]
     assert data["POSTTRAIN_OPERATOR_STANDALONE"] == "true"
 
@@ -280,8 +291,8 @@ def test_no_wildcards_in_any_rule(render: Render) -> None:
         ({"operator.watchNamespaces[0]": "Not-A-Namespace"}, "at '/operator/watchNamespaces/0'"),
         # Cross-field checks the schema cannot express fail in the templates, with the fix.
         (
-            {"operator.replicas": "2", "operator.peering.enabled": "false"},
-            "operator.replicas > 1 needs operator.peering.enabled=true",
+            {"operator.replicas": "2", "operator.leaderElection.enabled": "false"},
+            "operator.replicas > 1 needs operator.leaderElection.enabled=true",
         ),
         ({"minio.enabled": "false"}, "no object storage: set storage.endpoint"),
         (

@@ -32,7 +32,7 @@ def _rendered_chart(helm_bin: Path, health_port: int) -> dict[tuple[str, str], d
     rendered = subprocess.run(
         [
             str(helm_bin), "template", "smoke", "charts/posttrain", "--namespace", "posttrain",
-            "--set", "operator.peering.enabled=false",
+            "--set", "operator.leaderElection.enabled=false",
             "--set", f"operator.healthPort={health_port}",
             "--set", "metrics.enabled=false",
             # No MinIO runs here to mint per-run users in (test_storage_credentials_cluster).

@@ -14,7 +14,12 @@ from posttrain.api import env as env_names
 from posttrain.api import labels as api_labels
 from posttrain.errors import UsageError
 from posttrain.operator.config import OperatorConfig, load_config
-from posttrain.operator.rbac import OPERATOR_RULES, TRAINER_RULES, rbac_yaml
+from posttrain.operator.rbac import (
+    LEADER_ELECTION_RULES,
+    OPERATOR_RULES,
+    TRAINER_RULES,
+    rbac_yaml,
+)
 from posttrain.operator.rolloutpool import builders as b
 from posttrain.operator.sandboxtask import builders as sandbox_builders
 from posttrain.operator.shared import builders as shared_builders
@@ -425,15 +430,13 @@ def test_rollout_service_targets_the_pool() -> None:
     assert svc["spec"]["selector"] == b.pool_selector("pool")
 
 
-def test_rbac_rules_have_no_wildcards_and_cover_kopf() -> None:
-    for rule in OPERATOR_RULES + TRAINER_RULES:
+def test_rbac_rules_have_no_wildcards_and_cover_leader_election() -> None:
+    for rule in OPERATOR_RULES + TRAINER_RULES + LEADER_ELECTION_RULES:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"]
         assert "*" not in rule["apiGroups"]
     resources = {r for rule in OPERATOR_RULES for r in rule["resources"]}
     assert {
         "events",
-        "clusterkopfpeerings",
-        "kopfpeerings",
         "pods",
         "deployments",
         "sandboxtasks/status",
@@ -441,19 +444,35 @@ def test_rbac_rules_have_no_wildcards_and_cover_kopf() -> None:
     docs = list(yaml.safe_load_all(rbac_yaml()))
     assert docs[0]["kind"] == "ClusterRole" and docs[0]["rules"] == OPERATOR_RULES
     assert docs[1]["rules"] == TRAINER_RULES
+    assert docs[2]["kind"] == "Role" and docs[2]["rules"] == LEADER_ELECTION_RULES
+    assert not [r for r in OPERATOR_RULES if "kopf.dev" in r["apiGroups"]]
 
 
 def test_config_from_env_and_bad_values() -> None:
     config = load_config(
         {"POSTTRAIN_OPERATOR_NAMESPACES": "a, b", "POSTTRAIN_OPERATOR_MAX_WORKERS": "8"},
         standalone=True,
-        priority=None,
+        lease_name=None,
     )
     assert config.namespaces == ("a", "b") and config.max_workers == 8 and config.standalone
     assert load_config({}).watched_namespaces == ("default",)
     assert load_config({}, all_namespaces=True).watched_namespaces == ()
     with pytest.raises(UsageError, match="POSTTRAIN_OPERATOR_"):
         load_config({"POSTTRAIN_OPERATOR_MAX_WORKERS": "zero"})
+
+
+def test_leader_election_config() -> None:
+    """The Lease lives in the operator's namespace (else the first watched one); the identity
+    is the pod's name (else hostname_pid); the timings keep client-go's order."""
+    config = load_config({"POSTTRAIN_OPERATOR_OPERATOR_NAMESPACE": "ops"})
+    assert config.lease_namespace == "ops" and config.lease_name == "posttrain-operator"
+    assert load_config({}, namespaces=("a", "b")).lease_namespace == "a"
+    assert load_config({}, all_namespaces=True).lease_namespace == "default"
+    assert load_config({}, identity="pod-1").lease_identity == "pod-1"
+    with pytest.raises(UsageError, match="lease_retry_period_seconds < lease_renew_deadline"):
+        load_config({}, lease_duration_seconds=5.0, lease_renew_deadline_seconds=6.0)
+    with pytest.raises(UsageError, match="lease_name"):
+        load_config({}, lease_name="Not A Name")
 
 
 def test_chart_style_environment_reaches_the_pods() -> None:

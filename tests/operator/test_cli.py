@@ -25,6 +25,17 @@ def test_bad_configuration_is_a_usage_error(
     assert "resync_seconds" in err and "POSTTRAIN_OPERATOR_" in err
 
 
+def test_peering_is_the_old_name_of_lease_and_priority_is_gone(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--peering still names the Lease (a bad name reaches the config's check); --priority,
+    Kopf peering's, is refused."""
+    assert main(["operator", "--peering", "Bad Name"]) == 2
+    assert "lease_name" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["operator", "--priority", "5"])
+
+
 def test_namespace_and_all_namespaces_are_exclusive() -> None:
     with pytest.raises(SystemExit):
         main(["operator", "-n", "a", "--all-namespaces"])

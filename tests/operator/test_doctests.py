@@ -11,7 +11,6 @@ import pytest
 MODULES = [
     "config",
     "kube",
-    "informer",
     "leader",
     "events",
     "shared.builders",

@@ -1,20 +1,20 @@
 """The lean informer (operator/informer.py) against the real apiserver: it converges after an
 expired resourceVersion (410) and after a dropped watch connection, and it neither lists nor
-watches while kopf's pause toggles say so (peering)."""
+watches while another replica leads (leader.LeaseGate)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from posttrain.operator.informer import Gate, Informer, PeeringGate
+from posttrain.operator.informer import Gate, Informer
 from posttrain.operator.kube import AsyncKube, KubeClient, load_credentials, resource_path
+from posttrain.operator.leader import LeaseGate
 
 pytestmark = pytest.mark.cluster
 
@@ -129,71 +129,47 @@ def test_converges_after_410_and_a_dropped_connection(
     _run(scenario)
 
 
-def _peer(priority: int, seen: datetime | None = None) -> dict[str, Any]:
-    """A KopfPeering status entry as Kopf writes it (its keep-alive)."""
-    when = seen or datetime.now(UTC)
-    return {"priority": priority, "lifetime": 60, "lastseen": when.isoformat()}
-
-
-def _set_peers(kube: KubeClient, namespace: str, peers: dict[str, Any]) -> None:
-    """Merge-patch the peering object's status (None removes a peer), as Kopf's touch does."""
-    kube.request(
-        "PATCH",
-        resource_path("kopf.dev/v1", "kopfpeerings", namespace, "op"),
-        {"status": peers},
-        content_type="application/merge-patch+json",
-    )
-
-
-def test_peering_gate_follows_the_peering_object(
-    crds_installed: None, kubeconfig: Path, kube: KubeClient, namespace: str
-) -> None:
-    """Kopf's peering, read from the KopfPeering: nothing is listed before the object shows
-    this replica, nothing while a live peer of higher (or equal) priority is there; a dead
-    one does not count; after a pause the re-list reports what was deleted meanwhile."""
+def test_informer_follows_the_lease(kubeconfig: Path, kube: KubeClient, namespace: str) -> None:
+    """Behind a LeaseGate: nothing is listed while another live replica holds the Lease; the
+    informer lists once this replica takes it (the holder released it); it stops watching
+    when this replica stops leading, and its re-list on leading again reports what was
+    deleted meanwhile."""
 
     async def scenario() -> None:
         _config_map(kube, namespace, "a")
         _config_map(kube, namespace, "b")
         client = AsyncKube(load_credentials(str(kubeconfig)))
-        gate = PeeringGate("op", [namespace], priority=10)
+        timings = (3.0, 2.0, 0.2)  # lease duration, renew deadline, retry period (s)
+        other = LeaseGate(client, namespace, "op", "other", *timings)
+        me = LeaseGate(client, namespace, "op", "me", *timings)
+        assert await other.try_acquire_or_renew()
+        holding = asyncio.create_task(other.run())
         view = View()
         informer = Informer(
             client, "v1", "ConfigMap", "configmaps", namespace, view, label_selector=LABEL
         )
-        watchers = [asyncio.create_task(w.run(Gate())) for w in gate.informers(client, 30, 40.0)]
-        running = asyncio.create_task(informer.run(gate))
+        running = asyncio.create_task(informer.run(me))
+        leading = asyncio.create_task(me.run())
         try:
-            await asyncio.sleep(0.5)
-            assert informer.lists == 0 and view.events == [], "listed with no peering object"
-            await asyncio.to_thread(
-                kube.request,
-                "POST",
-                resource_path("kopf.dev/v1", "kopfpeerings", namespace),
-                {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "op"}},
-            )
-            await asyncio.to_thread(_set_peers, kube, namespace, {"leader": _peer(100)})
-            await asyncio.sleep(0.5)
-            assert informer.lists == 0, "listed before this replica was announced"
-            await asyncio.to_thread(_set_peers, kube, namespace, {"me": _peer(10)})
-            await asyncio.sleep(0.5)
-            assert informer.lists == 0, "listed while a higher-priority peer is alive"
-            long_ago = datetime.now(UTC) - timedelta(minutes=5)
-            await asyncio.to_thread(_set_peers, kube, namespace, {"leader": _peer(100, long_ago)})
-            await _until(lambda: view.names == {"a", "b"}, "the first list (the leader is dead)")
-            await asyncio.to_thread(_set_peers, kube, namespace, {"twin": _peer(10)})
-            await _until(lambda: not gate.is_open(), "the pause (same priority: Kopf pauses both)")
+            await asyncio.sleep(1.0)
+            assert informer.lists == 0 and view.events == [], "listed while another led"
+            holding.cancel()  # a clean stop: the Lease is released
+            await asyncio.gather(holding, return_exceptions=True)
+            await _until(lambda: view.names == {"a", "b"}, "the first list (this replica leads)")
+            leading.cancel()
+            await asyncio.gather(leading, return_exceptions=True)
+            assert not me.is_open()
             await asyncio.sleep(0.3)
             await asyncio.to_thread(_delete, kube, namespace, "b")
             await asyncio.sleep(0.5)
-            assert ("DELETED", "b") not in view.events, "watched while paused"
-            await asyncio.to_thread(_set_peers, kube, namespace, {"twin": None})
-            await _until(lambda: view.names == {"a"}, "the re-list after the pause")
+            assert ("DELETED", "b") not in view.events, "watched while not leading"
+            leading = asyncio.create_task(me.run())
+            await _until(lambda: view.names == {"a"}, "the re-list on leading again")
             assert ("DELETED", "b") in view.events and informer.lists == 2
         finally:
-            for task in (running, *watchers):
+            for task in (running, leading, holding):
                 task.cancel()
-            await asyncio.gather(running, *watchers, return_exceptions=True)
+            await asyncio.gather(running, leading, holding, return_exceptions=True)
             await client.close()
 
     _run(scenario)

@@ -68,9 +68,9 @@ Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
 {{- printf "%s:%s" .image.repository (default .root.Chart.AppVersion .image.tag) }}
 {{- end }}
 
-{{/* Name of the peering object the operator replicas share. */}}
-{{- define "posttrain.peeringName" -}}
-{{- default (include "posttrain.fullname" .) .Values.operator.peering.name }}
+{{/* Name of the Lease the operator replicas elect their leader on. */}}
+{{- define "posttrain.leaseName" -}}
+{{- default (include "posttrain.fullname" .) .Values.operator.leaderElection.leaseName }}
 {{- end }}
 
 {{/* True (non-empty) when the operator watches every namespace. */}}
@@ -102,8 +102,8 @@ Usage: include "posttrain.image" (dict "image" .Values.images.trainer "root" .)
 
 {{/* Fail early, with the fix, on combinations the schema cannot express. */}}
 {{- define "posttrain.validate" -}}
-{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.peering.enabled) }}
-{{- fail "operator.replicas > 1 needs operator.peering.enabled=true: without peering every replica would reconcile the same objects" }}
+{{- if and (gt (int .Values.operator.replicas) 1) (not .Values.operator.leaderElection.enabled) }}
+{{- fail "operator.replicas > 1 needs operator.leaderElection.enabled=true: without leader election every replica would reconcile the same objects" }}
 {{- end }}
 {{- if not (include "posttrain.s3Endpoint" .) }}
 {{- fail "no object storage: set storage.endpoint (and storage.existingSecret) to an existing S3/MinIO, or minio.enabled=true for an evaluation install" }}

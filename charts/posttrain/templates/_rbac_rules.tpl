@@ -66,14 +66,8 @@ DO NOT EDIT: change the operator's rules and rerun `python charts/generate_rbac.
   verbs: [create, patch]
 {{- end }}
 
-{{- define "posttrain.rbac.peeringClusterRules" -}}
-- apiGroups: [kopf.dev]
-  resources: [clusterkopfpeerings]
-  verbs: [get, list, patch, watch]
-{{- end }}
-
-{{- define "posttrain.rbac.peeringNamespacedRules" -}}
-- apiGroups: [kopf.dev]
-  resources: [kopfpeerings]
-  verbs: [get, list, patch, watch]
+{{- define "posttrain.rbac.leaderElectionRules" -}}
+- apiGroups: [coordination.k8s.io]
+  resources: [leases]
+  verbs: [create, get, update]
 {{- end }}
