@@ -58,7 +58,7 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         metavar="P",
-        help="serve kopf's /healthz on :P (0 = off)",
+        help="serve the liveness endpoint on :P/healthz (0 = off)",
     )
     parser.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)"

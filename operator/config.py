@@ -151,7 +151,8 @@ class OperatorConfig(BaseModel):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     """Serve Prometheus metrics on this port; 0 = off."""
     liveness_port: int = Field(default=0, ge=0, le=65535)
-    """Port of the /healthz liveness endpoint (Kopf's); 0 = off."""
+    """Port of the /healthz endpoint the liveness and readiness probes read (health.py, on
+    the operator's event loop); 0 = off."""
 
     pod_metrics_port: int = Field(default=9090, ge=0, le=65535)
     """Port trainer pods (rank 0) serve Prometheus /metrics on, as container port "metrics"

@@ -19,6 +19,7 @@ from posttrain.telemetry import start_metrics_server
 from .config import OperatorConfig
 from .controllers import Controller
 from .events import EventRecorder
+from .health import start_health_server
 from .informer import Body, Gate, Informer
 from .kube import PLURALS, AsyncKube, KubeClient, load_credentials
 from .leader import LeaseGate
@@ -64,7 +65,6 @@ async def run_async(
     memo = memo if memo is not None else build_memo(config)
     if config.log_level != "DEBUG":
         quiet_per_request_logs()
-    liveness = f"http://0.0.0.0:{config.liveness_port}/healthz" if config.liveness_port else None
     settings = build_settings(config)
     # The async handlers run their blocking reconciles on kopf's own pool (max_workers).
     memo.executor = settings.execution.executor
@@ -75,24 +75,29 @@ async def run_async(
     bind_requeue(memo, gate)
     # Before kopf's tasks: its start-up may report ready before spawn_tasks returns.
     bind_optional_informers(memo, config, gate)
-    # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers (and the
-    # leader election, which they follow) as one more root task.
-    existing = asyncio.all_tasks()
-    tasks = await kopf.spawn_tasks(
-        registry=REGISTRY,
-        settings=settings,
-        clusterwide=config.all_namespaces,
-        namespaces=list(config.watched_namespaces),
-        stop_flag=stop_flag,
-        ready_flag=ready_flag,
-        memo=memo,
-        liveness_endpoint=liveness,
-    )
-    informers = asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers")
+    # Ours, not Kopf's (health.py); first, so a taken port fails before anything started.
+    health = await start_health_server(config.liveness_port, gate)
     try:
+        # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers (and
+        # the leader election, which they follow) as one more root task.
+        existing = asyncio.all_tasks()
+        tasks = await kopf.spawn_tasks(
+            registry=REGISTRY,
+            settings=settings,
+            clusterwide=config.all_namespaces,
+            namespaces=list(config.watched_namespaces),
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+            memo=memo,
+        )
+        informers = asyncio.create_task(
+            run_informers(memo, config, gate), name="posttrain informers"
+        )
         await kopf.run_tasks([*tasks, informers], ignored=existing)
     finally:
         memo.controller.state.requeue.unbind()
+        if health is not None:
+            await health.cleanup()
 
 
 def build_lease_gate(memo: kopf.Memo, config: OperatorConfig) -> LeaseGate:

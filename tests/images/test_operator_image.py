@@ -92,7 +92,7 @@ def test_the_charts_operator_container_reconciles_against_the_apiserver(
         container = found[0].spec.template.spec.containers[0]
         # The chart's images reach the pods the operator creates.
         assert container.image == image_ref("trainer"), container.image
-        # Kopf's health endpoint, which the chart's probes read, answers from the container.
+        # The operator's health endpoint, which the chart's probes read, answers from the container.
         with urllib.request.urlopen(f"http://127.0.0.1:{health_port}/healthz", timeout=10) as r:
             assert r.status == 200
     finally:

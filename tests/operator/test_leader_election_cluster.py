@@ -1,12 +1,17 @@
 """HA: two operator replicas elect a leader on a Lease (leader.py); only the leader
-reconciles, and the other takes over when the leader stops."""
+reconciles, and the other takes over when the leader stops. Both answer /healthz (health.py)
+all along, each saying whether it leads."""
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from posttrain.devenv.process import free_port
 from posttrain.operator.config import OperatorConfig
 from posttrain.operator.kube import KubeClient, resource_path
 from posttrain.operator.leader import LEASE_API_VERSION
@@ -15,6 +20,15 @@ from posttrain.operator.runtime import OperatorThread
 from .conftest import create_cr, list_pods, wait_for
 
 pytestmark = pytest.mark.cluster
+
+
+def healthz(op: OperatorThread) -> dict[str, Any]:
+    """The replica's liveness answer (what the chart's probes read)."""
+    url = f"http://127.0.0.1:{op.config.liveness_port}/healthz"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        body: dict[str, Any] = json.loads(response.read())
+        return body
 
 
 def test_one_replica_works_and_the_other_takes_over_when_it_stops(
@@ -38,6 +52,7 @@ def test_one_replica_works_and_the_other_takes_over_when_it_stops(
                 lease_renew_deadline_seconds=2.0,
                 lease_retry_period_seconds=0.2,
                 resync_seconds=1.0,
+                liveness_port=free_port(),
             )
         ).start()
 
@@ -61,6 +76,9 @@ def test_one_replica_works_and_the_other_takes_over_when_it_stops(
         # The follower's informers never listed: it has not even seen the tasks.
         assert follower.controller.state.tasks.snapshot_keys() == []
         assert holder() == "first"
+        # Both are alive (a standby must pass its probes too); each says whether it leads.
+        assert healthz(leader) == {"status": "ok", "leading": True}
+        assert healthz(follower) == {"status": "ok", "leading": False}
 
         # A clean stop releases the Lease: the follower takes over without waiting it out.
         leader.stop()
@@ -69,6 +87,7 @@ def test_one_replica_works_and_the_other_takes_over_when_it_stops(
         task("after")
         wait_for(lambda: len(list_pods(kube, namespace)) == 6, what="the new leader's pod")
         assert len(follower.controller.state.tasks.snapshot_keys()) == 6
+        assert healthz(follower)["leading"] is True
     finally:
         if follower is not None:
             follower.stop()
