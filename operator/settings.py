@@ -54,31 +54,6 @@ class _DropWatchHandlerInfo(logging.Filter):
         return not (record.levelno <= logging.INFO and getattr(record, "k8s_skip", False))
 
 
-class _ExpectedAtStartup(logging.Filter):
-    """A healthy start logs no WARNING or ERROR: one of kopf's is expected, and says so.
-
-    "Request attempt #1/9 failed; will retry ... APITooManyRequestsError('storage is
-    (re)initializing')": the apiserver's 429 while a CRD's watch cache fills (kopf's watch of
-    the peering objects), which kopf retries as asked (a final failure still logs
-    "escalating" as an ERROR). It becomes an INFO line; everything else passes unchanged.
-    (Kopf's "Unresolved resources" for KubeRay's and Kueue's CRDs is gone with its watches of
-    them: our informers start when API discovery finds those CRDs.)
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.WARNING or not record.name.startswith("kopf"):
-            return True
-        message = record.getMessage()
-        if "will retry" in message and "APITooManyRequestsError" in message:
-            self._to_info(record, message)
-        return True
-
-    @staticmethod
-    def _to_info(record: logging.LogRecord, message: str) -> None:
-        record.levelno, record.levelname = logging.INFO, "INFO"
-        record.msg, record.args = message, None
-
-
 def quiet_per_request_logs() -> None:
     """No INFO line per watch event or per API request (idempotent; DEBUG keeps them).
 
@@ -89,11 +64,6 @@ def quiet_per_request_logs() -> None:
     if not any(isinstance(f, _DropWatchHandlerInfo) for f in objects.filters):
         objects.addFilter(_DropWatchHandlerInfo())
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    # On the handlers: kopf logs these through many module loggers, and a logger's own
-    # filters do not see what its children propagate.
-    for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, _ExpectedAtStartup) for f in handler.filters):
-            handler.addFilter(_ExpectedAtStartup())
 
 
 def build_settings(config: OperatorConfig) -> kopf.OperatorSettings:
