@@ -50,7 +50,8 @@ def real_cluster() -> Iterator[RealCluster]:
             pytest.fail(why)
         pytest.skip(why)
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
-    # The images these tests run (the rollout image's vLLM pool is tested by tests/images).
+    # The images these tests run; the rollout image (7 GB) is imported by the one test
+    # that runs a vLLM pool (test_chart.py), so other sessions skip its first import.
     images = image_refs([name for name in IMAGE_NAMES if name != "rollout"])
     # A node an earlier, killed test session left running is stopped; a person's
     # `posttrain dev up --node real` is not (start() then says so).
