@@ -92,16 +92,15 @@ def count_page_cache_as_free() -> bool:
 
     vLLM's CPU worker refuses to start when its KV cache exceeds the cgroup's limit minus
     its usage (``memory.current`` / ``memory.usage_in_bytes``), and usage counts the page
-    cache of every file the container read (the Python packages, the model): in a small
-    pod that cache can fill the limit, and the replica crash-loops although the kernel
-    would drop the cache before it OOM-kills anything (docs/real-node.md). Reclaimable
-    here is unmapped page cache outside tmpfs, active or inactive: a little more than the
-    kubelet leaves out of a container's working set (inactive file pages).
+    cache of every file the container read: the Python packages and the model. In a 3 GiB
+    pod on a real kubelet that cache alone filled the limit, so vLLM saw 0.14 GiB free and
+    exited ("Available memory on node 0 (0.14/3.0 GiB) on kv cache allocation is less than
+    requested memory for kv (0.25 GiB)"), restarting forever, though the kernel drops that
+    cache before it would OOM-kill anything. Counted as the kubelet counts a container's
+    working set, less also the unmapped active cache.
     """
-    import importlib
-
     try:
-        cpu_resource_utils: Any = importlib.import_module("vllm.utils.cpu_resource_utils")
+        from vllm.utils import cpu_resource_utils
     except ImportError:  # not in vLLM's environment (unit tests, the trainer)
         return False
     current = cpu_resource_utils.get_cgroup_memory_usage
