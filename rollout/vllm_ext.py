@@ -18,101 +18,17 @@ Why this path rather than the alternatives vLLM documents:
   and fuses q/k/v and gate/up exactly as at start-up. Weights travel through object storage,
   which the trainer writes anyway for checkpoints.
 
-Importing it (vLLM does, in every worker, before the worker sizes its KV cache) also makes
-vLLM count reclaimable page cache as free memory in a container (see
-:func:`count_page_cache_as_free`); otherwise it imports nothing from vLLM (vLLM mixes the
-class into its Worker).
+This module imports nothing from vLLM at import time (vLLM mixes the class into its Worker).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-
-# The memory.stat of the container's own cgroup: v2 (unified), else v1's memory controller.
-CGROUP_MEMORY_STATS = (
-    Path("/sys/fs/cgroup/memory.stat"),
-    Path("/sys/fs/cgroup/memory/memory.stat"),
-)
-
-
-def reclaimable_page_cache(stat: str) -> int:
-    r"""Bytes of a cgroup's page cache the kernel can drop under its limit: file pages that
-    no process maps and that are not tmpfs or shared memory (``/dev/shm``), from the text
-    of ``memory.stat`` (cgroup v2 names ``file``, v1 ``total_cache``).
-
-    >>> reclaimable_page_cache("file 3000\nfile_mapped 500\nshmem 200\nanon 9")  # v2
-    2300
-    >>> reclaimable_page_cache("cache 10\ntotal_cache 3000\ntotal_mapped_file 500\n"
-    ...                        "total_shmem 200\n")  # v1, hierarchical totals
-    2300
-    >>> reclaimable_page_cache("rss 5\n")
-    0
-    """
-    values = {}
-    for line in stat.splitlines():
-        key, _, value = line.partition(" ")
-        if value.strip().isdigit():
-            values[key] = int(value)
-    if "file" in values:  # cgroup v2
-        cache, mapped, shmem = values["file"], values.get("file_mapped", 0), values.get("shmem", 0)
-    else:
-        cache = values.get("total_cache", values.get("cache", 0))
-        mapped = values.get("total_mapped_file", values.get("mapped_file", 0))
-        shmem = values.get("total_shmem", values.get("shmem", 0))
-    return max(0, cache - mapped - shmem)
-
-
-def working_set(
-    usage: Callable[[], int | None], stats: tuple[Path, ...]
-) -> Callable[[], int | None]:
-    """``usage`` (a cgroup's memory usage, page cache included) less the reclaimable page
-    cache in the first readable of ``stats``."""
-
-    def measure() -> int | None:
-        used = usage()
-        if used is None:
-            return None
-        for stat in stats:
-            try:
-                return max(0, used - reclaimable_page_cache(stat.read_text()))
-            except OSError:
-                continue
-        return used
-
-    return measure
-
-
-def count_page_cache_as_free() -> bool:
-    """Make vLLM's cgroup memory usage leave out reclaimable page cache; whether it did.
-
-    vLLM's CPU worker refuses to start when its KV cache exceeds the cgroup's limit minus
-    its usage (``memory.current`` / ``memory.usage_in_bytes``), and usage counts the page
-    cache of every file the container read: the Python packages and the model. In a 3 GiB
-    pod on a real kubelet that cache alone filled the limit, so vLLM saw 0.14 GiB free and
-    exited ("Available memory on node 0 (0.14/3.0 GiB) on kv cache allocation is less than
-    requested memory for kv (0.25 GiB)"), restarting forever, though the kernel drops that
-    cache before it would OOM-kill anything. Counted as the kubelet counts a container's
-    working set, less also the unmapped active cache.
-    """
-    try:
-        from vllm.utils import cpu_resource_utils
-    except ImportError:  # not in vLLM's environment (unit tests, the trainer)
-        return False
-    current = cpu_resource_utils.get_cgroup_memory_usage
-    if getattr(current, "_posttrain_working_set", False):
-        return True
-    patched = working_set(current, CGROUP_MEMORY_STATS)
-    patched._posttrain_working_set = True  # type: ignore[attr-defined]
-    cpu_resource_utils.get_cgroup_memory_usage = patched
-    return True
-
-
-count_page_cache_as_free()
 
 
 def iter_safetensors(weights_dir: str) -> Iterator[tuple[str, Any]]:

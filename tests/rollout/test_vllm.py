@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shlex
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from posttrain.rollout.vllm import (
     build_vllm_command,
     vllm_available,
 )
-from posttrain.rollout.vllm_local import vllm_python
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -190,46 +188,3 @@ def test_real_vllm_reloads_weights(
     finally:
         process.terminate()
         process.wait(timeout=60)
-
-
-def test_vllms_cgroup_usage_leaves_out_reclaimable_page_cache(tmp_path: Path) -> None:
-    """What the worker extension gives vLLM as the container's memory usage: usage less
-    the page cache no process maps (cgroup v2 and v1 names), as is where no stat is
-    readable, None where vLLM found no limit."""
-    from posttrain.rollout.vllm_ext import working_set
-
-    gib = 1 << 30
-    v2, v1 = tmp_path / "v2.stat", tmp_path / "v1.stat"
-    # Measured in a 3 GiB rollout pod on the real node: 2.86 GiB "used", mostly the cache
-    # of the packages and the model the container read.
-    v2.write_text(f"anon {gib}\nfile {2 * gib}\nfile_mapped {gib // 4}\nshmem {gib // 8}\n")
-    v1.write_text(f"cache {gib}\ntotal_cache {2 * gib}\ntotal_mapped_file {gib // 4}\n"
-                  f"total_shmem {gib // 8}\ntotal_rss {gib}\n")  # fmt: skip
-    used = 3 * gib
-    for stat in (v2, v1):
-        assert working_set(lambda: used, (tmp_path / "absent", stat))() == used - 2 * gib + (
-            gib // 4 + gib // 8
-        )
-    assert working_set(lambda: used, (tmp_path / "absent",))() == used
-    assert working_set(lambda: None, (v2,))() is None
-
-
-@pytest.mark.skipif(vllm_python() is None, reason="no vLLM environment (make venv-vllm)")
-def test_the_worker_extension_replaces_vllms_cgroup_usage() -> None:
-    """In vLLM's own environment, importing the extension (as every vLLM worker does before
-    it sizes its KV cache) swaps the usage function the CPU worker's memory check reads."""
-    import subprocess
-
-    python = vllm_python()
-    assert python is not None
-    code = (
-        "import posttrain.rollout.vllm_ext as ext\n"
-        "from vllm.utils import cpu_resource_utils as c\n"
-        "assert c.get_cgroup_memory_usage._posttrain_working_set\n"
-        "assert ext.count_page_cache_as_free()\n"  # idempotent
-        "print(c.get_memory_node_info(0).available_memory > 0)\n"
-    )
-    repo = Path(__file__).resolve().parents[2]
-    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
-                            timeout=300, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)})  # fmt: skip
-    assert result.returncode == 0 and result.stdout.strip().endswith("True"), result.stderr[-3000:]
