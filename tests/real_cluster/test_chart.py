@@ -474,7 +474,7 @@ def _check_vllm_pod(node_kubectl: Kubectl, ns: str, pod: dict[str, Any], describ
     limit = _exec(node_kubectl, ns, name, (
         "import pathlib as p; v1 = p.Path('/sys/fs/cgroup/memory/memory.limit_in_bytes'); "
         "print((v1 if v1.exists() else p.Path('/sys/fs/cgroup/memory.max')).read_text())"))  # fmt: skip
-    assert int(limit) == 3 * 2**30, limit
+    assert f"{int(limit) // 2**30}Gi" == container["resources"]["limits"]["memory"], limit
     # /dev/shm is the memory-backed volume, not the runtime's 64 MiB (vLLM's CPU engine
     # wants 160 MiB of ring buffers).
     shm = json.loads(_exec(node_kubectl, ns, name, (
