@@ -581,7 +581,7 @@ def test_vllm_pool_on_the_rollout_image_serves_through_its_service_and_takes_the
 
     before = complete()
     (choice,) = before["choices"]
-    assert choice["text"] and len(choice["logprobs"]["tokens"]) >= 1, before
+    assert isinstance(choice["text"], str) and len(choice["logprobs"]["tokens"]) >= 1, before
     # Without the pool's token a weight load is refused, through the Service as directly.
     denied = httpx.post(f"{base}/v1/weights/load", timeout=60,
                         json={"uri": "s3://posttrain/nowhere", "version": 7})  # fmt: skip
