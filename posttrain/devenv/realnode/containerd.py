@@ -202,6 +202,13 @@ class Containerd:
                 capture_output=True, text=True, check=True, env=podman_env, timeout=1800,
             )  # fmt: skip
             result = self.ctr("images", "import", str(archive), timeout=1800)
+            if result.returncode != 0 and "does not exist" in result.stderr:
+                # Seen once after another session's prune: the unpack found a layer's
+                # snapshot that containerd's garbage collector then removed ("parent
+                # snapshot sha256:... does not exist"). The second import unpacks it again.
+                log.warning("real node: importing %s failed (%s); once more", ref,
+                            result.stderr.strip()[-300:])  # fmt: skip
+                result = self.ctr("images", "import", str(archive), timeout=1800)
         finally:
             archive.unlink(missing_ok=True)
         if result.returncode != 0:
