@@ -14,11 +14,13 @@ published weights are in place (new replicas join at the latest version).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import threading
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +108,7 @@ class ServerState:
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
     refused: dict[int, str] = field(default_factory=dict)  # versions that failed verification
     held: Any = None  # rollout.weights.HeldWeights: the served version's bytes (delta base)
+    held_root: Any = None  # pathlib.Path: where downloads and held copies live
 
     @property
     def model_name(self) -> str:
@@ -153,7 +156,11 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
     with state.weights_lock, tracer.start_as_current_span("rollout.load_weights") as span:
         span.set_attribute("weights.uri", uri)
         span.set_attribute("weights.version", version)
-        path, temporary = weights.fetch_version(uri, version, held=state.held)
+        if state.held_root is None:
+            # Not the bare temporary directory: a server killed with SIGKILL leaves its
+            # copies behind (hundreds of MB each), and the next one removes them.
+            state.held_root = weights.held_root(weights.scratch_dir())
+        path, temporary = weights.fetch_version(uri, version, state.held_root, state.held)
         try:
             state_dict = read_safetensors_dir(path)
             state.engine.swap_weights(state_dict, version).result()
@@ -163,7 +170,10 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
             raise
         if temporary or weights.version_metadata(uri, version) is not None:
             # A registry version: keep its bytes as the base of the next delta.
-            previous, state.held = state.held, weights.hold(version, path, temporary, None)
+            previous, state.held = (
+                state.held,
+                weights.hold(version, path, temporary, state.held_root),
+            )
             if previous is not None and previous.directory != state.held.directory:
                 shutil.rmtree(previous.directory, ignore_errors=True)
     elapsed = time.monotonic() - started
@@ -648,9 +658,19 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
     # Drain on SIGTERM: uvicorn closes the listener and idle connections at once, then
     # waits up to drain_seconds for in-flight requests (a removed replica's rollouts finish
     # instead of being sampled again elsewhere); engine.close() fails what is left.
+    app = create_app(state)
+
+    @contextlib.asynccontextmanager
+    async def releasing(_: FastAPI) -> AsyncIterator[None]:
+        # After the drain uvicorn re-raises SIGTERM, which ends the process before the
+        # `finally` below runs: the app's shutdown (after the drain) releases what it holds.
+        yield
+        _release(state)
+
+    app.router.lifespan_context = releasing
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(state),
+            app,
             host=host,
             port=port,
             log_level="info",
@@ -678,12 +698,18 @@ def run(config: ServerConfig, *, host: str, port: int) -> None:
         server.run()
     finally:
         stop_polling.set()
-        if state.engine is not None:
-            state.engine.close()
-        if state.held is not None:
-            shutil.rmtree(state.held.directory, ignore_errors=True)
+        _release(state)
     if state.load_error is not None:
         raise ModelLoadError(f"could not load model {config.model!r}: {state.load_error}")
+
+
+def _release(state: ServerState) -> None:
+    """Stop the engine (unfinished requests fail) and delete the held weights: all of the
+    held root, as ``posttrain serve`` runs one server per process."""
+    if state.engine is not None:
+        state.engine.close()
+    if state.held_root is not None:
+        shutil.rmtree(state.held_root, ignore_errors=True)
 
 
 class ModelLoadError(RuntimeError):

@@ -27,7 +27,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Gauge, Histogram, generate_latest
 
-from posttrain.api.env import WEIGHTS_SCRATCH
 from posttrain.httplimits import BoundedBody, uvicorn_options
 from posttrain.rollout.auth import WeightLoadDenied, check_weight_load, weights_token
 from posttrain.rollout.limits import (
@@ -555,7 +553,9 @@ def run_vllm_entry(
     import uvicorn
 
     process = _start_vllm(spec)
-    scratch = os.environ.get(WEIGHTS_SCRATCH, tempfile.gettempdir())
+    from posttrain.rollout.weights import scratch_dir
+
+    scratch = str(scratch_dir())
     limits = limits or RequestLimits()
     door = VllmFrontDoor(
         f"http://127.0.0.1:{spec.port}",

@@ -368,7 +368,7 @@ def hold(version: int, path: Path, temporary: bool, root: Path | None) -> HeldWe
     which the next rebuild's digests catch (and then replay the chain from its full
     version)."""
     if temporary:
-        if root is None:
+        if root is None or path.parent == root:  # (fetched into the held root already)
             return HeldWeights(version, path)
         moved = root / path.name
         shutil.move(path, moved)
@@ -385,19 +385,52 @@ def hold(version: int, path: Path, temporary: bool, root: Path | None) -> HeldWe
 HELD_PREFIX = "posttrain-held-"
 
 
+def scratch_dir() -> Path:
+    """Where a replica stages and holds weights: the pod's ``weights-scratch`` volume
+    (``$POSTTRAIN_WEIGHTS_SCRATCH``, set by the operator), else the temporary directory."""
+    from posttrain.api.env import WEIGHTS_SCRATCH
+
+    return Path(os.environ.get(WEIGHTS_SCRATCH) or tempfile.gettempdir())
+
+
 def held_root(scratch: Path) -> Path:
-    """This process's directory for its held copy under ``scratch``, created empty, after
-    removing those of processes that are gone: a replica killed mid-run, or a container
-    restarted on the same emptyDir (where the new process may well have the old one's
-    pid, so a directory with our pid is stale too). One per process: for servers that run
-    one per process (the vLLM front door)."""
+    """This process's directory for its held copies under ``scratch``
+    (``posttrain-held-<pid>-<start time>``), after removing those of processes that are
+    gone: a replica killed mid-run (SIGKILL runs no cleanup), or a container restarted on
+    the same emptyDir, where the new process may well have the old one's pid (its start
+    time differs). Servers in one process (``ServerThread``s) share the directory, each
+    with copies of its own inside.
+
+    """
+    me = _process_tag(os.getpid())
     for old in scratch.glob(HELD_PREFIX + "*"):
-        pid = old.name.removeprefix(HELD_PREFIX)
-        if pid.isdigit() and (int(pid) == os.getpid() or not _process_alive(int(pid))):
+        if old.name != HELD_PREFIX + me and _held_by_gone_process(old.name):
             shutil.rmtree(old, ignore_errors=True)
-    root = scratch / f"{HELD_PREFIX}{os.getpid()}"
+    root = scratch / f"{HELD_PREFIX}{me}"
     root.mkdir(parents=True, exist_ok=True)
     return root
+
+
+def _process_tag(pid: int) -> str:
+    """``<pid>-<start time>``: a process's identity that survives pid reuse (the start time
+    in clock ticks since boot, from /proc; just the pid where there is no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return str(pid)
+    # The command name (field 2) may hold spaces and parentheses: fields count from its ")".
+    return f"{pid}-{stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def _held_by_gone_process(name: str) -> bool:
+    """Whether the held directory ``name`` belongs to a process that no longer runs."""
+    tag = name.removeprefix(HELD_PREFIX)
+    pid = tag.split("-", 1)[0]
+    if not pid.isdigit():
+        return False  # not one of ours
+    if int(pid) == os.getpid():
+        return True  # our pid, another start time (or none): a restarted container's
+    return not _process_alive(int(pid)) or ("-" in tag and _process_tag(int(pid)) != tag)
 
 
 def _process_alive(pid: int) -> bool:

@@ -57,6 +57,9 @@ def test_dev_vllm_example_is_a_cpu_vllm_pool_on_the_rollout_image_and_a_run_on_i
     assert "--enforce-eager" in engine_args["extra_args"]
     kv = engine_args["extra_args"][engine_args["extra_args"].index("--kv-cache-memory-bytes") + 1]
     assert int(kv) <= 512 << 20
+    # Room for vLLM's four processes and weights (3.3 GiB measured in a real pod) besides the
+    # KV cache: in 3Gi the replica refused to start (docs/real-node.md).
+    assert parse_quantity(limits["memory"]) >= 3.3 * 2**30 + int(kv), limits
     # The trainer publishes in the pool's dtype, so replicas read float32 weights.
     trainer = run_builders.build_trainer_pod(
         run,

@@ -47,6 +47,8 @@ def real_cluster() -> Iterator[RealCluster]:
             pytest.fail(why)
         pytest.skip(why)
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
+    # The images these tests run (`dev up`'s default set); the rollout image (7 GB) is
+    # imported by the one test that runs a vLLM pool (test_chart.py).
     images = image_refs(NODE_IMAGES)
     # A node an earlier, killed test session left running is stopped; a person's
     # `posttrain dev up` is not (start() then says so).

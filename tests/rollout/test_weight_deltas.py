@@ -26,6 +26,8 @@ from posttrain.trainer.model.weight_sync import DeltaPolicy, WeightPublisher
 if TYPE_CHECKING:
     from posttrain.devenv.minio import MinioServer
 
+    from .conftest import ServeProcess
+
 
 class Replicas:
     """Servers started in a test, stopped at its end."""
@@ -294,19 +296,66 @@ def test_a_delta_chain_through_s3_rebuilds_the_full_bytes_and_refuses_a_bad_dige
 
 
 def test_held_root_removes_the_copies_of_processes_that_are_gone(tmp_path: Path) -> None:
-    """A vLLM front door killed mid-run leaves its held copy; the next one removes it (and a
-    restarted container's directory under its own pid), never a live process's."""
+    """A replica killed mid-run leaves its held copy; the next one removes it, and a
+    directory under its own pid from an earlier start (a restarted container), never a
+    live process's (pid 1, with or without its start time)."""
     import os
     import subprocess
     import sys
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    for pid in (gone.pid, os.getpid(), 1):
-        (tmp_path / f"{weights.HELD_PREFIX}{pid}").mkdir()
-        (tmp_path / f"{weights.HELD_PREFIX}{pid}" / "model.safetensors").write_bytes(b"x")
+    me, init = weights._process_tag(os.getpid()), weights._process_tag(1)
+    names = [f"{gone.pid}", f"{gone.pid}-123", f"{os.getpid()}", f"{os.getpid()}-1",
+             "1", init, "1-1", "not-a-pid"]  # fmt: skip
+    for name in names:
+        (tmp_path / f"{weights.HELD_PREFIX}{name}").mkdir()
+        (tmp_path / f"{weights.HELD_PREFIX}{name}" / "model.safetensors").write_bytes(b"x")
     root = weights.held_root(tmp_path)
-    assert root == tmp_path / f"{weights.HELD_PREFIX}{os.getpid()}" and not any(root.iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [f"{weights.HELD_PREFIX}1", f"{weights.HELD_PREFIX}{os.getpid()}"]
-    )
+    assert root == tmp_path / f"{weights.HELD_PREFIX}{me}" and not any(root.iterdir())
+    (root / "weights-v00000001-x").mkdir()
+    assert weights.held_root(tmp_path) == root  # a second server in this process shares it
+    assert (root / "weights-v00000001-x").is_dir()
+    assert sorted(p.name.removeprefix(weights.HELD_PREFIX) for p in tmp_path.iterdir()) == sorted(
+        ["1", init, "not-a-pid", me]
+    )  # pid 1 under another start time ("1-1") is a reused pid: removed
+
+
+def test_a_killed_servers_held_copy_is_removed_by_the_next_server(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    serve_process: type[ServeProcess],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``posttrain serve`` keeps the version it serves under a held root of its own in the
+    scratch directory; SIGKILL runs no cleanup, so the next server removes the copy the
+    killed one left, and a server stopped with SIGTERM (a pod's deletion) removes its own."""
+    import signal
+
+    from posttrain.api.env import WEIGHTS_SCRATCH
+
+    from .conftest import publish_perturbed
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setenv(WEIGHTS_SCRATCH, str(scratch))
+    store = open_store(str(tmp_path / "registry"))
+    published = publish_perturbed(tiny_model_dir, tmp_path / "staging", 1, 0.01)
+    WeightRegistry(store, "weights").publish(1, published)
+
+    def held() -> dict[int, list[str]]:
+        """pid -> the files each server holds."""
+        return {int(root.name.removeprefix(weights.HELD_PREFIX).split("-")[0]):
+                sorted(f.name for f in root.rglob("*.safetensors"))
+                for root in scratch.glob(weights.HELD_PREFIX + "*")}  # fmt: skip
+
+    killed = serve_process(tiny_model_dir, "--weights-uri", store.uri("weights")).wait_ready()
+    assert held() == {killed.process.pid: ["model.safetensors"]}
+    killed.kill()
+    assert held() == {killed.process.pid: ["model.safetensors"]}  # SIGKILL: left behind
+
+    following = serve_process(tiny_model_dir, "--weights-uri", store.uri("weights")).wait_ready()
+    assert held() == {following.process.pid: ["model.safetensors"]}
+    following.process.send_signal(signal.SIGTERM)
+    following.process.wait(timeout=60)
+    assert held() == {}

@@ -202,6 +202,13 @@ class Containerd:
                 capture_output=True, text=True, check=True, env=podman_env, timeout=1800,
             )  # fmt: skip
             result = self.ctr("images", "import", str(archive), timeout=1800)
+            if result.returncode != 0 and snapshot_vanished(result.stderr):
+                # Seen once after another session's prune: the unpack found a layer's
+                # snapshot that containerd's garbage collector then removed. The second
+                # import unpacks it again.
+                log.warning("real node: importing %s failed (%s); once more", ref,
+                            result.stderr.strip()[-300:])  # fmt: skip
+                result = self.ctr("images", "import", str(archive), timeout=1800)
         finally:
             archive.unlink(missing_ok=True)
         if result.returncode != 0:
@@ -211,3 +218,16 @@ class Containerd:
         self._imported_dir.mkdir(parents=True, exist_ok=True)
         stamp.write_text(image_id)
         return time.monotonic() - started
+
+
+def snapshot_vanished(stderr: str) -> bool:
+    """Whether ``ctr images import`` failed on a layer snapshot that containerd's garbage
+    collector removed during the unpack (worth one more import), as seen on 2026-12-06.
+
+    >>> snapshot_vanished('ctr: failed to unpack: apply layer error: parent snapshot '
+    ...                   'sha256:9f1e... does not exist: not found')
+    True
+    >>> snapshot_vanished("ctr: content digest sha256:ab...: not found")
+    False
+    """
+    return "snapshot" in stderr and "does not exist" in stderr
