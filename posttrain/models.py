@@ -387,6 +387,7 @@ def _resolve_packaged(model_id: str, *, progress: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}.", dir=dest.parent))
     try:
         convert_gguf_to_safetensors(gguf, tmp, progress=progress)
+        _return_freed_memory()
         if not is_hf_model_dir(tmp):  # never publish a directory no loader can read
             present = ", ".join(sorted(p.name for p in tmp.iterdir())) or "nothing"
             raise RuntimeError(
@@ -402,6 +403,25 @@ def _resolve_packaged(model_id: str, *, progress: bool) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _return_freed_memory() -> None:
+    """Give the heap the conversion freed back to the OS (glibc keeps it otherwise).
+
+    Dequantising holds two copies of the model; once they are freed, glibc's malloc keeps
+    most of that heap mapped, so the process that converted stays about 0.8 GB larger (the
+    KubeRay head's ``posttrain run`` driver, which then only waits for Ray Train, held 1.04 GB
+    beside its rank 0 in a 4 GiB pod, and Ray's memory monitor killed rank 0 at step 1).
+    ``malloc_trim(0)`` returns the free pages: measured here, 1325 MB after the conversion,
+    763 MB after the trim, 548 MB with torch and transformers imported and nothing converted.
+    A no-op where the C library is not glibc.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True) -> Path:
