@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from posttrain.api.env import CACHE
 from posttrain.errors import UsageError
@@ -386,6 +387,12 @@ def _resolve_packaged(model_id: str, *, progress: bool) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_id}.", dir=dest.parent))
     try:
         convert_gguf_to_safetensors(gguf, tmp, progress=progress)
+        _return_freed_memory()
+        if not is_hf_model_dir(tmp):  # never publish a directory no loader can read
+            present = ", ".join(sorted(p.name for p in tmp.iterdir())) or "nothing"
+            raise RuntimeError(
+                f"converting {gguf.name} wrote no config.json + *.safetensors (wrote: {present})"
+            )
         try:
             tmp.rename(dest)
         except OSError:
@@ -396,6 +403,25 @@ def _resolve_packaged(model_id: str, *, progress: bool) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _return_freed_memory() -> None:
+    """Give the heap the conversion freed back to the OS (glibc keeps it otherwise).
+
+    Dequantising holds two copies of the model; once they are freed, glibc's malloc keeps
+    most of that heap mapped, so the process that converted stays about 0.8 GB larger (the
+    KubeRay head's ``posttrain run`` driver, which then only waits for Ray Train, held 1.04 GB
+    beside its rank 0 in a 4 GiB pod, and Ray's memory monitor killed rank 0 at step 1).
+    ``malloc_trim(0)`` returns the free pages: measured here, 1325 MB after the conversion,
+    763 MB after the trim, 548 MB with torch and transformers imported and nothing converted.
+    A no-op where the C library is not glibc.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True) -> Path:
@@ -433,12 +459,46 @@ def convert_gguf_to_safetensors(gguf: Path, dest: Path, *, progress: bool = True
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing} unexpected={unexpected}")
     if fresh.generation_config is not None and tokenizer.eos_token_id is not None:
         fresh.generation_config.eos_token_id = tokenizer.eos_token_id
-    dest.mkdir(parents=True, exist_ok=True)
     say("writing safetensors to %s", dest)
     with still_working(f"writing {dest.name}", emit=say):
-        fresh.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
+        save_hf_dir(fresh, tokenizer, dest)
     say("converted %s in %.1fs", gguf.name, time.monotonic() - started)
+    return dest
+
+
+def save_hf_dir(model: Any, tokenizer: Any, dest: Path) -> Path:
+    """Write ``model`` (config, generation config, one safetensors file) and ``tokenizer``
+    into ``dest`` as a Hugging Face model directory, in whatever process calls it.
+
+    Not ``model.save_pretrained``: in a process that has joined a torch.distributed group as
+    a rank other than 0, transformers takes every save for part of a distributed checkpoint
+    and writes nothing but the directory (``should_save_on_this_rank``), while the tokenizer
+    is still saved. Under Ray Train a rank has joined the group before it runs, and the rank
+    on a Ray worker node converts the packaged model into its own pod's cache: it got a
+    directory with tokenizer files and no config.json or weights, and then failed with
+    "Unrecognized model ... Should have a model_type key in its config.json" (found by the
+    real KubeRay operator on the real node; docs/real-node.md, "KubeRay and Kueue"). A model
+    directory of this node's cache is no checkpoint shard: every rank writes all of it.
+
+    Tied parameters (SmolLM2's ``lm_head`` is its input embedding) are stored once, under
+    their first name, as ``save_pretrained`` stores them; loading ties them again.
+    """
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(model.dtype).removeprefix("torch.")
+    model.config.save_pretrained(dest)
+    if model.can_generate() and model.generation_config is not None:
+        model.generation_config.save_pretrained(dest)
+    tensors, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() in stored:  # tied to a tensor already stored
+            continue
+        stored.add(tensor.data_ptr())
+        tensors[name] = tensor.detach().contiguous()
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(dest)
     return dest
 
 
@@ -534,8 +594,4 @@ def make_tiny_model(
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(dest, safe_serialization=True)
-    tokenizer.save_pretrained(dest)
-    return dest
+    return save_hf_dir(model, tokenizer, Path(dest))

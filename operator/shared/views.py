@@ -48,6 +48,7 @@ class PodView:
     waiting_reason: str = ""  # main container waiting, e.g. CrashLoopBackOff
     last_message: str = ""  # main container's last termination message
     init_failure: str = ""  # a failed init container's termination message (or reason)
+    finalizers: tuple[str, ...] = ()  # metadata.finalizers
 
     @property
     def finished(self) -> bool:
@@ -97,6 +98,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         reason=status.get("reason") or "",
         message=status.get("message") or "",
         deleting=bool(meta.get("deletionTimestamp")),
+        finalizers=tuple(meta.get("finalizers") or ()),
         ready=ready,
         terminated=terminated,
         start_time=_time(status.get("startTime")),

@@ -23,6 +23,7 @@ from . import evaluator, sandbox_runner
 from .decision import ConditionChange, Decision, pods_to_delete_at_the_end, run_failed
 from .gang import RayClusterView, plan_gang, pod_gang, ray_cluster_gang
 from .kueue import WorkloadView, workload_name
+from .raycluster import HEAD_OUTCOME_FINALIZER
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,9 @@ def plan_training_run(
     The phases (:func:`_decide`) each return an immutable :class:`.decision.Decision`; the
     status is calculated once from all of them (:func:`_calculate`).
     """
-    live = tuple(p for p in pods if not p.deleting)
+    # A deleted pod no longer counts, except a KubeRay head held for its outcome: KubeRay
+    # deletes it as soon as rank 0's container ends (raycluster.HEAD_OUTCOME_FINALIZER).
+    live = tuple(p for p in pods if not p.deleting or HEAD_OUTCOME_FINALIZER in p.finalizers)
     clusters = None if ray_clusters is None else tuple(c for c in ray_clusters if not c.deleting)
     if run.status.phase in TERMINAL:
         return _ended(incarnation, live, clusters or (), kueue)

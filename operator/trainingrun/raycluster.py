@@ -41,6 +41,15 @@ RAY_NODE_TYPE_LABEL = "ray.io/node-type"
 RAY_WORKER_RAYLET_PORT = 6380
 
 
+# On the head pod (rank 0): KubeRay deletes a pod of restartPolicy Never as soon as its Ray
+# container has terminated, exit 0 included ("unable to restart due to its restart policy"),
+# and replaces it; rank 0's exit is how the operator learns that the run succeeded or
+# failed. This finalizer keeps the deleted head readable until the operator has seen its
+# terminal phase (the Job controller's pod-tracking finalizer, for the same reason); the
+# reconciler removes it (TrainingRunReconciler._release_heads).
+HEAD_OUTCOME_FINALIZER = "posttrain.io/trainer-outcome"
+
+
 def _ray_probes(port: int) -> dict[str, Any]:
     """readiness + liveness as tcpSocket checks of a Ray port.
 
@@ -124,6 +133,7 @@ def build_ray_cluster(
         run, config, incarnation, 1, rollout_endpoints, head_host=host, rollout_dtype=rollout_dtype
     )
     head = _pod_template(head_pod)
+    head["metadata"]["finalizers"] = [HEAD_OUTCOME_FINALIZER]
     # KubeRay's head Service exposes the head container's ports: GCS and torch.distributed.
     head["spec"]["containers"][0]["ports"] = [
         {"name": "gcs-server", "containerPort": config.ray_port},

@@ -48,10 +48,10 @@ class TrainingRunReconciler:
     def reconcile(self, namespace: str, name: str) -> None:
         state = self.state
         body = state.runs.get(namespace, name)
-        if body is None:
-            return
-        if (body.get("metadata") or {}).get("deletionTimestamp"):
-            if finalizer.has_finalizer(body):
+        if body is None or (body.get("metadata") or {}).get("deletionTimestamp"):
+            # Its RayCluster goes with it: nobody waits for its head's outcome any more.
+            self._release_heads(namespace, state.trainer_pods.children(namespace, name), True)
+            if body is not None and finalizer.has_finalizer(body):
                 with state.reconciling(KIND, namespace, name):
                     self._finalize(state.runs.get(namespace, name) or body)
             return
@@ -132,6 +132,35 @@ class TrainingRunReconciler:
         state.emit(body, plan.events)
         for api_version, kind, child in plan.release:
             state.kube.delete(api_version, kind, namespace, child)
+        # After the status patch: the outcome a terminating head showed is recorded now.
+        finished = (state.runs.get(namespace, run.metadata.name) or body).get("status", {})
+        self._release_heads(
+            namespace,
+            state.trainer_pods.children(namespace, run.metadata.name),
+            (finished or {}).get("phase") in TERMINAL,
+        )
+
+    def _release_heads(self, namespace: str, pods: list[Body], run_finished: bool) -> None:
+        """Remove :data:`raycluster.HEAD_OUTCOME_FINALIZER` from deleted head pods once the
+        kubelet has moved them to a terminal phase (the plan has then seen rank 0's outcome),
+        or whatever their phase once the run is finished or gone (a head whose node went
+        away never gets one)."""
+        for pod in pods:
+            meta = pod.get("metadata") or {}
+            finalizers = meta.get("finalizers") or []
+            if raycluster.HEAD_OUTCOME_FINALIZER not in finalizers or not meta.get(
+                "deletionTimestamp"
+            ):
+                continue
+            if not run_finished and (pod.get("status") or {}).get("phase") not in TERMINAL:
+                continue
+            keep = [f for f in finalizers if f != raycluster.HEAD_OUTCOME_FINALIZER]
+            ref = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"name": meta["name"], "namespace": namespace}}  # fmt: skip
+            try:
+                self.state.kube.patch(ref, {"metadata": {"finalizers": keep or None}})
+            except KubeError as exc:  # gone already, or the next event retries
+                log.debug("releasing %s/%s: %s", namespace, meta["name"], exc)
 
     def _create_gang(
         self, run: TrainingRun, config: OperatorConfig, plan: RunPlan, kueue: KueueGate | None
@@ -247,6 +276,7 @@ class TrainingRunReconciler:
                 own.append(pod)
                 continue
             if _controller_kind(pod) == "RayCluster":
+                self._release_heads(namespace, [pod], True)  # an earlier run's: not waited on
                 continue
             pod_name = pod["metadata"]["name"]
             log.info(

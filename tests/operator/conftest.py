@@ -121,8 +121,11 @@ def set_pod_terminated(
     exit_code: int,
     message: str = "",
     reason: str | None = None,
+    phase: str | None = None,
 ) -> None:
-    """Play the kubelet: the main container ended with ``exit_code`` and a termination message."""
+    """Play the kubelet: the main container ended with ``exit_code`` and a termination message;
+    the pod's phase follows from it unless ``phase`` says otherwise (the kubelet may report the
+    terminated container while the pod is still Running)."""
     terminated = {
         "exitCode": exit_code,
         "reason": reason or ("Completed" if exit_code == 0 else "Error"),
@@ -131,7 +134,7 @@ def set_pod_terminated(
         "finishedAt": "2026-01-01T00:00:02Z",
     }
     status = {
-        "phase": "Succeeded" if exit_code == 0 else "Failed",
+        "phase": phase or ("Succeeded" if exit_code == 0 else "Failed"),
         "containerStatuses": [
             {
                 "name": "main",

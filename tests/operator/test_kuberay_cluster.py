@@ -146,7 +146,15 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
         },
         "spec": template["spec"],
     }
+    # The template's metadata as KubeRay copies it onto the pod: labels and finalizers.
+    pod["metadata"]["finalizers"] = template["metadata"].get("finalizers", [])
     kube.create_or_adopt(pod)
+    # As on the real node: the kubelet reports the trainer container terminated (exit 0) while
+    # the pod is still Running; KubeRay deletes a head whose Ray container terminated (restart
+    # policy Never) at once; the kubelet then moves the deleted pod to Succeeded. Without the
+    # head's finalizer the pod is gone before that, and the run never learnt it succeeded.
+    set_pod_terminated(kube, namespace, "mr-g0-head-abcde", 0, phase="Running")
+    kube.delete("v1", "Pod", namespace, "mr-g0-head-abcde")
     set_pod_terminated(kube, namespace, "mr-g0-head-abcde", 0)
     done = wait_for(
         lambda: (s := run_status(kube, namespace, "mr")).get("phase") == "Succeeded" and s,
@@ -154,6 +162,11 @@ def test_multi_node_run_becomes_one_ray_cluster_mapped_into_status(
     )
     assert done["restarts"] == 0
     wait_for(lambda: ray_cluster(kube, namespace, "mr-g0") is None, what="RayCluster deleted")
+    # The operator lets the head go once its outcome is recorded.
+    wait_for(
+        lambda: kube.get("v1", "Pod", namespace, "mr-g0-head-abcde") is None,
+        what="the head pod released and gone",
+    )
 
 
 def test_failed_ray_cluster_is_recreated_then_fails_the_run_past_backoff_limit(
