@@ -509,9 +509,21 @@ def test_vllm_pool_on_the_rollout_image_serves_through_its_service_and_takes_the
 
     ns = installed
     assert real_cluster.containerd is not None
-    # The session's node leaves the rollout image out (7 GB); imported once, then kept.
-    imported = real_cluster.containerd.import_from_podman(image_ref("rollout"), podman_env())
+    # The session's node leaves the rollout image out (7 GB, and as much again unpacked):
+    # imported for this test, removed after it, so the disk keeps room for MinIO.
+    containerd = real_cluster.containerd
+    imported = containerd.import_from_podman(image_ref("rollout"), podman_env())
     print(f"rollout image on the node (import took {imported:.0f} s)", flush=True)
+    try:
+        _vllm_pool_serves_and_takes_weights(ns, node_kubectl, real_cluster)
+    finally:
+        removed = containerd.remove_image(image_ref("rollout"))
+    assert image_ref("rollout") in removed and image_ref("rollout") not in containerd.images()
+
+
+def _vllm_pool_serves_and_takes_weights(
+    ns: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
     pool, run = yaml.safe_load_all((REPO_ROOT / "examples" / "dev-vllm-run.yaml").read_text())
     pool_name, run_name = pool["metadata"]["name"], run["metadata"]["name"]
     pool["spec"]["resources"]["cpu"] = VLLM_POOL_CPU

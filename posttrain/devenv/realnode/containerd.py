@@ -157,6 +157,21 @@ class Containerd:
         lines = self.ctr("images", "ls").stdout.splitlines()[1:]
         return {cols[0]: cols[2] for line in lines if len(cols := line.split()) >= 3}
 
+    def remove_image(self, ref: str) -> list[str]:
+        """Remove ``ref`` and the CRI plugin's ID name of the same image, waiting for the
+        garbage collector to free its content and snapshots (the rollout image's 7 GB, say,
+        once the one test that runs it is done); the removed names."""
+        images = self.images()
+        digest = images.get(ref)
+        if digest is None:
+            return []
+        names = [name for name, d in images.items()
+                 if d == digest and (name == ref or name.startswith("sha256:"))]  # fmt: skip
+        result = self.ctr("images", "rm", "--sync", *names, timeout=600)
+        if result.returncode != 0:
+            log.warning("real node: removing %s failed: %s", names, result.stderr[-500:])
+        return names
+
     def prune(self, keep: Sequence[str], prefixes: Sequence[str]) -> list[str]:
         """Remove names under ``prefixes`` that are not in ``keep`` (an older tag), and ID
         names (``sha256:...``) whose image no other name points to any more (a rebuilt
