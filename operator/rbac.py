@@ -132,14 +132,19 @@ TRAINER_RULES: list[Rule] = [
 ]
 
 
-def cluster_role(name: str = "posttrain-operator") -> dict[str, Any]:
-    """The operator's ClusterRole manifest."""
+def _role(kind: str, name: str, rules: list[Rule]) -> dict[str, Any]:
+    """A ClusterRole or Role manifest labelled as the operator's."""
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
+        "kind": kind,
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "posttrain-operator"}},
-        "rules": OPERATOR_RULES,
+        "rules": rules,
     }
+
+
+def cluster_role(name: str = "posttrain-operator") -> dict[str, Any]:
+    """The operator's ClusterRole manifest."""
+    return _role("ClusterRole", name, OPERATOR_RULES)
 
 
 def rbac_yaml(name: str = "posttrain-operator") -> str:
@@ -150,22 +155,11 @@ def rbac_yaml(name: str = "posttrain-operator") -> str:
     the trainer's rules (the operator itself creates per-run Roles from the same rules); the
     third the Role to bind in the operator's own namespace for leader election.
     """
-    trainer = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "ClusterRole",
-        "metadata": {
-            "name": f"{name}-trainer-template",
-            "labels": {"app.kubernetes.io/name": "posttrain-operator"},
-        },
-        "rules": TRAINER_RULES,
-    }
-    leader_election = {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": {
-            "name": f"{name}-leader-election",
-            "labels": {"app.kubernetes.io/name": "posttrain-operator"},
-        },
-        "rules": LEADER_ELECTION_RULES,
-    }
-    return yaml.safe_dump_all([cluster_role(name), trainer, leader_election], sort_keys=False)
+    return yaml.safe_dump_all(
+        [
+            cluster_role(name),
+            _role("ClusterRole", f"{name}-trainer-template", TRAINER_RULES),
+            _role("Role", f"{name}-leader-election", LEADER_ELECTION_RULES),
+        ],
+        sort_keys=False,
+    )

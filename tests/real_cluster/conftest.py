@@ -38,14 +38,20 @@ def missing_requirements() -> list[str]:
     return [str(item) for item in missing_for_real_node(image_refs(NODE_IMAGES))]
 
 
-@pytest.fixture(scope="session")
-def real_cluster() -> Iterator[RealCluster]:
+def require_real_node() -> None:
+    """Skip when this machine cannot start the real node, naming what it lacks; fail
+    instead where `make test` set it up (POSTTRAIN_REQUIRE_REAL_CLUSTER=1)."""
     missing = missing_requirements()
     if missing:
         why = f"the real node cannot start: missing {'; '.join(missing)} (make test provides them)"
         if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
             pytest.fail(why)
         pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def real_cluster() -> Iterator[RealCluster]:
+    require_real_node()
     workdir = Path(tempfile.mkdtemp(prefix="posttrain-node-"))
     # The images these tests run (`dev up`'s default set); the rollout image (7 GB) is
     # imported by the one test that runs a vLLM pool (test_chart.py).

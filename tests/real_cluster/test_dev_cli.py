@@ -18,7 +18,7 @@ import pytest
 from posttrain.devenv.binaries import client_binary
 from posttrain.devenv.realnode.cluster import leftovers, running_nodes
 
-from .conftest import missing_requirements
+from .conftest import require_real_node
 
 pytestmark = [pytest.mark.real_cluster, pytest.mark.timeout(1800)]
 
@@ -35,12 +35,7 @@ def dev_dir() -> Iterator[Path]:
 
 
 def test_dev_up_real_node_status_and_down_leave_nothing(dev_dir: Path) -> None:
-    missing = missing_requirements()
-    if missing:
-        why = f"the real node cannot start: missing {'; '.join(missing)}"
-        if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    require_real_node()
     assert not running_nodes(), f"a real node is already running from {running_nodes()}"
     env = {**os.environ, "POSTTRAIN_DEV_DIR": str(dev_dir / "dev")}
     posttrain = [sys.executable, "-m", "posttrain.cli"]

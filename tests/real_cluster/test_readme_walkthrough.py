@@ -30,7 +30,7 @@ from posttrain.devenv.realnode.cluster import leftovers, running_nodes
 from posttrain.processes import wait_for
 
 from ..docblocks import bash_block, processes_of, running
-from .conftest import missing_requirements
+from .conftest import require_real_node
 
 pytestmark = [pytest.mark.real_cluster, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -62,12 +62,7 @@ def test_values_dev_names_the_minio_image_build_sh_makes() -> None:
 def test_the_readme_walkthrough_trains_on_the_real_node_and_dev_down_leaves_nothing(
     dev_dir: Path, tmp_path: Path
 ) -> None:
-    missing = missing_requirements()
-    if missing:
-        why = f"the real node cannot start: missing {'; '.join(missing)}"
-        if os.environ.get("POSTTRAIN_REQUIRE_REAL_CLUSTER") == "1":
-            pytest.fail(why)
-        pytest.skip(why)
+    require_real_node()
     assert not running_nodes(), f"a real node is already running from {running_nodes()}"
     venv_bin = REPO_ROOT / ".venv" / "bin"
     if not (venv_bin / "activate").exists():
