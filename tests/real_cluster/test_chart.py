@@ -338,7 +338,11 @@ def _check_rewards_match_the_local_executor(
     local = build_verification(SandboxPolicy(mode="local")).verify
     for record in records:
         expected = local("unit_tests", record["completion"], by_id[record["task_id"]].to_dict(), {})
-        assert record["reward"] == pytest.approx(expected.reward), (record, expected.details)
+        assert record["reward"] == pytest.approx(expected.reward), (
+            f"completion {record['completion']!r}\nin the cluster: "
+            f"{json.dumps(record.get('verifier'))[:4000]}\nlocal executor: "
+            f"{json.dumps(expected.details, default=str)[:4000]}"
+        )
     return records
 
 
