@@ -351,6 +351,11 @@ class SandboxPolicy(ApiModel):
     mode."""
     max_concurrency: int = Field(default=2, ge=1)
     """Executions the trainer has in flight at once (and the slots of the operator's runner)."""
+    task_cpu: str = Field(default="1", pattern=QUANTITY)
+    """CPU of each SandboxTask pod in task mode (request = limit, Guaranteed QoS); unused in
+    the other modes. ``maxConcurrency`` pods run at once, so ``maxConcurrency x taskCpu``
+    must fit beside the trainer: on a 2-CPU node with a 1-CPU trainer and a CPU pool, one
+    core per execution never schedules."""
     runtime_class_name: str | None = None
     """RuntimeClass (gvisor, kata) of the SandboxTask pods (task) and of the operator's runner
     pods (runner without runnerUrl); unset: the operator's default for sandbox pods."""

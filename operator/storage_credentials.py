@@ -38,7 +38,11 @@ KIND_CREDENTIALS = "ScopedCredentials"  # the parent label of count_child's metr
 
 def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
     """What a run's pods may touch: its own storage prefix (read-write; the object's, by uid),
-    what spec.resumeFrom names (read) and an ``s3://`` model (read).
+    what spec.resumeFrom names (read), an ``s3://`` model (read) and, in ``sandbox.mode:
+    task``, the sandbox logs of its namespace (read): the trainer reads each SandboxTask's
+    output from ``status.logsUri`` with these keys. Sandbox artifacts are keyed by namespace
+    (``<sandbox_artifacts_uri>/<ns>/<task>/...``); the task names are not known in advance,
+    and the namespace is the boundary its SandboxTasks already share.
 
     >>> from posttrain.api import TrainingRun
     >>> run = TrainingRun.model_validate({"metadata": {"name": "demo", "namespace": "ns",
@@ -46,6 +50,9 @@ def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
     ...     {"name": "d", "dataset": "builtin:arithmetic", "verifier": {"kind": "numeric"}}]}})
     >>> run_grants(run, OperatorConfig(s3_bucket="b"))
     [Grant(bucket='b', prefix='runs/ns/demo/u1', write=True), Grant(bucket='b', prefix='runs/ns/demo', write=False)]
+    >>> run.spec.sandbox.mode = "task"
+    >>> run_grants(run, OperatorConfig(s3_bucket="b", sandbox_artifacts_uri="s3://art/sb/"))[-1]
+    Grant(bucket='art', prefix='sb/ns', write=False)
     """
     grants = [Grant.for_uri(run_storage_uri(run, config), write=True)]
     source = resume_source_uri(run, config)
@@ -53,6 +60,10 @@ def run_grants(run: TrainingRun, config: OperatorConfig) -> list[Grant]:
         grants.append(Grant.for_uri(source, write=False))
     if run.spec.model.startswith("s3://"):
         grants.append(Grant.for_uri(run.spec.model, write=False))
+    artifacts = config.sandbox_artifacts_uri
+    if run.spec.sandbox.mode == "task" and artifacts:
+        namespace = run.metadata.namespace
+        grants.append(Grant.for_uri(f"{artifacts.rstrip('/')}/{namespace}", write=False))
     return grants
 
 

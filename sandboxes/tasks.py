@@ -43,12 +43,16 @@ class SandboxConfigError(SandboxError):
 
 
 def read_s3_text(uri: str) -> str:
-    """The text of one object, with the trainer's own S3 credentials (``AWS_*`` env)."""
+    """The text of one object, with the trainer's own S3 credentials (``AWS_*`` env).
+
+    The store is opened at the object's own folder: opening it checks the bucket as
+    narrowly as it works, and a run's scoped keys (storage.scopedCredentials) may list
+    under its namespace's sandbox logs but not HEAD the bucket."""
     from posttrain.storage.store import open_store
 
-    bucket, _, key = uri[len("s3://") :].partition("/")
-    store = open_store(f"s3://{bucket}", create_bucket=False)
-    return store.get_bytes(key).decode("utf-8", errors="replace")
+    folder, _, name = uri.rpartition("/")
+    store = open_store(folder, create_bucket=False)
+    return store.get_bytes(name).decode("utf-8", errors="replace")
 
 
 class SandboxTaskRunner:
@@ -62,6 +66,7 @@ class SandboxTaskRunner:
         api: Any | None = None,
         read_log: Callable[[str], str] = read_s3_text,
         runtime_class_name: str | None = None,
+        cpu: str = "1",
         name_prefix: str = "verify",
         start_timeout_s: float = 120.0,
         finish_margin_s: float = 120.0,
@@ -71,7 +76,8 @@ class SandboxTaskRunner:
         trainer are garbage-collected with the run. ``start_timeout_s``: how long a task may
         stay unstarted (pod not scheduled, image pulling) before that counts as the sandbox
         being unavailable. ``finish_margin_s``: time beyond the execution's own timeout for
-        the entrypoint's upload and the status to arrive."""
+        the entrypoint's upload and the status to arrive. ``cpu``: each task pod's CPU
+        (``spec.sandbox.taskCpu``); the memory is the request's own ``memory_mb``."""
         if api is None:
             api = custom_objects_api()
         self.api = api
@@ -79,6 +85,7 @@ class SandboxTaskRunner:
         self.owner = owner
         self.read_log = read_log
         self.runtime_class_name = runtime_class_name
+        self.cpu = cpu
         self.name_prefix = name_prefix
         self.start_timeout_s = start_timeout_s
         self.finish_margin_s = finish_margin_s
@@ -87,17 +94,17 @@ class SandboxTaskRunner:
     def body(self, name: str, request: ExecRequest) -> dict[str, Any]:
         """The SandboxTask for ``request``.
 
-        >>> r = SandboxTaskRunner("ns", api=object())
+        >>> r = SandboxTaskRunner("ns", api=object(), cpu="200m")
         >>> spec = r.body("t", ExecRequest(["python3", "x.py"], timeout_s=2.5,
         ...                                memory_mb=256))["spec"]
-        >>> spec["timeoutSeconds"], spec["resources"]["memory"], spec["network"]
-        (3, '256Mi', 'none')
+        >>> spec["timeoutSeconds"], spec["resources"], spec["network"]
+        (3, {'cpu': '200m', 'memory': '256Mi'}, 'none')
         """
         spec: dict[str, Any] = {
             "command": list(request.command),
             "files": dict(request.files),
             "timeoutSeconds": max(1, math.ceil(request.timeout_s)),
-            "resources": {"cpu": "1", "memory": f"{request.memory_mb}Mi"},
+            "resources": {"cpu": self.cpu, "memory": f"{request.memory_mb}Mi"},
             "network": "egress" if request.network == "host" else "none",
             # One more pod when the sandbox (not the program) fails: eviction, start error.
             "retries": 1,

@@ -71,7 +71,9 @@ def _raise_timeout(signum: int, frame: object) -> None:
 
 
 def _run_case(index: int, solution: str, setup: str, case: dict, timeout: float) -> dict:
-    output_path = f"/tmp/case-{index}.out"
+    # $TMPDIR, not /tmp: a SandboxTask pod's root (and /tmp) is read-only and its TMPDIR is the
+    # writable workdir; opening /tmp there failed in every child (each case "exited early").
+    output_path = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"case-{index}.out")
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:

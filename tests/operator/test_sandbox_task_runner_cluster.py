@@ -82,6 +82,7 @@ def test_a_finished_task_is_an_exec_result_read_from_its_stored_log(
         namespace,
         logs={uri: "some output\n__RESULT__ [1]\n"},
         runtime_class_name="gvisor",
+        cpu="500m",
     )
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(r.run, REQUEST)
@@ -101,10 +102,45 @@ def test_a_finished_task_is_an_exec_result_read_from_its_stored_log(
     assert "__RESULT__ [1]" in result.stdout
     spec = task["spec"]
     assert spec["command"] == REQUEST.command and spec["files"] == REQUEST.files
-    assert (spec["timeoutSeconds"], spec["resources"]["memory"]) == (5, "300Mi")
+    assert spec["timeoutSeconds"] == 5
+    assert (spec["resources"]["cpu"], spec["resources"]["memory"]) == ("500m", "300Mi")
     assert (spec["network"], spec["runtimeClassName"]) == ("none", "gvisor")
     # Read once, then deleted: nothing piles up in etcd.
     wait_for(lambda: tasks(kube, namespace) == [], what="the task deleted")
+
+
+def test_task_mode_gives_each_task_pod_the_runs_task_cpu(
+    served: None,
+    kube: Any,
+    namespace: str,
+    kubeconfig: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """spec.sandbox.taskCpu reaches every SandboxTask the trainer creates (its pod's request
+    and limit): with the fixed 1 CPU of before, task pods never scheduled on a 2-CPU node
+    beside a 1-CPU trainer and a CPU pool (tests/real_cluster/test_chart.py runs that)."""
+    from kubernetes import client, config
+
+    from posttrain.api.env import TrainerEnv
+    from posttrain.api.trainingrun import SandboxPolicy
+    from posttrain.trainer.rewards.verification import build_verification
+
+    # The trainer's own path to the apiserver: kubeconfig, as outside a pod (the library
+    # reads $KUBECONFIG once, at import). The default configuration it sets is put back.
+    monkeypatch.setattr(config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.setattr(client.Configuration, "_default", client.Configuration._default)
+    policy = SandboxPolicy.model_validate({"mode": "task", "taskCpu": "250m"})
+    verification = build_verification(
+        policy, contract=TrainerEnv(run_namespace=namespace, run_name="r")
+    )
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(verification.executor.run, REQUEST)
+        task = play_operator(kube, namespace, {"phase": "Failed", "reason": "SandboxFailed"})
+        with pytest.raises(SandboxUnavailable):
+            pending.result(timeout=60)
+    resources = task["spec"]["resources"]
+    assert (resources["cpu"], resources["memory"]) == ("250m", "300Mi"), task["spec"]
+    assert task["metadata"]["name"].startswith("r-verify-"), task["metadata"]
 
 
 def test_the_sandbox_failing_is_unavailability_not_a_result(

@@ -132,3 +132,67 @@ def test_runs_and_pools_reach_only_their_prefixes_and_lose_access_when_deleted(
         timeout_s=60,
     )
     assert pool.get_object(bucket, own).read() == b"ours"  # the pool's still work
+
+
+def test_a_task_mode_runs_keys_read_its_namespaces_sandbox_logs_as_its_trainer_does(
+    crds_installed: None,
+    operator_config: OperatorConfig,
+    minio_server: MinioServer,
+    minio_env: dict[str, str],
+    namespace: str,
+    kube: KubeClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In sandbox.mode task the trainer reads each SandboxTask's output from status.logsUri
+    with its own scoped keys (sandboxes/tasks.py, read_s3_text): they read the sandbox logs
+    of the run's namespace, not another namespace's, and a run in another mode gets no such
+    grant. Before, the keys had no grant there and the read checked the bucket with a HEAD
+    the keys may not send: every execution of a task-mode run was "unavailable"."""
+    from posttrain.sandboxes.tasks import read_s3_text
+    from posttrain.storage.errors import StorageAuthError
+
+    bucket = f"sblogs-{namespace}"[:63]
+    root = minio_server.client()
+    root.make_bucket(bucket)
+    config = operator_config.model_copy(
+        update={
+            "s3_endpoint": minio_server.endpoint,
+            "s3_bucket": bucket,
+            "s3_scoped_credentials": True,
+            "sandbox_artifacts_uri": f"s3://{bucket}/sandboxes",
+        }
+    )
+    ours = f"sandboxes/{namespace}/tk-verify-0123/1/logs.txt"
+    theirs = "sandboxes/elsewhere/tk-verify-0123/1/logs.txt"
+    for key in (ours, theirs):
+        root.put_object(bucket, key, io.BytesIO(b"all tests passed\n"), 17)
+    op = OperatorThread(config).start()
+    try:
+        create_cr(kube, "trainingruns", namespace, run_body("tk", sandbox={"mode": "task"}))
+        local = create_cr(
+            kube, "trainingruns", namespace, run_body("lc", sandbox={"mode": "local"})
+        )
+        task_keys = keys_of(kube, namespace, "tk-run-s3")
+        local_keys = keys_of(kube, namespace, "lc-run-s3")
+
+        def read_as(keys: tuple[str, str], key: str) -> str:
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", keys[0])
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", keys[1])
+            try:
+                return read_s3_text(f"s3://{bucket}/{key}")
+            except StorageAuthError as exc:
+                return f"denied: {exc}"
+
+        # The Secret is written just before its user is granted.
+        wait_for(
+            lambda: not read_as(task_keys, ours).startswith("denied"),
+            what="the task-mode run's keys",
+        )
+        assert read_as(task_keys, ours) == "all tests passed\n"
+        assert read_as(task_keys, theirs).startswith("denied"), "another namespace's logs"
+        own = f"runs/{namespace}/lc/{local['metadata']['uid']}/probe.txt"
+        root.put_object(bucket, own, io.BytesIO(b"ok"), 2)
+        wait_for(lambda: read_as(local_keys, own) == "ok", what="the local-mode run's keys")
+        assert read_as(local_keys, ours).startswith("denied"), "a run that creates no tasks"
+    finally:
+        op.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,213 @@ def test_sandbox_task_runs_in_its_own_pod_and_uploads_its_log(
         egress = policy["spec"].get("egress", [])
         assert [p["port"] for p in egress[0]["ports"]] == [53, 53], policy
         assert egress[1]["to"] == [{"ipBlock": {"cidr": f"{real_cluster.node_ip}/32"}}], policy
+
+
+class _Watch:
+    """``kubectl get KIND -l SELECTOR --watch``: the last state seen of every object it names,
+    kept after the object is deleted (the trainer deletes each SandboxTask once it read it)."""
+
+    def __init__(self, real_cluster: RealCluster, ns: str, kind: str, selector: str) -> None:
+        self.seen: dict[str, list[dict[str, Any]]] = {}
+        self._stderr: str | None = None
+        self._process = subprocess.Popen(
+            [str(client_binary("kubectl")), "--kubeconfig", str(real_cluster.kubeconfig),
+             "get", kind, "-n", ns, "-l", selector, "--watch", "--output-watch-events",
+             "-o", "json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        decoder, buffer = json.JSONDecoder(), ""
+        for line in self._process.stdout:
+            buffer += line
+            try:
+                event, end = decoder.raw_decode(buffer.lstrip())
+            except json.JSONDecodeError:
+                continue  # an event spans several lines
+            buffer = buffer.lstrip()[end:]
+            obj = event.get("object", {})
+            self.seen.setdefault(obj.get("metadata", {}).get("name", "?"), []).append(obj)
+
+    def last(self) -> dict[str, dict[str, Any]]:
+        return {name: states[-1] for name, states in list(self.seen.items())}
+
+    def stop(self) -> str:
+        """Ends the watch (again: a no-op) and returns what kubectl said on stderr."""
+        if self._stderr is None:
+            self._process.terminate()
+            self._process.wait(timeout=30)
+            self._reader.join(timeout=30)
+            assert self._process.stderr is not None
+            self._stderr = self._process.stderr.read()
+        return self._stderr
+
+
+# Task mode on this 2-CPU node: operator 100m + pool 500m + trainer 1 + two SandboxTask pods
+# of 200m each (spec.sandbox.taskCpu; the former fixed 1 CPU per task pod never scheduled).
+TASK_CPU, TASK_CONCURRENCY = "200m", 2
+
+
+def test_code_run_verified_in_sandbox_task_pods_trains_to_succeeded(
+    installed: str, node_kubectl: Kubectl, real_cluster: RealCluster
+) -> None:
+    """Issue #36: a TrainingRun with a CPU pool and a code domain (builtin:code, unit_tests)
+    in ``sandbox.mode: task``: its trainer (the run's own scoped S3 keys, its Role) creates
+    one SandboxTask per execution, each runs in a restricted pod of its own under the real
+    kubelet to a terminal phase with a reward and a stored log, the trainer reads the log
+    back, scores, deletes the task, and the run reaches Succeeded with the sandbox available.
+    The stored rewards are the local bubblewrap executor's for the same completions."""
+    ns = installed
+    pool, run = yaml.safe_load_all((REPO_ROOT / "examples" / "dev-run.yaml").read_text())
+    pool_name, run_name = "tk-pool", "tk-run"
+    pool["metadata"]["name"] = pool_name
+    run["metadata"]["name"] = run_name
+    spec = run["spec"]
+    spec["algorithm"] = {"groupSize": 2, "promptsPerStep": 1, "maxSteps": 1, "maxNewTokens": 48,
+                         "microBatchSize": 4, "dynamicSampling": False}  # fmt: skip
+    spec["domains"] = [{"name": "code", "dataset": "builtin:code",
+                        "verifier": {"kind": "unit_tests"}}]  # fmt: skip
+    spec["sandbox"] = {"mode": "task", "maxConcurrency": TASK_CONCURRENCY, "taskCpu": TASK_CPU}
+    spec["rollout"]["pool"] = pool_name
+    spec["checkpoint"] = {"everySteps": 1, "keepLast": 1}
+    spec["evaluation"]["maxItemsPerDomain"] = 1
+    prefix = f"{run_name}-verify"
+    tasks = _Watch(real_cluster, ns, "sandboxtasks", f"posttrain.io/verification-of={prefix}")
+    pods = _Watch(real_cluster, ns, "pods", "posttrain.io/component=sandbox")
+    node_kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all([pool, run]))
+
+    def describe() -> str:
+        return (node_kubectl("get", "tr,rp,sandboxtasks,pods", "-n", ns, "-o", "wide").stdout
+                + node_kubectl("logs", "-n", ns, "-l", f"posttrain.io/run={run_name}",
+                               "--tail", "40", check=False).stdout[-5000:]
+                + node_kubectl("get", "events", "-n", ns).stdout[-5000:])  # fmt: skip
+
+    assert real_cluster.minio is not None
+    minio = real_cluster.minio.client()
+    try:
+        final = wait_for(
+            f"{run_name} to finish",
+            lambda: (r := _get(node_kubectl, ns, "trainingrun", run_name))
+            .get("status", {}).get("phase") in {"Succeeded", "Failed"} and r,
+            timeout_s=1200, on_timeout=describe,
+        )  # fmt: skip
+        status = final["status"]
+        assert status["phase"] == "Succeeded", (status, describe())
+        # The trainer deletes each task once it read its result (the GC then its pod).
+        wait_for(
+            "the run's SandboxTasks to be deleted",
+            lambda: not _get(node_kubectl, ns, "sandboxtasks", "-l",
+                             f"posttrain.io/verification-of={prefix}").get("items"),
+            timeout_s=300, on_timeout=describe,
+        )  # fmt: skip
+        watch_errors = tasks.stop() + pods.stop()
+        seen_tasks = tasks.last()
+        seen_pods = {name: pod for name, pod in pods.last().items() if name.startswith(prefix)}
+        print(f"{len(seen_tasks)} SandboxTasks, {len(seen_pods)} pods; status.sandbox: "
+              f"{status.get('sandbox')}", flush=True)  # fmt: skip
+        assert seen_tasks, (watch_errors, describe())
+        # The run's status: the sandbox in task mode, available, no execution it could not do.
+        sandbox = status["sandbox"]
+        assert sandbox["mode"] == "task" and sandbox["available"] is True, sandbox
+        assert sandbox.get("endpoint") == f"SandboxTasks in namespace {ns}", sandbox
+        assert sandbox.get("infraFailures", 0) == 0, sandbox
+        (available,) = [c for c in status["conditions"] if c["type"] == "SandboxAvailable"]
+        assert available["status"] == "True", available
+        _check_sandbox_tasks(seen_tasks, seen_pods, ns, run_name, minio)
+        records = _check_rewards_match_the_local_executor(
+            real_cluster, f"runs/{ns}/{run_name}/{final['metadata']['uid']}"
+        )
+        # At least one execution (one task) per stored sample, plus the evaluation's.
+        assert len(seen_tasks) >= len(records), sorted(seen_tasks)
+    finally:
+        tasks.stop()
+        pods.stop()
+        # The run's objects and its sandbox logs, then the run and the pool.
+        artifacts_prefix = ARTIFACTS.removeprefix("s3://posttrain/")
+        for under in (f"runs/{ns}/{run_name}/", f"{artifacts_prefix}/{ns}/{prefix}-"):
+            for obj in minio.list_objects("posttrain", under, recursive=True):
+                minio.remove_object("posttrain", obj.object_name)
+        node_kubectl("delete", "trainingrun", run_name, "-n", ns, "--wait=true", timeout=300,
+                     check=False)  # fmt: skip
+        node_kubectl("delete", "rolloutpool", pool_name, "-n", ns, "--wait=true", timeout=300,
+                     check=False)  # fmt: skip
+    wait_for(
+        "the run's and pool's pods to go",
+        lambda: not _get(node_kubectl, ns, "pods", "-l", f"posttrain.io/run={run_name}")
+        .get("items")
+        and not _get(node_kubectl, ns, "pods", "-l", f"posttrain.io/pool={pool_name}")
+        .get("items"),
+        timeout_s=300, on_timeout=describe,
+    )  # fmt: skip
+
+
+def _check_sandbox_tasks(
+    seen_tasks: dict[str, dict[str, Any]],
+    seen_pods: dict[str, dict[str, Any]],
+    ns: str,
+    run_name: str,
+    minio: Any,
+) -> None:
+    """Each task the trainer's (owned by the run), finished with a reward and a stored log,
+    run in a pod of its own with the run's taskCpu under the restricted profile."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for pod in seen_pods.values():
+        by_task.setdefault(pod["metadata"]["labels"]["posttrain.io/task"], []).append(pod)
+    assert set(by_task) <= set(seen_tasks), (sorted(by_task), sorted(seen_tasks))
+    for name, task in seen_tasks.items():
+        assert name.startswith(f"{run_name}-verify-"), name
+        (owner,) = task["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"]) == ("TrainingRun", run_name), owner
+        status = task.get("status", {})
+        assert status.get("phase") in {"Succeeded", "Failed"}, task
+        assert status.get("reason") != "SandboxFailed", status
+        assert isinstance(status.get("reward"), int | float), status
+        logs_uri = status.get("logsUri", "")
+        assert logs_uri.startswith(f"{ARTIFACTS}/{ns}/{name}/"), status
+        bucket, key = logs_uri.removeprefix("s3://").split("/", 1)
+        assert minio.stat_object(bucket, key).size > 0, logs_uri
+        (pod,) = by_task.get(name) or [None]
+        assert pod is not None, (name, sorted(seen_pods))
+        assert pod["metadata"]["name"] == f"{name}-1", pod["metadata"]
+        assert pod["status"]["phase"] in {"Succeeded", "Failed"}, pod["status"]
+        assert pod["spec"]["automountServiceAccountToken"] is False, pod["spec"]
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"]["cpu"] == TASK_CPU, container["resources"]
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] and context["allowPrivilegeEscalation"] is False, context
+
+
+def _check_rewards_match_the_local_executor(
+    real_cluster: RealCluster, run_prefix: str
+) -> list[dict[str, Any]]:
+    """What the trainer stored: one prompt x two samples, each scored as the local bubblewrap
+    executor scores the same completion of the same task."""
+    from posttrain.api.trainingrun import SandboxPolicy
+    from posttrain.storage.store import S3Store
+    from posttrain.storage.trajectories import read_trajectories
+    from posttrain.trainer.data.rundata import domain_tasks
+    from posttrain.trainer.rewards.verification import build_verification
+
+    minio = real_cluster.minio
+    assert minio is not None
+    store = S3Store(minio.endpoint, "posttrain", run_prefix, access_key=minio.access_key,
+                    secret_key=minio.secret_key)  # fmt: skip
+    records = list(read_trajectories(store, "trajectories"))
+    assert len(records) == 2, records
+    train, heldout = domain_tasks("code", "builtin:code", None)
+    by_id = {t.task_id: t for t in train + heldout}
+    local = build_verification(SandboxPolicy(mode="local")).verify
+    for record in records:
+        expected = local("unit_tests", record["completion"], by_id[record["task_id"]].to_dict(), {})
+        assert record["reward"] == pytest.approx(expected.reward), (
+            f"completion {record['completion']!r}\nin the cluster: "
+            f"{json.dumps(record.get('verifier'))[:4000]}\nlocal executor: "
+            f"{json.dumps(expected.details, default=str)[:4000]}"
+        )
+    return records
 
 
 def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and_collected(

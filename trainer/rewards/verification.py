@@ -306,6 +306,7 @@ def build_verification(
                 namespace,
                 owner=_own_run_owner(namespace, name),
                 runtime_class_name=policy.runtime_class_name,
+                cpu=policy.task_cpu,
                 name_prefix=f"{name}-verify"[:40],
             )
     else:  # the API's Literal makes this unreachable for a validated spec
