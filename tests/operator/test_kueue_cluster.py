@@ -122,6 +122,19 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next((c for c in status.get("conditions") or [] if c["type"] == kind), {})
 
 
+def wait_suspended(kube: Any, namespace: str, name: str, reason: str) -> dict[str, Any]:
+    """The run's status once its Suspended condition has ``reason``."""
+    status: dict[str, Any] = wait_for(
+        lambda: (
+            (s := run_status(kube, namespace, name))
+            and condition(s, "Suspended").get("reason") == reason
+            and s
+        ),
+        what=f"Suspended/{reason}",
+    )
+    return status
+
+
 def events(kube: KubeClient, namespace: str, name: str) -> list[dict[str, Any]]:
     path = resource_path("v1", "events", namespace) + f"?fieldSelector=involvedObject.name={name}"
     items: list[dict[str, Any]] = kube.request("GET", path)[1]["items"]
@@ -188,28 +201,14 @@ def test_queued_run_stays_suspended_until_its_workload_is_admitted(
             lambda: trainer_pods(kube, namespace, "q") == ["q-g0-0", "q-g0-1"],
             what="the gang created on admission",
         )
-        admitted = wait_for(
-            lambda: (
-                (s := run_status(kube, namespace, "q"))
-                and condition(s, "Suspended").get("reason") == "Admitted"
-                and s
-            ),
-            what="Suspended=False/Admitted",
-        )
+        admitted = wait_suspended(kube, namespace, "q", "Admitted")
         assert condition(admitted, "Suspended")["status"] == "False"
         assert "posttrain" in condition(admitted, "Suspended")["message"]
 
         evict(kube, namespace, "trainingrun-q")
         wait_for(lambda: trainer_pods(kube, namespace, "q") == [], what="gang deleted on eviction")
         # The gang's deletes come before the status patch of the same reconcile: wait for it.
-        evicted = wait_for(
-            lambda: (
-                (s := run_status(kube, namespace, "q"))
-                and condition(s, "Suspended").get("reason") == "Evicted"
-                and s
-            ),
-            what="Suspended=True/Evicted",
-        )
+        evicted = wait_suspended(kube, namespace, "q", "Evicted")
         assert evicted.get("restarts", 0) == 0  # preemption is not a failure
 
         admit(kube, namespace, "trainingrun-q", 2)
