@@ -1,9 +1,9 @@
-"""The informer callbacks and Kopf's start-up/clean-up handlers: register, log, delegate. No
+"""The informer callbacks and the periodic resync: log, delegate. No
 decisions here (see controllers.py for where each event goes, each kind's package for what
 it does).
 
-Kopf watches nothing any more (it still runs the login and the resync task; which replica
-works is the Lease's, leader.py). Our informers (informer.py) feed the controller's caches:
+The operator runs on its own event loop and thread pool (runtime.py); which replica works is
+the Lease's (leader.py). Our informers (informer.py) feed the controller's caches:
 SandboxTasks and labelled pods, the burst path; TrainingRuns, RolloutPools, SandboxWarmPools
 and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery finds
 their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
@@ -18,21 +18,15 @@ in S3).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
 from typing import Any
-
-import kopf
 
 from .controllers import Controller
 from .informer import Gate
 
 log = logging.getLogger(__name__)
-
-# A registry of our own (not kopf's global one), so embedding the operator in a process that
-# also uses kopf for something else, or starting it twice in tests, registers nothing twice.
-REGISTRY = kopf.OperatorRegistry()
 
 
 def _controller(memo: Any) -> Controller:
@@ -40,61 +34,35 @@ def _controller(memo: Any) -> Controller:
     return controller
 
 
-@kopf.on.login(registry=REGISTRY)
-def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
-    """Authenticate kopf with the same credentials the reconcilers use."""
-    info: kopf.ConnectionInfo = memo.credentials.connection_info()
-    return info
-
-
-@kopf.on.startup(registry=REGISTRY)
-async def start_resync(memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    """Start the periodic resync (time-based transitions, safety net for missed events)."""
-    period = memo.config.resync_seconds
-    memo.resync_task = asyncio.create_task(_resync_forever(_controller(memo), memo.gate, period))
-    logger.info("posttrain operator started; resync every %.1f s", period)
-
-
-@kopf.on.cleanup(registry=REGISTRY)
-async def stop_resync(memo: Any, **_: Any) -> None:
-    task = getattr(memo, "resync_task", None)
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    memo.events.close()
-    _controller(memo).state.kube.close()
-
-
-async def _resync_forever(controller: Controller, gate: Gate, period: float) -> None:
-    """Resync every ``period`` while this replica works (a standby's caches are stale)."""
+async def resync_forever(
+    controller: Controller, gate: Gate, period: float, executor: Executor
+) -> None:
+    """Resync every ``period`` while this replica works (a standby's caches are stale): the
+    time-based transitions and the safety net for missed events (started by
+    runtime.run_async, cancelled at shutdown)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period)
         if not gate.is_open():
             continue
-        # copy_context: kopf's event poster lives in context variables the thread needs.
-        context = contextvars.copy_context()
         try:
-            await loop.run_in_executor(None, context.run, controller.resync)
+            await loop.run_in_executor(executor, controller.resync)
         except Exception:
             log.exception("resync failed; retrying in %.1f s", period)
 
 
 async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
-    """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
+    """Run blocking reconcile work on the operator's thread pool (runtime.run_async).
 
     The informer callbacks cache an event, and drop the echo of our own write, on the event
     loop: in a burst half of all events are such echoes, and a thread hop each cost more
     than the work.
     """
-    context = contextvars.copy_context()
-    await asyncio.get_running_loop().run_in_executor(
-        getattr(memo, "executor", None), context.run, work
-    )
+    await asyncio.get_running_loop().run_in_executor(memo.executor, work)
 
 
 # ------------------------------------------------------------ informers (informer.py)
-# Every watched kind: lean informers feed these callbacks on kopf's event loop, in stream
+# Every watched kind: lean informers feed these callbacks on the operator's event loop, in stream
 # order (see runtime.build_informers, runtime.OptionalInformers and docs/operator.md, "Burst
 # path" and "One event path").
 
@@ -207,7 +175,7 @@ def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
     """Run ``work`` as a task of its own; its failure is logged (the failed reconcile has
-    requeued its object with backoff), like a kopf on.event handler's."""
+    requeued its object with backoff)."""
     task = asyncio.create_task(work)
     memo.inflight.add(task)
     task.add_done_callback(lambda done: _finished(memo, done))
