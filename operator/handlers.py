@@ -6,8 +6,9 @@ The operator runs on its own event loop and thread pool (runtime.py); which repl
 the Lease's (leader.py). Our informers (informer.py) feed the controller's caches:
 SandboxTasks and labelled pods, the burst path; TrainingRuns, RolloutPools, SandboxWarmPools
 and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery finds
-their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
-owner). A failed reconcile is retried for its object with exponential backoff
+their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and
+Deployment events reconcile their owner), queued on the controller's work queue
+(shared/workqueue.py) except a SandboxTask's, tried on the loop first. A failed reconcile is retried for its object with exponential backoff
 (shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
 activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
 spec.checkpoint.deleteOnRunDeletion get a finalizer, added and removed by their reconciler
@@ -68,7 +69,7 @@ async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
 
 
 def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A TrainingRun event: cached here; reconciled on a thread unless it is our own echo (a
+    """A TrainingRun event: cached here; queued for a reconcile unless it is our own echo (a
     deleting run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
@@ -77,11 +78,11 @@ def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         controller.forget("TrainingRun", namespace, name)
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.training_runs.reconcile(namespace, name)))
+        controller.queue.add("TrainingRun", namespace, name)
 
 
 def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A RolloutPool event: cached here; reconciled on a thread unless it is our own echo."""
+    """A RolloutPool event: cached here; queued for a reconcile unless it is our own echo."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", ""), meta.get("name", "")
@@ -89,12 +90,12 @@ def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         controller.forget("RolloutPool", namespace, name)
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.rollout_pools.reconcile(namespace, name)))
+        controller.queue.add("RolloutPool", namespace, name)
 
 
 def on_warm_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A SandboxWarmPool event: cached here; its idle pods deleted with it, else reconciled,
-    on a thread."""
+    """A SandboxWarmPool event: cached here; its idle pods deleted with it (on a thread),
+    else queued for a reconcile."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", ""), meta.get("name", "")
@@ -102,27 +103,24 @@ def on_warm_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name)))
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.reconcile(namespace, name)))
+        controller.queue.add("SandboxWarmPool", namespace, name)
 
 
 def on_deployment(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A rollout pool's Deployment event: cached and its pool reconciled, on a thread."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_deployment(event_type, body)))
+    """A rollout pool's Deployment event: cached here and its pool queued."""
+    _controller(memo).on_deployment(event_type, body)
 
 
 def on_ray_cluster(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A labelled RayCluster event (KubeRay wrote its status): cached and its run reconciled,
-    on a thread. Watched once API discovery finds KubeRay's CRD (runtime.OptionalInformers)."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_ray_cluster(event_type, body)))
+    """A labelled RayCluster event (KubeRay wrote its status): cached here and its run
+    queued. Watched once API discovery finds KubeRay's CRD (runtime.OptionalInformers)."""
+    _controller(memo).on_ray_cluster(event_type, body)
 
 
 def on_workload(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A labelled Kueue Workload event (Kueue admitted or evicted it): cached and its run
-    reconciled, on a thread. Watched once API discovery finds Kueue's CRD."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_workload(event_type, body)))
+    """A labelled Kueue Workload event (Kueue admitted or evicted it): cached here and its
+    run queued. Watched once API discovery finds Kueue's CRD."""
+    _controller(memo).on_workload(event_type, body)
 
 
 def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
@@ -165,12 +163,10 @@ async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
 
 def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     """A labelled pod event: cached here; its task reconciled as a SandboxTask event's is,
-    other owners' reconciles on a thread."""
-    task, work = _controller(memo).route_pod(event_type, body)
+    other owners queued."""
+    task = _controller(memo).route_pod(event_type, body)
     if task is not None:
         _spawn(memo, _reconcile_task(memo, *task))
-    if work is not None:
-        _spawn(memo, _in_thread(memo, work))
 
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:

@@ -94,6 +94,7 @@ async def run_async(
     loop = asyncio.get_running_loop()
     executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="posttrain-reconcile")
     memo.executor = executor
+    memo.controller.queue.bind(executor)
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
     gate = Gate() if config.standalone else build_lease_gate(memo, config)
@@ -134,6 +135,7 @@ async def run_async(
             task.cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         memo.controller.state.requeue.unbind()  # no retry may reach the closing pool
+        memo.controller.queue.unbind()
         await _drain(executor, DRAIN_SECONDS)
         memo.events.close()
         memo.controller.state.kube.close()
@@ -206,8 +208,8 @@ def build_lease_gate(memo: Memo, config: OperatorConfig) -> LeaseGate:
 
 
 def bind_requeue(memo: Memo, gate: Gate) -> None:
-    """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
-    reconciler threads (a failure there requeues it again, with a longer delay). A replica
+    """Failed reconciles retry on this loop: a due retry queues the object on the work
+    queue (a failure there requeues it again, with a longer delay). A replica
     that is not the leader drops its due retries: the leader lists everything."""
     loop = asyncio.get_running_loop()
     controller: Controller = memo.controller
@@ -216,11 +218,7 @@ def bind_requeue(memo: Memo, gate: Gate) -> None:
         if not gate.is_open():
             log.info("%s %s/%s: retry dropped (not the leader)", kind, namespace, name)
             return
-        future = loop.run_in_executor(
-            memo.executor, controller.reconciler_of(kind), namespace, name
-        )
-        # Its failure was logged and requeued inside the reconcile; only consume it here.
-        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+        controller.queue.add(kind, namespace, name)
 
     controller.state.requeue.bind(loop, retry)
 
