@@ -129,10 +129,9 @@ class OperatorConfig(BaseModel):
     lease_retry_period_seconds: float = Field(default=2.0, gt=0)
     """How often every replica tries to acquire or renew the Lease (client-go's RetryPeriod)."""
 
-    worker_limit: int = Field(default=1000, ge=1)
-    """Objects processed concurrently (kopf batching.worker_limit); one worker per object."""
     max_workers: int = Field(default=32, ge=1, le=512)
-    """Threads running the (synchronous) reconcilers; also the HTTP connection pool size."""
+    """Threads of the operator's pool running the (synchronous) reconcilers and resyncs;
+    also the HTTP connection pool size."""
     resync_seconds: float = Field(default=15.0, gt=0)
     """Period of the level-triggered resync (TTL expiry, deadlines, missed events)."""
     requeue_base_seconds: float = Field(default=1.0, gt=0)
@@ -143,7 +142,7 @@ class OperatorConfig(BaseModel):
     """Cap of that delay: a persistently failing object is retried once a minute (controller-
     runtime's per-item limiter caps at 1000 s; a minute keeps a fixed outage short)."""
     watch_server_timeout: int = Field(default=300, ge=10)
-    """Seconds the apiserver keeps a watch open before kopf re-establishes it."""
+    """Seconds the apiserver keeps a watch open before the informer re-watches."""
     watch_client_timeout: int = Field(default=330, ge=10)
     """Client-side watch timeout; slightly above the server's so the server closes first."""
     request_timeout: float = Field(default=30.0, gt=0)

@@ -31,6 +31,7 @@ from .sandboxtask.artifacts import SandboxArtifactSigner
 from .sandboxtask.reconciler import SandboxTaskReconciler
 from .shared.sandbox_namespace import SandboxNamespaces
 from .shared.state import Body, EventPoster, Key, OperatorState, Store, observe
+from .shared.workqueue import WorkQueue
 from .storage_credentials import StorageCredentials
 from .trainingrun.reconciler import TrainingRunReconciler
 from .warmpool.reconciler import WarmPoolReconciler
@@ -51,6 +52,20 @@ class Controller:
         self.sandbox_tasks = SandboxTaskReconciler(
             self.state, namespaces, SandboxArtifactSigner(config, namespaces), self.warm_pools
         )
+        # Every kind's reconciles go through one queue once the runtime binds it to its pool.
+        self.queue = WorkQueue(self._reconcile_key)
+        self.warm_pools.enqueue = lambda namespace, pool: self.queue.add(
+            "SandboxWarmPool", namespace, pool
+        )
+
+    def _reconcile_key(self, kind: str, namespace: str, name: str) -> None:
+        self.reconciler_of(kind)(namespace, name)
+
+    def enqueue(self, kind: str, namespace: str, name: str) -> None:
+        """Reconcile the object through the work queue; inline when the queue is not bound
+        (a Controller used without the runtime)."""
+        if not self.queue.add(kind, namespace, name):
+            self.reconciler_of(kind)(namespace, name)
 
     def reconciler_of(self, kind: str) -> Callable[[str, str], None]:
         """The (blocking) reconcile of ``kind``, e.g. for a requeued object."""
@@ -71,25 +86,24 @@ class Controller:
 
     # ------------------------------------------------------------ children's events
 
-    def route_pod(
-        self, event_type: str | None, body: Body
-    ) -> tuple[Key | None, Callable[[], None] | None]:
-        """Cache a pod event; return (the SandboxTask it calls to reconcile, other blocking
-        work), each None when there is none (the echo of our own write needs nothing).
-        The informer caches inline, reconciles the task on the loop when it can
-        (handlers.py), and spends a thread only on the rest."""
+    def route_pod(self, event_type: str | None, body: Body) -> Key | None:
+        """Cache a pod event (on the loop; never blocks); return the SandboxTask it calls to
+        reconcile, None when there is none (the echo of our own write needs nothing). The
+        informer reconciles the task on the loop when it can (handlers.py); a trainer's or
+        rollout pod's owner is queued."""
         meta = body.get("metadata") or {}
         labels = meta.get("labels") or {}
         if labels.get(LABEL_COMPONENT) != COMPONENT_SANDBOX:
-            return None, lambda: self._on_other_pod(event_type, body)
+            self._on_other_pod(event_type, body)
+            return None
         namespace = meta.get("namespace", "")
         pool, task = labels.get(LABEL_WARM_POOL), labels.get(LABEL_TASK)
         state = self.state
         if pool and observe(state.warm_pods, event_type, body):
             self.warm_pools.request_reconcile(namespace, pool)  # coalesced, never blocks
         if task and observe(state.sandbox_pods, event_type, body):
-            return (namespace, task), None
-        return None, None
+            return namespace, task
+        return None
 
     def _on_other_pod(self, event_type: str | None, body: Body) -> None:
         meta = body.get("metadata") or {}
@@ -99,31 +113,31 @@ class Controller:
         # An unchanged pod (the echo of our own create) needs no reconcile of its owner.
         if component == COMPONENT_TRAINER and LABEL_RUN in labels:
             if observe(self.state.trainer_pods, event_type, body):
-                self.training_runs.reconcile(namespace, labels[LABEL_RUN])
+                self.enqueue("TrainingRun", namespace, labels[LABEL_RUN])
         elif component == COMPONENT_ROLLOUT and LABEL_POOL in labels:  # noqa: SIM102
             if observe(self.state.rollout_pods, event_type, body):
-                self.rollout_pools.reconcile(namespace, labels[LABEL_POOL])
+                self.enqueue("RolloutPool", namespace, labels[LABEL_POOL])
 
     def on_deployment(self, event_type: str | None, body: Body) -> None:
         """A pool's Deployment changed (replica counts): reconcile the pool."""
         meta = body.get("metadata") or {}
         pool = (meta.get("labels") or {}).get(LABEL_POOL)
         if observe(self.state.deployments, event_type, body) and pool:
-            self.rollout_pools.reconcile(meta.get("namespace", ""), pool)
+            self.enqueue("RolloutPool", meta.get("namespace", ""), pool)
 
     def on_workload(self, event_type: str | None, body: Body) -> None:
         """A run's Kueue Workload changed (Kueue admitted or evicted it): reconcile the run."""
         meta = body.get("metadata") or {}
         run = (meta.get("labels") or {}).get(LABEL_RUN)
         if run and observe(self.state.workloads, event_type, body):
-            self.training_runs.reconcile(meta.get("namespace", ""), run)
+            self.enqueue("TrainingRun", meta.get("namespace", ""), run)
 
     def on_ray_cluster(self, event_type: str | None, body: Body) -> None:
         """A labelled RayCluster changed (KubeRay wrote its status): reconcile its run."""
         meta = body.get("metadata") or {}
         run = (meta.get("labels") or {}).get(LABEL_RUN)
         if run and observe(self.state.ray_clusters, event_type, body):
-            self.training_runs.reconcile(meta.get("namespace", ""), run)
+            self.enqueue("TrainingRun", meta.get("namespace", ""), run)
 
     # ------------------------------------------------------------ resync
 
@@ -136,19 +150,23 @@ class Controller:
 
     def resync(self) -> None:
         """Reconcile everything known: time-based transitions (TTL, deadlines) and a safety
-        net for missed events. Errors are logged per object so one bad object can't stop it."""
+        net for missed events. Each object is queued (an object already queued or being
+        reconciled is not queued twice); inline without the queue, where errors are logged
+        per object so one bad object can't stop it."""
         state = self.state
         self.discover()
-        reconcilers: list[tuple[Store, Callable[[str, str], None]]] = [
-            (state.runs, self.training_runs.reconcile),
-            (state.pools, self.rollout_pools.reconcile),
-            (state.tasks, self.sandbox_tasks.reconcile),
-            (state.warm_pools, self.warm_pools.reconcile),
+        stores: list[tuple[Store, str]] = [
+            (state.runs, "TrainingRun"),
+            (state.pools, "RolloutPool"),
+            (state.tasks, "SandboxTask"),
+            (state.warm_pools, "SandboxWarmPool"),
         ]
-        for store, reconcile in reconcilers:
+        for store, kind in stores:
             for namespace, name in store.snapshot_keys():
+                if self.queue.add(kind, namespace, name):
+                    continue
                 try:
-                    reconcile(namespace, name)
+                    self.reconciler_of(kind)(namespace, name)
                 except (KubeError, OSError) as exc:
                     log.warning("resync of %s/%s failed: %s", namespace, name, exc)
         try:

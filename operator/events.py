@@ -2,9 +2,7 @@
 
 Reconciles run on threads and on the event loop; neither should wait for an Event (they are
 for people reading ``kubectl describe``, not part of the object's state). :meth:`post`
-queues; one daemon thread posts in order through the shared REST client. kopf's own poster
-needs context variables that only its per-object workers carry, so the operator does not
-use it (docs/operator.md, "Kopf: kept, through its public API only").
+queues; one daemon thread posts in order through the shared REST client.
 """
 
 from __future__ import annotations
@@ -19,6 +17,9 @@ from .kube import KubeClient, KubeError, resource_path
 from .shared.views import EventSpec
 
 log = logging.getLogger(__name__)
+
+# The Events' source.component / reportingComponent.
+EVENT_COMPONENT = "posttrain-operator"
 
 Body = dict[str, Any]
 

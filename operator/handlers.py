@@ -1,13 +1,14 @@
-"""The informer callbacks and Kopf's start-up/clean-up handlers: register, log, delegate. No
+"""The informer callbacks and the periodic resync: log, delegate. No
 decisions here (see controllers.py for where each event goes, each kind's package for what
 it does).
 
-Kopf watches nothing any more (it still runs the login and the resync task; which replica
-works is the Lease's, leader.py). Our informers (informer.py) feed the controller's caches:
+The operator runs on its own event loop and thread pool (runtime.py); which replica works is
+the Lease's (leader.py). Our informers (informer.py) feed the controller's caches:
 SandboxTasks and labelled pods, the burst path; TrainingRuns, RolloutPools, SandboxWarmPools
 and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery finds
-their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and Deployment events reconcile their
-owner). A failed reconcile is retried for its object with exponential backoff
+their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and
+Deployment events reconcile their owner), queued on the controller's work queue
+(shared/workqueue.py) except a SandboxTask's, tried on the loop first. A failed reconcile is retried for its object with exponential backoff
 (shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
 activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
 spec.checkpoint.deleteOnRunDeletion get a finalizer, added and removed by their reconciler
@@ -18,21 +19,15 @@ in S3).
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 from collections.abc import Callable, Coroutine
+from concurrent.futures import Executor
 from typing import Any
-
-import kopf
 
 from .controllers import Controller
 from .informer import Gate
 
 log = logging.getLogger(__name__)
-
-# A registry of our own (not kopf's global one), so embedding the operator in a process that
-# also uses kopf for something else, or starting it twice in tests, registers nothing twice.
-REGISTRY = kopf.OperatorRegistry()
 
 
 def _controller(memo: Any) -> Controller:
@@ -40,67 +35,41 @@ def _controller(memo: Any) -> Controller:
     return controller
 
 
-@kopf.on.login(registry=REGISTRY)
-def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
-    """Authenticate kopf with the same credentials the reconcilers use."""
-    info: kopf.ConnectionInfo = memo.credentials.connection_info()
-    return info
-
-
-@kopf.on.startup(registry=REGISTRY)
-async def start_resync(memo: Any, logger: kopf.Logger, **_: Any) -> None:
-    """Start the periodic resync (time-based transitions, safety net for missed events)."""
-    period = memo.config.resync_seconds
-    memo.resync_task = asyncio.create_task(_resync_forever(_controller(memo), memo.gate, period))
-    logger.info("posttrain operator started; resync every %.1f s", period)
-
-
-@kopf.on.cleanup(registry=REGISTRY)
-async def stop_resync(memo: Any, **_: Any) -> None:
-    task = getattr(memo, "resync_task", None)
-    if task is not None:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    memo.events.close()
-    _controller(memo).state.kube.close()
-
-
-async def _resync_forever(controller: Controller, gate: Gate, period: float) -> None:
-    """Resync every ``period`` while this replica works (a standby's caches are stale)."""
+async def resync_forever(
+    controller: Controller, gate: Gate, period: float, executor: Executor
+) -> None:
+    """Resync every ``period`` while this replica works (a standby's caches are stale): the
+    time-based transitions and the safety net for missed events (started by
+    runtime.run_async, cancelled at shutdown)."""
     loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(period)
         if not gate.is_open():
             continue
-        # copy_context: kopf's event poster lives in context variables the thread needs.
-        context = contextvars.copy_context()
         try:
-            await loop.run_in_executor(None, context.run, controller.resync)
+            await loop.run_in_executor(executor, controller.resync)
         except Exception:
             log.exception("resync failed; retrying in %.1f s", period)
 
 
 async def _in_thread(memo: Any, work: Callable[[], None]) -> None:
-    """Run blocking reconcile work on kopf's thread pool (with kopf's context variables).
+    """Run blocking reconcile work on the operator's thread pool (runtime.run_async).
 
     The informer callbacks cache an event, and drop the echo of our own write, on the event
     loop: in a burst half of all events are such echoes, and a thread hop each cost more
     than the work.
     """
-    context = contextvars.copy_context()
-    await asyncio.get_running_loop().run_in_executor(
-        getattr(memo, "executor", None), context.run, work
-    )
+    await asyncio.get_running_loop().run_in_executor(memo.executor, work)
 
 
 # ------------------------------------------------------------ informers (informer.py)
-# Every watched kind: lean informers feed these callbacks on kopf's event loop, in stream
+# Every watched kind: lean informers feed these callbacks on the operator's event loop, in stream
 # order (see runtime.build_informers, runtime.OptionalInformers and docs/operator.md, "Burst
 # path" and "One event path").
 
 
 def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A TrainingRun event: cached here; reconciled on a thread unless it is our own echo (a
+    """A TrainingRun event: cached here; queued for a reconcile unless it is our own echo (a
     deleting run's reconcile is its storage finalizer, trainingrun/finalizer.py)."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
@@ -109,11 +78,11 @@ def on_training_run(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         controller.forget("TrainingRun", namespace, name)
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.training_runs.reconcile(namespace, name)))
+        controller.queue.add("TrainingRun", namespace, name)
 
 
 def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A RolloutPool event: cached here; reconciled on a thread unless it is our own echo."""
+    """A RolloutPool event: cached here; queued for a reconcile unless it is our own echo."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", ""), meta.get("name", "")
@@ -121,12 +90,12 @@ def on_rollout_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         controller.forget("RolloutPool", namespace, name)
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.rollout_pools.reconcile(namespace, name)))
+        controller.queue.add("RolloutPool", namespace, name)
 
 
 def on_warm_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A SandboxWarmPool event: cached here; its idle pods deleted with it, else reconciled,
-    on a thread."""
+    """A SandboxWarmPool event: cached here; its idle pods deleted with it (on a thread),
+    else queued for a reconcile."""
     controller = _controller(memo)
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", ""), meta.get("name", "")
@@ -134,27 +103,24 @@ def on_warm_pool(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.deleted(namespace, name)))
     elif changed:
-        _spawn(memo, _in_thread(memo, lambda: controller.warm_pools.reconcile(namespace, name)))
+        controller.queue.add("SandboxWarmPool", namespace, name)
 
 
 def on_deployment(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A rollout pool's Deployment event: cached and its pool reconciled, on a thread."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_deployment(event_type, body)))
+    """A rollout pool's Deployment event: cached here and its pool queued."""
+    _controller(memo).on_deployment(event_type, body)
 
 
 def on_ray_cluster(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A labelled RayCluster event (KubeRay wrote its status): cached and its run reconciled,
-    on a thread. Watched once API discovery finds KubeRay's CRD (runtime.OptionalInformers)."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_ray_cluster(event_type, body)))
+    """A labelled RayCluster event (KubeRay wrote its status): cached here and its run
+    queued. Watched once API discovery finds KubeRay's CRD (runtime.OptionalInformers)."""
+    _controller(memo).on_ray_cluster(event_type, body)
 
 
 def on_workload(memo: Any, event_type: str, body: dict[str, Any]) -> None:
-    """A labelled Kueue Workload event (Kueue admitted or evicted it): cached and its run
-    reconciled, on a thread. Watched once API discovery finds Kueue's CRD."""
-    controller = _controller(memo)
-    _spawn(memo, _in_thread(memo, lambda: controller.on_workload(event_type, body)))
+    """A labelled Kueue Workload event (Kueue admitted or evicted it): cached here and its
+    run queued. Watched once API discovery finds Kueue's CRD."""
+    _controller(memo).on_workload(event_type, body)
 
 
 def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
@@ -197,17 +163,15 @@ async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
 
 def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     """A labelled pod event: cached here; its task reconciled as a SandboxTask event's is,
-    other owners' reconciles on a thread."""
-    task, work = _controller(memo).route_pod(event_type, body)
+    other owners queued."""
+    task = _controller(memo).route_pod(event_type, body)
     if task is not None:
         _spawn(memo, _reconcile_task(memo, *task))
-    if work is not None:
-        _spawn(memo, _in_thread(memo, work))
 
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:
     """Run ``work`` as a task of its own; its failure is logged (the failed reconcile has
-    requeued its object with backoff), like a kopf on.event handler's."""
+    requeued its object with backoff)."""
     task = asyncio.create_task(work)
     memo.inflight.add(task)
     task.add_done_callback(lambda done: _finished(memo, done))

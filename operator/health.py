@@ -1,6 +1,6 @@
 """The operator's liveness endpoint, ``GET /healthz`` on ``liveness_port`` (the chart's
-liveness and readiness probes), served on the operator's own event loop instead of Kopf's
-(step 6 of "One event path", docs/operator.md).
+liveness and readiness probes), served on the operator's own event loop (runtime.py;
+"One event path", docs/operator.md).
 
 On the loop on purpose: the informers, the requeue and the leader election all run there, so
 a loop that stopped turning stops answering and the kubelet restarts the pod. The answer does

@@ -1,12 +1,14 @@
-"""Lean list+watch informers, run inside kopf's event loop: for the SandboxTask burst path
-(SandboxTasks, labelled pods) and the low-rate kinds moved off kopf so far (TrainingRuns,
-RolloutPools, SandboxWarmPools, rollout Deployments; docs/operator.md, "One event path").
+"""Lean list+watch informers, run on the operator's event loop (runtime.py), one per watched
+kind and namespace: the SandboxTask burst path (SandboxTasks, labelled pods), TrainingRuns,
+RolloutPools, SandboxWarmPools, rollout Deployments, KubeRay's RayClusters and Kueue's
+Workloads (docs/operator.md, "One event path").
 
-Why not kopf's own watch for these: kopf runs every event through its per-object machinery
-(a worker task per object, Body/Patch wrappers, a kwargs context per handler call); a py-spy
-``--gil`` profile of a 500-task burst put half the operator's CPU there, for two events per
-task that need a cache update and, for a new task, one pod create. An Informer here lists,
-then watches from the list's resourceVersion, and hands each event to a plain callback.
+Why not Kopf's watch, which the operator used before (#32): Kopf runs every event through
+its per-object machinery (a worker task per object, Body/Patch wrappers, a kwargs context
+per handler call); a py-spy ``--gil`` profile of a 500-task burst put half the operator's
+CPU there, for two events per task that need a cache update and, for a new task, one pod
+create. An Informer here lists, then watches from the list's resourceVersion, and hands
+each event to a plain callback.
 
 Behind a :class:`Gate`: a replica that is not the leader (leader.LeaseGate) neither lists nor
 watches, and lists again when it leads again. Like any informer: bookmarks,
@@ -70,7 +72,7 @@ class Informer:
     ``on_event(type, body)`` runs on the loop, in stream order, for ADDED / MODIFIED / DELETED
     (a re-list reports each listed object as ADDED or MODIFIED and each vanished one as
     DELETED with its last known body). It must be quick; an exception is logged and the
-    stream goes on (the periodic resync is the safety net, as with kopf's on.event).
+    stream goes on (the periodic resync is the safety net).
     """
 
     def __init__(

@@ -9,7 +9,7 @@ same client through a loop of its own (~0.21 CPU-s per 500, against ~0.41 for th
 httpx client they used before). Why not the generated ``kubernetes`` client: it validates
 every body into typed models, which costs more than the request itself in a burst, and the
 operator only needs create / merge-patch / delete / get / list / watch on a handful of paths.
-Credentials come from the same kubeconfig or in-cluster service account as kopf's.
+Credentials come from the kubeconfig or the in-cluster service account (:func:`load_credentials`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from urllib.parse import urlencode
 
 import aiohttp
 import uvloop
-from kopf import ConnectionInfo
 from pydantic_core import from_json, to_json
 from yarl import URL
 
@@ -77,18 +76,6 @@ class Credentials:
     key_path: str | None = None
     token: str | None = None
     insecure: bool = False
-
-    def connection_info(self) -> ConnectionInfo:
-        """The same credentials in kopf's form (for the @kopf.on.login handler)."""
-        return ConnectionInfo(
-            server=self.server,
-            ca_path=self.ca_path,
-            insecure=self.insecure,
-            certificate_path=self.cert_path,
-            private_key_path=self.key_path,
-            token=self.token,
-            scheme="Bearer" if self.token else None,
-        )
 
 
 def ssl_context(creds: Credentials) -> ssl.SSLContext:

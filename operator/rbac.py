@@ -98,11 +98,11 @@ OPERATOR_RULES: list[Rule] = [
         "resources": ["networkpolicies"],
         "verbs": ["get", "create", "patch"],
     },
-    # Kubernetes Events on every transition (kopf posts core/v1 events).
+    # Kubernetes Events on every transition (events.py posts core/v1 events).
     {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
     {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]},
     # No namespaces or CRD watch: the operator watches explicit namespaces (or is cluster-wide)
-    # and kopf's CRD scanning is disabled in settings.py. Leader election is not here: its
+    # and nothing scans CRDs (API discovery of KubeRay's and Kueue's needs no RBAC). Leader election is not here: its
     # Lease lives in the operator's own namespace (LEADER_ELECTION_RULES).
 ]
 

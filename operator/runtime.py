@@ -1,4 +1,13 @@
-"""Run the operator: in the foreground (CLI) or in a background thread (tests, benchmarks)."""
+"""Run the operator: in the foreground (CLI) or in a background thread (tests, benchmarks).
+
+The operator is one asyncio loop of its own (uvloop) and one thread pool of its own (no
+framework, docs/operator.md "One event path"): on the loop the informers, the Lease election
+that gates them, the requeue's timers, the periodic resync and the /healthz server; on the
+pool (``max_workers`` threads) the blocking reconciles. SIGTERM or SIGINT (or the thread's
+stop flag) stops it in order: resync and informers, in-flight reconciles on the loop, the
+Lease released, the pool drained for at most :data:`DRAIN_SECONDS`, then the Event poster
+and the REST clients closed.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +15,12 @@ import asyncio
 import contextlib
 import gc
 import logging
+import signal
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
-import kopf
 import uvloop
 
 from posttrain.api import API_VERSION
@@ -18,19 +29,36 @@ from posttrain.telemetry import start_metrics_server
 
 from .config import OperatorConfig
 from .controllers import Controller
-from .events import EventRecorder
+from .events import EVENT_COMPONENT, EventRecorder
 from .health import start_health_server
 from .informer import Body, Gate, Informer
 from .kube import PLURALS, AsyncKube, KubeClient, load_credentials
 from .leader import LeaseGate
-from .settings import EVENT_COMPONENT, build_settings, quiet_per_request_logs
 from .trainingrun.kueue import KUEUE_API_VERSION
 from .trainingrun.raycluster import RAY_API_VERSION
 
 log = logging.getLogger(__name__)
 
+# How long shutdown waits for the reconciles already running on the pool (each bounded by
+# the request timeout per API call); below the chart's terminationGracePeriodSeconds (60).
+DRAIN_SECONDS = 30.0
+# How often a thread's stop flag (OperatorThread) is looked at.
+STOP_FLAG_POLL_SECONDS = 0.1
 
-def build_memo(config: OperatorConfig) -> kopf.Memo:
+
+class Memo(SimpleNamespace):
+    """What the informer callbacks, the resync and the requeue share: the config, the
+    credentials, the REST clients, the controller, the Event recorder, the thread pool,
+    the gate and the in-flight work (set by :func:`build_memo` and :func:`run_async`)."""
+
+
+def quiet_per_request_logs() -> None:
+    """No INFO line per API request (idempotent; DEBUG keeps them): httpx logs every
+    request at INFO ("HTTP Request: POST ... 201 Created")."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def build_memo(config: OperatorConfig) -> Memo:
     """Credentials, the shared REST clients, the Event recorder and the controller, handed to
     every handler."""
     creds = load_credentials(config.kubeconfig)
@@ -48,59 +76,124 @@ def build_memo(config: OperatorConfig) -> kopf.Memo:
     )
     events = EventRecorder(kube, EVENT_COMPONENT)
     controller = Controller(config, kube, events.post)
-    return kopf.Memo(
-        config=config, credentials=creds, controller=controller, akube=akube, events=events
-    )
+    return Memo(config=config, credentials=creds, controller=controller, akube=akube, events=events)
 
 
 async def run_async(
     config: OperatorConfig,
     stop_flag: threading.Event | None = None,
     ready_flag: threading.Event | None = None,
-    memo: kopf.Memo | None = None,
+    memo: Memo | None = None,
 ) -> None:
-    """Run until ``stop_flag`` is set (or forever)."""
-    from .handlers import REGISTRY
+    """Run until ``stop_flag`` is set, SIGTERM or SIGINT (main thread only), or forever."""
+    from .handlers import resync_forever
 
     memo = memo if memo is not None else build_memo(config)
     if config.log_level != "DEBUG":
         quiet_per_request_logs()
-    settings = build_settings(config)
-    # The async handlers run their blocking reconciles on kopf's own pool (max_workers).
-    memo.executor = settings.execution.executor
+    loop = asyncio.get_running_loop()
+    executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="posttrain-reconcile")
+    memo.executor = executor
+    memo.controller.queue.bind(executor)
     memo.inflight = set()
     memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
     gate = Gate() if config.standalone else build_lease_gate(memo, config)
     memo.gate = gate
-    bind_requeue(memo, gate)
-    # Before kopf's tasks: its start-up may report ready before spawn_tasks returns.
-    bind_optional_informers(memo, config, gate)
-    # Ours, not Kopf's (health.py); first, so a taken port fails before anything started.
-    health = await start_health_server(config.liveness_port, gate)
+    stopping = asyncio.Event()
+    signals = _stop_on_signals(loop, stopping)
+    tasks: list[asyncio.Task[None]] = []
+    health = None
     try:
-        # kopf.operator() is spawn_tasks + run_tasks; split here to add the informers (and
-        # the leader election, which they follow) as one more root task.
-        existing = asyncio.all_tasks()
-        tasks = await kopf.spawn_tasks(
-            registry=REGISTRY,
-            settings=settings,
-            clusterwide=config.all_namespaces,
-            namespaces=list(config.watched_namespaces),
-            stop_flag=stop_flag,
-            ready_flag=ready_flag,
-            memo=memo,
-        )
-        informers = asyncio.create_task(
-            run_informers(memo, config, gate), name="posttrain informers"
-        )
-        await kopf.run_tasks([*tasks, informers], ignored=existing)
+        bind_requeue(memo, gate)
+        bind_optional_informers(memo, config, gate)
+        # First, so a taken port fails before anything started.
+        health = await start_health_server(config.liveness_port, gate)
+        tasks = [
+            asyncio.create_task(run_informers(memo, config, gate), name="posttrain informers"),
+            asyncio.create_task(
+                resync_forever(memo.controller, gate, config.resync_seconds, executor),
+                name="posttrain resync",
+            ),
+        ]
+        if stop_flag is not None:
+            tasks.append(asyncio.create_task(_watch_flag(stop_flag, stopping), name="stop flag"))
+        log.info("posttrain operator started; resync every %.1f s", config.resync_seconds)
+        if ready_flag is not None:
+            ready_flag.set()
+        waiting = asyncio.create_task(stopping.wait())
+        done, _ = await asyncio.wait([*tasks, waiting], return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        for task in done:  # a root task that ended on its own failed: stop, then re-raise
+            if task is not waiting and not task.cancelled() and task.exception() is not None:
+                log.error("%s failed; operator stopping", task.get_name())
     finally:
-        memo.controller.state.requeue.unbind()
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        # The informers' finally: optional informers, in-flight loop reconciles, the Lease
+        # released, the async client closed.
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        memo.controller.state.requeue.unbind()  # no retry may reach the closing pool
+        memo.controller.queue.unbind()
+        await _drain(executor, DRAIN_SECONDS)
+        memo.events.close()
+        memo.controller.state.kube.close()
         if health is not None:
             await health.cleanup()
+        log.info("posttrain operator stopped")
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
 
 
-def build_lease_gate(memo: kopf.Memo, config: OperatorConfig) -> LeaseGate:
+def _stop_on_signals(loop: asyncio.AbstractEventLoop, stopping: asyncio.Event) -> list[int]:
+    """SIGTERM (the kubelet) and SIGINT (Ctrl-C) set ``stopping``; only the main thread can
+    handle signals (an OperatorThread stops through its flag)."""
+    if threading.current_thread() is not threading.main_thread():
+        return []
+
+    def received(sig: signal.Signals) -> None:
+        log.info("signal %s received; operator stopping", sig.name)
+        stopping.set()
+
+    handled = [signal.SIGTERM, signal.SIGINT]
+    for sig in handled:
+        loop.add_signal_handler(sig, received, sig)
+    return [int(sig) for sig in handled]
+
+
+async def _watch_flag(flag: threading.Event, stopping: asyncio.Event) -> None:
+    """Set ``stopping`` once another thread sets ``flag`` (polled: no thread waits on it)."""
+    while not flag.is_set():
+        await asyncio.sleep(STOP_FLAG_POLL_SECONDS)
+    log.info("stop flag set; operator stopping")
+    stopping.set()
+
+
+async def _drain(executor: ThreadPoolExecutor, timeout_s: float) -> None:
+    """Let the reconciles already running finish (queued ones are dropped: the next
+    leader's first list reconciles everything), waiting at most ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    drained = loop.create_future()
+
+    def finished() -> None:
+        if not drained.done():
+            drained.set_result(None)
+
+    def shutdown() -> None:
+        executor.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(RuntimeError):  # the loop gave up waiting and closed
+            loop.call_soon_threadsafe(finished)
+
+    threading.Thread(target=shutdown, name="posttrain-drain", daemon=True).start()
+    try:
+        await asyncio.wait_for(drained, timeout_s)
+    except TimeoutError:
+        log.warning("reconciles still running after %.0f s; stopping without them", timeout_s)
+
+
+def build_lease_gate(memo: Memo, config: OperatorConfig) -> LeaseGate:
     """The leader election of this replica, on the Lease ``config.lease_name`` in the
     operator's namespace (run by :func:`run_informers`)."""
     return LeaseGate(
@@ -114,9 +207,9 @@ def build_lease_gate(memo: kopf.Memo, config: OperatorConfig) -> LeaseGate:
     )
 
 
-def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
-    """Failed reconciles retry on this loop: a due retry runs its kind's reconcile on the
-    reconciler threads (a failure there requeues it again, with a longer delay). A replica
+def bind_requeue(memo: Memo, gate: Gate) -> None:
+    """Failed reconciles retry on this loop: a due retry queues the object on the work
+    queue (a failure there requeues it again, with a longer delay). A replica
     that is not the leader drops its due retries: the leader lists everything."""
     loop = asyncio.get_running_loop()
     controller: Controller = memo.controller
@@ -125,16 +218,12 @@ def bind_requeue(memo: kopf.Memo, gate: Gate) -> None:
         if not gate.is_open():
             log.info("%s %s/%s: retry dropped (not the leader)", kind, namespace, name)
             return
-        future = loop.run_in_executor(
-            memo.executor, controller.reconciler_of(kind), namespace, name
-        )
-        # Its failure was logged and requeued inside the reconcile; only consume it here.
-        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+        controller.queue.add(kind, namespace, name)
 
     controller.state.requeue.bind(loop, retry)
 
 
-def bind_optional_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
+def bind_optional_informers(memo: Memo, config: OperatorConfig, gate: Gate) -> None:
     """KubeRay's and Kueue's informers follow API discovery of their CRDs (started by
     :func:`run_informers`' first discovery, a reconcile's or a resync's)."""
     optional = OptionalInformers(build_optional_informers(memo, config), gate)
@@ -149,11 +238,11 @@ def _namespaces(config: OperatorConfig) -> list[str | None]:
 
 
 def _informer(
-    memo: kopf.Memo,
+    memo: Memo,
     config: OperatorConfig,
     api_version: str,
     kind: str,
-    on_event: Callable[[kopf.Memo, str, Body], None],
+    on_event: Callable[[Memo, str, Body], None],
     namespace: str | None,
     label_selector: str = "",
 ) -> Informer:
@@ -170,7 +259,7 @@ def _informer(
     )
 
 
-def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
+def build_informers(memo: Memo, config: OperatorConfig) -> list[Informer]:
     """The watches of our kinds and their children: TrainingRuns, SandboxTasks, RolloutPools,
     SandboxWarmPools, labelled pods and rollout Deployments, per watched namespace or
     cluster-wide (KubeRay's and Kueue's kinds: :func:`build_optional_informers`)."""
@@ -190,7 +279,7 @@ def build_informers(memo: kopf.Memo, config: OperatorConfig) -> list[Informer]:
     return informers
 
 
-def build_optional_informers(memo: kopf.Memo, config: OperatorConfig) -> dict[str, list[Informer]]:
+def build_optional_informers(memo: Memo, config: OperatorConfig) -> dict[str, list[Informer]]:
     """The watches of kinds whose CRD may be missing, by kind: KubeRay's RayClusters and
     Kueue's Workloads labelled as a trainer's (run by :class:`OptionalInformers`)."""
     from . import handlers
@@ -258,7 +347,7 @@ class OptionalInformers:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> None:
+async def run_informers(memo: Memo, config: OperatorConfig, gate: Gate) -> None:
     """The informers until cancelled (at shutdown), then close their HTTP session. KubeRay's
     and Kueue's start when API discovery finds their CRDs: asked once now, then by
     reconciles that need the answer and at each resync (each answer cached for its period)."""
@@ -286,7 +375,7 @@ async def run_informers(memo: kopf.Memo, config: OperatorConfig, gate: Gate) -> 
 
 
 def run_forever(config: OperatorConfig) -> None:
-    """The CLI's entry: metrics server, then kopf until SIGINT/SIGTERM."""
+    """The CLI's entry: metrics server, then the operator until SIGTERM/SIGINT."""
     logging.getLogger().setLevel(config.log_level)
     start_metrics_server(config.metrics_port)
     where = "all namespaces" if config.all_namespaces else ", ".join(config.watched_namespaces)
@@ -315,7 +404,7 @@ class OperatorThread:
 
     def __init__(self, config: OperatorConfig) -> None:
         self.config = config
-        self.memo: kopf.Memo | None = None
+        self.memo: Memo | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()

@@ -5,7 +5,7 @@ The architecture in README.md is types -> components -> CLI. These tests keep it
 - ``api/`` (the pydantic models, CRD generator, label keys) imports nothing of ours except the
   leaf ``posttrain.errors``, so every component can depend on it and it on none of them;
 - the operator and the trainer never import each other: they meet through ``api/`` and the
-  cluster, so the operator image needs no torch and the trainer no kopf;
+  cluster, so the operator image needs no torch;
 - ``posttrain.devenv`` (the development control plane and node agent) is a developer aid: only
   the CLI, tests and benchmarks import it, never a component that runs in a cluster;
 - no import cycle, between modules or between packages (``posttrain.<component>``).

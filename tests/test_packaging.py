@@ -112,3 +112,9 @@ def test_the_built_wheel_works_in_a_clean_environment(tmp_path: Path) -> None:
     site = str(venv)
     for module, path in json.loads(imported.stdout).items():
         assert path.startswith(site), f"{module} imported from {path}, not from the installed wheel"
+    # The operator runs on its own loop and informers (#32): Kopf is no dependency any more,
+    # and the operator's runtime imports without it.
+    runtime = run([str(python), "-c", "import posttrain.operator.runtime"], cwd=tmp_path)
+    assert runtime.returncode == 0, runtime.stderr
+    kopf = run([str(python), "-c", "import kopf"], cwd=tmp_path)
+    assert kopf.returncode != 0 and "No module named 'kopf'" in kopf.stderr, kopf.stderr

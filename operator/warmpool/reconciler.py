@@ -11,6 +11,7 @@ import contextvars
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -64,7 +65,7 @@ def claimable(pod: Body, want_hash: str) -> bool:
 
 
 class WarmPoolReconciler:
-    """Reconciles SandboxWarmPools (coalesced, on threads of their own) and claims their pods."""
+    """Reconciles SandboxWarmPools (coalesced, through the work queue) and claims their pods."""
 
     def __init__(self, state: OperatorState, namespaces: SandboxNamespaces) -> None:
         self.state = state
@@ -74,6 +75,9 @@ class WarmPoolReconciler:
         self._claiming: set[Key] = set()
         self._claim_lock = threading.Lock()
         self._refills_pending: set[Key] = set()
+        # The operator's work queue (controllers.Controller binds it): True when it took the
+        # request; until then a refill runs on a thread of its own.
+        self.enqueue: Callable[[str, str], bool] = lambda namespace, pool: False
 
     # ------------------------------------------------------------ claims (for SandboxTasks)
 
@@ -172,8 +176,11 @@ class WarmPoolReconciler:
         Claims and pooled-pod events come in bursts of hundreds, and each pool reconcile
         looks at every pod of the pool: reconciling once per event would be quadratic, and
         reconciles queued on the pool's lock would hold the event threads away from the tasks
-        (docs/benchmarks.md has the burst's figures).
+        (docs/benchmarks.md has the burst's figures). Through the operator's work queue
+        (shared/workqueue.py), which coalesces per pool; a thread of its own without it.
         """
+        if self.enqueue(namespace, pool):
+            return
         key = (namespace, pool)
         with self._claim_lock:
             if key in self._refills_pending:

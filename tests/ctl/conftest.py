@@ -127,7 +127,7 @@ class Kube:
     def post_event(
         self, run: dict[str, Any], reason: str, message: str, type_: str = "Normal"
     ) -> None:
-        """A core/v1 Event about the run, shaped like the ones Kopf posts for the operator."""
+        """A core/v1 Event about the run, shaped like the ones the operator posts (events.py)."""
         from datetime import UTC, datetime
 
         from kubernetes import client

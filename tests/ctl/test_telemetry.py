@@ -1,7 +1,7 @@
 """OpenTelemetry spans and Prometheus metrics of every component, read in process:
 spans from ``posttrain.telemetry.memory_exporter()``, metrics from prometheus_client's
 REGISTRY. Each test drives the real component (bubblewrap sandbox, uvicorn rollout
-server over HTTP, the Kopf operator against the real apiserver)."""
+server over HTTP, the operator against the real apiserver)."""
 
 from __future__ import annotations
 

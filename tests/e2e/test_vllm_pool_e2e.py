@@ -178,7 +178,7 @@ def vllm_cluster(
         )
         yield c
     finally:
-        operator.stop(timeout_s=300)  # kopf's watches wind down slowly on a loaded apiserver
+        operator.stop(timeout_s=300)  # a loaded apiserver answers the shutdown's requests slowly
 
 
 def run_store(minio_server: MinioServer, c: Cluster) -> S3Store:

@@ -82,7 +82,7 @@ def installed(
     yield run_ns
     subprocess.run([str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "uninstall",
                     RELEASE, "--namespace", SYSTEM, "--wait"], check=True, timeout=300)  # fmt: skip
-    # The operator pod terminates within its grace period (Kopf finishes in-flight handlers).
+    # The operator pod terminates within its grace period (SIGTERM: a bounded drain, runtime.py).
     wait_for(
         "the operator pod to go",
         lambda: "operator" not in node_kubectl("get", "pods", "-n", SYSTEM, "-o", "name").stdout,
