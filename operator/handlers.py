@@ -5,15 +5,16 @@ it does).
 The operator runs on its own event loop and thread pool (runtime.py); which replica works is
 the Lease's (leader.py). Our informers (informer.py) feed the controller's caches:
 SandboxTasks and labelled pods, the burst path; TrainingRuns, RolloutPools, SandboxWarmPools
-and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery finds
-their CRDs. Every event triggers a level-triggered reconcile of the affected object (pod and
-Deployment events reconcile their owner), queued on the controller's work queue
-(shared/workqueue.py) except a SandboxTask's, tried on the loop first. A failed reconcile is retried for its object with exponential backoff
-(shared/requeue.py), and a periodic resync handles time-based transitions (sandbox TTL,
-activeDeadlineSeconds) and anything a missed event left behind. Only TrainingRuns with
-spec.checkpoint.deleteOnRunDeletion get a finalizer, added and removed by their reconciler
-(trainingrun/finalizer.py): it is the one case where deletion needs cleanup (the artifacts
-in S3).
+and rollout Deployments; KubeRay's RayClusters and Kueue's Workloads once API discovery
+finds their CRDs. Every event triggers a level-triggered reconcile of the affected object
+(pod and Deployment events reconcile their owner), through the controller's one work queue
+(shared/workqueue.py): on its thread pool, or on the loop for a SandboxTask while its pass
+is a plain pod create (the burst). A failed reconcile is retried for its object with
+exponential backoff (shared/requeue.py), and a periodic resync handles time-based
+transitions (sandbox TTL, activeDeadlineSeconds) and anything a missed event left behind.
+Only TrainingRuns with spec.checkpoint.deleteOnRunDeletion get a finalizer, added and
+removed by their reconciler (trainingrun/finalizer.py): it is the one case where deletion
+needs cleanup (the artifacts in S3).
 """
 
 from __future__ import annotations
@@ -132,33 +133,30 @@ def on_sandbox_task(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     if event_type == "DELETED":
         controller.forget("SandboxTask", namespace, name)
     elif changed:
-        _spawn(memo, _reconcile_task(memo, namespace, name))
+        _reconcile_task(memo, namespace, name)
 
 
-async def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
-    """On the loop when it is a plain pod create (the burst), else on a reconciler thread.
+def _reconcile_task(memo: Any, namespace: str, name: str) -> None:
+    """Reconcile a SandboxTask through the work queue, on the loop when it can.
 
-    Coalesced per task: an event that arrives while this task is being reconciled (e.g. the
-    new pod's ADDED event, often ahead of the create's response) asks for one more pass
-    after it, instead of a thread that would wait on the task's lock.
+    The task's key is claimed here (an event for a task already queued or being reconciled
+    asks the queue for one more pass instead, without a coroutine of its own); the claimed
+    key's passes run on the loop while they are a plain pod create (the burst), and go to
+    the pool the first time one is not (shared/workqueue.py, ``reconcile_claimed``).
     """
-    controller, queue = _controller(memo), memo.task_queue
-    key = (namespace, name)
-    if key in queue:
-        queue[key] = True  # again, after the running pass
+    controller = _controller(memo)
+    if not controller.queue.claim("SandboxTask", namespace, name):
         return
-    queue[key] = False
-    try:
-        while True:
-            if not await controller.sandbox_tasks.reconcile_on_loop(
-                namespace, name, memo.akube.create_or_adopt
-            ):
-                await _in_thread(memo, lambda: controller.sandbox_tasks.reconcile(namespace, name))
-            if not queue[key]:
-                break
-            queue[key] = False
-    finally:
-        del queue[key]
+    reconciler, create = controller.sandbox_tasks, memo.akube.create_or_adopt
+    _spawn(
+        memo,
+        controller.queue.reconcile_claimed(
+            "SandboxTask",
+            namespace,
+            name,
+            lambda: reconciler.reconcile_on_loop(namespace, name, create),
+        ),
+    )
 
 
 def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
@@ -166,7 +164,7 @@ def on_pod(memo: Any, event_type: str, body: dict[str, Any]) -> None:
     other owners queued."""
     task = _controller(memo).route_pod(event_type, body)
     if task is not None:
-        _spawn(memo, _reconcile_task(memo, *task))
+        _reconcile_task(memo, *task)
 
 
 def _spawn(memo: Any, work: Coroutine[Any, Any, None]) -> None:

@@ -2,11 +2,13 @@
 
 The operator is one asyncio loop of its own (uvloop) and one thread pool of its own (no
 framework, docs/operator.md "One event path"): on the loop the informers, the Lease election
-that gates them, the requeue's timers, the periodic resync and the /healthz server; on the
-pool (``max_workers`` threads) the blocking reconciles. SIGTERM or SIGINT (or the thread's
-stop flag) stops it in order: resync and informers, in-flight reconciles on the loop, the
-Lease released, the pool drained for at most :data:`DRAIN_SECONDS`, then the Event poster
-and the REST clients closed.
+that gates them, the requeue's timers, the periodic resync, the /healthz server and the
+SandboxTask burst's pod creates; on the pool (``max_workers`` threads) the blocking
+reconciles. Both take their objects from one work queue (``Controller.queue``, bound to the
+pool here), which keeps one object to one reconcile at a time. SIGTERM or SIGINT (or the
+thread's stop flag) stops it in order: resync and informers, in-flight reconciles on the
+loop, the Lease released, the pool drained for at most :data:`DRAIN_SECONDS`, then the Event
+poster and the REST clients closed.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ STOP_FLAG_POLL_SECONDS = 0.1
 
 class Memo(SimpleNamespace):
     """What the informer callbacks, the resync and the requeue share: the config, the
-    credentials, the REST clients, the controller, the Event recorder, the thread pool,
-    the gate and the in-flight work (set by :func:`build_memo` and :func:`run_async`)."""
+    credentials, the REST clients, the controller (with the work queue), the Event
+    recorder, the thread pool, the gate and the loop's in-flight passes (set by
+    :func:`build_memo` and :func:`run_async`)."""
 
 
 def quiet_per_request_logs() -> None:
@@ -95,8 +98,7 @@ async def run_async(
     executor = ThreadPoolExecutor(config.max_workers, thread_name_prefix="posttrain-reconcile")
     memo.executor = executor
     memo.controller.queue.bind(executor)
-    memo.inflight = set()
-    memo.task_queue = {}  # SandboxTasks being reconciled -> asked again meanwhile
+    memo.inflight = set()  # the loop's own passes (the SandboxTask burst), cancelled at shutdown
     gate = Gate() if config.standalone else build_lease_gate(memo, config)
     memo.gate = gate
     stopping = asyncio.Event()
