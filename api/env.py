@@ -262,7 +262,7 @@ class RolloutPoolEnv(PodEnv):
     pool_name: str | None = _env(POOL_NAME, "the RolloutPool")
     weights_uri: str | None = _env(WEIGHTS_URI, "prefix with published weights (vNNNNNNNN/)")
     weights_poll_seconds: float | None = _env(WEIGHTS_POLL_SECONDS, "poll period, 0 = never")
-    cache: str | None = _env(CACHE, "where the model is fetched to (the vLLM engine's volume)")
+    cache: str | None = _env(CACHE, "where the model is fetched to (the pod's model volume)")
 
 
 class SandboxTaskEnv(PodEnv):

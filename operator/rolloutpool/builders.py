@@ -1,6 +1,9 @@
 """Pure builders of a RolloutPool's children: the Deployment (model fetch + server), its
 Service, its NetworkPolicy and the weights token Secret; plus what a run needs to call a
 pool (endpoint, serving dtype, the token env).
+
+Replica pods pass Pod Security "restricted" (docs/rollout.md, "Pod security"): they run as
+the images' posttrain user on a read-only root and write only to their emptyDirs.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ from posttrain.api.labels import (
 
 from ..config import OperatorConfig
 from ..shared.builders import (
+    POSTTRAIN_UID,
     Manifest,
     child_metadata,
     hf_model_env,
     mount_model_claim,
     otlp_env,
     resources,
+    restricted_container_context,
+    restricted_pod_context,
     s3_env,
     schedule,
     scrape_annotations,
@@ -70,8 +76,9 @@ def pool_serving_dtype(pool: RolloutPool) -> str | None:
 
 # A vLLM pool pod's init container resolves spec.model into this volume (emptyDir), and the
 # server starts from the link: vLLM never sees a packaged id or an s3:// URI. An hf:// model's
-# Hugging Face cache is on it too (the link points into it), also for the cpu engine, whose
-# server downloads the model itself.
+# Hugging Face cache is on it too (the link points into it). The cpu engine's server resolves
+# the model itself, onto the same volume ($POSTTRAIN_CACHE: a packaged model is converted
+# there, an s3:// or hf:// one downloaded).
 MODEL_VOLUME = "models"
 MODEL_MOUNT = "/models"
 MODEL_LINK = f"{MODEL_MOUNT}/current"
@@ -82,6 +89,15 @@ POOL_HF_HOME = f"{MODEL_MOUNT}/huggingface"
 WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
 WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
 WEIGHTS_SCRATCH_ENV = WEIGHTS_SCRATCH
+
+# The root file system is read-only; what else the servers write goes to two emptyDirs:
+# /tmp (Python's tempfile: the cpu engine's weight staging, vLLM's ZMQ IPC sockets, torch
+# inductor's compiled kernels) and $HOME (vLLM's compile cache and usage file under
+# ~/.cache/vllm and ~/.config/vllm, Triton's ~/.triton and CUDA's ~/.nv on GPUs). HOME is
+# the images' home of POSTTRAIN_UID, made explicit so any image gets a writable one.
+TMP_VOLUME = "tmp"
+HOME_VOLUME = "home"
+POOL_HOME = "/home/posttrain"
 
 
 def model_fetch_command(pool: RolloutPool) -> list[str]:
@@ -134,6 +150,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     mount_model_claim(
         spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
     )  # the fetch-model step links /models/current into the claim: both need it
+    _run_restricted(pod_spec)
     if _server_gpus(pool) or spec.engine == "vllm":
         # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
         # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
@@ -174,6 +191,24 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
             "template": template,
         },
     }
+
+
+def _run_restricted(pod_spec: dict[str, Any]) -> None:
+    """Pod Security "restricted" for every container of a replica: POSTTRAIN_UID (the
+    images' own user, so files the images hold stay readable), no capability, no privilege
+    escalation, RuntimeDefault seccomp and a read-only root, with /tmp and $HOME on emptyDirs
+    (the model, the weight staging and /dev/shm already are)."""
+    pod_spec["securityContext"] = restricted_pod_context(POSTTRAIN_UID)
+    pod_spec.setdefault("volumes", []).extend(
+        [{"name": TMP_VOLUME, "emptyDir": {}}, {"name": HOME_VOLUME, "emptyDir": {}}]
+    )
+    for container in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        container["securityContext"] = restricted_container_context(POSTTRAIN_UID)
+        container["env"] = [*container.get("env", []), {"name": "HOME", "value": POOL_HOME}]
+        container.setdefault("volumeMounts", []).extend([
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            {"name": HOME_VOLUME, "mountPath": POOL_HOME},
+        ])  # fmt: skip
 
 
 def _rollout_env(pool: RolloutPool, config: OperatorConfig) -> list[dict[str, Any]]:
@@ -244,20 +279,19 @@ def _stage_model(
     pod_spec: dict[str, Any],
 ) -> None:
     """Where the model comes from: vLLM gets a fetch-model init container and a bounded
-    weights scratch volume; the cpu server resolves an hf:// model itself into a cache volume.
+    weights scratch volume; the cpu server resolves spec.model itself onto the model volume.
     """
     spec = pool.spec
     container = pod_spec["containers"][0]
     # An hf:// model: the Hub, the cache and the token for whichever container downloads it.
     hf_env = hf_model_env(spec.model, POOL_HF_HOME, spec.hf_token_secret)
     mount = {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT}
-    if spec.engine != "vllm":
-        if hf_env:  # the cpu server resolves spec.model itself: the cache on its own volume
-            container["env"] = [*env, *hf_env]
-            container["volumeMounts"] = [mount]
-            pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
-        return
     model_env = [*env, *RolloutPoolEnv(cache=MODEL_MOUNT).to_env()]
+    if spec.engine != "vllm":
+        container["env"] = [*model_env, *hf_env]
+        container["volumeMounts"] = [mount]
+        pod_spec["volumes"] = [{"name": MODEL_VOLUME, "emptyDir": {}}]
+        return
     # Weight updates are staged on a declared volume, not in the container's /tmp: its
     # sizeLimit and the container's ephemeral-storage bound what a replica may write, so
     # an oversized update evicts that replica instead of filling the node's disk.

@@ -126,6 +126,9 @@ def apply_sandbox_runtime(
 
 
 NOBODY_UID = 65534
+# The posttrain user of the operator, trainer and rollout images (``useradd --uid 10001`` in
+# their Dockerfiles; its home is /home/posttrain): rollout replicas run as it.
+POSTTRAIN_UID = 10001
 
 
 def mount_model_claim(model: str, pod_spec: Manifest, containers: Sequence[Manifest]) -> None:
@@ -253,13 +256,18 @@ def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def restricted_container_context() -> Manifest:
+def restricted_container_context(uid: int = NOBODY_UID) -> Manifest:
     """The container securityContext of every pod that runs untrusted code (cold sandbox
-    pods, their init container, warm-pool pods): Pod Security "restricted" and then some."""
+    pods, their init container, warm-pool pods; as nobody) and of rollout replicas (as
+    :data:`POSTTRAIN_UID`): Pod Security "restricted" and then some (a read-only root).
+
+    >>> restricted_container_context(POSTTRAIN_UID)["runAsUser"]
+    10001
+    """
     return {
         "runAsNonRoot": True,
-        "runAsUser": NOBODY_UID,
-        "runAsGroup": NOBODY_UID,
+        "runAsUser": uid,
+        "runAsGroup": uid,
         "readOnlyRootFilesystem": True,
         "allowPrivilegeEscalation": False,
         "privileged": False,
@@ -268,12 +276,12 @@ def restricted_container_context() -> Manifest:
     }
 
 
-def restricted_pod_context() -> Manifest:
+def restricted_pod_context(uid: int = NOBODY_UID) -> Manifest:
     """The pod securityContext that goes with :func:`restricted_container_context`."""
     return {
         "runAsNonRoot": True,
-        "runAsUser": NOBODY_UID,
-        "runAsGroup": NOBODY_UID,
-        "fsGroup": NOBODY_UID,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
         "seccompProfile": {"type": "RuntimeDefault"},
     }

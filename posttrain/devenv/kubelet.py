@@ -38,6 +38,7 @@ from .podprocess import (
     hosts_file_text,
     http_probe,
     kill_process_group,
+    mounted_over,
     now_rfc3339,
     pod_conditions,
     python_bin_dir_for,
@@ -428,7 +429,13 @@ class PodRunner:
             host_pid=bool(self.pod["spec"].get("hostPID")),
             hide=[str(self.workdir), str(registry.state_dir())],
         )
-        work_dir = container.get("workingDir") or str(self.pod_dir / "cwd")
+        # The pod's own directory is its cwd, unless one of its volumes is mounted above it
+        # (an emptyDir at /tmp, as rollout replicas have, over an agent whose directory is
+        # under /tmp, as in the tests): then "/", a container's cwd without a WORKDIR.
+        own_cwd = str((self.pod_dir / "cwd").resolve())
+        hidden_by = [target for _, target, _ in mounts[1:]]
+        default_cwd = "/" if mounted_over(own_cwd, map(os.path.realpath, hidden_by)) else own_cwd
+        work_dir = container.get("workingDir") or default_cwd
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)
         bwrap += ["--chdir", work_dir, "--"]
         user = run_as_user(self.pod["spec"], container)

@@ -319,6 +319,17 @@ def bwrap_prefix(
     return args
 
 
+def mounted_over(path: str, targets: Iterable[str]) -> bool:
+    """Whether a mount at one of ``targets`` hides ``path`` (the target is ``path`` or above it).
+
+    >>> mounted_over("/tmp/agent/pods/p/cwd", ["/models", "/tmp"])
+    True
+    >>> mounted_over("/tmp/agent/pods/p/cwd", ["/tmpfs", "/home/posttrain"])
+    False
+    """
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets)
+
+
 def write_projection(target: Path, data: Mapping[str, str], items: list[Manifest] | None) -> None:
     """Write ``data`` as files (all keys, or only ``items`` key -> path) under ``target``."""
     selected = (

@@ -68,14 +68,15 @@ STEPS, PROMPTS, GROUP_SIZE = 3, 2, 2
 BOOT_S = 2400.0  # one vLLM replica's start-up on a loaded 2-core machine, with margin
 
 
-def pool_body(model_dir: Path, weights_uri: str) -> dict[str, Any]:
+def pool_body(weights_uri: str) -> dict[str, Any]:
     return {
         "kind": "RolloutPool",
         "metadata": {"name": POOL},
         "spec": {
-            # An HF-format directory (this host's converted SmolLM2; the pods see the host's
-            # files): the init step links it instead of converting the GGUF in every pod.
-            "model": str(model_dir),
+            # The packaged id: each pod's fetch step converts the GGUF onto its own volume, as
+            # in a cluster. Not this host's converted copy: the agent runs pool pods as their
+            # runAsUser (10001), which cannot read root's ~/.cache.
+            "model": "smollm2-135m-instruct",
             "replicas": 2,
             "engine": "vllm",
             "port": free_port(),
@@ -143,7 +144,6 @@ def vllm_cluster(
     two-replica vLLM pool Ready; the operator keeps running for the whole test."""
     from kubernetes import client
 
-    from posttrain.models import resolve_model
     from posttrain.operator.config import OperatorConfig
     from posttrain.operator.runtime import OperatorThread
 
@@ -170,7 +170,7 @@ def vllm_cluster(
     weights_uri = f"s3://{c.bucket}/runs/{namespace}/{RUN}/weights"
     operator = OperatorThread(config).start()
     try:
-        c.create("rolloutpools", pool_body(resolve_model("smollm2-135m-instruct"), weights_uri))
+        c.create("rolloutpools", pool_body(weights_uri))
         wait_logged(
             lambda: (s := c.status("rolloutpools", POOL)).get("readyReplicas") == 2 and s,
             BOOT_S,

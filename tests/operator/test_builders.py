@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -396,6 +397,8 @@ def test_vllm_deployment_flags_and_rollout_strategy() -> None:
         b.MODEL_MOUNT,
         "/dev/shm",
         b.WEIGHTS_SCRATCH_MOUNT,
+        "/tmp",
+        b.POOL_HOME,
     }
     assert server["image"] == "vllm:1"
     assert server["resources"]["limits"]["nvidia.com/gpu"] == "2"
@@ -847,7 +850,69 @@ def test_a_cpu_pool_with_an_hf_model_gets_a_volume_for_its_cache() -> None:
     assert "HF_TOKEN" not in env  # the spec names no Secret
     assert "emptyDir" in _volume_under(pod, server, b.POOL_HF_HOME)
     plain = b.build_rollout_deployment(make_pool(engine="cpu"), CONFIG)["spec"]["template"]
-    assert "volumes" not in plain["spec"] and "volumeMounts" not in plain["spec"]["containers"][0]
+    assert not [e for e in plain["spec"]["containers"][0]["env"] if e["name"].startswith("HF_")]
+
+
+POOL_PODS = {
+    "cpu, packaged model": {"engine": "cpu", "model": "smollm2-135m-instruct"},
+    "cpu, hf:// model": {"engine": "cpu", "model": "hf://org/tiny",
+                         "hfTokenSecret": {"name": "hub-token", "key": "token"}},
+    "vllm on GPUs, s3:// model": {"engine": "vllm", "model": "s3://b/runs/x/ckpt",
+                                  "resources": {"gpus": 2}},
+    "vllm on CPU, pvc:// model": {"engine": "vllm", "model": "pvc://models/smollm2",
+                                  "resources": {"gpus": 0, "cpu": "1", "memory": "3Gi"}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", POOL_PODS.values(), ids=POOL_PODS.keys())
+def test_pool_pods_are_pod_security_restricted_and_write_only_to_their_volumes(
+    spec: dict[str, Any],
+) -> None:
+    """Every container of a replica (the fetch step, the server) runs as the images'
+    posttrain user with no capability, no privilege escalation, RuntimeDefault seccomp and a
+    read-only root; every place the servers write (/tmp, $HOME, the model cache, the Hugging
+    Face cache, the weight staging) is a writable emptyDir of the pod.
+    tests/operator/test_pod_security_cluster.py has the apiserver's own verdict."""
+    pod = b.build_rollout_deployment(make_pool(**spec), CONFIG)["spec"]["template"]["spec"]
+    assert pod["securityContext"] == {
+        "runAsNonRoot": True,
+        "runAsUser": shared_builders.POSTTRAIN_UID,
+        "runAsGroup": shared_builders.POSTTRAIN_UID,
+        "fsGroup": shared_builders.POSTTRAIN_UID,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    containers = [*pod.get("initContainers", []), *pod["containers"]]
+    assert [c["name"] for c in containers][-1] == "server"
+    for container in containers:
+        context = container["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001, context
+        assert context["allowPrivilegeEscalation"] is False, context
+        assert context["capabilities"] == {"drop": ["ALL"]}, context
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, context
+        assert context["readOnlyRootFilesystem"] is True, context
+        assert not context.get("privileged"), context
+        env = env_of(container)
+        assert env["HOME"]["value"] == b.POOL_HOME
+        written = ["/tmp", b.POOL_HOME, env[env_names.CACHE]["value"]]
+        written += [env[k]["value"] for k in ("HF_HOME", env_names.WEIGHTS_SCRATCH) if k in env]
+        for path in written:
+            assert "emptyDir" in _volume_under(pod, container, path), (container["name"], path)
+    assert "HF_HOME" in env_of(containers[0]) or not spec["model"].startswith("hf://")
+    for volume in pod["volumes"]:  # the volume kinds "restricted" allows
+        assert {"emptyDir", "persistentVolumeClaim"} & set(volume), volume
+    assert "hostNetwork" not in pod and "hostPID" not in pod and "hostIPC" not in pod
+
+
+def test_pool_pods_run_as_the_user_the_trainer_and_rollout_images_define() -> None:
+    """The uid is the images' own (useradd in trainer/Dockerfile, which serves engine=cpu
+    pools, and rollout/Dockerfile), and HOME its home, so what the images hold under their
+    user stays readable and `getpass.getuser()` (torch inductor's cache dir) resolves."""
+    root = Path(__file__).resolve().parents[2]
+    uid = shared_builders.POSTTRAIN_UID
+    for dockerfile in ("trainer/Dockerfile", "rollout/Dockerfile"):
+        text = (root / dockerfile).read_text()
+        assert f"useradd --uid {uid} --user-group --create-home --home-dir {b.POOL_HOME} " in text
+        assert f"USER {uid}:{uid}" in text, dockerfile
 
 
 def test_a_cpu_vllm_pool_gets_a_memory_backed_dev_shm() -> None:
