@@ -127,8 +127,10 @@ def apply_sandbox_runtime(
 
 NOBODY_UID = 65534
 # The posttrain user of the operator, trainer and rollout images (``useradd --uid 10001`` in
-# their Dockerfiles; its home is /home/posttrain): rollout replicas run as it.
+# their Dockerfiles; its home is /home/posttrain): rollout replicas, trainer pods and the
+# evaluator run as it.
 POSTTRAIN_UID = 10001
+POSTTRAIN_HOME = "/home/posttrain"
 
 
 def mount_model_claim(model: str, pod_spec: Manifest, containers: Sequence[Manifest]) -> None:
@@ -256,15 +258,19 @@ def selector_string(labels: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
 
 
-def restricted_container_context(uid: int = NOBODY_UID) -> Manifest:
+def restricted_container_context(uid: int = NOBODY_UID, read_only_root: bool = True) -> Manifest:
     """The container securityContext of every pod that runs untrusted code (cold sandbox
-    pods, their init container, warm-pool pods; as nobody) and of rollout replicas (as
-    :data:`POSTTRAIN_UID`): Pod Security "restricted" and then some (a read-only root).
+    pods, their init container, warm-pool pods; as nobody), of rollout replicas and of trainer
+    and evaluator pods (as :data:`POSTTRAIN_UID`): Pod Security "restricted", and for all but
+    the trainer's pods then some (a read-only root; torchrun, Ray and Hugging Face write in
+    too many places of the trainer image for one yet: docs/security.md).
 
     >>> restricted_container_context(POSTTRAIN_UID)["runAsUser"]
     10001
+    >>> "readOnlyRootFilesystem" in restricted_container_context(POSTTRAIN_UID, False)
+    False
     """
-    return {
+    context: Manifest = {
         "runAsNonRoot": True,
         "runAsUser": uid,
         "runAsGroup": uid,
@@ -274,6 +280,9 @@ def restricted_container_context(uid: int = NOBODY_UID) -> Manifest:
         "capabilities": {"drop": ["ALL"]},
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+    if not read_only_root:
+        del context["readOnlyRootFilesystem"]
+    return context
 
 
 def restricted_pod_context(uid: int = NOBODY_UID) -> Manifest:
@@ -285,3 +294,37 @@ def restricted_pod_context(uid: int = NOBODY_UID) -> Manifest:
         "fsGroup": uid,
         "seccompProfile": {"type": "RuntimeDefault"},
     }
+
+
+# A trainer or evaluator pod's own /tmp and $HOME (emptyDirs, see run_as_posttrain_user).
+TMP_VOLUME = "tmp"
+HOME_VOLUME = "home"
+
+
+def run_as_posttrain_user(pod_spec: Manifest) -> None:
+    """Pod Security "restricted" for a trainer or evaluator pod: every container runs as
+    :data:`POSTTRAIN_UID` (the trainer image's own ``USER``, so nothing the image holds
+    changes owner), with no capability, no privilege escalation and RuntimeDefault seccomp.
+    The root file system stays writable (not required by "restricted"; a known gap).
+
+    What they write goes to volumes the uid owns (emptyDirs are given to ``fsGroup``): the
+    workspace (checkpoints, staging, ``HF_HOME``), ``/dev/shm`` (Gloo/NCCL, Ray's object
+    store), and two added here: ``/tmp`` (Ray's ``/tmp/ray`` session, torchelastic's run
+    directories, Python's tempfile) and ``HOME=/home/posttrain`` (the converted packaged model
+    under ``~/.cache/posttrain``, torch inductor's and Triton's caches). Both are the pod's
+    own, whatever image ``spec.resources.image`` names and on any node, so a ``/tmp/ray``
+    another user left on a shared host, or a HOME the uid cannot write, cannot stop a run.
+    """
+    pod_spec["securityContext"] = restricted_pod_context(POSTTRAIN_UID)
+    pod_spec.setdefault("volumes", []).extend(
+        [{"name": TMP_VOLUME, "emptyDir": {}}, {"name": HOME_VOLUME, "emptyDir": {}}]
+    )
+    for container in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        container["securityContext"] = restricted_container_context(
+            POSTTRAIN_UID, read_only_root=False
+        )
+        container["env"] = [*container.get("env", []), {"name": "HOME", "value": POSTTRAIN_HOME}]
+        container.setdefault("volumeMounts", []).extend([
+            {"name": TMP_VOLUME, "mountPath": "/tmp"},
+            {"name": HOME_VOLUME, "mountPath": POSTTRAIN_HOME},
+        ])  # fmt: skip

@@ -39,6 +39,7 @@ from ..shared.builders import (
     mount_model_claim,
     otlp_env,
     resources,
+    run_as_posttrain_user,
     s3_env,
     schedule,
     scrape_annotations,
@@ -362,7 +363,8 @@ def _trainer_pod_spec(
     run: TrainingRun, config: OperatorConfig, command: list[str], env: list[dict[str, Any]]
 ) -> dict[str, Any]:
     """The trainer container and its volumes: run.yaml, /dev/shm, the workspace, a model
-    claim when the model is a PVC."""
+    claim when the model is a PVC; as the image's posttrain user with /tmp and HOME of its
+    own (Pod Security "restricted": :func:`run_as_posttrain_user`)."""
     res = run.spec.resources
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
@@ -393,6 +395,7 @@ def _trainer_pod_spec(
         ],
     }
     mount_model_claim(run.spec.model, pod_spec, pod_spec["containers"])
+    run_as_posttrain_user(pod_spec)
     return pod_spec
 
 

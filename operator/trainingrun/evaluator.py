@@ -14,7 +14,8 @@ restarted (``restartPolicy: OnFailure``), and a restarted one skips the steps wh
 are already in storage. It is owned by the run (deleted with it) and does not count against
 the run's ``backoffLimit``: an evaluator failure never fails training. It reads the same
 ``<run>-config`` ConfigMap the trainer pods mount, so it scores exactly the spec's domains.
-It holds no ServiceAccount token (it talks only to S3).
+It holds no ServiceAccount token (it talks only to S3), and passes Pod Security
+"restricted" as the trainer pods do (uid 10001, its own /tmp and HOME).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..shared.builders import (
     mount_model_claim,
     otlp_env,
     resources,
+    run_as_posttrain_user,
     s3_env,
     schedule,
     scrape_annotations,
@@ -139,6 +141,7 @@ def build_evaluator_job(run: TrainingRun, config: OperatorConfig) -> Manifest:
         ],
     }
     mount_model_claim(run.spec.model, pod_spec, [container])  # it scores the base model too
+    run_as_posttrain_user(pod_spec)  # Pod Security "restricted", as the trainer pods
     schedule(
         pod_spec,
         config,

@@ -715,8 +715,16 @@ def test_local_mode_gives_the_trainer_what_bubblewrap_needs_only_when_code_runs(
     context = code["containers"][0]["securityContext"]
     assert (context["seccompProfile"], context["procMount"]) == ({"type": "Unconfined"}, "Unmasked")
     assert context["capabilities"] == {"drop": ["ALL"]}
+    # The rest of the trainer's posture stays (test_trainingrun_pods_are_pod_security_...).
+    assert context["runAsUser"] == shared_builders.POSTTRAIN_UID and context["runAsNonRoot"]
+    assert context["allowPrivilegeEscalation"] is False
     numeric = run_builders.build_trainer_pod(make_run(), CONFIG, 0, 0)["spec"]
-    assert "hostUsers" not in numeric and "securityContext" not in numeric["containers"][0]
+    assert "hostUsers" not in numeric
+    numeric_context = numeric["containers"][0]["securityContext"]
+    assert (numeric_context["seccompProfile"], "procMount" in numeric_context) == (
+        {"type": "RuntimeDefault"},
+        False,
+    )
 
 
 def test_task_mode_lets_the_trainer_create_sandbox_tasks_and_nothing_more() -> None:
@@ -968,3 +976,115 @@ def test_a_pools_deployment_and_service_are_owned_by_the_pool() -> None:
     assert deployment["metadata"]["namespace"] == service["metadata"]["namespace"] == "ml"
     # The pods are the Deployment's (its controller sets that reference), not the pool's.
     assert "ownerReferences" not in deployment["spec"]["template"].get("metadata", {})
+
+
+def trainingrun_pod_specs(run: TrainingRun) -> dict[str, dict[str, Any]]:
+    """Every pod spec a TrainingRun's reconciler creates for ``run`` (by kind), as the
+    builders produce them: the plain gang's pods, the RayCluster's head and worker templates,
+    the evaluator Job's template (when ``evaluation.inline`` is false) and the sandbox runner
+    Deployment's template (mode runner without runnerUrl)."""
+    specs = {
+        f"gang rank {pod['metadata']['labels'][api_labels.LABEL_RANK]}": pod["spec"]
+        for pod in run_builders.build_trainer_gang(run, CONFIG, 0)
+    }
+    if run.spec.resources.nodes > 1:
+        cluster = raycluster.build_ray_cluster(run, CONFIG, 0)["spec"]
+        specs["ray head"] = cluster["headGroupSpec"]["template"]["spec"]
+        (workers,) = cluster["workerGroupSpecs"]
+        specs["ray worker"] = workers["template"]["spec"]
+    for child in build_trainer_children(run, CONFIG, 0):
+        if child["kind"] in ("Job", "Deployment"):
+            specs[child["metadata"]["name"]] = child["spec"]["template"]["spec"]
+    return specs
+
+
+TRAINING_RUNS = {
+    "one node, packaged model": {},
+    "two nodes (gang and RayCluster), evaluator Job": {
+        "resources": {"nodes": 2, "gpusPerNode": 1},
+        "evaluation": {"inline": False},
+    },
+    "hf:// model": {"model": "hf://org/tiny"},
+    "pvc:// model, evaluator Job": {"model": "pvc://models/smollm2", "evaluation": {"inline": False}},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", TRAINING_RUNS.values(), ids=TRAINING_RUNS.keys())
+def test_trainingrun_pods_are_pod_security_restricted_and_write_to_their_volumes(
+    spec: dict[str, Any],
+) -> None:
+    """Every pod a TrainingRun creates (trainer gang, RayCluster head and workers, evaluator)
+    runs as the trainer image's posttrain user with no capability, no privilege escalation and
+    RuntimeDefault seccomp; the root stays writable (a known gap, docs/security.md). What
+    torchrun, Ray and Hugging Face write (/tmp and Ray's /tmp/ray, $HOME, /dev/shm, the
+    workspace with checkpoints and HF_HOME) is an emptyDir of the pod, which fsGroup gives
+    the uid. tests/operator/test_pod_security_cluster.py has the apiserver's own verdict."""
+    run = make_run(**spec)
+    specs = trainingrun_pod_specs(run)
+    kinds = {"gang rank 0", "ray head", "ray worker", "demo-evaluator"}
+    assert kinds & set(specs) == kinds & {
+        "gang rank 0",
+        *(("ray head", "ray worker") if run.spec.resources.nodes > 1 else ()),
+        *(("demo-evaluator",) if not run.spec.evaluation.inline else ()),
+    }
+    for name, pod in specs.items():
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": shared_builders.POSTTRAIN_UID,
+            "runAsGroup": shared_builders.POSTTRAIN_UID,
+            "fsGroup": shared_builders.POSTTRAIN_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }, name
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            context = container["securityContext"]
+            assert context == {
+                "runAsNonRoot": True,
+                "runAsUser": 10001,
+                "runAsGroup": 10001,
+                "allowPrivilegeEscalation": False,
+                "privileged": False,
+                "capabilities": {"drop": ["ALL"]},
+                "seccompProfile": {"type": "RuntimeDefault"},
+            }, (name, context)
+            env = env_of(container)
+            assert env["HOME"]["value"] == shared_builders.POSTTRAIN_HOME, name
+            written = ["/tmp", "/tmp/ray", shared_builders.POSTTRAIN_HOME, "/workspace"]
+            written += [env[k]["value"] for k in ("HF_HOME", env_names.CACHE) if k in env]
+            if name != "demo-evaluator":  # the trainer: Gloo/NCCL and Ray's object store
+                written.append("/dev/shm")
+            for path in written:
+                assert "emptyDir" in _volume_under(pod, container, path), (name, path)
+        for volume in pod["volumes"]:  # the volume kinds "restricted" allows
+            assert {"emptyDir", "persistentVolumeClaim", "configMap"} & set(volume), volume
+        assert not {"hostNetwork", "hostPID", "hostIPC", "hostUsers"} & set(pod), name
+    hf_model = run.spec.model.startswith("hf://")
+    assert ("HF_HOME" in env_of(specs["gang rank 0"]["containers"][0])) == hf_model
+
+
+def test_trainer_pods_run_as_the_user_the_trainer_image_defines() -> None:
+    """uid 10001 is trainer/Dockerfile's USER and owns its HOME and /workspace, so a trainer
+    pod's uid changes nothing the image holds; the image's HF_HOME is under /workspace."""
+    text = (Path(__file__).resolve().parents[2] / "trainer/Dockerfile").read_text()
+    uid, home = shared_builders.POSTTRAIN_UID, shared_builders.POSTTRAIN_HOME
+    assert f"useradd --uid {uid} --user-group --create-home --home-dir {home} " in text
+    assert f"chown {uid}:{uid} /workspace" in text and f"USER {uid}:{uid}" in text
+    assert f"HF_HOME={shared_builders.WORKSPACE_HF_HOME}" in text
+
+
+def test_the_bubblewrap_pods_of_a_run_are_restricted_but_for_what_bwrap_needs() -> None:
+    """The documented exception (docs/sandboxes.md): the run's own sandbox runner and a
+    mode-local trainer whose domains execute code differ from "restricted" only in
+    Unconfined seccomp and an unmasked /proc (in their own user namespace)."""
+    for sandbox in ({"mode": "runner"}, {"mode": "local"}):
+        run = make_run(domains=[CODE_DOMAIN], sandbox=sandbox)
+        specs = trainingrun_pod_specs(run)
+        name = "demo-sandbox-runner" if sandbox["mode"] == "runner" else "gang rank 0"
+        pod = specs[name]
+        assert pod["hostUsers"] is False and pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        context = dict(container["securityContext"])
+        assert context.pop("seccompProfile") == {"type": "Unconfined"}, name
+        assert context.pop("procMount") == "Unmasked", name
+        assert context["runAsNonRoot"] and context["runAsUser"] in (65534, 10001), name
+        assert context["allowPrivilegeEscalation"] is False, name
+        assert context["capabilities"] == {"drop": ["ALL"]}, name

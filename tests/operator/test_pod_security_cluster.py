@@ -1,5 +1,7 @@
-"""RolloutPool replicas in a namespace that enforces Pod Security "restricted", on the real
-kube-apiserver: the operator's Deployment for each engine yields pods the apiserver admits.
+"""RolloutPool replicas and TrainingRun pods in a namespace that enforces Pod Security
+"restricted", on the real kube-apiserver: the operator's Deployment for each engine, and every
+pod a TrainingRun creates, yield pods the apiserver admits (the documented bubblewrap
+exception aside).
 
 Pod Security is enforced when a pod is created, and here no controller-manager turns the
 Deployment into a ReplicaSet and pods (the test control plane runs etcd and kube-apiserver
@@ -81,3 +83,89 @@ def test_pool_pods_of_both_engines_are_admitted_where_restricted_is_enforced(
     message = body.get("message", "")
     assert status == 403 and 'violates PodSecurity "restricted:latest"' in message, body
     assert "allowPrivilegeEscalation != false" in message and "runAsNonRoot" in message, message
+
+
+def _trainingrun_templates(namespace: str) -> dict[str, dict[str, Any]]:
+    """Every pod template a TrainingRun's reconciler creates, from the builders it uses: the
+    plain gang's pods (two nodes), the RayCluster's head and worker templates, the evaluator
+    Job's, and for the two bubblewrap pods (the run's own sandbox runner, a mode-local trainer
+    whose domains execute code) their own."""
+    from .test_builders import CODE_DOMAIN, make_run, trainingrun_pod_specs
+
+    def templates(**spec: Any) -> dict[str, dict[str, Any]]:
+        run = make_run(**spec)
+        run.metadata.namespace = namespace
+        return {
+            name: {"metadata": {"labels": {"kind": name.replace(" ", "-")}}, "spec": pod}
+            for name, pod in trainingrun_pod_specs(run).items()
+        }
+
+    return {
+        **templates(resources={"nodes": 2, "gpusPerNode": 1}, evaluation={"inline": False}),
+        **{
+            f"hf model {name}": template
+            for name, template in templates(model="hf://org/tiny").items()
+        },
+        **{
+            f"bwrap {name}": template
+            for name, template in templates(
+                domains=[CODE_DOMAIN], sandbox={"mode": "runner"}
+            ).items()
+            if name == "demo-sandbox-runner"
+        },
+        **{
+            f"bwrap local {name}": template
+            for name, template in templates(
+                domains=[CODE_DOMAIN], sandbox={"mode": "local"}
+            ).items()
+        },
+    }
+
+
+def _pod_name(name: str) -> str:
+    return name.replace(" ", "-").lower()
+
+
+def test_trainingrun_pods_are_admitted_where_restricted_is_enforced(
+    kube: KubeClient, namespace: str
+) -> None:
+    """Each pod of a TrainingRun (gang ranks, RayCluster head and worker, evaluator) is
+    admitted under "restricted"; the two bubblewrap pods are refused for their Unconfined
+    seccomp and unmasked /proc alone (admitted without them); each pod stripped of its
+    securityContexts is refused (the verdict is the plugin's, not an open door)."""
+    kube.patch(f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": RESTRICTED}})
+    templates = _trainingrun_templates(namespace)
+    assert {"gang rank 0", "gang rank 1", "ray head", "ray worker", "demo-evaluator",
+            "bwrap demo-sandbox-runner", "bwrap local gang rank 0"} <= set(templates)  # fmt: skip
+    refused: dict[str, str] = {}
+    for name, template in templates.items():
+        status, body = _dry_run_pod(kube, namespace, _pod_name(name), template)
+        if status != 201:
+            refused[name] = body.get("message", str(body))
+    bwrap = {name for name in templates if name.startswith("bwrap")}
+    assert set(refused) == bwrap, refused
+    for name in bwrap:  # only what bubblewrap needs stands in the way
+        message = refused[name]
+        assert 'violates PodSecurity "restricted:latest"' in message, message
+        assert 'seccompProfile.type to "Unconfined"' in message, message
+        assert 'procMount to "Unmasked"' in message, message
+        for field in ("allowPrivilegeEscalation", "unrestricted capabilities", "runAsNonRoot"):
+            assert field not in message, message
+        context = templates[name]["spec"]["containers"][0]["securityContext"]
+        context["seccompProfile"] = {"type": "RuntimeDefault"}
+        del context["procMount"]
+        status, body = _dry_run_pod(kube, namespace, _pod_name(f"{name} rd"), templates[name])
+        assert status == 201, body.get("message", body)
+
+    # The control: the same pods without their securityContexts are refused.
+    for name, template in _trainingrun_templates(namespace).items():
+        template["spec"].pop("securityContext", None)
+        for container in template["spec"]["containers"]:
+            container.pop("securityContext", None)
+        status, body = _dry_run_pod(kube, namespace, _pod_name(f"bare {name}"), template)
+        message = body.get("message", "")
+        assert status == 403 and 'violates PodSecurity "restricted:latest"' in message, body
+        assert "allowPrivilegeEscalation != false" in message, (name, message)
+        # (A pod in its own user namespace, as the bubblewrap ones, may run as root there.)
+        user_ns = template["spec"].get("hostUsers") is False
+        assert ("runAsNonRoot" in message) != user_ns, (name, message)
