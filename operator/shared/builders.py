@@ -308,9 +308,9 @@ def run_as_posttrain_user(pod_spec: Manifest) -> None:
     The root file system stays writable (not required by "restricted"; a known gap).
 
     What they write goes to volumes the uid owns (emptyDirs are given to ``fsGroup``): the
-    workspace (checkpoints, staging, ``HF_HOME``), ``/dev/shm`` (Gloo/NCCL, Ray's object
-    store), and two added here: ``/tmp`` (Ray's ``/tmp/ray`` session, torchelastic's run
-    directories, Python's tempfile) and ``HOME=/home/posttrain`` (the converted packaged model
+    workspace (the run's ``--out``, ``HF_HOME``), ``/dev/shm`` (Gloo/NCCL, Ray's object
+    store), and two added here: ``/tmp`` (Python's tempfile: checkpoint staging before upload;
+    Ray's ``/tmp/ray`` session, torchelastic's run directories) and ``HOME=/home/posttrain`` (the converted packaged model
     under ``~/.cache/posttrain``, torch inductor's and Triton's caches). Both are the pod's
     own, whatever image ``spec.resources.image`` names and on any node, so a ``/tmp/ray``
     another user left on a shared host, or a HOME the uid cannot write, cannot stop a run.
