@@ -17,7 +17,7 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
 Every publish logs where its time went (trainer: write, delta, commit, load; each replica:
 fetch, drain, reload, flip, hold); this prints them per round.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/weight_sync.py --rounds 3
+    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3
 """
 
 from __future__ import annotations
