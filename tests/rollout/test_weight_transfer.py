@@ -118,3 +118,57 @@ def test_a_handle_cannot_make_a_replica_map_another_file(tmp_path: Path) -> None
         link.unlink()
         buffer.close()
     assert not staged.exists()
+
+
+def test_cuda_buckets_travel_as_vllms_own_ipc_update_info(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU path up to CUDA itself: the same stream on a device buffer ("meta" stands in
+    for "cuda"; only the CUDA IPC export is replaced, and the CUDA synchronize skipped)
+    yields update infos that vLLM's own ``IPCWeightTransferUpdateInfo`` parses -- pickled
+    handles keyed by GPU UUID, which its stock "ipc" engine rebuilds with
+    ``rebuild_cuda_tensor`` -- and the CPU form parses the same way (posttrain_shm)."""
+    import posttrain.rollout.weight_transfer as transfer
+    from posttrain.rollout.vllm_local import vllm_python
+
+    python = vllm_python()
+    if python is None:
+        pytest.skip("no vLLM environment (make venv-vllm)")
+    exported: list[tuple[str, int]] = []
+
+    def fake_cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, object]:
+        exported.append((tensor.device.type, tensor.numel()))
+        return {"GPU-00000000-test": ("rebuild", "args", tensor.numel())}
+
+    monkeypatch.setattr(transfer, "cuda_ipc_handle", fake_cuda_ipc_handle)
+    tensors = _state_dict()
+    on_device = BucketStream(bucket_bytes=20_000, device="meta")
+    device_infos = list(on_device.updates(tensors))
+    on_cpu = BucketStream(bucket_bytes=20_000)
+    cpu_infos = list(on_cpu.updates(tensors))
+    on_cpu.close()
+    on_device.close()
+    assert exported and all(kind == "meta" for kind, _ in exported)
+    assert [i["names"] for i in device_infos] == [i["names"] for i in cpu_infos]
+    assert all("ipc_handles_pickled" in i and "ipc_handles" not in i for i in device_infos)
+
+    (tmp_path / "infos.json").write_text(json.dumps(device_infos + cpu_infos))
+    code = (
+        "import json, os, sys\n"
+        "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'\n"
+        "from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo\n"
+        "out = []\n"
+        "for raw in json.load(open(sys.argv[1])):\n"
+        "    info = IPCWeightTransferUpdateInfo(**raw)\n"
+        "    out.append([info.names, sorted(info.ipc_handles), info.tensor_sizes])\n"
+        "print(json.dumps(out))\n"
+    )
+    parsed = subprocess.run([str(python), "-c", code, str(tmp_path / "infos.json")],
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert parsed.returncode == 0, parsed.stderr[-2000:]
+    rows = json.loads(parsed.stdout.strip().splitlines()[-1])
+    n = len(device_infos)
+    assert [r[1] for r in rows[:n]] == [["GPU-00000000-test"]] * n
+    assert [r[1] for r in rows[n:]] == [["cpu"]] * n
+    assert [r[0] for r in rows[:n]] == [i["names"] for i in device_infos]
+    assert [r[2] for r in rows[:n]] == [i["tensor_sizes"] for i in device_infos]
