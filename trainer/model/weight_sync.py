@@ -199,6 +199,7 @@ class WeightPublisher:
             atexit.register(shutil.rmtree, self.shared_dir, ignore_errors=True)
         self.durable_versions: list[int] = []  # versions committed to the registry
         self.transfer_bucket_bytes = transfer_bucket_bytes if shared else None
+        self._stream: Any = None  # rollout.weight_transfer.BucketStream, kept between publishes
         self.dtype = dtype
         self.last_bytes = 0  # bytes written by the last publish (all transports)
         self.deltas = deltas
@@ -292,6 +293,7 @@ class WeightPublisher:
 
     def close(self) -> None:
         self._stop_sharing()
+        self._close_stream()
         if self._base is not None:
             shutil.rmtree(self._base[1], ignore_errors=True)
             self._base = None
@@ -306,7 +308,10 @@ class WeightPublisher:
         rank = getattr(policy, "rank", None)
         if self.transfer_bucket_bytes is None or getattr(rank, "world_size", 1) != 1:
             return False
-        stream = BucketStream(self.transfer_bucket_bytes)
+        if self._stream is None:
+            self._stream = BucketStream(self.transfer_bucket_bytes)
+            atexit.register(self._stream.close)  # /dev/shm is RAM
+        stream = self._stream
         try:
             with self._phase("transfer"):
                 self.client.transfer_weights(
@@ -316,9 +321,8 @@ class WeightPublisher:
             log.info("direct weight transfer unavailable (%s); publishing through shared "
                      "files from now on", exc)  # fmt: skip
             self.transfer_bucket_bytes = None
+            self._close_stream()
             return False
-        finally:
-            stream.close()
         self.last_phases["pack"] = stream.pack_seconds
         self.last_bytes += stream.bytes
         return True
@@ -422,6 +426,11 @@ class WeightPublisher:
         if self._base is not None:
             shutil.rmtree(self._base[1], ignore_errors=True)
         self._base = (version, target)
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def _stop_sharing(self) -> None:
         if self.shared_dir is not None:
