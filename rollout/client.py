@@ -254,12 +254,16 @@ class RolloutClient:
                     raise RolloutError(f"loading weights v{version} from {uri} failed on {reasons}")
                 self.loaded = (uri, version)
 
-    def transfer_weights(self, version: int, updates: Iterable[dict[str, Any]]) -> None:
+    def transfer_weights(
+        self, version: int, updates: Iterable[dict[str, Any]], device: str = "cpu"
+    ) -> None:
         """Make every endpoint serve ``version`` by direct transfer (vLLM replicas on this
         trainer's host or GPU node, ``POST /v1/weights/transfer``): ``start`` on all, then
         each of ``updates`` (vLLM's packed update info, one bucket each) to all at once --
         the next bucket is produced only once every endpoint has read this one, which is
-        what lets the producer reuse its staging buffer -- then ``finish``.
+        what lets the producer reuse its staging buffer -- then ``finish``. ``device``
+        (``cpu`` | ``cuda``) is where the staging buffers live: a replica whose transfer
+        backend cannot map them refuses ``start``.
 
         Any failure aborts the session on every endpoint that started it (each goes back
         to the weights it held, or restarts) and raises RolloutError naming the failures;
@@ -273,13 +277,15 @@ class RolloutClient:
             self.last_load_replies = {}
             with tracer.start_as_current_span("rollout.transfer_weights") as span:
                 span.set_attribute("weights.version", version)
-                started, failed = self._transfer_step(endpoints, version, "start")
+                started, failed = self._transfer_step(endpoints, version, "start",
+                                                      {"device": device})  # fmt: skip
                 if failed:
                     self._transfer_step(started, version, "abort")
                     raise RolloutError(f"weight transfer v{version} could not start on {failed}")
                 try:
                     for info in updates:
-                        _, failed = self._transfer_step(endpoints, version, "update", info)
+                        _, failed = self._transfer_step(endpoints, version, "update",
+                                                        {"update_info": info})  # fmt: skip
                         if failed:
                             raise RolloutError(f"weight transfer v{version} failed on {failed}")
                 except BaseException:
@@ -290,14 +296,12 @@ class RolloutClient:
                     raise RolloutError(f"weight transfer v{version} did not finish on {failed}")
 
     def _transfer_step(
-        self, endpoints: list[_Endpoint], version: int, op: str, info: dict[str, Any] | None = None
+        self, endpoints: list[_Endpoint], version: int, op: str, extra: dict[str, Any] | None = None
     ) -> tuple[list[_Endpoint], dict[str, str]]:
         """POST one transfer step to ``endpoints`` in parallel: those that took it, and
         why the others did not (by URL)."""
         carrier = {**inject_headers(), **auth_headers()}
-        body: dict[str, Any] = {"version": version, "op": op}
-        if info is not None:
-            body["update_info"] = info
+        body: dict[str, Any] = {"version": version, "op": op, **(extra or {})}
         done: list[_Endpoint] = []
         failed: dict[str, str] = {}
 

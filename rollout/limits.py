@@ -135,6 +135,7 @@ class WeightTransferRequest(BaseModel):
     version: int = Field(ge=1)
     op: Literal["start", "update", "finish", "abort"]
     update_info: dict[str, Any] | None = None
+    device: Literal["cpu", "cuda"] | None = None  # of the staging buffers (start)
 
 
 def normalize_prompts(

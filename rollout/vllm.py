@@ -77,6 +77,8 @@ WEIGHT_LOAD_PHASE_SECONDS = Histogram(
 SERVED_VERSION = Gauge("posttrain_vllm_weight_version", "Weight version this replica serves")
 
 WORKER_EXTENSION = "posttrain.rollout.vllm_ext.WeightSyncExtension"
+# Where each weight-transfer backend's staging buffers live (rollout/weight_transfer.py).
+TRANSFER_DEVICES = {"posttrain_shm": "cpu", "ipc": "cuda"}
 
 
 @dataclass
@@ -316,6 +318,7 @@ class VllmFrontDoor:
         limits: RequestLimits | None = None,
         context_length: int | None = None,
         weights_token: str | None = None,
+        transfer_backend: str | None = None,
     ) -> None:
         import httpx
 
@@ -332,6 +335,7 @@ class VllmFrontDoor:
         self.session: TransferSession | None = None  # a direct transfer in progress
         self.transfer_initialized = False  # vLLM's /init_weight_transfer_engine was called
         self.transfer_idle_s = 120.0  # a session with no step for this long is abandoned
+        self.transfer_backend = transfer_backend  # vLLM's weight-transfer backend, if any
         self.exit = os._exit  # how a replica that cannot vouch for its weights leaves
         self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
         self.held_root: Path | None = None  # where it lives (weights.held_root)
@@ -443,6 +447,11 @@ class VllmFrontDoor:
         """
         session, op = self.session, request.op
         if op == "start":
+            wanted = TRANSFER_DEVICES.get(self.transfer_backend or "")
+            if wanted is None or request.device != wanted:
+                takes = f"{wanted} buffers ({self.transfer_backend})" if wanted else "none"
+                raise ApiError(400, f"this replica takes direct transfers from {takes}, not "
+                               f"{request.device} buffers; load files instead", "device")  # fmt: skip
             if session is not None:
                 raise ApiError(409, f"a transfer of v{session.version} is in progress", "op")
             await self.loading.acquire()
@@ -799,6 +808,7 @@ def run_vllm_entry(
         limits,
         spec.max_model_len,
         weights_token=weights_token(),
+        transfer_backend=spec.weight_transfer_backend,
     )
 
     async def watch_engine() -> None:

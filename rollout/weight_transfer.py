@@ -270,7 +270,7 @@ class BucketStream:
     def _flush(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
         started = time.perf_counter()
         buffer = self._buffer(self.buckets, bucket.nbytes)
-        pack(buffer.tensor, [t.to(self.device) for _, t in tensors])
+        pack(buffer.tensor, [t for _, t in tensors])  # copy_ crosses devices itself
         if buffer.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(buffer.device)
         self.pack_seconds += time.perf_counter() - started

@@ -309,13 +309,18 @@ class WeightPublisher:
         if self.transfer_bucket_bytes is None or getattr(rank, "world_size", 1) != 1:
             return False
         if self._stream is None:
-            self._stream = BucketStream(self.transfer_bucket_bytes)
+            # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
+            plan = getattr(policy, "plan", None)
+            device = plan.device if getattr(plan, "device", None) is not None else "cpu"
+            self._stream = BucketStream(self.transfer_bucket_bytes, device)
             atexit.register(self._stream.close)  # /dev/shm is RAM
         stream = self._stream
         try:
             with self._phase("transfer"):
                 self.client.transfer_weights(
-                    version, stream.updates(policy.full_weights(self.dtype))
+                    version,
+                    stream.updates(policy.full_weights(self.dtype, stream.device)),
+                    device=stream.device.type,
                 )
         except RolloutError as exc:
             log.info("direct weight transfer unavailable (%s); publishing through shared "
