@@ -283,11 +283,16 @@ class RolloutClient:
                     self._transfer_step(started, version, "abort")
                     raise RolloutError(f"weight transfer v{version} could not start on {failed}")
                 try:
+                    # One bucket in flight while the producer packs the next into its other
+                    # buffer; it refills a buffer only after that buffer's step came back.
+                    in_flight: _Step | None = None
                     for info in updates:
-                        _, failed = self._transfer_step(endpoints, version, "update",
-                                                        {"update_info": info})  # fmt: skip
-                        if failed:
-                            raise RolloutError(f"weight transfer v{version} failed on {failed}")
+                        if in_flight is not None:
+                            in_flight.check()
+                        in_flight = _Step(self, endpoints, version, "update",
+                                          {"update_info": info})  # fmt: skip
+                    if in_flight is not None:
+                        in_flight.check()
                 except BaseException:
                     self._transfer_step(endpoints, version, "abort")
                     raise
@@ -538,6 +543,29 @@ class RolloutClient:
         if "weight_version" not in payload and WEIGHT_VERSION_HEADER in response.headers:
             payload["weight_version"] = int(response.headers[WEIGHT_VERSION_HEADER])
         return payload
+
+
+class _Step:
+    """One transfer step running on every endpoint in the background; :meth:`check` waits
+    for it and raises RolloutError naming the endpoints that failed."""
+
+    def __init__(
+        self, client: RolloutClient, endpoints: list[_Endpoint], version: int, op: str,
+        extra: dict[str, Any],
+    ) -> None:  # fmt: skip
+        self.version = version
+        self.failed: dict[str, str] = {}
+
+        def run() -> None:
+            _, self.failed = client._transfer_step(endpoints, version, op, extra)
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def check(self) -> None:
+        self.thread.join()
+        if self.failed:
+            raise RolloutError(f"weight transfer v{self.version} failed on {self.failed}")
 
 
 def parse_completions(response: dict[str, Any], prompt_index: int, n: int) -> list[Completion]:

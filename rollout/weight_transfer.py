@@ -237,7 +237,8 @@ class BucketStream:
         self.buffers: list[StagingBuffer | None] = [None] * buffers
         self.bytes = 0  # tensor bytes streamed
         self.buckets = 0
-        self.pack_seconds = 0.0  # copying into the staging buffers (the rest is waiting)
+        self.pack_seconds = 0.0  # copying into the staging buffers
+        self.gather_seconds = 0.0  # producing the tensors (gather, cast); the rest is waiting
 
     @property
     def staged_bytes(self) -> int:
@@ -255,10 +256,17 @@ class BucketStream:
         return buffer
 
     def updates(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, Any]]:
-        self.bytes, self.buckets, self.pack_seconds = 0, 0, 0.0
+        self.bytes, self.buckets, self.pack_seconds, self.gather_seconds = 0, 0, 0.0, 0.0
         pending: list[tuple[str, torch.Tensor]] = []
         bucket = Bucket()
-        for name, tensor in tensors:
+        source = iter(tensors)
+        while True:
+            mark = time.perf_counter()
+            item = next(source, None)
+            self.gather_seconds += time.perf_counter() - mark
+            if item is None:
+                break
+            name, tensor = item
             if bucket.full_for(tensor, self.bucket_bytes):
                 yield self._flush(bucket, pending)
                 pending, bucket = [], Bucket()

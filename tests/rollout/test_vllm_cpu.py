@@ -358,8 +358,13 @@ def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Poo
 
         pool.version += 1
         direct.publish(pool.policy, pool.version)
-        assert direct.transport == "transfer" and set(direct.last_phases) == {"transfer", "pack"}
-        assert direct.last_bytes == full_bytes(pool)  # fp32, every tensor once
+        assert direct.transport == "transfer" and set(direct.last_phases) == {
+            "transfer",
+            "gather",
+            "pack",
+        }
+        tensor_bytes = sum(t.numel() * t.element_size() for _, t in pool.policy.full_weights())
+        assert direct.last_bytes == tensor_bytes  # fp32, every tensor once
         assert served_versions(pool) == [pool.version] * 2
         for reply in both.last_load_replies.values():
             assert {"drain", "start", "update", "finish", "flip"} <= set(reply["phases"])

@@ -328,6 +328,7 @@ class WeightPublisher:
             self.transfer_bucket_bytes = None
             self._close_stream()
             return False
+        self.last_phases["gather"] = stream.gather_seconds
         self.last_phases["pack"] = stream.pack_seconds
         self.last_bytes += stream.bytes
         return True
