@@ -294,6 +294,8 @@ class RolloutClient:
                     if in_flight is not None:
                         in_flight.check()
                 except BaseException:
+                    if in_flight is not None:  # the abort must not overtake it
+                        in_flight.thread.join()
                     self._transfer_step(endpoints, version, "abort")
                     raise
                 _, failed = self._transfer_step(endpoints, version, "finish")

@@ -268,6 +268,7 @@ class TransferSession:
     buckets: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     watchdog: asyncio.Task[None] | None = None
+    steps: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 def worker_seconds(reply: Any) -> float:
@@ -475,6 +476,18 @@ class VllmFrontDoor:
             raise ApiError(409, f"no transfer of v{request.version} in progress ({now} is)",
                            "version")  # fmt: skip
         session.last_seen = time.monotonic()
+        async with session.steps:  # one step at a time, in the order they arrive
+            try:
+                return await self._session_step(session, request)
+            finally:
+                session.last_seen = time.monotonic()  # a long step is not an idle session
+
+    async def _session_step(
+        self, session: TransferSession, request: WeightTransferRequest
+    ) -> dict[str, Any]:
+        op = request.op
+        if self.session is not session:  # ended while this step waited
+            raise ApiError(409, f"the transfer of v{session.version} has ended", "op")
         if op == "update":
             if request.update_info is None:
                 raise ApiError(400, "update needs update_info", "update_info")
@@ -565,7 +578,8 @@ class VllmFrontDoor:
         while self.session is session:
             await asyncio.sleep(min(1.0, self.transfer_idle_s))
             if time.monotonic() - session.last_seen > self.transfer_idle_s:
-                await self._abandon(session, f"no step for {self.transfer_idle_s:.0f}s")
+                async with session.steps:
+                    await self._abandon(session, f"no step for {self.transfer_idle_s:.0f}s")
                 return
 
     def _hold(self, uri: str, version: int, path: Path, temporary: bool) -> None:
