@@ -55,25 +55,32 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(self.tensor_sizes)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """Append ``tensor`` (packed as ``dtype``, default its own); returns its offset."""
+        dtype = dtype or tensor.dtype
+        offset = self.nbytes
         self.names.append(name)
-        self.dtype_names.append(str(tensor.dtype).removeprefix("torch."))
+        self.dtype_names.append(str(dtype).removeprefix("torch."))
         self.shapes.append(list(tensor.shape))
-        self.tensor_sizes.append(tensor.numel() * tensor.element_size())
+        self.tensor_sizes.append(tensor.numel() * dtype.itemsize)
+        return offset
 
-    def full_for(self, tensor: torch.Tensor, bucket_bytes: int) -> bool:
-        """Whether ``tensor`` must open the next bucket: it would not fit in
-        ``bucket_bytes``, or its offset would not be a multiple of its element size (every
-        view the replica takes must be aligned). An empty bucket takes anything.
+    def full_for(
+        self, tensor: torch.Tensor, bucket_bytes: int, dtype: torch.dtype | None = None
+    ) -> bool:
+        """Whether ``tensor`` (packed as ``dtype``) must open the next bucket: it would not
+        fit in ``bucket_bytes``, or its offset would not be a multiple of its element size
+        (every view the replica takes must be aligned). An empty bucket takes anything.
 
         >>> bucket = Bucket()
         >>> bucket.add("a", torch.zeros(3, dtype=torch.bfloat16))
-        >>> bucket.full_for(torch.zeros(2), 64), bucket.full_for(torch.zeros(2, dtype=torch.int16), 64)
+        0
+        >>> bucket.full_for(torch.zeros(2), 64), bucket.full_for(torch.zeros(2), 64, torch.int16)
         (True, False)
         """
-        size = tensor.numel() * tensor.element_size()
+        itemsize = (dtype or tensor.dtype).itemsize
         return bool(self.names) and (
-            self.nbytes + size > bucket_bytes or self.nbytes % tensor.element_size() != 0
+            self.nbytes + tensor.numel() * itemsize > bucket_bytes or self.nbytes % itemsize != 0
         )
 
 
@@ -81,10 +88,24 @@ def pack(buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> int:
     """Copy ``tensors`` back to back into the uint8 ``buffer``; returns the bytes used."""
     offset = 0
     for tensor in tensors:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
-        offset += flat.numel()
+        offset += pack_at(buffer, offset, tensor, tensor.dtype)
     return offset
+
+
+def pack_at(buffer: torch.Tensor, offset: int, tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """Copy ``tensor`` into the uint8 ``buffer`` at ``offset`` as ``dtype`` -- the cast and
+    the copy in one pass, across devices, with no temporary -- returning the bytes used.
+
+    >>> buffer = torch.zeros(8, dtype=torch.uint8)
+    >>> pack_at(buffer, 2, torch.tensor([1.5, -2.0]), torch.bfloat16)
+    4
+    >>> buffer[2:6].view(torch.bfloat16).tolist()
+    [1.5, -2.0]
+    """
+    size = tensor.numel() * dtype.itemsize
+    target = buffer[offset : offset + size].view(dtype).view(tensor.shape)
+    target.copy_(tensor.detach(), non_blocking=True)
+    return size
 
 
 def unpack(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor]]:
@@ -92,8 +113,8 @@ def unpack(buffer: torch.Tensor, bucket: Bucket) -> list[tuple[str, torch.Tensor
 
     >>> tensors = [("a", torch.arange(4, dtype=torch.bfloat16)), ("b", torch.ones(2, 2))]
     >>> bucket = Bucket()
-    >>> for name, tensor in tensors:
-    ...     bucket.add(name, tensor)
+    >>> [bucket.add(name, tensor) for name, tensor in tensors]  # their offsets
+    [0, 8]
     >>> buffer = torch.empty(bucket.nbytes, dtype=torch.uint8)
     >>> pack(buffer, [t for _, t in tensors])
     24
@@ -158,6 +179,7 @@ def update_info(bucket: Bucket, handle: dict[str, Any]) -> dict[str, Any]:
 
     >>> b = Bucket()
     >>> b.add("w", torch.zeros(2))
+    0
     >>> update_info(b, {"cpu": ["shm", "/dev/shm/posttrain-transfer-x", 8]})["ipc_handles"]
     {'cpu': ['shm', '/dev/shm/posttrain-transfer-x', 8]}
     """
@@ -228,12 +250,14 @@ class BucketStream:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         device: torch.device | str = "cpu",
         buffers: int = 2,
+        dtype: torch.dtype | None = None,
     ) -> None:
         if bucket_bytes < 1 or buffers < 1:
             raise ValueError(f"need bucket_bytes >= 1 and buffers >= 1, got {bucket_bytes}, "
                              f"{buffers}")  # fmt: skip
         self.bucket_bytes = bucket_bytes
         self.device = torch.device(device)
+        self.dtype = dtype  # floating-point tensors are cast to it while packed (None: kept)
         self.buffers: list[StagingBuffer | None] = [None] * buffers
         self.bytes = 0  # tensor bytes streamed
         self.buckets = 0
@@ -256,9 +280,12 @@ class BucketStream:
         return buffer
 
     def updates(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, Any]]:
+        """Pack ``tensors`` as they come, one update info per full bucket. Each tensor is
+        cast and copied into the staging buffer on arrival and can be freed at once, so
+        nothing but the two buffers is held (a producer that casts into temporaries, or
+        holds a bucket's tensors, faults in fresh memory every publish)."""
         self.bytes, self.buckets, self.pack_seconds, self.gather_seconds = 0, 0, 0.0, 0.0
-        pending: list[tuple[str, torch.Tensor]] = []
-        bucket = Bucket()
+        bucket, buffer = Bucket(), None
         source = iter(tensors)
         while True:
             mark = time.perf_counter()
@@ -267,21 +294,22 @@ class BucketStream:
             if item is None:
                 break
             name, tensor = item
-            if bucket.full_for(tensor, self.bucket_bytes):
-                yield self._flush(bucket, pending)
-                pending, bucket = [], Bucket()
-            bucket.add(name, tensor)
-            pending.append((name, tensor))
-        if bucket.names:
-            yield self._flush(bucket, pending)
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
+            if buffer is not None and bucket.full_for(tensor, self.bucket_bytes, dtype):
+                yield self._finish(bucket, buffer)
+                bucket, buffer = Bucket(), None
+            mark = time.perf_counter()
+            offset = bucket.add(name, tensor, dtype)
+            if buffer is None:  # a bucket's first tensor: its buffer, grown to fit it
+                buffer = self._buffer(self.buckets, bucket.nbytes)
+            pack_at(buffer.tensor, offset, tensor, dtype or tensor.dtype)
+            self.pack_seconds += time.perf_counter() - mark
+        if buffer is not None:
+            yield self._finish(bucket, buffer)
 
-    def _flush(self, bucket: Bucket, tensors: list[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-        started = time.perf_counter()
-        buffer = self._buffer(self.buckets, bucket.nbytes)
-        pack(buffer.tensor, [t for _, t in tensors])  # copy_ crosses devices itself
+    def _finish(self, bucket: Bucket, buffer: StagingBuffer) -> dict[str, Any]:
         if buffer.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(buffer.device)
-        self.pack_seconds += time.perf_counter() - started
         self.buckets += 1
         self.bytes += bucket.nbytes
         return update_info(bucket, buffer.handle())

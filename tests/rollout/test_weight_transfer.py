@@ -172,3 +172,24 @@ def test_cuda_buckets_travel_as_vllms_own_ipc_update_info(
     assert [r[1] for r in rows[n:]] == [["cpu"]] * n
     assert [r[0] for r in rows[:n]] == [i["names"] for i in device_infos]
     assert [r[2] for r in rows[:n]] == [i["tensor_sizes"] for i in device_infos]
+
+
+def test_the_stream_casts_floating_tensors_to_the_serving_dtype_while_packing() -> None:
+    """What a replica reads is bit for bit ``tensor.to(serving dtype)``; integer tensors
+    keep their dtype."""
+    tensors = _state_dict()
+    stream = BucketStream(bucket_bytes=20_000, dtype=torch.bfloat16)
+    received: dict[str, torch.Tensor] = {}
+    try:
+        for info in stream.updates(tensors):
+            mapped = map_shared_buffer(info["ipc_handles"]["cpu"])
+            received.update((n, v.clone()) for n, v in unpack(mapped, _bucket(info)))
+    finally:
+        stream.close()
+    for name, tensor in tensors:
+        expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        assert received[name].dtype == expected.dtype, name
+        assert torch.equal(received[name], expected), name
+    assert stream.bytes == sum(
+        t.numel() * (2 if t.is_floating_point() else t.element_size()) for _, t in tensors
+    )

@@ -312,14 +312,15 @@ class WeightPublisher:
             # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
             plan = getattr(policy, "plan", None)
             device = plan.device if getattr(plan, "device", None) is not None else "cpu"
-            self._stream = BucketStream(self.transfer_bucket_bytes, device)
+            self._stream = BucketStream(self.transfer_bucket_bytes, device, dtype=self.dtype)
             atexit.register(self._stream.close)  # /dev/shm is RAM
         stream = self._stream
         try:
             with self._phase("transfer"):
                 self.client.transfer_weights(
                     version,
-                    stream.updates(policy.full_weights(self.dtype, stream.device)),
+                    # In the trainer's dtype: the stream casts while it packs (no temporaries).
+                    stream.updates(policy.full_weights(None, stream.device)),
                     device=stream.device.type,
                 )
         except RolloutError as exc:
