@@ -83,7 +83,9 @@ class WeightSyncExtension:
         """Read ``weights_dir`` into this worker's memory (for :meth:`reload_staged_weights`);
         returns the tensor count. Benchmarks only: the reference a publish is measured
         against is vLLM reloading bytes it already holds."""
-        self._staged = dict(iter_safetensors(weights_dir))
+        # Copies in this process's memory, touched once: safetensors' tensors are views of
+        # the file's mapping (page cache), which a reload would fault in as it reads.
+        self._staged = {name: tensor.clone() for name, tensor in iter_safetensors(weights_dir)}
         return len(self._staged)
 
     def reload_staged_weights(self) -> dict[str, float]:
