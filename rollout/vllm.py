@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -776,17 +777,30 @@ class VllmFrontDoor:
                         headers={WEIGHT_VERSION_HEADER: str(version)})  # fmt: skip
 
 
+def vllm_env(spec: VllmServeSpec, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``vllm serve`` runs with: dev mode (the front door's
+    ``/collective_rpc`` and weight-transfer routes, on loopback only) and, for vLLM's CUDA
+    IPC backend, pickled handles allowed -- they arrive over HTTP from the front door, which
+    passes on updates from holders of the pool's weight token only.
+
+    >>> env = vllm_env(VllmServeSpec(model="/m", weight_transfer_backend="ipc"), {})
+    >>> env["VLLM_SERVER_DEV_MODE"], env["VLLM_ALLOW_INSECURE_SERIALIZATION"]
+    ('1', '1')
+    >>> "VLLM_ALLOW_INSECURE_SERIALIZATION" in vllm_env(VllmServeSpec(model="/m"), {})
+    False
+    """
+    env = dict(base, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if spec.weight_transfer_backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return env
+
+
 def _start_vllm(spec: VllmServeSpec) -> subprocess.Popen[bytes]:
     """``vllm serve`` on loopback only, in dev mode (the front door's /collective_rpc)."""
     if spec.host not in {"127.0.0.1", "localhost", "::1"}:
         raise ValueError(f"vLLM must listen on loopback only (its /collective_rpc loads "
                          f"arbitrary files), got host {spec.host!r}")  # fmt: skip
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-    if spec.weight_transfer_backend == "ipc":
-        # vLLM's IPC backend takes CUDA IPC handles pickled over HTTP. Only the front door
-        # reaches vLLM (loopback), and it passes on updates from holders of the pool's
-        # weight token only.
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    env = vllm_env(spec, os.environ)
     argv = vllm_launcher(build_vllm_command(spec))
     log.info("starting %s", " ".join(argv))
     return subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)

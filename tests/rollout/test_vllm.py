@@ -220,3 +220,21 @@ def test_transfer_steps_are_refused_before_vllm_is_touched() -> None:
         assert (
             client.post("/v1/weights/transfer", json={"version": 3, "op": "x"}).status_code == 400
         )
+
+
+def test_a_transfer_backend_reaches_vllm_and_only_ipc_allows_pickled_handles() -> None:
+    from posttrain.rollout.vllm import vllm_env
+
+    for backend in ("ipc", "posttrain_shm"):
+        spec = VllmServeSpec(model="/m", weight_transfer_backend=backend)
+        argv = build_vllm_command(spec)
+        config = argv[argv.index("--weight-transfer-config") + 1]
+        assert json.loads(config) == {"backend": backend}
+        allowed = vllm_env(spec, {"PATH": "/bin"}).get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        assert allowed == ("1" if backend == "ipc" else None)
+    assert "--weight-transfer-config" not in build_vllm_command(VllmServeSpec(model="/m"))
+    # Local CPU replicas take direct transfers from a trainer on their host.
+    from posttrain.rollout.vllm_local import CPU_ENGINE_ARGS
+
+    spec = VllmServeSpec.from_engine_args("/m", CPU_ENGINE_ARGS)
+    assert spec.weight_transfer_backend == "posttrain_shm"
