@@ -506,7 +506,7 @@ class VllmFrontDoor:
         try:
             await self._timed(session, "finish", "finish_weight_update", None)
             mark = time.monotonic()
-            (await self.http.post(f"{self.upstream}/reset_prefix_cache")).raise_for_status()
+            await self._upstream("reset_prefix_cache", None)
             self.version = request.version
             self.refused.pop(request.version, None)
             session.phases["flip"] = time.monotonic() - mark
@@ -526,7 +526,13 @@ class VllmFrontDoor:
                 "phases": session.phases}  # fmt: skip
 
     async def _upstream(self, path: str, body: dict[str, Any] | None) -> None:
-        response = await self.http.post(f"{self.upstream}/{path}", json=body)
+        """POST to vLLM; RuntimeError naming the route when it fails or cannot be reached."""
+        import httpx
+
+        try:
+            response = await self.http.post(f"{self.upstream}/{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"vLLM /{path} unreachable: {exc!r}") from exc
         if response.status_code != 200:
             raise RuntimeError(f"vLLM /{path} failed (HTTP {response.status_code}): "
                                f"{response.text[:500]}")  # fmt: skip
@@ -559,7 +565,7 @@ class VllmFrontDoor:
             await self._upstream("finish_weight_update", None)
             if self.held is not None and self.held.version == self.version:
                 await self._rpc("reload_weights_from_path", [str(self.held.directory)])
-                (await self.http.post(f"{self.upstream}/reset_prefix_cache")).raise_for_status()
+                await self._upstream("reset_prefix_cache", None)
                 restored = True
         except Exception as exc:
             log.error("could not restore weights v%d after the abandoned transfer: %s",
