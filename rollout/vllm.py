@@ -266,7 +266,8 @@ class TransferSession:
     version: int
     started: float = field(default_factory=time.monotonic)
     last_seen: float = field(default_factory=time.monotonic)
-    buckets: int = 0
+    buckets: int = 0  # updates vLLM took
+    attempted: int = 0  # updates handed to vLLM, failed ones included (they may load part)
     phases: dict[str, float] = field(default_factory=dict)
     watchdog: asyncio.Task[None] | None = None
     steps: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -492,6 +493,7 @@ class VllmFrontDoor:
         if op == "update":
             if request.update_info is None:
                 raise ApiError(400, "update needs update_info", "update_info")
+            session.attempted += 1
             try:
                 await self._timed(session, "update", "update_weights",
                                   {"update_info": request.update_info})  # fmt: skip
@@ -563,7 +565,10 @@ class VllmFrontDoor:
         restored = False
         try:
             await self._upstream("finish_weight_update", None)
-            if self.held is not None and self.held.version == self.version:
+            # Nothing loaded yet: vLLM's finish puts every layer's previous kernel tensors
+            # back, the served weights exactly (a start refused elsewhere in the pool).
+            restored = session.attempted == 0
+            if not restored and self.held is not None and self.held.version == self.version:
                 await self._rpc("reload_weights_from_path", [str(self.held.directory)])
                 await self._upstream("reset_prefix_cache", None)
                 restored = True
@@ -572,7 +577,8 @@ class VllmFrontDoor:
                       self.version, exc)  # fmt: skip
         await self._end_session(session)
         if restored:
-            log.info("restored weights v%d from its held copy", self.version)
+            how = "from its held copy" if session.attempted else "(no bucket had been loaded)"
+            log.info("restored weights v%d %s", self.version, how)
             return
         # The model holds a mix of two versions: never serve it. Exit so the pod restarts
         # and pulls the latest committed version before it is ready again.

@@ -382,9 +382,11 @@ def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Poo
 
 
 def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool) -> None:
-    """The trainer dies after one bucket of other weights: every replica goes back to the
-    bytes it held (the registry version it loaded), bit for bit, and keeps serving it.
-    (Last in this file: a replica that cannot restore exits.)"""
+    """The trainer dies before its first bucket (vLLM's session was opened), then after one
+    bucket of other weights: each time every replica goes back to the bytes it served, bit
+    for bit -- the first time as vLLM left them, the second from its held copy (the
+    registry version it loaded) -- and keeps serving them. (Last in this file: a replica
+    that cannot restore exits.)"""
     from posttrain.rollout.weight_transfer import BucketStream
 
     pool = vllm_pool
@@ -397,6 +399,15 @@ def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool)
                 1 + 0.5 * torch.randn(embed.shape, generator=torch.Generator().manual_seed(41))
             )
         stream = BucketStream(bucket_bytes=8 << 20)
+
+        def dies_before_a_bucket() -> Iterator[dict[str, Any]]:
+            raise RuntimeError("the trainer died before its first bucket")
+            yield {}
+
+        with pytest.raises(RuntimeError, match="before its first bucket"):
+            both.transfer_weights(version + 1, dies_before_a_bucket())
+        assert served_versions(pool) == [version, version]
+        assert checksums(pool) == sums
 
         def dies_after_one_bucket() -> Iterator[dict[str, Any]]:
             updates = stream.updates(pool.policy.full_weights())
@@ -412,4 +423,6 @@ def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool)
     assert checksums(pool) == sums
     assert [outputs(pool, r) for r in pool.replicas] == expected
     for replica in pool.replicas:
-        assert f"restored weights v{version} from its held copy" in replica.log_path.read_text()
+        text = replica.log_path.read_text()
+        assert f"restored weights v{version} (no bucket had been loaded)" in text
+        assert f"restored weights v{version} from its held copy" in text
