@@ -18,7 +18,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -107,6 +107,9 @@ class RolloutClient:
         # version is being published cannot end up on the previous one.
         self._loading = threading.RLock()
         self.loaded: tuple[str, int] | None = None  # (uri, version) of the last full load
+        # Each replica's answer to the last /v1/weights/load (load_seconds, phases): what a
+        # publish logs as where the replicas' time went.
+        self.last_load_replies: dict[str, dict[str, Any]] = {}
         # How long a load waits for a listed replica that cannot be reached to answer or
         # to leave the pool (a crashed pod is replaced, or dropped by the operator, in this).
         self.rejoin_wait_s = max(timeout_s, 600.0)
@@ -227,6 +230,7 @@ class RolloutClient:
             self._refresh_endpoints()
             with tracer.start_as_current_span("rollout.load_weights") as span:
                 span.set_attribute("weights.version", version)
+                self.last_load_replies = {}
                 failures = self._load_on(list(self._endpoints), uri, version)
                 deadline = time.monotonic() + self.rejoin_wait_s
                 while failures and self.discover is not None:
@@ -249,6 +253,82 @@ class RolloutClient:
                     reasons = {u: str(e) for u, e in failures.items()}
                     raise RolloutError(f"loading weights v{version} from {uri} failed on {reasons}")
                 self.loaded = (uri, version)
+
+    def transfer_weights(
+        self, version: int, updates: Iterable[dict[str, Any]], device: str = "cpu"
+    ) -> None:
+        """Make every endpoint serve ``version`` by direct transfer (vLLM replicas on this
+        trainer's host or GPU node, ``POST /v1/weights/transfer``): ``start`` on all, then
+        each of ``updates`` (vLLM's packed update info, one bucket each) to all at once --
+        the next bucket is produced only once every endpoint has read this one, which is
+        what lets the producer reuse its staging buffer -- then ``finish``. ``device``
+        (``cpu`` | ``cuda``) is where the staging buffers live: a replica whose transfer
+        backend cannot map them refuses ``start``.
+
+        Any failure aborts the session on every endpoint that started it (each goes back
+        to the weights it held, or restarts) and raises RolloutError naming the failures;
+        an endpoint without the route (the CPU engine, a replica without a transfer
+        backend) fails ``start`` with nothing changed, so the caller can fall back to a
+        load. Answers to ``finish`` land in :attr:`last_load_replies`.
+        """
+        with self._loading:
+            self._refresh_endpoints()
+            endpoints = list(self._endpoints)
+            self.last_load_replies = {}
+            with tracer.start_as_current_span("rollout.transfer_weights") as span:
+                span.set_attribute("weights.version", version)
+                started, failed = self._transfer_step(endpoints, version, "start",
+                                                      {"device": device})  # fmt: skip
+                if failed:
+                    self._transfer_step(started, version, "abort")
+                    raise RolloutError(f"weight transfer v{version} could not start on {failed}")
+                try:
+                    # One bucket in flight while the producer packs the next into its other
+                    # buffer; it refills a buffer only after that buffer's step came back.
+                    in_flight: _Step | None = None
+                    for info in updates:
+                        if in_flight is not None:
+                            in_flight.check()
+                        in_flight = _Step(self, endpoints, version, "update",
+                                          {"update_info": info})  # fmt: skip
+                    if in_flight is not None:
+                        in_flight.check()
+                except BaseException:
+                    if in_flight is not None:  # the abort must not overtake it
+                        in_flight.thread.join()
+                    self._transfer_step(endpoints, version, "abort")
+                    raise
+                _, failed = self._transfer_step(endpoints, version, "finish")
+                if failed:
+                    raise RolloutError(f"weight transfer v{version} did not finish on {failed}")
+
+    def _transfer_step(
+        self, endpoints: list[_Endpoint], version: int, op: str, extra: dict[str, Any] | None = None
+    ) -> tuple[list[_Endpoint], dict[str, str]]:
+        """POST one transfer step to ``endpoints`` in parallel: those that took it, and
+        why the others did not (by URL)."""
+        carrier = {**inject_headers(), **auth_headers()}
+        body: dict[str, Any] = {"version": version, "op": op, **(extra or {})}
+        done: list[_Endpoint] = []
+        failed: dict[str, str] = {}
+
+        def step(endpoint: _Endpoint) -> None:
+            try:
+                reply = self._post_to(endpoint, "/v1/weights/transfer", body, carrier,
+                                      timeout_s=max(self._timeout_s, 600.0))  # fmt: skip
+            except Exception as exc:
+                failed[endpoint.url] = str(exc)
+                return
+            done.append(endpoint)
+            if op == "finish":
+                self.last_load_replies[endpoint.url] = reply
+
+        threads = [threading.Thread(target=step, args=(e,)) for e in endpoints]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return done, failed
 
     def catch_up(self, urls: list[str]) -> list[str]:
         """Bring replicas that joined since the last load to the last loaded version, then
@@ -297,7 +377,7 @@ class RolloutClient:
 
         def load(endpoint: _Endpoint) -> None:
             try:
-                self._post_to(
+                self.last_load_replies[endpoint.url] = self._post_to(
                     endpoint,
                     "/v1/weights/load",
                     {"uri": uri, "version": version},
@@ -465,6 +545,29 @@ class RolloutClient:
         if "weight_version" not in payload and WEIGHT_VERSION_HEADER in response.headers:
             payload["weight_version"] = int(response.headers[WEIGHT_VERSION_HEADER])
         return payload
+
+
+class _Step:
+    """One transfer step running on every endpoint in the background; :meth:`check` waits
+    for it and raises RolloutError naming the endpoints that failed."""
+
+    def __init__(
+        self, client: RolloutClient, endpoints: list[_Endpoint], version: int, op: str,
+        extra: dict[str, Any],
+    ) -> None:  # fmt: skip
+        self.version = version
+        self.failed: dict[str, str] = {}
+
+        def run() -> None:
+            _, self.failed = client._transfer_step(endpoints, version, op, extra)
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+
+    def check(self) -> None:
+        self.thread.join()
+        if self.failed:
+            raise RolloutError(f"weight transfer v{self.version} failed on {self.failed}")
 
 
 def parse_completions(response: dict[str, Any], prompt_index: int, n: int) -> list[Completion]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -124,6 +124,18 @@ class WeightLoadRequest(BaseModel):
     model_config = STRICT
     uri: str = Field(min_length=1)
     version: int = Field(ge=0)
+
+
+class WeightTransferRequest(BaseModel):
+    """``POST /v1/weights/transfer`` body: one step of a transfer session
+    (docs/rollout.md, "Direct transfer"): ``start``, ``update`` (with vLLM's packed update
+    info for one bucket), ``finish`` (serve ``version``) or ``abort``."""
+
+    model_config = STRICT
+    version: int = Field(ge=1)
+    op: Literal["start", "update", "finish", "abort"]
+    update_info: dict[str, Any] | None = None
+    device: Literal["cpu", "cuda"] | None = None  # of the staging buffers (start)
 
 
 def normalize_prompts(

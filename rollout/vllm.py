@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from posttrain.rollout.limits import (
     CompletionRequest,
     RequestLimits,
     WeightLoadRequest,
+    WeightTransferRequest,
     check_limits,
     error_body,
     normalize_prompts,
@@ -61,9 +63,23 @@ WEIGHT_LOAD_SECONDS = Histogram(
     "Fetch + verify + drain + reload time of /v1/weights/load on a vLLM replica",
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600),
 )
+# The phases of a load (docs/rollout.md, "Where a publish's time goes"): fetch = stage and
+# verify the version (download, digests, delta rebuild), drain = wait for in-flight
+# completions, reload = the collective RPC (reload_in_worker: vLLM's reload alone, timed in
+# the worker), flip = reset the prefix cache and switch the served version, hold = keep the
+# bytes as the next delta's base.
+LOAD_PHASES = ("fetch", "drain", "reload", "reload_in_worker", "flip", "hold")
+WEIGHT_LOAD_PHASE_SECONDS = Histogram(
+    "posttrain_vllm_weight_load_phase_seconds",
+    "Seconds of each phase of /v1/weights/load on a vLLM replica",
+    ["phase"],
+    buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
 SERVED_VERSION = Gauge("posttrain_vllm_weight_version", "Weight version this replica serves")
 
 WORKER_EXTENSION = "posttrain.rollout.vllm_ext.WeightSyncExtension"
+# Where each weight-transfer backend's staging buffers live (rollout/weight_transfer.py).
+TRANSFER_DEVICES = {"posttrain_shm": "cpu", "ipc": "cuda"}
 
 
 @dataclass
@@ -87,6 +103,10 @@ class VllmServeSpec:
     speculative: dict[str, Any] | None = None  # {"method", "num_speculative_tokens", ...}
     extra_args: list[str] = field(default_factory=list)
     worker_extension: bool = True
+    # vLLM's weight-transfer backend for direct transfers (/v1/weights/transfer): "ipc"
+    # (vLLM's CUDA IPC, trainer on the same GPU node) or "posttrain_shm" (CPU, same host:
+    # rollout/vllm_transfer.py); None: loads through files only.
+    weight_transfer_backend: str | None = None
 
     @classmethod
     def from_engine_args(cls, model: str, engine_args: Any, **overrides: Any) -> VllmServeSpec:
@@ -144,6 +164,9 @@ def build_vllm_command(spec: VllmServeSpec | dict[str, Any]) -> list[str]:
         argv += ["--logprobs-mode", spec.logprobs_mode]
     if spec.worker_extension:
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
+    if spec.weight_transfer_backend:
+        config = {"backend": spec.weight_transfer_backend}
+        argv += ["--weight-transfer-config", json.dumps(config)]
     return argv + list(spec.extra_args)
 
 
@@ -236,6 +259,44 @@ def check_proxied_body(
     sampling_params(request)
 
 
+@dataclass
+class TransferSession:
+    """A direct transfer in progress on a vLLM replica (:meth:`VllmFrontDoor.transfer`)."""
+
+    version: int
+    started: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    buckets: int = 0  # updates vLLM took
+    attempted: int = 0  # updates handed to vLLM, failed ones included (they may load part)
+    phases: dict[str, float] = field(default_factory=dict)
+    watchdog: asyncio.Task[None] | None = None
+    steps: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def worker_seconds(reply: Any) -> float:
+    """The slowest worker's own seconds in a ``/collective_rpc`` reply of the worker
+    extension (``{"results": [{"seconds": ...}, ...]}``, one entry per tensor-parallel
+    worker); 0.0 when the workers did not say (an older extension).
+
+    >>> worker_seconds({"results": [{"tensors": 3, "seconds": 0.5}, {"seconds": 0.75}]})
+    0.75
+    >>> worker_seconds({"results": ["3"]}), worker_seconds(None)
+    (0.0, 0.0)
+    """
+    results = reply.get("results") if isinstance(reply, dict) else None
+    seconds = [float(r["seconds"]) for r in results or [] if isinstance(r, dict) and "seconds" in r]
+    return max(seconds, default=0.0)
+
+
+def format_phases(phases: dict[str, float]) -> str:
+    """``fetch 0.12s, reload 1.50s``: seconds per phase for a log line.
+
+    >>> format_phases({"fetch": 0.123, "reload": 1.5})
+    'fetch 0.12s, reload 1.50s'
+    """
+    return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
+
+
 def _error(status: int, message: str, param: str | None = None, **extra: Any) -> JSONResponse:
     return JSONResponse({**error_body(status, message, param), **extra}, status)
 
@@ -260,6 +321,7 @@ class VllmFrontDoor:
         limits: RequestLimits | None = None,
         context_length: int | None = None,
         weights_token: str | None = None,
+        transfer_backend: str | None = None,
     ) -> None:
         import httpx
 
@@ -272,6 +334,12 @@ class VllmFrontDoor:
         self.version = 0
         self.ready = False
         self.refused: dict[int, str] = {}  # versions that failed verification: why
+        self.last_phases: dict[str, float] = {}  # seconds per phase of the last load
+        self.session: TransferSession | None = None  # a direct transfer in progress
+        self.transfer_initialized = False  # vLLM's /init_weight_transfer_engine was called
+        self.transfer_idle_s = 120.0  # a session with no step for this long is abandoned
+        self.transfer_backend = transfer_backend  # vLLM's weight-transfer backend, if any
+        self.exit = os._exit  # how a replica that cannot vouch for its weights leaves
         self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
         self.held_root: Path | None = None  # where it lives (weights.held_root)
         self.lock = AsyncReadWriteLock()
@@ -307,11 +375,14 @@ class VllmFrontDoor:
         """Fetch + verify, drain, reload on every worker, reset prefix cache, resume.
 
         Raises before touching the running model when the version cannot be fetched or
-        fails verification, so the replica keeps serving its previous version.
+        fails verification, so the replica keeps serving its previous version. Where the
+        time went is kept in :attr:`last_phases` (seconds per phase, see
+        :data:`LOAD_PHASES`), logged, and exported as ``posttrain_vllm_weight_load_phase_seconds``.
         """
         from posttrain.rollout import weights
 
         started = time.monotonic()
+        phases: dict[str, float] = {}
         with tracer.start_as_current_span("rollout.vllm.load_weights") as span:
             span.set_attribute("weights.uri", uri)
             span.set_attribute("weights.version", version)
@@ -320,31 +391,209 @@ class VllmFrontDoor:
                     # The poll got there first (it sees the registry's commit before the
                     # trainer's call arrives): versions are immutable, so this is a no-op.
                     log.info("already serving weights v%d; not reloading it", version)
+                    self.last_phases = {}
                     return 0.0
                 scratch = Path(self.scratch_dir)
+                mark = time.monotonic()
                 path, temporary = await asyncio.to_thread(
                     weights.fetch_version, uri, version, scratch, self.held
                 )
+                phases["fetch"] = time.monotonic() - mark
                 try:
+                    mark = time.monotonic()
                     await self.lock.acquire_write()
+                    phases["drain"] = time.monotonic() - mark
                     try:
-                        await self._rpc("reload_weights_from_path", [str(path)])
+                        mark = time.monotonic()
+                        reply = await self._rpc("reload_weights_from_path", [str(path)])
+                        phases["reload"] = time.monotonic() - mark
+                        phases["reload_in_worker"] = worker_seconds(reply)
+                        mark = time.monotonic()
                         reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
                         reset.raise_for_status()
                         self.version = version
                         self.refused.pop(version, None)
+                        phases["flip"] = time.monotonic() - mark
                     finally:
                         await self.lock.release_write()
                 except BaseException:
                     if temporary:
                         shutil.rmtree(path, ignore_errors=True)
                     raise
+                mark = time.monotonic()
                 await asyncio.to_thread(self._hold, uri, version, path, temporary)
+                phases["hold"] = time.monotonic() - mark
         elapsed = time.monotonic() - started
+        self.last_phases = phases
         WEIGHT_LOAD_SECONDS.observe(elapsed)
+        for phase, seconds in phases.items():
+            WEIGHT_LOAD_PHASE_SECONDS.labels(phase).observe(seconds)
         SERVED_VERSION.set(version)
-        log.info("vLLM now serving weights v%d from %s (%.2fs)", version, uri, elapsed)
+        log.info("vLLM now serving weights v%d from %s (%.2fs: %s)", version, uri, elapsed,
+                 format_phases(phases))  # fmt: skip
         return elapsed
+
+    async def transfer(self, request: WeightTransferRequest) -> dict[str, Any]:
+        """One step of a direct transfer session through vLLM's weight-transfer API.
+
+        ``start`` waits for any load (and the poll) to finish, drains in-flight completions
+        and opens vLLM's session (``/start_weight_update``: its layerwise reload); each
+        ``update`` hands one bucket's update info to ``/update_weights`` (the worker copies
+        it out of the trainer's staging buffer into the model); ``finish`` closes the
+        session (``/finish_weight_update``: kernel-format post-processing), resets the
+        prefix cache, serves ``version`` and lets completions resume. Between ``start`` and
+        ``finish`` the model holds a mix of versions and serves nothing. ``abort`` -- or no
+        step for ``transfer_idle_s`` (the trainer died) -- ends the session without the new
+        version: the replica restores the bytes it held when there are any, else it cannot
+        vouch for its weights and exits, so that it restarts and pulls the latest committed
+        version (pull on join).
+        """
+        session, op = self.session, request.op
+        if op == "start":
+            wanted = TRANSFER_DEVICES.get(self.transfer_backend or "")
+            if wanted is None or request.device != wanted:
+                takes = f"{wanted} buffers ({self.transfer_backend})" if wanted else "none"
+                raise ApiError(400, f"this replica takes direct transfers from {takes}, not "
+                               f"{request.device} buffers; load files instead", "device")  # fmt: skip
+            if session is not None:
+                raise ApiError(409, f"a transfer of v{session.version} is in progress", "op")
+            await self.loading.acquire()
+            started = time.monotonic()
+            await self.lock.acquire_write()
+            session = self.session = TransferSession(request.version)
+            session.phases["drain"] = time.monotonic() - started
+            try:
+                if not self.transfer_initialized:
+                    await self._upstream("init_weight_transfer_engine",
+                                         {"init_info": {"packed": True}})  # fmt: skip
+                    self.transfer_initialized = True
+                await self._timed(session, "start", "start_weight_update", None)
+            except BaseException:
+                await self._end_session(session)
+                raise
+            session.watchdog = asyncio.create_task(self._watch(session))
+            return {"weight_version": self.version, "transfer": "started"}
+        if session is None or session.version != request.version:
+            now = "none" if session is None else f"v{session.version}'s"
+            raise ApiError(409, f"no transfer of v{request.version} in progress ({now} is)",
+                           "version")  # fmt: skip
+        session.last_seen = time.monotonic()
+        async with session.steps:  # one step at a time, in the order they arrive
+            try:
+                return await self._session_step(session, request)
+            finally:
+                session.last_seen = time.monotonic()  # a long step is not an idle session
+
+    async def _session_step(
+        self, session: TransferSession, request: WeightTransferRequest
+    ) -> dict[str, Any]:
+        op = request.op
+        if self.session is not session:  # ended while this step waited
+            raise ApiError(409, f"the transfer of v{session.version} has ended", "op")
+        if op == "update":
+            if request.update_info is None:
+                raise ApiError(400, "update needs update_info", "update_info")
+            session.attempted += 1
+            try:
+                await self._timed(session, "update", "update_weights",
+                                  {"update_info": request.update_info})  # fmt: skip
+            except Exception as exc:
+                await self._abandon(session, f"update failed: {exc}")
+                raise
+            session.buckets += 1
+            return {"weight_version": self.version, "buckets": session.buckets}
+        if op == "abort":
+            await self._abandon(session, "the trainer aborted it")
+            return {"weight_version": self.version, "transfer": "aborted"}
+        try:
+            await self._timed(session, "finish", "finish_weight_update", None)
+            mark = time.monotonic()
+            await self._upstream("reset_prefix_cache", None)
+            self.version = request.version
+            self.refused.pop(request.version, None)
+            session.phases["flip"] = time.monotonic() - mark
+        except Exception as exc:
+            await self._abandon(session, f"finish failed: {exc}")
+            raise
+        await self._end_session(session)
+        elapsed = time.monotonic() - session.started
+        self.last_phases = session.phases
+        WEIGHT_LOAD_SECONDS.observe(elapsed)
+        for phase, seconds in session.phases.items():
+            WEIGHT_LOAD_PHASE_SECONDS.labels(phase).observe(seconds)
+        SERVED_VERSION.set(self.version)
+        log.info("vLLM now serving weights v%d by direct transfer, %d buckets (%.2fs: %s)",
+                 self.version, session.buckets, elapsed, format_phases(session.phases))  # fmt: skip
+        return {"weight_version": self.version, "load_seconds": elapsed,
+                "phases": session.phases}  # fmt: skip
+
+    async def _upstream(self, path: str, body: dict[str, Any] | None) -> None:
+        """POST to vLLM; RuntimeError naming the route when it fails or cannot be reached."""
+        import httpx
+
+        try:
+            response = await self.http.post(f"{self.upstream}/{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"vLLM /{path} unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise RuntimeError(f"vLLM /{path} failed (HTTP {response.status_code}): "
+                               f"{response.text[:500]}")  # fmt: skip
+
+    async def _timed(
+        self, session: TransferSession, phase: str, path: str, body: dict[str, Any] | None
+    ) -> None:
+        mark = time.monotonic()
+        await self._upstream(path, body)
+        session.phases[phase] = session.phases.get(phase, 0.0) + time.monotonic() - mark
+
+    async def _end_session(self, session: TransferSession) -> None:
+        """Release what ``start`` took (once), whichever way the session ends."""
+        if self.session is not session:
+            return
+        self.session = None
+        if session.watchdog is not None and session.watchdog is not asyncio.current_task():
+            session.watchdog.cancel()
+        await self.lock.release_write()
+        self.loading.release()
+
+    async def _abandon(self, session: TransferSession, why: str) -> None:
+        """End a session without its version: back to the held bytes, or exit."""
+        if self.session is not session:
+            return
+        log.error("weight transfer of v%d abandoned after %d buckets: %s", session.version,
+                  session.buckets, why)  # fmt: skip
+        restored = False
+        try:
+            await self._upstream("finish_weight_update", None)
+            # Nothing loaded yet: vLLM's finish puts every layer's previous kernel tensors
+            # back, the served weights exactly (a start refused elsewhere in the pool).
+            restored = session.attempted == 0
+            if not restored and self.held is not None and self.held.version == self.version:
+                await self._rpc("reload_weights_from_path", [str(self.held.directory)])
+                await self._upstream("reset_prefix_cache", None)
+                restored = True
+        except Exception as exc:
+            log.error("could not restore weights v%d after the abandoned transfer: %s",
+                      self.version, exc)  # fmt: skip
+        await self._end_session(session)
+        if restored:
+            how = "from its held copy" if session.attempted else "(no bucket had been loaded)"
+            log.info("restored weights v%d %s", self.version, how)
+            return
+        # The model holds a mix of two versions: never serve it. Exit so the pod restarts
+        # and pulls the latest committed version before it is ready again.
+        log.error("weights are a mix of v%d and v%d: exiting so the replica restarts",
+                  self.version, session.version)  # fmt: skip
+        self.ready = False
+        self.exit(1)
+
+    async def _watch(self, session: TransferSession) -> None:
+        while self.session is session:
+            await asyncio.sleep(min(1.0, self.transfer_idle_s))
+            if time.monotonic() - session.last_seen > self.transfer_idle_s:
+                async with session.steps:
+                    await self._abandon(session, f"no step for {self.transfer_idle_s:.0f}s")
+                return
 
     def _hold(self, uri: str, version: int, path: Path, temporary: bool) -> None:
         """Keep a registry version's bytes as the next delta's base (one version of the
@@ -422,6 +671,7 @@ class VllmFrontDoor:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/weights/version", self.weight_version, methods=["GET"])
         app.add_api_route("/v1/weights/load", self.weights_load, methods=["POST"])
+        app.add_api_route("/v1/weights/transfer", self.weights_transfer, methods=["POST"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/{path:path}", self.proxy, methods=["GET", "POST"])
         return app
@@ -475,9 +725,25 @@ class VllmFrontDoor:
                 response.headers[WEIGHT_VERSION_HEADER] = str(self.version)
                 return response
         return JSONResponse(
-            {"weight_version": self.version, "load_seconds": elapsed},
+            {"weight_version": self.version, "load_seconds": elapsed, "phases": self.last_phases},
             headers={WEIGHT_VERSION_HEADER: str(self.version)},
         )
+
+    async def weights_transfer(self, request: Request) -> Response:
+        """``/v1/weights/transfer``: token-checked like a load, then :meth:`transfer`."""
+        try:
+            body = parse_body(WeightTransferRequest, await request.body())
+            check_weight_load(request.headers, "transfer", self.weights_token, None)
+            result = await self.transfer(body)
+        except WeightLoadDenied as exc:
+            return _error(exc.status, str(exc))
+        except ApiError as exc:
+            return _error(exc.status, exc.message, exc.param, weight_version=self.version)
+        except (RuntimeError, ValueError) as exc:
+            return _error(503, f"weight transfer step {body.op} of v{body.version} failed: "
+                          f"{exc}; still serving v{self.version}",
+                          weight_version=self.version)  # fmt: skip
+        return JSONResponse(result, headers={WEIGHT_VERSION_HEADER: str(self.version)})
 
     async def metrics(self) -> Response:
         """vLLM's metrics followed by the front door's own."""
@@ -523,12 +789,30 @@ class VllmFrontDoor:
                         headers={WEIGHT_VERSION_HEADER: str(version)})  # fmt: skip
 
 
+def vllm_env(spec: VllmServeSpec, base: Mapping[str, str]) -> dict[str, str]:
+    """The environment ``vllm serve`` runs with: dev mode (the front door's
+    ``/collective_rpc`` and weight-transfer routes, on loopback only) and, for vLLM's CUDA
+    IPC backend, pickled handles allowed -- they arrive over HTTP from the front door, which
+    passes on updates from holders of the pool's weight token only.
+
+    >>> env = vllm_env(VllmServeSpec(model="/m", weight_transfer_backend="ipc"), {})
+    >>> env["VLLM_SERVER_DEV_MODE"], env["VLLM_ALLOW_INSECURE_SERIALIZATION"]
+    ('1', '1')
+    >>> "VLLM_ALLOW_INSECURE_SERIALIZATION" in vllm_env(VllmServeSpec(model="/m"), {})
+    False
+    """
+    env = dict(base, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    if spec.weight_transfer_backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    return env
+
+
 def _start_vllm(spec: VllmServeSpec) -> subprocess.Popen[bytes]:
     """``vllm serve`` on loopback only, in dev mode (the front door's /collective_rpc)."""
     if spec.host not in {"127.0.0.1", "localhost", "::1"}:
         raise ValueError(f"vLLM must listen on loopback only (its /collective_rpc loads "
                          f"arbitrary files), got host {spec.host!r}")  # fmt: skip
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
+    env = vllm_env(spec, os.environ)
     argv = vllm_launcher(build_vllm_command(spec))
     log.info("starting %s", " ".join(argv))
     return subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
@@ -564,6 +848,7 @@ def run_vllm_entry(
         limits,
         spec.max_model_len,
         weights_token=weights_token(),
+        transfer_backend=spec.weight_transfer_backend,
     )
 
     async def watch_engine() -> None:

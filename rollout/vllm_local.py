@@ -36,6 +36,8 @@ CPU_ENGINE_ARGS: dict[str, Any] = {
     "dtype": "float32",
     "max_model_len": 2048,
     "extra_args": ["--enforce-eager"],
+    # Direct transfers from a trainer on this host (rollout/vllm_transfer.py).
+    "weight_transfer_backend": "posttrain_shm",
 }
 
 
@@ -68,7 +70,11 @@ class LocalVllmReplica:
         port: int | None = None,
         kv_cache_gib: int = 1,
         python: Path | None = None,
+        cpu_cores: str | None = None,
     ) -> None:
+        """``cpu_cores``: the cores vLLM's CPU build binds its threads to
+        (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``); None leaves vLLM's
+        ``auto``, which binds every replica on a small machine to the same core."""
         found = python or vllm_python()
         if found is None:
             raise RuntimeError(
@@ -85,6 +91,7 @@ class LocalVllmReplica:
         self.port = port or free_port()
         self.internal_port = free_port()
         self.kv_cache_gib = kv_cache_gib
+        self.cpu_cores = cpu_cores
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -109,6 +116,8 @@ class LocalVllmReplica:
         env = dict(os.environ)
         # vLLM's CPU KV cache is preallocated (default 4 GiB); tests and laptops need less.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        if self.cpu_cores is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         # Our own variables must not leak in from a trainer process (the CLI reads them).
         env.pop(WEIGHTS_URI, None)
         env.pop(WEIGHTS_POLL_SECONDS, None)

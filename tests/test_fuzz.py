@@ -31,6 +31,7 @@ from posttrain.rollout.limits import (
     CompletionRequest,
     RequestLimits,
     WeightLoadRequest,
+    WeightTransferRequest,
     check_limits,
     parse_body,
 )
@@ -81,7 +82,12 @@ def bodies(model: Any) -> st.SearchStrategy[bytes]:
     )
 
 
-REQUESTS = {"completions": CompletionRequest, "chat": ChatRequest, "load": WeightLoadRequest}
+REQUESTS = {
+    "completions": CompletionRequest,
+    "chat": ChatRequest,
+    "load": WeightLoadRequest,
+    "transfer": WeightTransferRequest,  # the vLLM front door's only
+}
 
 
 @pytest.mark.parametrize("kind", REQUESTS)
@@ -127,11 +133,14 @@ PATHS = {
     "completions": "/v1/completions",
     "chat": "/v1/chat/completions",
     "load": "/v1/weights/load",
+    "transfer": "/v1/weights/transfer",
 }
 
 
-@pytest.mark.parametrize("server", ["cpu", "vllm"])
-@pytest.mark.parametrize("kind", REQUESTS)
+@pytest.mark.parametrize(
+    ("server", "kind"),
+    [(s, k) for s in ("cpu", "vllm") for k in REQUESTS if (s, k) != ("cpu", "transfer")],
+)
 @settings(FUZZ, max_examples=60)
 @given(data=st.data())
 def test_servers_answer_a_refused_body_with_its_4xx(

@@ -188,3 +188,53 @@ def test_real_vllm_reloads_weights(
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def test_transfer_steps_are_refused_before_vllm_is_touched() -> None:
+    """A start whose staging buffers the replica's backend cannot map, a step of no session,
+    a malformed step: refused with the reason, nothing sent to vLLM (whose port here is
+    closed: anything that reached it would fail differently)."""
+    from fastapi.testclient import TestClient
+
+    closed = f"http://127.0.0.1:{free_port()}"
+    for backend, device, takes in (
+        ("posttrain_shm", "cuda", "cpu buffers (posttrain_shm)"),
+        ("ipc", "cpu", "cuda buffers (ipc)"),
+        (None, "cpu", "none"),
+    ):
+        door = VllmFrontDoor(closed, None, "/tmp", transfer_backend=backend)
+        with TestClient(door.create_app()) as client:
+            response = client.post("/v1/weights/transfer",
+                                   json={"version": 3, "op": "start", "device": device})  # fmt: skip
+            assert response.status_code == 400
+            assert f"takes direct transfers from {takes}" in response.json()["error"]["message"]
+            assert door.session is None and not door.loading.locked()
+    door = VllmFrontDoor(closed, None, "/tmp", transfer_backend="posttrain_shm")
+    with TestClient(door.create_app()) as client:
+        response = client.post("/v1/weights/transfer",
+                               json={"version": 3, "op": "update", "update_info": {}})  # fmt: skip
+        assert response.status_code == 409
+        assert "no transfer of v3 in progress" in response.json()["error"]["message"]
+        bad = client.post("/v1/weights/transfer", json={"version": 0, "op": "finish"})
+        assert bad.status_code == 400
+        assert (
+            client.post("/v1/weights/transfer", json={"version": 3, "op": "x"}).status_code == 400
+        )
+
+
+def test_a_transfer_backend_reaches_vllm_and_only_ipc_allows_pickled_handles() -> None:
+    from posttrain.rollout.vllm import vllm_env
+
+    for backend in ("ipc", "posttrain_shm"):
+        spec = VllmServeSpec(model="/m", weight_transfer_backend=backend)
+        argv = build_vllm_command(spec)
+        config = argv[argv.index("--weight-transfer-config") + 1]
+        assert json.loads(config) == {"backend": backend}
+        allowed = vllm_env(spec, {"PATH": "/bin"}).get("VLLM_ALLOW_INSECURE_SERIALIZATION")
+        assert allowed == ("1" if backend == "ipc" else None)
+    assert "--weight-transfer-config" not in build_vllm_command(VllmServeSpec(model="/m"))
+    # Local CPU replicas take direct transfers from a trainer on their host.
+    from posttrain.rollout.vllm_local import CPU_ENGINE_ARGS
+
+    spec = VllmServeSpec.from_engine_args("/m", CPU_ENGINE_ARGS)
+    assert spec.weight_transfer_backend == "posttrain_shm"

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -315,3 +316,113 @@ def outputs(pool: Pool, replica: LocalVllmReplica) -> list[tuple[list[int], list
         return [(group[0].token_ids, group[0].logprobs)
                 for prompt in pool.prompts()
                 for group in client.generate([prompt], GREEDY)]  # fmt: skip
+
+
+def worker_rpc(replica: LocalVllmReplica, method: str, *args: str) -> list[Any]:
+    """The worker extension's ``method`` through vLLM's own port (inside the "pod")."""
+    response = httpx.post(f"http://127.0.0.1:{replica.internal_port}/collective_rpc",
+                          json={"method": method, "args": list(args)}, timeout=600)  # fmt: skip
+    response.raise_for_status()
+    return list(response.json()["results"])
+
+
+def checksums(pool: Pool) -> list[float]:
+    return [worker_rpc(replica, "weights_checksum")[0] for replica in pool.replicas]
+
+
+def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Pool) -> None:
+    """The same weights through the registry (files, digests, vLLM's reload) and by direct
+    transfer (16 MiB shared-memory buckets through vLLM's weight-transfer API): each replica
+    ends with the same parameters and the same greedy token ids and logprobs; both say
+    where their time went. vLLM's reload of the registry's bytes from memory gives the same
+    parameters too (what bench/weight_publish.py compares against)."""
+    from posttrain.rollout.vllm import LOAD_PHASES
+
+    pool = vllm_pool
+    scratch = pool.root / "transfer-scratch"
+    scratch.mkdir(exist_ok=True)
+    with pool.client() as both:
+        files = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False,
+                                deltas=None)  # fmt: skip
+        direct = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=True,
+                                 deltas=None, transfer_bucket_bytes=16 << 20)  # fmt: skip
+        pool.perturb(seed=31)
+        pool.version += 1
+        files.publish(pool.policy, pool.version)
+        assert served_versions(pool) == [pool.version] * 2
+        for reply in both.last_load_replies.values():
+            assert set(reply["phases"]) == set(LOAD_PHASES)
+            assert 0 < reply["phases"]["reload_in_worker"] <= reply["phases"]["reload"]
+        via_files, sums = [outputs(pool, r) for r in pool.replicas], checksums(pool)
+        registry_dir = pool.root / "store" / pool.registry.version_key(pool.version)
+
+        pool.version += 1
+        direct.publish(pool.policy, pool.version)
+        assert direct.transport == "transfer" and set(direct.last_phases) == {
+            "transfer",
+            "gather",
+            "pack",
+        }
+        tensor_bytes = sum(t.numel() * t.element_size() for _, t in pool.policy.full_weights())
+        assert direct.last_bytes == tensor_bytes  # fp32, every tensor once
+        assert served_versions(pool) == [pool.version] * 2
+        for reply in both.last_load_replies.values():
+            assert {"drain", "start", "update", "finish", "flip"} <= set(reply["phases"])
+        assert checksums(pool) == sums
+        assert [outputs(pool, r) for r in pool.replicas] == via_files
+
+        replica = pool.replicas[0]
+        worker_rpc(replica, "stage_weights_in_memory", str(registry_dir))
+        (timed,) = worker_rpc(replica, "reload_staged_weights")
+        worker_rpc(replica, "drop_staged_weights")
+        assert timed["tensors"] > 0 and timed["seconds"] > 0
+        assert checksums(pool)[0] == sums[0]
+        files.close()
+        direct.close()
+
+
+def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool) -> None:
+    """The trainer dies before its first bucket (vLLM's session was opened), then after one
+    bucket of other weights: each time every replica goes back to the bytes it served, bit
+    for bit -- the first time as vLLM left them, the second from its held copy (the
+    registry version it loaded) -- and keeps serving them. (Last in this file: a replica
+    that cannot restore exits.)"""
+    from posttrain.rollout.weight_transfer import BucketStream
+
+    pool = vllm_pool
+    with pool.client() as both:
+        version = pool.publish(both)  # registry: each replica holds these bytes
+        expected, sums = [outputs(pool, r) for r in pool.replicas], checksums(pool)
+        embed = pool.policy.model.model.embed_tokens.weight  # the first bucket's tensor
+        with torch.no_grad():
+            embed.mul_(
+                1 + 0.5 * torch.randn(embed.shape, generator=torch.Generator().manual_seed(41))
+            )
+        stream = BucketStream(bucket_bytes=8 << 20)
+
+        def dies_before_a_bucket() -> Iterator[dict[str, Any]]:
+            raise RuntimeError("the trainer died before its first bucket")
+            yield {}
+
+        with pytest.raises(RuntimeError, match="before its first bucket"):
+            both.transfer_weights(version + 1, dies_before_a_bucket())
+        assert served_versions(pool) == [version, version]
+        assert checksums(pool) == sums
+
+        def dies_after_one_bucket() -> Iterator[dict[str, Any]]:
+            updates = stream.updates(pool.policy.full_weights())
+            yield next(updates)
+            raise RuntimeError("the trainer died mid-transfer")
+
+        try:
+            with pytest.raises(RuntimeError, match="died mid-transfer"):
+                both.transfer_weights(version + 1, dies_after_one_bucket())
+        finally:
+            stream.close()
+    assert served_versions(pool) == [version, version]
+    assert checksums(pool) == sums
+    assert [outputs(pool, r) for r in pool.replicas] == expected
+    for replica in pool.replicas:
+        text = replica.log_path.read_text()
+        assert f"restored weights v{version} (no bucket had been loaded)" in text
+        assert f"restored weights v{version} from its held copy" in text

@@ -155,6 +155,41 @@ def test_publisher_falls_back_to_the_registry_when_the_server_cannot_read_our_fi
     assert _served_matches(policy, client) == (1, True)
 
 
+def test_publish_records_where_its_time_went_and_transfer_falls_back_to_files(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path
+) -> None:
+    """Every publish keeps seconds per phase; a server without direct transfer (the CPU
+    engine answers 404) makes the publisher use the shared files from then on."""
+    store = open_store(str(tmp_path / "run"))
+    registry = WeightRegistry(store, "weights", keep_last=2)
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    by_registry = WeightPublisher(registry, store.uri("weights"), client, tmp_path,
+                                  shared=False, deltas=None)  # fmt: skip
+    started = time.monotonic()
+    by_registry.publish(policy, 1)
+    elapsed = time.monotonic() - started
+    assert set(by_registry.last_phases) == {"write", "delta", "commit", "keep_base", "load"}
+    assert all(s >= 0 for s in by_registry.last_phases.values())
+    assert sum(by_registry.last_phases.values()) <= elapsed
+    assert client.last_load_replies and all(
+        r["weight_version"] == 1 for r in client.last_load_replies.values()
+    )
+
+    direct = WeightPublisher(registry, store.uri("weights"), client, tmp_path, shared=True,
+                             transfer_bucket_bytes=1 << 20)  # fmt: skip
+    assert direct.transport == "transfer"
+    _perturb(policy, seed=4)
+    direct.publish(policy, 2)
+    assert direct.transport == "shared"  # the CPU engine has no /v1/weights/transfer
+    assert set(direct.last_phases) == {"transfer", "write", "load"}
+    assert _served_matches(policy, client) == (2, True)
+    _perturb(policy, seed=5)
+    direct.publish(policy, 3)
+    assert "transfer" not in direct.last_phases  # not tried again
+    assert _served_matches(policy, client) == (3, True)
+    direct.close()
+
+
 class _RecordingClient:
     """The real client, plus when each batch's sampling started and finished."""
 

@@ -72,9 +72,14 @@ def estimate_adapter_parameters(model_dir: Path, options: LoraOptions) -> int:
 
 
 def servable_weights(
-    model: torch.nn.Module, *, dtype: torch.dtype | None, skip: frozenset[str]
+    model: torch.nn.Module,
+    *,
+    dtype: torch.dtype | None,
+    skip: frozenset[str],
+    device: torch.device | str = "cpu",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(HF name, full CPU tensor)`` for every weight a server loads, gathered one at a time.
+    """``(HF name, full tensor on device)`` for every weight a server loads, gathered one
+    at a time (``device``: CPU for files; the GPU for a direct transfer to a replica on it).
 
     Each projection with an adapter is merged on the fly (fp32 arithmetic, then cast) and
     named as in the base model. Collective when sharded: every rank must consume the whole
@@ -97,7 +102,7 @@ def servable_weights(
         else:
             full = to_full(tensor.detach())
         target = dtype if dtype is not None and full.is_floating_point() else full.dtype
-        yield name, full.to("cpu", dtype=target).contiguous()
+        yield name, full.to(device, dtype=target).contiguous()
 
 
 def _scalings(model: Any) -> dict[str, float]:

@@ -373,8 +373,10 @@ class Policy:
         """Exported weights are in the compute dtype: bf16 on GPUs, fp32 on a CPU fp32 run."""
         return self.dtype
 
-    def full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(HF name, full CPU tensor)`` of the servable weights, gathered one at a time.
+    def full_weights(
+        self, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(HF name, full tensor on device)`` of the servable weights, gathered one at a time.
 
         Every rank must consume the iterator (each tensor is an all-gather). With LoRA each
         adapted weight comes merged (``W + scale * B @ A``), so servers see plain weights. The tied output embedding is left out, as ``save_pretrained``
@@ -388,6 +390,7 @@ class Policy:
             self.model,
             dtype=dtype or self.export_dtype,
             skip=frozenset({"lm_head.weight"}) if tied else frozenset(),
+            device=device,
         )
 
     def save_weights(

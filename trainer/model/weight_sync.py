@@ -30,11 +30,13 @@ run instead of failing it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ipaddress
 import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,7 +65,22 @@ REGISTRY_VERSIONS = Counter(
     "Weight versions committed to the registry, full or as a delta over the previous one",
     ["kind"],
 )
+PUBLISH_PHASE_SECONDS = Histogram(
+    "posttrain_trainer_weight_publish_phase_seconds",
+    "Seconds of each phase of a publish: write (the safetensors), delta (diff against the "
+    "last registry version), commit (registry copy + digests + manifest), keep_base, load "
+    "(every replica fetching, verifying and reloading, in parallel)",
+    ["transport", "phase"],
+)
 SHARED_MEMORY_ROOT = Path("/dev/shm")
+
+
+def _format_phases(phases: dict[str, float]) -> str:
+    """
+    >>> _format_phases({"write": 0.25, "load": 1.0})
+    'write 0.25s, load 1.00s'
+    """
+    return ", ".join(f"{name} {seconds:.2f}s" for name, seconds in phases.items())
 
 
 def all_on_this_host(urls: list[str]) -> bool:
@@ -161,11 +178,15 @@ class WeightPublisher:
         shared: bool,
         dtype: Any | None = None,
         deltas: DeltaPolicy | None = DeltaPolicy(),
+        transfer_bucket_bytes: int | None = None,
     ) -> None:
         """``dtype``: publish floating-point tensors in this dtype (the pool's serving dtype,
         e.g. bf16 from fp32 master weights: half the bytes every replica reads); None
         publishes what the trainer holds (bf16 already when it trains in bf16).
-        ``deltas``: when registry versions may be deltas; None publishes every one full."""
+        ``deltas``: when registry versions may be deltas; None publishes every one full.
+        ``transfer_bucket_bytes``: with ``shared``, first try a direct transfer into the
+        replicas' memory in buckets of this size (:mod:`posttrain.rollout.weight_transfer`:
+        no file, two buckets of memory); None, or servers without it, use the files."""
         self.registry = registry  # posttrain.storage.checkpoints.WeightRegistry
         self.registry_uri = registry_uri
         self.client = client  # posttrain.rollout.client.RolloutClient
@@ -177,11 +198,15 @@ class WeightPublisher:
             # tmpfs is RAM: do not leave 0.5 GB behind when the run dies with an exception.
             atexit.register(shutil.rmtree, self.shared_dir, ignore_errors=True)
         self.durable_versions: list[int] = []  # versions committed to the registry
+        self.transfer_bucket_bytes = transfer_bucket_bytes if shared else None
+        self._stream: Any = None  # rollout.weight_transfer.BucketStream, kept between publishes
         self.dtype = dtype
         self.last_bytes = 0  # bytes written by the last publish (all transports)
         self.deltas = deltas
         self.last_kind = ""  # "full" | "delta": how the last registry version was published
         self.last_changed_fraction: float | None = None  # of elements, when it was compared
+        # Seconds per phase of the last publish (PUBLISH_PHASES), and each replica's own.
+        self.last_phases: dict[str, float] = {}
         # The tensors of the last registry version (the next delta's base), and how many
         # deltas in a row lead to it.
         self._base: tuple[int, Path] | None = None
@@ -189,7 +214,9 @@ class WeightPublisher:
 
     @property
     def transport(self) -> str:
-        return "shared" if self.shared_dir is not None else "registry"
+        if self.shared_dir is None:
+            return "registry"
+        return "shared" if self.transfer_bucket_bytes is None else "transfer"
 
     def publish(self, policy: Any, version: int, *, durable: bool = False) -> None:
         """Make every server sample from ``policy``'s weights as ``version``.
@@ -201,40 +228,111 @@ class WeightPublisher:
         """
         started = time.monotonic()
         self.last_bytes = 0
+        self.last_phases = {}
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
             # A same-host server reloads only the safetensors, and cast versions are for
             # servers, not for resuming: weights only. Otherwise a full HF directory.
             weights_only = self.dtype is not None or (self.shared_dir is not None and not durable)
-            local = self._write(policy, version, weights_only=weights_only)
-            if local is None:  # not rank 0: it only took part in the gathers
-                return
             # The manifest names the dtype written, so a replica's operator can check it.
             written = self.dtype or getattr(policy, "export_dtype", None)
             metadata = {"dtype": dtype_name(written)} if written is not None else {}
             span.set_attribute("weights.dtype", metadata.get("dtype", "unknown"))
-            if self.shared_dir is None:
-                self._publish_registry(local, version, load=True, metadata=metadata)
-                shutil.rmtree(local, ignore_errors=True)
-            elif not self._load_shared(local, version):
-                # before tmpfs is emptied
-                self._publish_registry(local, version, load=True, metadata=metadata)
-                self._stop_sharing()
-            elif durable:
-                self._publish_registry(local, version, load=False, metadata=metadata)
+            if self._transfer(policy, version):
+                if durable:  # the registry still gets checkpoint steps, off the servers' path
+                    with self._phase("write"):
+                        local = policy.save_weights(
+                            self.scratch / f"publish-v{version}",
+                            weights_only=weights_only,
+                            dtype=self.dtype,
+                        )
+                    self._publish_registry(local, version, load=False, metadata=metadata)
+                    shutil.rmtree(local, ignore_errors=True)
+            else:
+                with self._phase("write"):
+                    local = self._write(policy, version, weights_only=weights_only)
+                if local is None:  # not rank 0: it only took part in the gathers
+                    return
+                if self.shared_dir is None:
+                    self._publish_registry(local, version, load=True, metadata=metadata)
+                    shutil.rmtree(local, ignore_errors=True)
+                elif not self._load_shared(local, version):
+                    # before tmpfs is emptied
+                    self._publish_registry(local, version, load=True, metadata=metadata)
+                    self._stop_sharing()
+                elif durable:
+                    self._publish_registry(local, version, load=False, metadata=metadata)
             span.set_attribute("weights.transport", self.transport)
             span.set_attribute("weights.bytes", self.last_bytes)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
         PUBLISH_BYTES.labels(self.transport).inc(self.last_bytes)
-        log.info("published weights v%d: %.1f MB in %.2fs (%s, %s)", version,
+        for phase, seconds in self.last_phases.items():
+            PUBLISH_PHASE_SECONDS.labels(self.transport, phase).observe(seconds)
+        log.info("published weights v%d: %.1f MB in %.2fs (%s, %s; %s)%s", version,
                  self.last_bytes / 1e6, time.monotonic() - started, self.transport,
-                 dtype_name(self.dtype) if self.dtype is not None else "trainer dtype")  # fmt: skip
+                 dtype_name(self.dtype) if self.dtype is not None else "trainer dtype",
+                 _format_phases(self.last_phases), self._replica_phases())  # fmt: skip
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Add the block's seconds to ``last_phases[name]``."""
+        mark = time.monotonic()
+        try:
+            yield
+        finally:
+            self.last_phases[name] = self.last_phases.get(name, 0.0) + time.monotonic() - mark
+
+    def _replica_phases(self) -> str:
+        """Each replica's own phases of the last load, for the publish's log line."""
+        replies = getattr(self.client, "last_load_replies", {}) or {}
+        return "".join(
+            f"; {url}: {_format_phases(reply.get('phases') or {})}"
+            for url, reply in sorted(replies.items())
+            if reply.get("phases")
+        )
 
     def close(self) -> None:
         self._stop_sharing()
+        self._close_stream()
         if self._base is not None:
             shutil.rmtree(self._base[1], ignore_errors=True)
             self._base = None
+
+    def _transfer(self, policy: Any, version: int) -> bool:
+        """Stream ``policy``'s weights straight into every replica's memory; False (and the
+        files from now on) when that is off or a replica cannot take it. One trainer rank
+        only: with several, every rank would have to follow rank 0's fallback."""
+        from posttrain.rollout.client import RolloutError
+        from posttrain.rollout.weight_transfer import BucketStream
+
+        rank = getattr(policy, "rank", None)
+        if self.transfer_bucket_bytes is None or getattr(rank, "world_size", 1) != 1:
+            return False
+        if self._stream is None:
+            # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
+            plan = getattr(policy, "plan", None)
+            device = plan.device if getattr(plan, "device", None) is not None else "cpu"
+            self._stream = BucketStream(self.transfer_bucket_bytes, device, dtype=self.dtype)
+            atexit.register(self._stream.close)  # /dev/shm is RAM
+        stream = self._stream
+        try:
+            with self._phase("transfer"):
+                self.client.transfer_weights(
+                    version,
+                    # In the trainer's dtype: the stream casts while it packs (no temporaries).
+                    stream.updates(policy.full_weights(None, stream.device)),
+                    device=stream.device.type,
+                )
+        except RolloutError as exc:
+            log.info("direct weight transfer unavailable (%s); publishing through shared "
+                     "files from now on", exc)  # fmt: skip
+            self.transfer_bucket_bytes = None
+            self._close_stream()
+            return False
+        self.last_phases["gather"] = stream.gather_seconds
+        self.last_phases["pack"] = stream.pack_seconds
+        self.last_bytes += stream.bytes
+        return True
 
     def _write(self, policy: Any, version: int, *, weights_only: bool) -> Path | None:
         """The version as an HF directory (in ``self.dtype`` when set): in tmpfs when
@@ -254,7 +352,8 @@ class WeightPublisher:
         assert self.shared_dir is not None
         self.last_bytes += sum(f.stat().st_size for f in local.glob("*.safetensors"))
         try:
-            self.client.load_weights(f"file://{self.shared_dir}", version)
+            with self._phase("load"):
+                self.client.load_weights(f"file://{self.shared_dir}", version)
         except RolloutError as exc:
             # Expected whenever the servers run in other pods or hosts (they do not see this
             # pod's /dev/shm): the registry path is the normal one there, so INFO, not WARNING.
@@ -274,22 +373,26 @@ class WeightPublisher:
     def _publish_registry(
         self, local: Path, version: int, *, load: bool, metadata: dict[str, Any] | None = None
     ) -> None:
-        delta = self._write_delta(local, version)
+        with self._phase("delta"):
+            delta = self._write_delta(local, version)
         delta_dir = None if delta is None else delta[0]
         meta = dict(metadata or {}) if delta is None else {**(metadata or {}), "delta": delta[1]}
         try:
-            manifest = self.registry.publish(version, delta_dir or local, meta)
+            with self._phase("commit"):
+                manifest = self.registry.publish(version, delta_dir or local, meta)
         finally:
             if delta_dir is not None:
                 shutil.rmtree(delta_dir, ignore_errors=True)
         self.last_kind = "full" if delta_dir is None else "delta"
         REGISTRY_VERSIONS.labels(self.last_kind).inc()
         self._chain = 0 if delta_dir is None else self._chain + 1
-        self._keep_base(local, version)
+        with self._phase("keep_base"):
+            self._keep_base(local, version)
         self.last_bytes += int(getattr(manifest, "total_bytes", 0))
         self.durable_versions.append(version)
         if load:
-            self.client.load_weights(self.registry_uri, version)
+            with self._phase("load"):
+                self.client.load_weights(self.registry_uri, version)
 
     def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
         """The delta of ``local`` over the last registry version as a directory to commit
@@ -330,6 +433,11 @@ class WeightPublisher:
         if self._base is not None:
             shutil.rmtree(self._base[1], ignore_errors=True)
         self._base = (version, target)
+
+    def _close_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def _stop_sharing(self) -> None:
         if self.shared_dir is not None:

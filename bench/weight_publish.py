@@ -1,0 +1,186 @@
+"""Publish -> every vLLM replica serving, phase by phase, beside vLLM's own reload from memory.
+
+Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM CPU replicas
+(``make venv-vllm``), the same bf16 bytes every round:
+
+1. **registry**: ``WeightPublisher`` through a local ``WeightRegistry`` (write, commit with
+   digests, each replica verifies the manifest and reloads), every version full;
+2. **shared**: the same-node path (one safetensors file in tmpfs, read in place by every
+   replica, no registry copy, no digest);
+3. **transfer**: the direct path (``/v1/weights/transfer``: the trainer packs the tensors
+   into two 64 MiB shared-memory buckets in turn, every replica's worker copies each one
+   into the model through vLLM's weight-transfer API, rollout/weight_transfer.py);
+4. **vLLM from memory**: the same version's tensors staged in every replica's worker
+   memory beforehand, then vLLM's own in-place reload (``Worker.reload_weights``) on every
+   replica at once through the worker extension, timed in the worker and end to end.
+
+Every publish logs where its time went (trainer: write, delta, commit, load; each replica:
+fetch, drain, reload, flip, hold); this prints them per round.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from posttrain.models import resolve_model
+from posttrain.rollout.client import RolloutClient
+from posttrain.rollout.vllm_local import CPU_ENGINE_ARGS, LocalVllmReplica
+from posttrain.storage.checkpoints import WeightRegistry
+from posttrain.storage.store import LocalStore
+from posttrain.trainer.model.policy import Policy
+from posttrain.trainer.model.weight_sync import WeightPublisher
+
+
+def rpc(replica: LocalVllmReplica, method: str, *args: str) -> list[Any]:
+    """The worker extension's ``method`` on every worker of ``replica`` (its internal port)."""
+    response = httpx.post(
+        f"http://127.0.0.1:{replica.internal_port}/collective_rpc",
+        json={"method": method, "args": list(args)},
+        timeout=600,
+    )
+    response.raise_for_status()
+    return list(response.json().get("results") or []) if response.content else []
+
+
+def on_all(replicas: list[LocalVllmReplica], method: str, *args: str) -> tuple[float, list[Any]]:
+    """``method`` on every replica at once; wall seconds until the last one answered."""
+    results: list[Any] = [None] * len(replicas)
+
+    def call(i: int) -> None:
+        results[i] = rpc(replicas[i], method, *args)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(replicas))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started, results
+
+
+def reload_from_memory(replicas: list[LocalVllmReplica], source: str) -> tuple[float, float]:
+    """vLLM's own in-place reload of ``source``'s tensors, staged in every replica's worker
+    memory first, on every replica at once: (seconds end to end, slowest worker's own)."""
+    on_all(replicas, "stage_weights_in_memory", source)
+    wall, results = on_all(replicas, "reload_staged_weights")
+    on_all(replicas, "drop_staged_weights")
+    return wall, max(float(r["seconds"]) for res in results for r in res)
+
+
+def nudge(policy: Policy, seed: int) -> None:
+    """A new version: every weight moves a little (every bf16 tensor differs)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in policy.model.parameters():
+            param.mul_(1 + 1e-2 * torch.randn(param.shape, generator=generator))
+
+
+def phases_text(phases: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.2f}" for k, v in phases.items())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--engine-dtype", default=CPU_ENGINE_ARGS["dtype"],
+                        help="vLLM's --dtype (the weights it serves)")  # fmt: skip
+    parser.add_argument("--bucket-mib", type=int, default=64, help="transfer bucket size")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="pin replica i to core i (VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
+    args = parser.parse_args()
+    print(f"load before: {Path('/proc/loadavg').read_text().strip()}  cores: {os.cpu_count()}")
+
+    model_dir = resolve_model("smollm2-135m-instruct")
+    policy = Policy(model_dir, learning_rate=1e-5)
+    work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    (work / "scratch").mkdir()
+    store = LocalStore(work / "store")
+    registry = WeightRegistry(store, "weights", keep_last=2)
+    registry_uri = store.uri("weights")
+    engine_args = {**CPU_ENGINE_ARGS, "dtype": args.engine_dtype}
+    cores = os.cpu_count() or 1
+    replicas = [
+        LocalVllmReplica(model_dir, work / f"replica-{i}.log", weights_uri=registry_uri,
+                         engine_args=engine_args,
+                         cpu_cores=str(i % cores) if args.bind_cores else None)
+        for i in range(args.replicas)
+    ]  # fmt: skip
+    modes = ("registry", "shared", "transfer")
+    rows: dict[str, list[float]] = {m: [] for m in (*modes, "memory", "memory_w")}
+    try:
+        for replica in replicas:
+            replica.start()
+        started = time.monotonic()
+        for replica in replicas:
+            replica.wait_ready(timeout_s=3600)
+        print(f"{args.replicas} vLLM replica(s) ready in {time.monotonic() - started:.0f}s "
+              f"(engine dtype {args.engine_dtype})")  # fmt: skip
+        with RolloutClient([r.url for r in replicas], timeout_s=1800) as client:
+            publishers = {
+                name: WeightPublisher(registry, registry_uri, client, work / "scratch",
+                                      shared=name != "registry", dtype=torch.bfloat16,
+                                      deltas=None, transfer_bucket_bytes=bucket)
+                for name, bucket in (("registry", None), ("shared", None),
+                                     ("transfer", args.bucket_mib << 20))
+            }  # fmt: skip
+            version = 0
+            for round_ in range(args.rounds):
+                for name, publisher in publishers.items():
+                    version += 1
+                    nudge(policy, version)
+                    mark = time.perf_counter()
+                    publisher.publish(policy, version)
+                    seconds = time.perf_counter() - mark
+                    served = client.weight_versions()
+                    assert set(served.values()) == {version}, served
+                    assert publisher.transport == name, publisher.transport
+                    rows[name].append(seconds)
+                    print(f"round {round_} v{version} {name:8s} {seconds:6.2f}s "
+                          f"{publisher.last_bytes / 1e6:6.1f} MB  trainer: "
+                          f"{phases_text(publisher.last_phases)}")  # fmt: skip
+                    for url, reply in sorted(client.last_load_replies.items()):
+                        print(f"      {url}: {phases_text(reply.get('phases') or {})}")
+                # vLLM's own reload of the registry version's bytes, already in memory.
+                source = str(store.root / registry.version_key(version - len(modes) + 1))
+                wall, worker = reload_from_memory(replicas, source)
+                rows["memory"].append(wall)
+                rows["memory_w"].append(worker)
+                print(f"round {round_} vLLM reload from memory, every replica at once: "
+                      f"{wall:6.2f}s end to end, {worker:.2f}s in the slowest worker "
+                      f"(source {source})")  # fmt: skip
+            # Each replica alone (the others idle): vLLM's reload without contention.
+            for i, replica in enumerate(replicas):
+                wall, worker = reload_from_memory([replica], source)
+                print(f"replica {i} alone: vLLM reload from memory {wall:.2f}s end to end, "
+                      f"{worker:.2f}s in the worker")  # fmt: skip
+    finally:
+        for replica in replicas:
+            replica.stop()
+    memory, in_worker = statistics.median(rows["memory"]), statistics.median(rows["memory_w"])
+    print(f"vLLM's reload from memory, every replica at once: median {memory:.2f}s end to end "
+          f"(the RPC to each replica included), {in_worker:.2f}s in the slowest worker")  # fmt: skip
+    for name in modes:
+        median = statistics.median(rows[name])
+        print(f"{name:8s} publish -> every replica serving: median {median:.2f}s "
+              f"({', '.join(f'{s:.2f}' for s in rows[name])}) = {median / memory:.2f}x the "
+              f"reload end to end, {median / in_worker:.2f}x in the worker")  # fmt: skip
+    print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
