@@ -891,14 +891,21 @@ def run_vllm_entry(
             **uvicorn_options(limits.http),
         )
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        if door.held_root is not None:  # (uvicorn re-raises SIGTERM: the next start cleans)
-            shutil.rmtree(door.held_root, ignore_errors=True)
+        _stop_vllm(process, door)
     return 0 if process.returncode in (0, -15, None) else 1
+
+
+def _stop_vllm(process: subprocess.Popen[bytes], door: VllmFrontDoor) -> None:
+    """After the front door stops: vLLM gets 30 s to exit, then SIGKILL; the held weights
+    go (uvicorn re-raises SIGTERM after this: a SIGKILLed door's are cleaned by the next
+    start)."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+    if door.held_root is not None:
+        shutil.rmtree(door.held_root, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

@@ -310,8 +310,7 @@ class WeightPublisher:
             return False
         if self._stream is None:
             # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
-            plan = getattr(policy, "plan", None)
-            device = plan.device if getattr(plan, "device", None) is not None else "cpu"
+            device = getattr(getattr(policy, "plan", None), "device", None) or "cpu"
             self._stream = BucketStream(self.transfer_bucket_bytes, device, dtype=self.dtype)
             atexit.register(self._stream.close)  # /dev/shm is RAM
         stream = self._stream
