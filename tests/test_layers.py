@@ -386,3 +386,45 @@ def test_a_component_cannot_be_imported_by_its_folder_name(component: str) -> No
         [sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, check=True
     )
     assert result.stdout.startswith(f"import posttrain.{component}, not {component}:"), result
+
+
+# ------------------------------------------------------------------ function length (#32)
+
+# The rooms where a long function hides several jobs; bench scripts and tests may tell one
+# story at length.
+LENGTH_BOUNDED = ("operator", "trainer", "rollout", "sandboxes")
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(source: str, bound: int) -> list[tuple[str, int]]:
+    """``(name, lines)`` of every function (nested ones too) longer than ``bound`` lines,
+    decorators aside, docstring included.
+
+    >>> long_functions("def f():\\n    return 1\\n", 1)
+    [('f', 2)]
+    >>> long_functions("def f():\\n    return 1\\n", 2)
+    []
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1
+            if lines > bound:
+                found.append((node.name, lines))
+    return found
+
+
+def test_the_length_finder_sees_nested_functions() -> None:
+    source = "def outer():\n    def inner():\n        a = 1\n        return a\n    return inner\n"
+    assert long_functions(source, 3) == [("outer", 5)]
+    assert long_functions(source, 2) == [("outer", 5), ("inner", 3)]
+
+
+def test_no_function_is_longer_than_80_lines() -> None:
+    offenders = [
+        f"{path.relative_to(REPO_ROOT)}: {name} ({lines} lines)"
+        for folder in LENGTH_BOUNDED
+        for path in sorted((REPO_ROOT / folder).rglob("*.py"))
+        for name, lines in long_functions(path.read_text(), MAX_FUNCTION_LINES)
+    ]
+    assert offenders == [], "split these into named helpers:\n" + "\n".join(offenders)
