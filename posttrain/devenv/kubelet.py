@@ -37,6 +37,7 @@ from .podprocess import (
     field_ref_value,
     hosts_file_text,
     http_probe,
+    interpreter_prefix,
     kill_process_group,
     mounted_over,
     now_rfc3339,
@@ -428,6 +429,9 @@ class PodRunner:
             proc_unmasked=unmasked,
             host_pid=bool(self.pod["spec"].get("hostPID")),
             hide=[str(self.workdir), str(registry.state_dir())],
+            reach=interpreter_prefix(self.bin_dir(container))
+            if run_as_user(self.pod["spec"], container) is not None
+            else (),
         )
         # The pod's own directory is its cwd, unless one of its volumes is mounted above it
         # (an emptyDir at /tmp, as rollout replicas have, over an agent whose directory is

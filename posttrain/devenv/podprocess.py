@@ -125,24 +125,32 @@ def existing_ancestors(target: str) -> set[str]:
     return set(ancestors[first:])
 
 
-def host_view_binds(targets: Iterable[str]) -> list[str]:
+def host_view_binds(targets: Iterable[str], reach: Iterable[str] = ()) -> list[str]:
     """bwrap args rebuilding the host filesystem on bwrap's empty tmpfs root.
 
     Host entries are bound one by one; a directory that must receive a new mount point
     (``/`` for ``/workspace``, ``/etc`` for ``/etc/posttrain``) is recreated on tmpfs and its
     entries bound inside it, so mount points are made in the sandbox, never on the host.
-    /dev and /proc are fresh (``--dev``, ``--proc``).
+    The ancestors of each ``reach`` path are recreated the same way (0755) but hold only the
+    way down, so any user can walk to that path through a host directory it may not enter
+    (root's 0700 home) without seeing that directory's other entries, which it could not
+    have entered on the host either. /dev and /proc are fresh (``--dev``, ``--proc``).
     """
     exploded = {"/"}
     for target in targets:
         if not target.startswith(("/dev/", "/proc/")):
             exploded |= existing_ancestors(target)
+    way_down = {str(p) for path in reach for p in Path(path).parents} - exploded
+    on_the_way = way_down | set(reach)
+    exploded |= way_down
     args: list[str] = []
 
     def visit(directory: str) -> None:
         for entry in sorted(os.listdir(directory)):
             path = os.path.join(directory, entry)
             if path in ("/dev", "/proc"):
+                continue
+            if directory in way_down and path not in on_the_way:
                 continue
             if os.path.islink(path):
                 args.extend(["--symlink", os.readlink(path), path])
@@ -247,6 +255,7 @@ def bwrap_prefix(
     proc_unmasked: bool = False,
     host_pid: bool = False,
     hide: Sequence[str] = (),
+    reach: Sequence[str] = (),
 ) -> list[str]:
     """The bwrap argv (without the trailing ``--``) giving a process the pod's filesystem view.
 
@@ -289,7 +298,7 @@ def bwrap_prefix(
     ]
     args = [
         "bwrap",
-        *host_view_binds(target for _, target, _ in mounts),
+        *host_view_binds((target for _, target, _ in mounts), reach),
         "--dev",
         "/dev",
         *(["--bind", "/proc", "/proc"] if proc_unmasked else ["--proc", "/proc"]),
@@ -352,6 +361,27 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in [*dirnames, *filenames]:
             os.chown(os.path.join(dirpath, name), uid, gid)
+
+
+def interpreter_prefix(bin_dir: Path) -> list[str]:
+    """Where the stand-in image's interpreter is installed, for :func:`bwrap_prefix`'s
+    ``reach`` when a pod drops to another user.
+
+    The environments standing in for images (``.venv``, ``.venv-vllm``) link their ``python``
+    to an installation that may live under root's 0700 home (pyenv, uv). An image's own
+    interpreter (``/opt/posttrain``) is readable by its user; here, a pod running as uid 10001
+    could start its first process and then fail to start any child interpreter (the vLLM
+    front door's vLLM, torchrun's workers) with EACCES. The installation's ancestors are
+    recreated as sandbox directories (0755, :func:`host_view_binds`), so the user reaches
+    it and nothing else under them: the rest of root's home keeps its mode.
+
+    >>> interpreter_prefix(Path("/nonexistent/bin"))
+    []
+    """
+    python = bin_dir / "python"
+    if not python.exists():
+        return []
+    return [str(Path(os.path.realpath(python)).parent.parent)]
 
 
 def run_as_user(pod_spec: Manifest, container: Manifest) -> tuple[int, int] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,38 @@ def test_mount_points_are_made_in_the_sandbox_not_on_the_host(tmp_path: Path) ->
     )
     assert seen.stdout == "steps: 1\n"
     assert not Path("/posttrain-nodeagent-test").exists()
+
+
+def test_a_dropped_to_user_reaches_the_interpreter_and_nothing_beside_it() -> None:
+    # A pod running as uid 10001 on the agent: its stand-in interpreter may sit under a
+    # directory only root may enter (pyenv under /root). ``reach`` opens the way down to it
+    # and hides the closed directory's other entries, as the host's mode hid them.
+    # Under /tmp itself: pytest's own tmp_path sits below 0700 directories.
+    with tempfile.TemporaryDirectory(dir="/tmp") as top:
+        base = Path(top)
+        base.chmod(0o755)
+        closed = base / "home"
+        prefix = closed / "lang" / "3.11"
+        (prefix / "bin").mkdir(parents=True)
+        (prefix / "bin" / "tool").write_text("#!/bin/sh\necho reached\n")
+        (prefix / "bin" / "tool").chmod(0o755)
+        (closed / "secret").write_text("root's\n")
+        closed.chmod(0o700)
+        script = f"{prefix}/bin/tool; ls {closed}; cat {closed}/secret"
+        drop = ["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", "sh", "-c", script]
+
+        def run(reach: list[str]) -> subprocess.CompletedProcess[str]:
+            argv = [*bwrap_prefix([], reach=reach), "--chdir", "/", "--", *drop]
+            return subprocess.run(argv, capture_output=True, text=True)
+
+        closed_off = run([])
+        assert "reached" not in closed_off.stdout, closed_off.stdout
+        assert "Permission denied" in closed_off.stderr
+        opened = run([str(prefix)])
+        assert opened.stdout.splitlines() == ["reached", "lang"], opened.stderr
+        assert "No such file" in opened.stderr  # the secret is not in the sandbox's view
+        assert oct(closed.stat().st_mode & 0o777) == "0o700"  # the host's mode is untouched
+    assert podprocess.interpreter_prefix(Path("/nonexistent-venv/bin")) == []
 
 
 def test_agent_stops_with_one_message_when_the_apiserver_is_gone(
