@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,8 +21,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
+from posttrain.processes import wait_for
 from posttrain.rollout.client import RolloutClient, RolloutError
+from posttrain.rollout.deltas import SafetensorsDir, diff_state_dicts, write_delta
+from posttrain.rollout.discovery import follow_pool
 from posttrain.rollout.protocol import SamplingParams
 from posttrain.rollout.vllm_local import REPO_VLLM_VENV, LocalVllmReplica, vllm_python
 from posttrain.storage.checkpoints import WeightRegistry
@@ -53,6 +60,13 @@ LOGPROB_MAX_ABS = 5e-4
 LOGPROB_MEAN_ABS = 5e-5
 TEMPERATURE = 0.8
 GREEDY = SamplingParams(n=1, max_tokens=12, temperature=0.0)
+# Tokens per request of the scale-down rollout: long enough that the leaving replica is
+# mid-generation when SIGTERM arrives (seconds per request on vLLM's CPU build here).
+SCALE_DOWN_TOKENS = 128
+# How long a replica the pool lists may take to be in the trainer's endpoints: the
+# follower's interval (0.5 s here, 5 s in a run) plus one weight load (3.5-6 s for a
+# reload on a loaded 2-core machine, docs/rollout.md); a wide margin for a shared machine.
+JOIN_BOUND_S = 120.0
 
 
 class Pool:
@@ -216,9 +230,9 @@ def test_vllm_rpc_is_not_reachable_through_the_front_door(vllm_pool: Pool) -> No
     assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200
 
 
-def damage_committed(pool: Pool, version: int) -> None:
-    """Flip one byte of a committed version's weights file: its digest no longer matches."""
-    weights_file = pool.root / "store" / "weights" / f"v{version:08d}" / "model.safetensors"
+def damage_committed(pool: Pool, version: int, name: str = "model.safetensors") -> None:
+    """Flip one byte of a committed version's file ``name``: its digest no longer matches."""
+    weights_file = pool.root / "store" / pool.registry.version_key(version) / name
     with weights_file.open("r+b") as handle:
         handle.seek(weights_file.stat().st_size // 2)
         byte = handle.read(1)
@@ -379,6 +393,202 @@ def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Poo
         assert checksums(pool)[0] == sums[0]
         files.close()
         direct.close()
+
+
+def served_version(replica: LocalVllmReplica) -> int:
+    response = httpx.get(f"{replica.url}/v1/weights/version", timeout=30)
+    return int(response.json()["weight_version"])
+
+
+def vllm_metric(replica: LocalVllmReplica, name: str) -> float:
+    """vLLM's ``name`` summed over its label sets, through the front door's /metrics (0
+    when the replica does not answer)."""
+    try:
+        text = httpx.get(f"{replica.url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return 0.0
+    pattern = rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.MULTILINE))
+
+
+def client_answers(url: str, outcome: str = "ok") -> float:
+    """The trainer side's count of ``url``'s answers (posttrain_rollout_client_requests_total)."""
+    value = REGISTRY.get_sample_value(
+        "posttrain_rollout_client_requests_total", {"endpoint": url, "outcome": outcome}
+    )
+    return value or 0.0
+
+
+def fresh_outputs(pool: Pool, replica: LocalVllmReplica) -> list[tuple[list[int], list[float]]]:
+    """:func:`outputs` with vLLM's prefix cache emptied first (inside the "pod", as a load
+    does): a prompt whose blocks are cached is prefilled by another kernel path, which can
+    change a logprob's last bits whatever the weights."""
+    reset = httpx.post(f"http://127.0.0.1:{replica.internal_port}/reset_prefix_cache", timeout=60)
+    reset.raise_for_status()
+    return outputs(pool, replica)
+
+
+def commit_delta(
+    pool: Pool, version: int, base_version: int, base: Path, new: Path, scratch: Path,
+    wrong_sha256_of: str | None = None,
+) -> None:  # fmt: skip
+    """Commit ``new``'s tensors to the registry as ``version``, a delta over
+    ``base_version`` (whose tensors are ``base``), as the trainer's publisher does; with
+    ``wrong_sha256_of``, the manifest promises another sha256 for that tensor's result."""
+    plan = diff_state_dicts(base_version, SafetensorsDir(base), SafetensorsDir(new))
+    assert plan is not None
+    if wrong_sha256_of is not None:
+        plan.metadata["tensors"][wrong_sha256_of]["sha256"] = "0" * 64
+    directory = write_delta(plan, scratch / f"delta-v{version}").parent
+    pool.registry.publish(version, directory, {"delta": plan.metadata})
+
+
+def test_a_corrupt_delta_is_refused_and_the_replica_stays_on_its_version(vllm_pool: Pool) -> None:
+    """A delta committed to the registry, then damaged -- a byte of its file, or the sha256
+    its result must have -- is refused by a vLLM replica with an error saying why; it keeps
+    serving its version exactly (version endpoint, greedy token ids and logprobs), and the
+    next good delta still applies on the copy it holds and changes what it serves."""
+    pool = vllm_pool
+    replica = pool.replicas[0]
+    scratch = pool.root / "corrupt-scratch"
+    scratch.mkdir(exist_ok=True)
+    with pool.client() as both, pool.client(replica) as single:
+        publisher = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False)
+        pool.version += 1
+        good = pool.version
+        publisher.publish(pool.policy, good)  # this publisher's first: full
+        assert publisher.last_kind == "full"
+        expected = outputs(pool, replica)
+        pool.perturb(seed=61)
+        new = pool.policy.save_weights(scratch / "next")  # as the publisher writes it
+        assert new is not None
+        base = pool.root / "store" / pool.registry.version_key(good)
+        damaged, misdigested = good + 1, good + 2
+        pool.version = misdigested
+        commit_delta(pool, damaged, good, base, new, scratch)
+        damage_committed(pool, damaged, "delta.safetensors")
+        with pytest.raises(RolloutError, match=f"refused weights v{damaged} ") as refused:
+            single.load_weights(pool.registry_uri, damaged)
+        assert "digest" in str(refused.value) and "delta.safetensors" in str(refused.value)
+        commit_delta(pool, misdigested, good, base, new, scratch, "model.norm.weight")
+        with pytest.raises(
+            RolloutError,
+            match=re.escape("tensor model.norm.weight after applying the delta does not match"),
+        ):
+            single.load_weights(pool.registry_uri, misdigested)
+        assert served_versions(pool) == [good, good]
+        assert fresh_outputs(pool, replica) == expected
+        groups = single.generate(pool.prompts(), GREEDY)
+        assert {g[0].weight_version for g in groups} == {good}
+        # The same weights as a good delta over the held copy: loaded, and they change the
+        # output (so "unchanged" above says the refused bytes were not served).
+        pool.version += 1
+        publisher.publish(pool.policy, pool.version)
+        assert publisher.last_kind == "delta"
+        assert served_versions(pool) == [pool.version, pool.version]
+        assert outputs(pool, replica) != expected
+        publisher.close()
+
+
+def test_scale_down_mid_rollout_loses_nothing(vllm_pool: Pool) -> None:
+    """SIGTERM (the kubelet, on a scale-down) to one replica's front door while a
+    two-replica rollout is in flight: what it is generating finishes there (uvicorn drains
+    without a limit), everything else goes to the other replica, and every request
+    completes with its tokens. The leaver stays down: the next test brings it back."""
+    pool = vllm_pool
+    leaver = pool.replicas[1]
+    prompts = [pool.policy.encode_prompt(f"Tell a long story about the number {i}.")
+               for i in range(8)]  # fmt: skip
+    params = SamplingParams(n=1, max_tokens=SCALE_DOWN_TOKENS, temperature=1.0, seed=1)
+    urls = [r.url for r in pool.replicas]
+    with (
+        RolloutClient(urls, timeout_s=600, max_in_flight=2, max_retries=4) as client,
+        ThreadPoolExecutor(1) as executor,
+    ):
+        rollout = executor.submit(client.generate, prompts, params)
+        wait_for(lambda: vllm_metric(leaver, "vllm:num_requests_running") >= 1,
+                 timeout_s=600, what="the leaver generating", interval_s=0.2)  # fmt: skip
+        answered_before = client_answers(leaver.url)
+        assert leaver.process is not None
+        leaver.process.send_signal(signal.SIGTERM)  # the front door only, as in a pod
+        groups = rollout.result(timeout=1800)
+    drained = client_answers(leaver.url) - answered_before
+    refused = client_answers(leaver.url, "transport_error")
+    log.info("scale-down: %.0f request(s) finished on the leaver after SIGTERM, %.0f "
+             "connection(s) to it failed and went elsewhere", drained, refused)  # fmt: skip
+    assert leaver.process.wait(timeout=300) is not None  # it exits once drained
+    leaver.stop()  # reap vLLM's engine processes
+    assert leaver.health() is None
+    assert len(groups) == len(prompts)
+    for index, (completion,) in enumerate(groups):
+        assert completion.prompt_index == index
+        assert completion.finish_reason in ("length", "stop")
+        assert 0 < len(completion.token_ids) == len(completion.logprobs) <= SCALE_DOWN_TOKENS
+    assert drained >= 1, "what the leaver was generating at SIGTERM did not finish there"
+
+
+def test_a_replica_that_joins_between_two_deltas_catches_up_and_is_sampled_from(
+    vllm_pool: Pool,
+) -> None:
+    """Scale-up under a running trainer. A replica that was down while the trainer published
+    a full version and then a delta starts, rebuilds full + delta from the registry, and its
+    first ready /health says so; it serves exactly what the replica that loaded each
+    version serves. The trainer publishes the next delta before the pool lists the new
+    replica; the trainer's pool follower (``follow_pool``, fed by a list standing in for
+    status.replicaEndpoints) loads that delta onto it -- applied on the copy it holds --
+    before it samples from it, within JOIN_BOUND_S."""
+    pool = vllm_pool
+    survivor, joiner = pool.replicas
+    joiner.stop()  # down: the scale-down test left it so; this makes sure when run alone
+    assert joiner.health() is None
+    scratch = pool.root / "join-scratch"
+    scratch.mkdir(exist_ok=True)
+    ready = [survivor.url]  # status.replicaEndpoints as the operator writes it
+    with RolloutClient([survivor.url], discover=lambda: list(ready), timeout_s=600) as client:
+        publisher = WeightPublisher(pool.registry, pool.registry_uri, client, scratch,
+                                    shared=False)  # fmt: skip
+        kinds: list[str] = []
+        served: list[list[tuple[list[int], list[float]]]] = []
+        for seed in (71, 72):
+            pool.perturb(seed)
+            pool.version += 1
+            publisher.publish(pool.policy, pool.version)
+            kinds.append(publisher.last_kind)
+            served.append(outputs(pool, survivor))
+        assert kinds == ["full", "delta"]
+        assert served[0] != served[1]  # which of the two a replica serves shows
+        joiner.start()
+        health = joiner.wait_ready(timeout_s=2400)
+        assert health["weight_version"] == pool.version
+        assert "refused_versions" not in health
+        assert outputs(pool, joiner) == served[1]
+        assert len(set(checksums(pool))) == 1
+
+        pool.perturb(73)
+        pool.version += 1
+        publisher.publish(pool.policy, pool.version)  # the trainer moves on meanwhile
+        assert publisher.last_kind == "delta"
+        assert served_version(joiner) == pool.version - 1  # behind: it must be caught up
+        stop = follow_pool(client, lambda: list(ready), interval_s=0.5)
+        try:
+            listed = time.monotonic()
+            ready.append(joiner.url)
+            wait_for(lambda: joiner.url in client.urls, timeout_s=JOIN_BOUND_S,
+                     what="the new replica among the trainer's endpoints", interval_s=0.05)  # fmt: skip
+            joined_s = time.monotonic() - listed
+            assert served_version(joiner) == pool.version  # loaded before it was used
+            finished = vllm_metric(joiner, "vllm:request_success_total")
+            params = SamplingParams(n=1, max_tokens=8, temperature=TEMPERATURE, seed=5)
+            groups = client.generate(pool.prompts() * 4, params)
+            assert {c.weight_version for g in groups for c in g} == {pool.version}
+            assert vllm_metric(joiner, "vllm:request_success_total") > finished
+        finally:
+            stop.set()
+        log.info("scale-up: the new replica was in the trainer's endpoints %.1fs after the "
+                 "pool listed it", joined_s)  # fmt: skip
+        assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor)
+        assert len(set(checksums(pool))) == 1
+        publisher.close()
 
 
 def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool) -> None:
