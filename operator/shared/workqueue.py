@@ -67,10 +67,7 @@ class WorkQueue:
             executor = self._executor
             if executor is None:
                 return False
-            if key in self._running:
-                self._dirty.add(key)
-                return True
-            if key in self._queued:
+            if self._taken(key):
                 return True
             self._queued.add(key)
         self._submit(executor, key)
@@ -84,12 +81,7 @@ class WorkQueue:
         one has not started and will see the event) or the queue is not bound."""
         key = (kind, namespace, name)
         with self._lock:
-            if self._executor is None:
-                return False
-            if key in self._running:
-                self._dirty.add(key)
-                return False
-            if key in self._queued:
+            if self._executor is None or self._taken(key):
                 return False
             self._running.add(key)
             return True
@@ -147,6 +139,14 @@ class WorkQueue:
                 self._release(key)
             raise
 
+    def _taken(self, key: ObjectKey) -> bool:
+        """Whether a reconcile of the key is queued or running (the lock held); a running
+        one is marked dirty, so it runs once more and sees what was asked for."""
+        if key in self._running:
+            self._dirty.add(key)
+            return True
+        return key in self._queued
+
     def _release(self, key: ObjectKey) -> None:
         """Let go of a running key (the lock held)."""
         self._running.discard(key)
@@ -169,10 +169,11 @@ class WorkQueue:
                     self._reconcile(*key)
                 except Exception as exc:  # counted and requeued inside the reconcile
                     log.error("reconcile failed (requeued): %r", exc, exc_info=exc)
-                with self._lock:
-                    if key not in self._dirty or self._executor is None:
-                        return
-                    self._dirty.discard(key)
-        finally:
+                # Decided and released under one lock: a request between the two would
+                # mark a key dirty that no pass is left to serve.
+                if not self.finish(*key):
+                    return
+        except BaseException:
             with self._lock:
-                self._running.discard(key)
+                self._release(key)
+            raise
