@@ -39,6 +39,17 @@ CONFIG = OperatorConfig(
 )
 
 
+# What restricted pods of posttrain's images carry at the pod level (RolloutPool replicas,
+# TrainingRun pods), spelled out here rather than read from the builders.
+POSTTRAIN_POD_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": shared_builders.POSTTRAIN_UID,
+    "runAsGroup": shared_builders.POSTTRAIN_UID,
+    "fsGroup": shared_builders.POSTTRAIN_UID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+
+
 def make_run(**spec: Any) -> TrainingRun:
     return TrainingRun.model_validate(
         {
@@ -882,13 +893,7 @@ def test_pool_pods_are_pod_security_restricted_and_write_only_to_their_volumes(
     Face cache, the weight staging) is a writable emptyDir of the pod.
     tests/operator/test_pod_security_cluster.py has the apiserver's own verdict."""
     pod = b.build_rollout_deployment(make_pool(**spec), CONFIG)["spec"]["template"]["spec"]
-    assert pod["securityContext"] == {
-        "runAsNonRoot": True,
-        "runAsUser": shared_builders.POSTTRAIN_UID,
-        "runAsGroup": shared_builders.POSTTRAIN_UID,
-        "fsGroup": shared_builders.POSTTRAIN_UID,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    }
+    assert pod["securityContext"] == POSTTRAIN_POD_CONTEXT
     containers = [*pod.get("initContainers", []), *pod["containers"]]
     assert [c["name"] for c in containers][-1] == "server"
     for container in containers:
@@ -1028,13 +1033,7 @@ def test_trainingrun_pods_are_pod_security_restricted_and_write_to_their_volumes
         *(("demo-evaluator",) if not run.spec.evaluation.inline else ()),
     }
     for name, pod in specs.items():
-        assert pod["securityContext"] == {
-            "runAsNonRoot": True,
-            "runAsUser": shared_builders.POSTTRAIN_UID,
-            "runAsGroup": shared_builders.POSTTRAIN_UID,
-            "fsGroup": shared_builders.POSTTRAIN_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        }, name
+        assert pod["securityContext"] == POSTTRAIN_POD_CONTEXT, name
         for container in [*pod.get("initContainers", []), *pod["containers"]]:
             context = container["securityContext"]
             assert context == {

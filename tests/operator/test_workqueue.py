@@ -94,6 +94,21 @@ class Passes:
             self._now -= 1
 
 
+class BlockedPool:
+    """A reconcile that records every name and holds its thread on the key "blocker" until
+    released: with a one-thread pool, what is added next stays queued, not started."""
+
+    def __init__(self) -> None:
+        self.busy, self.release = threading.Event(), threading.Event()
+        self.runs: list[str] = []
+
+    def reconcile(self, kind: str, namespace: str, name: str) -> None:
+        self.runs.append(name)
+        if name == "blocker":
+            self.busy.set()
+            assert self.release.wait(10)
+
+
 def test_a_claimed_key_takes_no_other_reconcile_and_finish_reports_requests_once() -> None:
     runs: list[tuple[str, str, str]] = []
     queue = WorkQueue(lambda *key: runs.append(key))
@@ -138,16 +153,9 @@ def test_a_claim_while_the_pool_runs_the_key_asks_for_one_more_pass_there() -> N
 
 
 def test_a_claim_of_a_queued_key_coalesces_into_the_queued_pass() -> None:
-    busy, release = threading.Event(), threading.Event()
-    runs: list[str] = []
-
-    def reconcile(kind: str, namespace: str, name: str) -> None:
-        runs.append(name)
-        if name == "blocker":
-            busy.set()
-            assert release.wait(10)
-
-    queue = WorkQueue(reconcile)
+    blocked = BlockedPool()
+    busy, release, runs = blocked.busy, blocked.release, blocked.runs
+    queue = WorkQueue(blocked.reconcile)
     with ThreadPoolExecutor(1) as pool:  # one thread, held by the blocker
         queue.bind(pool)
         assert queue.add("SandboxTask", "ns", "blocker")
@@ -235,16 +243,9 @@ def test_a_pass_the_loop_cannot_do_goes_to_the_pool_without_a_second_reconcile()
 
 
 def test_requests_before_a_handed_over_pass_starts_coalesce_into_it() -> None:
-    busy, release = threading.Event(), threading.Event()
-    runs: list[str] = []
-
-    def reconcile(kind: str, namespace: str, name: str) -> None:
-        runs.append(name)
-        if name == "blocker":
-            busy.set()
-            assert release.wait(10)
-
-    queue = WorkQueue(reconcile)
+    blocked = BlockedPool()
+    busy, release, runs = blocked.busy, blocked.release, blocked.runs
+    queue = WorkQueue(blocked.reconcile)
     with ThreadPoolExecutor(1) as pool:
         queue.bind(pool)
         assert queue.add("SandboxTask", "ns", "blocker")
