@@ -424,14 +424,13 @@ class PodRunner:
         unmasked = (container.get("securityContext") or {}).get("procMount") == "Unmasked"
         # The agent's directory and the dev state are hidden; the pod keeps its own directory.
         mounts.insert(0, (str(self.pod_dir), str(self.pod_dir.resolve()), False))
+        user = run_as_user(self.pod["spec"], container)
         bwrap = bwrap_prefix(
             mounts,
             proc_unmasked=unmasked,
             host_pid=bool(self.pod["spec"].get("hostPID")),
             hide=[str(self.workdir), str(registry.state_dir())],
-            reach=interpreter_prefix(self.bin_dir(container))
-            if run_as_user(self.pod["spec"], container) is not None
-            else (),
+            reach=interpreter_prefix(self.bin_dir(container)) if user is not None else (),
         )
         # The pod's own directory is its cwd, unless one of its volumes is mounted above it
         # (an emptyDir at /tmp, as rollout replicas have, over an agent whose directory is
@@ -442,7 +441,6 @@ class PodRunner:
         work_dir = container.get("workingDir") or default_cwd
         (self.pod_dir / "cwd").mkdir(parents=True, exist_ok=True)
         bwrap += ["--chdir", work_dir, "--"]
-        user = run_as_user(self.pod["spec"], container)
         if user is not None:
             uid, gid = user
             bwrap += ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups"]
