@@ -12,8 +12,9 @@ import collections
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
-from contextlib import AbstractContextManager
+import time
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -105,6 +106,25 @@ def short_lived_process() -> None:
     for spans nobody could read."""
     global _short_lived
     _short_lived = True
+
+
+@contextmanager
+def timed(phases: MutableMapping[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall seconds to ``phases[name]`` (raised or not): the per-phase
+    breakdowns of a weight publish and of a replica's load (docs/rollout.md, "Where a
+    publish's time goes").
+
+    >>> phases: dict[str, float] = {}
+    >>> with timed(phases, "write"):
+    ...     pass
+    >>> list(phases), phases["write"] >= 0
+    (['write'], True)
+    """
+    mark = time.monotonic()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.monotonic() - mark
 
 
 class LazyTracer(trace.Tracer):

@@ -53,7 +53,7 @@ from posttrain.rollout.limits import (
     sampling_params,
 )
 from posttrain.rollout.protocol import WEIGHT_VERSION_HEADER
-from posttrain.telemetry import extract_context, get_tracer
+from posttrain.telemetry import extract_context, get_tracer, timed
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -394,35 +394,30 @@ class VllmFrontDoor:
                     self.last_phases = {}
                     return 0.0
                 scratch = Path(self.scratch_dir)
-                mark = time.monotonic()
-                path, temporary = await asyncio.to_thread(
-                    weights.fetch_version, uri, version, scratch, self.held
-                )
-                phases["fetch"] = time.monotonic() - mark
+                with timed(phases, "fetch"):
+                    path, temporary = await asyncio.to_thread(
+                        weights.fetch_version, uri, version, scratch, self.held
+                    )
                 try:
-                    mark = time.monotonic()
-                    await self.lock.acquire_write()
-                    phases["drain"] = time.monotonic() - mark
+                    with timed(phases, "drain"):
+                        await self.lock.acquire_write()
                     try:
-                        mark = time.monotonic()
-                        reply = await self._rpc("reload_weights_from_path", [str(path)])
-                        phases["reload"] = time.monotonic() - mark
+                        with timed(phases, "reload"):
+                            reply = await self._rpc("reload_weights_from_path", [str(path)])
                         phases["reload_in_worker"] = worker_seconds(reply)
-                        mark = time.monotonic()
-                        reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
-                        reset.raise_for_status()
-                        self.version = version
-                        self.refused.pop(version, None)
-                        phases["flip"] = time.monotonic() - mark
+                        with timed(phases, "flip"):
+                            reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
+                            reset.raise_for_status()
+                            self.version = version
+                            self.refused.pop(version, None)
                     finally:
                         await self.lock.release_write()
                 except BaseException:
                     if temporary:
                         shutil.rmtree(path, ignore_errors=True)
                     raise
-                mark = time.monotonic()
-                await asyncio.to_thread(self._hold, uri, version, path, temporary)
-                phases["hold"] = time.monotonic() - mark
+                with timed(phases, "hold"):
+                    await asyncio.to_thread(self._hold, uri, version, path, temporary)
         elapsed = time.monotonic() - started
         self.last_phases = phases
         WEIGHT_LOAD_SECONDS.observe(elapsed)
@@ -507,11 +502,10 @@ class VllmFrontDoor:
             return {"weight_version": self.version, "transfer": "aborted"}
         try:
             await self._timed(session, "finish", "finish_weight_update", None)
-            mark = time.monotonic()
-            await self._upstream("reset_prefix_cache", None)
-            self.version = request.version
-            self.refused.pop(request.version, None)
-            session.phases["flip"] = time.monotonic() - mark
+            with timed(session.phases, "flip"):
+                await self._upstream("reset_prefix_cache", None)
+                self.version = request.version
+                self.refused.pop(request.version, None)
         except Exception as exc:
             await self._abandon(session, f"finish failed: {exc}")
             raise
@@ -542,9 +536,8 @@ class VllmFrontDoor:
     async def _timed(
         self, session: TransferSession, phase: str, path: str, body: dict[str, Any] | None
     ) -> None:
-        mark = time.monotonic()
-        await self._upstream(path, body)
-        session.phases[phase] = session.phases.get(phase, 0.0) + time.monotonic() - mark
+        with timed(session.phases, phase):
+            await self._upstream(path, body)
 
     async def _end_session(self, session: TransferSession) -> None:
         """Release what ``start`` took (once), whichever way the session ends."""

@@ -30,13 +30,12 @@ run instead of failing it.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ipaddress
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +44,7 @@ from urllib.parse import urlparse
 from prometheus_client import Counter, Histogram
 
 from posttrain.api import env
-from posttrain.telemetry import get_tracer
+from posttrain.telemetry import get_tracer, timed
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -273,14 +272,9 @@ class WeightPublisher:
                  dtype_name(self.dtype) if self.dtype is not None else "trainer dtype",
                  _format_phases(self.last_phases), self._replica_phases())  # fmt: skip
 
-    @contextlib.contextmanager
-    def _phase(self, name: str) -> Iterator[None]:
+    def _phase(self, name: str) -> AbstractContextManager[None]:
         """Add the block's seconds to ``last_phases[name]``."""
-        mark = time.monotonic()
-        try:
-            yield
-        finally:
-            self.last_phases[name] = self.last_phases.get(name, 0.0) + time.monotonic() - mark
+        return timed(self.last_phases, name)
 
     def _replica_phases(self) -> str:
         """Each replica's own phases of the last load, for the publish's log line."""
