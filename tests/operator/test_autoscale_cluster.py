@@ -124,7 +124,12 @@ def test_run_wait_scales_pool_up_then_down_after_the_window(
     pending = wait_for(reported_low, what="ScaleDownPending", interval_s=0.5)
     assert pending["scaleDownPendingReplicas"] == 2
     wait_for(lambda: spec_replicas(kube, namespace, "auto") == 2, what="scaled down to 2")
-    done = autoscaling(kube, namespace)
+    # The operator writes /scale, then status.autoscaling: two requests, so a read between
+    # them sees the new size beside the old status (on a loaded machine, seconds apart).
+    done = wait_for(
+        lambda: "scaleDownPendingSince" not in (s := autoscaling(kube, namespace)) and s,
+        what="the scale-down recorded in status.autoscaling",
+    )
     waited = datetime.fromisoformat(done["lastScaleTime"]) - datetime.fromisoformat(
         pending["scaleDownPendingSince"]
     )
