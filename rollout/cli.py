@@ -125,6 +125,12 @@ def _register_vllm(rollout_sub: argparse._SubParsersAction, pool_env: RolloutPoo
         parser.add_argument("--start-timeout", type=float, default=1800.0)
         if name == "vllm-entry":
             add_limit_flags(parser)
+            parser.add_argument(
+                "--transfer-idle-seconds", type=float, default=None, metavar="S",
+                help="a direct weight transfer with no step for this long is abandoned (the "
+                "trainer died or hung): the replica goes back to the weights it held, or exits "
+                "to pull the latest committed version (default 120)",
+            )  # fmt: skip
         parser.set_defaults(func=handler)
 
 
@@ -344,4 +350,5 @@ def _vllm_entry(args: argparse.Namespace) -> int:
         start_timeout_s=args.start_timeout,
         poll_seconds=args.poll_seconds,
         limits=limits,
+        transfer_idle_s=args.transfer_idle_seconds,
     )

@@ -80,6 +80,8 @@ SERVED_VERSION = Gauge("posttrain_vllm_weight_version", "Weight version this rep
 WORKER_EXTENSION = "posttrain.rollout.vllm_ext.WeightSyncExtension"
 # Where each weight-transfer backend's staging buffers live (rollout/weight_transfer.py).
 TRANSFER_DEVICES = {"posttrain_shm": "cpu", "ipc": "cuda"}
+# A direct transfer with no step for this long is abandoned: the trainer died or hung.
+TRANSFER_IDLE_S = 120.0
 
 
 @dataclass
@@ -337,7 +339,7 @@ class VllmFrontDoor:
         self.last_phases: dict[str, float] = {}  # seconds per phase of the last load
         self.session: TransferSession | None = None  # a direct transfer in progress
         self.transfer_initialized = False  # vLLM's /init_weight_transfer_engine was called
-        self.transfer_idle_s = 120.0  # a session with no step for this long is abandoned
+        self.transfer_idle_s = TRANSFER_IDLE_S  # a session with no step this long is abandoned
         self.transfer_backend = transfer_backend  # vLLM's weight-transfer backend, if any
         self.exit = os._exit  # how a replica that cannot vouch for its weights leaves
         self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
@@ -820,6 +822,7 @@ def run_vllm_entry(
     public_host: str = "0.0.0.0",
     poll_seconds: float = 0.0,
     limits: RequestLimits | None = None,
+    transfer_idle_s: float | None = None,
 ) -> int:
     """Start vLLM on ``spec.port`` (loopback only) and serve the front door on ``public_port``.
 
@@ -843,6 +846,8 @@ def run_vllm_entry(
         weights_token=weights_token(),
         transfer_backend=spec.weight_transfer_backend,
     )
+    if transfer_idle_s is not None:
+        door.transfer_idle_s = transfer_idle_s
 
     async def watch_engine() -> None:
         """vLLM gone after start-up: exit too, so the pod restarts instead of answering 502s."""

@@ -71,6 +71,7 @@ class LocalVllmReplica:
         kv_cache_gib: int = 1,
         python: Path | None = None,
         cpu_cores: str | None = None,
+        transfer_idle_s: float | None = None,
     ) -> None:
         """``cpu_cores``: the cores vLLM's CPU build binds its threads to
         (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``); None leaves vLLM's
@@ -92,6 +93,7 @@ class LocalVllmReplica:
         self.internal_port = free_port()
         self.kv_cache_gib = kv_cache_gib
         self.cpu_cores = cpu_cores
+        self.transfer_idle_s = transfer_idle_s  # None: the front door's default
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -108,6 +110,8 @@ class LocalVllmReplica:
             argv += ["--poll-seconds", str(self.poll_seconds)]
         if self.served_model_name:
             argv += ["--served-model-name", self.served_model_name]
+        if self.transfer_idle_s is not None:
+            argv += ["--transfer-idle-seconds", str(self.transfer_idle_s)]
         return argv
 
     def start(self) -> LocalVllmReplica:

@@ -67,6 +67,10 @@ SCALE_DOWN_TOKENS = 128
 # follower's interval (0.5 s here, 5 s in a run) plus one weight load (3.5-6 s for a
 # reload on a loaded 2-core machine, docs/rollout.md); a wide margin for a shared machine.
 JOIN_BOUND_S = 120.0
+# The pool's replicas abandon a direct transfer after this long without a step (production:
+# 120 s). A live trainer's steps come one bucket-pack apart (well under a second, a few under
+# load), so no other test's transfer comes near it.
+TRANSFER_IDLE_S = 30.0
 
 
 class Pool:
@@ -79,7 +83,12 @@ class Pool:
         self.registry = WeightRegistry(self.store, "weights", keep_last=3)
         self.registry_uri = self.store.uri("weights")
         self.replicas = [
-            LocalVllmReplica(model_dir, root / f"replica-{i}.log", weights_uri=self.registry_uri)
+            LocalVllmReplica(
+                model_dir,
+                root / f"replica-{i}.log",
+                weights_uri=self.registry_uri,
+                transfer_idle_s=TRANSFER_IDLE_S,
+            )
             for i in range(2)
         ]
         self.policy = Policy(model_dir, learning_rate=1e-5)
@@ -589,6 +598,72 @@ def test_a_replica_that_joins_between_two_deltas_catches_up_and_is_sampled_from(
         assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor)
         assert len(set(checksums(pool))) == 1
         publisher.close()
+
+
+def test_a_transfer_nobody_feeds_is_abandoned_by_each_replica_on_its_own(vllm_pool: Pool) -> None:
+    """The trainer hangs after one bucket of other weights and sends nothing more -- not even
+    its abort (a trainer killed outright looks the same). After TRANSFER_IDLE_S without a
+    step each replica's watchdog abandons the session by itself, goes back to the bytes it
+    served, bit for bit, and keeps serving them; and it loads the next version (the session
+    let go of the replica's load locks)."""
+    from posttrain.rollout.weight_transfer import BucketStream
+
+    pool = vllm_pool
+    with pool.client() as both:
+        version = pool.publish(both)  # registry: each replica holds these bytes
+        expected, sums = [outputs(pool, r) for r in pool.replicas], checksums(pool)
+        marks = [r.log_path.stat().st_size for r in pool.replicas]
+        pool.perturb(seed=43)
+        stream = BucketStream(bucket_bytes=8 << 20)
+        hung, release = threading.Event(), threading.Event()
+
+        def hangs_after_one_bucket() -> Iterator[dict[str, Any]]:
+            updates = stream.updates(pool.policy.full_weights())
+            yield next(updates)
+            hung.set()
+            release.wait(timeout=3 * TRANSFER_IDLE_S + 600)
+            raise RuntimeError("the trainer came back after its session was gone")
+
+        failures: list[BaseException] = []
+
+        def trainer() -> None:
+            try:
+                both.transfer_weights(version + 1, hangs_after_one_bucket())
+            except BaseException as exc:  # the late abort finds no session: any error is fine
+                failures.append(exc)
+
+        def abandoned() -> bool:
+            logs = [r.log_path.read_bytes()[m:].decode(errors="replace")
+                    for r, m in zip(pool.replicas, marks, strict=True)]  # fmt: skip
+            return all(f"restored weights v{version} from its held copy" in t for t in logs)
+
+        thread = threading.Thread(target=trainer, name="hung-trainer", daemon=True)
+        thread.start()
+        try:
+            assert hung.wait(timeout=600), "the first bucket never went out"
+            started = time.monotonic()
+            wait_for(abandoned, timeout_s=TRANSFER_IDLE_S + 600, interval_s=1.0,
+                     what="both replicas to abandon the idle transfer")  # fmt: skip
+            waited = time.monotonic() - started
+        finally:
+            release.set()
+            thread.join(timeout=600)
+            stream.close()
+        assert not thread.is_alive()
+        # The watchdog, not anything sooner: the session stayed open for the idle time.
+        assert waited >= TRANSFER_IDLE_S - 2, waited
+        for replica, mark in zip(pool.replicas, marks, strict=True):
+            text = replica.log_path.read_bytes()[mark:].decode(errors="replace")
+            assert (
+                f"weight transfer of v{version + 1} abandoned after 1 buckets: no step for" in text
+            )
+        assert served_versions(pool) == [version, version]
+        assert checksums(pool) == sums
+        assert [outputs(pool, r) for r in pool.replicas] == expected
+        # The session let go of the replica's load locks: the next version loads.
+        newer = pool.publish(both)
+        assert served_versions(pool) == [newer, newer]
+        assert checksums(pool) != sums
 
 
 def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool) -> None:
