@@ -25,6 +25,7 @@ MODULES = [
     "model.weight_sync",
     "observe.audit",
     "observe.domain_tables",
+    "observe.heldout_change",
     "observe.run_report",
     "observe.status",
     "rewards.scorers",

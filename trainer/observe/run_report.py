@@ -21,6 +21,7 @@ from posttrain.trainer.observe.domain_tables import (
     plot_reward_summary,
     readable_rows,
 )
+from posttrain.trainer.observe.heldout_change import paired_change
 from posttrain.trainer.observe.step_metrics import load_metrics
 
 
@@ -254,16 +255,16 @@ def trained_comparison(evals: list[EvalResult]) -> tuple[EvalResult, EvalResult]
 
 def stage_rows(
     stages: list[dict[str, Any]], evals: list[EvalResult]
-) -> list[tuple[str, str, int, int, float | None, float | None]]:
+) -> list[tuple[str, str, int, int, EvalResult | None, EvalResult | None]]:
     """(stage, type, first step, last step, held-out before, after) for each stage: what
     each stage did, from the evaluations at its boundaries (None where none ran).
 
     >>> r = lambda step, acc: EvalResult(step, "heldout", {"a": acc}, {"a": 4}, 0.0)
-    >>> stage_rows([{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}],
-    ...            [r(0, 0.25), r(3, 0.5)])
-    [('sft', 'sft', 1, 3, 0.25, 0.5)]
+    >>> [(name, before.overall, after.overall) for name, _, _, _, before, after in stage_rows(
+    ...     [{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}], [r(0, 0.25), r(3, 0.5)])]
+    [('sft', 0.25, 0.5)]
     """
-    by_step = {e.step: e.overall for e in evals}
+    by_step = {e.step: e for e in evals}
     return [
         (
             s["name"],
@@ -369,21 +370,34 @@ def write_report(
 def _stage_section(
     out_dir: Path, stages: list[dict[str, Any]], evals: list[EvalResult]
 ) -> list[str]:
-    """The "Held-out accuracy by stage" table: before and after each stage, what it trained."""
+    """The "Held-out accuracy by stage" table: before and after each stage, the change with
+    its paired standard error (same items both times, ``heldout_change``), the items it fixed
+    and broke, and what it trained."""
     lines = [
         "## Held-out accuracy by stage",
         "",
-        "| stage | type | steps | before | after | change | training (first -> last step) |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        "| stage | type | steps | before | after | change ± s.e. | fixed / broken "
+        "| training (first -> last step) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     records = load_metrics(out_dir)
     for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
-        change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
+        change, flips = "-", "-"
+        if before is not None and after is not None:
+            paired = paired_change(before, after)
+            change = f"{after.overall - before.overall:+.1%}" if paired is None else paired.text()
+            flips = "-" if paired is None else f"{paired.fixed} / {paired.broken} of {paired.n}"
         lines.append(
-            f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} | {change} "
-            f"| {stage_training(records, name)} |"
+            f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} "
+            f"| {change} | {flips} | {stage_training(records, name)} |"
         )
-    lines.append("")
+    lines += [
+        "",
+        "s.e.: the standard error of the per-item change; a change within about two of them "
+        "is what re-drawing the items could give (seeds add run-to-run spread: "
+        "bench/stage_gains.py).",
+        "",
+    ]
     return lines
 
 
@@ -398,9 +412,11 @@ def _comparison_section(base: EvalResult, trained: EvalResult) -> list[str]:
     shown, left_out = readable_rows(comparison_rows(base, trained))
     for domain, before, after, n in shown:
         lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
+    paired = paired_change(base, trained)
+    change = f"{trained.overall - base.overall:+.1%}" if paired is None else paired.text()
     lines.append(
-        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
-        f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
+        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | {change} "
+        f"| {sum(trained.counts.values())} |"
     )
     if left_out:
         lines += [
@@ -485,5 +501,5 @@ def _flip_examples(base: EvalResult, trained: EvalResult, limit: int = 3) -> lis
     return lines
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def _pct(result: EvalResult | None) -> str:
+    return "-" if result is None else f"{result.overall:.1%}"
