@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from posttrain.trainer.evaluation.heldout import EvalResult
+from posttrain.trainer.evaluation.heldout import EvalItem, EvalResult
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,12 @@ class PairedChange:
         return f"{self.change:+.1%} ± {self.stderr:.1%}"
 
 
-def paired_change(before: EvalResult, after: EvalResult) -> PairedChange | None:
-    """The paired change over the items both evaluations scored; None when they share none
-    (results written without their items, or two different held-out sets).
+def paired_change(
+    before: EvalResult, after: EvalResult, group: str | None = None
+) -> PairedChange | None:
+    """The paired change over the items both evaluations scored (only those of ``group``, a
+    :func:`stratum_of` name, when given); None when they share none (results written without
+    their items, or two different held-out sets).
 
     >>> from posttrain.trainer.evaluation.heldout import EvalItem
     >>> item = lambda tid, ok: EvalItem(tid, "a", "p", "e", "c", ok, float(ok))
@@ -66,10 +69,32 @@ def paired_change(before: EvalResult, after: EvalResult) -> PairedChange | None:
     """
     earlier = {(i.domain, i.task_id): i.passed for i in before.items}
     shared = [
-        (earlier[key], i.passed) for i in after.items if (key := (i.domain, i.task_id)) in earlier
+        (earlier[key], i.passed)
+        for i in after.items
+        if (key := (i.domain, i.task_id)) in earlier and group in (None, stratum_of(i))
     ]
     if not shared:
         return None
     fixed = sum(1 for was, now in shared if now and not was)
     broken = sum(1 for was, now in shared if was and not now)
     return PairedChange(len(shared), fixed, broken)
+
+
+def stratum_of(item: EvalItem) -> str:
+    """``domain/difficulty``, the unit a curriculum promotes through."""
+    return f"{item.domain}/{item.difficulty or 'default'}"
+
+
+def strata(result: EvalResult) -> list[str]:
+    """The :func:`stratum_of` names of ``result``'s items, in order of first appearance; empty
+    when no domain has more than one (then a per-stratum table would repeat the domain's).
+
+    >>> item = lambda tid, level: EvalItem(tid, "a", "p", "e", "c", True, 1.0, level)
+    >>> strata(EvalResult(0, "heldout", {}, {}, 0.0, [item("1", "easy"), item("2", "hard")]))
+    ['a/easy', 'a/hard']
+    >>> strata(EvalResult(0, "heldout", {}, {}, 0.0, [item("1", "")]))
+    []
+    """
+    names = list(dict.fromkeys(stratum_of(i) for i in result.items))
+    domains = [name.split("/", 1)[0] for name in names]
+    return names if len(domains) > len(set(domains)) else []

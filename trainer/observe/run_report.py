@@ -21,7 +21,7 @@ from posttrain.trainer.observe.domain_tables import (
     plot_reward_summary,
     readable_rows,
 )
-from posttrain.trainer.observe.heldout_change import paired_change
+from posttrain.trainer.observe.heldout_change import paired_change, strata
 from posttrain.trainer.observe.step_metrics import load_metrics
 
 
@@ -391,6 +391,7 @@ def _stage_section(
             f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} "
             f"| {change} | {flips} | {stage_training(records, name)} |"
         )
+    lines += _strata_rows(stages, evals)
     lines += [
         "",
         "s.e.: the standard error of the per-item change; a change within about two of them "
@@ -398,6 +399,33 @@ def _stage_section(
         "bench/stage_gains.py).",
         "",
     ]
+    return lines
+
+
+def _strata_rows(stages: list[dict[str, Any]], evals: list[EvalResult]) -> list[str]:
+    """Each stage's change per difficulty stratum (where a domain has several): where a
+    stage gained and where it lost, which the overall change can hide."""
+    rows = [(n, b, a) for n, _, _, _, b, a in stage_rows(stages, evals) if b and a]
+    names = strata(rows[0][2]) if rows else []
+    if not names:
+        return []
+    lines = [
+        "",
+        "By difficulty stratum (change ± s.e., fixed / broken of n):",
+        "",
+        "| stage | " + " | ".join(names) + " |",
+        "| --- | " + " | ".join("---:" for _ in names) + " |",
+    ]
+    for name, before, after in rows:
+        cells = []
+        for group in names:
+            paired = paired_change(before, after, group)
+            cells.append(
+                "-"
+                if paired is None
+                else f"{paired.text()}, {paired.fixed} / {paired.broken} of {paired.n}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
