@@ -28,6 +28,7 @@ MODULES = [
     "observe.heldout_change",
     "observe.run_report",
     "observe.status",
+    "observe.step_metrics",
     "rewards.scorers",
     "rewards.scoring",
     "rewards.verification",

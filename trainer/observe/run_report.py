@@ -289,6 +289,9 @@ def stage_training(records: list[dict[str, Any]], stage: str) -> str:
     ...                  "reward_accuracy": 0.0}, {"stage": "d", "stage_type": "dpo",
     ...                  "loss": 0.5, "reward_margin": 0.4, "reward_accuracy": 0.75}], "d")
     'loss 0.690 -> 0.500, margin +0.000 -> +0.400, pairs ranked right 0% -> 75%'
+    >>> stage_training([{"stage": "r", "reward_mean": 0.5, "kl": 0.0, "entropy": 0.9},
+    ...                 {"stage": "r", "reward_mean": 0.7, "kl": 0.02, "entropy": 0.6}], "r")
+    'reward 0.500 -> 0.700, kl 0.0000 -> 0.0200, entropy 0.900 -> 0.600'
     """
     mine = [r for r in records if r.get("stage") == stage]
     if not mine:
@@ -299,6 +302,8 @@ def stage_training(records: list[dict[str, Any]], stage: str) -> str:
         text = f"reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
         if any(r.get("kl") for r in mine):
             text += f", kl {first['kl']:.4f} -> {last['kl']:.4f}"
+        if first.get("entropy") is not None and last.get("entropy") is not None:
+            text += f", entropy {first['entropy']:.3f} -> {last['entropy']:.3f}"
         return text
     text = f"loss {first['loss']:.3f} -> {last['loss']:.3f}"
     if kind == "dpo" and first.get("reward_margin") is not None:
