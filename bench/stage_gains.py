@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.trainer.observe.heldout_change import PairedChange, paired_change
+from posttrain.trainer.observe.heldout_change import PairedChange, paired_change, strata
 from posttrain.trainer.observe.run_report import latest_eval_per_step, stage_rows
 
 
@@ -80,6 +80,11 @@ def stage_changes(run_dir: Path) -> list[dict[str, Any]]:
         stages, latest_eval_per_step(run_dir, "heldout")
     ):
         paired = None if before is None or after is None else paired_change(before, after)
+        by_stratum = {}
+        if before is not None and after is not None:
+            for group in strata(after):
+                if (change := paired_change(before, after, group)) is not None:
+                    by_stratum[group] = change.__dict__
         rows.append(
             {
                 "stage": name,
@@ -87,6 +92,7 @@ def stage_changes(run_dir: Path) -> list[dict[str, Any]]:
                 "before": None if before is None else before.overall,
                 "after": None if after is None else after.overall,
                 "paired": None if paired is None else paired.__dict__,
+                "strata": by_stratum,
             }
         )
     return rows
@@ -137,6 +143,39 @@ def table(per_seed: dict[int, list[dict[str, Any]]]) -> str:
             + " | ".join(cells)
             + f" | {mean} | {spread} | {verdict(changes) if changes else '-'} |"
         )
+    return "\n".join(lines) + "\n" + strata_table(per_seed)
+
+
+def strata_table(per_seed: dict[int, list[dict[str, Any]]]) -> str:
+    """Each stage's change per difficulty stratum and seed (runs whose held-out items carry
+    their stratum): where a stage gained and where it lost; empty when none do."""
+    seeds = sorted(per_seed)
+    groups = list(
+        dict.fromkeys(
+            g for rows in per_seed.values() for row in rows for g in row.get("strata", {})
+        )
+    )
+    if not groups:
+        return ""
+    lines = [
+        "",
+        "| stage | stratum | "
+        + " | ".join(f"seed {s}: change ± s.e. (fixed / broken of n)" for s in seeds)
+        + " |",
+        "| --- | --- | " + " | ".join("---" for _ in seeds) + " |",
+    ]
+    for index, row in enumerate(per_seed[seeds[0]]):
+        for group in groups:
+            cells = []
+            for seed in seeds:
+                found = per_seed[seed][index].get("strata", {}).get(group)
+                change = None if found is None else PairedChange(**found)
+                cells.append(
+                    "-"
+                    if change is None
+                    else f"{change.text()} ({change.fixed} / {change.broken} of {change.n})"
+                )
+            lines.append(f"| {row['stage']} | {group} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
