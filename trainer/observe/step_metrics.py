@@ -83,24 +83,23 @@ def sampled_entropy(groups: list[list[Any]]) -> float | None:
     estimate of the policy's per-token entropy at the rollout temperature, free (the rollout
     returned the log-probs; no forward over the vocabulary). A fast fall is the policy
     collapsing onto few answers, which an RL stage after SFT must not do quietly (verl logs
-    the exact value as ``actor/entropy``). Episodes count their model turns only, not the
-    environment's tokens; None when the batch carries no log-probs.
+    the exact value as ``actor/entropy``). An episode counts its model turns only (its
+    ``loss_mask``), not the environment's tokens; None when the batch carries no log-probs.
 
     >>> from types import SimpleNamespace as S
     >>> sampled_entropy([[S(logprobs=[-1.0, -3.0])], [S(logprobs=[-2.0])]])
     2.0
-    >>> sampled_entropy([[S(turns=[S(logprobs=[-0.5]), S(logprobs=[-1.5])])]]), sampled_entropy([])
+    >>> episode = S(logprobs=[-0.5, 0.0, 0.0, -1.5], loss_mask=[1, 0, 0, 1])
+    >>> sampled_entropy([[episode]]), sampled_entropy([])
     (1.0, None)
     """
     total, count = 0.0, 0
     for group in groups:
         for sample in group:
-            turns = getattr(sample, "turns", None)
-            logprobs = (
-                [lp for turn in turns for lp in turn.logprobs]
-                if turns is not None
-                else list(getattr(sample, "logprobs", None) or [])
-            )
+            logprobs = list(getattr(sample, "logprobs", None) or [])
+            mask = getattr(sample, "loss_mask", None)
+            if mask is not None:  # an episode: the environment's tokens are not sampled
+                logprobs = [lp for lp, policy in zip(logprobs, mask, strict=True) if policy]
             total -= sum(logprobs)
             count += len(logprobs)
     return total / count if count else None
