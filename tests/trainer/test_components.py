@@ -144,6 +144,37 @@ def test_report_and_plots_from_run_files(tmp_path: Path) -> None:
     assert "1 held-out items fixed, 0 broken." in report
 
 
+def test_stage_table_gives_each_change_its_paired_error_and_flips(tmp_path: Path) -> None:
+    """Per stage: before, after, the change with the standard error of the per-item change
+    (same items both times) and the items fixed / broken, overall and per difficulty stratum;
+    a stage without an evaluation at its end says so instead of inventing a change."""
+
+    def scored(step: int, *passed: bool) -> EvalResult:
+        items = [
+            EvalItem(
+                str(i), "arithmetic", "p", "e", "c", ok, float(ok), "easy" if i < 2 else "hard"
+            )
+            for i, ok in enumerate(passed)
+        ]
+        accuracy = sum(passed) / len(passed)
+        return EvalResult(step, "heldout", {"arithmetic": accuracy}, {"arithmetic": 4}, 1.0, items)
+
+    save_eval(scored(0, False, False, True, False), tmp_path)
+    save_eval(scored(3, True, True, False, False), tmp_path)  # 2 fixed, 1 broken
+    stages = [
+        {"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3},
+        {"name": "rl", "type": "rl", "firstStep": 4, "lastStep": 5},
+    ]
+    report = write_report(tmp_path, "t", stages=stages).read_text()
+    # d = (+1, +1, -1, 0): mean 0.25, sample variance (3 - 4 * 0.25**2) / 3, s.e. 0.479
+    assert "| sft | sft | 1-3 | 25.0% | 50.0% | +25.0% ± 47.9% | 2 / 1 of 4 |" in report
+    assert "| rl | rl | 4-5 | 50.0% | - | - | - |" in report
+    assert "| **all** | 25.0% | 50.0% | +25.0% ± 47.9% | 4 |" in report
+    # where it happened: both easy items fixed, one hard item broken
+    assert "| stage | arithmetic/easy | arithmetic/hard |" in report
+    assert "| sft | +100.0% ± 0.0%, 2 / 0 of 2 | -50.0% ± 50.0%, 0 / 1 of 2 |" in report
+
+
 def test_eval_cli_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"domain": "arithmetic", "prompt": "1+1?", "answer": "2"}\nnot json\n')

@@ -31,6 +31,10 @@ def test_local_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     assert set(metrics[0]["domain_rewards"]) == {"arithmetic", "code"}
+    # the sampled tokens' mean -log p at the demo's temperature 0.8: a live policy is far from 0
+    assert all(0.05 < m["entropy"] < 20 for m in metrics), [m["entropy"] for m in metrics]
+    held_out = json.loads((out / "eval" / "heldout_step0002.json").read_text())["items"]
+    assert {i["difficulty"] for i in held_out} <= {"easy", "medium", "hard"}  # kept per item
     latest = out / "checkpoints" / "latest"
     assert (latest / "model.safetensors").is_file() and (latest / "config.json").is_file()
     for rel in ("report.md", "plots/reward_accuracy.png", "eval/heldout_step0002.json"):

@@ -52,6 +52,7 @@ class EvalItem:
     completion: str
     passed: bool
     reward: float
+    difficulty: str = ""  # the task's stratum, so a report can say where a change happened
 
 
 @dataclass
@@ -154,6 +155,7 @@ def evaluate_tasks(
                     e.transcript(),
                     e.passed,
                     e.reward,
+                    e.task.difficulty,
                 )
                 for e in finished
                 if e.status != "errored"
@@ -220,6 +222,7 @@ def _answer_and_score(
             completion=c.text,
             passed=s.passed,
             reward=s.verifier_reward,
+            difficulty=t.difficulty,
         )
         for t, c, s in zip(tasks, completions, scored, strict=True)
         if not s.errored  # a judge that could not score it: not an item scored wrong

@@ -21,6 +21,7 @@ from posttrain.trainer.observe.domain_tables import (
     plot_reward_summary,
     readable_rows,
 )
+from posttrain.trainer.observe.heldout_change import paired_change, strata
 from posttrain.trainer.observe.step_metrics import load_metrics
 
 
@@ -254,16 +255,16 @@ def trained_comparison(evals: list[EvalResult]) -> tuple[EvalResult, EvalResult]
 
 def stage_rows(
     stages: list[dict[str, Any]], evals: list[EvalResult]
-) -> list[tuple[str, str, int, int, float | None, float | None]]:
+) -> list[tuple[str, str, int, int, EvalResult | None, EvalResult | None]]:
     """(stage, type, first step, last step, held-out before, after) for each stage: what
     each stage did, from the evaluations at its boundaries (None where none ran).
 
     >>> r = lambda step, acc: EvalResult(step, "heldout", {"a": acc}, {"a": 4}, 0.0)
-    >>> stage_rows([{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}],
-    ...            [r(0, 0.25), r(3, 0.5)])
-    [('sft', 'sft', 1, 3, 0.25, 0.5)]
+    >>> [(name, before.overall, after.overall) for name, _, _, _, before, after in stage_rows(
+    ...     [{"name": "sft", "type": "sft", "firstStep": 1, "lastStep": 3}], [r(0, 0.25), r(3, 0.5)])]
+    [('sft', 0.25, 0.5)]
     """
-    by_step = {e.step: e.overall for e in evals}
+    by_step = {e.step: e for e in evals}
     return [
         (
             s["name"],
@@ -288,6 +289,9 @@ def stage_training(records: list[dict[str, Any]], stage: str) -> str:
     ...                  "reward_accuracy": 0.0}, {"stage": "d", "stage_type": "dpo",
     ...                  "loss": 0.5, "reward_margin": 0.4, "reward_accuracy": 0.75}], "d")
     'loss 0.690 -> 0.500, margin +0.000 -> +0.400, pairs ranked right 0% -> 75%'
+    >>> stage_training([{"stage": "r", "reward_mean": 0.5, "kl": 0.0, "entropy": 0.9},
+    ...                 {"stage": "r", "reward_mean": 0.7, "kl": 0.02, "entropy": 0.6}], "r")
+    'reward 0.500 -> 0.700, kl 0.0000 -> 0.0200, entropy 0.900 -> 0.600'
     """
     mine = [r for r in records if r.get("stage") == stage]
     if not mine:
@@ -298,6 +302,8 @@ def stage_training(records: list[dict[str, Any]], stage: str) -> str:
         text = f"reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}"
         if any(r.get("kl") for r in mine):
             text += f", kl {first['kl']:.4f} -> {last['kl']:.4f}"
+        if first.get("entropy") is not None and last.get("entropy") is not None:
+            text += f", entropy {first['entropy']:.3f} -> {last['entropy']:.3f}"
         return text
     text = f"loss {first['loss']:.3f} -> {last['loss']:.3f}"
     if kind == "dpo" and first.get("reward_margin") is not None:
@@ -369,21 +375,62 @@ def write_report(
 def _stage_section(
     out_dir: Path, stages: list[dict[str, Any]], evals: list[EvalResult]
 ) -> list[str]:
-    """The "Held-out accuracy by stage" table: before and after each stage, what it trained."""
+    """The "Held-out accuracy by stage" table: before and after each stage, the change with
+    its paired standard error (same items both times, ``heldout_change``), the items it fixed
+    and broke, and what it trained."""
     lines = [
         "## Held-out accuracy by stage",
         "",
-        "| stage | type | steps | before | after | change | training (first -> last step) |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        "| stage | type | steps | before | after | change ± s.e. | fixed / broken "
+        "| training (first -> last step) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     records = load_metrics(out_dir)
     for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
-        change = f"{after - before:+.1%}" if before is not None and after is not None else "-"
+        change, flips = "-", "-"
+        if before is not None and after is not None:
+            paired = paired_change(before, after)
+            change = f"{after.overall - before.overall:+.1%}" if paired is None else paired.text()
+            flips = "-" if paired is None else f"{paired.fixed} / {paired.broken} of {paired.n}"
         lines.append(
-            f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} | {change} "
-            f"| {stage_training(records, name)} |"
+            f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} "
+            f"| {change} | {flips} | {stage_training(records, name)} |"
         )
-    lines.append("")
+    lines += _strata_rows(stages, evals)
+    lines += [
+        "",
+        "s.e.: the standard error of the per-item change; a change within about two of them "
+        "is what re-drawing the items could give (seeds add run-to-run spread: "
+        "bench/stage_gains.py).",
+        "",
+    ]
+    return lines
+
+
+def _strata_rows(stages: list[dict[str, Any]], evals: list[EvalResult]) -> list[str]:
+    """Each stage's change per difficulty stratum (where a domain has several): where a
+    stage gained and where it lost, which the overall change can hide."""
+    rows = [(n, b, a) for n, _, _, _, b, a in stage_rows(stages, evals) if b and a]
+    names = strata(rows[0][2]) if rows else []
+    if not names:
+        return []
+    lines = [
+        "",
+        "By difficulty stratum (change ± s.e., fixed / broken of n):",
+        "",
+        "| stage | " + " | ".join(names) + " |",
+        "| --- | " + " | ".join("---:" for _ in names) + " |",
+    ]
+    for name, before, after in rows:
+        cells = []
+        for group in names:
+            paired = paired_change(before, after, group)
+            cells.append(
+                "-"
+                if paired is None
+                else f"{paired.text()}, {paired.fixed} / {paired.broken} of {paired.n}"
+            )
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -398,9 +445,11 @@ def _comparison_section(base: EvalResult, trained: EvalResult) -> list[str]:
     shown, left_out = readable_rows(comparison_rows(base, trained))
     for domain, before, after, n in shown:
         lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
+    paired = paired_change(base, trained)
+    change = f"{trained.overall - base.overall:+.1%}" if paired is None else paired.text()
     lines.append(
-        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | "
-        f"{trained.overall - base.overall:+.1%} | {sum(trained.counts.values())} |"
+        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | {change} "
+        f"| {sum(trained.counts.values())} |"
     )
     if left_out:
         lines += [
@@ -485,5 +534,5 @@ def _flip_examples(base: EvalResult, trained: EvalResult, limit: int = 3) -> lis
     return lines
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def _pct(result: EvalResult | None) -> str:
+    return "-" if result is None else f"{result.overall:.1%}"

@@ -30,6 +30,10 @@ REWARD = Gauge("posttrain_trainer_reward_mean", "Mean reward of the last batch",
 LOSS = Gauge("posttrain_trainer_loss", "Policy loss of the last step")
 KL = Gauge("posttrain_trainer_kl", "Mean per-token KL to the reference at the last step")
 STEP_SECONDS = Gauge("posttrain_trainer_step_seconds", "Wall time of the last step")
+ENTROPY = Gauge(
+    "posttrain_trainer_sampled_entropy",
+    "Mean -log p of the last batch's sampled tokens (per-token policy entropy estimate)",
+)
 STALENESS = Gauge(
     "posttrain_trainer_staleness_steps",
     "Weight versions the last batch's samples were behind the trainer's weights",
@@ -68,9 +72,37 @@ class StepMetrics:
     learning_rate: float | None = None  # the stage's schedule at this step
     masked_samples: int = 0  # a judge / reward model could not score them: not trained on
     rollout_wait_seconds: float = 0.0  # blocked on this step's batch (status.rolloutWait)
+    entropy: float | None = None  # sampled_entropy of the batch; None: it had no logprobs
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def sampled_entropy(groups: list[list[Any]]) -> float | None:
+    """Mean -log p of the sampled tokens under the policy that sampled them: a Monte Carlo
+    estimate of the policy's per-token entropy at the rollout temperature, free (the rollout
+    returned the log-probs; no forward over the vocabulary). A fast fall is the policy
+    collapsing onto few answers, which an RL stage after SFT must not do quietly (verl logs
+    the exact value as ``actor/entropy``). An episode counts its model turns only (its
+    ``loss_mask``), not the environment's tokens; None when the batch carries no log-probs.
+
+    >>> from types import SimpleNamespace as S
+    >>> sampled_entropy([[S(logprobs=[-1.0, -3.0])], [S(logprobs=[-2.0])]])
+    2.0
+    >>> episode = S(logprobs=[-0.5, 0.0, 0.0, -1.5], loss_mask=[1, 0, 0, 1])
+    >>> sampled_entropy([[episode]]), sampled_entropy([])
+    (1.0, None)
+    """
+    total, count = 0.0, 0
+    for group in groups:
+        for sample in group:
+            logprobs = list(getattr(sample, "logprobs", None) or [])
+            mask = getattr(sample, "loss_mask", None)
+            if mask is not None:  # an episode: the environment's tokens are not sampled
+                logprobs = [lp for lp, policy in zip(logprobs, mask, strict=True) if policy]
+            total -= sum(logprobs)
+            count += len(logprobs)
+    return total / count if count else None
 
 
 @dataclass
@@ -143,6 +175,8 @@ class ProgressReporter:
         STEP.set(metrics.step)
         LOSS.set(metrics.loss)
         KL.set(metrics.kl)
+        if metrics.entropy is not None:
+            ENTROPY.set(metrics.entropy)
         STEP_SECONDS.set(metrics.step_seconds)
         STALENESS.set(metrics.staleness)
         REWARD.labels("all").set(metrics.reward_mean)
@@ -154,6 +188,8 @@ class ProgressReporter:
             span.set_attribute("reward", metrics.reward_mean)
             span.set_attribute("loss", metrics.loss)
             span.set_attribute("kl", metrics.kl)
+            if metrics.entropy is not None:
+                span.set_attribute("entropy", metrics.entropy)
             span.set_attribute("applied", metrics.applied)
         summary = f"reward {metrics.reward_mean:.3f} loss {metrics.loss:+.4f}"
         self.progress.update(self.task, completed=metrics.step, summary=summary)

@@ -53,6 +53,7 @@ from posttrain.trainer.observe.step_metrics import (
     ProgressReporter,
     StepMetrics,
     discard_records_after,
+    sampled_entropy,
 )
 from posttrain.trainer.rewards.scoring import VerifyFn
 from posttrain.trainer.run.batch import PreparedBatch, prepare_batch, score_batch
@@ -350,6 +351,7 @@ def rl_step_metrics(
         stage=plan.name,
         learning_rate=float(run.policy.optimizer.param_groups[0]["lr"]),
         masked_samples=prepared.masked_samples,
+        entropy=sampled_entropy(batch.completions),
     )
 
 
