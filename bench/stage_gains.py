@@ -23,12 +23,13 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from posttrain.trainer.observe.heldout_change import PairedChange, paired_change, strata
+from posttrain.trainer.observe.heldout_change import PairedChange, paired_change, stratum_changes
 from posttrain.trainer.observe.run_report import latest_eval_per_step, stage_rows
 
 
@@ -79,20 +80,17 @@ def stage_changes(run_dir: Path) -> list[dict[str, Any]]:
     for name, kind, _, _, before, after in stage_rows(
         stages, latest_eval_per_step(run_dir, "heldout")
     ):
-        paired = None if before is None or after is None else paired_change(before, after)
-        by_stratum = {}
+        paired, by_stratum = None, {}
         if before is not None and after is not None:
-            for group in strata(after):
-                if (change := paired_change(before, after, group)) is not None:
-                    by_stratum[group] = change.__dict__
+            paired, by_stratum = paired_change(before, after), stratum_changes(before, after)
         rows.append(
             {
                 "stage": name,
                 "type": kind,
                 "before": None if before is None else before.overall,
                 "after": None if after is None else after.overall,
-                "paired": None if paired is None else paired.__dict__,
-                "strata": by_stratum,
+                "paired": None if paired is None else asdict(paired),
+                "strata": {group: asdict(change) for group, change in by_stratum.items()},
             }
         )
     return rows

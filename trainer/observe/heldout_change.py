@@ -80,6 +80,20 @@ def paired_change(
     return PairedChange(len(shared), fixed, broken)
 
 
+def stratum_changes(before: EvalResult, after: EvalResult) -> dict[str, PairedChange]:
+    """:func:`paired_change` per :func:`strata` name of ``after`` (empty when no domain has
+    several strata): where a change happened, which the overall figure can hide."""
+    changes = {group: paired_change(before, after, group) for group in strata(after)}
+    return {group: change for group, change in changes.items() if change is not None}
+
+
+def change_text(before: EvalResult, after: EvalResult) -> str:
+    """The paired change with its error (:meth:`PairedChange.text`), or the plain difference
+    of the overall accuracies when the two share no item."""
+    paired = paired_change(before, after)
+    return f"{after.overall - before.overall:+.1%}" if paired is None else paired.text()
+
+
 def stratum_of(item: EvalItem) -> str:
     """``domain/difficulty``, the unit a curriculum promotes through."""
     return f"{item.domain}/{item.difficulty or 'default'}"

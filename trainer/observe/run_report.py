@@ -21,7 +21,12 @@ from posttrain.trainer.observe.domain_tables import (
     plot_reward_summary,
     readable_rows,
 )
-from posttrain.trainer.observe.heldout_change import paired_change, strata
+from posttrain.trainer.observe.heldout_change import (
+    PairedChange,
+    change_text,
+    paired_change,
+    stratum_changes,
+)
 from posttrain.trainer.observe.step_metrics import load_metrics
 
 
@@ -386,17 +391,24 @@ def _stage_section(
         "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     records = load_metrics(out_dir)
-    for name, kind, first_step, last_step, before, after in stage_rows(stages, evals):
+    rows = stage_rows(stages, evals)
+    for name, kind, first_step, last_step, before, after in rows:
         change, flips = "-", "-"
         if before is not None and after is not None:
+            change = change_text(before, after)
             paired = paired_change(before, after)
-            change = f"{after.overall - before.overall:+.1%}" if paired is None else paired.text()
-            flips = "-" if paired is None else f"{paired.fixed} / {paired.broken} of {paired.n}"
+            flips = "-" if paired is None else _flips(paired)
         lines.append(
             f"| {name} | {kind} | {first_step}-{last_step} | {_pct(before)} | {_pct(after)} "
             f"| {change} | {flips} | {stage_training(records, name)} |"
         )
-    lines += _strata_rows(stages, evals)
+    lines += _strata_rows(
+        [
+            (name, before, after)
+            for name, _, _, _, before, after in rows
+            if before is not None and after is not None
+        ]
+    )
     lines += [
         "",
         "s.e.: the standard error of the per-item change; a change within about two of them "
@@ -407,11 +419,12 @@ def _stage_section(
     return lines
 
 
-def _strata_rows(stages: list[dict[str, Any]], evals: list[EvalResult]) -> list[str]:
-    """Each stage's change per difficulty stratum (where a domain has several): where a
-    stage gained and where it lost, which the overall change can hide."""
-    rows = [(n, b, a) for n, _, _, _, b, a in stage_rows(stages, evals) if b and a]
-    names = strata(rows[0][2]) if rows else []
+def _strata_rows(rows: list[tuple[str, EvalResult, EvalResult]]) -> list[str]:
+    """Each stage's change per difficulty stratum (where a domain has several), from its
+    (name, before, after) evaluations: where a stage gained and where it lost, which the
+    overall change can hide."""
+    per_stage = [(name, stratum_changes(before, after)) for name, before, after in rows]
+    names = list(per_stage[0][1]) if per_stage else []
     if not names:
         return []
     lines = [
@@ -421,17 +434,16 @@ def _strata_rows(stages: list[dict[str, Any]], evals: list[EvalResult]) -> list[
         "| stage | " + " | ".join(names) + " |",
         "| --- | " + " | ".join("---:" for _ in names) + " |",
     ]
-    for name, before, after in rows:
-        cells = []
-        for group in names:
-            paired = paired_change(before, after, group)
-            cells.append(
-                "-"
-                if paired is None
-                else f"{paired.text()}, {paired.fixed} / {paired.broken} of {paired.n}"
-            )
+    for name, changes in per_stage:
+        cells = [
+            f"{c.text()}, {_flips(c)}" if (c := changes.get(group)) else "-" for group in names
+        ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return lines
+
+
+def _flips(change: PairedChange) -> str:
+    return f"{change.fixed} / {change.broken} of {change.n}"
 
 
 def _comparison_section(base: EvalResult, trained: EvalResult) -> list[str]:
@@ -445,10 +457,8 @@ def _comparison_section(base: EvalResult, trained: EvalResult) -> list[str]:
     shown, left_out = readable_rows(comparison_rows(base, trained))
     for domain, before, after, n in shown:
         lines.append(f"| {domain} | {before:.1%} | {after:.1%} | {after - before:+.1%} | {n} |")
-    paired = paired_change(base, trained)
-    change = f"{trained.overall - base.overall:+.1%}" if paired is None else paired.text()
     lines.append(
-        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | {change} "
+        f"| **all** | {base.overall:.1%} | {trained.overall:.1%} | {change_text(base, trained)} "
         f"| {sum(trained.counts.values())} |"
     )
     if left_out:
