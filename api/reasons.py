@@ -50,6 +50,8 @@ class Reason:
     ADMITTED: Final = "Admitted"
     EVICTED: Final = "Evicted"  # Kueue took the admission back (preemption, deactivation)
     MANAGED_ELSEWHERE: Final = "ManagedElsewhere"  # spec.managedBy names another controller
+    # rollout.colocated names a RolloutPool that does not exist (retried until it does).
+    ROLLOUT_POOL_NOT_FOUND: Final = "RolloutPoolNotFound"
     # RolloutPool
     DEPLOYMENT_CREATED: Final = "DeploymentCreated"
     DEPLOYMENT_UPDATED: Final = "DeploymentUpdated"

@@ -28,6 +28,12 @@ MANAGED_BY_POSTTRAIN = "posttrain.io/trainingrun-controller"
 """spec.managedBy of runs the posttrain operator reconciles (also what unset means)."""
 NCCL_ENV_NAME = re.compile(r"NCCL_[A-Z0-9_]+")
 """What resources.nccl (and the operator's trainer_nccl) may set."""
+COLOCATED_NODES_MESSAGE = (
+    "rollout.colocated runs the replicas inside the one trainer pod, so it needs "
+    "resources.nodes: 1; a multi-node trainer (a gang or a KubeRay RayCluster) samples from "
+    "the pool's own replicas: drop rollout.colocated"
+)
+"""Why a multi-node run cannot have colocated replicas (the CEL rule and _check share it)."""
 
 
 class AlgorithmSpec(ApiModel):
@@ -309,17 +315,77 @@ class CurriculumSpec(ApiModel):
     """Quota: every domain with weight > 0 gets at least this share of each batch."""
 
 
+class ColocatedRollout(ApiModel):
+    """Rollout replicas inside the trainer pod: the pool's server as native sidecar
+    containers (Kubernetes >= 1.29) that share the trainer's memory-backed ``/dev/shm``, so
+    each weight version reaches them as one file in shared memory instead of through the
+    weight registry (docs/rollout.md, "Colocated replicas")."""
+
+    replicas: int = Field(default=1, ge=1, le=8)
+    """Servers beside the trainer; replica i listens on ``port + i`` of the RolloutPool named
+    in ``rollout.pool`` (its template). The pod requests the trainer's resources plus this
+    many times the pool's per-replica ones, all on one node."""
+    shm_size_limit: str | None = Field(default=None, pattern=QUANTITY)
+    """sizeLimit of the pod's ``/dev/shm`` (a Memory emptyDir, counted against the memory
+    limit of the container that writes it: the trainer for the published weights). It holds
+    one published version while the replicas load it (the model in the pool's serving
+    dtype, e.g. 0.27 GB for SmolLM2-135M in bf16), vLLM's ring buffers (about 160 MiB per
+    vLLM replica) and what Gloo/NCCL keep there. Unset: the operator's ``shm_size`` (8Gi)."""
+
+
 class RolloutSource(ApiModel):
     """Where the trainer samples completions from (OpenAI-compatible servers)."""
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.colocated) || has(self.pool)",
+                    "message": "rollout.colocated takes its replicas' template from a "
+                    "RolloutPool: set rollout.pool (a pool with replicas: 0 is only a template)",
+                    "fieldPath": ".colocated",
+                },
+                {
+                    "rule": "!has(self.colocated) || !has(self.endpoints) || "
+                    "size(self.endpoints) == 0",
+                    "message": "rollout.colocated and rollout.endpoints exclude each other: "
+                    "the colocated replicas are the endpoints; drop one of them",
+                    "fieldPath": ".endpoints",
+                },
+            ]
+        }
+    )
+
     pool: str | None = Field(default=None, pattern=DNS_LABEL)
-    """A RolloutPool in the same namespace; its Service is used."""
+    """A RolloutPool in the same namespace; its Service is used (with ``colocated``: the
+    template of the replicas in the trainer pod)."""
     endpoints: list[str] = Field(default_factory=list)
     """Explicit base URLs (http://host:port). Local runs start their own CPU server if empty."""
     timeout_seconds: float = Field(default=120, gt=0)
     """Per-request timeout."""
     max_in_flight: int = Field(default=4, ge=1)
     """Concurrent requests per endpoint (back-pressure)."""
+    colocated: ColocatedRollout | None = None
+    """Run ``replicas`` servers of ``pool``'s template inside the trainer pod (one node, a
+    shared ``/dev/shm``) instead of sampling from the pool's own replicas: weight versions
+    then go through shared memory, not object storage. Single-node trainers only
+    (``resources.nodes: 1``). The pool's Deployment keeps its own ``spec.replicas``; set it
+    to 0 to use the pool only as this template. ``posttrain run --local`` ignores it (a
+    local run always starts its own server on the same host)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RolloutSource:
+        if self.colocated is not None and not self.pool:
+            raise ValueError(
+                "rollout.colocated takes its replicas' template from a RolloutPool: set "
+                "rollout.pool (a pool with replicas: 0 is only a template)"
+            )
+        if self.colocated is not None and self.endpoints:
+            raise ValueError(
+                "rollout.colocated and rollout.endpoints exclude each other: the colocated "
+                "replicas are the endpoints; drop one of them"
+            )
+        return self
 
 
 class SandboxPolicy(ApiModel):
@@ -572,6 +638,13 @@ class TrainingRunSpec(ApiModel):
                     "fieldPath": ".stages",
                 },
                 {
+                    "rule": "!has(self.rollout) || !has(self.rollout.colocated) || "
+                    "!has(self.resources) || !has(self.resources.nodes) || "
+                    "self.resources.nodes == 1",
+                    "message": COLOCATED_NODES_MESSAGE,
+                    "fieldPath": ".rollout.colocated",
+                },
+                {
                     "rule": "has(self.managedBy) == has(oldSelf.managedBy) && "
                     "(!has(self.managedBy) || self.managedBy == oldSelf.managedBy)",
                     "message": "managedBy is immutable",
@@ -673,6 +746,8 @@ class TrainingRunSpec(ApiModel):
         if not any(d.weight > 0 for d in self.domains):
             raise ValueError("domains: at least one domain needs weight > 0")
         _check_stages(self.stages)
+        if self.rollout.colocated is not None and self.resources.nodes != 1:
+            raise ValueError(COLOCATED_NODES_MESSAGE)
         secrets: dict[str, tuple[str, str]] = {}
         for endpoint in self.model_scorers():
             ref = endpoint.api_key_secret

@@ -1,6 +1,7 @@
 """Pure builders of a RolloutPool's children: the Deployment (model fetch + server), its
 Service, its NetworkPolicy and the weights token Secret; plus what a run needs to call a
-pool (endpoint, serving dtype, the token env).
+pool (endpoint, serving dtype, the token env) and the pool's replicas as native sidecars of
+another pod (a trainer's, ``rollout.colocated``: :func:`colocated_replicas`).
 
 Replica pods pass Pod Security "restricted" (docs/rollout.md, "Pod security"): they run as
 the images' posttrain user on a read-only root and write only to their emptyDirs.
@@ -21,6 +22,7 @@ from posttrain.api.labels import (
     MANAGED_BY,
     POOL_CLIENT_PREFIX,
 )
+from posttrain.api.modelref import PVC_MODEL_VOLUME
 
 from ..config import OperatorConfig
 from ..shared.builders import (
@@ -90,6 +92,11 @@ WEIGHTS_SCRATCH_VOLUME = "weights-scratch"
 WEIGHTS_SCRATCH_MOUNT = "/var/lib/posttrain/weights"
 WEIGHTS_SCRATCH_ENV = WEIGHTS_SCRATCH
 
+# vLLM's shared memory (a Memory emptyDir). A trainer pod mounts its own at the same place
+# under the same name, which is what colocated replicas share with it.
+SHM_VOLUME = "dshm"
+SHM_MOUNT = "/dev/shm"
+
 # The root file system is read-only; what else the servers write goes to two emptyDirs:
 # /tmp (Python's tempfile: the cpu engine's weight staging, vLLM's ZMQ IPC sockets, torch
 # inductor's compiled kernels) and $HOME (vLLM's compile cache and usage file under
@@ -105,8 +112,11 @@ def model_fetch_command(pool: RolloutPool) -> list[str]:
     return ["posttrain", "rollout", "fetch-model", "--model", pool.spec.model, "--link", MODEL_LINK]
 
 
-def rollout_command(pool: RolloutPool) -> list[str]:
-    """The server argv: vLLM behind posttrain's front door, or ``posttrain serve`` for cpu.
+def rollout_command(
+    pool: RolloutPool, host: str = "$(POD_IP)", port: int | None = None
+) -> list[str]:
+    """The server argv: vLLM behind posttrain's front door, or ``posttrain serve`` for cpu,
+    listening on ``host``:``port`` (default: the pod IP and ``spec.port``).
 
     The front door (``posttrain rollout vllm-entry``) is the entrypoint, not ``vllm serve``:
     it serves the pod's port, stamps each response with its weight version, loads weights
@@ -116,18 +126,19 @@ def rollout_command(pool: RolloutPool) -> list[str]:
     """
     spec = pool.spec
     served = spec.served_model_name or pool.metadata.name
+    port = spec.port if port is None else port
     if spec.engine == "cpu":
         # Bind the pod IP, not 0.0.0.0: probes and the Service reach the pod IP either way, and
         # on a node whose pods share the host network (the dev node agent) replicas then do
         # not fight over one port.
         return [
-            "posttrain", "serve", "--model", spec.model, "--host", "$(POD_IP)",
-            "--port", str(spec.port), "--served-model-name", served,
+            "posttrain", "serve", "--model", spec.model, "--host", host,
+            "--port", str(port), "--served-model-name", served,
         ]  # fmt: skip
     engine_args = spec.engine_args.model_dump(mode="json", exclude_none=True)
     return [
         "posttrain", "rollout", "vllm-entry", "--model", MODEL_LINK,
-        "--host", "$(POD_IP)", "--port", str(spec.port), "--internal-port", "0",
+        "--host", host, "--port", str(port), "--internal-port", "0",
         "--served-model-name", served,
         "--engine-args", json.dumps(engine_args, sort_keys=True, separators=(",", ":")),
     ]  # fmt: skip
@@ -142,23 +153,7 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     spec = pool.spec
     name = pool.metadata.name
     labels = pool_selector(name)
-    image = spec.image or (config.rollout_cpu_image if spec.engine == "cpu" else config.vllm_image)
-    env = _rollout_env(pool, config)
-    container = _server_container(pool, config, image, env)
-    pod_spec: dict[str, Any] = {"containers": [container]}
-    _stage_model(pool, config, image, env, pod_spec)
-    mount_model_claim(
-        spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
-    )  # the fetch-model step links /models/current into the claim: both need it
-    _run_restricted(pod_spec)
-    if _server_gpus(pool) or spec.engine == "vllm":
-        # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
-        # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
-        # against the pod's memory limit, which sizes it.
-        pod_spec.setdefault("volumes", []).append(
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}}
-        )
-        container.setdefault("volumeMounts", []).append({"name": "dshm", "mountPath": "/dev/shm"})
+    pod_spec = replica_pod_spec(pool, config)
     schedule(
         pod_spec,
         config,
@@ -193,6 +188,46 @@ def build_rollout_deployment(pool: RolloutPool, config: OperatorConfig) -> Manif
     }
 
 
+def replica_pod_spec(
+    pool: RolloutPool,
+    config: OperatorConfig,
+    *,
+    host: str = "$(POD_IP)",
+    port: int | None = None,
+    registry: str | None = None,
+) -> dict[str, Any]:
+    """One replica's pod spec before placement: the server with its probes, the model step,
+    the volumes and Pod Security "restricted". The Deployment's template, and (renamed) each
+    sidecar of :func:`colocated_replicas`.
+
+    ``host``/``port``: where the server listens (default the pod IP and ``spec.port``).
+    ``registry``: pull on join from this weight registry instead of
+    ``spec.weightUpdate.sourceUri``, without polling (the colocated replicas' trainer loads
+    every version onto them itself).
+    """
+    spec = pool.spec
+    image = spec.image or (config.rollout_cpu_image if spec.engine == "cpu" else config.vllm_image)
+    env = _rollout_env(pool, config, registry)
+    container = _server_container(pool, config, image, env, host, port)
+    pod_spec: dict[str, Any] = {"containers": [container]}
+    _stage_model(pool, config, image, env, pod_spec)
+    mount_model_claim(
+        spec.model, pod_spec, [container, *pod_spec.get("initContainers", [])]
+    )  # the fetch-model step links /models/current into the claim: both need it
+    _run_restricted(pod_spec)
+    if _server_gpus(pool) or spec.engine == "vllm":
+        # vLLM's engine core talks to its workers through shared memory (160 MiB of ring
+        # buffers on CPU too) and the runtime's /dev/shm is 64 MiB: memory-backed, counted
+        # against the pod's memory limit, which sizes it.
+        pod_spec.setdefault("volumes", []).append(
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}}
+        )
+        container.setdefault("volumeMounts", []).append(
+            {"name": SHM_VOLUME, "mountPath": SHM_MOUNT}
+        )
+    return pod_spec
+
+
 def _run_restricted(pod_spec: dict[str, Any]) -> None:
     """Pod Security "restricted" for every container of a replica: POSTTRAIN_UID (the
     images' own user, so files the images hold stay readable), no capability, no privilege
@@ -211,19 +246,22 @@ def _run_restricted(pod_spec: dict[str, Any]) -> None:
         ])  # fmt: skip
 
 
-def _rollout_env(pool: RolloutPool, config: OperatorConfig) -> list[dict[str, Any]]:
+def _rollout_env(
+    pool: RolloutPool, config: OperatorConfig, registry: str | None = None
+) -> list[dict[str, Any]]:
     """The server's environment: the pool contract, its pod IP, the weights token, S3 and
     telemetry.
 
     Trainers publish weights to S3 and ask every replica to load them (POST
     /v1/weights/load with an s3:// URI), so replicas need the S3 endpoint and credentials
-    even when they do not poll a weight source themselves.
+    even when they do not poll a weight source themselves. ``registry`` replaces the
+    pool's weight source (pull on join only): see :func:`replica_pod_spec`.
     """
     spec = pool.spec
-    polls = bool(spec.weight_update.source_uri)
+    polls = bool(spec.weight_update.source_uri) and registry is None
     contract = RolloutPoolEnv(
         pool_name=pool.metadata.name,
-        weights_uri=spec.weight_update.source_uri if polls else None,
+        weights_uri=registry or (spec.weight_update.source_uri if polls else None),
         weights_poll_seconds=spec.weight_update.poll_seconds if polls else None,
     )
     env: list[dict[str, Any]] = [
@@ -242,7 +280,12 @@ def _server_gpus(pool: RolloutPool) -> int:
 
 
 def _server_container(
-    pool: RolloutPool, config: OperatorConfig, image: str, env: list[dict[str, Any]]
+    pool: RolloutPool,
+    config: OperatorConfig,
+    image: str,
+    env: list[dict[str, Any]],
+    host: str = "$(POD_IP)",
+    port: int | None = None,
 ) -> dict[str, Any]:
     """The OpenAI-compatible server with its /health readiness and startup probes."""
     spec = pool.spec
@@ -250,9 +293,9 @@ def _server_container(
         "name": "server",
         "image": image,
         "imagePullPolicy": config.image_pull_policy,
-        "command": rollout_command(pool),
+        "command": rollout_command(pool, host, port),
         "env": env,
-        "ports": [{"name": "http", "containerPort": spec.port}],
+        "ports": [{"name": "http", "containerPort": spec.port if port is None else port}],
         # A replica that exits (bad weights, a model that will not load) leaves its last
         # log lines as the termination message the pool's status reports.
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -321,6 +364,80 @@ def _stage_model(
         # message the operator puts in the pool's Ready condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }]  # fmt: skip
+
+
+COLOCATED_PREFIX = "rollout"
+"""Names of the colocated sidecars (``rollout-0``, ``rollout-1``...) and of their volumes."""
+
+
+def colocated_endpoints(pool: RolloutPool, replicas: int) -> list[str]:
+    """The loopback URLs of :func:`colocated_replicas`: a trainer in the same pod reaches
+    them there, and a loopback URL is what makes it publish through ``/dev/shm``
+    (``trainer/model/weight_sync.py:all_on_this_host``).
+
+    >>> from posttrain.api import RolloutPool
+    >>> pool = RolloutPool.model_validate({"metadata": {"name": "p"},
+    ...                                    "spec": {"model": "m", "port": 8000}})
+    >>> colocated_endpoints(pool, 2)
+    ['http://127.0.0.1:8000', 'http://127.0.0.1:8001']
+    """
+    return [f"http://127.0.0.1:{pool.spec.port + i}" for i in range(replicas)]
+
+
+def colocated_replicas(
+    pool: RolloutPool, config: OperatorConfig, replicas: int, registry: str
+) -> tuple[list[Manifest], list[Manifest]]:
+    """``replicas`` servers of ``pool`` for another pod (``rollout.colocated``): its
+    ``initContainers`` and the volumes they need.
+
+    Each server is the pool's own replica (:func:`replica_pod_spec`: image, command, env
+    with the weight token and storage, probes, restricted securityContext) as a native
+    sidecar (``restartPolicy: Always``: started, and through its startup probe ready,
+    before the pod's containers; restarted in place if it exits; stopped when they end),
+    named ``rollout-<i>`` and listening on ``spec.port + i`` on every interface of the pod
+    (the kubelet probes the pod IP; the trainer uses 127.0.0.1). Its ``/tmp``, ``$HOME``
+    and weight staging are its own (``rollout-<i>-*`` emptyDirs); the model volume, the
+    vLLM engine's one ``fetch-model`` step and a ``pvc://`` claim are shared by all (the
+    model is the same). Every server mounts the host pod's ``/dev/shm`` volume
+    (:data:`SHM_VOLUME`), which the host pod must have: that is where the trainer's weight
+    versions are. ``registry``: the trainer's weight registry, pulled on join by a server
+    that restarts.
+    """
+    init_containers: list[Manifest] = []
+    volumes: list[Manifest] = []
+    for i in range(replicas):
+        port = pool.spec.port + i
+        spec = replica_pod_spec(pool, config, host="0.0.0.0", port=port, registry=registry)
+        own = f"{COLOCATED_PREFIX}-{i}"
+        names: dict[str, str] = {SHM_VOLUME: SHM_VOLUME}  # the host pod's
+        for volume in spec["volumes"]:
+            name = volume["name"]
+            if name == SHM_VOLUME:
+                continue
+            shared = name in (MODEL_VOLUME, PVC_MODEL_VOLUME)
+            names[name] = f"{COLOCATED_PREFIX}-{name}" if shared else f"{own}-{name}"
+            if i == 0 or not shared:
+                volumes.append({**volume, "name": names[name]})
+        if i == 0:  # fetch-model: once, onto the shared model volume, before any server
+            for step in spec.get("initContainers", []):
+                init_containers.append(_renamed(step, f"{COLOCATED_PREFIX}-{step['name']}", names))
+        (server,) = spec["containers"]
+        sidecar = _renamed(server, own, names)
+        sidecar["restartPolicy"] = "Always"
+        sidecar["ports"] = [{"name": own, "containerPort": port}]
+        for probe in ("readinessProbe", "startupProbe"):
+            sidecar[probe] = {**sidecar[probe], "httpGet": {**sidecar[probe]["httpGet"],
+                                                            "port": own}}  # fmt: skip
+        if not any(m["mountPath"] == SHM_MOUNT for m in sidecar["volumeMounts"]):
+            sidecar["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
+        init_containers.append(sidecar)
+    return init_containers, volumes
+
+
+def _renamed(container: Manifest, name: str, volumes: dict[str, str]) -> Manifest:
+    """``container`` named ``name``, its mounts following the volumes' new names."""
+    mounts = [{**m, "name": volumes[m["name"]]} for m in container.get("volumeMounts", [])]
+    return {**container, "name": name, "volumeMounts": mounts}
 
 
 def build_rollout_service(pool: RolloutPool) -> Manifest:

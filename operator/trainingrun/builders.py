@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.api import GROUP, TrainingRun, TrainingRunSpec
+from posttrain.api import GROUP, RolloutPool, TrainingRun, TrainingRunSpec
 from posttrain.api.env import TrainerEnv
 from posttrain.api.labels import (
     COMPONENT_TRAINER,
@@ -29,10 +29,17 @@ from posttrain.api.labels import (
 
 from ..config import OperatorConfig
 from ..rbac import CREATE_ONLY_RESOURCES, TRAINER_RULES
-from ..rolloutpool.builders import weights_token_env
+from ..rolloutpool.builders import (
+    SHM_VOLUME,
+    colocated_endpoints,
+    colocated_replicas,
+    pool_serving_dtype,
+    weights_token_env,
+)
 from ..shared.builders import (
     METRICS_PORT_NAME,
     WORKSPACE_HF_HOME,
+    BuildError,
     Manifest,
     child_metadata,
     hf_model_env,
@@ -202,6 +209,7 @@ def build_trainer_pod(
     rollout_endpoints: Sequence[str] = (),
     head_host: str | None = None,
     rollout_dtype: str | None = None,
+    colocated_pool: RolloutPool | None = None,
 ) -> Manifest:
     """One pod of the trainer gang: node ``rank`` of ``spec.resources.nodes``.
 
@@ -216,6 +224,9 @@ def build_trainer_pod(
     running the trainer as the Ray driver and the other pods Ray workers.
     ``rollout_dtype`` is the pool's serving dtype (:func:`pool_serving_dtype`): the trainer
     publishes weights in it, so replicas read no more bytes than they keep.
+    ``colocated_pool`` (``spec.rollout.colocated``; required then) is the RolloutPool whose
+    replicas run in this pod as sidecars (:func:`add_colocated_replicas`): the trainer
+    samples from them on loopback instead of ``rollout_endpoints``.
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
@@ -225,10 +236,23 @@ def build_trainer_pod(
     command = _trainer_command(
         config, rank, head if on_ray else None, serves_metrics, ray_num_cpus(run)
     )
+    colocated = run.spec.rollout.colocated
+    if colocated is not None:
+        if colocated_pool is None or colocated_pool.metadata.name != run.spec.rollout.pool:
+            raise BuildError(
+                f"rollout.colocated: the trainer pod needs RolloutPool "
+                f"{run.spec.rollout.pool!r} (its replicas' template), which was not found "
+                f"in namespace {run.metadata.namespace!r}; create it (replicas: 0 makes it "
+                "only a template)"
+            )
+        rollout_endpoints = colocated_endpoints(colocated_pool, colocated.replicas)
+        rollout_dtype = pool_serving_dtype(colocated_pool)
     env = _trainer_env(
         run, config, incarnation, rank, head, on_ray, rollout_endpoints, rollout_dtype
     )
     pod_spec = _trainer_pod_spec(run, config, command, env)
+    if colocated is not None and colocated_pool is not None:
+        add_colocated_replicas(run, config, colocated_pool, pod_spec)
     if nodes > 1:
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
@@ -327,8 +351,10 @@ def _trainer_env(
     nodes = run.spec.resources.nodes
     # spec.rollout.pool resolved by the operator: the Service URL as a fallback, and the
     # pool's name, whose status.replicaEndpoints the trainer follows (its Role may get that
-    # one pool) so each weight version reaches every ready replica.
+    # one pool) so each weight version reaches every ready replica. Colocated replicas are
+    # the pod's own: their loopback URLs, nothing to follow.
     resolved_pool = bool(rollout_endpoints) and not run.spec.rollout.endpoints
+    follows_pool = resolved_pool and run.spec.rollout.colocated is None
     contract = TrainerEnv(
         run_name=run.metadata.name,
         run_namespace=run.metadata.namespace,
@@ -341,7 +367,7 @@ def _trainer_env(
         gang=incarnation,
         sandbox_runner_url=sandbox_runner.own_runner_url(run),
         rollout_endpoints=list(rollout_endpoints) if resolved_pool else [],
-        rollout_pool=run.spec.rollout.pool if resolved_pool else None,
+        rollout_pool=run.spec.rollout.pool if follows_pool else None,
         rollout_dtype=rollout_dtype if resolved_pool else None,
         ray_address=f"{head}:{config.ray_port}" if on_ray else None,
     )
@@ -383,14 +409,14 @@ def _trainer_pod_spec(
                         "mountPath": posixpath.dirname(RUN_CONFIG_PATH),
                         "readOnly": True,
                     },
-                    {"name": "dshm", "mountPath": "/dev/shm"},
+                    {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
                     {"name": "workspace", "mountPath": "/workspace"},
                 ],
             }
         ],
         "volumes": [
             {"name": "run-config", "configMap": {"name": trainer_names(run)["config"]}},
-            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": config.shm_size}},
             {"name": "workspace", "emptyDir": {}},
         ],
     }
@@ -399,19 +425,48 @@ def _trainer_pod_spec(
     return pod_spec
 
 
+def add_colocated_replicas(
+    run: TrainingRun, config: OperatorConfig, pool: RolloutPool, pod_spec: Manifest
+) -> None:
+    """``spec.rollout.colocated``: ``replicas`` servers of ``pool`` as native sidecars of the
+    trainer pod (:func:`colocated_replicas`), sharing its ``/dev/shm`` (sized by
+    ``shmSizeLimit`` when given). Each version the trainer publishes is then one file there
+    that every server reads in place; a server that restarts pulls the latest version
+    committed to the run's weight registry (``<storage>/weights``) before it is ready.
+
+    Added after the trainer's own securityContext: the servers keep the pool's (a read-only
+    root, their own ``/tmp`` and ``$HOME``), as in the pool's Deployment.
+    """
+    colocated = run.spec.rollout.colocated
+    assert colocated is not None
+    registry = f"{run_storage_uri(run, config).rstrip('/')}/weights"
+    sidecars, volumes = colocated_replicas(pool, config, colocated.replicas, registry)
+    pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), *sidecars]
+    pod_spec["volumes"] = [*pod_spec["volumes"], *volumes]
+    if colocated.shm_size_limit:
+        for volume in pod_spec["volumes"]:
+            if volume["name"] == SHM_VOLUME:
+                volume["emptyDir"] = {**volume["emptyDir"], "sizeLimit": colocated.shm_size_limit}
+
+
 def build_trainer_gang(
-    run: TrainingRun, config: OperatorConfig, incarnation: int
+    run: TrainingRun,
+    config: OperatorConfig,
+    incarnation: int,
+    colocated_pool: RolloutPool | None = None,
 ) -> list[Manifest]:
     """All pods of one gang incarnation, rank 0 first."""
     return [
-        build_trainer_pod(run, config, incarnation, rank)
+        build_trainer_pod(run, config, incarnation, rank, colocated_pool=colocated_pool)
         for rank in range(run.spec.resources.nodes)
     ]
 
 
 def trainer_pools(spec: TrainingRunSpec) -> list[str]:
     """RolloutPools whose replicas the trainer reads: the rollout pool (unless explicit
-    endpoints replace it), then the judges' and reward models' pools, each once.
+    endpoints or colocated replicas replace it), then the judges' and reward models' pools,
+    each once. What the trainer's Role may read, the pools' NetworkPolicies admit and the
+    autoscaler takes demand for.
 
     >>> from posttrain.api import TrainingRunSpec
     >>> judge = {"kind": "judge", "judge": {"pool": "judge", "rubric": "{answer}"}}
@@ -419,7 +474,9 @@ def trainer_pools(spec: TrainingRunSpec) -> list[str]:
     ...     "domains": [{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}]}))
     ['p', 'judge']
     """
-    pools = [spec.rollout.pool] if spec.rollout.pool and not spec.rollout.endpoints else []
+    rollout = spec.rollout
+    own = rollout.pool and not rollout.endpoints and rollout.colocated is None
+    pools = [rollout.pool] if own and rollout.pool else []
     pools += [e.pool for e in spec.model_scorers() if e.pool]
     return list(dict.fromkeys(pools))
 

@@ -20,6 +20,7 @@ from posttrain.storage.errors import StorageError
 from ..config import OperatorConfig
 from ..kube import KubeError, controller_uid
 from ..rolloutpool import builders as pool_builders
+from ..shared.requeue import RetryLater
 from ..shared.state import Body, OperatorState, now
 from ..shared.views import TERMINAL, EventSpec, PodView, pod_view
 from ..storage_credentials import StorageCredentials
@@ -118,8 +119,11 @@ class TrainingRunReconciler:
             state.runs.put(updated)
             body = updated
         if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
+            # The pod Kueue admits holds the colocated replicas too: their requests count.
             template = (
-                builders.build_trainer_pod(run, config, plan.incarnation, 0)
+                builders.build_trainer_pod(
+                    run, config, plan.incarnation, 0, colocated_pool=self._colocated_pool(run)
+                )
                 if plan.create_workload
                 else None
             )
@@ -168,7 +172,8 @@ class TrainingRunReconciler:
         """The gang of ``plan.incarnation``: its RayCluster or its missing ranks' pods, told
         where the run's rollout pool serves and in which dtype."""
         state = self.state
-        pool = self._rollout_pool(run)
+        colocated = self._colocated_pool(run)
+        pool = colocated or self._rollout_pool(run)
         endpoints = [pool_builders.pool_endpoint(pool)] if pool is not None else []
         dtype = pool_builders.pool_serving_dtype(pool) if pool is not None else None
         run = self.kueue.placed(run, kueue)  # the admitted flavors' node labels
@@ -182,6 +187,7 @@ class TrainingRunReconciler:
                 rank,
                 rollout_endpoints=endpoints,
                 rollout_dtype=dtype,
+                colocated_pool=colocated,
             )
             state.trainer_pods.put(state.create(KIND, manifest))
 
@@ -256,6 +262,29 @@ class TrainingRunReconciler:
             )
             return None
         return RolloutPool.model_validate(body)
+
+    def _colocated_pool(self, run: TrainingRun) -> RolloutPool | None:
+        """spec.rollout.pool when the run colocates its replicas (None when it does not).
+
+        Its pods cannot be built without the pool (the replicas' template): a missing
+        pool is said in a Warning Event and the reconcile retried with backoff, so the run
+        starts once the pool is created.
+        """
+        if run.spec.rollout.colocated is None:
+            return None
+        pool = self._rollout_pool(run)
+        if pool is None:
+            message = (
+                f"rollout.colocated: RolloutPool {run.spec.rollout.pool!r} (the template of "
+                "the replicas in the trainer pod) does not exist; the trainer starts once it "
+                "does (replicas: 0 makes a pool only a template)"
+            )
+            body = self.state.runs.get(run.metadata.namespace, run.metadata.name)
+            if body is not None:
+                self.state.emit(body, [EventSpec("Warning", Reason.ROLLOUT_POOL_NOT_FOUND,
+                                                 message)])  # fmt: skip
+            raise RetryLater(message)
+        return pool
 
     def _own_pods(self, run: TrainingRun) -> list[Body]:
         """The trainer pods of this run *object*. Pods of a deleted run of the same name

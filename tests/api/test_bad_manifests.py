@@ -257,6 +257,42 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         ["spec.timeoutSeconds"],
     ),
     (
+        "colocated-without-pool",
+        run_with(_set("rollout", {"colocated": {"replicas": 2}})),
+        ["spec.rollout.colocated", "rollout.colocated takes its replicas' template from a "
+         "RolloutPool: set rollout.pool"],
+        ["rollout.colocated takes its replicas' template from a RolloutPool: set rollout.pool"],
+    ),  # fmt: skip
+    (
+        "colocated-with-endpoints",
+        run_with(_set("rollout", {"pool": "smollm2-pool", "endpoints": ["http://a:8000"],
+                                  "colocated": {}})),
+        ["spec.rollout.endpoints", "rollout.colocated and rollout.endpoints exclude each other"],
+        ["rollout.colocated and rollout.endpoints exclude each other"],
+    ),  # fmt: skip
+    (
+        "colocated-on-two-nodes",
+        run_with(lambda spec: spec.update(
+            rollout={"pool": "smollm2-pool", "colocated": {"replicas": 1}},
+            resources={**spec["resources"], "nodes": 2})),
+        ["spec.rollout.colocated", "rollout.colocated runs the replicas inside the one trainer "
+         "pod, so it needs resources.nodes: 1"],
+        ["so it needs resources.nodes: 1", "drop rollout.colocated"],
+    ),  # fmt: skip
+    (
+        "colocated-nine-replicas",
+        run_with(_set("rollout", {"pool": "smollm2-pool", "colocated": {"replicas": 9}})),
+        ["spec.rollout.colocated.replicas", "less than or equal to 8"],
+        ["rollout.colocated.replicas"],
+    ),
+    (
+        "colocated-bad-shm-size",
+        run_with(_set("rollout", {"pool": "smollm2-pool",
+                                  "colocated": {"shmSizeLimit": "two gigs"}})),
+        ["spec.rollout.colocated.shmSizeLimit", "should match"],
+        ["rollout.colocated.shmSizeLimit"],
+    ),  # fmt: skip
+    (
         "pool-negative-replicas",
         pool_with(_set("replicas", -1)),
         ["spec.replicas", "greater than or equal to 0"],
