@@ -259,26 +259,37 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     (
         "colocated-without-pool",
         run_with(_set("rollout", {"colocated": {"replicas": 2}})),
-        ["spec.rollout.colocated", "rollout.colocated takes its replicas' template from a "
-         "RolloutPool: set rollout.pool"],
+        [
+            "spec.rollout.colocated",
+            "rollout.colocated takes its replicas' template from a RolloutPool: set rollout.pool",
+        ],
         ["rollout.colocated takes its replicas' template from a RolloutPool: set rollout.pool"],
-    ),  # fmt: skip
+    ),
     (
         "colocated-with-endpoints",
-        run_with(_set("rollout", {"pool": "smollm2-pool", "endpoints": ["http://a:8000"],
-                                  "colocated": {}})),
+        run_with(
+            _set(
+                "rollout", {"pool": "smollm2-pool", "endpoints": ["http://a:8000"], "colocated": {}}
+            )
+        ),
         ["spec.rollout.endpoints", "rollout.colocated and rollout.endpoints exclude each other"],
         ["rollout.colocated and rollout.endpoints exclude each other"],
-    ),  # fmt: skip
+    ),
     (
         "colocated-on-two-nodes",
-        run_with(lambda spec: spec.update(
-            rollout={"pool": "smollm2-pool", "colocated": {"replicas": 1}},
-            resources={**spec["resources"], "nodes": 2})),
-        ["spec.rollout.colocated", "rollout.colocated runs the replicas inside the one trainer "
-         "pod, so it needs resources.nodes: 1"],
+        run_with(
+            lambda spec: spec.update(
+                rollout={"pool": "smollm2-pool", "colocated": {"replicas": 1}},
+                resources={**spec["resources"], "nodes": 2},
+            )
+        ),
+        [
+            "spec.rollout.colocated",
+            "rollout.colocated runs the replicas inside the one trainer "
+            "pod, so it needs resources.nodes: 1",
+        ],
         ["so it needs resources.nodes: 1", "drop rollout.colocated"],
-    ),  # fmt: skip
+    ),
     (
         "colocated-nine-replicas",
         run_with(_set("rollout", {"pool": "smollm2-pool", "colocated": {"replicas": 9}})),
@@ -287,11 +298,12 @@ CASES: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
     ),
     (
         "colocated-bad-shm-size",
-        run_with(_set("rollout", {"pool": "smollm2-pool",
-                                  "colocated": {"shmSizeLimit": "two gigs"}})),
+        run_with(
+            _set("rollout", {"pool": "smollm2-pool", "colocated": {"shmSizeLimit": "two gigs"}})
+        ),
         ["spec.rollout.colocated.shmSizeLimit", "should match"],
         ["rollout.colocated.shmSizeLimit"],
-    ),  # fmt: skip
+    ),
     (
         "pool-negative-replicas",
         pool_with(_set("replicas", -1)),

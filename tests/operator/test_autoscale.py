@@ -10,6 +10,7 @@ import pytest
 from posttrain.api import RolloutPool, TrainingRun
 from posttrain.api.reasons import Reason
 from posttrain.api.rolloutpool import PoolAutoscaling
+from posttrain.api.trainingrun import ColocatedRollout
 from posttrain.operator.rolloutpool.autoscale import (
     ScaleDecision,
     WaitSignal,
@@ -171,3 +172,14 @@ def test_status_reads_back_equal_so_an_unchanged_decision_patches_nothing() -> N
     wire = autoscaling_status(decision, signal(0.05), T0)
     stored = AutoscalingStatus.model_validate({k: v for k, v in wire.items() if v is not None})
     assert stored.to_wire() == {k: v for k, v in wire.items() if v is not None}
+
+
+def test_a_run_with_colocated_replicas_does_not_drive_its_template_pools_scale() -> None:
+    """rollout.colocated samples from servers in the trainer pod: its wait says nothing
+    about the pool's own replicas (the pool is only their template), so it is no signal."""
+    pool = _pool()
+    colocated = _run("colocated", "p", 0.9, T0 + timedelta(seconds=5))
+    colocated.spec.rollout.colocated = ColocatedRollout(replicas=2)
+    plain = _run("plain", "p", 0.3, T0 + timedelta(seconds=5))
+    assert rollout_wait_signal(pool, [colocated, plain], T0) == WaitSignal(0.3, "plain")
+    assert rollout_wait_signal(pool, [colocated], T0) is None

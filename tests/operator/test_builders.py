@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -983,14 +984,17 @@ def test_a_pools_deployment_and_service_are_owned_by_the_pool() -> None:
     assert "ownerReferences" not in deployment["spec"]["template"].get("metadata", {})
 
 
-def trainingrun_pod_specs(run: TrainingRun) -> dict[str, dict[str, Any]]:
+def trainingrun_pod_specs(
+    run: TrainingRun, colocated_pool: RolloutPool | None = None
+) -> dict[str, dict[str, Any]]:
     """Every pod spec a TrainingRun's reconciler creates for ``run`` (by kind), as the
-    builders produce them: the plain gang's pods, the RayCluster's head and worker templates,
-    the evaluator Job's template (when ``evaluation.inline`` is false) and the sandbox runner
+    builders produce them: the plain gang's pods (with ``rollout.colocated``, their
+    sidecars from ``colocated_pool``), the RayCluster's head and worker templates, the
+    evaluator Job's template (when ``evaluation.inline`` is false) and the sandbox runner
     Deployment's template (mode runner without runnerUrl)."""
     specs = {
         f"gang rank {pod['metadata']['labels'][api_labels.LABEL_RANK]}": pod["spec"]
-        for pod in run_builders.build_trainer_gang(run, CONFIG, 0)
+        for pod in run_builders.build_trainer_gang(run, CONFIG, 0, colocated_pool)
     }
     if run.spec.resources.nodes > 1:
         cluster = raycluster.build_ray_cluster(run, CONFIG, 0)["spec"]
@@ -1087,3 +1091,221 @@ def test_the_bubblewrap_pods_of_a_run_are_restricted_but_for_what_bwrap_needs() 
         assert context["runAsNonRoot"] and context["runAsUser"] in (65534, 10001), name
         assert context["allowPrivilegeEscalation"] is False, name
         assert context["capabilities"] == {"drop": ["ALL"]}, name
+
+
+# --- rollout.colocated: the pool's replicas as native sidecars of the trainer pod ---
+
+COLOCATED_POOLS = {
+    "cpu engine": {"engine": "cpu", "model": "smollm2-135m-instruct", "port": 8100,
+                   "resources": {"gpus": 0, "cpu": "500m", "memory": "2Gi"}},
+    "vllm bf16": {"engine": "vllm", "model": "pvc://models/smollm2", "replicas": 0,
+                          "engineArgs": {"dtype": "bfloat16"},
+                          "resources": {"gpus": 0, "cpu": "1", "memory": "4Gi"}},
+}  # fmt: skip
+
+
+def colocated_run(replicas: int = 3, **rollout: Any) -> TrainingRun:
+    return make_run(
+        rollout={"pool": "pool", "colocated": {"replicas": replicas}, **rollout},
+        resources={"cpu": "1", "memory": "6Gi"},
+    )
+
+
+def sidecars_of(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [c for c in pod["spec"]["initContainers"] if c.get("restartPolicy") == "Always"]
+
+
+@pytest.mark.parametrize("pool_spec", COLOCATED_POOLS.values(), ids=COLOCATED_POOLS.keys())
+def test_colocated_replicas_are_native_sidecars_sharing_the_trainers_dev_shm(
+    pool_spec: dict[str, Any],
+) -> None:
+    """N sidecars (restartPolicy Always) on distinct ports, each probed on its own port and
+    mounting the trainer's memory-backed /dev/shm; the trainer samples from their loopback
+    URLs (which is what makes it publish through that /dev/shm) and follows no pool."""
+    pool = make_pool(**pool_spec)
+    run = colocated_run(3, colocated={"replicas": 3, "shmSizeLimit": "3Gi"})
+    pod = run_builders.build_trainer_pod(run, CONFIG, 0, 0, colocated_pool=pool)
+    spec = pod["spec"]
+    sidecars = sidecars_of(pod)
+    assert [c["name"] for c in sidecars] == ["rollout-0", "rollout-1", "rollout-2"]
+    ports = [pool.spec.port + i for i in range(3)]
+    assert [c["ports"] for c in sidecars] == [
+        [{"name": f"rollout-{i}", "containerPort": port}] for i, port in enumerate(ports)
+    ]
+    for sidecar, port in zip(sidecars, ports, strict=True):
+        command = sidecar["command"]
+        assert command[command.index("--port") + 1] == str(port)
+        assert command[command.index("--host") + 1] == "0.0.0.0"  # the kubelet probes the pod IP
+        for probe in ("readinessProbe", "startupProbe"):
+            assert sidecar[probe]["httpGet"]["port"] == sidecar["ports"][0]["name"]
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
+    # The regular init step (vLLM's fetch-model) runs once, before the first server.
+    steps = [c["name"] for c in spec["initContainers"]]
+    assert steps == (["rollout-fetch-model"] if pool.spec.engine == "vllm" else []) + [
+        "rollout-0",
+        "rollout-1",
+        "rollout-2",
+    ]
+    (trainer,) = spec["containers"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in trainer["volumeMounts"]
+    (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "3Gi"}
+    env = env_of(trainer)
+    assert env[env_names.ROLLOUT_ENDPOINTS]["value"] == ",".join(
+        f"http://127.0.0.1:{port}" for port in ports
+    )
+    from posttrain.trainer.model.weight_sync import all_on_this_host
+
+    assert all_on_this_host(env[env_names.ROLLOUT_ENDPOINTS]["value"].split(","))
+    assert env_names.ROLLOUT_POOL not in env  # nothing to discover: no wait on the pool
+    dtype = env.get(env_names.ROLLOUT_DTYPE, {}).get("value")
+    assert dtype == ("bfloat16" if pool.spec.engine == "vllm" else None)
+    # Loads need the pool's weight token, which the trainer and every server hold.
+    for container in [trainer, *sidecars]:
+        assert (
+            env_of(container)[env_names.WEIGHTS_TOKEN]["valueFrom"]["secretKeyRef"]["name"]
+            == "pool-weights-token"
+        )
+    # A server that restarts pulls the run's latest committed version on join.
+    for sidecar in sidecars:
+        assert env_of(sidecar)[env_names.WEIGHTS_URI]["value"] == (
+            "s3://posttrain/runs/ml/demo/uid-run/weights"
+        )
+        assert env_names.WEIGHTS_POLL_SECONDS not in env_of(sidecar)
+    # Names are unique in the pod, and every mount names a volume of the pod.
+    names = [c["name"] for c in [*spec["initContainers"], *spec["containers"]]]
+    assert len(names) == len(set(names))
+    volumes = [v["name"] for v in spec["volumes"]]
+    assert len(volumes) == len(set(volumes))
+    for container in [*spec["initContainers"], *spec["containers"]]:
+        assert {m["name"] for m in container["volumeMounts"]} <= set(volumes), container["name"]
+    # The pod asks for the trainer plus three replicas: the scheduler places them together.
+    for sidecar in sidecars:
+        assert sidecar["resources"]["requests"]["cpu"] == pool.spec.resources.cpu
+
+
+def test_each_sidecar_is_the_pools_own_server_but_for_where_it_listens() -> None:
+    """The sidecar is the pool Deployment's server container (image, env, probes, resources,
+    securityContext): only its name, port, listen address, restart policy, volume names and
+    weight source differ, so the two cannot drift apart."""
+    pool = make_pool(engine="vllm", resources={"gpus": 1}, weightUpdate={"sourceUri": "s3://b/w"})
+    pod = run_builders.build_trainer_pod(colocated_run(2), CONFIG, 0, 0, colocated_pool=pool)
+    (server,) = b.build_rollout_deployment(pool, CONFIG)["spec"]["template"]["spec"]["containers"]
+    sidecar = sidecars_of(pod)[1]
+
+    def comparable(container: dict[str, Any]) -> dict[str, Any]:
+        left = {k: v for k, v in container.items()
+                if k not in {"name", "ports", "command", "restartPolicy", "volumeMounts",
+                             "readinessProbe", "startupProbe", "env"}}  # fmt: skip
+        left["env"] = [e for e in container["env"]
+                       if e["name"] not in (env_names.WEIGHTS_URI, env_names.WEIGHTS_POLL_SECONDS)]  # fmt: skip
+        left["mounts"] = sorted(m["mountPath"] for m in container["volumeMounts"])
+        left["probes"] = [{**container[p], "httpGet": {**container[p]["httpGet"], "port": 0}}
+                          for p in ("readinessProbe", "startupProbe")]  # fmt: skip
+        return left
+
+    assert comparable(sidecar) == comparable(server)
+    assert server["command"][server["command"].index("--host") + 1] == "$(POD_IP)"
+    swapped = {"--host": "0.0.0.0", "--port": str(pool.spec.port + 1)}
+    command = list(server["command"])
+    for flag, value in swapped.items():
+        command[command.index(flag) + 1] = value
+    assert sidecar["command"] == command
+    assert sidecar["resources"]["limits"]["nvidia.com/gpu"] == "1"  # a GPU per replica
+
+
+def test_a_colocated_trainer_pod_is_pod_security_restricted_and_writes_only_to_its_volumes() -> (
+    None
+):
+    """The trainer keeps its context and the servers keep the pool's (a read-only root):
+    every container runs as uid 10001 with no capability, no privilege escalation and
+    RuntimeDefault seccomp, and every place a server writes is an emptyDir of its own or
+    the shared /dev/shm. tests/operator/test_pod_security_cluster.py has the apiserver's
+    verdict on the same pod."""
+    for pool_spec in COLOCATED_POOLS.values():
+        pool = make_pool(**pool_spec)
+        spec = run_builders.build_trainer_pod(colocated_run(2), CONFIG, 0, 0,
+                                              colocated_pool=pool)["spec"]  # fmt: skip
+        assert spec["securityContext"] == POSTTRAIN_POD_CONTEXT
+        for container in [*spec["initContainers"], *spec["containers"]]:
+            context = container["securityContext"]
+            assert context["runAsNonRoot"] is True and context["runAsUser"] == 10001
+            assert context["allowPrivilegeEscalation"] is False and not context["privileged"]
+            assert context["capabilities"] == {"drop": ["ALL"]}
+            assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+            server = container["name"].startswith("rollout-")
+            assert context.get("readOnlyRootFilesystem", False) is server, container["name"]
+            if not server:
+                continue
+            env = env_of(container)
+            written = ["/tmp", b.POOL_HOME, env[env_names.CACHE]["value"]]
+            written += [env[k]["value"] for k in (env_names.WEIGHTS_SCRATCH,) if k in env]
+            if container.get("restartPolicy") == "Always":  # a server, not the fetch step
+                written.append("/dev/shm")
+            for path in written:
+                assert "emptyDir" in _volume_under(spec, container, path), (container["name"], path)
+        # Each server's /tmp and $HOME are its own, not the trainer's or another server's.
+        tmp = [m["name"] for c in [*spec["initContainers"], *spec["containers"]]
+               for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]  # fmt: skip
+        assert sorted(set(tmp)) == sorted({"tmp", "rollout-0-tmp", "rollout-1-tmp"}), tmp
+        for volume in spec["volumes"]:  # the volume kinds "restricted" allows
+            assert {"emptyDir", "persistentVolumeClaim", "configMap"} & set(volume), volume
+        assert not {"hostNetwork", "hostPID", "hostIPC"} & set(spec)
+
+
+def test_a_colocated_run_neither_reads_its_template_pool_nor_is_its_client() -> None:
+    """No Role rule on the pool and no client label for its NetworkPolicy: the trainer
+    samples from its own sidecars; a judge's pool is still read."""
+    judge = {"kind": "judge", "judge": {"pool": "judge", "rubric": "{answer}"}}
+    run = make_run(
+        rollout={"pool": "pool", "colocated": {}},
+        domains=[{"name": "d", "dataset": "builtin:arithmetic", "verifier": judge}],
+    )
+    assert run_builders.trainer_pools(run.spec) == ["judge"]
+    assert run_builders.pool_client_labels(run) == {"client.posttrain.io/judge": "true"}
+    role = next(m for m in run_builders.build_trainer_rbac(run) if m["kind"] == "Role")
+    pools = [r for r in role["rules"] if r["resources"] == ["rolloutpools"]]
+    assert pools == [{"apiGroups": ["posttrain.io"], "resources": ["rolloutpools"],
+                      "verbs": ["get"], "resourceNames": ["judge"]}]  # fmt: skip
+
+
+def test_a_colocated_trainer_pod_is_not_built_without_its_pool() -> None:
+    """The replicas' template is the pool: without it the builder says what to create."""
+    from posttrain.operator.shared.builders import BuildError
+
+    with pytest.raises(BuildError, match=r"RolloutPool 'pool'.*replicas: 0 makes it only a"):
+        run_builders.build_trainer_pod(colocated_run(1), CONFIG, 0, 0)
+    other = RolloutPool.model_validate({"metadata": {"name": "other", "namespace": "ml",
+                                                     "uid": "u"}, "spec": {"model": "m"}})  # fmt: skip
+    with pytest.raises(BuildError):
+        run_builders.build_trainer_pod(colocated_run(1), CONFIG, 0, 0, colocated_pool=other)
+
+
+def test_a_pool_of_zero_replicas_is_valid_and_serves_as_the_template() -> None:
+    """replicas: 0 keeps the pool's Deployment empty (Ready, ScaledToZero) while a run
+    colocates its replicas from it."""
+    pool = make_pool(engine="cpu", replicas=0, resources={"gpus": 0})
+    assert b.build_rollout_deployment(pool, CONFIG)["spec"]["replicas"] == 0
+    pod = run_builders.build_trainer_pod(colocated_run(2), CONFIG, 0, 0, colocated_pool=pool)
+    assert len(sidecars_of(pod)) == 2
+
+
+@pytest.mark.parametrize(
+    ("rollout", "resources", "message"),
+    [
+        ({"colocated": {}}, {}, "rollout.colocated takes its replicas' template from a "
+                                "RolloutPool: set rollout.pool"),
+        ({"pool": "p", "endpoints": ["http://a:1"], "colocated": {}}, {},
+         "rollout.colocated and rollout.endpoints exclude each other"),
+        ({"pool": "p", "colocated": {}}, {"nodes": 2}, "rollout.colocated runs the replicas "
+         "inside the one trainer pod, so it needs resources.nodes: 1"),
+        ({"pool": "p", "colocated": {"replicas": 0}}, {}, "greater than or equal to 1"),
+    ],
+)  # fmt: skip
+def test_unsupported_colocations_are_refused_saying_what_to_do(
+    rollout: dict[str, Any], resources: dict[str, Any], message: str
+) -> None:
+    """Multi-node trainers (a gang, or KubeRay's RayCluster: nodes > 1 only) sample from the
+    pool's own replicas; the apiserver refuses the same (CEL, tests/api/test_bad_manifests)."""
+    with pytest.raises(ValidationError, match=re.escape(message)):
+        make_run(rollout=rollout, resources=resources)

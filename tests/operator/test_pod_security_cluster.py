@@ -90,17 +90,32 @@ def _trainingrun_templates(namespace: str) -> dict[str, dict[str, Any]]:
     plain gang's pods (two nodes), the RayCluster's head and worker templates, the evaluator
     Job's, and for the two bubblewrap pods (the run's own sandbox runner, a mode-local trainer
     whose domains execute code) their own."""
-    from .test_builders import CODE_DOMAIN, make_run, trainingrun_pod_specs
+    from .test_builders import (
+        CODE_DOMAIN,
+        COLOCATED_POOLS,
+        make_pool,
+        make_run,
+        trainingrun_pod_specs,
+    )
 
-    def templates(**spec: Any) -> dict[str, dict[str, Any]]:
+    def templates(pool: Any = None, **spec: Any) -> dict[str, dict[str, Any]]:
         run = make_run(**spec)
         run.metadata.namespace = namespace
         return {
             name: {"metadata": {"labels": {"kind": name.replace(" ", "-")}}, "spec": pod}
-            for name, pod in trainingrun_pod_specs(run).items()
+            for name, pod in trainingrun_pod_specs(run, pool).items()
         }
 
+    # rollout.colocated: the trainer pod with two replicas of each engine as native sidecars.
+    colocated = {
+        f"colocated {engine} {name}": template
+        for engine, pool_spec in COLOCATED_POOLS.items()
+        for name, template in templates(
+            make_pool(**pool_spec), rollout={"pool": "pool", "colocated": {"replicas": 2}}
+        ).items()
+    }
     return {
+        **colocated,
         **templates(resources={"nodes": 2, "gpusPerNode": 1}, evaluation={"inline": False}),
         **{
             f"hf model {name}": template
@@ -123,7 +138,7 @@ def _trainingrun_templates(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def _pod_name(name: str) -> str:
-    return name.replace(" ", "-").lower()
+    return "".join(c for c in name.replace(" ", "-").lower() if c.isalnum() or c in "-.")
 
 
 def test_trainingrun_pods_are_admitted_where_restricted_is_enforced(
@@ -136,7 +151,9 @@ def test_trainingrun_pods_are_admitted_where_restricted_is_enforced(
     kube.patch(f"/api/v1/namespaces/{namespace}", {"metadata": {"labels": RESTRICTED}})
     templates = _trainingrun_templates(namespace)
     assert {"gang rank 0", "gang rank 1", "ray head", "ray worker", "demo-evaluator",
-            "bwrap demo-sandbox-runner", "bwrap local gang rank 0"} <= set(templates)  # fmt: skip
+            "bwrap demo-sandbox-runner", "bwrap local gang rank 0",
+            "colocated cpu engine gang rank 0",
+            "colocated vllm bf16 gang rank 0"} <= set(templates)  # fmt: skip
     refused: dict[str, str] = {}
     for name, template in templates.items():
         status, body = _dry_run_pod(kube, namespace, _pod_name(name), template)
