@@ -44,6 +44,7 @@ from .podprocess import (
     pod_conditions,
     python_bin_dir_for,
     read_termination_message,
+    refuse_sidecars,
     resolve_executable,
     run_as_user,
     running_status,
@@ -203,6 +204,7 @@ class PodRunner:
 
     def _run_pod(self) -> str:
         spec = self.pod["spec"]
+        refuse_sidecars(spec)
         volumes = self._materialise_volumes()
         self._write_service_account_token()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

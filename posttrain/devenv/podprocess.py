@@ -44,6 +44,28 @@ def now_rfc3339() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def refuse_sidecars(spec: Mapping[str, Any]) -> None:
+    """PodSpecError for native sidecars (init containers with ``restartPolicy: Always``,
+    e.g. a TrainingRun's ``rollout.colocated`` replicas): this agent runs init containers
+    one after another to their exit, so a server there would hold the pod forever. The
+    real node's kubelet runs them (``posttrain dev up``, docs/real-node.md).
+
+    >>> refuse_sidecars({"initContainers": [{"name": "fetch-model"}]})
+    >>> refuse_sidecars({"initContainers": [{"name": "rollout-0", "restartPolicy": "Always"}]})
+    Traceback (most recent call last):
+    ...
+    posttrain.devenv.podprocess.PodSpecError: native sidecar containers (rollout-0: restartPolicy Always) need a real kubelet; the stand-in node agent runs init containers to their exit: use the real node (posttrain dev up)
+    """
+    sidecars = [c["name"] for c in spec.get("initContainers") or []
+                if c.get("restartPolicy") == "Always"]  # fmt: skip
+    if sidecars:
+        raise PodSpecError(
+            f"native sidecar containers ({', '.join(sidecars)}: restartPolicy Always) need a "
+            "real kubelet; the stand-in node agent runs init containers to their exit: use "
+            "the real node (posttrain dev up)"
+        )
+
+
 def expand_references(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes ``$(VAR)`` expansion: defined names are replaced, ``$$`` escapes.
 
