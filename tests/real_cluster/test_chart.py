@@ -458,6 +458,96 @@ def test_training_run_with_a_cpu_pool_survives_a_killed_trainer_is_evaluated_and
     )  # fmt: skip
 
 
+COLOCATED = """
+apiVersion: posttrain.io/v1alpha1
+kind: RolloutPool
+metadata:
+  name: coloc-pool
+spec:
+  model: smollm2-135m-instruct
+  engine: cpu
+  replicas: 0            # only the template of the replicas in the trainer pod
+  resources:
+    cpu: 400m
+    memory: 2Gi
+---
+apiVersion: posttrain.io/v1alpha1
+kind: TrainingRun
+metadata:
+  name: coloc-run
+spec:
+  model: smollm2-135m-instruct
+  algorithm: {groupSize: 4, promptsPerStep: 2, maxSteps: 2, maxNewTokens: 16, microBatchSize: 8}
+  domains:
+    - {name: arithmetic, dataset: "builtin:arithmetic", verifier: {kind: numeric}}
+  rollout:
+    pool: coloc-pool
+    timeoutSeconds: 600
+    colocated: {replicas: 2, shmSizeLimit: 2Gi}
+  resources: {cpu: "1", memory: 4Gi, gpusPerNode: 0}
+  checkpoint: {everySteps: 2, keepLast: 1}
+  evaluation: {everySteps: 100, maxItemsPerDomain: 2}
+"""
+
+
+def test_colocated_replicas_run_as_sidecars_of_the_trainer_and_take_weights_through_dev_shm(
+    installed: str, node_kubectl: Kubectl
+) -> None:
+    """rollout.colocated on the real kubelet: the trainer pod runs two cpu-engine replicas
+    of a pool with replicas 0 as native sidecars (started, and through their startup probes
+    ready, before the trainer), the trainer samples from them on 127.0.0.1 and publishes
+    every version as one file in the pod's shared /dev/shm, which each replica loads in
+    place; the run succeeds and the pool's own Deployment stays at 0. On this 2-CPU node:
+    100m operator + 1 trainer + 2 x 400m replicas."""
+    ns = installed
+    node_kubectl("apply", "-n", ns, "-f", "-", input=COLOCATED)
+
+    def describe() -> str:
+        return (node_kubectl("get", "tr,rp,deploy,pods", "-n", ns, "-o", "wide").stdout
+                + node_kubectl("describe", "pods", "-n", ns, "-l",
+                               "posttrain.io/run=coloc-run", check=False).stdout[-4000:]
+                + node_kubectl("get", "events", "-n", ns).stdout[-4000:])  # fmt: skip
+
+    run = wait_for(
+        "coloc-run to finish",
+        lambda: (r := _get(node_kubectl, ns, "trainingrun", "coloc-run"))
+        .get("status", {}).get("phase") in {"Succeeded", "Failed"} and r,
+        timeout_s=2400,
+        on_timeout=describe,
+    )  # fmt: skip
+    assert run["status"]["phase"] == "Succeeded", (run["status"], describe())
+    assert run["status"]["restarts"] == 0 and run["status"]["weightVersion"] >= 1, run["status"]
+    (pod,) = _get(node_kubectl, ns, "pods", "-l", "posttrain.io/run=coloc-run")["items"]
+    sidecars = [c["name"] for c in pod["spec"]["initContainers"]
+                if c.get("restartPolicy") == "Always"]  # fmt: skip
+    assert sidecars == ["rollout-0", "rollout-1"], pod["spec"]["initContainers"]
+    # The kubelet started both (each once: none crashed) before the trainer.
+    statuses = {s["name"]: s for s in pod["status"]["initContainerStatuses"]}
+    (trainer,) = pod["status"]["containerStatuses"]
+    trainer_started = trainer["state"]["terminated"]["startedAt"]
+    for name in sidecars:
+        assert statuses[name]["restartCount"] == 0, statuses[name]
+        started = (statuses[name]["state"].get("terminated") or {}).get("startedAt")
+        assert started and started <= trainer_started, (statuses[name], trainer)
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["POSTTRAIN_ROLLOUT_ENDPOINTS"] == "http://127.0.0.1:8000,http://127.0.0.1:8001"
+    # Every version went through the shared file, none through the registry.
+    logs = node_kubectl("logs", "-n", ns, pod["metadata"]["name"], "-c", "trainer").stdout
+    published = re.findall(r"published weights v(\d+): [\d.]+ MB in [\d.]+s \((\w+),", logs)
+    assert published and {transport for _, transport in published} == {"shared"}, logs[-3000:]
+    assert "publishing through the weight registry" not in logs, logs[-3000:]
+    last = max(int(version) for version, _ in published)
+    for name in sidecars:
+        served = node_kubectl("logs", "-n", ns, pod["metadata"]["name"], "-c", name).stdout
+        assert re.search(rf"loaded weights v{last} from file:///dev/shm/posttrain-weights-",
+                         served), served[-3000:]  # fmt: skip
+    # The pool is only the template: its Deployment has no replica.
+    deployment = _get(node_kubectl, ns, "deployment", "coloc-pool")
+    assert deployment["spec"]["replicas"] == 0, deployment["spec"]
+    node_kubectl("delete", "trainingrun", "coloc-run", "-n", ns, "--wait=true", timeout=300)
+    node_kubectl("delete", "rolloutpool", "coloc-pool", "-n", ns, "--wait=true", timeout=300)
+
+
 def _label_selector(selector: dict[str, Any]) -> str:
     """A NetworkPolicy podSelector as kubectl's -l syntax (matchLabels, In and Exists)."""
     terms = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
