@@ -224,9 +224,8 @@ def build_trainer_pod(
     running the trainer as the Ray driver and the other pods Ray workers.
     ``rollout_dtype`` is the pool's serving dtype (:func:`pool_serving_dtype`): the trainer
     publishes weights in it, so replicas read no more bytes than they keep.
-    ``colocated_pool`` (``spec.rollout.colocated``; required then) is the RolloutPool whose
-    replicas run in this pod as sidecars (:func:`add_colocated_replicas`): the trainer
-    samples from them on loopback instead of ``rollout_endpoints``.
+    ``colocated_pool`` (required with ``spec.rollout.colocated``): the template of the
+    sidecar replicas the trainer samples from on loopback (:func:`add_colocated_replicas`).
     """
     name = run.metadata.name
     nodes = run.spec.resources.nodes
@@ -236,22 +235,15 @@ def build_trainer_pod(
     command = _trainer_command(
         config, rank, head if on_ray else None, serves_metrics, ray_num_cpus(run)
     )
-    colocated = run.spec.rollout.colocated
-    if colocated is not None:
-        if colocated_pool is None or colocated_pool.metadata.name != run.spec.rollout.pool:
-            raise BuildError(
-                f"rollout.colocated: the trainer pod needs RolloutPool "
-                f"{run.spec.rollout.pool!r} (its replicas' template), which was not found "
-                f"in namespace {run.metadata.namespace!r}; create it (replicas: 0 makes it "
-                "only a template)"
-            )
-        rollout_endpoints = colocated_endpoints(colocated_pool, colocated.replicas)
+    if run.spec.rollout.colocated is not None:
+        colocated_pool = _template_pool(run, colocated_pool)
+        rollout_endpoints = colocated_endpoints(colocated_pool, run.spec.rollout.colocated.replicas)
         rollout_dtype = pool_serving_dtype(colocated_pool)
     env = _trainer_env(
         run, config, incarnation, rank, head, on_ray, rollout_endpoints, rollout_dtype
     )
     pod_spec = _trainer_pod_spec(run, config, command, env)
-    if colocated is not None and colocated_pool is not None:
+    if run.spec.rollout.colocated is not None and colocated_pool is not None:
         add_colocated_replicas(run, config, colocated_pool, pod_spec)
     if nodes > 1:
         # Stable DNS for each rank through the headless Service.
@@ -423,6 +415,18 @@ def _trainer_pod_spec(
     mount_model_claim(run.spec.model, pod_spec, pod_spec["containers"])
     run_as_posttrain_user(pod_spec)
     return pod_spec
+
+
+def _template_pool(run: TrainingRun, pool: RolloutPool | None) -> RolloutPool:
+    """``pool`` when it is the run's ``rollout.pool``; BuildError (saying what to create)
+    when the colocated replicas have no template."""
+    if pool is None or pool.metadata.name != run.spec.rollout.pool:
+        raise BuildError(
+            f"rollout.colocated: the trainer pod needs RolloutPool {run.spec.rollout.pool!r} "
+            f"(its replicas' template), which was not found in namespace "
+            f"{run.metadata.namespace!r}; create it (replicas: 0 makes it only a template)"
+        )
+    return pool
 
 
 def add_colocated_replicas(
