@@ -256,6 +256,49 @@ def test_trainer_pod_is_pointed_at_its_rollout_pool(
     assert env["POSTTRAIN_ROLLOUT_DTYPE"] == "bfloat16"  # publish in the pool's serving dtype
 
 
+def test_a_colocated_run_waits_for_its_template_pool_then_gets_its_replicas_as_sidecars(
+    operator: OperatorThread, kube: KubeClient, namespace: str
+) -> None:
+    """rollout.colocated through the reconciler: without the pool the run gets no pod but a
+    RolloutPoolNotFound Warning (retried); once the pool exists (replicas 0: only a
+    template), the trainer pod carries its servers as native sidecars, stored by the real
+    apiserver, and the trainer's Role may not read the pool."""
+    create_cr(kube, "trainingruns", namespace, run_body(
+        "r-coloc", rollout={"pool": "tmpl", "colocated": {"replicas": 2}}))  # fmt: skip
+
+    def warned() -> bool:
+        path = (
+            resource_path("v1", "events", namespace) + "?fieldSelector=involvedObject.name=r-coloc"
+        )
+        return any(
+            e["reason"] == "RolloutPoolNotFound" for e in kube.request("GET", path)[1]["items"]
+        )
+
+    wait_for(warned, what="the RolloutPoolNotFound event")
+    assert kube.get("v1", "Pod", namespace, "r-coloc-g0-0") is None
+    create_cr(kube, "rolloutpools", namespace, {
+        "kind": "RolloutPool", "metadata": {"name": "tmpl"},
+        "spec": {"model": "smollm2-135m-instruct", "engine": "cpu", "replicas": 0, "port": 8020,
+                 "resources": {"gpus": 0, "cpu": "500m", "memory": "2Gi"}},
+    })  # fmt: skip
+    pod = wait_for(  # the retry's backoff: seconds, not the next resync
+        lambda: kube.get("v1", "Pod", namespace, "r-coloc-g0-0"), what="trainer pod"
+    )
+    sidecars = [c for c in pod["spec"]["initContainers"] if c.get("restartPolicy") == "Always"]
+    assert [(c["name"], c["ports"][0]["containerPort"]) for c in sidecars] == [
+        ("rollout-0", 8020),
+        ("rollout-1", 8021),
+    ]
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["POSTTRAIN_ROLLOUT_ENDPOINTS"] == "http://127.0.0.1:8020,http://127.0.0.1:8021"
+    assert "POSTTRAIN_ROLLOUT_POOL" not in env
+    status, _ = kube.request(
+        "GET", cr_path("rolloutpools", namespace, "tmpl"),
+        headers=as_trainer(namespace, "r-coloc"), ok=(200, 403),
+    )  # fmt: skip
+    assert status == 403  # nothing to discover: the Role names no pool
+
+
 def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_step(
     operator: OperatorThread, kube: KubeClient, kube_api: object, kubectl: Any, namespace: str
 ) -> None:
