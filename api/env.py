@@ -232,7 +232,10 @@ class TrainerEnv(PodEnv):
     nodes: int | None = _env(NODES, "nodes of the gang; overrides spec.resources.nodes")
     sandbox_runner_url: str | None = _env(SANDBOX_RUNNER_URL, "the run's own sandbox runner")
     rollout_endpoints: list[str] = _env(
-        ROLLOUT_ENDPOINTS, "the resolved pool's Service URL(s), a fallback for discovery", []
+        ROLLOUT_ENDPOINTS,
+        "the resolved pool's Service URL(s), a fallback for discovery; with "
+        "rollout.colocated the sidecars' 127.0.0.1 URLs",
+        [],
     )
     rollout_pool: str | None = _env(ROLLOUT_POOL, "spec.rollout.pool: its replicas are followed")
     rollout_dtype: str | None = _env(ROLLOUT_DTYPE, "the pool's serving dtype")

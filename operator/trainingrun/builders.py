@@ -429,6 +429,23 @@ def _template_pool(run: TrainingRun, pool: RolloutPool | None) -> RolloutPool:
     return pool
 
 
+def _check_colocated_ports(config: OperatorConfig, pool: RolloutPool, replicas: int) -> None:
+    """BuildError when the replicas' ports (``spec.port`` and up) leave the port range or
+    take one the trainer listens on in the same pod (metrics, torchrun's rendezvous)."""
+    ports = range(pool.spec.port, pool.spec.port + replicas)
+    taken = {"metrics": config.pod_metrics_port, "rendezvous": config.trainer_master_port}
+    problems = [f"the trainer's {what} port {port}" for what, port in taken.items()
+                if port in ports]  # fmt: skip
+    if ports.stop - 1 > 65535:
+        problems.append("ports above 65535")
+    if problems:
+        raise BuildError(
+            f"rollout.colocated: {replicas} replica(s) of RolloutPool {pool.metadata.name!r} "
+            f"would listen on ports {ports.start}-{ports.stop - 1}, which includes "
+            f"{' and '.join(problems)}; give the pool another spec.port"
+        )
+
+
 def add_colocated_replicas(
     run: TrainingRun, config: OperatorConfig, pool: RolloutPool, pod_spec: Manifest
 ) -> None:
@@ -443,6 +460,7 @@ def add_colocated_replicas(
     """
     colocated = run.spec.rollout.colocated
     assert colocated is not None
+    _check_colocated_ports(config, pool, colocated.replicas)
     registry = f"{run_storage_uri(run, config).rstrip('/')}/weights"
     sidecars, volumes = colocated_replicas(pool, config, colocated.replicas, registry)
     pod_spec["initContainers"] = [*pod_spec.get("initContainers", []), *sidecars]

@@ -9,6 +9,7 @@ plan (:func:`.plan.plan_training_run`) → build (:func:`.builders.build_trainer
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -20,6 +21,7 @@ from posttrain.storage.errors import StorageError
 from ..config import OperatorConfig
 from ..kube import KubeError, controller_uid
 from ..rolloutpool import builders as pool_builders
+from ..shared.builders import BuildError
 from ..shared.requeue import RetryLater
 from ..shared.state import Body, OperatorState, now
 from ..shared.views import TERMINAL, EventSpec, PodView, pod_view
@@ -121,7 +123,7 @@ class TrainingRunReconciler:
         if plan.create_workload or plan.workload_active is not None or plan.finish_workload:
             # The pod Kueue admits holds the colocated replicas too: their requests count.
             template = (
-                builders.build_trainer_pod(
+                self._trainer_pod(
                     run, config, plan.incarnation, 0, colocated_pool=self._colocated_pool(run)
                 )
                 if plan.create_workload
@@ -180,7 +182,7 @@ class TrainingRunReconciler:
         if plan.create_ray_cluster:
             self._create_ray_cluster(run, config, plan.incarnation, endpoints, dtype)
         for rank in plan.create_ranks:
-            manifest = builders.build_trainer_pod(
+            manifest = self._trainer_pod(
                 run,
                 config,
                 plan.incarnation,
@@ -262,6 +264,20 @@ class TrainingRunReconciler:
             )
             return None
         return RolloutPool.model_validate(body)
+
+    def _trainer_pod(
+        self, run: TrainingRun, config: OperatorConfig, incarnation: int, rank: int, **kw: Any
+    ) -> Body:
+        """:func:`.builders.build_trainer_pod`; a spec it cannot build (colocated replicas
+        whose ports clash with the trainer's) is said in a Warning Event and retried with
+        backoff, as the pool it depends on may be fixed meanwhile."""
+        try:
+            return builders.build_trainer_pod(run, config, incarnation, rank, **kw)
+        except BuildError as exc:
+            body = self.state.runs.get(run.metadata.namespace, run.metadata.name)
+            if body is not None:
+                self.state.emit(body, [EventSpec("Warning", Reason.INVALID_SPEC, str(exc))])
+            raise RetryLater(str(exc)) from exc
 
     def _colocated_pool(self, run: TrainingRun) -> RolloutPool | None:
         """spec.rollout.pool when the run colocates its replicas (None when it does not).

@@ -1281,6 +1281,21 @@ def test_a_colocated_trainer_pod_is_not_built_without_its_pool() -> None:
         run_builders.build_trainer_pod(colocated_run(1), CONFIG, 0, 0, colocated_pool=other)
 
 
+def test_colocated_ports_that_clash_with_the_trainers_are_refused() -> None:
+    """The sidecars share the trainer's network namespace: a port the trainer serves
+    metrics or torchrun's rendezvous on, or one past 65535, is a build error naming it."""
+    from posttrain.operator.shared.builders import BuildError
+
+    for port, named in ((9089, "metrics port 9090"), (29499, "rendezvous port 29500"),
+                        (65534, "ports above 65535")):  # fmt: skip
+        with pytest.raises(BuildError, match=f"{named}; give the pool another spec.port"):
+            run_builders.build_trainer_pod(
+                colocated_run(3), CONFIG, 0, 0, colocated_pool=make_pool(port=port)
+            )
+    run_builders.build_trainer_pod(colocated_run(3), CONFIG, 0, 0,
+                                   colocated_pool=make_pool(port=9091))  # fmt: skip
+
+
 def test_a_pool_of_zero_replicas_is_valid_and_serves_as_the_template() -> None:
     """replicas: 0 keeps the pool's Deployment empty (Ready, ScaledToZero) while a run
     colocates its replicas from it."""
