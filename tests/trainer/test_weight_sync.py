@@ -230,3 +230,76 @@ def test_lag_one_samples_the_next_batch_during_the_update_and_never_further(
         producer.close()
     assert [b.error for b in (first, second, third)] == [None, None, None]
     assert recording.events.index(("start", 3)) > recording.events.index(("end", 2))
+
+
+def test_a_replica_configured_as_a_colocated_sidecar_takes_shared_publishes_and_rejoins(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rollout.colocated end to end on the real parts, short of a kubelet: a server started
+    from the environment the operator gives a sidecar (the run's registry as its weight
+    source, the pool's weight token) and a trainer given the loopback URL the operator gives
+    it publish every version through /dev/shm (the token and the registry check let the
+    shared file through); a server restarted with the same environment joins at the newest
+    version committed to the registry (a checkpoint step), not at the base model.
+    tests/real_cluster/test_chart.py runs the same in pods on the real kubelet."""
+    from posttrain.api import RolloutPool, TrainingRun
+    from posttrain.api.env import WEIGHTS_TOKEN, RolloutPoolEnv, TrainerEnv
+    from posttrain.operator.config import OperatorConfig
+    from posttrain.operator.trainingrun.builders import build_trainer_pod
+    from posttrain.trainer.model.weight_sync import all_on_this_host
+
+    token = "colocated-token"
+    run = TrainingRun.model_validate({
+        "metadata": {"name": "r", "namespace": "ns", "uid": "u"},
+        "spec": {"model": "m", "rollout": {"pool": "p", "colocated": {"replicas": 1}},
+                 "checkpoint": {"storageUri": f"file://{tmp_path / 'run'}"},
+                 "domains": [{"name": "d", "dataset": "builtin:arithmetic",
+                              "verifier": {"kind": "numeric"}}]},
+    })  # fmt: skip
+    pool = RolloutPool.model_validate({"metadata": {"name": "p", "namespace": "ns", "uid": "p"},
+                                       "spec": {"model": "m", "engine": "cpu"}})  # fmt: skip
+    pod = build_trainer_pod(run, OperatorConfig(), 0, 0, colocated_pool=pool)["spec"]
+    (sidecar,) = pod["initContainers"]
+
+    def plain(container: dict[str, Any]) -> dict[str, str]:
+        return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+    replica_env = RolloutPoolEnv.from_env(plain(sidecar))  # what `posttrain serve` reads
+    trainer_env = TrainerEnv.from_env(plain(pod["containers"][0]))
+    assert replica_env.weights_uri == f"file://{tmp_path / 'run'}/weights"
+
+    def start() -> ServerThread:
+        return ServerThread(ServerConfig(
+            model=str(tiny_model), num_threads=1, weights_uri=replica_env.weights_uri,
+            poll_seconds=replica_env.weights_poll_seconds or 0.0, weights_token=token,
+        )).start()  # fmt: skip
+
+    server = start()
+    # The operator's loopback URL, on the port this test's server got.
+    (url,) = trainer_env.rollout_endpoints
+    local = url.rsplit(":", 1)[0] + ":" + server.url.rsplit(":", 1)[1]
+    assert all_on_this_host([local])
+    monkeypatch.setenv(WEIGHTS_TOKEN, token)  # the trainer's copy of the pool's token
+    client = RolloutClient([local], timeout_s=120)
+    store = open_store(run.spec.checkpoint.storage_uri or "")
+    registry = WeightRegistry(store, "weights", keep_last=2)
+    publisher = WeightPublisher(
+        registry, store.uri("weights"), client, tmp_path, shared=all_on_this_host([local])
+    )
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    try:
+        _perturb(policy, seed=1)
+        publisher.publish(policy, 1, durable=True)  # a checkpoint step
+        _perturb(policy, seed=2)
+        publisher.publish(policy, 2)
+        assert publisher.transport == "shared" and registry.versions() == [1]
+        assert _served_matches(policy, client) == (2, True)
+        server.stop()
+        server = start()  # the kubelet restarts a sidecar that exited: pull on join
+        rejoined = RolloutClient([server.url], timeout_s=60)
+        assert rejoined.weight_versions() == {server.url: 1}  # the committed one, not v0
+        rejoined.close()
+    finally:
+        publisher.close()
+        client.close()
+        server.stop()
