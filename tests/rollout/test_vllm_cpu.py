@@ -600,6 +600,60 @@ def test_a_replica_that_joins_between_two_deltas_catches_up_and_is_sampled_from(
         publisher.close()
 
 
+def test_a_joining_replica_refuses_a_damaged_delta_and_joins_at_the_version_before(
+    vllm_pool: Pool,
+) -> None:
+    """Pull on join over a delta chain whose newest link is damaged (a byte of the delta's
+    file flipped after commit). The restarting replica refuses that version, says so in its
+    first ready /health, and joins at the newest version that verifies -- full + the good
+    delta, rebuilt from the registry -- serving exactly what the replica that loaded it
+    serves; the trainer's next delta (over the version both hold) then applies on it."""
+    pool = vllm_pool
+    survivor, joiner = pool.replicas
+    joiner.stop()
+    scratch = pool.root / "join-damaged-scratch"
+    scratch.mkdir(exist_ok=True)
+    with pool.client(survivor) as client:
+        publisher = WeightPublisher(pool.registry, pool.registry_uri, client, scratch,
+                                    shared=False)  # fmt: skip
+        kinds: list[str] = []
+        for seed in (81, 82):
+            pool.perturb(seed)
+            pool.version += 1
+            publisher.publish(pool.policy, pool.version)
+            kinds.append(publisher.last_kind)
+        assert kinds == ["full", "delta"]
+        good = pool.version
+        expected = outputs(pool, survivor)
+        base = pool.policy.save_weights(scratch / "good", weights_only=True)
+        assert base is not None
+        pool.perturb(83)
+        new = pool.policy.save_weights(scratch / "damaged", weights_only=True)
+        assert new is not None
+        damaged = good + 1
+        commit_delta(pool, damaged, good, base, new, scratch)
+        damage_committed(pool, damaged, "delta.safetensors")
+        pool.version = damaged  # the trainer's next version number comes after it
+
+        joiner.start()
+        health = joiner.wait_ready(timeout_s=2400)
+        assert health["weight_version"] == good
+        assert health["refused_versions"] == [damaged]
+        assert f"refused weights v{damaged}" in joiner.log_path.read_text()
+        assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor) == expected
+        assert len(set(checksums(pool))) == 1
+
+        pool.version += 1
+        with pool.client() as both:
+            publisher.client = both
+            publisher.publish(pool.policy, pool.version)  # its base: `good`, not the damaged one
+        assert publisher.last_kind == "delta"
+        assert served_versions(pool) == [pool.version, pool.version]
+        assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor) != expected
+        assert len(set(checksums(pool))) == 1
+        publisher.close()
+
+
 def test_a_transfer_nobody_feeds_is_abandoned_by_each_replica_on_its_own(vllm_pool: Pool) -> None:
     """The trainer hangs after one bucket of other weights and sends nothing more -- not even
     its abort (a trainer killed outright looks the same). After TRANSFER_IDLE_S without a
