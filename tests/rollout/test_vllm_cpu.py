@@ -404,6 +404,72 @@ def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Poo
         direct.close()
 
 
+def _two_rank_transfer(
+    rank: int, port: int, model: str, urls: list[str], version: int, root: str,
+    results: dict[str, Any],
+) -> None:  # fmt: skip
+    """One Gloo rank of a sharded trainer (FSDP2) publishing ``model``'s weights by direct
+    transfer: both ranks gather every tensor, rank 0 alone packs and sends."""
+    import torch.distributed as dist
+
+    from posttrain.trainer.model.policy import RankInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    policy = Policy(Path(model), learning_rate=1e-5, rank=RankInfo(rank, 2, rank))
+    assert policy.sharded
+    scratch = Path(root) / f"rank{rank}"
+    scratch.mkdir()
+    with RolloutClient(urls, timeout_s=600) as client:
+        publisher = WeightPublisher(None, "unused://", client, scratch, shared=True,
+                                    deltas=None, transfer_bucket_bytes=16 << 20)  # fmt: skip
+        publisher.publish(policy, version)
+        results[f"rank{rank}"] = (publisher.transport, sorted(publisher.last_phases),
+                                  publisher.last_bytes)  # fmt: skip
+        publisher.close()
+    dist.destroy_process_group()
+
+
+def test_two_trainer_ranks_transfer_directly_what_one_process_publishes(vllm_pool: Pool) -> None:
+    """A sharded trainer (two Gloo ranks, FSDP2) publishes by direct transfer: rank 0 sends
+    what both gathered, and every replica then holds exactly the parameters -- and serves
+    exactly the greedy token ids and logprobs -- of the same weights published through the
+    registry by one process."""
+    import torch.multiprocessing as mp
+
+    from posttrain.processes import free_port
+
+    pool = vllm_pool
+    root = pool.root / "two-rank-transfer"
+    root.mkdir(exist_ok=True)
+    results = mp.Manager().dict()
+    pool.version += 1
+    transferred = pool.version
+    urls = [r.url for r in pool.replicas]
+    mp.spawn(_two_rank_transfer,
+             args=(free_port(), str(pool.model_dir), urls, transferred, str(root), results),
+             nprocs=2, join=True)  # fmt: skip
+    transport, phases, sent = results["rank0"]
+    assert (transport, phases) == ("transfer", ["gather", "pack", "transfer"])
+    assert results["rank1"][0] == "transfer" and results["rank1"][2] == 0  # sent nothing
+    assert served_versions(pool) == [transferred] * 2
+    via_transfer = [fresh_outputs(pool, r) for r in pool.replicas], checksums(pool)
+
+    base = Policy(pool.model_dir, learning_rate=1e-5)  # the same weights, one process
+    assert sent == sum(t.numel() * t.element_size() for _, t in base.full_weights())
+    scratch = root / "files"
+    scratch.mkdir(exist_ok=True)
+    with pool.client() as both:
+        files = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False,
+                                deltas=None)  # fmt: skip
+        pool.version += 1
+        files.publish(base, pool.version)
+        files.close()
+    assert served_versions(pool) == [pool.version] * 2
+    assert ([fresh_outputs(pool, r) for r in pool.replicas], checksums(pool)) == via_transfer
+
+
 def served_version(replica: LocalVllmReplica) -> int:
     response = httpx.get(f"{replica.url}/v1/weights/version", timeout=30)
     return int(response.json()["weight_version"])
