@@ -10,14 +10,17 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
 3. **transfer**: the direct path (``/v1/weights/transfer``: the trainer packs the tensors
    into two 64 MiB shared-memory buckets in turn, every replica's worker copies each one
    into the model through vLLM's weight-transfer API, rollout/weight_transfer.py);
-4. **vLLM from memory**: the same version's tensors staged in every replica's worker
+4. **s3** (``--s3``): the registry path with the registry in a real MinIO on this host
+   (``s3://``): every replica downloads the version (parallel ranged GETs above 64 MiB),
+   verifies its digests and reloads: the path of a RolloutPool on other nodes;
+5. **vLLM from memory**: the same version's tensors staged in every replica's worker
    memory beforehand, then vLLM's own in-place reload (``Worker.reload_weights``) on every
    replica at once through the worker extension, timed in the worker and end to end.
 
 Every publish logs where its time went (trainer: write, delta, commit, load; each replica:
 fetch, drain, reload, flip, hold); this prints them per round.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3
+    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3 [--s3]
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def main() -> int:
     parser.add_argument("--bucket-mib", type=int, default=64, help="transfer bucket size")
     parser.add_argument("--bind-cores", action="store_true",
                         help="pin replica i to core i (VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
+    parser.add_argument("--s3", action="store_true",
+                        help="also publish through a registry in a real MinIO (s3://)")  # fmt: skip
     args = parser.parse_args()
     print(f"load before: {Path('/proc/loadavg').read_text().strip()}  cores: {os.cpu_count()}")
 
@@ -112,6 +117,16 @@ def main() -> int:
     store = LocalStore(work / "store")
     registry = WeightRegistry(store, "weights", keep_last=2)
     registry_uri = store.uri("weights")
+    minio = s3_registry = None
+    if args.s3:
+        from posttrain.devenv.minio import MinioServer
+        from posttrain.storage.store import open_store
+
+        minio = MinioServer(data_dir=work / "minio").start()
+        os.environ.update(minio.env())  # the replicas (started below) inherit it
+        minio.client().make_bucket("bench")
+        s3_store = open_store("s3://bench/run")
+        s3_registry = (WeightRegistry(s3_store, "weights", keep_last=2), s3_store.uri("weights"))
     engine_args = {**CPU_ENGINE_ARGS, "dtype": args.engine_dtype}
     cores = os.cpu_count() or 1
     replicas = [
@@ -120,7 +135,7 @@ def main() -> int:
                          cpu_cores=str(i % cores) if args.bind_cores else None)
         for i in range(args.replicas)
     ]  # fmt: skip
-    modes = ("registry", "shared", "transfer")
+    modes: tuple[str, ...] = ("registry", "shared", "transfer") + (("s3",) if args.s3 else ())
     rows: dict[str, list[float]] = {m: [] for m in (*modes, "memory", "memory_w")}
     try:
         for replica in replicas:
@@ -138,6 +153,10 @@ def main() -> int:
                 for name, bucket in (("registry", None), ("shared", None),
                                      ("transfer", args.bucket_mib << 20))
             }  # fmt: skip
+            if s3_registry is not None:
+                publishers["s3"] = WeightPublisher(*s3_registry, client, work / "scratch",
+                                                   shared=False, dtype=torch.bfloat16,
+                                                   deltas=None)  # fmt: skip
             version = 0
             for round_ in range(args.rounds):
                 for name, publisher in publishers.items():
@@ -148,7 +167,7 @@ def main() -> int:
                     seconds = time.perf_counter() - mark
                     served = client.weight_versions()
                     assert set(served.values()) == {version}, served
-                    assert publisher.transport == name, publisher.transport
+                    assert publisher.transport == name.replace("s3", "registry")
                     rows[name].append(seconds)
                     print(f"round {round_} v{version} {name:8s} {seconds:6.2f}s "
                           f"{publisher.last_bytes / 1e6:6.1f} MB  trainer: "
@@ -171,6 +190,8 @@ def main() -> int:
     finally:
         for replica in replicas:
             replica.stop()
+        if minio is not None:
+            minio.destroy()
         shutil.rmtree(work, ignore_errors=True)  # ~0.5 GB of registry versions and logs
     memory, in_worker = statistics.median(rows["memory"]), statistics.median(rows["memory_w"])
     print(f"vLLM's reload from memory, every replica at once: median {memory:.2f}s end to end "
