@@ -117,16 +117,7 @@ def main() -> int:
     store = LocalStore(work / "store")
     registry = WeightRegistry(store, "weights", keep_last=2)
     registry_uri = store.uri("weights")
-    minio = s3_registry = None
-    if args.s3:
-        from posttrain.devenv.minio import MinioServer
-        from posttrain.storage.store import open_store
-
-        minio = MinioServer(data_dir=work / "minio").start()
-        os.environ.update(minio.env())  # the replicas (started below) inherit it
-        minio.client().make_bucket("bench")
-        s3_store = open_store("s3://bench/run")
-        s3_registry = (WeightRegistry(s3_store, "weights", keep_last=2), s3_store.uri("weights"))
+    minio, s3_registry = start_s3_registry(work) if args.s3 else (None, None)
     engine_args = {**CPU_ENGINE_ARGS, "dtype": args.engine_dtype}
     cores = os.cpu_count() or 1
     replicas = [
@@ -193,6 +184,12 @@ def main() -> int:
         if minio is not None:
             minio.destroy()
         shutil.rmtree(work, ignore_errors=True)  # ~0.5 GB of registry versions and logs
+    summary(rows, modes)
+    return 0
+
+
+def summary(rows: dict[str, list[float]], modes: tuple[str, ...]) -> None:
+    """Each path's median against vLLM's reload from memory, end to end and in the worker."""
     memory, in_worker = statistics.median(rows["memory"]), statistics.median(rows["memory_w"])
     print(f"vLLM's reload from memory, every replica at once: median {memory:.2f}s end to end "
           f"(the RPC to each replica included), {in_worker:.2f}s in the slowest worker")  # fmt: skip
@@ -202,7 +199,19 @@ def main() -> int:
               f"({', '.join(f'{s:.2f}' for s in rows[name])}) = {median / memory:.2f}x the "
               f"reload end to end, {median / in_worker:.2f}x in the worker")  # fmt: skip
     print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
-    return 0
+
+
+def start_s3_registry(work: Path) -> tuple[Any, tuple[WeightRegistry, str]]:
+    """A real MinIO under ``work`` with a weight registry in it, and the storage environment
+    set for this process and the replicas it starts: (server, (registry, its URI))."""
+    from posttrain.devenv.minio import MinioServer
+    from posttrain.storage.store import open_store
+
+    minio = MinioServer(data_dir=work / "minio").start()
+    os.environ.update(minio.env())
+    minio.client().make_bucket("bench")
+    store = open_store("s3://bench/run")
+    return minio, (WeightRegistry(store, "weights", keep_last=2), store.uri("weights"))
 
 
 if __name__ == "__main__":
