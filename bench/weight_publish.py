@@ -207,6 +207,7 @@ def start_s3_registry(work: Path) -> tuple[Any, tuple[WeightRegistry, str]]:
     from posttrain.devenv.minio import MinioServer
     from posttrain.storage.store import open_store
 
+    (work / "minio").mkdir()
     minio = MinioServer(data_dir=work / "minio").start()
     os.environ.update(minio.env())
     minio.client().make_bucket("bench")
