@@ -10,6 +10,9 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
 3. **transfer**: the direct path (``/v1/weights/transfer``: the trainer packs the tensors
    into two 64 MiB shared-memory buckets in turn, every replica's worker copies each one
    into the model through vLLM's weight-transfer API, rollout/weight_transfer.py);
+   With ``--s3`` the registry is a real MinIO on this host instead (``s3://``, the row
+   named s3): every replica downloads the version (parallel ranged GETs above 64 MiB),
+   verifies its digests and reloads: the path of a RolloutPool on other nodes;
 4. **vLLM from memory**: the same version's tensors staged in every replica's worker
    memory beforehand, then vLLM's own in-place reload (``Worker.reload_weights``) on every
    replica at once through the worker extension, timed in the worker and end to end.
@@ -17,7 +20,7 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
 Every publish logs where its time went (trainer: write, delta, commit, load; each replica:
 fetch, drain, reload, flip, hold); this prints them per round.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3
+    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3 [--s3]
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def main() -> int:
     parser.add_argument("--bucket-mib", type=int, default=64, help="transfer bucket size")
     parser.add_argument("--bind-cores", action="store_true",
                         help="pin replica i to core i (VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
+    parser.add_argument("--s3", action="store_true",
+                        help="the registry in a real MinIO (s3://) instead of a directory")  # fmt: skip
     args = parser.parse_args()
     print(f"load before: {Path('/proc/loadavg').read_text().strip()}  cores: {os.cpu_count()}")
 
@@ -112,6 +117,9 @@ def main() -> int:
     store = LocalStore(work / "store")
     registry = WeightRegistry(store, "weights", keep_last=2)
     registry_uri = store.uri("weights")
+    minio = None
+    if args.s3:  # the replicas load only from their own registry: this one
+        minio, (registry, registry_uri) = start_s3_registry(work)
     engine_args = {**CPU_ENGINE_ARGS, "dtype": args.engine_dtype}
     cores = os.cpu_count() or 1
     replicas = [
@@ -120,7 +128,7 @@ def main() -> int:
                          cpu_cores=str(i % cores) if args.bind_cores else None)
         for i in range(args.replicas)
     ]  # fmt: skip
-    modes = ("registry", "shared", "transfer")
+    modes = ("s3" if args.s3 else "registry", "shared", "transfer")
     rows: dict[str, list[float]] = {m: [] for m in (*modes, "memory", "memory_w")}
     try:
         for replica in replicas:
@@ -133,9 +141,9 @@ def main() -> int:
         with RolloutClient([r.url for r in replicas], timeout_s=1800) as client:
             publishers = {
                 name: WeightPublisher(registry, registry_uri, client, work / "scratch",
-                                      shared=name != "registry", dtype=torch.bfloat16,
+                                      shared=name != modes[0], dtype=torch.bfloat16,
                                       deltas=None, transfer_bucket_bytes=bucket)
-                for name, bucket in (("registry", None), ("shared", None),
+                for name, bucket in ((modes[0], None), ("shared", None),
                                      ("transfer", args.bucket_mib << 20))
             }  # fmt: skip
             version = 0
@@ -148,7 +156,7 @@ def main() -> int:
                     seconds = time.perf_counter() - mark
                     served = client.weight_versions()
                     assert set(served.values()) == {version}, served
-                    assert publisher.transport == name, publisher.transport
+                    assert publisher.transport == name.replace("s3", "registry")
                     rows[name].append(seconds)
                     print(f"round {round_} v{version} {name:8s} {seconds:6.2f}s "
                           f"{publisher.last_bytes / 1e6:6.1f} MB  trainer: "
@@ -156,7 +164,7 @@ def main() -> int:
                     for url, reply in sorted(client.last_load_replies.items()):
                         print(f"      {url}: {phases_text(reply.get('phases') or {})}")
                 # vLLM's own reload of the registry version's bytes, already in memory.
-                source = str(store.root / registry.version_key(version - len(modes) + 1))
+                source = registry_copy(registry, version - len(modes) + 1, work)
                 wall, worker = reload_from_memory(replicas, source)
                 rows["memory"].append(wall)
                 rows["memory_w"].append(worker)
@@ -171,7 +179,15 @@ def main() -> int:
     finally:
         for replica in replicas:
             replica.stop()
+        if minio is not None:
+            minio.destroy()
         shutil.rmtree(work, ignore_errors=True)  # ~0.5 GB of registry versions and logs
+    summary(rows, modes)
+    return 0
+
+
+def summary(rows: dict[str, list[float]], modes: tuple[str, ...]) -> None:
+    """Each path's median against vLLM's reload from memory, end to end and in the worker."""
     memory, in_worker = statistics.median(rows["memory"]), statistics.median(rows["memory_w"])
     print(f"vLLM's reload from memory, every replica at once: median {memory:.2f}s end to end "
           f"(the RPC to each replica included), {in_worker:.2f}s in the slowest worker")  # fmt: skip
@@ -181,7 +197,32 @@ def main() -> int:
               f"({', '.join(f'{s:.2f}' for s in rows[name])}) = {median / memory:.2f}x the "
               f"reload end to end, {median / in_worker:.2f}x in the worker")  # fmt: skip
     print(f"load after: {Path('/proc/loadavg').read_text().strip()}")
-    return 0
+
+
+def registry_copy(registry: WeightRegistry, version: int, work: Path) -> str:
+    """A local directory holding registry ``version``'s files: in place for a directory
+    registry, downloaded once for MinIO's."""
+    root = getattr(registry.store, "root", None)
+    if root is not None:
+        return str(Path(root) / registry.version_key(version))
+    dest = work / f"reference-v{version}"
+    if not dest.exists():
+        registry.fetch(version, dest)
+    return str(dest)
+
+
+def start_s3_registry(work: Path) -> tuple[Any, tuple[WeightRegistry, str]]:
+    """A real MinIO under ``work`` with a weight registry in it, and the storage environment
+    set for this process and the replicas it starts: (server, (registry, its URI))."""
+    from posttrain.devenv.minio import MinioServer
+    from posttrain.storage.store import open_store
+
+    (work / "minio").mkdir()
+    minio = MinioServer(data_dir=work / "minio").start()
+    os.environ.update(minio.env())
+    minio.client().make_bucket("bench")
+    store = open_store("s3://bench/run")
+    return minio, (WeightRegistry(store, "weights", keep_last=2), store.uri("weights"))
 
 
 if __name__ == "__main__":

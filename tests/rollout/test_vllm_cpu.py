@@ -404,6 +404,72 @@ def test_direct_transfer_serves_exactly_what_a_registry_load_does(vllm_pool: Poo
         direct.close()
 
 
+def _two_rank_transfer(
+    rank: int, port: int, model: str, urls: list[str], version: int, root: str,
+    results: dict[str, Any],
+) -> None:  # fmt: skip
+    """One Gloo rank of a sharded trainer (FSDP2) publishing ``model``'s weights by direct
+    transfer: both ranks gather every tensor, rank 0 alone packs and sends."""
+    import torch.distributed as dist
+
+    from posttrain.trainer.model.policy import RankInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    policy = Policy(Path(model), learning_rate=1e-5, rank=RankInfo(rank, 2, rank))
+    assert policy.sharded
+    scratch = Path(root) / f"rank{rank}"
+    scratch.mkdir()
+    with RolloutClient(urls, timeout_s=600) as client:
+        publisher = WeightPublisher(None, "unused://", client, scratch, shared=True,
+                                    deltas=None, transfer_bucket_bytes=16 << 20)  # fmt: skip
+        publisher.publish(policy, version)
+        results[f"rank{rank}"] = (publisher.transport, sorted(publisher.last_phases),
+                                  publisher.last_bytes)  # fmt: skip
+        publisher.close()
+    dist.destroy_process_group()
+
+
+def test_two_trainer_ranks_transfer_directly_what_one_process_publishes(vllm_pool: Pool) -> None:
+    """A sharded trainer (two Gloo ranks, FSDP2) publishes by direct transfer: rank 0 sends
+    what both gathered, and every replica then holds exactly the parameters -- and serves
+    exactly the greedy token ids and logprobs -- of the same weights published through the
+    registry by one process."""
+    import torch.multiprocessing as mp
+
+    from posttrain.processes import free_port
+
+    pool = vllm_pool
+    root = pool.root / "two-rank-transfer"
+    root.mkdir(exist_ok=True)
+    results = mp.Manager().dict()
+    pool.version += 1
+    transferred = pool.version
+    urls = [r.url for r in pool.replicas]
+    mp.spawn(_two_rank_transfer,
+             args=(free_port(), str(pool.model_dir), urls, transferred, str(root), results),
+             nprocs=2, join=True)  # fmt: skip
+    transport, phases, sent = results["rank0"]
+    assert (transport, phases) == ("transfer", ["gather", "pack", "transfer"])
+    assert results["rank1"][0] == "transfer" and results["rank1"][2] == 0  # sent nothing
+    assert served_versions(pool) == [transferred] * 2
+    via_transfer = [fresh_outputs(pool, r) for r in pool.replicas], checksums(pool)
+
+    base = Policy(pool.model_dir, learning_rate=1e-5)  # the same weights, one process
+    assert sent == sum(t.numel() * t.element_size() for _, t in base.full_weights())
+    scratch = root / "files"
+    scratch.mkdir(exist_ok=True)
+    with pool.client() as both:
+        files = WeightPublisher(pool.registry, pool.registry_uri, both, scratch, shared=False,
+                                deltas=None)  # fmt: skip
+        pool.version += 1
+        files.publish(base, pool.version)
+        files.close()
+    assert served_versions(pool) == [pool.version] * 2
+    assert ([fresh_outputs(pool, r) for r in pool.replicas], checksums(pool)) == via_transfer
+
+
 def served_version(replica: LocalVllmReplica) -> int:
     response = httpx.get(f"{replica.url}/v1/weights/version", timeout=30)
     return int(response.json()["weight_version"])
@@ -596,6 +662,60 @@ def test_a_replica_that_joins_between_two_deltas_catches_up_and_is_sampled_from(
         log.info("scale-up: the new replica was in the trainer's endpoints %.1fs after the "
                  "pool listed it", joined_s)  # fmt: skip
         assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor)
+        assert len(set(checksums(pool))) == 1
+        publisher.close()
+
+
+def test_a_joining_replica_refuses_a_damaged_delta_and_joins_at_the_version_before(
+    vllm_pool: Pool,
+) -> None:
+    """Pull on join over a delta chain whose newest link is damaged (a byte of the delta's
+    file flipped after commit). The restarting replica refuses that version, says so in its
+    first ready /health, and joins at the newest version that verifies -- full + the good
+    delta, rebuilt from the registry -- serving exactly what the replica that loaded it
+    serves; the trainer's next delta (over the version both hold) then applies on it."""
+    pool = vllm_pool
+    survivor, joiner = pool.replicas
+    joiner.stop()
+    scratch = pool.root / "join-damaged-scratch"
+    scratch.mkdir(exist_ok=True)
+    with pool.client(survivor) as client:
+        publisher = WeightPublisher(pool.registry, pool.registry_uri, client, scratch,
+                                    shared=False)  # fmt: skip
+        kinds: list[str] = []
+        for seed in (81, 82):
+            pool.perturb(seed)
+            pool.version += 1
+            publisher.publish(pool.policy, pool.version)
+            kinds.append(publisher.last_kind)
+        assert kinds == ["full", "delta"]
+        good = pool.version
+        expected = outputs(pool, survivor)
+        base = pool.policy.save_weights(scratch / "good", weights_only=True)
+        assert base is not None
+        pool.perturb(83)
+        new = pool.policy.save_weights(scratch / "damaged", weights_only=True)
+        assert new is not None
+        damaged = good + 1
+        commit_delta(pool, damaged, good, base, new, scratch)
+        damage_committed(pool, damaged, "delta.safetensors")
+        pool.version = damaged  # the trainer's next version number comes after it
+
+        joiner.start()
+        health = joiner.wait_ready(timeout_s=2400)
+        assert health["weight_version"] == good
+        assert health["refused_versions"] == [damaged]
+        assert f"refused weights v{damaged}" in joiner.log_path.read_text()
+        assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor) == expected
+        assert len(set(checksums(pool))) == 1
+
+        pool.version += 1
+        with pool.client() as both:
+            publisher.client = both
+            publisher.publish(pool.policy, pool.version)  # its base: `good`, not the damaged one
+        assert publisher.last_kind == "delta"
+        assert served_versions(pool) == [pool.version, pool.version]
+        assert fresh_outputs(pool, joiner) == fresh_outputs(pool, survivor) != expected
         assert len(set(checksums(pool))) == 1
         publisher.close()
 

@@ -190,6 +190,62 @@ def test_publish_records_where_its_time_went_and_transfer_falls_back_to_files(
     direct.close()
 
 
+def _two_rank_publisher(
+    rank: int, port: int, model: str, url: str, root: str, results: dict[str, Any]
+) -> None:
+    """One Gloo rank of a sharded trainer publishing twice with the direct transfer asked
+    for, to a server without it: every rank must fall back together (no rank left waiting
+    in a gather the others skipped) and the second publish must not try again."""
+    import os
+
+    import torch.distributed as dist
+
+    from posttrain.trainer.model.policy import RankInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    policy = Policy(Path(model), learning_rate=1e-3, rank=RankInfo(rank, 2, rank))
+    assert policy.sharded
+    scratch = Path(root) / f"rank{rank}"
+    scratch.mkdir()
+    with RolloutClient([url], timeout_s=120) as client:
+        publisher = WeightPublisher(None, "unused://", client, scratch, shared=True,
+                                    deltas=None, transfer_bucket_bytes=1 << 20)  # fmt: skip
+        seen = []
+        for version in (1, 2):
+            publisher.publish(policy, version)
+            seen.append((publisher.transport, sorted(publisher.last_phases)))
+        results[f"rank{rank}"] = seen
+        publisher.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned ranks loading torch + a tiny model: ~1 min on 2 loaded cores
+def test_two_ranks_asking_for_a_direct_transfer_fall_back_to_files_together(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path
+) -> None:
+    """A sharded trainer (two Gloo ranks): rank 0's transfer is refused by the server (the
+    CPU engine has no /v1/weights/transfer), it walks the remaining gathers, the ranks agree
+    and all publish through the shared file, which the server then serves."""
+    import torch.multiprocessing as mp
+
+    from posttrain.processes import free_port
+
+    results = mp.Manager().dict()
+    (url,) = client.urls
+    mp.spawn(_two_rank_publisher,
+             args=(free_port(), str(tiny_model), url, str(tmp_path), results),
+             nprocs=2, join=True)  # fmt: skip
+    assert results["rank0"] == [
+        ("shared", ["load", "transfer", "write"]),  # refused, then the file
+        ("shared", ["load", "write"]),  # not tried again
+    ]
+    assert [transport for transport, _ in results["rank1"]] == ["shared", "shared"]
+    single = Policy(tiny_model, learning_rate=1e-3)  # the ranks published it unchanged
+    assert _served_matches(single, client) == (2, True)
+
+
 class _RecordingClient:
     """The real client, plus when each batch's sampling started and finished."""
 

@@ -45,6 +45,7 @@ from prometheus_client import Counter, Histogram
 
 from posttrain.api import env
 from posttrain.telemetry import get_tracer, timed
+from posttrain.trainer.model.dist_context import DistContext
 
 log = logging.getLogger(__name__)
 tracer = get_tracer(__name__)
@@ -245,8 +246,9 @@ class WeightPublisher:
                             weights_only=weights_only,
                             dtype=self.dtype,
                         )
-                    self._publish_registry(local, version, load=False, metadata=metadata)
-                    shutil.rmtree(local, ignore_errors=True)
+                    if local is not None:  # rank 0; the others only took part in the gathers
+                        self._publish_registry(local, version, load=False, metadata=metadata)
+                        shutil.rmtree(local, ignore_errors=True)
             else:
                 with self._phase("write"):
                     local = self._write(policy, version, weights_only=weights_only)
@@ -294,17 +296,47 @@ class WeightPublisher:
 
     def _transfer(self, policy: Any, version: int) -> bool:
         """Stream ``policy``'s weights straight into every replica's memory; False (and the
-        files from now on) when that is off or a replica cannot take it. One trainer rank
-        only: with several, every rank would have to follow rank 0's fallback."""
+        files from now on) when that is off or a replica cannot take it.
+
+        Collective with several trainer ranks: every rank walks :meth:`Policy.full_weights`
+        (each tensor is an all-gather), rank 0 alone packs and sends. If rank 0's transfer
+        fails part way, it still walks the rest of the gathers, so every rank has taken
+        part in the same collectives, and then every rank learns the outcome (one
+        all-reduce) and falls back to the files together.
+        """
+        from posttrain.rollout.client import RolloutError
+
+        if self.transfer_bucket_bytes is None:
+            return False
+        rank = getattr(policy, "rank", None)
+        world_size = int(getattr(rank, "world_size", 1))
+        main = int(getattr(rank, "rank", 0)) == 0
+        # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
+        device = getattr(getattr(policy, "plan", None), "device", None) or "cpu"
+        weights = policy.full_weights(None, device)
+        failure: RolloutError | None = None
+        if main:
+            failure = self._send(weights, version, device)
+        for _ in weights:  # the gathers rank 0 did not take (all of them on other ranks)
+            pass
+        failed = DistContext(world_size=world_size).any_rank(failure is not None)
+        if failed:
+            log.info("direct weight transfer unavailable (%s); publishing through shared "
+                     "files from now on",
+                     failure or "it failed on trainer rank 0")  # fmt: skip
+            self.transfer_bucket_bytes = None
+            self._close_stream()
+            return False
+        return True
+
+    def _send(self, weights: Any, version: int, device: Any) -> Any:
+        """Rank 0's half of :meth:`_transfer`: pack ``weights`` into the staging buckets and
+        have every replica load them. Returns the ``RolloutError`` that stopped it, or
+        None; ``weights`` may be left part-consumed."""
         from posttrain.rollout.client import RolloutError
         from posttrain.rollout.weight_transfer import BucketStream
 
-        rank = getattr(policy, "rank", None)
-        if self.transfer_bucket_bytes is None or getattr(rank, "world_size", 1) != 1:
-            return False
         if self._stream is None:
-            # A trainer on a GPU stages on it (CUDA IPC to a vLLM replica on that GPU node).
-            device = getattr(getattr(policy, "plan", None), "device", None) or "cpu"
             self._stream = BucketStream(self.transfer_bucket_bytes, device, dtype=self.dtype)
             atexit.register(self._stream.close)  # /dev/shm is RAM
         stream = self._stream
@@ -313,19 +345,15 @@ class WeightPublisher:
                 self.client.transfer_weights(
                     version,
                     # In the trainer's dtype: the stream casts while it packs (no temporaries).
-                    stream.updates(policy.full_weights(None, stream.device)),
+                    stream.updates(weights),
                     device=stream.device.type,
                 )
         except RolloutError as exc:
-            log.info("direct weight transfer unavailable (%s); publishing through shared "
-                     "files from now on", exc)  # fmt: skip
-            self.transfer_bucket_bytes = None
-            self._close_stream()
-            return False
+            return exc
         self.last_phases["gather"] = stream.gather_seconds
         self.last_phases["pack"] = stream.pack_seconds
         self.last_bytes += stream.bytes
-        return True
+        return None
 
     def _write(self, policy: Any, version: int, *, weights_only: bool) -> Path | None:
         """The version as an HF directory (in ``self.dtype`` when set): in tmpfs when
