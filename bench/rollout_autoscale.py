@@ -49,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -234,7 +235,12 @@ class ReplicaProcesses:
 class DemandShift(RolloutClient):
     """The trainer's client, asking for ``tokens_after`` tokens per completion from batch
     ``change_at + 1`` on: the demand change. The batch is read from the sampling seed the
-    trainer gives it (``RolloutFeed.submit_ahead``: ``seed * 1_000_003 + batch``)."""
+    trainer gives it (``RolloutFeed.submit_ahead``: ``seed * 1_000_003 + batch``).
+
+    It also times each weight load (the publish's wait for every replica to serve the new
+    version): a replica swaps weights only once its running batch is done, so with
+    ``maxPolicyLag >= 1`` a publish waits there for the next batch's sampling.
+    """
 
     def __init__(
         self, urls: list[str], *, run_seed: int, change_at: int, tokens: tuple[int, int],
@@ -242,11 +248,17 @@ class DemandShift(RolloutClient):
     ) -> None:  # fmt: skip
         super().__init__(urls, **kwargs)
         self.run_seed, self.change_at, self.tokens = run_seed, change_at, tokens
+        self.load_seconds: dict[int, float] = {}  # weight version (= step) -> seconds
 
     def generate(self, prompt_token_ids: list[list[int]], params: Any) -> Any:
         batch = params.seed - self.run_seed * 1_000_003
         tokens = self.tokens[0] if batch <= self.change_at else self.tokens[1]
         return super().generate(prompt_token_ids, replace(params, max_tokens=tokens))
+
+    def load_weights(self, uri: str, version: int) -> None:
+        started = time.monotonic()
+        super().load_weights(uri, version)
+        self.load_seconds[version] = time.monotonic() - started
 
 
 class SignalTap(LocalStatusReporter):
@@ -351,6 +363,7 @@ class Outcome:
     steps: int
     seconds: float
     wait: tuple[float, float, float]  # fraction overall, before, after the change
+    publish: tuple[float, float, float]  # the weight loads' share of step time, the same
     phase_seconds: tuple[float, float]
     mean_replicas: tuple[float, float, float]  # overall, before, after
     start: float = 0.0  # time.time() of the first step's start
@@ -368,7 +381,8 @@ def trainer_spec(model: Path, args: argparse.Namespace) -> TrainingRunSpec:
         "algorithm": {
             "groupSize": args.group_size, "promptsPerStep": args.prompts, "maxSteps": args.steps,
             "learningRate": 1e-5, "maxNewTokens": max(args.tokens_before, args.tokens_after),
-            "microBatchSize": args.micro_batch, "dynamicSampling": False, "maxPolicyLag": 1,
+            "microBatchSize": args.micro_batch, "dynamicSampling": False,
+            "maxPolicyLag": args.max_policy_lag,
             "seed": 0,
         },
         "domains": [{"name": "arithmetic", "dataset": "builtin:arithmetic",
@@ -399,6 +413,13 @@ def wait_fraction(metrics: list[dict[str, Any]]) -> float:
     """Seconds blocked on rollouts over step seconds, as the trainer's window sums them."""
     total = sum(m["step_seconds"] for m in metrics)
     return sum(m["rollout_wait_seconds"] for m in metrics) / total if total else 0.0
+
+
+def load_fraction(metrics: list[dict[str, Any]], load_seconds: dict[int, float]) -> float:
+    """Seconds the steps' publishes waited for the replicas to load, over step seconds."""
+    total = sum(m["step_seconds"] for m in metrics)
+    loads = sum(load_seconds.get(m["weight_version"], 0.0) for m in metrics)
+    return loads / total if total else 0.0
 
 
 def run_configuration(
@@ -439,12 +460,12 @@ def run_configuration(
         if client is not None:
             client.close()
         processes.close()
-    return summarize(name, load_metrics(out), tap, processes, reconciler, args)
+    return summarize(name, load_metrics(out), tap, processes, reconciler, client, args)
 
 
 def summarize(
     name: str, metrics: list[dict[str, Any]], tap: SignalTap, processes: ReplicaProcesses,
-    reconciler: BenchReconciler | None, args: argparse.Namespace,
+    reconciler: BenchReconciler | None, client: DemandShift, args: argparse.Namespace,
 ) -> Outcome:  # fmt: skip
     """The run's window: from its first step's start to its last step's report."""
     end = tap.reported_at[args.steps]
@@ -460,6 +481,7 @@ def summarize(
     return Outcome(
         name, len(metrics), end - start,
         (wait_fraction(metrics), wait_fraction(before), wait_fraction(after)),
+        tuple(load_fraction(part, client.load_seconds) for part in (metrics, before, after)),
         (change - start, end - change),
         (mean_replicas(start, end), mean_replicas(start, change), mean_replicas(change, end)),
         start,
@@ -471,9 +493,11 @@ def summarize(
 
 def print_outcome(outcome: Outcome) -> None:
     wait, before, after = outcome.wait
+    load, load_before, load_after = outcome.publish
     mean, mean_before, mean_after = outcome.mean_replicas
     print(f"  {outcome.name}: rollout wait {wait:.3f} of step time ({before:.3f} before the "
-          f"change, {after:.3f} after); mean replicas {mean:.2f} ({mean_before:.2f} before, "
+          f"change, {after:.3f} after); weight loads {load:.3f} ({load_before:.3f}, "
+          f"{load_after:.3f}); mean replicas {mean:.2f} ({mean_before:.2f} before, "
           f"{mean_after:.2f} after); {outcome.steps_per_second:.3f} steps/s ({outcome.steps} "
           f"steps in {outcome.seconds:.0f}s: {outcome.phase_seconds[0]:.0f}s before, "
           f"{outcome.phase_seconds[1]:.0f}s after)")  # fmt: skip
@@ -486,27 +510,29 @@ def print_outcome(outcome: Outcome) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--change-at", type=int, default=None, help="default: steps / 2")
-    parser.add_argument("--tokens-before", type=int, default=16)
+    parser.add_argument("--tokens-before", type=int, default=8)
     parser.add_argument("--tokens-after", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-policy-lag", type=int, default=1, help="algorithm.maxPolicyLag")
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--min", type=int, default=1, help="autoscaling.minReplicas")
     parser.add_argument("--max", type=int, default=4, help="autoscaling.maxReplicas")
     parser.add_argument("--target", type=float, default=0.1, help="targetRolloutWaitFraction")
     parser.add_argument("--period", type=float, default=5.0, help="autoscaler period, s")
     parser.add_argument("--scale-down-window", type=int, default=30, help="seconds")
-    parser.add_argument("--cpu-per-replica", type=float, default=0.25, help="CFS quota, cores")
+    parser.add_argument("--cpu-per-replica", type=float, default=0.125, help="CFS quota, cores")
     parser.add_argument("--trainer-cpu", type=float, default=1.0, help="CFS quota, cores")
     parser.add_argument("--layers", type=int, default=2, help="of the tiny model")
     parser.add_argument("--hidden", type=int, default=64, help="of the tiny model")
     parser.add_argument("--only", choices=["min", "max", "autoscaled"], action="append")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 16 steps")
+    parser.add_argument("--keep", action="store_true", help="keep the runs' outputs")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 10 steps")
     args = parser.parse_args()
     if args.quick:
-        args.steps, args.period, args.scale_down_window = 16, 2.0, 10
+        args.steps, args.tokens_after, args.period, args.scale_down_window = 10, 32, 2.0, 10
     args.change_at = args.change_at or args.steps // 2
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
@@ -528,7 +554,7 @@ def main() -> int:
               f"{args.cpu_per_replica:g} core per replica (CFS quota), trainer "
               f"{args.trainer_cpu:g} core, {torch.get_num_threads()} torch thread(s)")  # fmt: skip
         print(f"run: {args.steps} RL steps of {args.prompts} prompts x {args.group_size}, "
-              f"maxPolicyLag 1; completions {args.tokens_before} tokens, from step "
+              f"maxPolicyLag {args.max_policy_lag}; completions {args.tokens_before} tokens, from step "
               f"{args.change_at + 1} on {args.tokens_after}")  # fmt: skip
         print(
             f"autoscaling: minReplicas {args.min}, maxReplicas {args.max}, "
@@ -547,6 +573,10 @@ def main() -> int:
             print_outcome(outcomes[name])
     finally:
         trainer_limit.close()
+        if args.keep:
+            print(f"outputs kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     print("summary:")
     for outcome in outcomes.values():
         print_outcome(outcome)
