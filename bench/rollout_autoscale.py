@@ -12,14 +12,14 @@ The parts are the real ones:
 * **replicas**: ``posttrain serve`` processes (the CPU engine), each in its own cgroup-v1
   CPU group with a CFS quota of ``--cpu-per-replica`` cores, which is what
   ``resources.limits.cpu`` gives a pod's container. With a quota the replicas' capacities
-  add up (four quarter-core replicas are one core, whatever the machine has), which an
+  add up (four eighth-core replicas are half a core, whatever the machine has), which an
   unlimited process on a small machine does not give: each added replica would take cores
   from the others. A replica started for a scale-up starts under its quota too (imports,
   model load, pull on join from ``--weights-uri``), as a pod does; one removed by a
   scale-down gets SIGTERM and drains what it is generating, as from the kubelet;
 * **the trainer**: :func:`posttrain.trainer.run.loop.train`, the loop ``posttrain run``
-  runs, with its own rollout producer (``maxPolicyLag: 1``: the next batch samples while
-  the current one trains), its weight publisher (shared memory, every replica on this
+  runs, with its own rollout producer (``--max-policy-lag``, default 1: the next batch
+  samples while the current one trains), its weight publisher (shared memory, every replica on this
   host) and :class:`~posttrain.trainer.observe.rollout_wait.RolloutWaitWindow`, which
   measures the wait and reports ``status.rolloutWait``. It follows the pool as in a cluster
   (``follow_pool`` over the ready replicas, ``catch_up`` before a joiner is sampled from)
@@ -38,10 +38,13 @@ The parts are the real ones:
 The controller period (5 s instead of the HPA's 15 s) and the scale-down window (30 s
 instead of 300 s) are shortened so that a run of a few minutes can show a decision and its
 effect; in a cluster a scale-up also waits for scheduling and an image pull, and a vLLM
-replica on a GPU loads for longer than a tiny model on a quarter core.
+replica on a GPU loads for longer than a tiny model on an eighth of a core. Results and
+what they show: docs/benchmarks.md, "Autoscaling under a demand change".
 
-    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py            # ~12 min
-    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py --quick    # ~3 min
+    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py            # ~8 min
+    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py --quick    # ~2 min
+
+It needs root and cgroup v1's cpu controller (``/sys/fs/cgroup/cpu``).
 """
 
 from __future__ import annotations
