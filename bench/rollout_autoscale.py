@@ -124,7 +124,7 @@ class Replica:
     index: int
     url: str
     process: subprocess.Popen[bytes]
-    limit: CpuLimit
+    limit: CpuLimit | None  # None: no CPU limit (tests)
     started: float  # time.time()
     ready_at: float | None = None
     draining_at: float | None = None
@@ -155,7 +155,9 @@ class ReplicaProcesses:
 
     def _start(self) -> Replica:
         index = len(self.replicas)
-        limit = CpuLimit(f"posttrain-asbench-{os.getpid()}-{index}", self.cores)
+        limit = (
+            CpuLimit(f"posttrain-asbench-{os.getpid()}-{index}", self.cores) if self.cores else None
+        )
         port = free_port()
         log = (self.log_dir / f"replica-{index}.log").open("wb")
         process = subprocess.Popen(
@@ -164,7 +166,8 @@ class ReplicaProcesses:
              "--threads", "1"],
             env=dict(os.environ, POSTTRAIN_NUM_THREADS="1"), stdout=log, stderr=log,
         )  # fmt: skip
-        limit.add(process.pid)  # within milliseconds of its start, before its imports
+        if limit is not None:
+            limit.add(process.pid)  # within milliseconds of its start, before its imports
         replica = Replica(index, f"http://127.0.0.1:{port}", process, limit, time.time())
         self.replicas.append(replica)
         return replica
@@ -231,7 +234,8 @@ class ReplicaProcesses:
             except subprocess.TimeoutExpired:
                 replica.process.kill()
                 replica.process.wait(timeout=10)
-            replica.limit.close()
+            if replica.limit is not None:
+                replica.limit.close()
         self._http.close()
 
 
@@ -526,7 +530,9 @@ def main() -> int:
     parser.add_argument("--target", type=float, default=0.1, help="targetRolloutWaitFraction")
     parser.add_argument("--period", type=float, default=5.0, help="autoscaler period, s")
     parser.add_argument("--scale-down-window", type=int, default=30, help="seconds")
-    parser.add_argument("--cpu-per-replica", type=float, default=0.125, help="CFS quota, cores")
+    parser.add_argument(
+        "--cpu-per-replica", type=float, default=0.125, help="CFS quota, cores (0: none)"
+    )
     parser.add_argument("--trainer-cpu", type=float, default=1.0, help="CFS quota, cores")
     parser.add_argument("--layers", type=int, default=2, help="of the tiny model")
     parser.add_argument("--hidden", type=int, default=64, help="of the tiny model")
