@@ -60,7 +60,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -74,7 +74,6 @@ from posttrain.operator.rolloutpool.autoscaler import autoscale_pool
 from posttrain.operator.shared.state import Store
 from posttrain.rollout.client import RolloutClient
 from posttrain.rollout.discovery import follow_pool
-from posttrain.trainer.observe.rollout_wait import RolloutWaitWindow
 from posttrain.trainer.observe.status import LocalStatusReporter, RunStatus
 from posttrain.trainer.observe.step_metrics import load_metrics
 from posttrain.trainer.run.loop import train
@@ -271,33 +270,17 @@ class DemandShift(RolloutClient):
 
 class SignalTap(LocalStatusReporter):
     """``status.json`` as a local run writes it, keeping the last ``status.rolloutWait`` (what
-    the operator reads from the TrainingRun) and when each step was reported.
+    the operator reads from the TrainingRun) and when each step was reported."""
 
-    ``with_loads`` (``--signal wait+loads``, an experiment, not what the trainer reports):
-    the signal is instead the same window over each step's rollout wait *plus* the seconds
-    its publish waited for the replicas' weight loads (``DemandShift.load_seconds``).
-    """
-
-    def __init__(self, out_dir: Path, with_loads: DemandShift | None = None) -> None:
+    def __init__(self, out_dir: Path) -> None:
         super().__init__(out_dir)
         self.rollout_wait: dict[str, Any] | None = None
         self.reported_at: dict[int, float] = {}  # step -> time.time()
-        self.with_loads = with_loads
-        self._window = RolloutWaitWindow()
 
     def report(self, status: RunStatus) -> None:
         super().report(status)
         self.rollout_wait = dict(status.rollout_wait) if status.rollout_wait else None
-        new_step = status.step not in self.reported_at
         self.reported_at.setdefault(status.step, time.time())
-        if self.with_loads is not None and new_step and status.step > 0:
-            step = load_metrics(self.path.parent)[-1]  # written before the step's report
-            loads = self.with_loads.load_seconds.get(step["weight_version"], 0.0)
-            started = datetime.now(UTC) - timedelta(seconds=step["step_seconds"])
-            self._window.record(step["rollout_wait_seconds"] + loads, step["step_seconds"],
-                                started)  # fmt: skip
-        if self.with_loads is not None:
-            self.rollout_wait = self._window.to_wire()
 
 
 @dataclass
@@ -467,7 +450,7 @@ def run_configuration(
             tokens=(args.tokens_before, args.tokens_after), timeout_s=300,
             max_in_flight=args.prompts, discover=processes.endpoints,
         )  # fmt: skip
-        tap = SignalTap(out, client if args.signal == "wait+loads" else None)
+        tap = SignalTap(out)
         following = follow_pool(client, processes.endpoints)  # the trainer's, 5 s
         if autoscaled:
             reconciler = BenchReconciler(
@@ -554,11 +537,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=2, help="of the tiny model")
     parser.add_argument("--hidden", type=int, default=64, help="of the tiny model")
     parser.add_argument("--only", choices=["min", "max", "autoscaled"], action="append")
-    parser.add_argument(
-        "--signal", choices=["rolloutWait", "wait+loads"], default="rolloutWait",
-        help="what the autoscaler reads: the trainer's status.rolloutWait, or (an experiment) "
-        "the same window with each publish's wait for the replicas' weight loads added",
-    )  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the runs' outputs")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 10 steps")
     args = parser.parse_args()
@@ -572,7 +550,7 @@ def main() -> int:
     args = parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
-    print(f"command: {' '.join(sys.argv)}")
+    print(f"command: {' '.join(sys.orig_argv)}")
     print(f"date: {datetime.now().astimezone().isoformat(timespec='seconds')}  commit: {commit}")
     print(f"load before: {Path('/proc/loadavg').read_text().strip()}  cores: {os.cpu_count()}")
 

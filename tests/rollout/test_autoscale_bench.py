@@ -31,7 +31,7 @@ def test_a_waiting_trainer_makes_the_autoscaler_add_replicas(
     args = argparse.Namespace(
         steps=6, change_at=3, tokens_before=4, tokens_after=8, prompts=2, group_size=2,
         micro_batch=4, max_policy_lag=0, min=1, max=3, target=0.1, period=0.5,
-        scale_down_window=300, cpu_per_replica=0, signal="rolloutWait",  # no CPU limit: no root
+        scale_down_window=300, cpu_per_replica=0,  # no CPU limit: no root needed
     )  # fmt: skip
     outcome = bench.run_configuration("autoscaled", 1, True, tiny_model_dir, args, tmp_path)
     assert outcome.steps == 6
