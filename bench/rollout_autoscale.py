@@ -41,8 +41,8 @@ effect; in a cluster a scale-up also waits for scheduling and an image pull, and
 replica on a GPU loads for longer than a tiny model on an eighth of a core. Results and
 what they show: docs/benchmarks.md, "Autoscaling under a demand change".
 
-    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py            # ~8 min
-    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py --quick    # ~2 min
+    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py            # ~9 min
+    PYTHONPATH=$PWD .venv/bin/python bench/rollout_autoscale.py --quick    # ~3 min
 
 It needs root and cgroup v1's cpu controller (``/sys/fs/cgroup/cpu``).
 """
