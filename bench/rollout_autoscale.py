@@ -101,13 +101,6 @@ class CpuLimit:
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
 
-    def throttled_seconds(self) -> float:
-        for line in (self.path / "cpu.stat").read_text().splitlines():
-            key, value = line.split()
-            if key == "throttled_time":
-                return int(value) / 1e9
-        return 0.0
-
     def close(self) -> None:
         if not self.path.exists():
             return
@@ -322,7 +315,6 @@ class BenchReconciler:
         self.run_spec = run_spec.to_wire()
         self.state = SimpleNamespace(runs=Store(), kube=PoolScaleWriter(pool_body, processes))
         self.events: list[ScaleEvent] = []
-        self.decisions: list[tuple[float, str]] = []  # (time.time(), reason) of every tick
         self._version = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="autoscaler", daemon=True)
@@ -356,8 +348,6 @@ class BenchReconciler:
             status["autoscaling"] = (
                 {k: v for k, v in wire.items() if v is not None} if wire else None
             )
-        reason = (self.pool_body.get("status") or {}).get("autoscaling", {}).get("reason", "")
-        self.decisions.append((time.time(), reason))
         for event in result.events:
             self.events.append(ScaleEvent(time.time(), event.reason, event.message))
             print(f"    step {max(self.tap.reported_at, default=0)}: {event.reason}: "
