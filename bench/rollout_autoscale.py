@@ -152,13 +152,13 @@ class ReplicaProcesses:
             CpuLimit(f"posttrain-asbench-{os.getpid()}-{index}", self.cores) if self.cores else None
         )
         port = free_port()
-        log = (self.log_dir / f"replica-{index}.log").open("wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "posttrain", "serve", "--model", str(self.model),
-             "--weights-uri", self.weights_uri, "--host", "127.0.0.1", "--port", str(port),
-             "--threads", "1"],
-            env=dict(os.environ, POSTTRAIN_NUM_THREADS="1"), stdout=log, stderr=log,
-        )  # fmt: skip
+        with (self.log_dir / f"replica-{index}.log").open("wb") as log:  # the child keeps it
+            process = subprocess.Popen(
+                [sys.executable, "-m", "posttrain", "serve", "--model", str(self.model),
+                 "--weights-uri", self.weights_uri, "--host", "127.0.0.1", "--port", str(port),
+                 "--threads", "1"],
+                env=dict(os.environ, POSTTRAIN_NUM_THREADS="1"), stdout=log, stderr=log,
+            )  # fmt: skip
         if limit is not None:
             limit.add(process.pid)  # within milliseconds of its start, before its imports
         replica = Replica(index, f"http://127.0.0.1:{port}", process, limit, time.time())
