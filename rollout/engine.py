@@ -102,7 +102,8 @@ class _Sequence:
 class _WeightSwap:
     state_dict: dict[str, torch.Tensor]
     version: int
-    done: concurrent.futures.Future[None]
+    done: concurrent.futures.Future[float]
+    queued_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -246,9 +247,11 @@ class GenerationEngine:
 
     def swap_weights(
         self, state_dict: dict[str, torch.Tensor], version: int
-    ) -> concurrent.futures.Future[None]:
-        """Install new weights once the running batch drains; resolves when serving them."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    ) -> concurrent.futures.Future[float]:
+        """Install new weights once the running batch drains; resolves when serving them,
+        with the seconds the swap waited for that batch (what a trainer publishing with
+        rollouts still in flight waits for: part of its rollout wait)."""
+        done: concurrent.futures.Future[float] = concurrent.futures.Future()
         self._queue.put(_WeightSwap(state_dict, version, done))
         return done
 
@@ -366,6 +369,7 @@ class GenerationEngine:
 
     def _apply_swap(self, swap: _WeightSwap) -> None:
         started = time.monotonic()
+        drained = started - swap.queued_at
         try:
             copy_state_dict(self.model, swap.state_dict)
         except Exception as exc:
@@ -378,7 +382,7 @@ class GenerationEngine:
         log.info(
             "now serving weight version %d (swap %.3fs)", swap.version, time.monotonic() - started
         )
-        swap.done.set_result(None)
+        swap.done.set_result(drained)
 
     @torch.inference_mode()
     def _prefill(self, requests: list[_Request]) -> _Batch:

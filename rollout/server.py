@@ -147,8 +147,11 @@ def load_engine(state: ServerState) -> None:
         log.exception("model load failed; /health stays 503")
 
 
-def load_weights(state: ServerState, uri: str, version: int) -> float:
-    """Fetch version ``version`` from ``uri`` and swap it in; returns seconds taken."""
+def load_weights(state: ServerState, uri: str, version: int) -> dict[str, float]:
+    """Fetch version ``version`` from ``uri`` and swap it in; returns seconds per phase, as
+    the vLLM front door names them: ``fetch`` (download, digests, a delta's rebuild, the
+    read), ``drain`` (waiting for the running batch to finish) and ``reload`` (the copy
+    into the model), plus ``total``."""
     from posttrain.rollout import weights
     from posttrain.rollout.engine import read_safetensors_dir
 
@@ -163,7 +166,8 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
         path, temporary = weights.fetch_version(uri, version, state.held_root, state.held)
         try:
             state_dict = read_safetensors_dir(path)
-            state.engine.swap_weights(state_dict, version).result()
+            fetched = time.monotonic()
+            drain = state.engine.swap_weights(state_dict, version).result()
         except BaseException:
             if temporary:
                 shutil.rmtree(path, ignore_errors=True)
@@ -178,8 +182,14 @@ def load_weights(state: ServerState, uri: str, version: int) -> float:
                 shutil.rmtree(previous.directory, ignore_errors=True)
     elapsed = time.monotonic() - started
     WEIGHT_LOAD_SECONDS.observe(elapsed)
-    log.info("loaded weights v%d from %s in %.2fs", version, uri, elapsed)
-    return elapsed
+    log.info("loaded weights v%d from %s in %.2fs (waited %.2fs for the running batch)",
+             version, uri, elapsed, drain)  # fmt: skip
+    return {
+        "fetch": fetched - started,
+        "drain": drain,
+        "reload": max(elapsed - (fetched - started) - drain, 0.0),
+        "total": elapsed,
+    }
 
 
 def load_newest_verified(state: ServerState, uri: str) -> None:
@@ -330,7 +340,7 @@ async def _weights_load(state: ServerState, body: WeightLoadRequest, request: Re
         "rollout.weights_load", context=extract_context(request.headers)
     ):
         try:
-            elapsed = await asyncio.to_thread(load_weights, state, body.uri, body.version)
+            phases = await asyncio.to_thread(load_weights, state, body.uri, body.version)
         except Exception as exc:
             status = weight_load_status(exc)
             if status is None:
@@ -340,7 +350,11 @@ async def _weights_load(state: ServerState, body: WeightLoadRequest, request: Re
             return _error(status, message, "uri" if status < 500 else None)
     REQUESTS.labels("weights_load", "200").inc()
     return JSONResponse(
-        {"weight_version": body.version, "load_seconds": elapsed},
+        {
+            "weight_version": body.version,
+            "load_seconds": phases.pop("total"),
+            "phases": {k: round(v, 4) for k, v in phases.items()},
+        },
         headers={WEIGHT_VERSION_HEADER: str(body.version)},
     )
 

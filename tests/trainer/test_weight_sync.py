@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,38 @@ def test_publish_records_where_its_time_went_and_transfer_falls_back_to_files(
     assert "transfer" not in direct.last_phases  # not tried again
     assert _served_matches(policy, client) == (3, True)
     direct.close()
+
+
+def test_a_publish_counts_how_long_the_replicas_drained_the_running_batch(
+    tiny_model: Path, client: RolloutClient, tmp_path: Path
+) -> None:
+    """The CPU server swaps weights only between batches, so a publish while a completion
+    is being generated waits for it: the load's answer says so (``phases.drain``), and the
+    publisher keeps the slowest replica's (what the loop adds to the step's rollout wait).
+    The completion in flight finishes on the old version."""
+    from posttrain.processes import wait_for
+    from posttrain.rollout.engine import RUNNING_SEQUENCES
+
+    policy = Policy(tiny_model, learning_rate=1e-3)
+    publisher = WeightPublisher(None, "unused://", client, tmp_path, shared=True)
+    publisher.publish(policy, 1)  # idle server: nothing to wait for
+    assert set(client.last_load_replies[client.urls[0]]["phases"]) == {"fetch", "drain", "reload"}
+    idle_drain = publisher.last_replica_drain_seconds
+    prompt = policy.encode_prompt("Count to a thousand.")
+    params = SamplingParams(n=1, max_tokens=1500, temperature=1.0, seed=3)
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.generate, [prompt], params)
+        wait_for(lambda: RUNNING_SEQUENCES._value.get() > 0, timeout_s=60,
+                 what="the completion to start decoding", interval_s=0.01)  # fmt: skip
+        _perturb(policy, seed=9)
+        publisher.publish(policy, 2)
+        (completion,) = running.result()[0]
+    assert completion.weight_version == 1  # it ran to its end on the old weights
+    assert len(completion.token_ids) == 1500 or completion.finish_reason == "stop"
+    drained = client.last_load_replies[client.urls[0]]["phases"]["drain"]
+    assert publisher.last_replica_drain_seconds == pytest.approx(drained)
+    assert drained > idle_drain and drained > 0.01
+    publisher.close()
 
 
 def _two_rank_publisher(

@@ -207,6 +207,11 @@ class WeightPublisher:
         self.last_changed_fraction: float | None = None  # of elements, when it was compared
         # Seconds per phase of the last publish (PUBLISH_PHASES), and each replica's own.
         self.last_phases: dict[str, float] = {}
+        # The longest any replica waited, in the last publish, for the completions it was
+        # generating before it could take the weights (its "drain" phase): with rollouts
+        # sampled ahead (maxPolicyLag >= 1) this is where a short pool makes the trainer
+        # wait, so the step's rollout wait counts it (trainer/observe/rollout_wait.py).
+        self.last_replica_drain_seconds = 0.0
         # The tensors of the last registry version (the next delta's base), and how many
         # deltas in a row lead to it.
         self._base: tuple[int, Path] | None = None
@@ -229,6 +234,7 @@ class WeightPublisher:
         started = time.monotonic()
         self.last_bytes = 0
         self.last_phases = {}
+        self.last_replica_drain_seconds = 0.0
         with tracer.start_as_current_span("trainer.publish_weights") as span:
             span.set_attribute("weights.version", version)
             # A same-host server reloads only the safetensors, and cast versions are for
@@ -263,6 +269,7 @@ class WeightPublisher:
                     self._stop_sharing()
                 elif durable:
                     self._publish_registry(local, version, load=False, metadata=metadata)
+            self.last_replica_drain_seconds = self._replica_drain()
             span.set_attribute("weights.transport", self.transport)
             span.set_attribute("weights.bytes", self.last_bytes)
         PUBLISH_SECONDS.labels(self.transport).observe(time.monotonic() - started)
@@ -277,6 +284,15 @@ class WeightPublisher:
     def _phase(self, name: str) -> AbstractContextManager[None]:
         """Add the block's seconds to ``last_phases[name]``."""
         return timed(self.last_phases, name)
+
+    def _replica_drain(self) -> float:
+        """The slowest replica's ``drain`` phase in its answer to this publish's load (or
+        transfer); 0 when no replica said."""
+        replies = getattr(self.client, "last_load_replies", {}) or {}
+        return max(
+            (float((reply.get("phases") or {}).get("drain", 0.0)) for reply in replies.values()),
+            default=0.0,
+        )
 
     def _replica_phases(self) -> str:
         """Each replica's own phases of the last load, for the publish's log line."""

@@ -1,9 +1,15 @@
 """How long the trainer waits for rollouts: the demand signal a RolloutPool scales on.
 
-Rollouts are sampled in the background (``trainer/rollouts.py``); a step blocks only when
-the batch it needs is not done yet. That blocked time over the step's time is what a short
-pool costs the run, whatever the model, the output lengths or the hardware: 0 means the
-pool keeps up, 0.5 means half of every step is spent idle. The trainer writes it into
+Rollouts are sampled in the background (``trainer/rollouts.py``); a step blocks when the
+batch it needs is not done yet, and -- with batches sampled ahead (``maxPolicyLag >= 1``)
+-- when it publishes while the replicas are still generating the next batch: a replica
+takes new weights only between batches, so the publish waits for that sampling (the
+slowest replica's ``drain`` phase). Both are time the trainer sat idle for want of
+rollout capacity, and the step loop adds them. That blocked time over the step's time is
+what a short pool costs the run, whatever the model, the output lengths or the hardware:
+0 means the pool keeps up, 0.5 means half of every step is spent idle. The first step a
+trainer process runs with batches sampled ahead is left out of the window: nothing could
+be sampled ahead of it, so its wait is a cold start's, not the pool's. The trainer writes it into
 ``TrainingRun.status.rolloutWait`` after each RL step; the operator's autoscaler reads it
 (docs/rollout.md, "Autoscaling").
 """

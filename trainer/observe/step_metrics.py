@@ -71,7 +71,7 @@ class StepMetrics:
     stage_type: str = "rl"
     learning_rate: float | None = None  # the stage's schedule at this step
     masked_samples: int = 0  # a judge / reward model could not score them: not trained on
-    rollout_wait_seconds: float = 0.0  # blocked on this step's batch (status.rolloutWait)
+    rollout_wait_seconds: float = 0.0  # blocked on rollouts: take() + replicas' drain
     entropy: float | None = None  # sampled_entropy of the batch; None: it had no logprobs
 
     def to_json(self) -> dict[str, Any]:

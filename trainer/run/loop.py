@@ -217,6 +217,10 @@ def rl_stage(
     def budget_spent() -> bool:
         return wall_budget_s is not None and time.monotonic() - steps_started >= wall_budget_s
 
+    # The first step this process runs had nothing sampled ahead of it, so with rollouts
+    # sampled ahead (maxPolicyLag >= 1) its wait is a cold start's, not the pool's steady
+    # shortfall: it stays out of the autoscaling signal (metrics.jsonl still has it).
+    cold_start = run.algo.max_policy_lag >= 1
     while run.step < stop_at:
         if stop is not None and stop.is_set():  # Ctrl-C before the first step (base eval)
             return True
@@ -224,7 +228,9 @@ def rl_stage(
         with progress.step_span(run.step) as span:
             done = rl_step(run, plan, producer, run.step, stop_after_step, budget_spent)
             progress.record(done.metrics, span)
-            run.live.waits.record(done.metrics.rollout_wait_seconds, done.metrics.step_seconds)
+            if not cold_start:
+                run.live.waits.record(done.metrics.rollout_wait_seconds, done.metrics.step_seconds)
+            cold_start = False
         if after_rl_step(run, plan, done, stop):
             if done.budget_spent:
                 log.info("wall-clock budget of %.0fs spent after step %d", wall_budget_s, run.step)
@@ -310,7 +316,11 @@ def rl_step(
     metrics = rl_step_metrics(
         run, plan, batch, prepared, stats, staleness, train_started, step_started
     )
-    metrics.rollout_wait_seconds = rollout_wait_s
+    # With rollouts sampled ahead, a pool that cannot keep up makes the publish wait for the
+    # replicas to finish the next batch's completions before they take the weights: that
+    # wait is rollout wait too (it is where a short pool shows at maxPolicyLag >= 1).
+    drained = parts.publisher.last_replica_drain_seconds if stats.applied else 0.0
+    metrics.rollout_wait_seconds = rollout_wait_s + drained
     return RlStep(prepared, metrics, last, checkpoint_due, spent)
 
 
