@@ -332,7 +332,7 @@ class WeightPublisher:
         weights = policy.full_weights(None, device)
         failure: RolloutError | None = None
         if main:
-            failure = self._send(weights, version, device)
+            failure = self._send(weights, version, device, self.transfer_bucket_bytes)
         for _ in weights:  # the gathers rank 0 did not take (all of them on other ranks)
             pass
         failed = DistContext(world_size=world_size).any_rank(failure is not None)
@@ -345,7 +345,7 @@ class WeightPublisher:
             return False
         return True
 
-    def _send(self, weights: Any, version: int, device: Any) -> Any:
+    def _send(self, weights: Any, version: int, device: Any, bucket_bytes: int) -> Any:
         """Rank 0's half of :meth:`_transfer`: pack ``weights`` into the staging buckets and
         have every replica load them. Returns the ``RolloutError`` that stopped it, or
         None; ``weights`` may be left part-consumed."""
@@ -353,7 +353,7 @@ class WeightPublisher:
         from posttrain.rollout.weight_transfer import BucketStream
 
         if self._stream is None:
-            self._stream = BucketStream(self.transfer_bucket_bytes, device, dtype=self.dtype)
+            self._stream = BucketStream(bucket_bytes, device, dtype=self.dtype)
             atexit.register(self._stream.close)  # /dev/shm is RAM
         stream = self._stream
         try:
