@@ -30,6 +30,7 @@ from posttrain.api.labels import (
 from ..config import OperatorConfig
 from ..rbac import CREATE_ONLY_RESOURCES, TRAINER_RULES
 from ..rolloutpool.builders import (
+    SHM_MOUNT,
     SHM_VOLUME,
     colocated_endpoints,
     colocated_replicas,
@@ -235,16 +236,15 @@ def build_trainer_pod(
     command = _trainer_command(
         config, rank, head if on_ray else None, serves_metrics, ray_num_cpus(run)
     )
-    if run.spec.rollout.colocated is not None:
-        colocated_pool = _template_pool(run, colocated_pool)
-        rollout_endpoints = colocated_endpoints(colocated_pool, run.spec.rollout.colocated.replicas)
-        rollout_dtype = pool_serving_dtype(colocated_pool)
+    template = _template_pool(run, colocated_pool)  # None unless rollout.colocated
+    if template is not None:  # the pod's own replicas: their loopback URLs and dtype
+        rollout_endpoints, rollout_dtype = _colocated_contract(run, template)
     env = _trainer_env(
         run, config, incarnation, rank, head, on_ray, rollout_endpoints, rollout_dtype
     )
     pod_spec = _trainer_pod_spec(run, config, command, env)
-    if run.spec.rollout.colocated is not None and colocated_pool is not None:
-        add_colocated_replicas(run, config, colocated_pool, pod_spec)
+    if template is not None:
+        add_colocated_replicas(run, config, template, pod_spec)
     if nodes > 1:
         # Stable DNS for each rank through the headless Service.
         pod_spec["hostname"] = f"rank-{rank}"
@@ -401,7 +401,7 @@ def _trainer_pod_spec(
                         "mountPath": posixpath.dirname(RUN_CONFIG_PATH),
                         "readOnly": True,
                     },
-                    {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+                    {"name": SHM_VOLUME, "mountPath": SHM_MOUNT},
                     {"name": "workspace", "mountPath": "/workspace"},
                 ],
             }
@@ -417,9 +417,12 @@ def _trainer_pod_spec(
     return pod_spec
 
 
-def _template_pool(run: TrainingRun, pool: RolloutPool | None) -> RolloutPool:
-    """``pool`` when it is the run's ``rollout.pool``; BuildError (saying what to create)
-    when the colocated replicas have no template."""
+def _template_pool(run: TrainingRun, pool: RolloutPool | None) -> RolloutPool | None:
+    """``pool`` when it is the run's ``rollout.pool`` and the run colocates its replicas;
+    None when it does not; BuildError (saying what to create) when the colocated replicas
+    have no template."""
+    if run.spec.rollout.colocated is None:
+        return None
     if pool is None or pool.metadata.name != run.spec.rollout.pool:
         raise BuildError(
             f"rollout.colocated: the trainer pod needs RolloutPool {run.spec.rollout.pool!r} "
@@ -427,6 +430,13 @@ def _template_pool(run: TrainingRun, pool: RolloutPool | None) -> RolloutPool:
             f"{run.metadata.namespace!r}; create it (replicas: 0 makes it only a template)"
         )
     return pool
+
+
+def _colocated_contract(run: TrainingRun, pool: RolloutPool) -> tuple[list[str], str | None]:
+    """The trainer's rollout endpoints and serving dtype with colocated replicas of ``pool``."""
+    colocated = run.spec.rollout.colocated
+    assert colocated is not None
+    return colocated_endpoints(pool, colocated.replicas), pool_serving_dtype(pool)
 
 
 def _check_colocated_ports(config: OperatorConfig, pool: RolloutPool, replicas: int) -> None:
@@ -497,8 +507,8 @@ def trainer_pools(spec: TrainingRunSpec) -> list[str]:
     ['p', 'judge']
     """
     rollout = spec.rollout
-    own = rollout.pool and not rollout.endpoints and rollout.colocated is None
-    pools = [rollout.pool] if own and rollout.pool else []
+    own = not rollout.endpoints and rollout.colocated is None
+    pools = [rollout.pool] if rollout.pool and own else []
     pools += [e.pool for e in spec.model_scorers() if e.pool]
     return list(dict.fromkeys(pools))
 

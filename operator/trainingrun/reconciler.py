@@ -274,10 +274,7 @@ class TrainingRunReconciler:
         try:
             return builders.build_trainer_pod(run, config, incarnation, rank, **kw)
         except BuildError as exc:
-            body = self.state.runs.get(run.metadata.namespace, run.metadata.name)
-            if body is not None:
-                self.state.emit(body, [EventSpec("Warning", Reason.INVALID_SPEC, str(exc))])
-            raise RetryLater(str(exc)) from exc
+            raise self._warn_and_retry(run, Reason.INVALID_SPEC, str(exc)) from exc
 
     def _colocated_pool(self, run: TrainingRun) -> RolloutPool | None:
         """spec.rollout.pool when the run colocates its replicas (None when it does not).
@@ -295,12 +292,16 @@ class TrainingRunReconciler:
                 "the replicas in the trainer pod) does not exist; the trainer starts once it "
                 "does (replicas: 0 makes a pool only a template)"
             )
-            body = self.state.runs.get(run.metadata.namespace, run.metadata.name)
-            if body is not None:
-                self.state.emit(body, [EventSpec("Warning", Reason.ROLLOUT_POOL_NOT_FOUND,
-                                                 message)])  # fmt: skip
-            raise RetryLater(message)
+            raise self._warn_and_retry(run, Reason.ROLLOUT_POOL_NOT_FOUND, message)
         return pool
+
+    def _warn_and_retry(self, run: TrainingRun, reason: str, message: str) -> RetryLater:
+        """A Warning Event on the run saying ``message``, and the RetryLater to raise: the
+        reconcile is retried with backoff until what it waits for is fixed."""
+        body = self.state.runs.get(run.metadata.namespace, run.metadata.name)
+        if body is not None:
+            self.state.emit(body, [EventSpec("Warning", reason, message)])
+        return RetryLater(message)
 
     def _own_pods(self, run: TrainingRun) -> list[Body]:
         """The trainer pods of this run *object*. Pods of a deleted run of the same name
