@@ -12,7 +12,9 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
    into the model through vLLM's weight-transfer API, rollout/weight_transfer.py);
    With ``--s3`` the registry is a real MinIO on this host instead (``s3://``, the row
    named s3): every replica downloads the version (parallel ranged GETs above 64 MiB),
-   verifies its digests and reloads: the path of a RolloutPool on other nodes;
+   verifies its digests and reloads: the path of a RolloutPool on other nodes; and the
+   row **s3-stream**: the same registry, every replica streaming the version into vLLM
+   while it downloads (``stream=True``, docs/rollout.md "Streamed loads");
 4. **vLLM from memory**: the same version's tensors staged in every replica's worker
    memory beforehand, then vLLM's own in-place reload (``Worker.reload_weights``) on every
    replica at once through the worker extension, timed in the worker and end to end.
@@ -128,7 +130,8 @@ def main() -> int:
                          cpu_cores=str(i % cores) if args.bind_cores else None)
         for i in range(args.replicas)
     ]  # fmt: skip
-    modes = ("s3" if args.s3 else "registry", "shared", "transfer")
+    modes = ("s3", "s3-stream", "shared", "transfer") if args.s3 else ("registry", "shared",
+                                                                        "transfer")  # fmt: skip
     rows: dict[str, list[float]] = {m: [] for m in (*modes, "memory", "memory_w")}
     try:
         for replica in replicas:
@@ -141,10 +144,12 @@ def main() -> int:
         with RolloutClient([r.url for r in replicas], timeout_s=1800) as client:
             publishers = {
                 name: WeightPublisher(registry, registry_uri, client, work / "scratch",
-                                      shared=name != modes[0], dtype=torch.bfloat16,
-                                      deltas=None, transfer_bucket_bytes=bucket)
-                for name, bucket in ((modes[0], None), ("shared", None),
-                                     ("transfer", args.bucket_mib << 20))
+                                      shared=name in ("shared", "transfer"),
+                                      dtype=torch.bfloat16, deltas=None,
+                                      transfer_bucket_bytes=(args.bucket_mib << 20
+                                                             if name == "transfer" else None),
+                                      stream={"s3": False, "s3-stream": True}.get(name))
+                for name in modes
             }  # fmt: skip
             version = 0
             for round_ in range(args.rounds):
@@ -156,7 +161,8 @@ def main() -> int:
                     seconds = time.perf_counter() - mark
                     served = client.weight_versions()
                     assert set(served.values()) == {version}, served
-                    assert publisher.transport == name.replace("s3", "registry")
+                    assert publisher.transport == ("registry" if name.startswith("s3")
+                                                   else name)  # fmt: skip
                     rows[name].append(seconds)
                     print(f"round {round_} v{version} {name:8s} {seconds:6.2f}s "
                           f"{publisher.last_bytes / 1e6:6.1f} MB  trainer: "

@@ -215,8 +215,12 @@ class RolloutClient:
 
     # ------------------------------------------------------------------ weights / health
 
-    def load_weights(self, uri: str, version: int) -> None:
+    def load_weights(self, uri: str, version: int, *, stream: bool | None = None) -> None:
         """Make every endpoint serve ``version``; raises RolloutError naming the failures.
+
+        ``stream`` is passed to each vLLM replica (``WeightLoadRequest.stream``: stream a
+        full ``s3://`` version into the engine as it downloads, download it first, or let
+        the replica choose when None).
 
         With ``discover``, a replica that could not be reached and has left the pool's
         ready set by the time the others are done (it crashed or is being replaced) does
@@ -231,7 +235,7 @@ class RolloutClient:
             with tracer.start_as_current_span("rollout.load_weights") as span:
                 span.set_attribute("weights.version", version)
                 self.last_load_replies = {}
-                failures = self._load_on(list(self._endpoints), uri, version)
+                failures = self._load_on(list(self._endpoints), uri, version, stream)
                 deadline = time.monotonic() + self.rejoin_wait_s
                 while failures and self.discover is not None:
                     refused = {u: e for u, e in failures.items() if not isinstance(e, _Retryable)}
@@ -248,7 +252,7 @@ class RolloutClient:
                     retry = [e for e in self._endpoints if e.url in failures]
                     if retry:
                         log.info("retrying weights v%d on %s", version, [e.url for e in retry])
-                        failures = self._load_on(retry, uri, version)
+                        failures = self._load_on(retry, uri, version, stream)
                 if failures:
                     reasons = {u: str(e) for u, e in failures.items()}
                     raise RolloutError(f"loading weights v{version} from {uri} failed on {reasons}")
@@ -370,17 +374,22 @@ class RolloutClient:
                     self.set_endpoints(urls)
         return self.urls
 
-    def _load_on(self, endpoints: list[_Endpoint], uri: str, version: int) -> dict[str, Exception]:
+    def _load_on(
+        self, endpoints: list[_Endpoint], uri: str, version: int, stream: bool | None = None
+    ) -> dict[str, Exception]:
         """POST the load to ``endpoints`` in parallel; the failures by URL."""
         carrier = {**inject_headers(), **auth_headers()}  # the pool's weight token
         failures: dict[str, Exception] = {}
+        body: dict[str, Any] = {"uri": uri, "version": version}
+        if stream is not None:  # servers from before the field refuse unknown fields
+            body["stream"] = stream
 
         def load(endpoint: _Endpoint) -> None:
             try:
                 self.last_load_replies[endpoint.url] = self._post_to(
                     endpoint,
                     "/v1/weights/load",
-                    {"uri": uri, "version": version},
+                    body,
                     carrier,
                     timeout_s=max(self._timeout_s, 600.0),
                 )

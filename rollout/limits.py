@@ -124,6 +124,10 @@ class WeightLoadRequest(BaseModel):
     model_config = STRICT
     uri: str = Field(min_length=1)
     version: int = Field(ge=0)
+    stream: bool | None = None
+    """vLLM replicas: stream a full ``s3://`` version into the engine while it downloads
+    (True), download it first (False), or choose (None: stream when idle); see
+    docs/rollout.md, "Streamed loads". The CPU engine's server always downloads first."""
 
 
 class WeightTransferRequest(BaseModel):

@@ -69,6 +69,10 @@ WEIGHT_LOAD_SECONDS = Histogram(
 # the worker), flip = reset the prefix cache and switch the served version, hold = keep the
 # bytes as the next delta's base.
 LOAD_PHASES = ("fetch", "drain", "reload", "reload_in_worker", "flip", "hold")
+# A streamed load (docs/rollout.md, "Streamed loads"): drain first, then stream = the RPC
+# that downloads and reloads at once (reload_in_worker: that, timed in the worker;
+# stream_wait: the part of it vLLM spent waiting for bytes), flip, hold.
+STREAM_PHASES = ("drain", "stream", "reload_in_worker", "stream_wait", "flip", "hold")
 WEIGHT_LOAD_PHASE_SECONDS = Histogram(
     "posttrain_vllm_weight_load_phase_seconds",
     "Seconds of each phase of /v1/weights/load on a vLLM replica",
@@ -221,6 +225,11 @@ class AsyncReadWriteLock:
             self._writer = False
             self._condition.notify_all()
 
+    @property
+    def busy(self) -> bool:
+        """Whether anyone holds the lock now (a completion in flight, or a load)."""
+        return self._readers > 0 or self._writer
+
 
 # Paths the front door forwards to vLLM. Everything else -- above all vLLM's dev-mode
 # /collective_rpc, /reset_prefix_cache, /sleep -- stays on the pod-internal port: a
@@ -290,6 +299,38 @@ def worker_seconds(reply: Any) -> float:
     return max(seconds, default=0.0)
 
 
+def _first_result(reply: Any) -> dict[str, Any]:
+    """The one worker's answer in a ``/collective_rpc`` reply (streamed loads run on one).
+
+    >>> _first_result({"results": [{"seconds": 1.0}]})
+    {'seconds': 1.0}
+    """
+    results = reply.get("results") if isinstance(reply, dict) else None
+    if not results or not isinstance(results[0], dict):
+        raise RuntimeError(f"unexpected /collective_rpc reply: {str(reply)[:200]}")
+    return dict(results[0])
+
+
+def _stream_error(kind: str, message: str) -> Exception:
+    """The error a failed stream raises here, by the worker's exception ``kind``: storage's
+    own errors keep their type (a damaged version is refused with 400, storage unreachable
+    is this replica's 503, as for a download); anything else is a RuntimeError (500).
+
+    >>> type(_stream_error("CorruptArtifactError", "bad")).__name__
+    'CorruptArtifactError'
+    >>> type(_stream_error("KeyError", "x")).__name__
+    'RuntimeError'
+    """
+    from posttrain.storage import errors
+
+    error = getattr(errors, kind, None)
+    if isinstance(error, type) and issubclass(error, errors.StorageError):
+        return error(message)
+    if kind in {"ValueError", "FileNotFoundError"}:
+        return errors.CorruptArtifactError(message)
+    return RuntimeError(f"{kind}: {message}")
+
+
 def format_phases(phases: dict[str, float]) -> str:
     """``fetch 0.12s, reload 1.50s``: seconds per phase for a log line.
 
@@ -324,6 +365,8 @@ class VllmFrontDoor:
         context_length: int | None = None,
         weights_token: str | None = None,
         transfer_backend: str | None = None,
+        base_weights: str | None = None,
+        stream_loads: bool = True,
     ) -> None:
         import httpx
 
@@ -344,6 +387,12 @@ class VllmFrontDoor:
         self.exit = os._exit  # how a replica that cannot vouch for its weights leaves
         self.held: Any = None  # rollout.weights.HeldWeights: the served bytes (delta base)
         self.held_root: Path | None = None  # where it lives (weights.held_root)
+        # The model vLLM started from (a directory of safetensors): v0's bytes, the way back
+        # from a stream that fails before any registry version is held.
+        self.base_weights = base_weights
+        # Whether s3:// full versions may be streamed into vLLM (one worker: tensor
+        # parallel workers would each download every byte).
+        self.stream_loads = stream_loads
         self.lock = AsyncReadWriteLock()
         self.loading = asyncio.Lock()  # one weight load at a time (trainer + poller)
         self.http = httpx.AsyncClient(
@@ -373,13 +422,18 @@ class VllmFrontDoor:
             await asyncio.sleep(1)
         raise TimeoutError(f"vllm serve not healthy after {timeout_s}s")
 
-    async def load(self, uri: str, version: int) -> float:
+    async def load(self, uri: str, version: int, stream: bool | None = None) -> float:
         """Fetch + verify, drain, reload on every worker, reset prefix cache, resume.
 
         Raises before touching the running model when the version cannot be fetched or
         fails verification, so the replica keeps serving its previous version. Where the
         time went is kept in :attr:`last_phases` (seconds per phase, see
         :data:`LOAD_PHASES`), logged, and exported as ``posttrain_vllm_weight_load_phase_seconds``.
+
+        A full ``s3://`` version may instead be streamed into vLLM (:meth:`_load_streamed`):
+        when ``stream`` is True, or None and nothing is in flight here (an idle replica
+        loses nothing by draining before the download), and only with a way back
+        (:meth:`_rollback_source`). ``stream`` False never streams.
         """
         from posttrain.rollout import weights
 
@@ -395,6 +449,10 @@ class VllmFrontDoor:
                     log.info("already serving weights v%d; not reloading it", version)
                     self.last_phases = {}
                     return 0.0
+                rollback = await self._stream_plan(uri, version, stream)
+                if rollback is not None:
+                    await self._load_streamed(uri, version, rollback, phases)
+                    return self._loaded(uri, version, started, phases)
                 scratch = Path(self.scratch_dir)
                 with timed(phases, "fetch"):
                     path, temporary = await asyncio.to_thread(
@@ -420,6 +478,10 @@ class VllmFrontDoor:
                     raise
                 with timed(phases, "hold"):
                     await asyncio.to_thread(self._hold, uri, version, path, temporary)
+        return self._loaded(uri, version, started, phases)
+
+    def _loaded(self, uri: str, version: int, started: float, phases: dict[str, float]) -> float:
+        """Record a finished load: its phases, metrics and log line; its seconds."""
         elapsed = time.monotonic() - started
         self.last_phases = phases
         WEIGHT_LOAD_SECONDS.observe(elapsed)
@@ -429,6 +491,94 @@ class VllmFrontDoor:
         log.info("vLLM now serving weights v%d from %s (%.2fs: %s)", version, uri, elapsed,
                  format_phases(phases))  # fmt: skip
         return elapsed
+
+    async def _stream_plan(self, uri: str, version: int, stream: bool | None) -> str | None:
+        """The way back (:meth:`_rollback_source`) when this load streams; None when it
+        downloads first: ``stream`` False, not ``s3://`` (a local registry is read in place
+        already), more than one worker, a delta version (rebuilt from its base), a busy
+        replica unless the caller asked for a stream, or nothing to roll back to."""
+        from posttrain.rollout import weights
+
+        if stream is False or not self.stream_loads or not uri.startswith("s3://"):
+            return None
+        if stream is None and self.ready and self.lock.busy:
+            return None  # completions in flight: keep serving them while the bytes download
+        rollback = self._rollback_source()
+        if rollback is None:
+            return None
+        metadata = await asyncio.to_thread(weights.version_metadata, uri, version)
+        if metadata is None or weights.delta_base(metadata) is not None:
+            return None
+        return rollback
+
+    def _rollback_source(self) -> str | None:
+        """Verified bytes of the version served now, to reload when a stream fails: the
+        held copy of a registry version, or at v0 the model vLLM started from."""
+        from posttrain.rollout.weights import has_weights
+
+        if self.held is not None and self.held.version == self.version:
+            return str(self.held.directory)
+        if self.version == 0 and self.base_weights and has_weights(Path(self.base_weights)):
+            return self.base_weights
+        return None
+
+    async def _load_streamed(
+        self, uri: str, version: int, rollback: str, phases: dict[str, float]
+    ) -> None:
+        """Drain, then stream ``version`` into vLLM while it downloads (the worker's
+        ``reload_weights_from_store``), writing the held copy as the bytes pass.
+
+        The replica is drained for the download as well as the reload (that is the price of
+        overlapping them), and vLLM holds part of the version before its digest is known:
+        a stream that fails is undone by the worker (it reloads ``rollback``) and refused
+        here like a failed download. A worker that could not undo it leaves this replica
+        with weights nobody published: it exits (``self.exit``) and restarts through pull on
+        join rather than serve them.
+        """
+        import tempfile
+
+        from posttrain.rollout import weights
+
+        if self.held_root is None:
+            self.held_root = weights.held_root(Path(self.scratch_dir))
+        hold_dir = Path(tempfile.mkdtemp(prefix=f"held-{weights.version_dir_name(version)}-",
+                                         dir=self.held_root))  # fmt: skip
+        try:
+            with timed(phases, "drain"):
+                await self.lock.acquire_write()
+            try:
+                with timed(phases, "stream"):
+                    try:
+                        reply = await self._rpc(
+                            "reload_weights_from_store", [uri, version, str(hold_dir), rollback]
+                        )
+                    except Exception as exc:
+                        log.critical("streaming weights v%d into vLLM failed and was not undone "
+                                     "(%s); exiting rather than serve weights nobody published",
+                                     version, exc)  # fmt: skip
+                        self.exit(1)
+                        raise
+                result = _first_result(reply)
+                phases["reload_in_worker"] = float(result.get("seconds", 0.0))
+                phases["stream_wait"] = float(result.get("wait", 0.0))
+                if "error" in result:
+                    log.warning("streaming weights v%d failed; vLLM reloaded v%d from %s",
+                                version, self.version, rollback)  # fmt: skip
+                    raise _stream_error(str(result.get("kind")), str(result["error"]))
+                with timed(phases, "flip"):
+                    reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
+                    reset.raise_for_status()
+                    self.version = version
+                    self.refused.pop(version, None)
+            finally:
+                await self.lock.release_write()
+        except BaseException:
+            shutil.rmtree(hold_dir, ignore_errors=True)
+            raise
+        with timed(phases, "hold"):
+            previous, self.held = self.held, weights.HeldWeights(version, hold_dir)
+            if previous is not None and previous.directory != hold_dir:
+                await asyncio.to_thread(shutil.rmtree, previous.directory, True)
 
     async def transfer(self, request: WeightTransferRequest) -> dict[str, Any]:
         """One step of a direct transfer session through vLLM's weight-transfer API.
@@ -563,8 +713,9 @@ class VllmFrontDoor:
             # Nothing loaded yet: vLLM's finish puts every layer's previous kernel tensors
             # back, the served weights exactly (a start refused elsewhere in the pool).
             restored = session.attempted == 0
-            if not restored and self.held is not None and self.held.version == self.version:
-                await self._rpc("reload_weights_from_path", [str(self.held.directory)])
+            rollback = None if restored else self._rollback_source()
+            if rollback is not None:
+                await self._rpc("reload_weights_from_path", [rollback])
                 await self._upstream("reset_prefix_cache", None)
                 restored = True
         except Exception as exc:
@@ -572,7 +723,13 @@ class VllmFrontDoor:
                       self.version, exc)  # fmt: skip
         await self._end_session(session)
         if restored:
-            how = "from its held copy" if session.attempted else "(no bucket had been loaded)"
+            how = (
+                "(no bucket had been loaded)"
+                if not session.attempted
+                else "from its held copy"
+                if self.version
+                else "from the model it started from"
+            )
             log.info("restored weights v%d %s", self.version, how)
             return
         # The model holds a mix of two versions: never serve it. Exit so the pod restarts
@@ -703,7 +860,7 @@ class VllmFrontDoor:
             "rollout.weights_load", context=extract_context(request.headers)
         ):
             try:
-                elapsed = await self.load(uri, wanted)
+                elapsed = await self.load(uri, wanted, body.stream)
             except Exception as exc:
                 status = load_failure_status(exc)
                 if status is None:
@@ -845,6 +1002,8 @@ def run_vllm_entry(
         spec.max_model_len,
         weights_token=weights_token(),
         transfer_backend=spec.weight_transfer_backend,
+        base_weights=spec.model if Path(spec.model).is_dir() else None,
+        stream_loads=spec.tensor_parallel_size == 1,
     )
     if transfer_idle_s is not None:
         door.transfer_idle_s = transfer_idle_s

@@ -79,6 +79,58 @@ class WeightSyncExtension:
         log.info("reloaded %d tensors from %s in %.2fs", count, weights_dir, seconds)
         return {"tensors": count, "seconds": seconds}
 
+    def reload_weights_from_store(
+        self, uri: str, version: int, hold_dir: str, rollback_dir: str
+    ) -> dict[str, Any]:
+        """Stream registry version ``version`` under ``uri`` (``s3://``) into the running
+        model, tensor by tensor as the bytes arrive (rollout/weight_stream.py), writing them
+        to ``hold_dir`` as they pass.
+
+        On success ``{"tensors", "seconds", "bytes", "wait"}`` (``wait``: seconds vLLM's
+        reload waited for bytes). When the stream fails part-way (a digest, a truncated
+        object, storage gone) the model holds part of a version nobody published: vLLM's
+        interrupted reload is finished, the weights in ``rollback_dir`` (the version this
+        replica served, verified when it was loaded) are reloaded in full, and the answer is
+        ``{"error", "kind", "rolled_back": true, "seconds"}``. If that reload fails too, this
+        raises: the front door then exits rather than serve weights it cannot vouch for.
+        """
+        from posttrain.rollout.weight_stream import StreamStats, stream_version
+
+        started = time.perf_counter()
+        stats = StreamStats()
+        try:
+            count = self._reload(stream_version(uri, version, Path(hold_dir), stats))
+        except Exception as exc:
+            self._finish_interrupted_reload()
+            log.error("streaming weights v%d from %s failed after %d tensors (%s); reloading "
+                      "%s", version, uri, stats.tensors, exc, rollback_dir)  # fmt: skip
+            self._reload(iter_safetensors(rollback_dir))
+            return {
+                "error": str(exc),
+                "kind": type(exc).__name__,
+                "rolled_back": True,
+                "seconds": time.perf_counter() - started,
+            }
+        seconds = time.perf_counter() - started
+        log.info("streamed %d tensors (%d bytes) of v%d from %s in %.2fs (%.2fs waiting for "
+                 "bytes)", count, stats.bytes, version, uri, seconds, stats.wait_s)  # fmt: skip
+        return {"tensors": count, "seconds": seconds, "bytes": stats.bytes, "wait": stats.wait_s}
+
+    def _finish_interrupted_reload(self) -> None:
+        """Bring vLLM's layerwise reload back to a steady state after its weights iterator
+        raised: the layers it never reached get their kernel tensors back, the others are
+        processed with what they had (overwritten by the reload that follows)."""
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import (
+                finalize_layerwise_reload,
+            )
+        except ImportError:  # older vLLM: load_weights wrote straight into the parameters
+            return
+        runner = self.model_runner  # type: ignore[attr-defined]
+        with set_current_vllm_config(runner.vllm_config):  # as Worker.reload_weights runs
+            finalize_layerwise_reload(runner.get_model(), runner.vllm_config.model_config)
+
     def stage_weights_in_memory(self, weights_dir: str) -> int:
         """Read ``weights_dir`` into this worker's memory (for :meth:`reload_staged_weights`);
         returns the tensor count. Benchmarks only: the reference a publish is measured

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +73,10 @@ class LocalVllmReplica:
         python: Path | None = None,
         cpu_cores: str | None = None,
         transfer_idle_s: float | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        """``cpu_cores``: the cores vLLM's CPU build binds its threads to
+        """``env``: variables added to the replica's environment (a storage endpoint and
+        its credentials). ``cpu_cores``: the cores vLLM's CPU build binds its threads to
         (``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``"1"`` or ``"0-3"``); None leaves vLLM's
         ``auto``, which binds every replica on a small machine to the same core."""
         found = python or vllm_python()
@@ -94,6 +97,7 @@ class LocalVllmReplica:
         self.kv_cache_gib = kv_cache_gib
         self.cpu_cores = cpu_cores
         self.transfer_idle_s = transfer_idle_s  # None: the front door's default
+        self.env = dict(env or {})
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -117,7 +121,7 @@ class LocalVllmReplica:
     def start(self) -> LocalVllmReplica:
         self.internal_port = free_port()  # a restart must not wait for the old socket
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ)
+        env = {**os.environ, **self.env}
         # vLLM's CPU KV cache is preallocated (default 4 GiB); tests and laptops need less.
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         if self.cpu_cores is not None:

@@ -39,7 +39,8 @@ def _local_path(uri: str) -> Path:
     return Path(uri.removeprefix("file://")).expanduser()
 
 
-def _has_weights(path: Path) -> bool:
+def has_weights(path: Path) -> bool:
+    """Whether ``path`` is a directory with safetensors in it."""
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
@@ -53,7 +54,7 @@ def latest_version(prefix: str) -> int | None:
     candidates = {
         int(match.group(1)): child
         for child in root.iterdir()
-        if (match := VERSION_DIR.match(child.name)) and _has_weights(child)
+        if (match := VERSION_DIR.match(child.name)) and has_weights(child)
     }
     # posttrain.storage commits a version by writing manifest.json last; when any version
     # has one, only committed versions count (the others are uploads still in progress).
@@ -66,14 +67,14 @@ def committed_versions(prefix: str) -> list[int]:
     """Every complete version under ``prefix``, newest first (the same rule as
     :func:`latest_version`: committed ones when any version has a manifest)."""
     if prefix.startswith("s3://"):
-        return sorted((int(v) for v in _registry(prefix).versions()), reverse=True)
+        return sorted((int(v) for v in registry_for(prefix).versions()), reverse=True)
     root = _local_path(prefix)
     if not root.is_dir():
         return []
     candidates = {
         int(match.group(1)): child
         for child in root.iterdir()
-        if (match := VERSION_DIR.match(child.name)) and _has_weights(child)
+        if (match := VERSION_DIR.match(child.name)) and has_weights(child)
     }
     committed = {v for v, d in candidates.items() if (d / MANIFEST_NAME).is_file()}
     return sorted(committed or candidates, reverse=True)
@@ -156,11 +157,11 @@ def fetch_weights(uri: str, version: int, scratch: Path | None = None) -> tuple[
     if uri.startswith("s3://"):
         return _fetch_s3(uri, version, scratch), True
     path = _local_path(uri)
-    if _has_weights(path):
+    if has_weights(path):
         verify_local(path)
         return path, False
     versioned = path / version_dir_name(version)
-    if _has_weights(versioned):
+    if has_weights(versioned):
         verify_local(versioned)
         return versioned, False
     raise FileNotFoundError(
@@ -206,7 +207,7 @@ def verify_local(path: Path) -> None:
             )
 
 
-def _registry(uri: str) -> Any:
+def registry_for(uri: str) -> Any:
     """``posttrain.storage``'s WeightRegistry for a weights prefix URI.
 
     The trainer hands us ``store.uri("weights")`` (e.g. ``s3://bucket/runs/a/weights``): the
@@ -232,18 +233,18 @@ def _fetch_s3(uri: str, version: int, scratch: Path | None) -> Path:
     # WeightRegistry.fetch swaps a verified copy in place of dest, so dest may pre-exist.
     dest = Path(tempfile.mkdtemp(prefix=f"weights-{version_dir_name(version)}-", dir=scratch))
     try:
-        _registry(uri).fetch(version, dest)
+        registry_for(uri).fetch(version, dest)
     except Exception:
         shutil.rmtree(dest, ignore_errors=True)
         raise
-    if not _has_weights(dest):
+    if not has_weights(dest):
         shutil.rmtree(dest, ignore_errors=True)
         raise FileNotFoundError(f"{uri} version {version} holds no *.safetensors")
     return dest
 
 
 def _latest_version_s3(prefix: str) -> int | None:
-    found = _registry(prefix).latest_version()
+    found = registry_for(prefix).latest_version()
     return None if found is None else int(found)
 
 
@@ -265,11 +266,11 @@ def version_metadata(uri: str, version: int) -> dict[str, Any] | None:
     from posttrain.storage.commit import Manifest, read_manifest
 
     if uri.startswith("s3://"):
-        registry = _registry(uri)
+        registry = registry_for(uri)
         manifest = read_manifest(registry.store, registry.version_key(version))
         return None if manifest is None else dict(manifest.metadata)
     path = _local_path(uri)
-    directory = path if _has_weights(path) else path / version_dir_name(version)
+    directory = path if has_weights(path) else path / version_dir_name(version)
     manifest_path = directory / MANIFEST_NAME
     if not manifest_path.is_file():
         return None

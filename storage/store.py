@@ -151,6 +151,16 @@ class ArtifactStore(Protocol):
         """
         ...
 
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The whole object's bytes in order, as they arrive, without a local copy.
+
+        For readers that consume an object once, front to back (a rollout replica streaming
+        a weight version into its engine); the caller hashes what it reads against the
+        manifest, the store does not. Raises :class:`ArtifactNotFoundError` when there is no
+        such object; closing the iterator early cancels what is still in flight.
+        """
+        ...
+
     def exists(self, key: str) -> bool: ...
 
     def list(self, prefix: str = "") -> list[str]: ...
@@ -275,6 +285,20 @@ class LocalStore:
         BYTES_DOWNLOADED.labels(store="local").inc(digest.size)
         DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
         return digest
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        try:
+            src = open(self._path(key), "rb")  # noqa: SIM115 - closed by the generator
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFoundError(f"no object at {self.uri(key)}") from None
+        return self._stream_open(src)
+
+    @staticmethod
+    def _stream_open(src: BinaryIO) -> Iterator[bytes]:
+        with src:
+            for chunk in _read_chunks(src):
+                BYTES_DOWNLOADED.labels(store="local").inc(len(chunk))
+                yield chunk
 
     def get_range(self, key: str, offset: int, length: int) -> bytes:
         try:
@@ -620,7 +644,7 @@ class S3Store:
         start = time.monotonic()
         stat = self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
         size = int(stat.size or 0)
-        if size > self._range_size and self._download_streams > 1:
+        if self._ranged(size):
             chunks = self._ranged_chunks(key, name, str(stat.etag or ""), size)
             try:
                 digest = _write_chunks_atomic(
@@ -635,6 +659,29 @@ class S3Store:
         BYTES_DOWNLOADED.labels(store="s3").inc(digest.size)
         DOWNLOAD_SECONDS.labels(kind="file").observe(time.monotonic() - start)
         return digest
+
+    def _ranged(self, size: int) -> bool:
+        """Whether an object of ``size`` bytes is read as parallel ranged GETs."""
+        return size > self._range_size and self._download_streams > 1
+
+    def stream(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in order: parallel ranged GETs above ``download_range_size``
+        (as :meth:`get_file` downloads, memory bounded the same way), else one GET."""
+        name = self._name(key)
+        stat = self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
+        size = int(stat.size or 0)
+        if self._ranged(size):
+            return self._counted(self._ranged_chunks(key, name, str(stat.etag or ""), size))
+        return self.iter_chunks(key, _STREAM_CHUNK)
+
+    @staticmethod
+    def _counted(chunks: Generator[bytes, None, None]) -> Iterator[bytes]:
+        try:
+            for chunk in chunks:
+                BYTES_DOWNLOADED.labels(store="s3").inc(len(chunk))
+                yield chunk
+        finally:
+            chunks.close()  # cancels ranges still queued when the reader stops early
 
     def _get_stream(
         self, name: str, dest: Path, progress: TransferProgress | None, algorithm: str

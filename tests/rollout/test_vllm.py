@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from posttrain.api.rolloutpool import EngineArgs, SpeculativeDecoding
 from posttrain.devenv.process import free_port
@@ -238,3 +239,64 @@ def test_a_transfer_backend_reaches_vllm_and_only_ipc_allows_pickled_handles() -
 
     spec = VllmServeSpec.from_engine_args("/m", CPU_ENGINE_ARGS)
     assert spec.weight_transfer_backend == "posttrain_shm"
+
+
+def test_when_a_load_streams_and_what_it_goes_back_to(
+    minio_env: dict[str, str], tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """The front door's choice (docs/rollout.md, "Streamed loads"): only full s3:// versions,
+    only with a way back, and unasked only while idle; a stream vLLM could not undo makes
+    the replica exit rather than serve (vLLM's port is closed here: the RPC fails)."""
+    from safetensors.torch import save_file
+
+    from posttrain.rollout.weights import HeldWeights
+    from posttrain.storage.checkpoints import WeightRegistry
+    from posttrain.storage.store import open_store
+
+    registry = WeightRegistry(open_store("s3://stream-plan/run"), "weights")
+    uri = registry.store.uri("weights")
+    staging = tmp_path / "v1"
+    staging.mkdir()
+    save_file({"w": torch.ones(4)}, str(staging / "model.safetensors"))
+    registry.publish(1, staging)
+    registry.publish(2, staging, {"delta": {"base": 1}})
+    closed = f"http://127.0.0.1:{free_port()}"
+    door = VllmFrontDoor(closed, uri, str(tmp_path / "scratch"), base_weights=str(tiny_model_dir))
+    (tmp_path / "scratch").mkdir()
+    door.ready = True
+
+    def plan(version: int, stream: bool | None, on: VllmFrontDoor = door) -> str | None:
+        return asyncio.run(on._stream_plan(uri if version else str(staging), max(version, 1),
+                                           stream))  # fmt: skip
+
+    base = str(tiny_model_dir)
+    assert plan(1, None) == base and plan(1, True) == base  # idle at v0: the model is the way
+    assert plan(1, False) is None
+    assert plan(2, True) is None  # a delta is rebuilt, not streamed
+    assert plan(0, True) is None  # a local registry is read in place
+
+    async def busy_plan(stream: bool | None) -> str | None:
+        await door.lock.acquire_read()  # a completion in flight
+        try:
+            return await door._stream_plan(uri, 1, stream)
+        finally:
+            await door.lock.release_read()
+
+    assert asyncio.run(busy_plan(None)) is None and asyncio.run(busy_plan(True)) == base
+    door.version, door.held = 1, HeldWeights(1, staging)
+    assert plan(1, None) == str(staging)  # the held copy of the version served
+    door.version = 2  # served by a direct transfer: the held copy is another version's
+    assert plan(1, True) is None
+    door.version, door.held = 0, None
+    for other in (
+        VllmFrontDoor(closed, uri, str(tmp_path), base_weights=None),  # an HF id, not a dir
+        VllmFrontDoor(closed, uri, str(tmp_path), base_weights=base, stream_loads=False),
+    ):
+        assert plan(1, True, on=other) is None
+
+    exits: list[int] = []
+    door.exit = exits.append  # type: ignore[assignment]
+    with pytest.raises(httpx.ConnectError):
+        asyncio.run(door.load(uri, 1, stream=True))
+    assert exits == [1] and door.version == 0
+    assert not [p for p in (door.held_root or tmp_path).iterdir() if p.name.startswith("held-")]

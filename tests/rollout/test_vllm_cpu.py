@@ -23,6 +23,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from posttrain.devenv.minio import MinioServer
 from posttrain.processes import wait_for
 from posttrain.rollout.client import RolloutClient, RolloutError
 from posttrain.rollout.deltas import SafetensorsDir, diff_state_dicts, write_delta
@@ -831,3 +832,105 @@ def test_an_aborted_transfer_leaves_each_replica_on_its_version(vllm_pool: Pool)
         text = replica.log_path.read_text()
         assert f"restored weights v{version} (no bucket had been loaded)" in text
         assert f"restored weights v{version} from its held copy" in text
+
+
+def test_streamed_versions_from_object_storage_serve_what_downloads_do(
+    vllm_pool: Pool, minio_server: MinioServer, minio_env: dict[str, str]
+) -> None:
+    """A replica whose registry is in a real MinIO: an idle replica streams each full
+    version into vLLM as it downloads (the bytes also become its held copy, the base of the
+    next delta); the same bytes streamed and downloaded serve the same greedy token ids and
+    logprobs; a version damaged in storage is refused after part of it reached vLLM, which
+    is back on the served version's exact parameters before anyone samples."""
+    from posttrain.rollout.vllm import STREAM_PHASES
+    from posttrain.storage.store import open_store
+
+    pool = vllm_pool
+    store = open_store("s3://vllm-stream/run")
+    registry = WeightRegistry(store, "weights", keep_last=3)
+    uri = store.uri("weights")
+    scratch = pool.root / "stream-scratch"
+    scratch.mkdir(exist_ok=True)
+    replica = LocalVllmReplica(pool.model_dir, pool.root / "replica-s3.log", weights_uri=uri,
+                               env=minio_server.env())  # fmt: skip
+    with replica, RolloutClient([replica.url], timeout_s=600) as client:
+        assert replica.wait_ready(timeout_s=2400)["weight_version"] == 0
+        publisher = WeightPublisher(registry, uri, client, scratch, shared=False,
+                                    dtype=torch.bfloat16)  # fmt: skip
+        pool.perturb(seed=51)
+        publisher.publish(pool.policy, 1)  # idle, at v0: streams (the way back is the model)
+        assert publisher.last_kind == "full"
+        assert set(client.last_load_replies[replica.url]["phases"]) == set(STREAM_PHASES)
+        pool.perturb(seed=52)
+        publisher.publish(pool.policy, 2)  # a delta over the streamed version's held copy
+        assert publisher.last_kind == "delta"
+        assert "fetch" in client.last_load_replies[replica.url]["phases"]
+
+        def commit_full(version: int) -> None:
+            local = scratch / f"full-{version}"
+            pool.policy.save_weights(local, weights_only=True, dtype=torch.bfloat16)
+            registry.publish(version, local)
+
+        commit_full(3)
+        commit_full(4)  # the same bytes again
+        client.load_weights(uri, 3, stream=False)
+        assert "fetch" in client.last_load_replies[replica.url]["phases"]
+        downloaded, downloaded_sum = outputs_of(replica), worker_rpc(replica, "weights_checksum")
+        client.load_weights(uri, 4, stream=True)
+        phases = client.last_load_replies[replica.url]["phases"]
+        assert set(phases) == set(STREAM_PHASES), phases
+        assert outputs_of(replica) == downloaded
+        assert worker_rpc(replica, "weights_checksum") == downloaded_sum
+
+        pool.perturb(seed=53)
+        commit_full(5)
+        damage_object(minio_server, "vllm-stream", f"run/{registry.version_key(5)}")
+        with pytest.raises(RolloutError, match="fails its checksum"):
+            client.load_weights(uri, 5, stream=True)
+        assert httpx.get(f"{replica.url}/v1/weights/version", timeout=30).json() == {
+            "weight_version": 4
+        }
+        assert worker_rpc(replica, "weights_checksum") == downloaded_sum
+        assert outputs_of(replica) == downloaded
+        # Cut short (as a connection lost for good would leave it): vLLM's reload is
+        # interrupted inside a layer, finished, and the served version reloaded.
+        commit_full(6)
+        damage_object(minio_server, "vllm-stream", f"run/{registry.version_key(6)}", cut=0.4)
+        with pytest.raises(RolloutError, match="ends after"):
+            client.load_weights(uri, 6, stream=True)
+        assert worker_rpc(replica, "weights_checksum") == downloaded_sum
+        assert outputs_of(replica) == downloaded
+        text = replica.log_path.read_text()
+        assert "streaming weights v5 failed; vLLM reloaded v4" in text
+        assert "streaming weights v6 failed; vLLM reloaded v4" in text
+        publisher.close()
+
+
+def outputs_of(replica: LocalVllmReplica) -> list[tuple[list[int], list[float]]]:
+    """:func:`outputs` for a replica outside the pool (same prompts, one at a time)."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12]]
+    with RolloutClient([replica.url], timeout_s=600) as client:
+        return [(group[0].token_ids, group[0].logprobs)
+                for prompt in prompts
+                for group in client.generate([prompt], GREEDY)]  # fmt: skip
+
+
+def damage_object(minio: MinioServer, bucket: str, prefix: str, cut: float = 0.0) -> None:
+    """Flip one byte in the middle of the committed ``model.safetensors`` under ``prefix``,
+    in place in the store (the same size: only its digest can tell); with ``cut``, keep
+    only that fraction of its bytes instead."""
+    import io
+
+    client = minio.client()
+    name = f"{prefix}/model.safetensors"
+    response = client.get_object(bucket, name)
+    try:
+        data = bytearray(response.read())
+    finally:
+        response.close()
+        response.release_conn()
+    if cut:
+        data = data[: int(len(data) * cut)]
+    else:
+        data[len(data) // 2] ^= 0xFF
+    client.put_object(bucket, name, io.BytesIO(bytes(data)), len(data))

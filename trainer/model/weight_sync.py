@@ -179,6 +179,7 @@ class WeightPublisher:
         dtype: Any | None = None,
         deltas: DeltaPolicy | None = DeltaPolicy(),
         transfer_bucket_bytes: int | None = None,
+        stream: bool | None = None,
     ) -> None:
         """``dtype``: publish floating-point tensors in this dtype (the pool's serving dtype,
         e.g. bf16 from fp32 master weights: half the bytes every replica reads); None
@@ -186,7 +187,10 @@ class WeightPublisher:
         ``deltas``: when registry versions may be deltas; None publishes every one full.
         ``transfer_bucket_bytes``: with ``shared``, first try a direct transfer into the
         replicas' memory in buckets of this size (:mod:`posttrain.rollout.weight_transfer`:
-        no file, two buckets of memory); None, or servers without it, use the files."""
+        no file, two buckets of memory); None, or servers without it, use the files.
+        ``stream``: whether vLLM replicas stream a full ``s3://`` registry version into the
+        engine as it downloads (``WeightLoadRequest.stream``; None lets each replica choose:
+        it streams when idle)."""
         self.registry = registry  # posttrain.storage.checkpoints.WeightRegistry
         self.registry_uri = registry_uri
         self.client = client  # posttrain.rollout.client.RolloutClient
@@ -201,6 +205,7 @@ class WeightPublisher:
         self.transfer_bucket_bytes = transfer_bucket_bytes if shared else None
         self._stream: Any = None  # rollout.weight_transfer.BucketStream, kept between publishes
         self.dtype = dtype
+        self.stream = stream
         self.last_bytes = 0  # bytes written by the last publish (all transports)
         self.deltas = deltas
         self.last_kind = ""  # "full" | "delta": how the last registry version was published
@@ -429,7 +434,8 @@ class WeightPublisher:
         self.durable_versions.append(version)
         if load:
             with self._phase("load"):
-                self.client.load_weights(self.registry_uri, version)
+                options = {} if self.stream is None else {"stream": self.stream}
+                self.client.load_weights(self.registry_uri, version, **options)
 
     def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
         """The delta of ``local`` over the last registry version as a directory to commit
