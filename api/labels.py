@@ -17,6 +17,9 @@ LABEL_TASK = "posttrain.io/task"
 LABEL_ATTEMPT = "posttrain.io/attempt"
 LABEL_SANDBOX_NETWORK = "posttrain.io/sandbox-network"
 LABEL_WARM_POOL = "posttrain.io/warm-pool"
+LABEL_COLOCATED_ROLLOUT = "posttrain.io/colocated-rollout"
+"""``"true"`` on a trainer pod that runs its rollout replicas as sidecars: the run's
+colocated NetworkPolicy selects it (and a pod without replicas, from a later gang, not)."""
 MANAGED_BY = {"app.kubernetes.io/managed-by": "posttrain-operator"}
 
 # Values of LABEL_COMPONENT.

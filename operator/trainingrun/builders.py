@@ -20,6 +20,7 @@ from posttrain.api import GROUP, RolloutPool, TrainingRun, TrainingRunSpec
 from posttrain.api.env import TrainerEnv
 from posttrain.api.labels import (
     COMPONENT_TRAINER,
+    LABEL_COLOCATED_ROLLOUT,
     LABEL_COMPONENT,
     LABEL_GANG,
     LABEL_RANK,
@@ -266,13 +267,7 @@ def build_trainer_pod(
             {"name": METRICS_PORT_NAME, "containerPort": config.pod_metrics_port}
         ]
         annotations = scrape_annotations(config.pod_metrics_port)
-    labels = {
-        LABEL_COMPONENT: COMPONENT_TRAINER,
-        LABEL_RUN: name,
-        LABEL_RANK: str(rank),
-        LABEL_GANG: str(incarnation),
-        **pool_client_labels(run),
-    }
+    labels = _trainer_pod_labels(run, incarnation, rank, colocated=template is not None)
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -281,6 +276,23 @@ def build_trainer_pod(
         ),
         "spec": pod_spec,
     }
+
+
+def _trainer_pod_labels(
+    run: TrainingRun, incarnation: int, rank: int, *, colocated: bool
+) -> dict[str, str]:
+    """A trainer pod's labels: its run, rank and gang, the client labels of the pools it
+    calls, and with colocated replicas the label their NetworkPolicy selects."""
+    labels = {
+        LABEL_COMPONENT: COMPONENT_TRAINER,
+        LABEL_RUN: run.metadata.name,
+        LABEL_RANK: str(rank),
+        LABEL_GANG: str(incarnation),
+        **pool_client_labels(run),
+    }
+    if colocated:
+        labels[LABEL_COLOCATED_ROLLOUT] = "true"
+    return labels
 
 
 def _trainer_command(
@@ -481,6 +493,37 @@ def add_colocated_replicas(
                 volume["emptyDir"] = {**volume["emptyDir"], "sizeLimit": colocated.shm_size_limit}
 
 
+def build_colocated_network_policy(run: TrainingRun, config: OperatorConfig) -> Manifest:
+    """Who may reach a trainer pod that runs colocated replicas: only its metrics port (the
+    one port a one-node trainer serves), from anywhere a scraper may be. The servers in the
+    pod listen on every interface (the kubelet probes the pod IP) but only the trainer,
+    over loopback, has any business with them; a RolloutPool's own replicas have their
+    pool's NetworkPolicy for the same reason. Traffic from the node (probes) and loopback
+    are not subject to NetworkPolicy. It selects the pods by
+    :data:`LABEL_COLOCATED_ROLLOUT`, so it is inert for a later gang without replicas.
+
+    >>> from posttrain.operator.config import OperatorConfig
+    >>> from posttrain.operator.trainingrun.names import _example_run
+    >>> policy = build_colocated_network_policy(_example_run(), OperatorConfig())
+    >>> policy["spec"]["ingress"], sorted(policy["spec"]["podSelector"]["matchLabels"])
+    ([{'ports': [{'port': 9090}]}], ['posttrain.io/colocated-rollout', 'posttrain.io/component', 'posttrain.io/run'])
+    """
+    name = run.metadata.name
+    owner_labels = {LABEL_COMPONENT: COMPONENT_TRAINER, LABEL_RUN: name}
+    selector = {**owner_labels, LABEL_COLOCATED_ROLLOUT: "true"}
+    ports = [{"port": config.pod_metrics_port}] if config.pod_metrics_port else []
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(run, trainer_names(run)["colocated_policy"], owner_labels),
+        "spec": {
+            "podSelector": {"matchLabels": selector},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": ports}] if ports else [],
+        },
+    }
+
+
 def build_trainer_gang(
     run: TrainingRun,
     config: OperatorConfig,
@@ -540,14 +583,17 @@ def build_trainer_children(
     run: TrainingRun, config: OperatorConfig, incarnation: int, ray_cluster: bool = False
 ) -> list[Manifest]:
     """The run's long-lived children, created before the first gang (order matters for RBAC):
-    RBAC, the run's ConfigMap, the head Service (selecting gang ``incarnation``), the sandbox
-    runner (mode runner without runnerUrl) and the evaluator Job (``evaluation.inline: false``).
+    RBAC, the run's ConfigMap, the head Service (selecting gang ``incarnation``), the
+    NetworkPolicy of a trainer pod with colocated replicas, the sandbox runner (mode runner
+    without runnerUrl) and the evaluator Job (``evaluation.inline: false``).
 
     With a RayCluster (``ray_cluster``) KubeRay makes the head Service, so ours is not needed.
     """
     children = [*build_trainer_rbac(run), build_run_config_map(run, config)]
     if run.spec.resources.nodes > 1 and not ray_cluster:
         children.append(build_head_service(run, config, incarnation))
+    if run.spec.rollout.colocated is not None:
+        children.append(build_colocated_network_policy(run, config))
     return [
         *children,
         *sandbox_runner.build_runner_children(run, config),

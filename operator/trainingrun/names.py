@@ -62,6 +62,7 @@ def trainer_names(run: TrainingRun) -> dict[str, str]:
         "service_account": f"{name}-trainer",
         "role": f"{name}-trainer",
         "head_service": f"{name}-head",
+        "colocated_policy": f"{name}-colocated-rollout",
     }
 
 

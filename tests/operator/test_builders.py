@@ -1269,6 +1269,30 @@ def test_a_colocated_run_neither_reads_its_template_pool_nor_is_its_client() -> 
                       "verbs": ["get"], "resourceNames": ["judge"]}]  # fmt: skip
 
 
+def test_only_the_metrics_port_of_a_colocated_trainer_pod_is_open_to_other_pods() -> None:
+    """The sidecars listen on every interface (probes come to the pod IP), so the run gets a
+    NetworkPolicy on its colocated pods: ingress to the metrics port only (node traffic and
+    loopback are not subject to it); none for a run without colocated replicas, and a later
+    gang without them is not selected (the label)."""
+    pool = make_pool(engine="vllm", port=8000)
+    run = colocated_run(2)
+    pod = run_builders.build_trainer_pod(run, CONFIG, 0, 0, colocated_pool=pool)
+    children = run_builders.build_trainer_children(run, CONFIG, 0)
+    policy = next(m for m in children if m["kind"] == "NetworkPolicy")
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": CONFIG.pod_metrics_port}]}]
+    assert CONFIG.pod_metrics_port not in range(8000, 8002)
+    plain = make_run()
+    plain_pod = run_builders.build_trainer_pod(plain, CONFIG, 0, 0)
+    assert not selector.items() <= plain_pod["metadata"]["labels"].items()
+    assert "NetworkPolicy" not in {m["kind"] for m in run_builders.build_trainer_children(
+        plain, CONFIG, 0)}  # fmt: skip
+    quiet = CONFIG.model_copy(update={"pod_metrics_port": 0})
+    assert run_builders.build_colocated_network_policy(run, quiet)["spec"]["ingress"] == []
+
+
 def test_a_colocated_trainer_pod_is_not_built_without_its_pool() -> None:
     """The replicas' template is the pool: without it the builder says what to create."""
     from posttrain.operator.shared.builders import BuildError

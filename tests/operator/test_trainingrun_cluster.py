@@ -297,6 +297,11 @@ def test_a_colocated_run_waits_for_its_template_pool_then_gets_its_replicas_as_s
         headers=as_trainer(namespace, "r-coloc"), ok=(200, 403),
     )  # fmt: skip
     assert status == 403  # nothing to discover: the Role names no pool
+    policy = kube.get(
+        "networking.k8s.io/v1", "NetworkPolicy", namespace, "r-coloc-colocated-rollout"
+    )
+    assert policy is not None  # stored by the real apiserver: the sidecars' ports stay closed
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
 
 
 def test_the_operator_alone_ends_the_run_after_the_trainer_reported_its_last_step(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from posttrain.models import resolve_model
-from posttrain.rollout import client, engine, limits, protocol, server, vllm, weights
+from posttrain.rollout import client, engine, limits, protocol, server, vllm, weight_stream, weights
 from posttrain.rollout.engine import GenerationEngine, copy_state_dict, read_safetensors_dir
 from posttrain.rollout.protocol import SamplingParams
 
@@ -41,7 +41,7 @@ def reference_logprobs(
 
 
 def test_doctests_pass() -> None:
-    for module in (engine, protocol, limits, server, client, vllm, weights):
+    for module in (engine, protocol, limits, server, client, vllm, weights, weight_stream):
         result = doctest.testmod(module)
         assert result.failed == 0, f"{module.__name__}: {result}"
         assert result.attempted > 0 or module in (client,), module.__name__
