@@ -14,7 +14,10 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
    named s3): every replica downloads the version (parallel ranged GETs above 64 MiB),
    verifies its digests and reloads: the path of a RolloutPool on other nodes; and the
    row **s3-stream**: the same registry, every replica streaming the version into vLLM
-   while it downloads (``stream=True``, docs/rollout.md "Streamed loads");
+   while it downloads (``stream=True``, docs/rollout.md "Streamed loads"). With
+   ``--link-mbps N`` MinIO sits behind a throttling TCP proxy (N MB/s per connection and
+   direction, no burst credit), for the trainer's upload and every replica's download
+   alike: an object store across a network link instead of on the same two cores;
 4. **vLLM from memory**: the same version's tensors staged in every replica's worker
    memory beforehand, then vLLM's own in-place reload (``Worker.reload_weights``) on every
    replica at once through the worker extension, timed in the worker and end to end.
@@ -22,12 +25,14 @@ Side by side in one run, on SmolLM2-135M-Instruct and ``--replicas`` real vLLM C
 Every publish logs where its time went (trainer: write, delta, commit, load; each replica:
 fetch, drain, reload, flip, hold); this prints them per round.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3 [--s3]
+    PYTHONPATH=$PWD .venv/bin/python bench/weight_publish.py --rounds 3 [--s3 [--link-mbps 100]]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -109,6 +114,8 @@ def main() -> int:
                         help="pin replica i to core i (VLLM_CPU_OMP_THREADS_BIND)")  # fmt: skip
     parser.add_argument("--s3", action="store_true",
                         help="the registry in a real MinIO (s3://) instead of a directory")  # fmt: skip
+    parser.add_argument("--link-mbps", type=float, default=0.0,
+                        help="with --s3: MinIO behind a link of this many MB/s per connection")  # fmt: skip
     args = parser.parse_args()
     print(f"load before: {Path('/proc/loadavg').read_text().strip()}  cores: {os.cpu_count()}")
 
@@ -121,7 +128,7 @@ def main() -> int:
     registry_uri = store.uri("weights")
     minio = None
     if args.s3:  # the replicas load only from their own registry: this one
-        minio, (registry, registry_uri) = start_s3_registry(work)
+        minio, (registry, registry_uri) = start_s3_registry(work, args.link_mbps)
     engine_args = {**CPU_ENGINE_ARGS, "dtype": args.engine_dtype}
     cores = os.cpu_count() or 1
     replicas = [
@@ -217,18 +224,60 @@ def registry_copy(registry: WeightRegistry, version: int, work: Path) -> str:
     return str(dest)
 
 
-def start_s3_registry(work: Path) -> tuple[Any, tuple[WeightRegistry, str]]:
+def start_s3_registry(work: Path, link_mbps: float) -> tuple[Any, tuple[WeightRegistry, str]]:
     """A real MinIO under ``work`` with a weight registry in it, and the storage environment
-    set for this process and the replicas it starts: (server, (registry, its URI))."""
+    set for this process and the replicas it starts: (server, (registry, its URI)). With
+    ``link_mbps`` everyone reaches it through a throttling proxy (:func:`serve_link`)."""
+    from posttrain.api.env import S3_ENDPOINT
     from posttrain.devenv.minio import MinioServer
+    from posttrain.devenv.process import free_port
     from posttrain.storage.store import open_store
 
     (work / "minio").mkdir()
     minio = MinioServer(data_dir=work / "minio").start()
     os.environ.update(minio.env())
+    if link_mbps:
+        host, _, port = os.environ[S3_ENDPOINT].rpartition(":")
+        listen = free_port()
+        link = multiprocessing.Process(target=serve_link, daemon=True,
+                                       args=(listen, host, int(port), link_mbps * 1e6))  # fmt: skip
+        link.start()
+        os.environ[S3_ENDPOINT] = f"127.0.0.1:{listen}"
+        print(f"MinIO behind a {link_mbps:.0f} MB/s link (per connection and direction)")
     minio.client().make_bucket("bench")
     store = open_store("s3://bench/run")
     return minio, (WeightRegistry(store, "weights", keep_last=2), store.uri("weights"))
+
+
+def serve_link(listen: int, host: str, port: int, rate: float) -> None:
+    """A TCP proxy to ``host:port`` on ``listen`` that moves at most ``rate`` bytes/s per
+    connection and direction (a leaky bucket: idle time earns no burst), run in its own
+    process so that its copying does not share the benchmark's interpreter."""
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        due = time.monotonic()
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+                due = max(due, time.monotonic()) + len(data) / rate
+                if (delay := due - time.monotonic()) > 0:
+                    await asyncio.sleep(delay)
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    async def main() -> None:
+        server = await asyncio.start_server(connect, "127.0.0.1", listen)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
 
 
 if __name__ == "__main__":
