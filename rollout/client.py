@@ -111,7 +111,8 @@ class RolloutClient:
         # publish logs as where the replicas' time went.
         self.last_load_replies: dict[str, dict[str, Any]] = {}
         # How long a load waits for a listed replica that cannot be reached to answer or
-        # to leave the pool (a crashed pod is replaced, or dropped by the operator, in this).
+        # to leave the pool (a crashed pod is replaced, or dropped by the operator, in this;
+        # a sidecar of the trainer pod restarted by its kubelet is back).
         self.rejoin_wait_s = max(timeout_s, 600.0)
         self._picks = 0
         self._http = httpx.Client(
@@ -222,13 +223,14 @@ class RolloutClient:
         full ``s3://`` version into the engine as it downloads, download it first, or let
         the replica choose when None).
 
-        With ``discover``, a replica that could not be reached and has left the pool's
-        ready set by the time the others are done (it crashed or is being replaced) does
-        not fail the load: it pulls the latest committed version when it rejoins (pull on
-        join), and :meth:`catch_up` brings it to this version before it gets work. One
-        still listed as ready is retried until it answers or leaves (up to the load
-        timeout). A replica that *refuses* the version (HTTP 4xx: a digest mismatch, a
-        missing file) fails the load at once.
+        A replica that could not be reached (or answered 5xx: still starting) is retried
+        every 2 s until it answers, up to :attr:`rejoin_wait_s`: a fixed endpoint (a
+        sidecar of the trainer pod that its kubelet is restarting) gets that long to come
+        back. With ``discover``, one that has left the pool's ready set meanwhile (it
+        crashed or is being replaced) no longer fails the load: it pulls the latest
+        committed version when it rejoins (pull on join), and :meth:`catch_up` brings it to
+        this version before it gets work. A replica that *refuses* the version (HTTP 4xx:
+        a digest mismatch, a missing file) fails the load at once.
         """
         with self._loading:
             self._refresh_endpoints()
@@ -236,27 +238,38 @@ class RolloutClient:
                 span.set_attribute("weights.version", version)
                 self.last_load_replies = {}
                 failures = self._load_on(list(self._endpoints), uri, version, stream)
-                deadline = time.monotonic() + self.rejoin_wait_s
-                while failures and self.discover is not None:
+                started = time.monotonic()
+                next_log = started
+                while failures:
                     refused = {u: e for u, e in failures.items() if not isinstance(e, _Retryable)}
-                    if refused or time.monotonic() > deadline:
+                    waited = time.monotonic() - started
+                    if refused or waited > self.rejoin_wait_s:
                         break
                     time.sleep(2.0)
-                    ready = set(self._refresh_endpoints())
-                    for url in [u for u in failures if u not in ready]:
-                        log.warning(
-                            "replica %s left the pool while loading weights v%d (%s); it "
-                            "loads the latest version when it rejoins", url, version,
-                            failures.pop(url),
-                        )  # fmt: skip
+                    self._drop_departed(failures, version)
                     retry = [e for e in self._endpoints if e.url in failures]
+                    if retry and time.monotonic() >= next_log:
+                        log.info("retrying weights v%d on %s, unreachable (%.0fs of %.0fs): %s",
+                                 version, [e.url for e in retry], waited, self.rejoin_wait_s,
+                                 {e.url: str(failures[e.url])[:120] for e in retry})  # fmt: skip
+                        next_log = time.monotonic() + 30.0
                     if retry:
-                        log.info("retrying weights v%d on %s", version, [e.url for e in retry])
                         failures = self._load_on(retry, uri, version, stream)
                 if failures:
                     reasons = {u: str(e) for u, e in failures.items()}
                     raise RolloutError(f"loading weights v{version} from {uri} failed on {reasons}")
                 self.loaded = (uri, version)
+
+    def _drop_departed(self, failures: dict[str, Exception], version: int) -> None:
+        """With ``discover``: forget the failures of replicas no longer in the ready set
+        (they pull the latest version when they rejoin). Fixed endpoints stay."""
+        if self.discover is None:
+            return
+        ready = set(self._refresh_endpoints())
+        for url in [u for u in failures if u not in ready]:
+            log.warning("replica %s left the pool while loading weights v%d (%s); it loads "
+                        "the latest version when it rejoins", url, version,
+                        failures.pop(url))  # fmt: skip
 
     def transfer_weights(
         self, version: int, updates: Iterable[dict[str, Any]], device: str = "cpu"

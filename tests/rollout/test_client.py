@@ -246,6 +246,41 @@ def test_a_replica_leaving_during_a_load_does_not_fail_it_and_a_joiner_catches_u
         assert client.catch_up([first.url, second.url, dead]) == [first.url, second.url]
 
 
+def test_a_fixed_replica_that_restarts_during_a_load_is_waited_for(
+    two_servers: list[ServerThread],
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    publish_weights: Callable[[Path, int, float], Path],
+) -> None:
+    """Fixed endpoints (a trainer pod's own sidecars, no pool to follow): a replica that is
+    down when the load starts, as one its kubelet is restarting, is retried until it is
+    back, and then serves the version; one that stays down fails the load naming it."""
+    first, _ = two_servers
+    publish_weights(tmp_path, 5, 0.0)
+    port = free_port()
+    late = f"http://127.0.0.1:{port}"
+    comes_back: list[ServerThread] = []
+
+    def restart() -> None:
+        time.sleep(3.0)
+        config = ServerConfig(model=str(tiny_model_dir), num_threads=1)
+        comes_back.append(ServerThread(config, port=port).start())
+
+    restarter = threading.Thread(target=restart)
+    with RolloutClient([first.url, late], timeout_s=30) as client:
+        restarter.start()
+        started = time.monotonic()
+        client.load_weights(str(tmp_path), 5)
+        assert time.monotonic() - started >= 3.0
+        assert client.weight_versions() == {first.url: 5, late: 5}
+    restarter.join()
+    comes_back[0].stop()
+    with RolloutClient([first.url, late], timeout_s=1) as client:
+        client.rejoin_wait_s = 3.0
+        with pytest.raises(RolloutError, match=rf"{late.replace('.', r'[.]')}.*ConnectError"):
+            client.load_weights(str(tmp_path), 5)
+
+
 def test_a_load_fails_when_a_listed_replica_stays_unreachable(
     two_servers: list[ServerThread],
     tmp_path: Path,
