@@ -391,9 +391,9 @@ def colocated_replicas(
     ``initContainers`` and the volumes they need.
 
     Each server is the pool's own replica (:func:`replica_pod_spec`: image, command, env
-    with the weight token and storage, probes, restricted securityContext) as a native
-    sidecar (``restartPolicy: Always``: started, and through its startup probe ready,
-    before the pod's containers; restarted in place if it exits; stopped when they end),
+    with the weight token and storage, readiness probe, restricted securityContext) as a
+    native sidecar (``restartPolicy: Always``: started before the pod's containers;
+    restarted in place if it exits; stopped when they end),
     named ``rollout-<i>`` and listening on ``spec.port + i`` on every interface of the pod
     (the kubelet probes the pod IP; the trainer uses 127.0.0.1). Its ``/tmp``, ``$HOME``
     and weight staging are its own (``rollout-<i>-*`` emptyDirs); the model volume, the
@@ -402,6 +402,13 @@ def colocated_replicas(
     (:data:`SHM_VOLUME`), which the host pod must have: that is where the trainer's weight
     versions are. ``registry``: the trainer's weight registry, pulled on join by a server
     that restarts.
+
+    No startup probe: the kubelet starts a sidecar only once the one before it passed its
+    startup probe, so N servers with one would load their model one after another (N model
+    loads before the trainer even starts). Without it they all start at once, beside the
+    trainer, which waits for every endpoint's ``/health`` itself (up to
+    ``rollout.timeoutSeconds``, then it fails saying which is down); nothing else needs it
+    (a server has no liveness probe to hold off while it loads).
     """
     init_containers: list[Manifest] = []
     volumes: list[Manifest] = []
@@ -425,9 +432,9 @@ def colocated_replicas(
         sidecar = _renamed(server, own, names)
         sidecar["restartPolicy"] = "Always"
         sidecar["ports"] = [{"name": own, "containerPort": port}]
-        for probe in ("readinessProbe", "startupProbe"):
-            sidecar[probe] = {**sidecar[probe], "httpGet": {**sidecar[probe]["httpGet"],
-                                                            "port": own}}  # fmt: skip
+        sidecar.pop("startupProbe", None)
+        probe = sidecar["readinessProbe"]
+        sidecar["readinessProbe"] = {**probe, "httpGet": {**probe["httpGet"], "port": own}}
         if not any(m["mountPath"] == SHM_MOUNT for m in sidecar["volumeMounts"]):
             sidecar["volumeMounts"].append({"name": SHM_VOLUME, "mountPath": SHM_MOUNT})
         init_containers.append(sidecar)

@@ -1136,8 +1136,10 @@ def test_colocated_replicas_are_native_sidecars_sharing_the_trainers_dev_shm(
         command = sidecar["command"]
         assert command[command.index("--port") + 1] == str(port)
         assert command[command.index("--host") + 1] == "0.0.0.0"  # the kubelet probes the pod IP
-        for probe in ("readinessProbe", "startupProbe"):
-            assert sidecar[probe]["httpGet"]["port"] == sidecar["ports"][0]["name"]
+        assert sidecar["readinessProbe"]["httpGet"]["port"] == sidecar["ports"][0]["name"]
+        # No startup probe: the kubelet would start each sidecar only after the previous
+        # one passed its own, loading the servers' models one after another.
+        assert "startupProbe" not in sidecar
         assert {"name": "dshm", "mountPath": "/dev/shm"} in sidecar["volumeMounts"]
     # The regular init step (vLLM's fetch-model) runs once, before the first server.
     steps = [c["name"] for c in spec["initContainers"]]
@@ -1185,9 +1187,10 @@ def test_colocated_replicas_are_native_sidecars_sharing_the_trainers_dev_shm(
 
 
 def test_each_sidecar_is_the_pools_own_server_but_for_where_it_listens() -> None:
-    """The sidecar is the pool Deployment's server container (image, env, probes, resources,
-    securityContext): only its name, port, listen address, restart policy, volume names and
-    weight source differ, so the two cannot drift apart."""
+    """The sidecar is the pool Deployment's server container (image, env, readiness probe,
+    resources, securityContext): only its name, port, listen address, restart policy, volume
+    names, weight source and the startup probe it does without differ, so the two cannot
+    drift apart."""
     pool = make_pool(engine="vllm", resources={"gpus": 1}, weightUpdate={"sourceUri": "s3://b/w"})
     pod = run_builders.build_trainer_pod(colocated_run(2), CONFIG, 0, 0, colocated_pool=pool)
     (server,) = b.build_rollout_deployment(pool, CONFIG)["spec"]["template"]["spec"]["containers"]
@@ -1200,8 +1203,8 @@ def test_each_sidecar_is_the_pools_own_server_but_for_where_it_listens() -> None
         left["env"] = [e for e in container["env"]
                        if e["name"] not in (env_names.WEIGHTS_URI, env_names.WEIGHTS_POLL_SECONDS)]  # fmt: skip
         left["mounts"] = sorted(m["mountPath"] for m in container["volumeMounts"])
-        left["probes"] = [{**container[p], "httpGet": {**container[p]["httpGet"], "port": 0}}
-                          for p in ("readinessProbe", "startupProbe")]  # fmt: skip
+        probe = container["readinessProbe"]
+        left["probe"] = {**probe, "httpGet": {**probe["httpGet"], "port": 0}}
         return left
 
     assert comparable(sidecar) == comparable(server)

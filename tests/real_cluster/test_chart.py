@@ -496,8 +496,8 @@ def test_colocated_replicas_run_as_sidecars_of_the_trainer_and_take_weights_thro
     installed: str, node_kubectl: Kubectl
 ) -> None:
     """rollout.colocated on the real kubelet: the trainer pod runs two cpu-engine replicas
-    of a pool with replicas 0 as native sidecars (started, and through their startup probes
-    ready, before the trainer), the trainer samples from them on 127.0.0.1 and publishes
+    of a pool with replicas 0 as native sidecars (started before the trainer, all at once:
+    no startup probes; the trainer waits for their /health), the trainer samples from them on 127.0.0.1 and publishes
     every version as one file in the pod's shared /dev/shm, which each replica loads in
     place; the run succeeds and the pool's own Deployment stays at 0. On this 2-CPU node:
     100m operator + 1 trainer + 2 x 400m replicas."""
