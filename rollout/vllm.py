@@ -465,11 +465,7 @@ class VllmFrontDoor:
                         with timed(phases, "reload"):
                             reply = await self._rpc("reload_weights_from_path", [str(path)])
                         phases["reload_in_worker"] = worker_seconds(reply)
-                        with timed(phases, "flip"):
-                            reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
-                            reset.raise_for_status()
-                            self.version = version
-                            self.refused.pop(version, None)
+                        await self._flip(version, phases)
                     finally:
                         await self.lock.release_write()
                 except BaseException:
@@ -479,6 +475,15 @@ class VllmFrontDoor:
                 with timed(phases, "hold"):
                     await asyncio.to_thread(self._hold, uri, version, path, temporary)
         return self._loaded(uri, version, started, phases)
+
+    async def _flip(self, version: int, phases: dict[str, float]) -> None:
+        """Serve ``version`` (vLLM holds it): reset the prefix cache, whose entries were
+        computed with the previous weights, then switch the version completions report."""
+        with timed(phases, "flip"):
+            reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
+            reset.raise_for_status()
+            self.version = version
+            self.refused.pop(version, None)
 
     def _loaded(self, uri: str, version: int, started: float, phases: dict[str, float]) -> float:
         """Record a finished load: its phases, metrics and log line; its seconds."""
@@ -565,11 +570,7 @@ class VllmFrontDoor:
                     log.warning("streaming weights v%d failed; vLLM reloaded v%d from %s",
                                 version, self.version, rollback)  # fmt: skip
                     raise _stream_error(str(result.get("kind")), str(result["error"]))
-                with timed(phases, "flip"):
-                    reset = await self.http.post(f"{self.upstream}/reset_prefix_cache")
-                    reset.raise_for_status()
-                    self.version = version
-                    self.refused.pop(version, None)
+                await self._flip(version, phases)
             finally:
                 await self.lock.release_write()
         except BaseException:
