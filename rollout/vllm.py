@@ -540,14 +540,9 @@ class VllmFrontDoor:
         with weights nobody published: it exits (``self.exit``) and restarts through pull on
         join rather than serve them.
         """
-        import tempfile
-
         from posttrain.rollout import weights
 
-        if self.held_root is None:
-            self.held_root = weights.held_root(Path(self.scratch_dir))
-        hold_dir = Path(tempfile.mkdtemp(prefix=f"held-{weights.version_dir_name(version)}-",
-                                         dir=self.held_root))  # fmt: skip
+        hold_dir = weights.new_held_dir(version, self._held_root())
         try:
             with timed(phases, "drain"):
                 await self.lock.acquire_write()
@@ -577,9 +572,7 @@ class VllmFrontDoor:
             shutil.rmtree(hold_dir, ignore_errors=True)
             raise
         with timed(phases, "hold"):
-            previous, self.held = self.held, weights.HeldWeights(version, hold_dir)
-            if previous is not None and previous.directory != hold_dir:
-                await asyncio.to_thread(shutil.rmtree, previous.directory, True)
+            await asyncio.to_thread(self._swap_held, weights.HeldWeights(version, hold_dir))
 
     async def transfer(self, request: WeightTransferRequest) -> dict[str, Any]:
         """One step of a direct transfer session through vLLM's weight-transfer API.
@@ -724,13 +717,12 @@ class VllmFrontDoor:
                       self.version, exc)  # fmt: skip
         await self._end_session(session)
         if restored:
-            how = (
-                "(no bucket had been loaded)"
-                if not session.attempted
-                else "from its held copy"
-                if self.version
-                else "from the model it started from"
-            )
+            if not session.attempted:
+                how = "(no bucket had been loaded)"
+            elif self.version:
+                how = "from its held copy"
+            else:
+                how = "from the model it started from"
             log.info("restored weights v%d %s", self.version, how)
             return
         # The model holds a mix of two versions: never serve it. Exit so the pod restarts
@@ -755,10 +747,20 @@ class VllmFrontDoor:
 
         if not temporary and weights.version_metadata(uri, version) is None:
             return  # not a registry version: no delta will name it
+        self._swap_held(weights.hold(version, path, temporary, self._held_root()))
+
+    def _held_root(self) -> Path:
+        """This process's directory for held copies (created on first use)."""
+        from posttrain.rollout import weights
+
         if self.held_root is None:
             self.held_root = weights.held_root(Path(self.scratch_dir))
-        previous, self.held = self.held, weights.hold(version, path, temporary, self.held_root)
-        if previous is not None and previous.directory != self.held.directory:
+        return self.held_root
+
+    def _swap_held(self, held: Any) -> None:
+        """Make ``held`` (a ``HeldWeights``) the copy kept, removing the one it replaces."""
+        previous, self.held = self.held, held
+        if previous is not None and previous.directory != held.directory:
             shutil.rmtree(previous.directory, ignore_errors=True)
 
     async def load_latest(self) -> None:

@@ -374,13 +374,18 @@ def hold(version: int, path: Path, temporary: bool, root: Path | None) -> HeldWe
         moved = root / path.name
         shutil.move(path, moved)
         return HeldWeights(version, moved)
-    copy = Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=root))
+    copy = new_held_dir(version, root)
     for file in path.glob("*.safetensors"):
         try:
             os.link(file, copy / file.name)
         except OSError:  # another filesystem, or links not supported
             shutil.copyfile(file, copy / file.name)
     return HeldWeights(version, copy)
+
+
+def new_held_dir(version: int, root: Path | None) -> Path:
+    """A fresh, empty directory under ``root`` for a held copy of ``version``."""
+    return Path(tempfile.mkdtemp(prefix=f"held-{version_dir_name(version)}-", dir=root))
 
 
 HELD_PREFIX = "posttrain-held-"

@@ -205,7 +205,7 @@ class WeightPublisher:
         self.transfer_bucket_bytes = transfer_bucket_bytes if shared else None
         self._stream: Any = None  # rollout.weight_transfer.BucketStream, kept between publishes
         self.dtype = dtype
-        self.stream = stream
+        self.stream_registry_loads = stream
         self.last_bytes = 0  # bytes written by the last publish (all transports)
         self.deltas = deltas
         self.last_kind = ""  # "full" | "delta": how the last registry version was published
@@ -434,7 +434,8 @@ class WeightPublisher:
         self.durable_versions.append(version)
         if load:
             with self._phase("load"):
-                options = {} if self.stream is None else {"stream": self.stream}
+                stream = self.stream_registry_loads
+                options = {} if stream is None else {"stream": stream}
                 self.client.load_weights(self.registry_uri, version, **options)
 
     def _write_delta(self, local: Path, version: int) -> tuple[Path, dict[str, Any]] | None:
